@@ -1,0 +1,18 @@
+"""megatron-autohet: heterogeneous, preemptible GPT training on megatron-core.
+
+Package layout follows the data flow (see README.md):
+
+    spec/        GPU catalog, cluster and model descriptions (YAML -> dataclasses, validated)
+    profiling/   per-layer costs: measured on the local device, or estimated from the catalog
+    cost_model   iteration time and memory of a plan (pure functions)
+    planner/     SCIP plan search and the baselines it is compared with
+    plan         the plan dataclass and its YAML file: the contract with the runtime
+    runtime/     parallel_state from a plan, stage model, hetero P2P, schedules, grad sync
+    checkpoint/  layout-independent checkpoints, local + S3, recovery
+    megatron/    glue for Megatron-LM's pretrain_gpt.py
+    cli/         the `autohet` command
+
+Nothing in spec/, cost_model, planner/ or plan imports torch or megatron.
+"""
+
+__version__ = "0.1.0"

@@ -1,0 +1,21 @@
+"""The one error type for bad user input.
+
+Every message names the file, the field and what is allowed, so a user can fix the input without
+reading a traceback. The CLI prints ``str(err)`` and exits with status 2.
+"""
+
+from __future__ import annotations
+
+
+class ConfigError(ValueError):
+    """Bad input in a YAML/JSON file (or a CLI value standing in for one)."""
+
+    def __init__(self, file: str | None, field: str, problem: str, allowed: str | None = None):
+        self.file = str(file) if file is not None else "<input>"
+        self.field = field
+        self.problem = problem
+        self.allowed = allowed
+        message = f"{self.file}: field '{field}': {problem}"
+        if allowed:
+            message += f" (allowed: {allowed})"
+        super().__init__(message)

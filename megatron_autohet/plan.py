@@ -1,0 +1,293 @@
+"""The plan: the contract between the planner and the runtime.
+
+A plan says, for a given cluster and model, which global ranks form each stage's tensor-parallel
+group, how stages chain into pipelines (data-parallel replicas of possibly different shapes), which
+layers each stage holds and how many micro-batches each pipeline processes per iteration.
+
+File form (``plan.yaml``)::
+
+    format_version: 1
+    cluster: a100-h800-h20
+    model: {name: gpt3-1.3b, num_layers: 24, hidden_size: 2048, ...}   # full ModelSpec
+    micro_batch_size: 1
+    global_batch_size: 64          # = micro_batch_size * sum(num_microbatches)
+    seq_length: 2048
+    activation_recompute: false
+    ranks:                         # index i describes global rank i
+      - {rank: 0, node: a100, local_rank: 0, gpu: A100-80GB}
+    pipelines:
+      - num_microbatches: 40
+        stages:
+          - ranks: [0, 1]          # TP group, in TP-rank order
+            layers: [0, 12]        # global layer indices, half-open [start, end)
+            warmup_microbatches: 3 # optional: 1F1B warm-up depth (default num_stages - index - 1)
+            predicted_time_s: 0.021      # optional: forward+backward of one micro-batch
+            predicted_memory_gib: 31.2   # optional: peak memory of one GPU of the stage
+    predicted: {iteration_time_s: 1.93, tokens_per_s: 67900}   # optional
+
+The first stage of each pipeline also holds the embedding, the last one the output layer and loss.
+Loading validates everything; a bad plan is a :class:`ConfigError` naming the field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import yaml
+
+from megatron_autohet.errors import ConfigError
+from megatron_autohet.spec._yaml import check_keys, get_field, read_yaml_mapping
+from megatron_autohet.spec.model import ModelSpec, model_from_dict
+
+FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    rank: int
+    node: str
+    local_rank: int
+    gpu: str
+
+
+@dataclass
+class Stage:
+    ranks: list[int]
+    layers: tuple[int, int]                  # [start, end)
+    warmup_microbatches: int | None = None
+    predicted_time_s: float | None = None
+    predicted_memory_gib: float | None = None
+
+    @property
+    def tp(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def num_layers(self) -> int:
+        return self.layers[1] - self.layers[0]
+
+
+@dataclass
+class Pipeline:
+    stages: list[Stage]
+    num_microbatches: int
+
+    @property
+    def ranks(self) -> list[int]:
+        return [r for s in self.stages for r in s.ranks]
+
+
+@dataclass
+class Plan:
+    cluster: str
+    model: ModelSpec
+    micro_batch_size: int
+    global_batch_size: int
+    seq_length: int
+    ranks: list[RankInfo]
+    pipelines: list[Pipeline]
+    activation_recompute: bool = False
+    predicted: dict = field(default_factory=dict)
+
+    @property
+    def world_size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def num_microbatches_total(self) -> int:
+        return sum(p.num_microbatches for p in self.pipelines)
+
+    def locate(self, rank: int) -> tuple[int, int, int]:
+        """(pipeline index, stage index, TP rank) of a global rank."""
+        for p, pipe in enumerate(self.pipelines):
+            for s, stage in enumerate(pipe.stages):
+                if rank in stage.ranks:
+                    return p, s, stage.ranks.index(rank)
+        raise KeyError(f"rank {rank} has no role in this plan")
+
+    def validate(self, file: str | Path = "<plan>") -> "Plan":
+        validate_plan(self, file)
+        return self
+
+    # ---- files -------------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        def stage_dict(s: Stage) -> dict:
+            d = {"ranks": list(s.ranks), "layers": [s.layers[0], s.layers[1]]}
+            for key in ("warmup_microbatches", "predicted_time_s", "predicted_memory_gib"):
+                if getattr(s, key) is not None:
+                    d[key] = getattr(s, key)
+            return d
+
+        return {
+            "format_version": FORMAT_VERSION,
+            "cluster": self.cluster,
+            "model": self.model.to_dict(),
+            "micro_batch_size": self.micro_batch_size,
+            "global_batch_size": self.global_batch_size,
+            "seq_length": self.seq_length,
+            "activation_recompute": self.activation_recompute,
+            "ranks": [asdict(r) for r in self.ranks],
+            "pipelines": [{"num_microbatches": p.num_microbatches,
+                           "stages": [stage_dict(s) for s in p.stages]} for p in self.pipelines],
+            "predicted": dict(self.predicted),
+        }
+
+    def save(self, path: str | Path) -> None:
+        path = Path(path)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=None))
+        tmp.replace(path)
+
+
+def load_plan(path: str | Path) -> Plan:
+    path = Path(path)
+    return plan_from_dict(read_yaml_mapping(path), path)
+
+
+_PLAN_FIELDS = {"format_version", "cluster", "model", "micro_batch_size", "global_batch_size",
+                "seq_length", "activation_recompute", "ranks", "pipelines", "predicted"}
+_STAGE_FIELDS = {"ranks", "layers", "warmup_microbatches", "predicted_time_s",
+                 "predicted_memory_gib"}
+
+
+def plan_from_dict(data: dict, file: str | Path = "<plan>") -> Plan:
+    check_keys(data, _PLAN_FIELDS, file, "")
+    version = get_field(data, "format_version", int, file, default=FORMAT_VERSION)
+    if version != FORMAT_VERSION:
+        raise ConfigError(file, "format_version", f"got {version}", str(FORMAT_VERSION))
+    model_raw = get_field(data, "model", dict, file)
+    try:
+        model = model_from_dict(model_raw, file)
+    except ConfigError as exc:
+        raise ConfigError(file, f"model.{exc.field}", exc.problem, exc.allowed) from None
+    ranks = []
+    for i, raw in enumerate(get_field(data, "ranks", list, file)):
+        where = f"ranks[{i}]"
+        if not isinstance(raw, dict):
+            raise ConfigError(file, where, f"expected a mapping, got {raw!r}")
+        check_keys(raw, {"rank", "node", "local_rank", "gpu"}, file, where)
+        ranks.append(RankInfo(rank=get_field(raw, "rank", int, file, where, min_value=0),
+                              node=get_field(raw, "node", str, file, where),
+                              local_rank=get_field(raw, "local_rank", int, file, where, min_value=0),
+                              gpu=get_field(raw, "gpu", str, file, where)))
+    pipelines = []
+    for p, raw in enumerate(get_field(data, "pipelines", list, file)):
+        where = f"pipelines[{p}]"
+        if not isinstance(raw, dict):
+            raise ConfigError(file, where, f"expected a mapping, got {raw!r}")
+        check_keys(raw, {"num_microbatches", "stages"}, file, where)
+        stages = []
+        for s, sraw in enumerate(get_field(raw, "stages", list, file, where)):
+            swhere = f"{where}.stages[{s}]"
+            if not isinstance(sraw, dict):
+                raise ConfigError(file, swhere, f"expected a mapping, got {sraw!r}")
+            check_keys(sraw, _STAGE_FIELDS, file, swhere)
+            stage_ranks = get_field(sraw, "ranks", list, file, swhere)
+            if not stage_ranks or not all(isinstance(r, int) and not isinstance(r, bool)
+                                          for r in stage_ranks):
+                raise ConfigError(file, f"{swhere}.ranks", f"got {stage_ranks!r}",
+                                  "a non-empty list of global ranks")
+            layers = get_field(sraw, "layers", list, file, swhere)
+            if len(layers) != 2 or not all(isinstance(x, int) for x in layers):
+                raise ConfigError(file, f"{swhere}.layers", f"got {layers!r}",
+                                  "[start, end): two integers, end exclusive")
+            stages.append(Stage(
+                ranks=list(stage_ranks), layers=(layers[0], layers[1]),
+                warmup_microbatches=get_field(sraw, "warmup_microbatches", int, file, swhere,
+                                              default=None, min_value=0),
+                predicted_time_s=get_field(sraw, "predicted_time_s", float, file, swhere,
+                                           default=None),
+                predicted_memory_gib=get_field(sraw, "predicted_memory_gib", float, file, swhere,
+                                               default=None)))
+        pipelines.append(Pipeline(stages=stages, num_microbatches=get_field(
+            raw, "num_microbatches", int, file, where, positive=True)))
+    plan = Plan(
+        cluster=get_field(data, "cluster", str, file),
+        model=model,
+        micro_batch_size=get_field(data, "micro_batch_size", int, file, positive=True),
+        global_batch_size=get_field(data, "global_batch_size", int, file, positive=True),
+        seq_length=get_field(data, "seq_length", int, file, positive=True),
+        ranks=ranks,
+        pipelines=pipelines,
+        activation_recompute=get_field(data, "activation_recompute", bool, file, default=False),
+        predicted=get_field(data, "predicted", dict, file, default={}),
+    )
+    return plan.validate(file)
+
+
+def validate_plan(plan: Plan, file: str | Path = "<plan>") -> None:
+    """Check every invariant the runtime relies on; raise ConfigError on the first violation."""
+    world = len(plan.ranks)
+    if world == 0:
+        raise ConfigError(file, "ranks", "empty", "one entry per global rank")
+    for i, info in enumerate(plan.ranks):
+        if info.rank != i:
+            raise ConfigError(file, f"ranks[{i}].rank", f"got {info.rank}",
+                              f"{i} (entries are listed in rank order 0..{world - 1})")
+    seen_gpu: dict[tuple[str, int], int] = {}
+    for info in plan.ranks:
+        key = (info.node, info.local_rank)
+        if key in seen_gpu:
+            raise ConfigError(file, f"ranks[{info.rank}]", f"node {info.node} GPU {info.local_rank} "
+                              f"is already rank {seen_gpu[key]}", "each physical GPU once")
+        seen_gpu[key] = info.rank
+    if not plan.pipelines:
+        raise ConfigError(file, "pipelines", "empty", "at least one pipeline")
+    model = plan.model
+    owner: dict[int, str] = {}
+    for p, pipe in enumerate(plan.pipelines):
+        where = f"pipelines[{p}]"
+        if not pipe.stages:
+            raise ConfigError(file, f"{where}.stages", "empty", "at least one stage")
+        expected_start = 0
+        for s, stage in enumerate(pipe.stages):
+            swhere = f"{where}.stages[{s}]"
+            for r in stage.ranks:
+                if not 0 <= r < world:
+                    raise ConfigError(file, f"{swhere}.ranks", f"rank {r} out of range",
+                                      f"0..{world - 1}")
+                if r in owner:
+                    raise ConfigError(file, f"{swhere}.ranks", f"rank {r} is already used by "
+                                      f"{owner[r]}", "each rank in exactly one stage")
+                owner[r] = swhere
+            nodes = {plan.ranks[r].node for r in stage.ranks}
+            if len(nodes) > 1:
+                raise ConfigError(file, f"{swhere}.ranks", f"TP group spans nodes "
+                                  f"{sorted(nodes)}", "ranks of one node")
+            gpus = {plan.ranks[r].gpu for r in stage.ranks}
+            if len(gpus) > 1:
+                raise ConfigError(file, f"{swhere}.ranks", f"TP group mixes GPU types "
+                                  f"{sorted(gpus)}", "ranks of one GPU type")
+            tp = stage.tp
+            for what, value in (("num_attention_heads", model.num_attention_heads),
+                                ("num_query_groups", model.num_query_groups),
+                                ("ffn_hidden_size", model.ffn_hidden_size)):
+                if value % tp:
+                    raise ConfigError(file, f"{swhere}.ranks", f"TP degree {tp} does not divide "
+                                      f"the model's {what} ({value})",
+                                      f"a TP degree in {model.valid_tp_degrees(64)}")
+            start, end = stage.layers
+            if start != expected_start or end <= start:
+                raise ConfigError(file, f"{swhere}.layers", f"got [{start}, {end}) after "
+                                  f"layer {expected_start}",
+                                  f"[{expected_start}, e) with e > {expected_start}: stages cover "
+                                  f"the model's layers in order")
+            if stage.warmup_microbatches is not None and stage.warmup_microbatches > pipe.num_microbatches:
+                raise ConfigError(file, f"{swhere}.warmup_microbatches",
+                                  f"{stage.warmup_microbatches} > the pipeline's "
+                                  f"{pipe.num_microbatches} micro-batches",
+                                  f"0..{pipe.num_microbatches}")
+            expected_start = end
+        if expected_start != model.num_layers:
+            raise ConfigError(file, f"{where}.stages", f"layers end at {expected_start}",
+                              f"the last stage ends at num_layers = {model.num_layers}")
+    unused = [r for r in range(world) if r not in owner]
+    if unused:
+        raise ConfigError(file, "pipelines", f"ranks {unused} have no stage",
+                          "every rank in exactly one stage")
+    total = plan.micro_batch_size * plan.num_microbatches_total
+    if total != plan.global_batch_size:
+        raise ConfigError(file, "global_batch_size", f"{plan.global_batch_size} != micro_batch_size "
+                          f"{plan.micro_batch_size} x {plan.num_microbatches_total} micro-batches",
+                          f"{total}")

@@ -1,0 +1,137 @@
+"""Profile data: what one transformer layer, the embedding and the output layer cost.
+
+An entry is keyed by (GPU type, TP degree, micro-batch size, sequence length) and holds an
+:class:`OpCost` for each of the three parts of a GPT. Every OpCost records whether it was
+measured on a real device or estimated from the GPU catalog. Profiles are plain YAML or JSON
+(chosen by file suffix) so users can keep, edit and reuse them.
+
+File form::
+
+    model: gpt3-1.3b
+    entries:
+      - {gpu: A100-80GB, tp: 2, micro_batch_size: 1, seq_length: 2048,
+         layer:     {forward_s: ..., backward_s: ..., activation_bytes: ...,
+                     activation_bytes_recompute: ..., param_count: ..., source: measured},
+         embedding: {...},
+         output:    {...}}
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import yaml
+
+from megatron_autohet.errors import ConfigError
+
+SOURCES = ("measured", "estimated")
+
+
+@dataclass(frozen=True)
+class OpCost:
+    """Cost of one micro-batch through one part of the model on one GPU of its TP group."""
+
+    forward_s: float
+    backward_s: float
+    activation_bytes: float            # kept from forward until backward (no recompute)
+    activation_bytes_recompute: float  # kept under full activation recompute (the input only)
+    param_count: int                   # parameters held by one GPU of the TP group
+    source: str = "estimated"          # "measured" or "estimated"
+
+
+@dataclass(frozen=True)
+class ProfileEntry:
+    gpu: str
+    tp: int
+    micro_batch_size: int
+    seq_length: int
+    layer: OpCost
+    embedding: OpCost
+    output: OpCost     # final norm + output projection + cross-entropy loss
+
+    @property
+    def key(self) -> tuple[str, int, int, int]:
+        return (self.gpu, self.tp, self.micro_batch_size, self.seq_length)
+
+
+@dataclass
+class Profile:
+    model: str
+    entries: dict[tuple[str, int, int, int], ProfileEntry] = field(default_factory=dict)
+
+    def add(self, entry: ProfileEntry) -> None:
+        self.entries[entry.key] = entry
+
+    def get(self, gpu: str, tp: int, micro_batch_size: int, seq_length: int) -> ProfileEntry:
+        try:
+            return self.entries[(gpu, tp, micro_batch_size, seq_length)]
+        except KeyError:
+            raise KeyError(f"profile for model {self.model!r} has no entry for gpu={gpu} tp={tp} "
+                           f"micro_batch_size={micro_batch_size} seq_length={seq_length}") from None
+
+    def has(self, gpu: str, tp: int, micro_batch_size: int, seq_length: int) -> bool:
+        return (gpu, tp, micro_batch_size, seq_length) in self.entries
+
+    def merged_over(self, base: "Profile") -> "Profile":
+        """This profile's entries, with ``base`` filling the keys this one lacks."""
+        out = Profile(self.model, dict(base.entries))
+        out.entries.update(self.entries)
+        return out
+
+    # ---- files -------------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return {"model": self.model,
+                "entries": [asdict(e) for e in sorted(self.entries.values(), key=lambda e: e.key)]}
+
+    def save(self, path: str | Path) -> None:
+        path = Path(path)
+        text = (json.dumps(self.to_dict(), indent=1) if path.suffix == ".json"
+                else yaml.safe_dump(self.to_dict(), sort_keys=False))
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(text)
+        tmp.replace(path)
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Profile":
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(path, "<file>", "file not found", "a profile written by `autohet profile`")
+        try:
+            data = json.loads(path.read_text()) if path.suffix == ".json" else yaml.safe_load(path.read_text())
+        except (json.JSONDecodeError, yaml.YAMLError) as exc:
+            raise ConfigError(path, "<file>", f"cannot parse: {exc}") from None
+        return cls.from_dict(data, path)
+
+    @classmethod
+    def from_dict(cls, data, file="<profile>") -> "Profile":
+        if not isinstance(data, dict) or not isinstance(data.get("model"), str):
+            raise ConfigError(file, "model", "missing", "the model name the profile was made for")
+        entries = data.get("entries")
+        if not isinstance(entries, list):
+            raise ConfigError(file, "entries", "missing or not a list", "a list of entries")
+        profile = cls(data["model"])
+        for i, raw in enumerate(entries):
+            where = f"entries[{i}]"
+            if not isinstance(raw, dict):
+                raise ConfigError(file, where, f"expected a mapping, got {raw!r}")
+            try:
+                parts = {}
+                for part in ("layer", "embedding", "output"):
+                    cost = dict(raw[part])
+                    if cost.get("source", "estimated") not in SOURCES:
+                        raise ConfigError(file, f"{where}.{part}.source", f"got {cost['source']!r}",
+                                          ", ".join(SOURCES))
+                    parts[part] = OpCost(**cost)
+                entry = ProfileEntry(gpu=str(raw["gpu"]), tp=int(raw["tp"]),
+                                     micro_batch_size=int(raw["micro_batch_size"]),
+                                     seq_length=int(raw["seq_length"]), **parts)
+            except KeyError as exc:
+                raise ConfigError(file, f"{where}.{exc.args[0]}", "missing") from None
+            except TypeError as exc:
+                raise ConfigError(file, where, f"bad fields: {exc}",
+                                  "forward_s, backward_s, activation_bytes, "
+                                  "activation_bytes_recompute, param_count, source") from None
+            profile.add(entry)
+        return profile

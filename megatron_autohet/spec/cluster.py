@@ -1,0 +1,140 @@
+"""A cluster: nodes, each with one GPU type and a GPU count, joined by a network.
+
+YAML form (``configs/clusters/*.yaml``)::
+
+    name: a100-h800-h20
+    inter_node_bandwidth_gbs: 25        # default NIC bandwidth per node, GB/s per direction
+    nodes:
+      - name: a100                      # with count > 1, nodes are named a100-0, a100-1, ...
+        gpu: A100-80GB                  # a key of the GPU catalog
+        gpus: 8                         # GPUs per node
+        count: 2                        # identical nodes (default 1)
+        intra_node_bandwidth_gbs: 300   # optional, default: the catalog's figure for the GPU
+        inter_node_bandwidth_gbs: 50    # optional NIC override for these nodes
+        spot_price: 1.10                # optional, USD per GPU-hour
+
+Global ranks are numbered node by node in file order, GPUs in local order inside a node; the
+plan and the launcher rely on that numbering.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from megatron_autohet.errors import ConfigError
+from megatron_autohet.spec._yaml import check_keys, get_field, read_yaml_mapping
+from megatron_autohet.spec.gpus import GPUType, load_gpu_catalog
+
+
+@dataclass(frozen=True)
+class Node:
+    name: str
+    gpu: str                          # GPU type name (catalog key)
+    num_gpus: int
+    intra_node_bandwidth_gbs: float   # GB/s per direction between two GPUs of this node
+    inter_node_bandwidth_gbs: float   # NIC, GB/s per direction
+    spot_price: float | None = None   # USD per GPU-hour
+
+
+@dataclass(frozen=True)
+class Device:
+    rank: int        # global rank
+    node: str
+    local_rank: int  # GPU index inside the node
+    gpu: str
+
+
+@dataclass(frozen=True)
+class Cluster:
+    name: str
+    nodes: tuple[Node, ...]
+    gpu_types: dict[str, GPUType]     # the catalog entries of the GPU types used here
+
+    @property
+    def world_size(self) -> int:
+        return sum(n.num_gpus for n in self.nodes)
+
+    def devices(self) -> list[Device]:
+        out, rank = [], 0
+        for node in self.nodes:
+            for local in range(node.num_gpus):
+                out.append(Device(rank, node.name, local, node.gpu))
+                rank += 1
+        return out
+
+    def node(self, name: str) -> Node:
+        for n in self.nodes:
+            if n.name == name:
+                return n
+        raise KeyError(name)
+
+    def link_bandwidth_gbs(self, node_a: str, node_b: str) -> float:
+        """Bandwidth of the link between two GPUs on these nodes (GB/s per direction)."""
+        a, b = self.node(node_a), self.node(node_b)
+        if a.name == b.name:
+            return a.intra_node_bandwidth_gbs
+        return min(a.inter_node_bandwidth_gbs, b.inter_node_bandwidth_gbs)
+
+    def counts_by_type(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for n in self.nodes:
+            counts[n.gpu] = counts.get(n.gpu, 0) + n.num_gpus
+        return counts
+
+    def subset(self, node_names: list[str], name: str | None = None) -> "Cluster":
+        """The cluster restricted to some nodes (e.g. the survivors of a preemption)."""
+        keep = set(node_names)
+        nodes = tuple(n for n in self.nodes if n.name in keep)
+        types = {n.gpu: self.gpu_types[n.gpu] for n in nodes}
+        return Cluster(name or self.name, nodes, types)
+
+
+_CLUSTER_FIELDS = {"name", "inter_node_bandwidth_gbs", "nodes", "description"}
+_NODE_FIELDS = {"name", "gpu", "gpus", "count", "intra_node_bandwidth_gbs",
+                "inter_node_bandwidth_gbs", "spot_price"}
+
+
+def load_cluster(path: str | Path, catalog: dict[str, GPUType] | None = None) -> Cluster:
+    path = Path(path)
+    data = read_yaml_mapping(path)
+    return cluster_from_dict(data, path, catalog)
+
+
+def cluster_from_dict(data: dict, file="<cluster>", catalog: dict[str, GPUType] | None = None
+                      ) -> Cluster:
+    catalog = catalog if catalog is not None else load_gpu_catalog()
+    check_keys(data, _CLUSTER_FIELDS, file, "")
+    name = get_field(data, "name", str, file)
+    default_nic = get_field(data, "inter_node_bandwidth_gbs", float, file, positive=True)
+    entries = get_field(data, "nodes", list, file)
+    if not entries:
+        raise ConfigError(file, "nodes", "empty", "a list of at least one node")
+    nodes: list[Node] = []
+    seen: set[str] = set()
+    for i, entry in enumerate(entries):
+        where = f"nodes[{i}]"
+        if not isinstance(entry, dict):
+            raise ConfigError(file, where, f"expected a mapping, got {entry!r}")
+        check_keys(entry, _NODE_FIELDS, file, where)
+        base = get_field(entry, "name", str, file, where)
+        gpu = get_field(entry, "gpu", str, file, where)
+        if gpu not in catalog:
+            raise ConfigError(file, f"{where}.gpu", f"unknown GPU type {gpu!r}",
+                              ", ".join(sorted(catalog)))
+        num_gpus = get_field(entry, "gpus", int, file, where, positive=True)
+        count = get_field(entry, "count", int, file, where, default=1, positive=True)
+        intra = get_field(entry, "intra_node_bandwidth_gbs", float, file, where,
+                          default=catalog[gpu].intra_node_bandwidth_gbs, positive=True)
+        nic = get_field(entry, "inter_node_bandwidth_gbs", float, file, where,
+                        default=default_nic, positive=True)
+        price = get_field(entry, "spot_price", float, file, where, default=None, min_value=0)
+        names = [base] if count == 1 else [f"{base}-{k}" for k in range(count)]
+        for node_name in names:
+            if node_name in seen:
+                raise ConfigError(file, f"{where}.name", f"duplicate node name {node_name!r}",
+                                  "unique node names")
+            seen.add(node_name)
+            nodes.append(Node(node_name, gpu, num_gpus, intra, nic, price))
+    types = {n.gpu: catalog[n.gpu] for n in nodes}
+    return Cluster(name, tuple(nodes), types)

@@ -1,0 +1,20 @@
+# Sourced by quickstart.sh and test.sh: create/update .venv and install the package.
+# Usage: source scripts/_venv.sh [EXTRA]   (EXTRA: e.g. "test")
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+PYTHON="${PYTHON:-python3}"
+if [ ! -x .venv/bin/python ]; then
+  "$PYTHON" -m venv .venv
+fi
+# shellcheck disable=SC1091
+. .venv/bin/activate
+python -m pip install -q --upgrade pip
+# torch first, pinned, so no dependency range ever pulls a multi-GB CUDA build on a CPU machine.
+# On a GPU machine, install your CUDA torch beforehand; a satisfied torch>=2.6 is kept.
+python -c "import torch" 2>/dev/null || python -m pip install -q "torch==2.13.0"
+if [ -n "${1:-}" ]; then
+  python -m pip install -q -e ".[$1]"
+else
+  python -m pip install -q -e .
+fi

@@ -1,0 +1,27 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron-autohet",
+    version="0.1.0",
+    description="Heterogeneous, preemptible GPT training on megatron-core: SCIP planner, "
+                "asymmetric 3D-parallel runtime, layout-independent checkpoints with S3 recovery",
+    packages=find_packages(include=["megatron_autohet", "megatron_autohet.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        # Install torch==2.13.0 (or your CUDA build) first; a loose range keeps it.
+        "torch>=2.6",
+        "megatron-core==0.16.1",
+        "pyscipopt>=5.0",
+        "boto3>=1.34",
+        "pyyaml>=6.0",
+        "numpy>=1.24",
+        "tqdm>=4.60",
+        "matplotlib>=3.7",
+    ],
+    extras_require={
+        "test": ["pytest>=8", "moto[server]>=5.0"],
+        # Apex is built from source (https://github.com/NVIDIA/apex); see README.
+        "gpu": ["transformer-engine[pytorch]>=2.0"],
+    },
+    entry_points={"console_scripts": ["autohet=megatron_autohet.cli.main:main"]},
+)
