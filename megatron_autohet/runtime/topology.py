@@ -1,0 +1,128 @@
+"""What a plan means for each rank, computed without torch.
+
+The runtime creates torch process groups from :func:`process_group_specs`, which every rank
+computes identically from the plan, so groups are created in the same order everywhere (a
+requirement of ``torch.distributed.new_group``).
+
+Data-parallel gradient sync is layer-wise (DESIGN.md section 3): pipelines cut the model at
+different layers, so there is no single DP group. A :class:`SyncGroupSpec` covers a run of
+parameters whose holders are the same TP groups in every pipeline:
+
+* symmetric (every holder has the same TP degree t): t groups, group k = the k-th TP rank of each
+  holder; each rank all-reduces its own shard, exactly as Megatron's DP all-reduce does;
+* asymmetric (holders differ in TP degree, opt-in): one group of all holder ranks; the sync
+  re-shards (see runtime/grad_sync.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_autohet.plan import Plan
+
+
+@dataclass(frozen=True)
+class StageRole:
+    pipeline: int
+    stage: int
+    num_stages: int
+    ranks: tuple[int, ...]                  # this stage's TP group, TP-rank order
+    layers: tuple[int, int]                 # [start, end) global layer indices
+    num_microbatches: int                   # of this pipeline, per iteration
+    warmup_microbatches: int                # 1F1B warm-up depth (plan's, or num_stages-stage-1)
+    prev_ranks: tuple[int, ...] | None      # TP group of the previous stage
+    next_ranks: tuple[int, ...] | None      # TP group of the next stage
+
+    @property
+    def tp_size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.num_stages - 1
+
+
+@dataclass(frozen=True)
+class RankRole:
+    rank: int
+    tp_rank: int
+    stage: StageRole
+    microbatch_offset: int   # index of this pipeline's first micro-batch in the global batch
+
+
+@dataclass(frozen=True)
+class SyncGroupSpec:
+    """Holders of some parameters: one TP group (ranks) per pipeline, in pipeline order."""
+
+    kind: str                                # "layers", "word_embeddings", "position_embeddings"
+    layers: tuple[int, int] | None           # for kind == "layers": [start, end)
+    holders: tuple[tuple[int, ...], ...]     # de-duplicated: a 1-stage pipeline holds both ends
+
+    @property
+    def symmetric(self) -> bool:
+        return len({len(h) for h in self.holders}) == 1
+
+    def groups(self) -> list[tuple[int, ...]]:
+        """The rank lists to create, in a fixed order."""
+        if self.symmetric:
+            return [tuple(h[k] for h in self.holders) for k in range(len(self.holders[0]))]
+        return [tuple(sorted(r for h in self.holders for r in h))]
+
+
+def stage_roles(plan: Plan) -> list[StageRole]:
+    roles = []
+    for p, pipe in enumerate(plan.pipelines):
+        n = len(pipe.stages)
+        for s, stage in enumerate(pipe.stages):
+            warmup = stage.warmup_microbatches
+            if warmup is None:
+                warmup = min(n - s - 1, pipe.num_microbatches)
+            roles.append(StageRole(
+                pipeline=p, stage=s, num_stages=n, ranks=tuple(stage.ranks), layers=stage.layers,
+                num_microbatches=pipe.num_microbatches, warmup_microbatches=warmup,
+                prev_ranks=tuple(pipe.stages[s - 1].ranks) if s > 0 else None,
+                next_ranks=tuple(pipe.stages[s + 1].ranks) if s < n - 1 else None))
+    return roles
+
+
+def rank_role(plan: Plan, rank: int) -> RankRole:
+    for role in stage_roles(plan):
+        if rank in role.ranks:
+            offset = sum(p.num_microbatches for p in plan.pipelines[:role.pipeline])
+            return RankRole(rank=rank, tp_rank=role.ranks.index(rank), stage=role,
+                            microbatch_offset=offset)
+    raise KeyError(f"rank {rank} has no role in this plan (world size {plan.world_size})")
+
+
+def _dedup(holders: list[tuple[int, ...]]) -> tuple[tuple[int, ...], ...]:
+    out: list[tuple[int, ...]] = []
+    for h in holders:
+        if h not in out:
+            out.append(h)
+    return tuple(out)
+
+
+def sync_group_specs(plan: Plan) -> list[SyncGroupSpec]:
+    """Layer runs with identical holders, then the embedding groups, in a fixed order."""
+    specs: list[SyncGroupSpec] = []
+    holder_of_layer = []
+    for layer in range(plan.model.num_layers):
+        holder_of_layer.append(tuple(
+            tuple(next(s.ranks for s in pipe.stages if s.layers[0] <= layer < s.layers[1]))
+            for pipe in plan.pipelines))
+    start = 0
+    for layer in range(1, plan.model.num_layers + 1):
+        if layer == plan.model.num_layers or holder_of_layer[layer] != holder_of_layer[start]:
+            specs.append(SyncGroupSpec("layers", (start, layer), holder_of_layer[start]))
+            start = layer
+    firsts = [tuple(p.stages[0].ranks) for p in plan.pipelines]
+    lasts = [tuple(p.stages[-1].ranks) for p in plan.pipelines]
+    word = firsts + lasts if plan.model.tie_embeddings else firsts
+    specs.append(SyncGroupSpec("word_embeddings", None, _dedup(word)))
+    if plan.model.position_embedding_type == "learned_absolute":
+        specs.append(SyncGroupSpec("position_embeddings", None, _dedup(firsts)))
+    return specs
