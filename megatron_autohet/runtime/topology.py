@@ -58,7 +58,7 @@ class RankRole:
 class SyncGroupSpec:
     """Holders of some parameters: one TP group (ranks) per pipeline, in pipeline order."""
 
-    kind: str                                # "layers", "word_embeddings", "position_embeddings"
+    kind: str            # "layers", "word_embeddings", "position_embeddings", "post_process"
     layers: tuple[int, int] | None           # for kind == "layers": [start, end)
     holders: tuple[tuple[int, ...], ...]     # de-duplicated: a 1-stage pipeline holds both ends
 
@@ -107,7 +107,9 @@ def _dedup(holders: list[tuple[int, ...]]) -> tuple[tuple[int, ...], ...]:
 
 
 def sync_group_specs(plan: Plan) -> list[SyncGroupSpec]:
-    """Layer runs with identical holders, then the embedding groups, in a fixed order."""
+    """Layer runs with identical holders, then the embedding and post-process groups, in a fixed
+    order. "post_process" covers what only last stages hold besides the tied word embedding: the
+    final layernorm and, when embeddings are untied, the output layer."""
     specs: list[SyncGroupSpec] = []
     holder_of_layer = []
     for layer in range(plan.model.num_layers):
@@ -125,4 +127,5 @@ def sync_group_specs(plan: Plan) -> list[SyncGroupSpec]:
     specs.append(SyncGroupSpec("word_embeddings", None, _dedup(word)))
     if plan.model.position_embedding_type == "learned_absolute":
         specs.append(SyncGroupSpec("position_embeddings", None, _dedup(firsts)))
+    specs.append(SyncGroupSpec("post_process", None, _dedup(lasts)))
     return specs
