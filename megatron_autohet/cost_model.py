@@ -1,0 +1,364 @@
+"""The cost model: per-iteration time and per-GPU peak memory of a plan, from a profile.
+
+Pure functions; the planner, the baselines, the exhaustive search and ``autohet show/compare`` all
+evaluate plans here, so every number they print comes from the same formulas.
+
+Notation for a stage s of a pipeline with S stages and m micro-batches: ``f_s`` / ``b_s`` the
+forward / backward time of one micro-batch through the stage's layers (+ the embedding on the
+first stage, + the output layer and loss on the last), with activation recompute ``b_s`` includes
+one more forward of the layers; ``t_s = f_s + b_s``.
+
+* **P2P**: each micro-batch sends its activation [s, b, h] (2 bytes/element) forward over the
+  boundary after stage s and receives the gradient of the same size back:
+  ``c_s = 2 * b*s*h*2 / bw(s, s+1)``, with ``bw`` the link between the two stages' nodes
+  (``Cluster.link_bandwidth_gbs``: NVLink/PCIe inside a node, the slower NIC across nodes);
+  ``c_{S-1} = 0``. Every TP rank of a stage sends its full copy to its peer, in parallel.
+* **Pipeline (1F1B)**: ``T_pipe = sum_s (t_s + c_s) + (m - 1) * max_s (t_s + c_s)``: the first
+  micro-batch flows through every stage and back (the fill and drain), and each further one adds
+  the slowest stage's period, its communication not overlapped (Megatron's P2P calls block).
+* **Gradient sync** is layer-wise (runtime/topology.sync_group_specs): a symmetric group of D
+  holders is a ring all-reduce of one TP shard's fp32 gradients among D GPUs,
+  ``2 (D-1)/D * bytes / bw_min`` with ``bw_min`` the slowest link among the group's GPUs; an
+  asymmetric group (holders of different TP degree, opt-in) is charged the all-reduce of the full,
+  unsharded gradients (the re-sharding moves at least that much). A GPU runs its groups one after
+  the other, groups of disjoint GPUs run concurrently: ``T_sync = max over GPUs of the sum of its
+  groups' times``.
+* **Optimizer**: Adam on fp32 master weights is memory-bound. Per parameter it reads the fp32
+  gradient (4 B), reads and writes the master weight (8 B) and both moments (16 B) and writes the
+  bf16 weight (2 B): 30 B / (memory bandwidth * MEMORY_EFFICIENCY); ``T_opt`` = max over GPUs.
+* **Iteration**: ``T_iter = max_p T_pipe(p) + T_sync + T_opt``; tokens/s = global batch * seq / T_iter.
+* **Memory** of a GPU of stage s: ``params * 18 B`` (bf16 weight 2, fp32 gradient 4, fp32 master
+  weight 4, Adam moments 8) + ``n_s`` micro-batches of activations, where 1F1B keeps
+  ``n_s = min(warm-up + 1, m)`` in flight and warm-up = S - s - 1 unless the plan sets it; with
+  recompute a micro-batch keeps only each layer's input, plus one layer's full activations while
+  that layer is recomputed; + MEMORY_RESERVED_GIB for the CUDA context, NCCL buffers and
+  allocator fragmentation. With tied embeddings a stage that is both first and last holds the
+  shared matrix once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from megatron_autohet.errors import ConfigError
+from megatron_autohet.plan import Plan
+from megatron_autohet.profiling.estimate import (ACTIVATION_DTYPE_BYTES, MEMORY_EFFICIENCY,
+                                                 padded_vocab_size, ring_allreduce_s)
+from megatron_autohet.profiling.profile import Profile, ProfileEntry
+from megatron_autohet.runtime.topology import sync_group_specs
+from megatron_autohet.spec.cluster import Cluster
+from megatron_autohet.spec.model import ModelSpec
+
+GIB = 1024 ** 3
+# bf16 weight (2) + fp32 main gradient (4) + fp32 master weight (4) + Adam exp_avg, exp_avg_sq (8).
+STATE_BYTES_PER_PARAM = 18
+# Megatron accumulates and all-reduces gradients in fp32 when training in bf16.
+GRAD_BYTES_PER_PARAM = 4
+# Adam step traffic: read grad 4, read+write master 8, read+write two moments 16, write weight 2.
+OPTIMIZER_TRAFFIC_BYTES_PER_PARAM = 30
+# CUDA context, NCCL buffers, allocator fragmentation: memory a GPU cannot give to the model.
+MEMORY_RESERVED_GIB = 1.5
+
+
+# ---- per-stage formulas (the planner calls these directly) ----------------------------------------
+
+def stage_compute_s(entry: ProfileEntry, num_layers: int, first: bool, last: bool,
+                    recompute: bool) -> tuple[float, float]:
+    """(forward, backward) time of one micro-batch through a stage; recompute re-runs the layers'
+    forward inside the backward pass."""
+    fwd = num_layers * entry.layer.forward_s
+    bwd = num_layers * (entry.layer.backward_s + (entry.layer.forward_s if recompute else 0.0))
+    if first:
+        fwd += entry.embedding.forward_s
+        bwd += entry.embedding.backward_s
+    if last:
+        fwd += entry.output.forward_s
+        bwd += entry.output.backward_s
+    return fwd, bwd
+
+
+def activation_transfer_bytes(model: ModelSpec, micro_batch_size: int, seq_length: int) -> float:
+    return micro_batch_size * seq_length * model.hidden_size * ACTIVATION_DTYPE_BYTES
+
+
+def p2p_s(model: ModelSpec, micro_batch_size: int, seq_length: int, bandwidth_gbs: float) -> float:
+    """Per micro-batch: the activation forward plus its gradient backward over one boundary."""
+    return 2 * activation_transfer_bytes(model, micro_batch_size, seq_length) / (bandwidth_gbs * 1e9)
+
+
+def stage_param_count(entry: ProfileEntry, model: ModelSpec, num_layers: int, first: bool,
+                      last: bool) -> int:
+    params = num_layers * entry.layer.param_count
+    if first:
+        params += entry.embedding.param_count
+    if last:
+        params += entry.output.param_count
+    if first and last and model.tie_embeddings:
+        params -= padded_vocab_size(model, entry.tp) * model.hidden_size // entry.tp
+    return params
+
+
+def stage_memory_bytes(entry: ProfileEntry, model: ModelSpec, num_layers: int, first: bool,
+                       last: bool, recompute: bool, in_flight: int) -> float:
+    """Peak bytes on one GPU of the stage with ``in_flight`` micro-batches' activations alive."""
+    params = stage_param_count(entry, model, num_layers, first, last)
+    if recompute:
+        per_mb = num_layers * entry.layer.activation_bytes_recompute
+        working = entry.layer.activation_bytes if num_layers else 0.0
+    else:
+        per_mb = num_layers * entry.layer.activation_bytes
+        working = 0.0
+    if first:
+        per_mb += (entry.embedding.activation_bytes_recompute if recompute
+                   else entry.embedding.activation_bytes)
+    if last:
+        per_mb += (entry.output.activation_bytes_recompute if recompute
+                   else entry.output.activation_bytes)
+    return params * STATE_BYTES_PER_PARAM + in_flight * per_mb + working + MEMORY_RESERVED_GIB * GIB
+
+
+def optimizer_step_s(param_count: float, memory_bandwidth_gbs: float) -> float:
+    return (param_count * OPTIMIZER_TRAFFIC_BYTES_PER_PARAM
+            / (memory_bandwidth_gbs * 1e9 * MEMORY_EFFICIENCY))
+
+
+def pipeline_time_s(stage_periods: list[float], num_microbatches: int) -> float:
+    """1F1B time from per-stage periods ``t_s + c_s``: sum + (m - 1) * max."""
+    return sum(stage_periods) + (num_microbatches - 1) * max(stage_periods)
+
+
+def grad_allreduce_s(param_count: float, holders: int, bandwidth_gbs: float) -> float:
+    return ring_allreduce_s(param_count * GRAD_BYTES_PER_PARAM, holders, bandwidth_gbs)
+
+
+# ---- whole-plan evaluation ------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class TimelineEvent:
+    start_s: float
+    end_s: float
+    kind: str         # "fwd" or "bwd"
+    microbatch: int
+
+
+@dataclass
+class StageCost:
+    pipeline: int
+    stage: int
+    gpu: str
+    tp: int
+    layers: tuple[int, int]
+    forward_s: float            # one micro-batch
+    backward_s: float           # one micro-batch, recompute included
+    p2p_s: float                # outgoing boundary, activation + gradient, per micro-batch
+    p2p_bandwidth_gbs: float | None
+    in_flight_microbatches: int
+    param_count: int            # per GPU
+    memory_gib: float           # peak per GPU
+    memory_limit_gib: float
+    sync_s: float               # the sum of this stage's gradient all-reduces
+    optimizer_s: float
+    timeline: list[TimelineEvent] = field(default_factory=list)
+
+    @property
+    def time_s(self) -> float:
+        return self.forward_s + self.backward_s
+
+    @property
+    def fits(self) -> bool:
+        return self.memory_gib <= self.memory_limit_gib
+
+
+@dataclass
+class PipelineCost:
+    num_microbatches: int
+    time_s: float
+    stages: list[StageCost]
+
+
+@dataclass
+class PlanCost:
+    iteration_time_s: float
+    pipeline_time_s: float      # max over pipelines
+    grad_sync_s: float
+    optimizer_s: float
+    tokens_per_s: float
+    pipelines: list[PipelineCost]
+
+    @property
+    def stages(self) -> list[StageCost]:
+        return [s for p in self.pipelines for s in p.stages]
+
+    @property
+    def fits_memory(self) -> bool:
+        return all(s.fits for s in self.stages)
+
+    @property
+    def peak_memory_gib(self) -> float:
+        return max(s.memory_gib for s in self.stages)
+
+    def predicted(self) -> dict:
+        """The ``predicted`` mapping of a plan file."""
+        return {"iteration_time_s": round(self.iteration_time_s, 6),
+                "tokens_per_s": round(self.tokens_per_s, 1),
+                "pipeline_time_s": round(self.pipeline_time_s, 6),
+                "grad_sync_s": round(self.grad_sync_s, 6),
+                "optimizer_s": round(self.optimizer_s, 6),
+                "peak_memory_gib": round(self.peak_memory_gib, 3),
+                "fits_memory": self.fits_memory}
+
+
+def _slowest_link_gbs(cluster: Cluster, ranks_nodes: list[str]) -> float:
+    nodes = sorted(set(ranks_nodes))
+    speeds = [cluster.node(n).intra_node_bandwidth_gbs for n in nodes if ranks_nodes.count(n) > 1]
+    speeds += [cluster.link_bandwidth_gbs(a, b) for i, a in enumerate(nodes) for b in nodes[i + 1:]]
+    return min(speeds) if speeds else float("inf")
+
+
+def _profile_entry(profile: Profile, gpu: str, tp: int, plan: Plan) -> ProfileEntry:
+    if not profile.has(gpu, tp, plan.micro_batch_size, plan.seq_length):
+        raise ConfigError("<profile>", "entries", f"no entry for gpu={gpu} tp={tp} micro_batch_size="
+                          f"{plan.micro_batch_size} seq_length={plan.seq_length} (model "
+                          f"{profile.model})", "a profile covering every GPU type and TP degree "
+                          "of the plan (see `autohet profile`, or the analytic estimate)")
+    return profile.get(gpu, tp, plan.micro_batch_size, plan.seq_length)
+
+
+def evaluate_plan(plan: Plan, cluster: Cluster, profile: Profile, with_timeline: bool = True
+                  ) -> PlanCost:
+    """Predicted iteration time, throughput, per-stage time and memory of a plan (see module doc)."""
+    model = plan.model
+    node_of = [r.node for r in plan.ranks]
+    pipelines: list[PipelineCost] = []
+    stage_of_rank: dict[int, StageCost] = {}
+    for p, pipe in enumerate(plan.pipelines):
+        S, m = len(pipe.stages), pipe.num_microbatches
+        stages: list[StageCost] = []
+        for s, stage in enumerate(pipe.stages):
+            gpu = plan.ranks[stage.ranks[0]].gpu
+            entry = _profile_entry(profile, gpu, stage.tp, plan)
+            first, last = s == 0, s == S - 1
+            fwd, bwd = stage_compute_s(entry, stage.num_layers, first, last,
+                                       plan.activation_recompute)
+            bw = None
+            comm = 0.0
+            if not last:
+                bw = cluster.link_bandwidth_gbs(node_of[stage.ranks[0]],
+                                                node_of[pipe.stages[s + 1].ranks[0]])
+                comm = p2p_s(model, plan.micro_batch_size, plan.seq_length, bw)
+            warmup = stage.warmup_microbatches if stage.warmup_microbatches is not None else S - s - 1
+            in_flight = min(warmup + 1, m)
+            params = stage_param_count(entry, model, stage.num_layers, first, last)
+            memory = stage_memory_bytes(entry, model, stage.num_layers, first, last,
+                                        plan.activation_recompute, in_flight)
+            gpu_type = cluster.gpu_types[gpu]
+            cost = StageCost(p, s, gpu, stage.tp, stage.layers, fwd, bwd, comm, bw, in_flight,
+                             params, memory / GIB, gpu_type.memory_gib, 0.0,
+                             optimizer_step_s(params, gpu_type.memory_bandwidth_gbs))
+            stages.append(cost)
+            for r in stage.ranks:
+                stage_of_rank[r] = cost
+        time = pipeline_time_s([c.time_s + c.p2p_s for c in stages], m)
+        if with_timeline:
+            simulate_1f1b(stages, m, [st.warmup_microbatches for st in pipe.stages])
+        pipelines.append(PipelineCost(m, time, stages))
+
+    # Layer-wise gradient sync: charge each group's all-reduce to every stage holding it.
+    for spec in sync_group_specs(plan):
+        for group in spec.groups():
+            if len(group) < 2:
+                continue
+            holder_stage = stage_of_rank[group[0]]
+            if spec.kind == "layers":
+                entry = _profile_entry(profile, holder_stage.gpu, holder_stage.tp, plan)
+                n_layers = spec.layers[1] - spec.layers[0]
+                shard = n_layers * entry.layer.param_count
+                params = shard if spec.symmetric else shard * holder_stage.tp
+            elif spec.kind == "word_embeddings":
+                vocab = padded_vocab_size(model, holder_stage.tp) * model.hidden_size
+                params = vocab // holder_stage.tp if spec.symmetric else vocab
+            else:  # position embeddings are replicated on every TP rank
+                params = plan.seq_length * model.hidden_size
+            holders = len(spec.holders)
+            bw = _slowest_link_gbs(cluster, [node_of[r] for r in group])
+            t = grad_allreduce_s(params, holders, bw)
+            for stage in {id(stage_of_rank[r]): stage_of_rank[r] for r in group}.values():
+                stage.sync_s += t
+
+    pipeline_time = max(p.time_s for p in pipelines)
+    all_stages = [s for p in pipelines for s in p.stages]
+    sync = max(s.sync_s for s in all_stages)
+    opt = max(s.optimizer_s for s in all_stages)
+    iteration = pipeline_time + sync + opt
+    tokens = plan.global_batch_size * plan.seq_length / iteration
+    return PlanCost(iteration, pipeline_time, sync, opt, tokens, pipelines)
+
+
+def simulate_1f1b(stages: list[StageCost], num_microbatches: int,
+                  warmups: list[int | None] | None = None) -> None:
+    """Fill ``stage.timeline`` with the event-level 1F1B schedule (for figures).
+
+    Each stage runs its warm-up forwards, then alternates one forward / one backward, then drains
+    its backwards; an op starts when the stage is free and its input has arrived (the previous
+    stage's forward plus one transfer, or the next stage's backward plus one transfer). This is
+    for drawing; the iteration time is the closed form :func:`pipeline_time_s` the planner
+    optimises, which charges every transfer as blocking and so bounds this schedule's makespan
+    from above in the cases the tests check.
+    """
+    S, m = len(stages), num_microbatches
+    orders: list[list[tuple[str, int]]] = []
+    for s in range(S):
+        w = warmups[s] if warmups and warmups[s] is not None else S - s - 1
+        w = min(w, m)
+        order = [("fwd", i) for i in range(w)]
+        for i in range(m - w):
+            order += [("fwd", w + i), ("bwd", i)]
+        order += [("bwd", i) for i in range(m - w, m)]
+        orders.append(order)
+    done: dict[tuple[int, str, int], float] = {}
+    free = [0.0] * S
+    nxt = [0] * S
+    for st in stages:
+        st.timeline = []
+    remaining = sum(len(o) for o in orders)
+    while remaining:
+        progressed = False
+        for s in range(S):
+            while nxt[s] < len(orders[s]):
+                kind, i = orders[s][nxt[s]]
+                if kind == "fwd":
+                    dep = 0.0 if s == 0 else done.get((s - 1, "fwd", i))
+                    if dep is not None and s > 0:
+                        dep += stages[s - 1].p2p_s / 2
+                    duration = stages[s].forward_s
+                else:
+                    if s == S - 1:
+                        dep = done.get((s, "fwd", i))
+                    else:
+                        dep = done.get((s + 1, "bwd", i))
+                        if dep is not None:
+                            dep += stages[s].p2p_s / 2
+                    duration = stages[s].backward_s
+                if dep is None:
+                    break
+                start = max(free[s], dep)
+                end = start + duration
+                free[s] = end
+                done[(s, kind, i)] = end
+                stages[s].timeline.append(TimelineEvent(start, end, kind, i))
+                nxt[s] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:  # cannot happen for a valid warm-up; guard against a silent hang
+            raise ConfigError("<plan>", "warmup_microbatches", "the 1F1B order deadlocks",
+                              "warm-up depths that let every stage make progress")
+
+
+def annotate_plan(plan: Plan, cost: PlanCost) -> Plan:
+    """Write the predictions into the plan (per-stage time and memory, plan-level figures)."""
+    for pipe, pcost in zip(plan.pipelines, cost.pipelines):
+        for stage, scost in zip(pipe.stages, pcost.stages):
+            stage.predicted_time_s = round(scost.time_s, 6)
+            stage.predicted_memory_gib = round(scost.memory_gib, 3)
+    plan.predicted = cost.predicted()
+    return plan

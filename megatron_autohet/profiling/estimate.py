@@ -1,0 +1,190 @@
+"""Analytic profile estimates: what a layer costs on a GPU type we cannot measure here.
+
+For every (GPU type, TP degree) the estimate counts the FLOPs and the memory traffic of one
+micro-batch through a transformer layer, the embedding and the output layer, and turns them into
+time with the GPU catalog's datasheet rates scaled by efficiency factors::
+
+    time = max(flops / (peak_flops * MATMUL_EFFICIENCY), bytes / (mem_bw * MEMORY_EFFICIENCY))
+           + TP all-reduce time
+
+Symbols: b micro-batch size, s sequence length, h hidden size, a attention heads, g query groups
+(GQA; g = a without it), f FFN hidden size, V vocabulary (padded as Megatron pads it), t TP degree.
+
+* FLOPs of one layer's forward (a matmul of m x k by k x n is 2mkn FLOPs)::
+
+      QKV projection     2 b s h (h + 2 h g / a)
+      scores, context    2 * 2 b s^2 h                 (QK^T and attention x V)
+      output projection  2 b s h^2
+      MLP                2 b s h f * (3 if gated linear unit else 2)
+
+  all divided by t (Megatron TP splits every matmul). Backward = 2 x forward (gradients of the
+  input and of the weights are one matmul each).
+* Megatron TP (no sequence parallelism) all-reduces the layer's activations (b s h, 2 bytes)
+  twice in forward (after attention and after the MLP) and twice in backward; a ring all-reduce
+  moves 2 (t - 1) / t of the bytes over the intra-node link.
+* Activation memory per layer and micro-batch follows Korthikanti et al. ("Reducing Activation
+  Recomputation in Large Transformer Models", 2022), whose GPT layer keeps
+  ``s b h (10 + 24 / t + 5 a s / (h t))`` bytes with TP and no sequence parallelism. We derive the
+  same terms for general f, GQA and gated MLPs (see :func:`layer_activation_bytes`); with
+  FlashAttention the ``a s^2`` score terms are replaced by the softmax statistics (fp32 per row).
+  Under full activation recompute only the layer input (2 s b h bytes) stays alive.
+* Parameters are counted per TP shard: weight matrices are divided by t, biases of row-parallel
+  layers and norms are replicated.
+
+Every OpCost made here has ``source="estimated"``; measured profiles replace these entries via
+:meth:`Profile.merged_over`.
+"""
+
+from __future__ import annotations
+
+import math
+
+from megatron_autohet.profiling.profile import OpCost, Profile, ProfileEntry
+from megatron_autohet.spec.cluster import Cluster
+from megatron_autohet.spec.gpus import GPUType
+from megatron_autohet.spec.model import ModelSpec
+
+# Fraction of the datasheet tensor-core peak a transformer layer's matmuls reach in Megatron.
+# Well-tuned Megatron runs report 40-55% model FLOPs utilisation on A100/H100; the layer alone
+# (no pipeline bubble, no communication) sits near the top of that range.
+MATMUL_EFFICIENCY = 0.55
+# Fraction of the datasheet memory bandwidth element-wise kernels (norms, softmax, GeLU, dropout,
+# embedding gathers, the cross-entropy) sustain; STREAM-like kernels reach 80-90%.
+MEMORY_EFFICIENCY = 0.8
+# Fraction of the link bandwidth NCCL ring all-reduces sustain for the message sizes a layer
+# produces (a few MB to a few hundred MB).
+LINK_EFFICIENCY = 0.8
+# Bytes of one activation element: layers run in bf16 (fp16 on GPUs without bf16).
+ACTIVATION_DTYPE_BYTES = 2
+# Megatron pads the vocabulary to a multiple of this times the TP degree.
+VOCAB_PAD_MULTIPLE = 128
+
+
+def padded_vocab_size(model: ModelSpec, tp: int) -> int:
+    multiple = VOCAB_PAD_MULTIPLE * tp
+    return int(math.ceil(model.vocab_size / multiple) * multiple)
+
+
+def ring_allreduce_s(num_bytes: float, ranks: int, bandwidth_gbs: float) -> float:
+    """Time of a ring all-reduce of ``num_bytes`` among ``ranks`` GPUs over a link of this speed."""
+    if ranks <= 1:
+        return 0.0
+    return 2.0 * (ranks - 1) / ranks * num_bytes / (bandwidth_gbs * 1e9 * LINK_EFFICIENCY)
+
+
+def layer_forward_flops(model: ModelSpec, tp: int, micro_batch_size: int, seq_length: int) -> float:
+    b, s, h, f = micro_batch_size, seq_length, model.hidden_size, model.ffn_hidden_size
+    kv = 2 * h * model.num_query_groups / model.num_attention_heads
+    qkv = 2 * b * s * h * (h + kv)
+    attention = 2 * 2 * b * s * s * h
+    projection = 2 * b * s * h * h
+    mlp = 2 * b * s * h * f * (3 if model.gated_linear_unit else 2)
+    return (qkv + attention + projection + mlp) / tp
+
+
+def layer_param_count(model: ModelSpec, tp: int) -> int:
+    """Parameters of one layer held by one GPU of a TP group of degree ``tp``."""
+    h, f = model.hidden_size, model.ffn_hidden_size
+    kv = 2 * h * model.num_query_groups // model.num_attention_heads
+    fc1_out = f * (2 if model.gated_linear_unit else 1)
+    split = h * (h + kv) + (h + kv) + h * h + h * fc1_out + fc1_out + f * h   # column/row parallel
+    replicated = h + h + 2 * 2 * h       # row-parallel biases (proj, fc2), two norms (weight, bias)
+    return split // tp + replicated
+
+
+def layer_activation_bytes(model: ModelSpec, tp: int, micro_batch_size: int, seq_length: int,
+                           flash_attention: bool) -> float:
+    """Bytes one layer keeps from forward to backward for one micro-batch (bf16, dropout masks 1B).
+
+    Korthikanti et al.'s terms, generalised (sbh = s*b*h):
+
+    * not split by TP (each GPU holds the full tensor): two norm inputs (4 sbh), the QKV input
+      (2 sbh), the MLP input (2 sbh), two dropout masks after the row-parallel layers (2 sbh);
+    * split by TP: Q (2 sbh), K and V (2 * 2 sbh g/a), the projection input (2 sbh), the MLP's
+      activation-function input and output (2 * 2 s b f, three f-wide tensors when gated);
+    * attention scores (split by TP): softmax output (2 a s^2 b), dropout mask (a s^2 b), dropout
+      output (2 a s^2 b); FlashAttention keeps only fp32 log-sum-exp statistics (4 a s b).
+
+    With f = 4h, g = a and no flash this is s b h (10 + 24/t + 5 a s / (h t)), the paper's formula.
+    """
+    b, s, h, f, a = micro_batch_size, seq_length, model.hidden_size, model.ffn_hidden_size, \
+        model.num_attention_heads
+    sbh = s * b * h
+    kv_ratio = model.num_query_groups / a
+    replicated = 10 * sbh
+    split = (2 + 4 * kv_ratio + 2) * sbh + (6 if model.gated_linear_unit else 4) * s * b * f
+    scores = 4 * a * s * b if flash_attention else 5 * a * s * s * b
+    return replicated + (split + scores) / tp
+
+
+def _timed(flops: float, traffic_bytes: float, gpu: GPUType) -> float:
+    compute = flops / (gpu.dense_tflops * 1e12 * MATMUL_EFFICIENCY)
+    memory = traffic_bytes / (gpu.memory_bandwidth_gbs * 1e9 * MEMORY_EFFICIENCY)
+    return max(compute, memory)
+
+
+def estimate_entry(model: ModelSpec, gpu: GPUType, tp: int, micro_batch_size: int,
+                   seq_length: int, intra_node_bandwidth_gbs: float,
+                   flash_attention: bool = True) -> ProfileEntry:
+    """Estimated costs of one micro-batch on one GPU of a TP group of ``tp`` GPUs of type ``gpu``."""
+    b, s, h = micro_batch_size, seq_length, model.hidden_size
+    act_elem_bytes = ACTIVATION_DTYPE_BYTES
+    hidden_bytes = b * s * h * act_elem_bytes              # one [s, b, h] activation tensor
+    tp_allreduce = ring_allreduce_s(hidden_bytes, tp, intra_node_bandwidth_gbs)
+
+    # Transformer layer. Memory traffic: read the weight shard once per pass, write and read back
+    # every stored activation (forward writes them, backward reads them and writes gradients).
+    params = layer_param_count(model, tp)
+    activations = layer_activation_bytes(model, tp, b, s, flash_attention)
+    flops = layer_forward_flops(model, tp, b, s)
+    fwd_traffic = params * act_elem_bytes + 2 * activations
+    layer = OpCost(
+        forward_s=_timed(flops, fwd_traffic, gpu) + 2 * tp_allreduce,
+        backward_s=_timed(2 * flops, 2 * fwd_traffic, gpu) + 2 * tp_allreduce,
+        activation_bytes=activations,
+        activation_bytes_recompute=hidden_bytes,
+        param_count=params,
+        source="estimated")
+
+    # Embedding: a vocab-parallel gather (memory-bound) whose partial sums are all-reduced over TP;
+    # backward scatter-adds into the table shard. Learned positions add an [s, h] table.
+    vocab = padded_vocab_size(model, tp)
+    positions = s * h if model.position_embedding_type == "learned_absolute" else 0
+    embedding = OpCost(
+        forward_s=_timed(0.0, 3 * hidden_bytes, gpu) + tp_allreduce,
+        backward_s=_timed(0.0, 3 * hidden_bytes, gpu),
+        activation_bytes=b * s * h,                       # embedding dropout mask
+        activation_bytes_recompute=b * s * h,
+        param_count=vocab * h // tp + positions,
+        source="estimated")
+
+    # Output layer: final norm, vocab-parallel projection h -> V/t, cross-entropy in fp32 over the
+    # shard (logits kept for backward). Backward all-reduces the projection's input gradient.
+    logits_fp32 = 4 * b * s * vocab / tp
+    out_flops = 2 * b * s * h * vocab / tp
+    out_traffic = vocab * h // tp * act_elem_bytes + 3 * logits_fp32 + 2 * hidden_bytes
+    output = OpCost(
+        forward_s=_timed(out_flops, out_traffic, gpu),
+        backward_s=_timed(2 * out_flops, 2 * out_traffic, gpu) + tp_allreduce,
+        activation_bytes=logits_fp32 + 2 * hidden_bytes,  # logits, norm and projection inputs
+        activation_bytes_recompute=logits_fp32 + 2 * hidden_bytes,  # never recomputed
+        param_count=vocab * h // tp + 2 * h,
+        source="estimated")
+    return ProfileEntry(gpu=gpu.name, tp=tp, micro_batch_size=b, seq_length=s,
+                        layer=layer, embedding=embedding, output=output)
+
+
+def estimate_profile(model: ModelSpec, cluster: Cluster, micro_batch_size: int, seq_length: int,
+                     tp_degrees: list[int] | None = None) -> Profile:
+    """Estimated entries for every GPU type of the cluster x TP degree (default: all valid ones
+    that fit in a node of that type)."""
+    profile = Profile(model.name)
+    for node in cluster.nodes:
+        gpu = cluster.gpu_types[node.gpu]
+        degrees = tp_degrees if tp_degrees is not None else model.valid_tp_degrees(node.num_gpus)
+        for tp in degrees:
+            if profile.has(gpu.name, tp, micro_batch_size, seq_length):
+                continue
+            profile.add(estimate_entry(model, gpu, tp, micro_batch_size, seq_length,
+                                       node.intra_node_bandwidth_gbs))
+    return profile
