@@ -1,0 +1,113 @@
+"""Global batches for the runtime, read through megatron-core's own GPTDataset.
+
+The heterogeneous runtime gives every rank the WHOLE global batch (the trainer's contract: a dict
+of ``tokens``, ``labels``, ``loss_mask``, ``position_ids``, each ``[global_batch_size, seq]``,
+identical on all ranks) and each pipeline takes its own micro-batches from it
+(``RankRole.microbatch_offset``). So instead of Megatron's per-DP-rank data loader, every rank
+opens the same GPTDataset - same files, same seed, hence the same shuffle - and iteration ``i``
+is the samples ``[i * global_batch_size, (i + 1) * global_batch_size)``. No rank depends on
+another for data, and the batches do not depend on the plan: any plan of the same model sees the
+same sequence of global batches as the single-process reference.
+
+The dataset is built with ``BlendedMegatronDatasetBuilder`` + ``GPTDatasetConfig`` exactly as
+Megatron-LM's ``pretrain_gpt.py`` does; its sample/shuffle indices use megatron-core's compiled
+``helpers_cpp`` extension, which the megatron-core wheel ships prebuilt (nothing to compile), and
+are cached next to the data. When torch.distributed is initialised the builder creates them on
+rank 0 first, then the other ranks load them (it must be called on every rank).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from megatron_autohet.errors import ConfigError
+
+BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
+
+
+@dataclass(frozen=True)
+class DataOptions:
+    seq_length: int
+    global_batch_size: int
+    num_iterations: int
+    seed: int = 1234
+    data_path: str | None = None          # indexed dataset prefix; None = the built-in corpus
+    data_dir: str | None = None           # cache of the built-in corpus and the sample indices
+
+
+class GlobalBatches:
+    """Deterministic global batches: ``batch(i)`` is the same on every rank and every call."""
+
+    def __init__(self, dataset, global_batch_size: int):
+        self.dataset = dataset
+        self.global_batch_size = global_batch_size
+
+    def __len__(self) -> int:
+        return len(self.dataset) // self.global_batch_size
+
+    def batch(self, iteration: int) -> dict:
+        import torch
+
+        if not 0 <= iteration < len(self):
+            raise IndexError(f"iteration {iteration} outside the {len(self)} built batches")
+        start = iteration * self.global_batch_size
+        samples = [self.dataset[i] for i in range(start, start + self.global_batch_size)]
+        return {key: torch.stack([s[key] for s in samples]) for key in BATCH_KEYS}
+
+
+def resolve_data_path(options: DataOptions) -> Path:
+    """The indexed dataset to read: the user's ``--data-path``, or the built-in corpus."""
+    from megatron_autohet.data.corpus import build_corpus
+
+    if options.data_path is None:
+        return build_corpus(options.data_dir)
+    prefix = Path(options.data_path)
+    for suffix in (".bin", ".idx"):
+        if not prefix.with_suffix(suffix).is_file():
+            raise ConfigError(None, "--data-path", f"{prefix.with_suffix(suffix)} not found",
+                              "the prefix of a megatron indexed dataset (PREFIX.bin + PREFIX.idx)")
+    return prefix
+
+
+def check_token_range(prefix: Path, vocab_size: int) -> None:
+    """Token ids must index the model's embedding table (a clear error instead of a crash)."""
+    import numpy
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    dtype = IndexedDataset(str(prefix)).index.dtype
+    tokens = numpy.memmap(prefix.with_suffix(".bin"), dtype=dtype, mode="r")
+    largest = int(tokens.max()) if tokens.size else 0
+    if largest >= vocab_size:
+        raise ConfigError(None, "--data-path", f"{prefix} holds token id {largest}, beyond the "
+                          f"model's vocab_size {vocab_size}",
+                          "a dataset tokenized for this model's vocabulary")
+
+
+def build_global_batches(options: DataOptions, vocab_size: int) -> GlobalBatches:
+    """Open the GPTDataset for ``num_iterations`` global batches (call on every rank)."""
+    from megatron.core.datasets.blended_megatron_dataset_builder import (
+        BlendedMegatronDatasetBuilder)
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+
+    from megatron_autohet.data.corpus import byte_tokenizer, default_data_dir
+
+    prefix = resolve_data_path(options)
+    if options.data_path is not None:
+        check_token_range(prefix, vocab_size)
+    config = GPTDatasetConfig(
+        random_seed=options.seed,
+        sequence_length=options.seq_length,
+        blend=([str(prefix)], None),
+        split="100,0,0",
+        path_to_cache=str(Path(options.data_dir or default_data_dir()) / "index-cache"),
+        tokenizer=byte_tokenizer(vocab_size),
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+        create_attention_mask=False,    # GPTModel applies the causal mask itself
+    )
+    num_samples = options.num_iterations * options.global_batch_size
+    train, _, _ = BlendedMegatronDatasetBuilder(
+        GPTDataset, [num_samples, None, None], lambda: True, config).build()
+    return GlobalBatches(train, options.global_batch_size)
