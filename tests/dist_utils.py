@@ -1,0 +1,96 @@
+"""Run a test function on N gloo processes and collect what each returns.
+
+Public API
+----------
+``run_on_ranks(world_size, fn, *args, timeout=120, **kwargs) -> list``
+    Starts ``world_size`` processes; in each, initialises ``torch.distributed`` (gloo, a free
+    local port), enables the runtime's CPU mode when the machine has no GPU, and calls
+    ``fn(rank, world_size, *args, **kwargs)``. Returns the results in rank order (they must be
+    picklable). If a process raises, the others are stopped and a ``RankFailed`` carrying the
+    child's formatted traceback is raised here; a process that hangs past ``timeout`` seconds
+    (e.g. a collective whose peer died) fails the same way instead of hanging the test suite.
+``free_port() -> int``
+
+Design: processes are forked, not spawned, so children inherit the already-imported torch and
+megatron-core (an import costs ~4 s per process on 2 cores) and ``fn`` may be any callable,
+closures included. Each child uses one intra-op thread: N processes share 2 cores, and
+oversubscription makes small runs several times slower.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+import traceback
+
+
+class RankFailed(RuntimeError):
+    """A child process raised (or hung); the message holds its traceback."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _child(rank, world_size, port, results, fn, args, kwargs):
+    try:
+        import torch
+        torch.set_num_threads(1)
+        from megatron_autohet.runtime.cpu_mode import cpu_mode_required, enable_cpu_mode
+        if cpu_mode_required():
+            enable_cpu_mode()
+        torch.distributed.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+        try:
+            value = fn(rank, world_size, *args, **kwargs)
+        finally:
+            torch.distributed.destroy_process_group()
+        results.put((rank, True, value))
+    except BaseException:                                          # report everything, then die
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        results.close()
+        results.join_thread()
+        os._exit(0)                                  # skip atexit handlers inherited from pytest
+
+
+def run_on_ranks(world_size: int, fn, *args, timeout: float = 120, **kwargs) -> list:
+    ctx = mp.get_context("fork")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_child, args=(rank, world_size, port, results, fn, args, kwargs),
+                         daemon=True) for rank in range(world_size)]
+    for proc in procs:
+        proc.start()
+    values: dict[int, object] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(values) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                missing = sorted(set(range(world_size)) - set(values))
+                raise RankFailed(f"ranks {missing} did not finish within {timeout:.0f} s")
+            try:
+                rank, ok, value = results.get(timeout=min(remaining, 1.0))
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs)
+                        if r not in values and not p.is_alive() and p.exitcode not in (0, None)]
+                if dead:
+                    raise RankFailed(f"ranks {dead} died (exit codes "
+                                     f"{[procs[r].exitcode for r in dead]}) without a result")
+                continue
+            if not ok:
+                raise RankFailed(f"rank {rank} of {world_size} raised:\n{value}")
+            values[rank] = value
+    finally:
+        for proc in procs:
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+    return [values[r] for r in range(world_size)]
