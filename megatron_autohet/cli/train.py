@@ -1,0 +1,84 @@
+"""`autohet train`: train a GPT from a plan.
+
+Run directly, it checks the plan against the model, then starts one local process per planned GPU
+(the same command with RANK/WORLD_SIZE/LOCAL_RANK set; gloo on CPU, NCCL when this machine has a
+GPU per rank). Started by torchrun (RANK and WORLD_SIZE already set), it is one rank of the job::
+
+    torchrun --nnodes N --node-rank K --nproc-per-node G --master-addr HOST --master-port PORT \\
+        -m megatron_autohet.cli.main train --plan plan.yaml --model model.yaml
+"""
+
+from __future__ import annotations
+
+import argparse
+
+_WORKER_FLAGS: list[tuple[str, str]] = []     # (dest, option string) forwarded to each rank
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "train", help="train a GPT from a plan (one process per planned GPU)",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    opts = [
+        (("--plan",), dict(required=True, help="plan YAML (from `autohet plan`)")),
+        (("--model",), dict(required=True, help="model YAML the plan was made for")),
+        (("--iters",), dict(type=int, default=10, help="training iterations (default 10)")),
+        (("--lr",), dict(type=float, default=1e-3,
+                         help="Adam learning rate, constant (default 1e-3)")),
+        (("--seed",), dict(type=int, default=1234,
+                           help="seed of the initial weights and the data shuffle (default 1234)")),
+        (("--clip-grad",), dict(type=float, default=1.0,
+                                help="global grad-norm clipping threshold (default 1.0)")),
+        (("--metrics-jsonl",), dict(default=None,
+                                    help="also write one JSON object per iteration to this file")),
+        (("--data-path",), dict(default=None,
+                                help="prefix of a megatron indexed dataset (PREFIX.bin/.idx, "
+                                     "token ids < the model's vocab_size, EOD = 0); default: the "
+                                     "built-in corpus (Python standard-library docstrings, "
+                                     "byte-level tokens)")),
+        (("--data-dir",), dict(default=None,
+                               help="cache of the built-in corpus and the dataset indices "
+                                    "(default $AUTOHET_DATA_DIR or ~/.cache/megatron-autohet)")),
+    ]
+    _WORKER_FLAGS.clear()
+    for flags, kwargs in opts:
+        action = p.add_argument(*flags, **kwargs)
+        _WORKER_FLAGS.append((action.dest, flags[0]))
+    p.set_defaults(func=run)
+
+
+def worker_argv(args: argparse.Namespace) -> list[str]:
+    argv = ["train"]
+    for dest, flag in _WORKER_FLAGS:
+        value = getattr(args, dest)
+        if value is not None:
+            argv += [flag, str(value)]
+    return argv
+
+
+def run(args: argparse.Namespace) -> int:
+    from megatron_autohet.runtime.launch import (DistEnv, TrainOptions, launch_local, load_job,
+                                                 run_worker)
+
+    if args.iters <= 0:
+        from megatron_autohet.errors import ConfigError
+        raise ConfigError(None, "--iters", f"got {args.iters}", "a number > 0")
+    plan, model = load_job(args.plan, args.model)
+    env = DistEnv.from_environ()
+    if env is None:
+        return launch_local(plan, worker_argv(args), gpus_available=_gpu_count())
+    options = TrainOptions(iters=args.iters, lr=args.lr, seed=args.seed, clip_grad=args.clip_grad,
+                           metrics_jsonl=args.metrics_jsonl, data_path=args.data_path,
+                           data_dir=args.data_dir)
+    return run_worker(plan, args.plan, model, options, env)
+
+
+def _gpu_count() -> int:
+    """GPUs visible here, without importing torch in the launcher (nvidia-smi, if installed)."""
+    import shutil
+    import subprocess
+
+    if not shutil.which("nvidia-smi"):
+        return 0
+    out = subprocess.run(["nvidia-smi", "--list-gpus"], capture_output=True, text=True)
+    return len(out.stdout.splitlines()) if out.returncode == 0 else 0

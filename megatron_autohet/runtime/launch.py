@@ -1,0 +1,214 @@
+"""Launching a training job from a plan: checks, local process launch, and the per-rank worker.
+
+Three pieces, used by ``autohet train`` (cli/train.py):
+
+* :func:`load_job` - every check that needs only files, before any process exists: the plan
+  loads and validates (ranks, stages, layer cover, TP dividing heads/groups/FFN), and the plan was
+  made for the ``--model`` given (every dimension equal; a layer-count mismatch names
+  ``model.num_layers``). Errors are :class:`ConfigError` naming the file and field.
+* :func:`launch_local` - a minimal torchrun for one machine: starts ``plan.world_size`` copies of
+  the same ``autohet train`` command with ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``MASTER_*`` set,
+  on a free port, and stops the others when one fails. Local ranks are numbered as the plan
+  numbers GPUs within their node (``ranks[i].local_rank``) when the plan has one node; a
+  multi-node plan run on one machine (the CPU quick start) gets local rank = global rank.
+* :func:`run_worker` - what each rank runs, whether started by :func:`launch_local` or by
+  ``torchrun`` on a GPU cluster (multi-node command: see README "Training from a plan"). It checks
+  the environment against the plan (``WORLD_SIZE`` = plan ranks; on GPUs ``LOCAL_RANK`` = the plan's
+  ``local_rank`` of this rank), picks NCCL + ``cuda:LOCAL_RANK`` when this process has a GPU and
+  gloo + the CPU mode otherwise, opens the data on every rank (identical global batches), builds
+  the :class:`HeteroTrainer` and logs each iteration from rank 0 (the trainer's metrics are the
+  same on every rank).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+from megatron_autohet.errors import ConfigError
+from megatron_autohet.plan import Plan, load_plan
+from megatron_autohet.spec.model import ModelSpec, load_model
+
+
+@dataclass(frozen=True)
+class TrainOptions:
+    iters: int
+    lr: float
+    seed: int
+    clip_grad: float
+    metrics_jsonl: str | None = None
+    data_path: str | None = None
+    data_dir: str | None = None
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+
+    @classmethod
+    def from_environ(cls) -> "DistEnv | None":
+        """The torchrun-style environment, or None when this process is the launcher."""
+        if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+            return None
+        return cls(rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
+                   local_rank=int(os.environ.get("LOCAL_RANK", os.environ["RANK"])))
+
+
+def load_job(plan_path: str | Path, model_path: str | Path) -> tuple[Plan, ModelSpec]:
+    """Load and cross-check the plan and the model (no torch, no processes)."""
+    plan = load_plan(plan_path)
+    model = load_model(model_path)
+    planned = plan.model
+    # num_layers first: the most common mismatch gets the most specific message.
+    names = ["num_layers"] + [f.name for f in fields(ModelSpec) if f.name not in ("num_layers",)]
+    for name in names:
+        want, got = getattr(model, name), getattr(planned, name)
+        if want != got:
+            raise ConfigError(plan_path, f"model.{name}",
+                              f"the plan was made for {got!r} but {model_path} has {want!r}",
+                              f"a plan made for this model (autohet plan --model {model_path})")
+    return plan, model
+
+
+def check_env(plan: Plan, plan_path: str | Path, env: DistEnv, *, uses_gpus: bool) -> None:
+    """The launched processes must be the plan's ranks (checked before any process group)."""
+    if env.world_size != plan.world_size:
+        raise ConfigError(plan_path, "ranks", f"the plan has {plan.world_size} ranks but the job "
+                          f"has WORLD_SIZE={env.world_size} processes",
+                          f"launch exactly {plan.world_size} processes (one per planned GPU)")
+    if not 0 <= env.rank < plan.world_size:
+        raise ConfigError(plan_path, "ranks", f"RANK={env.rank} has no entry",
+                          f"0..{plan.world_size - 1}")
+    planned_local = plan.ranks[env.rank].local_rank
+    if uses_gpus and env.local_rank != planned_local:
+        raise ConfigError(plan_path, f"ranks[{env.rank}].local_rank",
+                          f"planned GPU {planned_local} of node {plan.ranks[env.rank].node}, but "
+                          f"torchrun gave this rank LOCAL_RANK={env.local_rank}",
+                          "start torchrun so global ranks follow the plan's rank order "
+                          "(--node-rank in the plan's node order)")
+
+
+# ---- local launcher ------------------------------------------------------------------------
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def local_ranks(plan: Plan) -> list[int]:
+    if len({info.node for info in plan.ranks}) == 1:
+        return [info.local_rank for info in plan.ranks]
+    return list(range(plan.world_size))
+
+
+def launch_local(plan: Plan, worker_argv: list[str], *, gpus_available: int = 0) -> int:
+    """Run ``python -m megatron_autohet.cli.main *worker_argv`` once per planned rank.
+
+    Returns 0 when every rank exits 0, else the first failing rank's status (the others are
+    terminated). With fewer GPUs than ranks every process runs on the CPU.
+    """
+    world = plan.world_size
+    port = free_port()
+    threads = max(1, (os.cpu_count() or 1) // world) if gpus_available < world else None
+    procs: list[subprocess.Popen] = []
+    for rank, local_rank in enumerate(local_ranks(plan)):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(local_rank),
+                   LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        if threads is not None:
+            # N processes share the cores: oversubscribed intra-op threads slow small runs a lot.
+            env["OMP_NUM_THREADS"] = str(threads)
+        if gpus_available < world:
+            env["CUDA_VISIBLE_DEVICES"] = ""      # not enough GPUs: every rank on the CPU
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "megatron_autohet.cli.main", *worker_argv], env=env))
+    status = 0
+    try:
+        running = list(procs)
+        while running:
+            for proc in list(running):
+                code = proc.poll()
+                if code is None:
+                    continue
+                running.remove(proc)
+                if code != 0 and status == 0:
+                    status = code
+                    _terminate(running)
+            time.sleep(0.05)
+    except KeyboardInterrupt:
+        _terminate(procs)
+        status = 130
+    return status
+
+
+def _terminate(procs: list[subprocess.Popen]) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    for proc in procs:
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+# ---- worker --------------------------------------------------------------------------------
+
+def run_worker(plan: Plan, plan_path: str | Path, model: ModelSpec, options: TrainOptions,
+               env: DistEnv) -> int:
+    import torch
+    import torch.distributed as dist
+
+    from megatron_autohet.data.batches import DataOptions, build_global_batches, resolve_data_path
+    from megatron_autohet.runtime.cpu_mode import cpu_mode_required, enable_cpu_mode
+    from megatron_autohet.runtime.train_log import IterationLogger, IterationRecord
+
+    on_cpu = cpu_mode_required()
+    check_env(plan, plan_path, env, uses_gpus=not on_cpu)
+    if on_cpu:
+        enable_cpu_mode()
+        backend = "gloo"
+    else:
+        torch.cuda.set_device(env.local_rank)
+        backend = "nccl"
+    dist.init_process_group(backend, rank=env.rank, world_size=env.world_size)
+    logger = None
+    try:
+        data = DataOptions(seq_length=plan.seq_length, global_batch_size=plan.global_batch_size,
+                           num_iterations=options.iters, seed=options.seed,
+                           data_path=options.data_path, data_dir=options.data_dir)
+        if env.local_rank == 0:
+            resolve_data_path(data)     # build the built-in corpus once per node
+        dist.barrier()
+        batches = build_global_batches(data, model.vocab_size)
+
+        from megatron_autohet.runtime.trainer import HeteroTrainer
+
+        trainer = HeteroTrainer(plan, model, rank=env.rank, lr=options.lr, seed=options.seed,
+                                clip_grad=options.clip_grad)
+        if env.rank == 0:
+            logger = IterationLogger(options.metrics_jsonl)
+        for iteration in range(options.iters):
+            batch = batches.batch(iteration)
+            start = time.perf_counter()
+            metrics = trainer.train_step(batch)
+            elapsed = time.perf_counter() - start
+            if logger:
+                logger.log(IterationRecord.make(
+                    iteration=iteration + 1, train_iters=options.iters,
+                    global_batch_size=plan.global_batch_size, seq_length=plan.seq_length,
+                    elapsed_s=elapsed, learning_rate=options.lr, lm_loss=float(metrics.loss),
+                    grad_norm=float(metrics.grad_norm)))
+    finally:
+        if logger:
+            logger.close()
+        dist.destroy_process_group()
+    return 0
