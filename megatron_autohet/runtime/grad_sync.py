@@ -1,0 +1,255 @@
+"""Layer-wise data-parallel gradient sync across pipelines of different shapes.
+
+Megatron's ``DistributedDataParallel`` assumes one data-parallel group for every parameter. In a
+heterogeneous plan the replicas cut the model at different layers, so each parameter is synced in
+the group of *its* holders: :func:`megatron_autohet.runtime.topology.sync_group_specs` splits the
+model into runs of layers (plus the embeddings and the post-process part of the last stages)
+whose holders are the same TP groups in every pipeline, and the parallel state creates one torch
+group per spec (per TP shard when the spec is symmetric).
+
+Scaling. The trainer's loss function multiplies every micro-batch loss by ``m_p / M`` (see
+``runtime/trainer.py``), so after Megatron's schedule has divided it by the pipeline's own
+micro-batch count ``m_p`` each replica's gradient is ``sum over its micro-batches of grad / M``.
+The global-batch gradient is then the plain SUM over replicas: every reduction here is a sum and
+nothing is rescaled, whatever the micro-batch counts are.
+
+Buckets. The parameters of one spec are packed, in a fixed order (global name), into flat
+buckets; each parameter's ``.grad`` is a view into its bucket (autograd accumulates into it in
+place), so a symmetric bucket is all-reduced with no copy at all, exactly what Megatron's DP
+all-reduce does with its own grad buffers. Buckets of all specs are launched asynchronously in the
+same global order on every rank (a consistent order over groups cannot deadlock) and waited for
+together.
+
+Asymmetric TP (holders of a spec differ in TP degree; opt-in in the planner): a bucket also has a
+zero full-size staging buffer; every holder writes its shard at its slice of the full tensor
+(TP-replicated parameters once per holder TP group, by TP rank 0), one sum-all-reduce over all
+holder ranks gives the full gradient everywhere, and each rank copies back its slice. That is exact
+(it is the same sum) and only asymmetric specs pay for the full-size buffer.
+
+Sequence parallelism: Megatron's TP layers already all-reduce the *activation* gradients inside the
+TP group, so TP-partitioned weights and, without sequence parallelism, TP-replicated weights
+(layernorms) have complete gradients. With sequence parallelism each TP rank sees only its
+sequence chunk, so parameters Megatron tags ``.sequence_parallel`` (layernorms) hold partial sums;
+they are summed over the TP group first, as ``finalize_model_grads`` does.
+
+Grad norm: each logical parameter is counted exactly once in the whole world: only by the first
+holder TP group of its spec (pipeline order) and, if TP-replicated, only by TP rank 0 there. The
+sum of squares is all-reduced over the world with megatron-core's ``get_grad_norm_fp32``, so every
+rank gets the same norm; clipping uses megatron-core's ``clip_grad_by_total_norm_fp32``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32, get_grad_norm_fp32
+
+from megatron_autohet.runtime.topology import SyncGroupSpec
+
+# Megatron's DDP default: 40M elements per bucket.
+DEFAULT_BUCKET_NUMEL = 40_000_000
+
+_LAYER_NAME = re.compile(r"^decoder\.layers\.(\d+)\.")
+_NON_LAYER_KINDS = (("embedding.word_embeddings.", "word_embeddings"),
+                    ("embedding.position_embeddings.", "position_embeddings"),
+                    ("decoder.final_layernorm.", "post_process"),
+                    ("output_layer.", "post_process"))   # untied only: tied maps to word emb.
+
+
+def spec_index_of(global_name: str, specs: list[SyncGroupSpec]) -> int:
+    """Index of the spec whose holders sync the parameter called ``global_name`` (megatron
+    GPTModel naming with GLOBAL layer numbers)."""
+    match = _LAYER_NAME.match(global_name)
+    layer = int(match.group(1)) if match else None
+    kind = "layers" if match else next(
+        (kind for prefix, kind in _NON_LAYER_KINDS if global_name.startswith(prefix)), None)
+    if kind is None:
+        raise ValueError(f"parameter {global_name!r} belongs to no gradient sync group")
+    for i, spec in enumerate(specs):
+        if spec.kind == kind and (layer is None or spec.layers[0] <= layer < spec.layers[1]):
+            return i
+    raise ValueError(f"parameter {global_name!r}: the plan has no {kind} sync group for it")
+
+
+def shard_of_full(full: torch.Tensor, layout) -> torch.Tensor:
+    """The view of ``full`` (a tensor of ``layout.full_shape``) that is this rank's TP shard."""
+    if layout.partition_dim is None:
+        return full
+    size = layout.full_shape[layout.partition_dim] // layout.tp_size
+    return full.narrow(layout.partition_dim, layout.tp_rank * size, size)
+
+
+@dataclass
+class _Bucket:
+    params: list[torch.nn.Parameter]
+    layouts: list                       # ParamLayout of each param
+    group: dist.ProcessGroup | None     # None or one rank: nothing to reduce
+    grad_data: torch.Tensor             # flat local grads; each param's .grad is a view into it
+    offsets: list[int]                  # of each param in grad_data
+    full_data: torch.Tensor | None      # asymmetric only: flat full-size staging buffer
+    full_offsets: list[int]             # of each param in full_data
+
+    @property
+    def reduces(self) -> bool:
+        return self.group is not None and dist.get_world_size(self.group) > 1
+
+    def full_view(self, i: int) -> torch.Tensor:
+        shape = torch.Size(self.layouts[i].full_shape)
+        off = self.full_offsets[i]
+        return self.full_data[off:off + shape.numel()].view(shape)
+
+    def check_grad_views(self) -> None:
+        for param, off in zip(self.params, self.offsets):
+            if param.grad is None or param.grad.data_ptr() != self.grad_data[off:].data_ptr():
+                raise RuntimeError("a parameter's .grad was replaced; zero gradients with "
+                                   "GradSync.zero_grad(), not optimizer.zero_grad()")
+
+    def start(self) -> dist.Work:
+        if self.full_data is None:
+            return dist.all_reduce(self.grad_data, group=self.group, async_op=True)
+        self.full_data.zero_()
+        for i, (param, layout) in enumerate(zip(self.params, self.layouts)):
+            if layout.partition_dim is not None or layout.tp_rank == 0:
+                shard_of_full(self.full_view(i), layout).copy_(param.grad)
+        return dist.all_reduce(self.full_data, group=self.group, async_op=True)
+
+    def finish(self) -> None:
+        if self.full_data is None:
+            return
+        for i, (param, layout) in enumerate(zip(self.params, self.layouts)):
+            param.grad.copy_(shard_of_full(self.full_view(i), layout))
+
+
+class GradSync:
+    """Owns the gradient buffers of one stage model and syncs them across replicas.
+
+    Args:
+        model: this rank's stage model.
+        layouts: ``param_layouts(model, state)``: local parameter name -> ParamLayout.
+        specs: ``topology.sync_group_specs(plan)``, all of them, in order.
+        groups: for each spec, the torch group this rank syncs in, or None if it is no holder.
+        holder: this rank's stage TP group (ranks in TP-rank order).
+        tp_group: this rank's stage TP group as a torch group.
+        sequence_parallel: whether the stage runs with Megatron sequence parallelism.
+        bucket_numel: the most elements per bucket (a parameter is never split).
+    """
+
+    def __init__(self, model: torch.nn.Module, layouts: dict, specs: list[SyncGroupSpec],
+                 groups: list, *, holder: tuple[int, ...], tp_group: dist.ProcessGroup | None,
+                 sequence_parallel: bool, bucket_numel: int = DEFAULT_BUCKET_NUMEL):
+        if len(specs) != len(groups):
+            raise ValueError(f"{len(specs)} sync group specs but {len(groups)} groups")
+        holder = tuple(holder)
+        self.tp_group = tp_group
+        self.params: list[torch.nn.Parameter] = []
+        self.sequence_parallel_params: list[torch.nn.Parameter] = []
+        self.norm_params: list[torch.nn.Parameter] = []
+        per_spec: list[list] = [[] for _ in specs]
+        for name, param in model.named_parameters():
+            if not param.requires_grad:
+                continue
+            layout = layouts[name]
+            i = spec_index_of(layout.global_name, specs)
+            if holder not in specs[i].holders:
+                raise ValueError(f"parameter {name} ({layout.global_name}) is synced by holders "
+                                 f"{specs[i].holders}, which do not include this rank's stage "
+                                 f"{holder}")
+            per_spec[i].append((layout.global_name, param, layout))
+            self.params.append(param)
+            if sequence_parallel and getattr(param, "sequence_parallel", False):
+                self.sequence_parallel_params.append(param)
+            if specs[i].holders[0] == holder and (
+                    layout.partition_dim is not None or layout.tp_rank == 0):
+                self.norm_params.append(param)
+
+        self.buckets: list[_Bucket] = []
+        for spec, group, members in zip(specs, groups, per_spec):
+            members.sort(key=lambda member: member[0])   # the same order on every holder
+            self._add_buckets(spec, group, [m[1] for m in members], [m[2] for m in members],
+                              bucket_numel)
+        self._verify_bucket_extents()
+
+    def _add_buckets(self, spec, group, params, layouts, bucket_numel):
+        def numel(i):   # what the bucket all-reduces per parameter
+            return params[i].numel() if spec.symmetric else torch.Size(
+                layouts[i].full_shape).numel()
+
+        start, total = 0, 0
+        for i in range(len(params)):
+            if total and total + numel(i) > bucket_numel:
+                self._make_bucket(group, params[start:i], layouts[start:i], spec.symmetric)
+                start, total = i, 0
+            total += numel(i)
+        if params:
+            self._make_bucket(group, params[start:], layouts[start:], spec.symmetric)
+
+    def _make_bucket(self, group, params, layouts, symmetric):
+        offsets = _offsets([p.numel() for p in params])
+        grad_data = torch.zeros(offsets[-1], dtype=params[0].dtype, device=params[0].device)
+        for param, off in zip(params, offsets):
+            param.grad = grad_data[off:off + param.numel()].view_as(param)
+        full_data, full_offsets = None, []
+        if not symmetric:
+            full_offsets = _offsets([torch.Size(layout.full_shape).numel() for layout in layouts])
+            full_data = torch.zeros(full_offsets[-1], dtype=grad_data.dtype,
+                                    device=grad_data.device)
+        self.buckets.append(_Bucket(params, layouts, group, grad_data, offsets[:-1], full_data,
+                                    full_offsets[:-1]))
+
+    def _verify_bucket_extents(self) -> None:
+        """Every member of a group must bucket the same number of elements; a plan whose ranks
+        disagree (e.g. a TP-dependent padded vocabulary) fails here instead of hanging."""
+        for bucket in self.buckets:
+            if not bucket.reduces:
+                continue
+            numel = (bucket.grad_data if bucket.full_data is None else bucket.full_data).numel()
+            extent = torch.tensor([numel, -numel], dtype=torch.int64)
+            dist.all_reduce(extent, op=dist.ReduceOp.MAX, group=bucket.group)
+            if int(extent[0]) != numel or -int(extent[1]) != numel:
+                raise RuntimeError(
+                    f"gradient bucket {bucket.layouts[0].global_name}.."
+                    f"{bucket.layouts[-1].global_name}: this rank has {numel} elements, its sync "
+                    f"group {dist.get_process_group_ranks(bucket.group)} between "
+                    f"{-int(extent[1])} and {int(extent[0])}")
+
+    # ---- per iteration -----------------------------------------------------------------------
+    def zero_grad(self) -> None:
+        """Zero the gradient buffers in place (never ``optimizer.zero_grad()``: setting grads to
+        None would detach them from the buckets)."""
+        for bucket in self.buckets:
+            bucket.grad_data.zero_()
+
+    def sync(self) -> None:
+        """Sum every gradient over its holders; afterwards each replica holds the global-batch
+        gradient of its parameters."""
+        for bucket in self.buckets:
+            bucket.check_grad_views()
+        if self.sequence_parallel_params and dist.get_world_size(self.tp_group) > 1:
+            grads = [p.grad for p in self.sequence_parallel_params]
+            flat = torch._utils._flatten_dense_tensors(grads)
+            dist.all_reduce(flat, group=self.tp_group)
+            for grad, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+                grad.copy_(synced)
+        pending = [(bucket, bucket.start()) for bucket in self.buckets if bucket.reduces]
+        for bucket, work in pending:
+            work.wait()
+            bucket.finish()
+
+    def grad_norm(self) -> float:
+        """L2 norm of the global gradient (call after :meth:`sync`); the same on every rank."""
+        return get_grad_norm_fp32([p.grad for p in self.norm_params],
+                                  grad_stats_parallel_group=dist.group.WORLD)
+
+    def clip(self, max_norm: float, total_norm: float) -> None:
+        """Scale every local gradient by max_norm / (total_norm + 1e-6) if that is below one."""
+        clip_grad_by_total_norm_fp32(self.params, max_norm, total_norm)
+
+
+def _offsets(sizes: list[int]) -> list[int]:
+    out = [0]
+    for size in sizes:
+        out.append(out[-1] + size)
+    return out

@@ -1,0 +1,199 @@
+"""GradSync on gloo processes with synthetic parameters laid out like the proof plans.
+
+Every rank holds its stage's parameters (TP-sharded along dim 0 or 1, or TP-replicated) and gets,
+through a real backward, its pipeline's gradient G(pipeline, name, use) restricted to its shard.
+After ``sync`` every shard must equal the same shard of the sum over pipelines (the tied word
+embedding summed over its first- AND last-stage uses), the grad norm must equal the norm of those
+full sums (each parameter counted once), and clipping must scale by megatron's coefficient.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_autohet.plan import load_plan
+from megatron_autohet.runtime.grad_sync import GradSync, shard_of_full
+from megatron_autohet.runtime.topology import rank_role, sync_group_specs
+from tests.dist_utils import RankFailed, run_on_ranks
+
+PLANS = Path(__file__).resolve().parents[1] / "configs" / "plans"
+WORD = "embedding.word_embeddings.weight"
+
+
+@dataclass(frozen=True)
+class Layout:            # the fields GradSync reads from runtime.stage_model.ParamLayout
+    global_name: str
+    full_shape: tuple[int, ...]
+    partition_dim: int | None
+    tp_rank: int
+    tp_size: int
+
+
+def catalog(role, tied_rows=16) -> list[tuple[str, str, tuple[int, ...], int | None]]:
+    """(local name, global name, full shape, partition dim) of what this stage holds."""
+    out = []
+    for layer in range(*role.stage.layers):
+        out += [(f"l{layer}_col", f"decoder.layers.{layer}.col.weight", (8, 4), 0),
+                (f"l{layer}_row", f"decoder.layers.{layer}.row.weight", (4, 8), 1),
+                (f"l{layer}_norm", f"decoder.layers.{layer}.norm.weight", (4,), None)]
+    if role.stage.is_first:
+        out += [("word", WORD, (tied_rows, 4), 0),
+                ("pos", "embedding.position_embeddings.weight", (8, 4), None)]
+    if role.stage.is_last:
+        if not role.stage.is_first:
+            out.append(("output", WORD, (tied_rows, 4), 0))        # the tied output weight
+        out.append(("final_norm", "decoder.final_layernorm.weight", (4,), None))
+    return out
+
+
+def pipeline_grad(pipeline: int, name: str, use: str, shape) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(hash((pipeline, name, use)) % 2**31)
+    return torch.randn(shape, generator=gen)
+
+
+def uses(role, local_name: str) -> list[str]:
+    if local_name == "word":
+        return ["input", "output"] if role.stage.is_last else ["input"]
+    return ["output"] if local_name == "output" else ["only"]
+
+
+def expected_full(plan, global_name: str, shape) -> torch.Tensor:
+    total = torch.zeros(shape, dtype=torch.float64)
+    for p, pipe in enumerate(plan.pipelines):
+        for s in range(len(pipe.stages)):
+            role = rank_role(plan, pipe.stages[s].ranks[0])
+            for local, gname, _, _ in catalog(role):
+                if gname == global_name:
+                    for use in uses(role, local):
+                        total += pipeline_grad(p, gname, use, shape).double()
+    return total
+
+
+def make_groups(plan, rank):
+    """This rank's torch group per sync spec and its TP group; created in the same order on every
+    rank, as runtime/parallel_state.py does."""
+    groups = []
+    for spec in sync_group_specs(plan):
+        mine = None
+        for ranks in spec.groups():
+            group = dist.new_group(list(ranks))
+            if rank in ranks:
+                mine = group
+        groups.append(mine)
+    tp_group = None
+    for pipe in plan.pipelines:
+        for stage in pipe.stages:
+            group = dist.new_group(stage.ranks)
+            if rank in stage.ranks:
+                tp_group = group
+    return groups, tp_group
+
+
+def build(plan, rank, *, bucket_numel, sequence_parallel=False, tied_rows=16):
+    role = rank_role(plan, rank)
+    groups, tp_group = make_groups(plan, rank)
+    model = torch.nn.Module()
+    model.p = torch.nn.ParameterDict()
+    layouts = {}
+    for local, gname, shape, dim in catalog(role, tied_rows):
+        layout = Layout(gname, shape, dim, role.tp_rank, role.stage.tp_size)
+        param = torch.nn.Parameter(shard_of_full(torch.zeros(shape), layout).clone())
+        if sequence_parallel and dim is None:
+            param.sequence_parallel = True   # as megatron tags layernorms under SP
+        model.p[local] = param
+        layouts[f"p.{local}"] = layout
+    sync = GradSync(model, layouts, sync_group_specs(plan), groups, holder=role.stage.ranks,
+                    tp_group=tp_group, sequence_parallel=sequence_parallel,
+                    bucket_numel=bucket_numel)
+    return role, model, layouts, sync
+
+
+def backward_pipeline_grads(role, model, layouts, sequence_parallel=False):
+    for name, param in model.named_parameters():
+        layout = layouts[name]
+        for use in uses(role, name[2:]):
+            grad = shard_of_full(pipeline_grad(role.stage.pipeline, layout.global_name, use,
+                                               layout.full_shape), layout)
+            if sequence_parallel and layout.partition_dim is None:
+                # each TP rank saw only its sequence chunk: it holds a share of the gradient
+                grad = grad * (role.tp_rank + 1) / sum(range(1, role.stage.tp_size + 1))
+            (param * grad).sum().backward()
+
+
+def _check_sync(rank, world_size, plan_file, bucket_numel, sequence_parallel):
+    plan = load_plan(PLANS / plan_file)
+    role, model, layouts, sync = build(plan, rank, bucket_numel=bucket_numel,
+                                       sequence_parallel=sequence_parallel)
+    for _ in range(2):                       # the second round checks zero_grad and reuse
+        sync.zero_grad()
+        backward_pipeline_grads(role, model, layouts, sequence_parallel)
+        sync.sync()
+        for name, param in model.named_parameters():
+            layout = layouts[name]
+            want = shard_of_full(expected_full(plan, layout.global_name, layout.full_shape),
+                                 layout).float()
+            torch.testing.assert_close(param.grad, want, rtol=1e-6, atol=1e-6,
+                                       msg=lambda m: f"rank {rank} {name}: {m}")
+        norm = sync.grad_norm()
+    everything = {}
+    for r in range(world_size):
+        for _, gname, shape, _ in catalog(rank_role(plan, r)):
+            everything[gname] = expected_full(plan, gname, shape)
+    want_norm = sum(float((g * g).sum()) for g in everything.values()) ** 0.5
+    assert abs(norm - want_norm) <= 1e-6 * want_norm, (rank, norm, want_norm)
+    coeff = (norm / 2) / (norm + 1e-6)
+    before = {name: p.grad.clone() for name, p in model.named_parameters()}
+    sync.clip(norm / 2, norm)
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.grad, before[name] * coeff)
+    return {"norm": norm, "buckets": len(sync.buckets),
+            "full_buffers": sum(b.full_data is not None for b in sync.buckets)}
+
+
+@pytest.mark.parametrize("plan_file,world,asymmetric", [
+    ("tiny-two-pipelines.yaml", 4, True),
+    ("tiny-three-pipelines.yaml", 5, False),
+    ("tiny-tp-change.yaml", 6, True),
+    ("tiny-homogeneous.yaml", 4, False),
+])
+def test_sync_sums_replicas_and_counts_each_param_once(plan_file, world, asymmetric):
+    results = run_on_ranks(world, _check_sync, plan_file, 10_000, False)
+    norms = {r["norm"] for r in results}
+    assert len(norms) == 1, f"ranks disagree on the grad norm: {norms}"
+    # only asymmetric specs pay for a full-size staging buffer
+    assert any(r["full_buffers"] for r in results) == asymmetric
+
+
+def test_small_buckets_and_sequence_parallel_layernorms():
+    """Several buckets per spec (a parameter never split) and SP partial layernorm grads summed
+    over the TP group before the replica sync, on the asymmetric two-pipeline plan."""
+    results = run_on_ranks(4, _check_sync, "tiny-two-pipelines.yaml", 40, True)
+    assert results[0]["buckets"] > 5
+
+
+def _mismatched_vocab(rank, world_size):
+    plan = load_plan(PLANS / "tiny-two-pipelines.yaml")
+    # rank 3's one-stage pipeline pads the vocabulary differently: its word embedding disagrees
+    build(plan, rank, bucket_numel=10_000, tied_rows=24 if rank == 3 else 16)
+
+
+def test_layout_mismatch_is_an_error_not_a_hang():
+    with pytest.raises(RankFailed, match="gradient bucket embedding.word_embeddings.weight"):
+        run_on_ranks(4, _mismatched_vocab, timeout=60)
+
+
+def test_replaced_grad_is_detected():
+    model = torch.nn.Linear(4, 4, bias=False)
+    layouts = {"weight": Layout("decoder.layers.0.fc.weight", (4, 4), None, 0, 1)}
+    plan = load_plan(PLANS / "tiny-homogeneous.yaml")
+    specs = sync_group_specs(plan)
+    sync = GradSync(model, layouts, specs, [None] * len(specs), holder=(0,), tp_group=None,
+                    sequence_parallel=False)
+    model.weight.grad = None                     # what optimizer.zero_grad() would do
+    with pytest.raises(RuntimeError, match="GradSync.zero_grad"):
+        sync.sync()
