@@ -1,0 +1,6 @@
+"""Glue for Megatron-LM's ``pretrain_gpt.py`` (tag core_v0.16.1).
+
+``args.add_autohet_args`` adds the ``--autohet-*`` flags through ``extra_args_provider``;
+``hooks`` holds what the small patch under ``patches/`` calls from Megatron-LM (see
+patches/README.md for the exact changes and why each one is needed).
+"""
