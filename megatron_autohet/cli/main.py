@@ -15,7 +15,7 @@ import sys
 from megatron_autohet import __version__
 from megatron_autohet.errors import ConfigError
 
-COMMANDS = ("train",)
+COMMANDS = ("profile", "train")
 
 
 def build_parser() -> argparse.ArgumentParser:

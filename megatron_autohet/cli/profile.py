@@ -1,0 +1,123 @@
+"""`autohet profile`: measure per-layer costs on this machine, optionally fill in the rest.
+
+Typical use: profile on one node of each GPU type you own (``--tp 1 2 4 8``), and pass
+``--cluster`` so GPU types you could not measure get analytic estimates; the planner then works
+from the merged file, in which every entry says whether it was measured or estimated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from megatron_autohet.cli._table import format_table
+from megatron_autohet.errors import ConfigError
+
+DEFAULT_WARMUP = 2
+DEFAULT_ITERS = 5
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "profile", help="measure layer/embedding/output costs on the local device",
+        description="Measure forward/backward time and activation memory of one megatron-core "
+                    "TransformerLayer, the embedding and the output layer + loss on this "
+                    "machine (GPU if present, else CPU), for each TP degree, micro-batch size and "
+                    "sequence length asked for. TP degree t runs t processes (NCCL on t GPUs, "
+                    "gloo on a CPU). With --cluster, GPU types of that cluster that were not "
+                    "measured here are filled with analytic estimates from the GPU catalog.")
+    p.add_argument("--model", required=True, metavar="M.yaml", help="model file (configs/models/)")
+    p.add_argument("--tp", type=int, nargs="+", default=[1], metavar="T",
+                   help="TP degrees to measure; each needs that many local GPUs (or processes on "
+                        "a CPU) (default: 1)")
+    p.add_argument("--micro-batch-size", type=int, nargs="+", default=[1], metavar="B",
+                   help="micro-batch sizes to measure (default: 1)")
+    p.add_argument("--seq-length", type=int, nargs="+", default=None, metavar="S",
+                   help="sequence lengths to measure (default: the model's seq_length)")
+    p.add_argument("--as-gpu", default=None, metavar="NAME",
+                   help="GPU type the entries are recorded as, a key of the GPU catalog (default: "
+                        "the catalog type matching the local GPU; 'CPU' on a CPU-only machine)")
+    p.add_argument("--cluster", default=None, metavar="C.yaml",
+                   help="also estimate every GPU type of this cluster that was not measured here "
+                        "(default: measured entries only)")
+    p.add_argument("--gpu-catalog", default=None, metavar="G.yaml",
+                   help="GPU catalog (default: the bundled configs/gpus.yaml)")
+    p.add_argument("--warmup", type=int, default=DEFAULT_WARMUP,
+                   help=f"untimed iterations before timing each part (default: {DEFAULT_WARMUP})")
+    p.add_argument("--iters", type=int, default=DEFAULT_ITERS,
+                   help=f"timed iterations per part; the median is kept (default: {DEFAULT_ITERS})")
+    p.add_argument("-o", "--output", required=True, metavar="profile.yaml",
+                   help="where to write the profile (.json for JSON, else YAML)")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from megatron_autohet.profiling.measure import (catalog_name_for_device, local_accelerator,
+                                                    measure_profile)
+    from megatron_autohet.profiling.profile import Profile
+    from megatron_autohet.spec import load_cluster, load_gpu_catalog, load_model
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    model = load_model(args.model)
+    catalog = load_gpu_catalog(args.gpu_catalog)
+    cluster = load_cluster(args.cluster, catalog) if args.cluster else None
+    for flag, values in (("--micro-batch-size", args.micro_batch_size),
+                         ("--seq-length", args.seq_length or [])):
+        for v in values:
+            if v <= 0:
+                raise ConfigError("<command line>", flag, f"got {v}", "a number > 0")
+    seq_lengths = args.seq_length or [model.seq_length]
+    gpu = _device_type(args.as_gpu, catalog, local_accelerator(), catalog_name_for_device)
+
+    profile = measure_profile(model, args.tp, args.micro_batch_size, seq_lengths, gpu,
+                              warmup=args.warmup, iters=args.iters)
+    if cluster is not None:
+        from megatron_autohet.profiling.estimate import estimate_profile
+
+        estimated = Profile(model.name)
+        for mbs in args.micro_batch_size:
+            for seq in seq_lengths:
+                estimated = estimate_profile(model, cluster, mbs, seq, args.tp).merged_over(estimated)
+        profile = profile.merged_over(estimated)
+    profile.save(args.output)
+    print(format_profile(profile))
+    measured = sum(e.layer.source == "measured" for e in profile.entries.values())
+    print(f"> wrote {args.output}: {len(profile.entries)} entries "
+          f"({measured} measured, {len(profile.entries) - measured} estimated)")
+    return 0
+
+
+def _device_type(as_gpu, catalog, accelerator, match) -> str:
+    """The GPU type entries are recorded as (see --as-gpu)."""
+    if as_gpu is not None:
+        if as_gpu not in catalog and as_gpu != "CPU":
+            raise ConfigError("<command line>", "--as-gpu", f"unknown GPU type {as_gpu!r}",
+                              ", ".join(sorted(catalog)) + " (or add it with --gpu-catalog)")
+        return as_gpu
+    if accelerator is None:
+        return "CPU"
+    name, memory_gib, _ = accelerator
+    found = match(name, memory_gib, catalog)
+    if found is None:
+        raise ConfigError("<command line>", "--as-gpu", f"the local GPU {name!r} matches no GPU "
+                          f"catalog type; name it", ", ".join(sorted(catalog)))
+    return found
+
+
+def format_profile(profile) -> str:
+    """A table: one row per entry, times in ms, activation memory in MiB."""
+    header = ("GPU", "TP", "MBS", "seq", "layer fwd", "layer bwd", "layer act MiB",
+              "emb fwd+bwd", "out fwd+bwd", "source")
+    rows = []
+    for e in sorted(profile.entries.values(), key=lambda e: e.key):
+        rows.append((e.gpu, str(e.tp), str(e.micro_batch_size), str(e.seq_length),
+                     _ms(e.layer.forward_s), _ms(e.layer.backward_s),
+                     f"{e.layer.activation_bytes / 2**20:.3g}",
+                     _ms(e.embedding.forward_s + e.embedding.backward_s),
+                     _ms(e.output.forward_s + e.output.backward_s), e.layer.source))
+    return format_table(header, rows) + "\n(times in ms per micro-batch, per GPU of the TP group)"
+
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3g}"

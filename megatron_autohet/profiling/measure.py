@@ -1,0 +1,434 @@
+"""Measure one transformer layer, the embedding and the output layer on the local device.
+
+What is measured is megatron-core's own code, built the way a GPT model builds it:
+
+* ``layer``: one ``TransformerLayer`` from ``get_gpt_layer_local_spec`` (the Transformer Engine
+  spec when ``transformer_engine`` imports and a GPU is present);
+* ``embedding``: ``LanguageModelEmbedding`` (a ``VocabParallelEmbedding``, plus learned positions
+  unless the model uses RoPE);
+* ``output``: the final norm, the vocab-parallel output projection and
+  ``vocab_parallel_cross_entropy`` (what the last pipeline stage runs).
+
+Each is timed forward and backward for ``warmup`` untimed then ``iters`` timed micro-batches; the
+median is kept. On a GPU, times come from CUDA events and memory from the allocator
+(``torch.cuda.memory_allocated`` around the forward pass, ``max_memory_allocated`` for the peak
+that is logged). On a CPU, times come from ``time.perf_counter`` and activation memory is counted
+from the tensors autograd really saves for backward (``torch.autograd.graph.saved_tensors_hooks``,
+each storage counted once, parameters excluded). ``activation_bytes_recompute`` is measured the
+same way with the module wrapped in megatron-core's ``tensor_parallel.checkpoint`` (full
+activation recompute keeps only what the checkpoint saves: the input).
+
+Tensor parallelism is real: a TP degree t is measured by t processes (torch.multiprocessing,
+NCCL on t local GPUs, gloo on a CPU), each holding its shard and running the TP collectives, and
+the slowest rank's time is kept. Every measurement runs in child processes, even t = 1, so the
+caller's process never gets megatron's global state, the CPU mode's patches or a process group.
+On a 2-core CPU, t > 1 processes share the cores, so CPU times for t > 1 are upper bounds; what
+such a profile is for is exercising the planner and the runtime on a laptop, not predicting GPUs.
+
+The device name in the entries matters because the planner looks entries up by GPU type: on a
+GPU it is the GPU catalog's name of the local device (``catalog_name_for_device``) unless the user
+names one (``as_gpu``); on a CPU it is ``as_gpu`` or ``"CPU"``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue as queue_module
+import re
+import socket
+import statistics
+import tempfile
+import time
+import warnings
+import weakref
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from megatron_autohet.errors import ConfigError
+from megatron_autohet.profiling.profile import OpCost, Profile, ProfileEntry
+from megatron_autohet.spec.gpus import GPUType
+from megatron_autohet.spec.model import ModelSpec
+
+logger = logging.getLogger(__name__)
+
+# Megatron pads the vocabulary to a multiple of this times the TP degree
+# (Megatron-LM --make-vocab-size-divisible-by, default 128).
+VOCAB_DIVISIBLE_BY = 128
+
+
+@dataclass(frozen=True)
+class MeasureRequest:
+    """Everything a child process needs; plain data so it pickles into spawned processes."""
+
+    model: ModelSpec
+    tp: int
+    micro_batch_sizes: tuple[int, ...]
+    seq_lengths: tuple[int, ...]
+    gpu: str
+    warmup: int
+    iters: int
+    master_port: int
+    result_dir: str
+
+
+def padded_vocab_size(vocab_size: int, tp: int) -> int:
+    multiple = VOCAB_DIVISIBLE_BY * tp
+    return -(-vocab_size // multiple) * multiple
+
+
+def catalog_name_for_device(device_name: str, memory_gib: float,
+                            catalog: dict[str, GPUType]) -> str | None:
+    """The catalog key of a device such as 'NVIDIA A100-SXM4-80GB' (-> 'A100-80GB'), or None.
+
+    A key matches when its name tokens other than a memory size ('80GB') appear consecutively in
+    the device name's tokens ('H20' does not match 'H200'); among matches the one whose memory is
+    closest to the device's wins (A100-40GB vs A100-80GB).
+    """
+    device_tokens = [t.upper() for t in re.split(r"[^A-Za-z0-9]+", device_name) if t]
+    matches = []
+    for key, gpu in catalog.items():
+        key_tokens = [t.upper() for t in re.split(r"[^A-Za-z0-9]+", key)
+                      if t and not re.fullmatch(r"\d+GB", t, re.IGNORECASE)]
+        n = len(key_tokens)
+        if n and any(device_tokens[i:i + n] == key_tokens
+                     for i in range(len(device_tokens) - n + 1)):
+            matches.append((abs(gpu.memory_gib - memory_gib), key))
+    return min(matches)[1] if matches else None
+
+
+def local_accelerator() -> tuple[str, float, int] | None:
+    """(device name, memory GiB, device count) of the local CUDA GPUs, or None on a CPU."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    props = torch.cuda.get_device_properties(0)
+    return props.name, props.total_memory / 2**30, torch.cuda.device_count()
+
+
+def measure_profile(model: ModelSpec, tp_degrees: list[int], micro_batch_sizes: list[int],
+                    seq_lengths: list[int], gpu: str, *, warmup: int = 2, iters: int = 5,
+                    progress: bool = True) -> Profile:
+    """Measure every (TP degree, micro-batch size, seq length) on this machine; ``gpu`` names it.
+
+    Raises ConfigError for a TP degree the model cannot be split by, or more TP ranks than GPUs.
+    """
+    import torch.multiprocessing as mp
+    from tqdm import tqdm
+
+    accelerator = local_accelerator()
+    for tp in tp_degrees:
+        if tp not in model.valid_tp_degrees(max_tp=max(tp, 1)):
+            raise ConfigError("<command line>", "--tp", f"TP degree {tp} does not divide the "
+                              f"model's heads/query groups/FFN size",
+                              ", ".join(map(str, model.valid_tp_degrees(64))))
+        if accelerator is not None and tp > accelerator[2]:
+            raise ConfigError("<command line>", "--tp", f"TP degree {tp} needs {tp} GPUs, this "
+                              f"machine has {accelerator[2]}",
+                              f"TP degrees up to {accelerator[2]}")
+    if warmup < 0 or iters < 1:
+        raise ConfigError("<command line>", "--iters", f"got warmup={warmup}, iters={iters}",
+                          "warmup >= 0 and iters >= 1")
+
+    logger.info("> measuring %s as %s on %s: TP %s, micro-batch sizes %s, seq lengths %s, "
+                "%d warm-up + %d timed iterations each", model.name, gpu,
+                accelerator[0] if accelerator else "CPU", tp_degrees, micro_batch_sizes,
+                seq_lengths, warmup, iters)
+    profile = Profile(model.name)
+    total = len(tp_degrees) * len(micro_batch_sizes) * len(seq_lengths)
+    context = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix="autohet-measure-") as result_dir, \
+            tqdm(total=total, desc="measuring", unit="entry", disable=not progress) as bar:
+        for tp in tp_degrees:
+            request = MeasureRequest(model, tp, tuple(micro_batch_sizes), tuple(seq_lengths), gpu,
+                                     warmup, iters, _free_port(), result_dir)
+            done = context.Queue()
+            workers = mp.start_processes(_worker, args=(request, done), nprocs=tp, join=False,
+                                         start_method="spawn")
+            expected = len(micro_batch_sizes) * len(seq_lengths)
+            received = 0
+            # Rank 0 reports each finished entry; join() raises if any rank failed.
+            while received < expected:
+                try:
+                    entry = done.get(timeout=0.5)
+                except queue_module.Empty:
+                    if workers.join(timeout=0):
+                        raise RuntimeError(f"measurement processes for TP={tp} exited after "
+                                           f"{received} of {expected} entries") from None
+                    continue
+                profile.add(_entry_from_dict(entry))
+                received += 1
+                bar.set_postfix_str(f"tp={tp} mbs={entry['micro_batch_size']} "
+                                    f"seq={entry['seq_length']}")
+                bar.update(1)
+            workers.join()
+    return profile
+
+
+def _entry_from_dict(data: dict) -> ProfileEntry:
+    return ProfileEntry(gpu=data["gpu"], tp=data["tp"], micro_batch_size=data["micro_batch_size"],
+                        seq_length=data["seq_length"],
+                        **{part: OpCost(**data[part]) for part in ("layer", "embedding", "output")})
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---- child process ---------------------------------------------------------------------------
+
+def _worker(rank: int, request: MeasureRequest, done) -> None:
+    import torch
+    import torch.distributed as dist
+
+    # megatron-core warns at import about every missing optional fused kernel; the measurement
+    # reports which layer spec it used instead.
+    warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).*not installed.*")
+    warnings.filterwarnings("ignore", message=r".*full scope is deprecated.*")
+    on_gpu = torch.cuda.is_available()
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(request.master_port))
+    if on_gpu:
+        torch.cuda.set_device(rank)
+    else:
+        from megatron_autohet.runtime.cpu_mode import enable_cpu_mode
+        enable_cpu_mode()
+    dist.init_process_group("nccl" if on_gpu else "gloo", rank=rank, world_size=request.tp)
+    try:
+        from megatron.core import parallel_state
+        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=request.tp)
+        model_parallel_cuda_manual_seed(1234)
+        bench = _Bench(request, on_gpu)
+        for mbs in request.micro_batch_sizes:
+            for seq in request.seq_lengths:
+                entry = bench.measure_entry(mbs, seq)
+                if rank == 0:
+                    done.put(entry)
+        parallel_state.destroy_model_parallel()
+    finally:
+        dist.destroy_process_group()
+
+
+class _Bench:
+    """Builds the three parts once per TP degree and times them for each batch shape."""
+
+    def __init__(self, request: MeasureRequest, on_gpu: bool):
+        import torch
+        from megatron.core.transformer.transformer_config import TransformerConfig
+
+        self.request, self.on_gpu = request, on_gpu
+        model = request.model
+        self.device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+        if on_gpu:
+            self.dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        else:
+            self.dtype = torch.float32
+        self.config = TransformerConfig(
+            num_layers=1,
+            hidden_size=model.hidden_size,
+            ffn_hidden_size=model.ffn_hidden_size,
+            num_attention_heads=model.num_attention_heads,
+            num_query_groups=model.num_query_groups,
+            gated_linear_unit=model.gated_linear_unit,
+            activation_func=_activation(model),
+            tensor_model_parallel_size=request.tp,
+            params_dtype=self.dtype,
+            bf16=self.dtype == torch.bfloat16,
+            fp16=self.dtype == torch.float16,
+            use_cpu_initialization=not on_gpu,
+            # Fused CUDA kernels only exist on a GPU; on a CPU take the plain PyTorch paths.
+            bias_activation_fusion=on_gpu and not model.gated_linear_unit,
+            masked_softmax_fusion=on_gpu,
+            bias_dropout_fusion=on_gpu,
+            apply_rope_fusion=False,
+            gradient_accumulation_fusion=False,
+        )
+        self.layer = self._build_layer().to(self.device)
+        self.embedding = self._build_embedding().to(self.device)
+        self.final_norm, self.output_layer = self._build_output()
+        self.final_norm.to(self.device)
+        self.output_layer.to(self.device)
+
+    # -- building megatron-core modules --------------------------------------------------------
+    def _build_layer(self):
+        from megatron.core.transformer.spec_utils import build_module
+
+        spec = None
+        if self.on_gpu:
+            try:
+                from megatron.core.models.gpt.gpt_layer_specs import \
+                    get_gpt_layer_with_transformer_engine_spec
+                import transformer_engine  # noqa: F401  (the spec needs it at build time)
+                spec = get_gpt_layer_with_transformer_engine_spec()
+            except ImportError:
+                spec = None
+        if spec is None:
+            from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+            spec = get_gpt_layer_local_spec()
+        return build_module(spec, config=self.config, layer_number=1)
+
+    def _build_embedding(self):
+        from megatron.core.models.common.embeddings.language_model_embedding import \
+            LanguageModelEmbedding
+
+        model = self.request.model
+        return LanguageModelEmbedding(
+            self.config, vocab_size=padded_vocab_size(model.vocab_size, self.request.tp),
+            max_sequence_length=max(self.request.seq_lengths),
+            position_embedding_type=model.position_embedding_type)
+
+    def _build_output(self):
+        from megatron.core import tensor_parallel
+        from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+        model = self.request.model
+        norm = WrappedTorchNorm(self.config, self.config.hidden_size, eps=self.config.layernorm_epsilon)
+        # GPTModel's output layer: column-parallel over the vocabulary, logits stay split.
+        # With tied embeddings the last stage still holds (a synced copy of) this matrix.
+        output = tensor_parallel.ColumnParallelLinear(
+            self.config.hidden_size, padded_vocab_size(model.vocab_size, self.request.tp),
+            config=self.config, init_method=self.config.init_method, bias=False,
+            skip_bias_add=False, gather_output=False)
+        return norm, output
+
+    def _rotary(self, seq: int):
+        if self.request.model.position_embedding_type != "rope":
+            return None
+        from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+        rope = RotaryEmbedding(kv_channels=self.config.kv_channels, rotary_percent=1.0)
+        return rope(seq).to(self.device)
+
+    # -- one entry -----------------------------------------------------------------------------
+    def measure_entry(self, mbs: int, seq: int) -> dict:
+        import torch
+
+        model, h = self.request.model, self.config.hidden_size
+        rotary = self._rotary(seq)
+
+        def hidden():
+            return torch.randn(seq, mbs, h, device=self.device, dtype=self.dtype,
+                               requires_grad=True)
+
+        tokens = torch.randint(0, model.vocab_size, (mbs, seq), device=self.device)
+        positions = torch.arange(seq, device=self.device).unsqueeze(0).expand(mbs, seq)
+        labels = torch.randint(0, model.vocab_size, (seq, mbs), device=self.device)
+
+        def run_layer(x):
+            out, _ = self.layer(x, attention_mask=None, rotary_pos_emb=rotary)
+            return out
+
+        def run_output(x):
+            from megatron.core import tensor_parallel
+
+            logits, _ = self.output_layer(self.final_norm(x))
+            return tensor_parallel.vocab_parallel_cross_entropy(logits.float(), labels).mean()
+
+        parts = {
+            "layer": self._measure(self.layer, lambda: run_layer(hidden()), run_layer, hidden),
+            "embedding": self._measure(self.embedding, lambda: self.embedding(tokens, positions),
+                                       None, None),
+            "output": self._measure((self.final_norm, self.output_layer),
+                                    lambda: run_output(hidden()), run_output, hidden),
+        }
+        return {"gpu": self.request.gpu, "tp": self.request.tp, "micro_batch_size": mbs,
+                "seq_length": seq, **{k: asdict(v) for k, v in parts.items()}}
+
+    def _measure(self, modules, forward, recompute_fn, make_input) -> OpCost:
+        """Time forward/backward of ``forward()`` and count its activations, with and without
+        full recompute (``recompute_fn(x)`` under megatron's checkpoint; None: nothing to
+        recompute, the input is token ids)."""
+        import torch
+        import torch.distributed as dist
+
+        modules = modules if isinstance(modules, tuple) else (modules,)
+        params = [p for m in modules for p in m.parameters()]
+        fwd_times, bwd_times = [], []
+        for i in range(self.request.warmup + self.request.iters):
+            for p in params:
+                p.grad = None
+            dist.barrier()
+            t0 = self._clock()
+            out = forward()
+            t1 = self._clock()
+            out.backward(torch.ones_like(out) if out.dim() else None)
+            t2 = self._clock()
+            if i >= self.request.warmup:
+                fwd_times.append(self._elapsed(t0, t1))
+                bwd_times.append(self._elapsed(t1, t2))
+        # The slowest TP rank sets the pace of the group.
+        times = torch.tensor([statistics.median(fwd_times), statistics.median(bwd_times)],
+                             dtype=torch.float64, device=self.device)
+        dist.all_reduce(times, op=dist.ReduceOp.MAX)
+
+        activation = self._activation_bytes(forward, params)
+        if recompute_fn is None:
+            recompute = activation
+        else:
+            from megatron.core import tensor_parallel
+
+            recompute = self._activation_bytes(
+                lambda: tensor_parallel.checkpoint(recompute_fn, False, make_input()), params)
+        return OpCost(forward_s=float(times[0]), backward_s=float(times[1]),
+                      activation_bytes=float(activation),
+                      activation_bytes_recompute=float(recompute),
+                      param_count=sum(p.numel() for p in params), source="measured")
+
+    def _activation_bytes(self, forward, params) -> int:
+        """Bytes one micro-batch keeps alive from forward to backward on this rank."""
+        import torch
+
+        if self.on_gpu:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
+            out = forward()
+            torch.cuda.synchronize()
+            kept = torch.cuda.memory_allocated() - before
+            logger.debug("peak during forward: %.1f MiB over the base",
+                         (torch.cuda.max_memory_allocated() - before) / 2**20)
+            del out
+            return max(kept, 0)
+        # Count what the graph still holds once forward returns: tensors saved inside a scope that
+        # ends in forward (megatron's checkpoint runs its function under enable_grad for
+        # bias-dropout-add and then drops that graph) are dead by then and are not counted.
+        param_storages = {p.untyped_storage().data_ptr() for p in params}
+        saved: list[tuple[int, int, weakref.ref]] = []
+
+        def pack(t):
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in param_storages:
+                saved.append((storage.data_ptr(), storage.nbytes(), weakref.ref(t)))
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = forward()
+        alive = {ptr: nbytes for ptr, nbytes, ref in saved if ref() is not None}
+        del out
+        return sum(alive.values())
+
+    def _clock(self):
+        import torch
+
+        if self.on_gpu:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def _elapsed(self, start, end) -> float:
+        if self.on_gpu:
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3
+        return end - start
+
+
+def _activation(model: ModelSpec):
+    import torch.nn.functional as F
+
+    # LLaMA-style gated MLPs use SwiGLU; GPT-3 uses GELU.
+    return F.silu if model.gated_linear_unit else F.gelu
