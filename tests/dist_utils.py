@@ -7,7 +7,7 @@ Public API
     local port), enables the runtime's CPU mode when the machine has no GPU, and calls
     ``fn(rank, world_size, *args, **kwargs)``. Returns the results in rank order (they must be
     picklable). If a process raises, the others are stopped and a ``RankFailed`` carrying the
-    child's formatted traceback is raised here; a process that hangs past ``timeout`` seconds
+    formatted traceback of every failed child is raised here; a process that hangs past ``timeout`` seconds
     (e.g. a collective whose peer died) fails the same way instead of hanging the test suite.
 ``free_port() -> int``
 
@@ -68,25 +68,35 @@ def run_on_ranks(world_size: int, fn, *args, timeout: float = 120, **kwargs) -> 
     for proc in procs:
         proc.start()
     values: dict[int, object] = {}
+    failures: dict[int, str] = {}
     deadline = time.monotonic() + timeout
     try:
-        while len(values) < world_size:
+        while len(values) + len(failures) < world_size:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
+                if failures:
+                    break
                 missing = sorted(set(range(world_size)) - set(values))
                 raise RankFailed(f"ranks {missing} did not finish within {timeout:.0f} s")
             try:
                 rank, ok, value = results.get(timeout=min(remaining, 1.0))
             except queue.Empty:
-                dead = [r for r, p in enumerate(procs)
-                        if r not in values and not p.is_alive() and p.exitcode not in (0, None)]
-                if dead:
-                    raise RankFailed(f"ranks {dead} died (exit codes "
-                                     f"{[procs[r].exitcode for r in dead]}) without a result")
+                dead = [r for r, p in enumerate(procs) if r not in values and r not in failures
+                        and not p.is_alive() and p.exitcode not in (0, None)]
+                for r in dead:
+                    failures[r] = f"died with exit code {procs[r].exitcode} without a result"
                 continue
-            if not ok:
-                raise RankFailed(f"rank {rank} of {world_size} raised:\n{value}")
-            values[rank] = value
+            if ok:
+                values[rank] = value
+            else:
+                # The first failure often makes peers fail in collectives ("connection closed by
+                # peer"); wait briefly for theirs too so the root cause is in the report.
+                failures[rank] = value
+                deadline = min(deadline, time.monotonic() + 3.0)
+        if failures:
+            report = "\n".join(f"--- rank {r} of {world_size}:\n{failures[r]}"
+                               for r in sorted(failures))
+            raise RankFailed(f"ranks {sorted(failures)} failed:\n{report}")
     finally:
         for proc in procs:
             proc.join(timeout=5)
