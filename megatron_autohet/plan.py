@@ -77,6 +77,12 @@ class Pipeline:
     def ranks(self) -> list[int]:
         return [r for s in self.stages for r in s.ranks]
 
+    def warmup_depths(self) -> list[int]:
+        """Effective 1F1B warm-up depth per stage: the plan's, or the standard num_stages - s - 1."""
+        n = len(self.stages)
+        return [min(n - s - 1, self.num_microbatches) if stage.warmup_microbatches is None
+                else stage.warmup_microbatches for s, stage in enumerate(self.stages)]
+
 
 @dataclass
 class Plan:
@@ -216,6 +222,29 @@ def plan_from_dict(data: dict, file: str | Path = "<plan>") -> Plan:
     return plan.validate(file)
 
 
+def _validate_warmup(pipe: Pipeline, where: str, file: str | Path) -> None:
+    """Warm-up depths the runtime's 1F1B can run without deadlock (proof: runtime/p2p.py).
+
+    A stage may run ahead of the next one (HAPT: stages before a slow link), never behind it:
+    a stage with a deeper warm-up than its predecessor waits for an activation the predecessor
+    only sends after receiving a gradient the stage has not produced yet.
+    """
+    depths = pipe.warmup_depths()
+    last = len(depths) - 1
+    for s, w in enumerate(depths):
+        field = f"{where}.stages[{s}].warmup_microbatches"
+        if s == last and w != 0:
+            raise ConfigError(file, field, f"{w} on the last stage",
+                              "0: the last stage runs each backward right after its forward")
+        if s < last and w < 1:
+            raise ConfigError(file, field, f"{w} on a stage before the last",
+                              f"1..{pipe.num_microbatches}")
+        if s > 0 and w > depths[s - 1]:
+            raise ConfigError(file, field, f"{w} > {depths[s - 1]} of stage {s - 1}",
+                              f"<= {depths[s - 1]}: warm-up depths must not increase along "
+                              "the pipeline (a deeper stage after a shallower one deadlocks 1F1B)")
+
+
 def validate_plan(plan: Plan, file: str | Path = "<plan>") -> None:
     """Check every invariant the runtime relies on; raise ConfigError on the first violation."""
     world = len(plan.ranks)
@@ -282,6 +311,7 @@ def validate_plan(plan: Plan, file: str | Path = "<plan>") -> None:
         if expected_start != model.num_layers:
             raise ConfigError(file, f"{where}.stages", f"layers end at {expected_start}",
                               f"the last stage ends at num_layers = {model.num_layers}")
+        _validate_warmup(pipe, where, file)
     unused = [r for r in range(world) if r not in owner]
     if unused:
         raise ConfigError(file, "pipelines", f"ranks {unused} have no stage",

@@ -77,13 +77,11 @@ def stage_roles(plan: Plan) -> list[StageRole]:
     roles = []
     for p, pipe in enumerate(plan.pipelines):
         n = len(pipe.stages)
+        warmups = pipe.warmup_depths()
         for s, stage in enumerate(pipe.stages):
-            warmup = stage.warmup_microbatches
-            if warmup is None:
-                warmup = min(n - s - 1, pipe.num_microbatches)
             roles.append(StageRole(
                 pipeline=p, stage=s, num_stages=n, ranks=tuple(stage.ranks), layers=stage.layers,
-                num_microbatches=pipe.num_microbatches, warmup_microbatches=warmup,
+                num_microbatches=pipe.num_microbatches, warmup_microbatches=warmups[s],
                 prev_ranks=tuple(pipe.stages[s - 1].ranks) if s > 0 else None,
                 next_ranks=tuple(pipe.stages[s + 1].ranks) if s < n - 1 else None))
     return roles

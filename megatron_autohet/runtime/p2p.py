@@ -1,0 +1,285 @@
+"""Point-to-point transfers between pipeline stages of different TP degree.
+
+Public API
+----------
+``StageLayout(ranks, sequence_parallel)``
+    How one stage holds the activation ``[s, b, h]`` passed between stages: ``ranks`` is its TP
+    group in TP-rank order; with sequence parallelism (and TP > 1) TP rank k holds the sequence
+    slice ``[k*s/t, (k+1)*s/t)``, otherwise every TP rank holds the whole tensor.
+``Transfer(src, dst, start, end)`` / ``transfer_plan(src, dst, seq_length) -> tuple[Transfer]``
+    Pure: which global rank sends which global sequence range to which. Both sides compute it
+    identically, so no shapes or metadata are ever exchanged.
+``SchedulePosition(stage, warmup_microbatches)``
+    The ``pp_group`` megatron's 1F1B schedule reads (``rank()``, ``size()``); see below.
+``HeteroP2PCommunicator(role, config, *, sequence_parallel)``
+    Drop-in for megatron-core's ``P2PCommunicator`` in
+    ``forward_backward_pipelining_without_interleaving``: ``recv_forward``, ``send_forward``,
+    ``recv_backward``, ``send_backward``, ``send_forward_recv_backward``,
+    ``send_backward_recv_forward`` with megatron's signatures and list/single-tensor conventions,
+    plus ``config``, ``pp_group`` and :meth:`~HeteroP2PCommunicator.finish_sends`.
+
+Which rank sends what (no duplicate copies)
+-------------------------------------------
+Without sequence parallelism every TP rank of a stage holds the full stage output: the last
+op of each layer is a row-parallel linear whose output is all-reduced, and the residual adds are
+replicated. The same holds backwards: without sequence parallelism megatron's
+``ColumnParallelLinear`` all-reduces its input gradient across the TP group
+(``allreduce_dgrad``, tensor_parallel/layers.py:920 and :353/:544 in megatron-core 0.16.1), and
+the residual and layer-norm paths are replicated computation on identical data, so the gradient
+of a stage's input is identical on all its TP ranks. A receiver therefore needs one copy of
+each sequence range, not one per sender: receiver TP rank j takes each range it needs from the
+``j mod n``-th of the ``n`` sender ranks holding it, which spreads the sends over the sender's TP
+ranks and sends ``t_next`` (forward) / ``t_prev`` (backward) messages instead of
+``t_prev * t_next``. With sequence parallelism each rank holds a distinct slice and the plan
+re-slices exactly: a receiver gets every intersection of its slice with the senders' slices.
+Stages with TP 1 cannot use sequence parallelism (megatron refuses it), so ``sequence_parallel``
+is a per-run switch that applies to every stage with TP > 1; layouts may differ between
+neighbours (SP TP2 -> non-SP TP1 and back). Each ordered rank pair carries at most one message
+per micro-batch and direction, so messages match in FIFO order without tags (NCCL has none).
+
+Deferred sends, and why the HAPT warm-up needs them
+---------------------------------------------------
+Every call posts its receives and sends together (``batch_isend_irecv``) and waits only for the
+receives; a send completes in the background and is only waited for when its handle is pruned or
+by :meth:`finish_sends` at the end of the schedule. Stock megatron waits for sends too, and a gloo
+send does not complete before the receiver posts the matching receive (measured: an ``isend`` of
+16 floats waits until the peer's ``irecv``), which couples the stages' programs much more
+tightly. With deferred sends a stage only blocks on receives, and megatron's non-interleaved
+1F1B is deadlock-free for any per-stage warm-up depths ``w_0 >= w_1 >= ... >= w_{n-1}``:
+
+    A stuck stage waits on a receive. A receive of an activation waits on the previous stage,
+    a receive of a gradient on the next one, so a cycle of waits contains two neighbours s, s+1
+    where s waits for the gradient of micro-batch j and s+1 waits for an activation k that s has
+    not sent yet. When s posts the receive of gradient j it has already posted the sends of
+    activations 0..min(w_s + j, M-1) (it does so in the same call, or earlier in cool-down).
+    Stage s+1 posts the send of gradient j right after the backward of j, by which time it has
+    received activations 0..min(w_{s+1} + j, M-1); so k <= min(w_{s+1} + j, M-1)
+    <= min(w_s + j, M-1): activation k was already posted, contradiction.
+
+``w_{s+1} > w_s`` deadlocks (s+1 needs activation w_s + 1 before it sends gradient 0, which s
+only sends after receiving it), so plan validation enforces a non-increasing warm-up, with 0 on
+the last stage and >= 1 before it (megatron_autohet/plan.py). With blocking sends the stricter
+condition ``w_s - 2 <= w_{s+1} <= w_s`` would hold; the standard depths (``w_s = n - s - 1``)
+satisfy both.
+
+Megatron computes the warm-up depth inside the schedule as
+``p2p_communicator.pp_group.size() - p2p_communicator.pp_group.rank() - 1`` and reads the same
+object only through ``rank()``/``size()`` (first stage: ``rank() == 0``; last stage:
+``rank() == size() - 1``; grad-sync hook: ``rank == 0``). :class:`SchedulePosition` answers
+``rank() = stage`` and ``size() = stage + warmup + 1``: with the default depth that is exactly the
+pipeline's real rank and size, and with a plan's depth megatron runs that depth, unpatched. The
+communicator itself talks over the default (global) group with global ranks; it never uses a
+pipeline process group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+import torch.distributed as dist
+
+from megatron_autohet.runtime.topology import RankRole
+
+
+@dataclass(frozen=True)
+class StageLayout:
+    ranks: tuple[int, ...]
+    sequence_parallel: bool
+
+    @property
+    def tp_size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def seq_chunks(self) -> int:
+        """Number of distinct sequence slices the stage's ranks hold (1 = replicated)."""
+        return self.tp_size if self.sequence_parallel and self.tp_size > 1 else 1
+
+    def chunk_of(self, tp_rank: int) -> int:
+        return tp_rank if self.seq_chunks > 1 else 0
+
+    def held_range(self, tp_rank: int, seq_length: int) -> tuple[int, int]:
+        """Global sequence positions [start, end) that TP rank ``tp_rank`` holds."""
+        size = seq_length // self.seq_chunks
+        chunk = self.chunk_of(tp_rank)
+        return chunk * size, (chunk + 1) * size
+
+
+@dataclass(frozen=True)
+class Transfer:
+    src: int      # global rank
+    dst: int      # global rank
+    start: int    # global sequence positions [start, end)
+    end: int
+
+
+@lru_cache(maxsize=None)
+def transfer_plan(src: StageLayout, dst: StageLayout, seq_length: int) -> tuple[Transfer, ...]:
+    """Every message that moves an activation (or its gradient) from ``src``'s layout to ``dst``'s.
+
+    Each destination rank receives each position it holds exactly once; among the source ranks
+    holding a range, destination TP rank j uses the (j mod n)-th, spreading the load.
+    """
+    for layout in (src, dst):
+        if seq_length % layout.seq_chunks:
+            raise ValueError(f"sequence length {seq_length} is not divisible by the "
+                             f"{layout.seq_chunks} sequence-parallel slices of stage {layout.ranks}")
+    transfers = []
+    for j, dst_rank in enumerate(dst.ranks):
+        lo, hi = dst.held_range(j, seq_length)
+        for chunk in range(src.seq_chunks):
+            holders = [r for k, r in enumerate(src.ranks) if src.chunk_of(k) == chunk]
+            start, end = src.held_range(src.ranks.index(holders[0]), seq_length)
+            start, end = max(lo, start), min(hi, end)
+            if start < end:
+                transfers.append(Transfer(holders[j % len(holders)], dst_rank, start, end))
+    return tuple(transfers)
+
+
+@dataclass(frozen=True)
+class SchedulePosition:
+    """What megatron's non-interleaved 1F1B reads from ``p2p_communicator.pp_group``.
+
+    ``size() - rank() - 1`` is the warm-up depth; ``rank() == 0`` marks the first stage and
+    ``rank() == size() - 1`` the last one (see the module docstring).
+    """
+
+    stage: int
+    warmup_microbatches: int
+
+    def rank(self) -> int:
+        return self.stage
+
+    def size(self) -> int:
+        return self.stage + self.warmup_microbatches + 1
+
+
+def _is_single_shape(x) -> bool:
+    """Megatron's convention (p2p_communication.is_single_shape): one shape vs. a list of them."""
+    if isinstance(x, torch.Size):
+        return True
+    return isinstance(x, (list, tuple)) and len(x) > 0 and all(isinstance(d, int) for d in x)
+
+
+class HeteroP2PCommunicator:
+    """Sends and receives stage activations/gradients between TP groups of any size."""
+
+    def __init__(self, role: RankRole, config, *, sequence_parallel: bool):
+        stage = role.stage
+        self.config = config
+        self.rank = role.rank
+        self.layout = StageLayout(stage.ranks, sequence_parallel)
+        self.prev_layout = (StageLayout(stage.prev_ranks, sequence_parallel)
+                            if stage.prev_ranks is not None else None)
+        self.next_layout = (StageLayout(stage.next_ranks, sequence_parallel)
+                            if stage.next_ranks is not None else None)
+        if bool(config.sequence_parallel) != (self.layout.seq_chunks > 1):
+            raise ValueError(f"config.sequence_parallel={config.sequence_parallel} but a stage "
+                             f"of TP {self.layout.tp_size} with sequence_parallel="
+                             f"{sequence_parallel} must use {self.layout.seq_chunks > 1}")
+        if getattr(config, "variable_seq_lengths", False):
+            raise ValueError("variable_seq_lengths is not supported: shapes come from the layout")
+        warmup = stage.warmup_microbatches
+        if stage.is_last != (warmup == 0):
+            raise ValueError(f"stage {stage.stage} of {stage.num_stages}: warm-up depth {warmup} "
+                             "(the last stage needs 0, the others >= 1)")
+        self.pp_group = SchedulePosition(stage.stage, warmup)
+        self._pending_sends: list[tuple[dist.Work, torch.Tensor]] = []
+
+    # ---- the methods megatron's non-interleaved schedule calls --------------------------------
+    def recv_forward(self, tensor_shapes, is_first_stage: bool):
+        return self._per_shape(tensor_shapes, lambda shape: None if is_first_stage else
+                               self._exchange(recv_from=self.prev_layout, recv_shape=shape))
+
+    def recv_backward(self, tensor_shapes, is_last_stage: bool):
+        return self._per_shape(tensor_shapes, lambda shape: None if is_last_stage else
+                               self._exchange(recv_from=self.next_layout, recv_shape=shape))
+
+    def send_forward(self, output_tensors, is_last_stage: bool) -> None:
+        for tensor in output_tensors if isinstance(output_tensors, list) else [output_tensors]:
+            if not is_last_stage:
+                self._exchange(send=tensor, send_to=self.next_layout)
+
+    def send_backward(self, input_tensor_grads, is_first_stage: bool) -> None:
+        for grad in input_tensor_grads if isinstance(input_tensor_grads, list) else [input_tensor_grads]:
+            if not is_first_stage:
+                self._exchange(send=grad, send_to=self.prev_layout)
+
+    def send_forward_recv_backward(self, output_tensors, tensor_shapes, is_last_stage: bool):
+        return self._send_recv(output_tensors, tensor_shapes, self.next_layout, is_last_stage)
+
+    def send_backward_recv_forward(self, input_tensor_grads, tensor_shapes, is_first_stage: bool):
+        return self._send_recv(input_tensor_grads, tensor_shapes, self.prev_layout, is_first_stage)
+
+    def finish_sends(self) -> None:
+        """Wait for every send still in flight (call before the sent tensors may change)."""
+        for work, _ in self._pending_sends:
+            work.wait()
+        self._pending_sends.clear()
+
+    # ---- internals ---------------------------------------------------------------------------
+    @staticmethod
+    def _per_shape(tensor_shapes, receive):
+        if _is_single_shape(tensor_shapes):
+            return receive(tensor_shapes)
+        return [receive(shape) for shape in tensor_shapes]
+
+    def _send_recv(self, tensors, tensor_shapes, peer: StageLayout | None, at_end: bool):
+        """Send to ``peer`` and receive from it in one call (the combined 1F1B steps)."""
+        single = not isinstance(tensors, list)
+        tensors = [tensors] if single else tensors
+        shapes = tensor_shapes if isinstance(tensor_shapes, list) else [tensor_shapes]
+        received = [None if at_end else
+                    self._exchange(send=t, send_to=peer, recv_from=peer, recv_shape=shape)
+                    for t, shape in zip(tensors, shapes)]
+        return received[0] if single else received
+
+    def _exchange(self, *, send: torch.Tensor | None = None, send_to: StageLayout | None = None,
+                  recv_from: StageLayout | None = None, recv_shape=None) -> torch.Tensor | None:
+        """Post this rank's part of one send and/or one receive; return once received."""
+        ops: list[dist.P2POp] = []
+        buffer = None
+        if recv_from is not None:
+            seq_length = recv_shape[0] * self.layout.seq_chunks
+            my_start, _ = self.layout.held_range(self.layout.ranks.index(self.rank), seq_length)
+            dtype = self.config.pipeline_dtype
+            if dtype is None:
+                raise RuntimeError("config.pipeline_dtype must be set to receive activations")
+            buffer = torch.empty(tuple(recv_shape), dtype=dtype, device=_comm_device())
+            for t in transfer_plan(recv_from, self.layout, seq_length):
+                if t.dst == self.rank:
+                    ops.append(dist.P2POp(dist.irecv, buffer[t.start - my_start:t.end - my_start],
+                                          t.src))
+        num_recvs = len(ops)
+        if send is not None:
+            seq_length = send.shape[0] * self.layout.seq_chunks
+            my_start, _ = self.layout.held_range(self.layout.ranks.index(self.rank), seq_length)
+            # A detached view keeps the storage alive even if megatron later swaps the output's
+            # .data (deallocate_pipeline_outputs) while the deferred send is still in flight.
+            data = send.detach()
+            for t in transfer_plan(self.layout, send_to, seq_length):
+                if t.src == self.rank:
+                    ops.append(dist.P2POp(dist.isend, data[t.start - my_start:t.end - my_start],
+                                          t.dst))
+        if ops:
+            works = dist.batch_isend_irecv(ops)
+            if len(works) == len(ops):        # one handle per op (gloo): wait for receives only
+                for work in works[:num_recvs]:
+                    work.wait()
+                self._pending_sends.extend(
+                    (work, op.tensor) for work, op in zip(works[num_recvs:], ops[num_recvs:]))
+            else:                             # coalesced (NCCL): one handle, a stream-side wait
+                for work in works:
+                    work.wait()
+        self._pending_sends = [(w, t) for w, t in self._pending_sends if not w.is_completed()]
+        if buffer is not None:
+            buffer.requires_grad_()
+        return buffer
+
+
+def _comm_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

@@ -1,0 +1,178 @@
+"""HeteroP2PCommunicator: exact activations and gradients between stages of different TP degree.
+
+The multi-process tests run a chain of stages (global ranks numbered stage by stage) on gloo and
+drive every method megatron's non-interleaved 1F1B calls, in the order 1F1B calls them, on
+known tensors: each rank must end up with exactly its slice (SP) or the full tensor (no SP) of
+what the neighbouring stage sent, for every micro-batch.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from megatron.core.model_parallel_config import ModelParallelConfig
+from megatron.core.pipeline_parallel.utils import is_pp_first_stage, is_pp_last_stage
+
+from dist_utils import run_on_ranks
+from megatron_autohet.runtime.p2p import (HeteroP2PCommunicator, SchedulePosition, StageLayout,
+                                          transfer_plan)
+from megatron_autohet.runtime.topology import RankRole, StageRole
+
+SEQ, MBS, HIDDEN = 8, 2, 4
+
+
+def chain_roles(tps: list[int], num_microbatches: int = 2) -> list[RankRole]:
+    """RankRoles of one pipeline whose stage s has TP tps[s], ranks numbered stage by stage."""
+    groups, next_rank = [], 0
+    for tp in tps:
+        groups.append(tuple(range(next_rank, next_rank + tp)))
+        next_rank += tp
+    n = len(tps)
+    roles = []
+    for s, ranks in enumerate(groups):
+        stage = StageRole(pipeline=0, stage=s, num_stages=n, ranks=ranks, layers=(s, s + 1),
+                          num_microbatches=num_microbatches,
+                          warmup_microbatches=min(n - s - 1, num_microbatches),
+                          prev_ranks=groups[s - 1] if s > 0 else None,
+                          next_ranks=groups[s + 1] if s < n - 1 else None)
+        roles += [RankRole(rank=r, tp_rank=k, stage=stage, microbatch_offset=0)
+                  for k, r in enumerate(ranks)]
+    return roles
+
+
+def activation(stage: int, microbatch: int, grad: bool) -> torch.Tensor:
+    """A distinct full [s, b, h] tensor per (stage boundary, micro-batch, direction)."""
+    base = 1000 * stage + 100 * microbatch + (50 if grad else 0)
+    return torch.arange(SEQ * MBS * HIDDEN, dtype=torch.float32).view(SEQ, MBS, HIDDEN) + base
+
+
+def local_part(full: torch.Tensor, layout: StageLayout, tp_rank: int) -> torch.Tensor:
+    start, end = layout.held_range(tp_rank, full.shape[0])
+    return full[start:end].clone()
+
+
+def _run_chain(rank, world_size, tps, sequence_parallel):
+    """Two micro-batches through the chain in 1F1B order; returns the checks this rank made."""
+    role = chain_roles(tps)[rank]
+    stage = role.stage
+    layout = StageLayout(stage.ranks, sequence_parallel)
+    config = ModelParallelConfig(tensor_model_parallel_size=stage.tp_size,
+                                 sequence_parallel=layout.seq_chunks > 1,
+                                 pipeline_model_parallel_size=stage.num_stages,
+                                 pipeline_dtype=torch.float32)
+    comm = HeteroP2PCommunicator(role, config, sequence_parallel=sequence_parallel)
+    shapes = [(SEQ // layout.seq_chunks, MBS, HIDDEN)]          # what get_tensor_shapes returns
+    first, last = stage.is_first, stage.is_last
+    # megatron's own stage tests read our SchedulePosition as the pipeline group
+    assert is_pp_first_stage(comm.pp_group) == first and is_pp_last_stage(comm.pp_group) == last
+    s = stage.stage
+    mine = lambda t: local_part(t, layout, role.tp_rank)           # noqa: E731
+    checked = []
+
+    def check(received, expected):
+        assert received is not None and received.requires_grad
+        assert received.shape == expected.shape, (received.shape, expected.shape)
+        assert torch.equal(received.detach(), expected), (rank, received, expected)
+        checked.append(tuple(expected.shape))
+
+    # warm-up (depth 1 on non-last stages of this chain), then 1F1B for micro-batch 1.
+    inp = comm.recv_forward(shapes, first)
+    if first:
+        assert inp == [None]
+    else:
+        check(inp[0], mine(activation(s - 1, 0, grad=False)))
+    if not last:
+        comm.send_forward([mine(activation(s, 0, grad=False))], last)
+        inp = comm.recv_forward(shapes, first)
+        if not first:
+            check(inp[0], mine(activation(s - 1, 1, grad=False)))
+        out_grad = comm.send_forward_recv_backward([mine(activation(s, 1, grad=False))], shapes,
+                                                   last)
+        check(out_grad[0], mine(activation(s, 0, grad=True)))
+        # backward of micro-batch 0, last 1F1B iteration: plain send_backward
+        comm.send_backward([mine(activation(s - 1, 0, grad=True))] if not first else [None],
+                           first)
+        out_grad = comm.recv_backward(shapes, last)                 # cool-down
+        check(out_grad[0], mine(activation(s, 1, grad=True)))
+        comm.send_backward([mine(activation(s - 1, 1, grad=True))] if not first else [None],
+                           first)
+    else:
+        assert comm.send_forward_recv_backward([torch.zeros(1)], shapes, last) == [None]
+        inp = comm.send_backward_recv_forward([mine(activation(s - 1, 0, grad=True))], shapes,
+                                              first)
+        check(inp[0], mine(activation(s - 1, 1, grad=False)))
+        # single-tensor form (megatron unwraps when given a single shape / tensor)
+        comm.send_backward(mine(activation(s - 1, 1, grad=True)), first)
+    comm.finish_sends()
+    return checked
+
+
+CHAINS = [[2, 1], [1, 2], [2, 4], [4, 2], [1, 4], [2, 1, 2]]
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["no-sp", "sp"])
+@pytest.mark.parametrize("tps", CHAINS, ids=["->".join(map(str, c)) for c in CHAINS])
+def test_chain_exact(tps, sequence_parallel):
+    checked = run_on_ranks(sum(tps), _run_chain, tps, sequence_parallel, timeout=60)
+    roles = chain_roles(tps)
+    for role, shapes in zip(roles, checked):
+        # first stages check 2 gradients, last stages 2 activations, middle stages both
+        expected = 2 * (not role.stage.is_first) + 2 * (not role.stage.is_last)
+        assert len(shapes) == expected, (role, shapes)
+
+
+def _covers_exactly_once(src: StageLayout, dst: StageLayout, seq: int):
+    transfers = transfer_plan(src, dst, seq)
+    for j, rank in enumerate(dst.ranks):
+        got = sorted((t.start, t.end) for t in transfers if t.dst == rank)
+        lo, hi = dst.held_range(j, seq)
+        assert got[0][0] == lo and got[-1][1] == hi
+        assert all(a[1] == b[0] for a, b in zip(got, got[1:])), got   # contiguous, no overlap
+    for t in transfers:
+        k = src.ranks.index(t.src)
+        lo, hi = src.held_range(k, seq)
+        assert lo <= t.start < t.end <= hi                             # the sender holds it
+    return transfers
+
+
+def test_replicated_layouts_send_one_copy_per_receiver():
+    a, b = StageLayout((0, 1), False), StageLayout((2, 3, 4, 5), False)
+    forward = _covers_exactly_once(a, b, 8)
+    assert [(t.src, t.dst) for t in forward] == [(0, 2), (1, 3), (0, 4), (1, 5)]
+    backward = _covers_exactly_once(b, a, 8)
+    assert [(t.src, t.dst) for t in backward] == [(2, 0), (3, 1)]
+
+
+def test_sequence_parallel_reslicing():
+    a, b = StageLayout((0, 1), True), StageLayout((2, 3, 4, 5), True)
+    assert [(t.src, t.dst, t.start, t.end) for t in _covers_exactly_once(a, b, 8)] == [
+        (0, 2, 0, 2), (0, 3, 2, 4), (1, 4, 4, 6), (1, 5, 6, 8)]
+    assert [(t.src, t.dst, t.start, t.end) for t in _covers_exactly_once(b, a, 8)] == [
+        (2, 0, 0, 2), (3, 0, 2, 4), (4, 1, 4, 6), (5, 1, 6, 8)]
+    # SP TP2 -> TP1 (which cannot be sequence parallel): the TP1 rank gathers both halves
+    one = StageLayout((2,), True)
+    assert one.seq_chunks == 1
+    assert [(t.src, t.start, t.end) for t in _covers_exactly_once(a, one, 8)] == [(0, 0, 4),
+                                                                                (1, 4, 8)]
+    # uneven degrees (TP2 -> TP3 with SP) still re-slice exactly
+    _covers_exactly_once(a, StageLayout((2, 3, 4), True), 12)
+    with pytest.raises(ValueError, match="not divisible"):
+        transfer_plan(a, StageLayout((2, 3, 4), True), 8)
+
+
+def test_schedule_position_gives_megatron_the_plan_depth():
+    for stage, warmup, first, last in [(0, 1, True, False), (0, 3, True, False),
+                                       (1, 2, False, False), (2, 0, False, True)]:
+        pos = SchedulePosition(stage, warmup)
+        assert pos.size() - pos.rank() - 1 == warmup                   # schedules.py:2093
+        assert (pos.rank() == 0) == first and (pos.rank() == pos.size() - 1) == last
+    # the standard depth reproduces the real pipeline rank and size
+    assert SchedulePosition(1, 4 - 1 - 1).size() == 4
+
+
+def test_communicator_rejects_inconsistent_config():
+    role = chain_roles([2, 1])[0]
+    config = ModelParallelConfig(tensor_model_parallel_size=2, sequence_parallel=False,
+                                 pipeline_dtype=torch.float32)
+    with pytest.raises(ValueError, match="sequence_parallel"):
+        HeteroP2PCommunicator(role, config, sequence_parallel=True)
