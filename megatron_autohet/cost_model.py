@@ -277,8 +277,13 @@ def evaluate_plan(plan: Plan, cluster: Cluster, profile: Profile, with_timeline:
             elif spec.kind == "word_embeddings":
                 vocab = padded_vocab_size(model, holder_stage.tp) * model.hidden_size
                 params = vocab // holder_stage.tp if spec.symmetric else vocab
-            else:  # position embeddings are replicated on every TP rank
+            elif spec.kind == "position_embeddings":  # replicated on every TP rank
                 params = plan.seq_length * model.hidden_size
+            else:  # "post_process": final norm (replicated), untied output layer (vocab-parallel)
+                params = 2 * model.hidden_size
+                if not model.tie_embeddings:
+                    vocab = padded_vocab_size(model, holder_stage.tp) * model.hidden_size
+                    params += vocab // holder_stage.tp if spec.symmetric else vocab
             holders = len(spec.holders)
             bw = _slowest_link_gbs(cluster, [node_of[r] for r in group])
             t = grad_allreduce_s(params, holders, bw)
