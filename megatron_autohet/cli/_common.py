@@ -1,0 +1,174 @@
+"""What the planning sub-commands (plan, compare, show) share: loading inputs, the plan table.
+
+Everything a user passes is checked here before any search starts, so a mistake costs a second
+and reads as ``autohet <cmd>: error: <file>: field '<f>': ...``, never as a traceback.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from megatron_autohet.cli._table import format_table
+from megatron_autohet.errors import ConfigError
+from megatron_autohet.spec.gpus import CONFIG_DIR
+
+RECOMPUTE_CHOICES = {"auto": None, "on": True, "off": False}
+
+
+# ---- arguments shared by plan and compare --------------------------------------------------------
+
+def add_planning_arguments(parser) -> None:
+    parser.add_argument("--cluster", required=True, metavar="C.yaml",
+                        help="cluster file: nodes, GPU types, bandwidths (configs/clusters/)")
+    parser.add_argument("--model", required=True, metavar="M.yaml",
+                        help="model file: GPT dimensions (configs/models/)")
+    parser.add_argument("--profile", default=None, metavar="P.yaml",
+                        help="profile from `autohet profile`; entries it lacks are estimated "
+                             "(default: analytic estimates from the GPU catalog only)")
+    parser.add_argument("--gpu-catalog", default=None, metavar="G.yaml",
+                        help="GPU catalog (default: the bundled configs/gpus.yaml)")
+    parser.add_argument("--global-batch-size", type=int, required=True, metavar="N",
+                        help="sequences per iteration, over all pipelines")
+    parser.add_argument("--micro-batch-size", type=int, default=1, metavar="B",
+                        help="sequences per micro-batch; must divide the global batch (default: 1)")
+    parser.add_argument("--seq-length", type=int, default=None, metavar="S",
+                        help="tokens per sequence (default: the model's seq_length)")
+    parser.add_argument("--allow-asymmetric-tp", action="store_true",
+                        help="let GPU types use different TP degrees (replicas then hold a layer "
+                             "at different TP degrees and the gradient sync re-shards; "
+                             "default: one TP degree for the whole fleet)")
+    parser.add_argument("--recompute", choices=sorted(RECOMPUTE_CHOICES), default="auto",
+                        help="full activation recompute: 'auto' turns it on only where memory "
+                             "needs it (default: auto)")
+    parser.add_argument("--tp", type=int, nargs="+", default=None, metavar="T",
+                        help="only search these TP degrees (default: every degree that divides "
+                             "the model's heads and fits in a node)")
+    parser.add_argument("--time-limit", type=float, default=60.0, metavar="SECONDS",
+                        help="wall-clock budget of the search (default: 60)")
+
+
+def positive(value: int | float | None, flag: str) -> None:
+    if value is not None and value <= 0:
+        raise ConfigError("<command line>", flag, f"got {value}", "a number > 0")
+
+
+def load_planning_inputs(args):
+    """(cluster, model, profile or None) from the shared arguments, cross-checked."""
+    from megatron_autohet.profiling.profile import Profile
+    from megatron_autohet.spec import load_cluster, load_gpu_catalog, load_model
+
+    for flag, value in (("--global-batch-size", args.global_batch_size),
+                        ("--micro-batch-size", args.micro_batch_size),
+                        ("--seq-length", args.seq_length), ("--time-limit", args.time_limit)):
+        positive(value, flag)
+    if args.global_batch_size % args.micro_batch_size:
+        raise ConfigError("<command line>", "--global-batch-size",
+                          f"{args.global_batch_size} is not a multiple of --micro-batch-size "
+                          f"{args.micro_batch_size}", "a multiple of the micro-batch size")
+    catalog = load_gpu_catalog(args.gpu_catalog)
+    cluster = load_cluster(args.cluster, catalog)
+    model = load_model(args.model)
+    for t in args.tp or []:
+        if t not in model.valid_tp_degrees(64):
+            raise ConfigError("<command line>", "--tp", f"TP degree {t} does not divide the "
+                              f"model's heads/query groups/FFN size",
+                              ", ".join(map(str, model.valid_tp_degrees(64))))
+    profile = None
+    if args.profile:
+        profile = Profile.load(args.profile)
+        if profile.model != model.name:
+            raise ConfigError(args.profile, "model", f"profile is for {profile.model!r}, the "
+                              f"model is {model.name!r}", f"a profile of {model.name!r}")
+    return cluster, model, profile
+
+
+def planning_options(args) -> dict:
+    """Keyword arguments of planner.make_plan / search / compare from the shared arguments."""
+    return {"allow_asymmetric_tp": args.allow_asymmetric_tp,
+            "activation_recompute": RECOMPUTE_CHOICES[args.recompute],
+            "time_limit_s": args.time_limit, "tp_degrees": args.tp}
+
+
+# ---- plans against clusters ------------------------------------------------------------------------
+
+def bundled_cluster_path(name: str) -> Path | None:
+    path = CONFIG_DIR / "clusters" / f"{name}.yaml"
+    return path if path.is_file() else None
+
+
+def check_plan_on_cluster(plan, cluster, cluster_file) -> None:
+    """The plan's ranks are this cluster's GPUs (same node, local index and type, rank by rank)."""
+    devices = cluster.devices()
+    if len(devices) != plan.world_size:
+        raise ConfigError(cluster_file, "nodes", f"{len(devices)} GPUs, the plan has "
+                          f"{plan.world_size} ranks", f"the cluster the plan was made for "
+                          f"({plan.cluster!r})")
+    for info, device in zip(plan.ranks, devices):
+        if (info.node, info.local_rank, info.gpu) != (device.node, device.local_rank, device.gpu):
+            raise ConfigError(cluster_file, "nodes", f"rank {info.rank} is {device.gpu} GPU "
+                              f"{device.local_rank} of node {device.node}, the plan has "
+                              f"{info.gpu} GPU {info.local_rank} of node {info.node}",
+                              f"the cluster the plan was made for ({plan.cluster!r})")
+
+
+# ---- output ----------------------------------------------------------------------------------------
+
+def rank_list(ranks) -> str:
+    """'0-3' for consecutive ranks, else '0,2,5'."""
+    ranks = list(ranks)
+    if len(ranks) > 1 and ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"{ranks[0]}-{ranks[-1]}"
+    return ",".join(map(str, ranks))
+
+
+def layer_range(layers) -> str:
+    """Inclusive layer numbers of a half-open range: (6, 11) -> '6-10', (0, 1) -> '0'."""
+    start, end = layers
+    return str(start) if end - start == 1 else f"{start}-{end - 1}"
+
+
+def format_plan_table(plan, cost=None) -> str:
+    """Pipelines x stages. Time and memory come from ``cost`` (a PlanCost) when given, else from
+    the predictions stored in the plan file."""
+    header = ["pipe", "stage", "ranks", "node", "GPU", "TP", "layers", "micro-batches",
+              "time/mb ms", "memory GiB"]
+    rows = []
+    for p, pipe in enumerate(plan.pipelines):
+        for s, stage in enumerate(pipe.stages):
+            info = plan.ranks[stage.ranks[0]]
+            if cost is not None:
+                sc = cost.pipelines[p].stages[s]
+                time_s = sc.time_s
+                memory = f"{sc.memory_gib:.1f} / {sc.memory_limit_gib:.0f}"
+                if not sc.fits:
+                    memory += " OVER"
+            else:
+                time_s = stage.predicted_time_s
+                memory = ("-" if stage.predicted_memory_gib is None
+                          else f"{stage.predicted_memory_gib:.1f}")
+            rows.append([p if s == 0 else "", s, rank_list(stage.ranks), info.node, info.gpu,
+                         stage.tp, layer_range(stage.layers),
+                         pipe.num_microbatches if s == 0 else "",
+                         "-" if time_s is None else f"{time_s * 1e3:.3g}", memory])
+    return format_table(header, rows)
+
+
+def format_prediction(plan, cost=None) -> str:
+    """One paragraph: iteration time, tokens/s and their parts."""
+    if cost is not None:
+        predicted = cost.predicted()
+    else:
+        predicted = plan.predicted
+    if not predicted:
+        return "no prediction stored in the plan (pass --cluster to compute one)"
+    lines = [f"predicted iteration time {predicted['iteration_time_s']:.4g} s, "
+             f"{predicted['tokens_per_s']:,.0f} tokens/s "
+             f"(global batch {plan.global_batch_size} x seq {plan.seq_length}, micro-batch "
+             f"{plan.micro_batch_size}, activation recompute "
+             f"{'on' if plan.activation_recompute else 'off'})"]
+    if "pipeline_time_s" in predicted:
+        lines.append(f"  = pipelines {predicted['pipeline_time_s']:.4g} s + gradient sync "
+                     f"{predicted['grad_sync_s']:.4g} s + optimizer {predicted['optimizer_s']:.4g} s; "
+                     f"peak memory {predicted['peak_memory_gib']:.1f} GiB"
+                     + ("" if predicted.get("fits_memory", True) else " (DOES NOT FIT)"))
+    return "\n".join(lines)

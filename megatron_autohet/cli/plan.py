@@ -1,0 +1,42 @@
+"""`autohet plan`: search the fastest plan for a cluster and a model, write plan.yaml."""
+
+from __future__ import annotations
+
+import time
+
+from megatron_autohet.cli._common import (add_planning_arguments, format_plan_table,
+                                          format_prediction, load_planning_inputs,
+                                          planning_options)
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "plan", help="find the fastest plan for a cluster and a model, write plan.yaml",
+        description="Choose TP groups, pipelines (of possibly different shapes and GPU types), "
+                    "layers per stage and micro-batches per pipeline that minimise the predicted "
+                    "iteration time under every GPU's memory (SCIP). Writes the plan file the "
+                    "runtime trains from and prints it with its predicted iteration time and "
+                    "throughput.")
+    add_planning_arguments(p)
+    p.add_argument("-o", "--output", required=True, metavar="plan.yaml",
+                   help="where to write the plan")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from megatron_autohet.planner.search import search
+
+    cluster, model, profile = load_planning_inputs(args)
+    print(f"> planning {model.name} on {cluster.name}: {cluster.world_size} GPUs "
+          f"({', '.join(f'{n} x {g}' for g, n in cluster.counts_by_type().items())}), "
+          f"global batch {args.global_batch_size}, micro-batch {args.micro_batch_size}")
+    started = time.perf_counter()
+    best = search(cluster, model, profile, args.global_batch_size, args.micro_batch_size,
+                  args.seq_length, **planning_options(args))
+    elapsed = time.perf_counter() - started
+    best.plan.save(args.output)
+    print(format_plan_table(best.plan, best.cost))
+    print(format_prediction(best.plan, best.cost))
+    tp = ", ".join(f"{g} TP{t}" for g, t in best.tp_of_gpu.items())
+    print(f"> searched in {elapsed:.1f} s ({tp}); wrote {args.output}")
+    return 0
