@@ -199,3 +199,36 @@ def test_validate_catches_edits_in_memory(raw):
     plan.pipelines[0].num_microbatches = 4
     with pytest.raises(ConfigError, match="global_batch_size"):
         plan.validate()
+
+
+# ---- 1F1B warm-up depths the runtime can run ------------------------------------------------
+
+def test_warmup_on_last_stage(raw):
+    raw["pipelines"][0]["stages"][1]["warmup_microbatches"] = 1
+    expect_error(raw, "field 'pipelines[0].stages[1].warmup_microbatches': 1 on the last stage "
+                      "(allowed: 0: the last stage runs each backward right after its forward)")
+
+
+def test_no_warmup_before_the_last_stage(raw):
+    raw["pipelines"][0]["stages"][0]["warmup_microbatches"] = 0
+    expect_error(raw, "field 'pipelines[0].stages[0].warmup_microbatches': 0 on a stage before "
+                      "the last (allowed: 1..3)")
+
+
+def test_warmup_increasing_along_the_pipeline(raw):
+    raw["pipelines"][0] = {"num_microbatches": 3, "stages": [
+        {"ranks": [0], "layers": [0, 2], "warmup_microbatches": 1},
+        {"ranks": [1], "layers": [2, 4], "warmup_microbatches": 2},
+        {"ranks": [2], "layers": [4, 6]}]}
+    expect_error(raw, "field 'pipelines[0].stages[1].warmup_microbatches': 2 > 1 of stage 0 "
+                      "(allowed: <= 1: warm-up depths must not increase along the pipeline "
+                      "(a deeper stage after a shallower one deadlocks 1F1B))")
+
+
+def test_deeper_warmup_ahead_of_a_slow_link_is_valid(raw):
+    raw["pipelines"][0] = {"num_microbatches": 3, "stages": [
+        {"ranks": [0], "layers": [0, 2], "warmup_microbatches": 3},
+        {"ranks": [1], "layers": [2, 4], "warmup_microbatches": 1},
+        {"ranks": [2], "layers": [4, 6]}]}
+    plan = plan_from_dict(raw, "plan.yaml")
+    assert plan.pipelines[0].warmup_depths() == [3, 1, 0]
