@@ -1,0 +1,117 @@
+"""Plans a user would run without us, expressed as ordinary Plans so the same cost model judges them.
+
+* **Megatron-LM**: one TP x PP x DP grid for the whole fleet, Megatron's rank order (TP fastest,
+  then DP, then PP), uniform layers per stage (when PP does not divide the layers, the first
+  stages get one fewer, as Megatron's num_layers_in_first_pipeline_stage allows), the same
+  number of micro-batches per replica (DP must divide them, as Megatron requires). The best grid (and recompute choice) that fits
+  every GPU's memory is found by enumeration.
+* **Whale-style**: the same uniform grids, but each replica's micro-batches proportional to its
+  speed (1 / its slowest stage period), as Whale's hardware-aware data parallelism does.
+* **Homogeneous (fastest type only)**: Megatron-LM's best grid on only the nodes of the GPU type
+  with the highest peak throughput, the rest of the fleet left idle.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_autohet.cost_model import PlanCost
+from megatron_autohet.plan import Pipeline, Plan, RankInfo, Stage
+from megatron_autohet.planner.space import Problem, evaluate
+
+
+@dataclass
+class Baseline:
+    name: str
+    plan: Plan | None
+    cost: PlanCost | None
+    note: str = ""
+
+
+def _grids(problem: Problem) -> list[tuple[int, int, int]]:
+    cluster, model = problem.cluster, problem.model
+    world = cluster.world_size
+    out = []
+    for t in model.valid_tp_degrees(max(n.num_gpus for n in cluster.nodes)):
+        if any(n.num_gpus % t for n in cluster.nodes):
+            continue
+        for p in range(1, model.num_layers + 1):
+            if world % (t * p):
+                continue
+            out.append((t, p, world // (t * p)))
+    return out
+
+
+def grid_plan(problem: Problem, tp: int, pp: int, dp: int, microbatches: list[int],
+              recompute: bool) -> Plan:
+    """Megatron's layout: rank = pp_rank * (tp * dp) + dp_rank * tp + tp_rank."""
+    L = problem.model.num_layers
+    sizes = [L // pp + (1 if s >= pp - L % pp else 0) for s in range(pp)]
+    bounds = [sum(sizes[:s]) for s in range(pp + 1)]
+    pipelines = []
+    for i in range(dp):
+        stages = [Stage(ranks=[s * tp * dp + i * tp + j for j in range(tp)],
+                        layers=(bounds[s], bounds[s + 1])) for s in range(pp)]
+        pipelines.append(Pipeline(stages=stages, num_microbatches=microbatches[i]))
+    ranks = [RankInfo(d.rank, d.node, d.local_rank, d.gpu) for d in problem.cluster.devices()]
+    return Plan(cluster=problem.cluster.name, model=problem.model,
+                micro_batch_size=problem.micro_batch_size,
+                global_batch_size=problem.global_batch_size, seq_length=problem.seq_length,
+                ranks=ranks, pipelines=pipelines, activation_recompute=recompute)
+
+
+def _proportional(weights: list[float], total: int) -> list[int]:
+    """Largest-remainder split of ``total`` in proportion to ``weights``, every share >= 1."""
+    n = len(weights)
+    rest = total - n
+    raw = [w / sum(weights) * rest for w in weights]
+    shares = [1 + int(r) for r in raw]
+    order = sorted(range(n), key=lambda i: raw[i] - int(raw[i]), reverse=True)
+    for i in order[:total - sum(shares)]:
+        shares[i] += 1
+    return shares
+
+
+def _best(problem: Problem, name: str, proportional: bool,
+          recompute_modes: list[bool]) -> Baseline:
+    M = problem.num_microbatches
+    best: Baseline | None = None
+    for tp, pp, dp in _grids(problem):
+        if dp > M or (not proportional and M % dp):
+            continue
+        for recompute in recompute_modes:
+            plan = grid_plan(problem, tp, pp, dp, [M // dp] * dp if M % dp == 0
+                             else _proportional([1.0] * dp, M), recompute)
+            cost = evaluate(problem, plan)
+            if proportional:
+                speeds = [1.0 / max(s.time_s + s.p2p_s for s in p.stages) for p in cost.pipelines]
+                plan = grid_plan(problem, tp, pp, dp, _proportional(speeds, M), recompute)
+                cost = evaluate(problem, plan)
+            if cost.fits_memory and (best is None or best.cost is None
+                                     or cost.iteration_time_s < best.cost.iteration_time_s):
+                best = Baseline(name, plan, cost, f"TP={tp} PP={pp} DP={dp}"
+                                + (" recompute" if recompute else ""))
+    return best or Baseline(name, None, None, "no uniform grid fits in memory or divides the batch")
+
+
+def megatron_lm(problem: Problem, recompute_modes: list[bool]) -> Baseline:
+    return _best(problem, "megatron-lm", False, recompute_modes)
+
+
+def whale(problem: Problem, recompute_modes: list[bool]) -> Baseline:
+    return _best(problem, "whale", True, recompute_modes)
+
+
+def fastest_type_only(problem: Problem, recompute_modes: list[bool]) -> Baseline:
+    cluster = problem.cluster
+    fastest = max(cluster.gpu_types.values(), key=lambda g: g.dense_tflops).name
+    sub = cluster.subset([n.name for n in cluster.nodes if n.gpu == fastest])
+    sub_problem = Problem(sub, problem.model, problem.profile, problem.global_batch_size,
+                          problem.micro_batch_size, problem.seq_length)
+    result = _best(sub_problem, f"megatron-lm ({fastest} only)", False, recompute_modes)
+    return result
+
+
+def all_baselines(problem: Problem, recompute_modes: list[bool]) -> list[Baseline]:
+    return [megatron_lm(problem, recompute_modes), whale(problem, recompute_modes),
+            fastest_type_only(problem, recompute_modes)]

@@ -1,0 +1,69 @@
+"""compare: our plan against the baselines, all judged by the same cost model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_autohet.cost_model import PlanCost
+from megatron_autohet.plan import Plan
+from megatron_autohet.planner.baselines import all_baselines
+from megatron_autohet.planner.search import resolve_profile, search
+from megatron_autohet.planner.space import Problem, check_batch
+from megatron_autohet.profiling.profile import Profile
+from megatron_autohet.spec.cluster import Cluster
+from megatron_autohet.spec.model import ModelSpec
+
+
+@dataclass
+class BaselineResult:
+    name: str
+    note: str                       # the grid chosen, or why there is none
+    plan: Plan | None
+    cost: PlanCost | None
+    speedup: float | None           # baseline iteration time / ours
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "note": self.note,
+                "iteration_time_s": self.cost.iteration_time_s if self.cost else None,
+                "tokens_per_s": self.cost.tokens_per_s if self.cost else None,
+                "speedup": self.speedup}
+
+
+@dataclass
+class Comparison:
+    plan: Plan
+    cost: PlanCost
+    baselines: list[BaselineResult]
+
+    def baseline(self, name: str) -> BaselineResult:
+        return next(b for b in self.baselines if b.name == name)
+
+    def to_dict(self) -> dict:
+        return {"autohet": {"iteration_time_s": self.cost.iteration_time_s,
+                            "tokens_per_s": self.cost.tokens_per_s,
+                            "pipelines": len(self.plan.pipelines),
+                            "activation_recompute": self.plan.activation_recompute},
+                "baselines": [b.to_dict() for b in self.baselines]}
+
+
+def compare(cluster: Cluster, model: ModelSpec, profile: Profile | None, global_batch_size: int,
+            micro_batch_size: int, seq_length: int | None = None, *,
+            allow_asymmetric_tp: bool = False, activation_recompute: bool | None = None,
+            time_limit_s: float = 60.0, progress: bool = True) -> Comparison:
+    """Plan with make_plan's search and evaluate the baselines (planner/baselines.py) on the
+    same cluster, model, profile and batch; speedup = baseline time / our time."""
+    seq_length = seq_length or model.seq_length
+    best = search(cluster, model, profile, global_batch_size, micro_batch_size, seq_length,
+                  allow_asymmetric_tp=allow_asymmetric_tp,
+                  activation_recompute=activation_recompute, time_limit_s=time_limit_s,
+                  progress=progress)
+    problem = Problem(cluster, model, resolve_profile(cluster, model, profile, micro_batch_size,
+                                                      seq_length),
+                      global_batch_size, micro_batch_size, seq_length)
+    check_batch(problem)
+    modes = [False, True] if activation_recompute is None else [activation_recompute]
+    results = []
+    for b in all_baselines(problem, modes):
+        speedup = b.cost.iteration_time_s / best.cost.iteration_time_s if b.cost else None
+        results.append(BaselineResult(b.name, b.note, b.plan, b.cost, speedup))
+    return Comparison(best.plan, best.cost, results)
