@@ -278,7 +278,8 @@ class _Bench:
         model = self.request.model
         return LanguageModelEmbedding(
             self.config, vocab_size=padded_vocab_size(model.vocab_size, self.request.tp),
-            max_sequence_length=max(self.request.seq_lengths),
+            # Sized like GPTModel's: the model's positions, or more if a longer seq is measured.
+            max_sequence_length=max(model.seq_length, *self.request.seq_lengths),
             position_embedding_type=model.position_embedding_type)
 
     def _build_output(self):

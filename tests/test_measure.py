@@ -1,0 +1,96 @@
+"""A real measurement of the tiny model on this machine's CPU, through `autohet profile`.
+
+One run (TP 1, two sequence lengths) is shared by the tests: it spawns one gloo process that
+builds megatron-core's TransformerLayer, embedding and output layer and times them (~10 s).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from megatron_autohet.cli.main import main
+from megatron_autohet.profiling.estimate import layer_param_count
+from megatron_autohet.profiling.measure import catalog_name_for_device, padded_vocab_size
+from megatron_autohet.profiling.profile import Profile
+from megatron_autohet.spec import load_gpu_catalog, load_model
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+TINY = CONFIGS / "models" / "tiny.yaml"
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory):
+    out = tmp_path_factory.mktemp("profile") / "tiny.yaml"
+    rc = main(["profile", "--model", str(TINY), "--seq-length", "32", "64", "--as-gpu",
+               "A100-80GB", "--cluster", str(CONFIGS / "clusters" / "local-4.yaml"),
+               "--warmup", "1", "--iters", "2", "-o", str(out)])
+    assert rc == 0
+    return Profile.load(out)
+
+
+def test_measured_entries_are_real_and_positive(measured):
+    for seq in (32, 64):
+        entry = measured.get("A100-80GB", 1, 1, seq)
+        for part in (entry.layer, entry.embedding, entry.output):
+            assert part.source == "measured"
+            assert part.forward_s > 0 and part.backward_s > 0
+            assert part.activation_bytes > 0 and part.param_count > 0
+
+
+def test_activation_bytes_grow_with_sequence_length(measured):
+    short, long = measured.get("A100-80GB", 1, 1, 32), measured.get("A100-80GB", 1, 1, 64)
+    for part in ("layer", "embedding", "output"):
+        assert getattr(long, part).activation_bytes > getattr(short, part).activation_bytes
+    # Attention scores are s x s: doubling s more than doubles a layer's saved activations.
+    assert long.layer.activation_bytes > 2 * short.layer.activation_bytes
+
+
+def test_recompute_keeps_only_the_layer_input(measured):
+    model = load_model(TINY)
+    for seq in (32, 64):
+        layer = measured.get("A100-80GB", 1, 1, seq).layer
+        # megatron's checkpoint saves the fp32 input [s, b, h] and nothing else.
+        assert layer.activation_bytes_recompute == seq * 1 * model.hidden_size * 4
+        assert layer.activation_bytes > 10 * layer.activation_bytes_recompute
+
+
+def test_parameter_counts_match_megatron_shapes(measured):
+    model = load_model(TINY)
+    entry = measured.get("A100-80GB", 1, 1, 64)
+    assert entry.layer.param_count == layer_param_count(model, 1)
+    vocab = padded_vocab_size(model.vocab_size, 1)
+    assert entry.embedding.param_count == (vocab + model.seq_length) * model.hidden_size
+    assert entry.output.param_count == vocab * model.hidden_size + 2 * model.hidden_size
+
+
+def test_cluster_types_not_measured_are_estimated(measured):
+    for gpu in ("H800", "H20"):
+        for seq in (32, 64):
+            assert measured.get(gpu, 1, 1, seq).layer.source == "estimated"
+    assert len(measured.entries) == 6
+
+
+def test_bad_tp_degree_is_a_config_error(capsys):
+    assert main(["profile", "--model", str(TINY), "--tp", "3", "-o", "unused.yaml"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "autohet profile: error: <command line>: field '--tp': TP degree 3 does not divide the "
+        "model's heads/query groups/FFN size (allowed: 1, 2, 4)")
+
+
+@pytest.mark.parametrize("device, memory, expected", [
+    ("NVIDIA A100-SXM4-80GB", 79.2, "A100-80GB"),
+    ("NVIDIA A100-PCIE-40GB", 39.4, "A100-40GB"),
+    ("NVIDIA H200", 139.8, "H200"),
+    ("NVIDIA H20", 95.0, "H20"),
+    ("NVIDIA H100 80GB HBM3", 79.1, "H100"),
+    ("Tesla V100-SXM2-32GB", 31.7, "V100-32GB"),
+    ("Tesla T4", 14.7, "T4"),
+    ("NVIDIA L4", 22.0, "L4"),
+    ("NVIDIA L40S", 44.5, "L40S"),
+    ("NVIDIA GeForce RTX 4090", 23.6, "RTX-4090"),
+    ("NVIDIA B200", 180.0, None),
+])
+def test_local_gpu_names_map_to_catalog_types(device, memory, expected):
+    assert catalog_name_for_device(device, memory, load_gpu_catalog()) == expected
