@@ -22,6 +22,10 @@ setup(
         "test": ["pytest>=8", "moto[server]>=5.0"],
         # Apex is built from source (https://github.com/NVIDIA/apex); see README.
         "gpu": ["transformer-engine[pytorch]>=2.0"],
+        # Megatron-LM's pretrain_gpt.py (patches/README.md): it compiles megatron-core's dataset
+        # helpers with pybind11 at start-up; its training package imports triton (on CPU-only
+        # machines install triton too; CUDA builds of torch bring it).
+        "megatron-lm": ["pybind11>=2.10"],
     },
     entry_points={"console_scripts": ["autohet=megatron_autohet.cli.main:main"]},
 )

@@ -11,3 +11,17 @@ autohet plan --cluster configs/clusters/a100-h800-h20.yaml --model configs/model
 autohet show "$OUT/plan.yaml" --figure "$OUT/plan.png"
 autohet compare --cluster configs/clusters/a100-h800-h20.yaml --model configs/models/gpt3-1.3b.yaml \
   --global-batch-size 64 --micro-batch-size 1
+
+# Train from a plan: the same fleet scaled down to 4 local processes (configs/clusters/local-4.yaml;
+# CPU + gloo here, one GPU each where there are enough), the tiny GPT, a few iterations on the
+# built-in corpus (Python standard-library docstrings as a megatron-core indexed dataset).
+autohet plan --cluster configs/clusters/local-4.yaml --model configs/models/tiny.yaml \
+  --global-batch-size 8 --micro-batch-size 2 -o "$OUT/tiny-local-4.yaml"
+autohet train --plan "$OUT/tiny-local-4.yaml" --model configs/models/tiny.yaml --iters 5 \
+  --metrics-jsonl "$OUT/train-metrics.jsonl"
+python - "$OUT/train-metrics.jsonl" <<'PY'
+import json, sys
+records = [json.loads(line) for line in open(sys.argv[1])]
+print(f"lm loss: {records[0]['lm_loss']:.4f} (iteration 1) -> {records[-1]['lm_loss']:.4f} "
+      f"(iteration {records[-1]['iteration']})")
+PY

@@ -40,6 +40,38 @@ def prepare_process(argv: list[str] | None = None) -> None:
 
     if cpu_mode_required():
         enable_cpu_mode()
+        _adapt_megatron_lm_initialization_to_cpu()
+
+
+def _adapt_megatron_lm_initialization_to_cpu() -> None:
+    """Two spots of ``initialize_megatron`` that the CPU mode's device mapping cannot reach:
+
+    * ``_initialize_distributed`` creates Megatron's model-parallel groups only when
+      ``torch.cuda.device_count() > 0``, but ``_set_random_seed`` right after it reads the
+      pipeline rank: on CPU the same (trivial, TP1 x PP1: ``check_megatron_args``) groups are
+      created after the original function;
+    * ``_compile_dependencies`` builds the legacy fused CUDA kernels with nvcc: there is no CUDA
+      toolkit, and nothing on the plan path uses them, so their loader is skipped.
+    """
+    import megatron.legacy.fused_kernels as fused_kernels
+    import megatron.training.initialize as initialize
+    from megatron.core import parallel_state as mpu
+    from megatron.training import get_args
+
+    original = initialize._initialize_distributed
+
+    def initialize_distributed(get_embedding_ranks, get_position_embedding_ranks, store):
+        original(get_embedding_ranks, get_position_embedding_ranks, store)
+        if not mpu.model_parallel_is_initialized():
+            args = get_args()
+            mpu.initialize_model_parallel(
+                args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+                distributed_timeout_minutes=args.distributed_timeout_minutes,
+                get_embedding_ranks=get_embedding_ranks,
+                get_position_embedding_ranks=get_position_embedding_ranks)
+
+    initialize._initialize_distributed = initialize_distributed
+    fused_kernels.load = lambda args: None
 
 
 def cpu_mode_on() -> bool:
@@ -88,6 +120,7 @@ def check_megatron_args(args, plan: Plan, plan_path: str | Path) -> None:
 def pretrain_from_plan(args) -> None:
     """Train ``args.train_iters`` iterations of the plan after ``initialize_megatron``."""
     import torch.distributed as dist
+    from megatron.core import parallel_state as mpu
     from megatron.training.training import get_optimizer_param_scheduler
 
     from megatron_autohet.data.batches import DataOptions, build_global_batches, resolve_data_path
@@ -106,6 +139,9 @@ def pretrain_from_plan(args) -> None:
         resolve_data_path(data)             # build the built-in corpus once per node
     dist.barrier()
     batches = build_global_batches(data, plan.model.vocab_size)
+    # Megatron's homogeneous groups are replaced by the plan's (build_parallel_state installs
+    # this rank's heterogeneous values in megatron.core.parallel_state).
+    mpu.destroy_model_parallel()
     trainer = HeteroTrainer(plan, plan.model, rank=rank, lr=args.lr, seed=args.seed,
                             clip_grad=args.clip_grad)
     # Megatron-LM's own warm-up/decay schedule, stepping our optimizer's param_groups.
