@@ -1,0 +1,280 @@
+"""Process groups for one rank of a heterogeneous plan, for megatron-core and for our runtime.
+
+Public API
+----------
+``build_parallel_state(plan, rank=None, *, model=None, plan_file="<plan>") -> HeteroParallelState``
+    ``torch.distributed`` must be initialised. Checks the job against the plan first (world size,
+    this rank's role, the job's model vs the plan's, every plan invariant incl. TP dividing heads)
+    and raises :class:`ConfigError` before any group is created; then creates every group, in the
+    same order on every rank, and installs the ``megatron.core.parallel_state`` globals.
+``HeteroParallelState``: ``plan``, ``role`` (:class:`RankRole`), ``rank``, ``world_size``,
+    ``tp_group``, ``pp_group`` (:class:`StagePosition`), ``pipeline_group``, ``cp_group``,
+    ``dp_group``, ``sync_groups`` (list of :class:`SyncGroup`, one per
+    ``topology.sync_group_specs(plan)`` entry, same order), ``pg_collection`` (megatron's
+    ``ProcessGroupCollection`` for ``GPTModel(pg_collection=)`` and the schedules); properties
+    ``tp_size``, ``tp_rank``, ``stage`` (StageRole), ``is_first_stage``, ``is_last_stage``,
+    ``word_embedding_sync`` / ``position_embedding_sync`` / ``post_process_sync`` (the SyncGroup
+    of that kind or None).
+``SyncGroup``: ``spec`` (SyncGroupSpec), ``ranks`` (this rank's group: tuple, or None when this
+    rank holds none of those parameters), ``group`` (the torch group or None).
+``StagePosition``: ``rank()`` = stage index, ``size()`` = number of stages, ``ranks``.
+
+Design
+------
+* Megatron has one TP x PP x DP grid; a plan has pipelines of different depth whose stages have
+  different TP degrees. Everything a rank needs is derived from ``runtime/topology.py`` (pure,
+  identical on every rank), so ``new_group`` calls happen in the same order everywhere. Groups are
+  de-duplicated by rank set (a single-rank TP group *is* that rank's singleton group; an
+  embedding sync group may equal a layer sync group): one torch group per distinct rank set.
+* ``pg_collection.pp`` is a :class:`StagePosition`, not a communicator. Within a heterogeneous
+  pipeline there is no regular "one rank per stage" group (a TP2 stage feeds a TP1 stage), and
+  ``new_group`` orders members by global rank, not by stage. megatron-core reads only
+  ``rank()``/``size()`` of it when building the model and running the schedules
+  (``get_pg_rank``/``get_pg_size``/``is_pp_first_stage`` in transformer_block.py, gpt_model.py,
+  language_module.py and schedules.py via ``p2p_communicator.pp_group``); activations travel
+  through ``runtime/p2p.py`` with global ranks.
+* ``pg_collection.embd`` and ``pos_embd`` are None on purpose: megatron's
+  ``LanguageModule.setup_embeddings_and_output_layer`` would all-reduce the output layer into the
+  embedding (zero + sum), which assumes exactly two equally sharded copies; here tied copies live
+  on the first and last stage of *every* pipeline, possibly at different TP degrees. The stage
+  model initialises both copies identically instead (``runtime/init.py``), and the tied-weight
+  gradient sync uses ``word_embedding_sync`` (``runtime/grad_sync.py``). The schedules only touch
+  ``embd`` when ``config.finalize_model_grads_func`` is set, which our runtime does not use.
+* ``pg_collection.cp`` is this rank's singleton group (no context parallelism); ``tp_cp`` = tp.
+* Data parallelism is layer-wise (``sync_groups``). For megatron code that asks for "the" DP
+  group, ``dp_group`` / ``dp_cp`` is the sync group of this rank's first layer run (in a
+  symmetric plan exactly Megatron's DP group), and the DP rank/size globals report the pipeline
+  index / number of pipelines (what a data-parallel replica index means in a plan).
+* Megatron globals (``_install_megatron_globals``): TP group/ranks/rank/size, PP rank/size (as
+  overrides, since the PP "group" is a StagePosition), pipeline global ranks (for each stage the
+  rank holding the same fraction of the TP dimension as this rank), model-parallel group = this
+  pipeline, embedding groups = this rank's embedding sync groups, the global memory buffer
+  (sequence parallel uses it), expert parallel = 1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megatron_autohet.errors import ConfigError
+from megatron_autohet.plan import Plan, validate_plan
+from megatron_autohet.runtime.topology import (RankRole, StageRole, SyncGroupSpec, rank_role,
+                                               stage_roles, sync_group_specs)
+from megatron_autohet.spec.model import ModelSpec
+
+
+@dataclass(frozen=True)
+class StagePosition:
+    """This rank's place in its pipeline, answering the ProcessGroup calls megatron makes on PP."""
+
+    stage: int
+    num_stages: int
+    ranks: tuple[int, ...]          # the pipeline's global ranks, one per stage (see module doc)
+
+    def rank(self) -> int:
+        return self.stage
+
+    def size(self) -> int:
+        return self.num_stages
+
+
+@dataclass
+class SyncGroup:
+    spec: SyncGroupSpec
+    ranks: tuple[int, ...] | None
+    group: object | None            # torch.distributed.ProcessGroup
+
+
+@dataclass
+class HeteroParallelState:
+    plan: Plan
+    role: RankRole
+    rank: int
+    world_size: int
+    tp_group: object
+    pp_group: StagePosition
+    pipeline_group: object
+    cp_group: object
+    dp_group: object
+    sync_groups: list[SyncGroup]
+    pg_collection: object           # megatron.core.process_groups_config.ProcessGroupCollection
+
+    @property
+    def stage(self) -> StageRole:
+        return self.role.stage
+
+    @property
+    def tp_size(self) -> int:
+        return self.role.stage.tp_size
+
+    @property
+    def tp_rank(self) -> int:
+        return self.role.tp_rank
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.role.stage.is_first
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.role.stage.is_last
+
+    def _sync_of_kind(self, kind: str) -> SyncGroup | None:
+        return next((g for g in self.sync_groups if g.spec.kind == kind), None)
+
+    @property
+    def word_embedding_sync(self) -> SyncGroup | None:
+        return self._sync_of_kind("word_embeddings")
+
+    @property
+    def position_embedding_sync(self) -> SyncGroup | None:
+        return self._sync_of_kind("position_embeddings")
+
+    @property
+    def post_process_sync(self) -> SyncGroup | None:
+        return self._sync_of_kind("post_process")
+
+
+def check_job_matches_plan(plan: Plan, rank: int, world_size: int, model: ModelSpec | None,
+                           plan_file: str | Path = "<plan>") -> None:
+    """Everything that can be wrong between a plan and this job, as a ConfigError."""
+    validate_plan(plan, plan_file)
+    if model is not None and model != plan.model:
+        job, planned = model.to_dict(), plan.model.to_dict()
+        diffs = [k for k in job if job[k] != planned[k]]
+        raise ConfigError(plan_file, f"model.{diffs[0]}",
+                          f"the plan was made for {diffs[0]}={planned[diffs[0]]!r} but the job's "
+                          f"model {model.name!r} has {job[diffs[0]]!r}",
+                          "a plan made for this model (re-plan)")
+    if plan.world_size != world_size:
+        raise ConfigError(plan_file, "ranks", f"the plan has {plan.world_size} ranks but the job "
+                          f"has world size {world_size}",
+                          f"a plan for exactly {world_size} ranks (re-plan for this job)")
+    if not 0 <= rank < world_size:
+        raise ConfigError(plan_file, "ranks", f"rank {rank} is outside the job's world "
+                          f"(size {world_size})", f"0..{world_size - 1}")
+    try:
+        plan.locate(rank)
+    except KeyError:
+        raise ConfigError(plan_file, "pipelines", f"rank {rank} has no stage",
+                          "every rank in exactly one stage") from None
+
+
+class _GroupFactory:
+    """One torch group per distinct rank set, created in call order (same on every rank)."""
+
+    def __init__(self, rank: int):
+        self.rank = rank
+        self._groups: dict[frozenset, object] = {}
+
+    def get(self, ranks) -> object | None:
+        key = frozenset(ranks)
+        if key not in self._groups:
+            self._groups[key] = dist.new_group(sorted(key))
+        return self._groups[key] if self.rank in key else None
+
+
+def _pipeline_chain(role: RankRole, plan: Plan) -> tuple[int, ...]:
+    """For each stage of this rank's pipeline, the rank holding this rank's TP fraction."""
+    frac_num, frac_den = role.tp_rank, role.stage.tp_size
+    return tuple(s.ranks[frac_num * s.tp // frac_den]
+                 for s in plan.pipelines[role.stage.pipeline].stages)
+
+
+def build_parallel_state(plan: Plan, rank: int | None = None, *, model: ModelSpec | None = None,
+                         plan_file: str | Path = "<plan>") -> HeteroParallelState:
+    if not dist.is_initialized():
+        raise RuntimeError("torch.distributed must be initialised before build_parallel_state")
+    world_size = dist.get_world_size()
+    if rank is None:
+        rank = dist.get_rank()
+    check_job_matches_plan(plan, rank, world_size, model, plan_file)
+    if rank != dist.get_rank():
+        raise RuntimeError(f"build_parallel_state(rank={rank}) called on global rank "
+                           f"{dist.get_rank()}")
+    role = rank_role(plan, rank)
+    factory = _GroupFactory(rank)
+
+    # Creation order (identical on every rank): singletons, TP groups, pipelines, sync groups.
+    singletons = [factory.get([r]) for r in range(world_size)]
+    tp_groups = [factory.get(s.ranks) for s in stage_roles(plan)]
+    pipeline_groups = [factory.get(p.ranks) for p in plan.pipelines]
+    sync_groups = []
+    for spec in sync_group_specs(plan):
+        mine = None
+        for ranks in spec.groups():
+            group = factory.get(ranks)
+            if group is not None:
+                mine = SyncGroup(spec, tuple(ranks), group)
+        sync_groups.append(mine or SyncGroup(spec, None, None))
+
+    stage_index = [(s.pipeline, s.stage) for s in stage_roles(plan)].index(
+        (role.stage.pipeline, role.stage.stage))
+    tp_group = tp_groups[stage_index]
+    pipeline_group = pipeline_groups[role.stage.pipeline]
+    cp_group = singletons[rank]
+    first_layer = role.stage.layers[0]
+    dp_sync = next(g for g in sync_groups if g.spec.kind == "layers"
+                   and g.spec.layers[0] <= first_layer < g.spec.layers[1])
+    pp_position = StagePosition(role.stage.stage, role.stage.num_stages,
+                                _pipeline_chain(role, plan))
+
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    pg_collection = ProcessGroupCollection(
+        tp=tp_group, pp=pp_position, mp=pipeline_group, embd=None, pos_embd=None, cp=cp_group,
+        tp_cp=tp_group, dp=dp_sync.group, dp_cp=dp_sync.group)
+    state = HeteroParallelState(
+        plan=plan, role=role, rank=rank, world_size=world_size, tp_group=tp_group,
+        pp_group=pp_position, pipeline_group=pipeline_group, cp_group=cp_group,
+        dp_group=dp_sync.group, sync_groups=sync_groups, pg_collection=pg_collection)
+    _install_megatron_globals(state)
+    return state
+
+
+def _install_megatron_globals(state: HeteroParallelState) -> None:
+    from megatron.core import parallel_state as mps
+
+    mps.destroy_model_parallel()
+    role, plan = state.role, state.plan
+    word, pos = state.word_embedding_sync, state.position_embedding_sync
+    dp_ranks = sorted(next(g.ranks for g in state.sync_groups
+                           if g.spec.kind == "layers" and g.group is state.dp_group))
+    values = {
+        "_TENSOR_MODEL_PARALLEL_GROUP": state.tp_group,
+        "_TENSOR_MODEL_PARALLEL_GLOBAL_RANKS": list(role.stage.ranks),
+        "_MPU_TENSOR_MODEL_PARALLEL_WORLD_SIZE": role.stage.tp_size,
+        "_MPU_TENSOR_MODEL_PARALLEL_RANK": role.tp_rank,
+        "_PIPELINE_MODEL_PARALLEL_GROUP": state.pp_group,
+        "_PIPELINE_GLOBAL_RANKS": list(state.pp_group.ranks),
+        "_MPU_PIPELINE_MODEL_PARALLEL_WORLD_SIZE": role.stage.num_stages,
+        "_MPU_PIPELINE_MODEL_PARALLEL_RANK": role.stage.stage,
+        "_MODEL_PARALLEL_GROUP": state.pipeline_group,
+        "_MODEL_PARALLEL_GLOBAL_RANKS": list(plan.pipelines[role.stage.pipeline].ranks),
+        "_CONTEXT_PARALLEL_GROUP": state.cp_group,
+        "_CONTEXT_PARALLEL_GLOBAL_RANKS": [state.rank],
+        "_TENSOR_AND_CONTEXT_PARALLEL_GROUP": state.tp_group,
+        "_DATA_PARALLEL_GROUP": state.dp_group,
+        "_DATA_PARALLEL_GROUP_WITH_CP": state.dp_group,
+        "_DATA_PARALLEL_GLOBAL_RANKS": list(dp_ranks),
+        "_DATA_PARALLEL_GLOBAL_RANKS_WITH_CP": list(dp_ranks),
+        "_MPU_DATA_PARALLEL_WORLD_SIZE": len(plan.pipelines),
+        "_MPU_DATA_PARALLEL_RANK": role.stage.pipeline,
+        "_EMBEDDING_GROUP": word.group if word else None,
+        "_EMBEDDING_GLOBAL_RANKS": list(word.ranks) if word and word.ranks else None,
+        "_POSITION_EMBEDDING_GROUP": pos.group if pos else None,
+        "_POSITION_EMBEDDING_GLOBAL_RANKS": list(pos.ranks) if pos and pos.ranks else None,
+        "_MPU_EXPERT_MODEL_PARALLEL_WORLD_SIZE": 1,
+        "_MPU_EXPERT_MODEL_PARALLEL_RANK": 0,
+        "_MPU_EXPERT_TENSOR_PARALLEL_WORLD_SIZE": role.stage.tp_size,
+        "_MPU_EXPERT_TENSOR_PARALLEL_RANK": role.tp_rank,
+    }
+    for name, value in values.items():
+        if not hasattr(mps, name):
+            raise RuntimeError(f"megatron.core.parallel_state has no {name}: megatron-core "
+                               f"version mismatch (built against 0.16.1)")
+        setattr(mps, name, value)
+    mps._set_global_memory_buffer()
