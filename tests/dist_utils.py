@@ -12,7 +12,7 @@ Public API
 ``free_port() -> int``
 
 Design: processes are forked, not spawned, so children inherit the already-imported torch and
-megatron-core (an import costs ~4 s per process on 2 cores) and ``fn`` may be any callable,
+megatron-core (imported here, before any fork: an import costs ~5 s per process on 2 cores) and ``fn`` may be any callable,
 closures included. Each child uses one intra-op thread: N processes share 2 cores, and
 oversubscription makes small runs several times slower.
 """
@@ -25,6 +25,13 @@ import queue
 import socket
 import time
 import traceback
+
+# Imported before forking so every child inherits them instead of paying ~5 s each on 2 cores.
+import megatron.core.distributed  # noqa: F401
+import megatron.core.models.gpt  # noqa: F401
+import megatron.core.optimizer  # noqa: F401
+import megatron.core.pipeline_parallel  # noqa: F401
+import torch.distributed  # noqa: F401
 
 
 class RankFailed(RuntimeError):
