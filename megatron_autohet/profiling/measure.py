@@ -10,9 +10,9 @@ What is measured is megatron-core's own code, built the way a GPT model builds i
   ``vocab_parallel_cross_entropy`` (what the last pipeline stage runs).
 
 Each is timed forward and backward for ``warmup`` untimed then ``iters`` timed micro-batches; the
-median is kept. On a GPU, times come from CUDA events and memory from the allocator
-(``torch.cuda.memory_allocated`` around the forward pass, ``max_memory_allocated`` for the peak
-that is logged). On a CPU, times come from ``time.perf_counter`` and activation memory is counted
+median is kept. On a GPU, times come from CUDA events and activation memory from the allocator
+(``torch.cuda.memory_allocated`` after the forward pass, less before it and less the output). On
+a CPU, times come from ``time.perf_counter`` and activation memory is counted
 from the tensors autograd really saves for backward (``torch.autograd.graph.saved_tensors_hooks``,
 each storage counted once, parameters excluded). ``activation_bytes_recompute`` is measured the
 same way with the module wrapped in megatron-core's ``tensor_parallel.checkpoint`` (full
@@ -181,15 +181,18 @@ def _free_port() -> int:
 # ---- child process ---------------------------------------------------------------------------
 
 def _worker(rank: int, request: MeasureRequest, done) -> None:
+    # As Megatron-LM's launch scripts do: one CUDA work queue, so TP communication overlaps
+    # compute the way it will in training (read when CUDA initialises, so set first).
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(request.master_port),
+                      CUDA_DEVICE_MAX_CONNECTIONS="1")
+    # megatron-core warns at import about every missing optional fused kernel; rank 0 prints
+    # which layer spec was measured instead.
+    warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).*not installed.*")
+    warnings.filterwarnings("ignore", message=r".*full scope is deprecated.*")
     import torch
     import torch.distributed as dist
 
-    # megatron-core warns at import about every missing optional fused kernel; the measurement
-    # reports which layer spec it used instead.
-    warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).*not installed.*")
-    warnings.filterwarnings("ignore", message=r".*full scope is deprecated.*")
     on_gpu = torch.cuda.is_available()
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(request.master_port))
     if on_gpu:
         torch.cuda.set_device(rank)
     else:
@@ -203,6 +206,9 @@ def _worker(rank: int, request: MeasureRequest, done) -> None:
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=request.tp)
         model_parallel_cuda_manual_seed(1234)
         bench = _Bench(request, on_gpu)
+        if rank == 0:
+            print(f"> TP={request.tp}: {bench.layer_spec} layer spec, {bench.dtype}, "
+                  f"{'GPU' if on_gpu else 'CPU'}", flush=True)
         for mbs in request.micro_batch_sizes:
             for seq in request.seq_lengths:
                 entry = bench.measure_entry(mbs, seq)
@@ -257,13 +263,14 @@ class _Bench:
     def _build_layer(self):
         from megatron.core.transformer.spec_utils import build_module
 
-        spec = None
+        spec, self.layer_spec = None, "local (megatron-core)"
         if self.on_gpu:
             try:
                 from megatron.core.models.gpt.gpt_layer_specs import \
                     get_gpt_layer_with_transformer_engine_spec
                 import transformer_engine  # noqa: F401  (the spec needs it at build time)
                 spec = get_gpt_layer_with_transformer_engine_spec()
+                self.layer_spec = "Transformer Engine"
             except ImportError:
                 spec = None
         if spec is None:
@@ -384,14 +391,13 @@ class _Bench:
         import torch
 
         if self.on_gpu:
+            # What the allocator still holds after forward, less the output (the caller's: the
+            # next layer's input, counted there as that layer's saved input).
             torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
             before = torch.cuda.memory_allocated()
             out = forward()
             torch.cuda.synchronize()
-            kept = torch.cuda.memory_allocated() - before
-            logger.debug("peak during forward: %.1f MiB over the base",
-                         (torch.cuda.max_memory_allocated() - before) / 2**20)
+            kept = torch.cuda.memory_allocated() - before - out.untyped_storage().nbytes()
             del out
             return max(kept, 0)
         # Count what the graph still holds once forward returns: tensors saved inside a scope that
