@@ -1,0 +1,230 @@
+"""This rank's stage of the model: megatron-core's own GPTModel holding exactly the plan's layers.
+
+Public API
+----------
+``padded_vocab_size(vocab_size, tp_degrees) -> int``
+    The vocabulary rounded up to a multiple of ``128 * lcm(tp_degrees)``.
+``plan_padded_vocab_size(plan) -> int``
+    The padded vocabulary of a plan (every TP degree in it).
+``transformer_config(model_spec, tp_size, *, sequence_parallel=False, pipeline_layers=None,
+                     dropout=0.0, **overrides) -> TransformerConfig``
+    fp32, CPU-safe megatron config of one stage. ``pipeline_layers``: the [start, end) layer
+    ranges of every stage of this rank's pipeline (None: the whole model in one stage).
+``build_stage_model(model_spec, state, *, seed, sequence_parallel=False, padded_vocab=None,
+                    dropout=0.0, **config_overrides) -> GPTModel``
+    ``state``: runtime.parallel_state.HeteroParallelState. Layout-independent initial weights.
+``param_layouts(model, state) -> dict[str, ParamLayout]``
+    For every local parameter name (``model.named_parameters()``): its global name and where the
+    local tensor sits in the full one (runtime/init.py).
+``stage_layer_spec(config)``, ``TorchNorm``: the layer spec the stage uses and its norm.
+
+Design (why)
+------------
+* Global layer numbers come from megatron's own mechanism, not a patch: each rank's config
+  carries a ``PipelineParallelLayerLayout`` of *its* pipeline (``[[embedding, decoder*n0],
+  [decoder*n1], ..., [decoder*nk, loss]]``) and ``pipeline_model_parallel_size`` = its number of
+  stages; megatron's ``get_transformer_layer_offset`` / ``get_num_layers_to_build`` read the
+  stage index from ``pg_collection.pp.rank()`` and the parallel_state globals (both installed by
+  ``build_parallel_state``), so ``TransformerLayer.layer_number`` is the 1-based GLOBAL number.
+  The config is per rank anyway: pipelines differ in depth and stages in TP degree.
+* Local layer spec (no Transformer Engine) on CPU or when TE is missing; TE spec on a GPU with TE.
+  megatron's torch-norm fallback (``WrappedTorchNorm``, used when Apex is absent) refuses
+  ``sequence_parallel`` (transformer/torch_norm.py:32); :class:`TorchNorm` is the same torch norm
+  but tags its parameters ``.sequence_parallel`` as Megatron's fused norms do, so the grad sync
+  sums their partial gradients over TP (runtime/grad_sync.py). This is not a CPU issue (a GPU
+  without Apex/TE hits it too), so it lives here and not in cpu_mode.
+* Vocabulary padding: Megatron pads to a multiple of ``128 * TP``. A plan mixes TP degrees, and
+  stages holding the tied embedding/output must agree on its full shape (the output layer's
+  padding rows also enter the softmax), so the padding unit is ``128 * lcm(all TP degrees of the
+  plan)``: for a homogeneous plan exactly Megatron's padding. The single-process reference uses
+  the same size.
+* Tied embeddings: megatron's own all-reduce initialisation over ``pg_collection.embd`` is off
+  (embd is None, see parallel_state); both copies get the same layout-independent values instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+import torch
+
+from megatron_autohet.plan import Plan
+from megatron_autohet.runtime.init import INIT_METHOD_STD, ParamLayout, initialize_parameters
+from megatron_autohet.spec.model import ModelSpec
+
+_VOCAB_PAD_UNIT = 128
+_LAYER_NAME = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
+
+
+def padded_vocab_size(vocab_size: int, tp_degrees) -> int:
+    unit = _VOCAB_PAD_UNIT * math.lcm(*tp_degrees)
+    return -(-vocab_size // unit) * unit
+
+
+def plan_padded_vocab_size(plan: Plan) -> int:
+    return padded_vocab_size(plan.model.vocab_size,
+                             {s.tp for p in plan.pipelines for s in p.stages})
+
+
+def transformer_config(model_spec: ModelSpec, tp_size: int, *, sequence_parallel: bool = False,
+                       pipeline_layers: list[tuple[int, int]] | None = None,
+                       dropout: float = 0.0, **overrides):
+    from megatron.core.transformer import TransformerConfig
+
+    llama_style = model_spec.gated_linear_unit
+    num_stages = len(pipeline_layers) if pipeline_layers else 1
+    layout = None
+    if num_stages > 1:
+        layout = [["decoder"] * (end - start) for start, end in pipeline_layers]
+        layout[0].insert(0, "embedding")
+        layout[-1].append("loss")
+    kwargs = dict(
+        num_layers=model_spec.num_layers,
+        hidden_size=model_spec.hidden_size,
+        num_attention_heads=model_spec.num_attention_heads,
+        num_query_groups=model_spec.num_query_groups,
+        ffn_hidden_size=model_spec.ffn_hidden_size,
+        tensor_model_parallel_size=tp_size,
+        sequence_parallel=sequence_parallel and tp_size > 1,
+        pipeline_model_parallel_size=num_stages,
+        pipeline_model_parallel_layout=layout,
+        pipeline_dtype=torch.float32,
+        params_dtype=torch.float32,
+        hidden_dropout=dropout,
+        attention_dropout=dropout,
+        init_method_std=INIT_METHOD_STD,
+        # SwiGLU models (LLaMA family) also use RMSNorm and no linear biases.
+        gated_linear_unit=llama_style,
+        activation_func=torch.nn.functional.silu if llama_style else torch.nn.functional.gelu,
+        normalization="RMSNorm" if llama_style else "LayerNorm",
+        add_bias_linear=not llama_style,
+        # Megatron's CPU init path needs no device RNG and is what sets the TP attributes
+        # (tensor_model_parallel, partition_dim) that param_layouts reads; runtime/init.py then
+        # overwrites the values with the layout-independent ones.
+        use_cpu_initialization=True,
+        # Fusions need CUDA kernels or Apex/TE; the unfused paths compute the same thing.
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        cross_entropy_loss_fusion=False,
+        persist_layer_norm=False,
+    )
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)
+
+
+class TorchNorm:
+    """torch LayerNorm/RMSNorm built like megatron's WrappedTorchNorm, sequence-parallel aware."""
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **_unused):
+        if config.normalization == "LayerNorm":
+            norm = torch.nn.LayerNorm(hidden_size, eps=eps, dtype=config.params_dtype)
+        elif config.normalization == "RMSNorm":
+            norm = torch.nn.RMSNorm(hidden_size, eps=eps, dtype=config.params_dtype)
+        else:
+            raise ValueError(f"normalization {config.normalization!r} is not supported")
+        for param in norm.parameters():
+            param.sequence_parallel = bool(config.sequence_parallel)
+        return norm
+
+
+def _use_transformer_engine() -> bool:
+    from megatron_autohet.runtime.cpu_mode import cpu_mode_enabled
+    if cpu_mode_enabled() or not torch.cuda.is_available():
+        return False
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def stage_layer_spec(config):
+    """(layer spec, final-norm module) for this stage's TransformerBlock."""
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    if _use_transformer_engine():
+        from megatron.core.extensions.transformer_engine import TENorm
+        from megatron.core.models.gpt.gpt_layer_specs import \
+            get_gpt_layer_with_transformer_engine_spec
+        return get_gpt_layer_with_transformer_engine_spec(
+            normalization=config.normalization), TENorm
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    spec = get_gpt_layer_local_spec(normalization=config.normalization)
+    sub = spec.submodules
+    swap = {f.name: TorchNorm for f in dataclasses.fields(sub)
+            if f.name in ("input_layernorm", "pre_mlp_layernorm")
+            and getattr(sub, f.name) is WrappedTorchNorm}
+    spec = dataclasses.replace(spec, submodules=dataclasses.replace(sub, **swap))
+    return spec, spec.submodules.input_layernorm
+
+
+def build_stage_model(model_spec: ModelSpec, state, *, seed: int, sequence_parallel: bool = False,
+                      padded_vocab: int | None = None, dropout: float = 0.0, **config_overrides):
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    role = state.role
+    pipeline = state.plan.pipelines[role.stage.pipeline]
+    config = transformer_config(model_spec, role.stage.tp_size,
+                                sequence_parallel=sequence_parallel,
+                                pipeline_layers=[s.layers for s in pipeline.stages],
+                                dropout=dropout, **config_overrides)
+    layer_spec, final_norm = stage_layer_spec(config)
+    block_spec = TransformerBlockSubmodules(
+        layer_specs=[layer_spec] * (role.stage.layers[1] - role.stage.layers[0]),
+        layer_norm=final_norm)
+    model = GPTModel(
+        config, block_spec,
+        vocab_size=padded_vocab or plan_padded_vocab_size(state.plan),
+        max_sequence_length=model_spec.seq_length,
+        pre_process=role.stage.is_first,
+        post_process=role.stage.is_last,
+        parallel_output=True,
+        share_embeddings_and_output_weights=model_spec.tie_embeddings,
+        position_embedding_type=model_spec.position_embedding_type,
+        pg_collection=state.pg_collection)
+    from megatron_autohet.runtime.cpu_mode import cpu_mode_enabled
+    if torch.cuda.is_available() and not cpu_mode_enabled():
+        model.cuda(torch.cuda.current_device())
+    for local_index, layer in enumerate(model.decoder.layers):
+        expected = role.stage.layers[0] + local_index + 1
+        if layer.layer_number != expected:              # megatron's offset logic disagrees
+            raise RuntimeError(f"stage layer {local_index} got megatron layer_number "
+                               f"{layer.layer_number}, expected global {expected}")
+    layouts = param_layouts(model, state)
+    initialize_parameters(((p, layouts[n]) for n, p in model.named_parameters()), model_spec,
+                          seed)
+    return model
+
+
+def _global_name(local_name: str, first_layer: int, tied: bool) -> str:
+    match = _LAYER_NAME.match(local_name)
+    if match:
+        return f"decoder.layers.{first_layer + int(match.group(1))}.{match.group(2)}"
+    if tied and local_name == "output_layer.weight":
+        return "embedding.word_embeddings.weight"        # one logical tensor (tied)
+    return local_name
+
+
+def param_layouts(model, state) -> dict[str, ParamLayout]:
+    role = state.role
+    tp_size, tp_rank = role.stage.tp_size, role.tp_rank
+    tied = state.plan.model.tie_embeddings
+    gated = state.plan.model.gated_linear_unit
+    layouts = {}
+    for name, param in model.named_parameters():
+        partition_dim = param.partition_dim if getattr(param, "tensor_model_parallel", False) \
+            else None
+        full_shape = list(param.shape)
+        if partition_dim is not None:
+            full_shape[partition_dim] *= tp_size
+        global_name = _global_name(name, role.stage.layers[0], tied)
+        num_chunks = 2 if gated and re.search(r"mlp\.linear_fc1\.(weight|bias)$", name) else 1
+        layouts[name] = ParamLayout(global_name, tuple(full_shape), partition_dim, tp_rank,
+                                    tp_size, num_chunks)
+    return layouts
