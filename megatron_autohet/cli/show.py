@@ -8,6 +8,8 @@ The figure has two panels: the plan (one row per pipeline, one box per stage spa
 coloured by GPU type, labelled with TP degree and ranks) and the event-level 1F1B timeline of
 every stage (``cost_model.simulate_1f1b``: forward and backward of each micro-batch, the link
 transfers as gaps), with the gradient sync and the optimizer step after the pipelines drain.
+Pipelines with identical timelines share one set of rows (labelled p4-11), so large fleets stay
+readable.
 """
 
 from __future__ import annotations
@@ -81,6 +83,18 @@ def predict(plan, args):
     return evaluate_plan(plan, cluster, profile, with_timeline=True)
 
 
+def identical_pipelines(cost) -> list[list[int]]:
+    """Pipelines with the same predicted timeline (same stage GPU types, TP, layers, times and
+    micro-batches) grouped, so a 96-GPU fleet of a few pipeline shapes draws a few timelines."""
+    groups: dict[tuple, list[int]] = {}
+    for p, pcost in enumerate(cost.pipelines):
+        key = (pcost.num_microbatches, tuple(
+            (s.gpu, s.tp, s.layers, s.forward_s, s.backward_s, s.p2p_s, s.sync_s)
+            for s in pcost.stages))
+        groups.setdefault(key, []).append(p)
+    return list(groups.values())
+
+
 def draw_plan(plan, cost, path) -> None:
     """Write the figure described in the module docstring (without ``cost``: the plan panel)."""
     import matplotlib
@@ -91,9 +105,10 @@ def draw_plan(plan, cost, path) -> None:
 
     gpus = list(dict.fromkeys(r.gpu for r in plan.ranks))
     colour = {g: PALETTE[i % len(PALETTE)] for i, g in enumerate(gpus)}
-    rows = sum(len(p.stages) for p in plan.pipelines)
+    groups = identical_pipelines(cost) if cost is not None else []
+    timeline_rows = sum(len(cost.pipelines[g[0]].stages) for g in groups)
     plan_height = 0.7 * len(plan.pipelines) + 1.0
-    timeline_height = 0.28 * rows + 1.2 if cost is not None else 0.0
+    timeline_height = 0.28 * timeline_rows + 1.2 if cost is not None else 0.0
     fig = plt.figure(figsize=(13, plan_height + timeline_height + 0.8))
     if cost is not None:
         ax_plan, ax_time = fig.subplots(2, 1, gridspec_kw={
@@ -126,8 +141,10 @@ def draw_plan(plan, cost, path) -> None:
 
     # -- the predicted 1F1B timeline of every stage ---------------------------------------------
     if ax_time is not None:
-        labels, y = [], rows - 1
-        for p, pcost in enumerate(cost.pipelines):
+        labels, y = [], timeline_rows - 1
+        for members in groups:
+            pcost = cost.pipelines[members[0]]
+            name = f"p{members[0]}" if len(members) == 1 else f"p{members[0]}-{members[-1]}"
             for s, scost in enumerate(pcost.stages):
                 c = colour[scost.gpu]
                 fwd = [(e.start_s, e.end_s - e.start_s) for e in scost.timeline if e.kind == "fwd"]
@@ -140,13 +157,13 @@ def draw_plan(plan, cost, path) -> None:
                 ax_time.broken_barh([(cost.pipeline_time_s, scost.sync_s),
                                      (cost.pipeline_time_s + cost.grad_sync_s, scost.optimizer_s)],
                                     (y - 0.4, 0.8), facecolors=["#999999", "#444444"])
-                labels.append((y, f"p{p} s{s} {scost.gpu} TP{scost.tp}"))
+                labels.append((y, f"{name} s{s} {scost.gpu} TP{scost.tp}"))
                 y -= 1
         ax_time.axvline(cost.pipeline_time_s, color="black", linestyle="--", linewidth=0.8)
         ax_time.axvline(cost.iteration_time_s, color="red", linestyle="-", linewidth=0.8)
         ax_time.set_yticks([t for t, _ in labels])
         ax_time.set_yticklabels([label for _, label in labels], fontsize=7)
-        ax_time.set_ylim(-0.6, rows - 0.4)
+        ax_time.set_ylim(-0.6, timeline_rows - 0.4)
         ax_time.set_xlim(0, cost.iteration_time_s * 1.02)
         ax_time.set_xlabel("time in the iteration (s)")
         ax_time.set_title(f"predicted 1F1B timeline: iteration {cost.iteration_time_s:.3g} s, "
