@@ -5,7 +5,7 @@ planner/space.py) the model chooses integer multiplicities ``x_j`` (identical pi
 variable, which removes their permutation symmetry) such that
 
     sum_j n_jk x_j  = G_k         for every pool k   (every TP group of the fleet is used once)
-    sum_j x_j      <= M                              (every pipeline gets a micro-batch)
+    D_min <= sum_j x_j <= min(D_max, M)              (pipeline count; each gets a micro-batch)
 
 and the pipelines finish the M micro-batches of a global batch as early as possible. A pipeline
 of option j that runs m micro-batches ends (with its gradient sync and optimizer estimate) at
@@ -28,7 +28,7 @@ from pyscipopt import SCIP_PARAMSETTING, Model, quicksum
 from megatron_autohet.planner.space import PipelineOption, assign_microbatches
 
 # Bisection stops when the bracket is this tight (relative): well inside the 2% optimality target.
-RELATIVE_TOLERANCE = 1e-3
+RELATIVE_TOLERANCE = 2e-3
 
 
 @dataclass
@@ -49,7 +49,8 @@ class CompositionModel:
     """One SCIP model over the options, re-parameterised by the time limit T."""
 
     def __init__(self, options: list[PipelineOption], pool_counts: list[int],
-                 total_microbatches: int, time_limit_s: float):
+                 total_microbatches: int, time_limit_s: float,
+                 pipelines: tuple[int, int | None] = (1, None)):
         self.options = options
         self.total = total_microbatches
         self.model = Model("autohet-composition")
@@ -72,7 +73,10 @@ class CompositionModel:
             self.model.addCons(quicksum(o.pools.count(k) * self.x[j]
                                         for j, o in enumerate(options) if k in o.pools) == count,
                                name=f"pool{k}")
-        self.model.addCons(quicksum(self.x) <= total_microbatches, name="microbatches")
+        low, high = pipelines
+        high = total_microbatches if high is None else min(high, total_microbatches)
+        self.model.addCons(quicksum(self.x) <= high, name="pipelines_max")
+        self.model.addCons(quicksum(self.x) >= low, name="pipelines_min")
 
     def solve(self, time_limit: float | None) -> list[int] | None:
         """A composition reaching all micro-batches within ``time_limit`` (None: no time limit)."""
@@ -118,11 +122,13 @@ def fluid_lower_bound_s(options: list[PipelineOption], pool_counts: list[int],
 
 
 def solve_composition(options: list[PipelineOption], pool_counts: list[int],
-                      total_microbatches: int, time_limit_s: float = 30.0) -> Composition | None:
-    """The composition with the smallest surrogate time (None: no composition covers the pools)."""
+                      total_microbatches: int, time_limit_s: float = 30.0,
+                      pipelines: tuple[int, int | None] = (1, None)) -> Composition | None:
+    """The composition with the smallest surrogate time whose pipeline count lies in
+    ``pipelines`` (min, max or None); None when no composition covers the pools."""
     if not options:
         return None
-    cm = CompositionModel(options, pool_counts, total_microbatches, time_limit_s)
+    cm = CompositionModel(options, pool_counts, total_microbatches, time_limit_s, pipelines)
     best = cm.solve(None)
     solves = 1
     if best is None:

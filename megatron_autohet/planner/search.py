@@ -27,6 +27,7 @@ takes a dozen solves; the number of GPUs only changes right-hand sides.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import time
@@ -40,7 +41,8 @@ from megatron_autohet.plan import Plan
 from megatron_autohet.planner.scip_model import fluid_lower_bound_s, solve_composition
 from megatron_autohet.planner.space import (PipelineOption, Pool, Problem, assign_microbatches,
                                             build_plan, check_batch, evaluate, make_pools,
-                                            split_options, stage_coefficients)
+                                            StageCoefficients, layer_splits,
+                                            option_for_split, stage_coefficients)
 from megatron_autohet.profiling.estimate import estimate_profile
 from megatron_autohet.profiling.profile import Profile
 from megatron_autohet.spec.cluster import Cluster
@@ -51,9 +53,14 @@ from megatron_autohet.spec.model import ModelSpec
 MAX_TYPES_PER_PIPELINE = 3
 # Upper bound on the default number of stages per pipeline (deeper ones only when memory needs).
 MAX_STAGES_CAP = 16
-# The grad-sync estimate before the replica count is known: 2 (D - 1) / D with D large.
+# The grad-sync estimate when the replica count is not fixed: 2 (D - 1) / D with D large.
 MANY_REPLICAS = 1024
-REFINE_BELOW_REPLICAS = 8
+# Replica counts up to this get an exact sync factor (one SCIP solve each).
+EXACT_REPLICAS = 8
+# Thresholds on the sync + optimizer time tried for the best replica range.
+THRESHOLD_LEVELS = 6
+# ... only for replica ranges whose first plan is within this factor of the best so far.
+THRESHOLD_WITHIN = 1.1
 
 
 @dataclass
@@ -101,6 +108,11 @@ def stage_sequences(pools: list[Pool], max_stages: int) -> list[tuple[int, ...]]
     return out
 
 
+# Options kept per GPU-count vector after the Pareto filter: the extremes of each criterion and
+# the best balance (more only slow the SCIP solves down; measured no better plans).
+OPTIONS_PER_SHAPE = 4
+
+
 def _pareto(options: list[PipelineOption]) -> list[PipelineOption]:
     options = sorted(options, key=lambda o: (o.period_s, o.fill_s, o.extra_s))
     kept: list[PipelineOption] = []
@@ -108,13 +120,25 @@ def _pareto(options: list[PipelineOption]) -> list[PipelineOption]:
         if not any(k.period_s <= o.period_s and k.fill_s <= o.fill_s and k.extra_s <= o.extra_s
                    for k in kept):
             kept.append(o)
-    return kept
+    if len(kept) <= OPTIONS_PER_SHAPE:
+        return kept
+    picks = [min(kept, key=lambda o: o.period_s), min(kept, key=lambda o: o.fill_s),
+             min(kept, key=lambda o: o.extra_s),
+             min(kept, key=lambda o: o.period_s + o.extra_s)]
+    return list({id(o): o for o in picks}.values())
 
 
-def pipeline_options(problem: Problem, pools: list[Pool], recompute: bool, max_stages: int,
-                     holders: int) -> tuple[list[PipelineOption], bool]:
-    """Pareto-filtered options per GPU-count vector, and whether memory limited any split."""
-    by_counts: dict[tuple[int, ...], list[PipelineOption]] = {}
+@dataclass(frozen=True)
+class Split:
+    sequence: tuple[int, ...]
+    coeffs: tuple[StageCoefficients, ...]
+    layers: tuple[int, ...]
+
+
+def candidate_splits(problem: Problem, pools: list[Pool], recompute: bool,
+                     max_stages: int) -> tuple[list[Split], bool]:
+    """Every stage sequence with its layer splits, and whether memory limited any split."""
+    splits: list[Split] = []
     memory_bound = False
     L = problem.model.num_layers
     for seq in stage_sequences(pools, max_stages):
@@ -124,10 +148,20 @@ def pipeline_options(problem: Problem, pools: list[Pool], recompute: bool, max_s
             continue
         if any(c.max_layers < L for c in coeffs):
             memory_bound = True
-        counts = tuple(seq.count(k) for k in range(len(pools)))
-        by_counts.setdefault(counts, []).extend(split_options(problem, seq, coeffs, holders))
-    options = [o for group in by_counts.values() for o in _pareto(group)]
-    return options, memory_bound
+        splits += [Split(seq, tuple(coeffs), layers) for layers in layer_splits(problem, coeffs)]
+    return splits, memory_bound
+
+
+def pipeline_options(problem: Problem, pools: list[Pool], splits: list[Split],
+                     holders: int) -> list[PipelineOption]:
+    """Options for SCIP: the splits costed with a sync estimate for ``holders`` replicas,
+    Pareto-filtered per GPU-count vector."""
+    by_counts: dict[tuple[int, ...], list[PipelineOption]] = {}
+    for sp in splits:
+        counts = tuple(sp.sequence.count(k) for k in range(len(pools)))
+        by_counts.setdefault(counts, []).append(
+            option_for_split(problem, sp.sequence, list(sp.coeffs), sp.layers, holders))
+    return [o for group in by_counts.values() for o in _pareto(group)]
 
 
 @dataclass
@@ -136,7 +170,7 @@ class Config:
 
     pools: list[Pool]
     recompute: bool
-    max_stages: int
+    splits: list[Split]
     options: list[PipelineOption]
     memory_bound: bool
     lower_bound_s: float
@@ -148,32 +182,64 @@ def make_config(problem: Problem, tp_of_gpu: dict[str, int], recompute: bool,
     if pools is None:
         return None
     stages = max_stages or default_max_stages(problem, pools)
-    options, bound = pipeline_options(problem, pools, recompute, stages, MANY_REPLICAS)
-    return Config(pools, recompute, stages, options, bound,
+    splits, bound = candidate_splits(problem, pools, recompute, stages)
+    options = pipeline_options(problem, pools, splits, MANY_REPLICAS)
+    return Config(pools, recompute, splits, options, bound,
                   fluid_lower_bound_s(options, [p.count for p in pools], problem.num_microbatches))
 
 
 def solve_config(problem: Problem, config: Config, time_limit_s: float) -> Candidate | None:
-    """Compose, split micro-batches, place and cost; refine the sync estimate once for few
-    replicas (2 (D-1)/D is far from 2 there)."""
+    """Compose, split micro-batches, place and cost.
+
+    Two refinements of the surrogate (each pipeline's time plus its own sync/optimizer estimate):
+
+    * the gradient sync of D replicas costs 2 (D-1)/D of a full all-reduce, far from its limit 2
+      when D is small, so each small D gets its own solve with the exact factor and the
+      constraint sum_j x_j = D; one more covers D > EXACT_REPLICAS with the factor of
+      EXACT_REPLICAS + 1;
+    * the real iteration adds the *largest* sync/optimizer time to the *longest* pipeline, so for
+      each replica range a few thresholds e on that extra time are solved exactly: only
+      options with extra <= e, each charged e (THRESHOLD_LEVELS levels below the first's).
+    """
     best: Candidate | None = None
-    options, holders, tried = config.options, MANY_REPLICAS, set()
-    while holders not in tried:
-        tried.add(holders)
-        if holders != MANY_REPLICAS:
-            options, _ = pipeline_options(problem, config.pools, config.recompute,
-                                          config.max_stages, holders)
+    groups = sum(p.count for p in config.pools)
+    fewest = max(1, math.ceil(groups / max(len(o.pools) for o in config.options))) \
+        if config.options else 1
+    rounds = [(d, (d, d)) for d in range(fewest, EXACT_REPLICAS + 1)]
+    rounds.append((EXACT_REPLICAS + 1, (max(fewest, EXACT_REPLICAS + 1), None)))
+
+    def attempt(options: list[PipelineOption], count_range) -> Candidate | None:
+        nonlocal best
         comp = solve_composition(options, [p.count for p in config.pools],
-                                 problem.num_microbatches, time_limit_s)
+                                 problem.num_microbatches, time_limit_s, count_range)
         if comp is None:
-            break
+            return None
         pipelines = [o for o, x in zip(options, comp.multiplicities) for _ in range(x)]
         counts = assign_microbatches(pipelines, problem.num_microbatches)
         plan = build_plan(problem, config.pools, pipelines, counts, config.recompute)
         cost = evaluate(problem, plan)
-        if cost.fits_memory and (best is None or cost.iteration_time_s < best.cost.iteration_time_s):
-            best = Candidate(plan, cost, {p.gpu: p.tp for p in config.pools}, config.recompute)
-        holders = len(pipelines) if len(pipelines) < REFINE_BELOW_REPLICAS else holders
+        if not cost.fits_memory:
+            return None
+        cand = Candidate(plan, cost, {p.gpu: p.tp for p in config.pools}, config.recompute)
+        if best is None or cost.iteration_time_s < best.cost.iteration_time_s:
+            best = cand
+        return cand
+
+    for holders, count_range in rounds:
+        if count_range[0] > problem.num_microbatches:
+            break
+        options = pipeline_options(problem, config.pools, config.splits, holders)
+        found = attempt(options, count_range)
+        if found is None or found.cost.iteration_time_s > THRESHOLD_WITHIN * best.cost.iteration_time_s:
+            continue
+        top = found.cost.grad_sync_s + found.cost.optimizer_s
+        levels = sorted({o.extra_s for o in options if o.extra_s < top}, reverse=True)
+        if len(levels) > THRESHOLD_LEVELS:
+            step = len(levels) / THRESHOLD_LEVELS
+            levels = [levels[int(i * step)] for i in range(THRESHOLD_LEVELS)]
+        for level in levels:
+            capped = [dataclasses.replace(o, extra_s=level) for o in options if o.extra_s <= level]
+            attempt(capped, count_range)
     return best
 
 

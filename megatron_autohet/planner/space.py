@@ -186,8 +186,7 @@ def option_for_split(problem: Problem, sequence: tuple[int, ...], coeffs: list[S
 PERIOD_SLACKS = (0.0, 0.05, 0.15, 0.4)
 
 
-def split_options(problem: Problem, sequence: tuple[int, ...], coeffs: list[StageCoefficients],
-                  holders: int) -> list[PipelineOption]:
+def layer_splits(problem: Problem, coeffs: list[StageCoefficients]) -> list[tuple[int, ...]]:
     """Layer splits of one stage sequence: the min-period split and a few looser ones.
 
     For a period cap P a stage holds at most ``min(memory cap, (P - fixed) / per_layer)`` layers;
@@ -195,7 +194,7 @@ def split_options(problem: Problem, sequence: tuple[int, ...], coeffs: list[Stag
     fills every stage with one layer and hands the rest to the fastest stages first (smallest
     fill time under that cap).
     """
-    L, S = problem.model.num_layers, len(sequence)
+    L, S = problem.model.num_layers, len(coeffs)
     if S > L or sum(min(c.max_layers, L) for c in coeffs) < L:
         return []
 
@@ -206,7 +205,7 @@ def split_options(problem: Problem, sequence: tuple[int, ...], coeffs: list[Stag
     lo = max(c.time_fixed + c.time_per_layer for c in coeffs)
     hi = max(c.time_fixed + c.time_per_layer * min(L, c.max_layers) for c in coeffs)
     if sum(max(0, x) for x in caps(lo)) < L:
-        for _ in range(30):
+        for _ in range(24):
             mid = 0.5 * (lo + hi)
             if sum(max(0, x) for x in caps(mid)) >= L:
                 hi = mid
@@ -216,7 +215,7 @@ def split_options(problem: Problem, sequence: tuple[int, ...], coeffs: list[Stag
     else:
         base = lo
     order = sorted(range(S), key=lambda s: coeffs[s].time_per_layer)
-    seen, options = set(), []
+    splits: list[tuple[int, ...]] = []
     for slack in PERIOD_SLACKS:
         c = caps(base * (1 + slack))
         if min(c) < 1 or sum(c) < L:
@@ -227,11 +226,9 @@ def split_options(problem: Problem, sequence: tuple[int, ...], coeffs: list[Stag
             take = min(left, c[s] - 1)
             layers[s] += take
             left -= take
-        key = tuple(layers)
-        if key not in seen:
-            seen.add(key)
-            options.append(option_for_split(problem, sequence, coeffs, key, holders))
-    return options
+        if tuple(layers) not in splits:
+            splits.append(tuple(layers))
+    return splits
 
 
 def assign_microbatches(options: list[PipelineOption], total: int,
