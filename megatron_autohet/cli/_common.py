@@ -40,9 +40,6 @@ def add_planning_arguments(parser) -> None:
     parser.add_argument("--recompute", choices=sorted(RECOMPUTE_CHOICES), default="auto",
                         help="full activation recompute: 'auto' turns it on only where memory "
                              "needs it (default: auto)")
-    parser.add_argument("--tp", type=int, nargs="+", default=None, metavar="T",
-                        help="only search these TP degrees (default: every degree that divides "
-                             "the model's heads and fits in a node)")
     parser.add_argument("--time-limit", type=float, default=60.0, metavar="SECONDS",
                         help="wall-clock budget of the search (default: 60)")
 
@@ -68,7 +65,7 @@ def load_planning_inputs(args):
     catalog = load_gpu_catalog(args.gpu_catalog)
     cluster = load_cluster(args.cluster, catalog)
     model = load_model(args.model)
-    for t in args.tp or []:
+    for t in getattr(args, "tp", None) or []:
         if t not in model.valid_tp_degrees(64):
             raise ConfigError("<command line>", "--tp", f"TP degree {t} does not divide the "
                               f"model's heads/query groups/FFN size",
@@ -83,10 +80,10 @@ def load_planning_inputs(args):
 
 
 def planning_options(args) -> dict:
-    """Keyword arguments of planner.make_plan / search / compare from the shared arguments."""
+    """Keyword arguments of planner.search / compare from the shared arguments."""
     return {"allow_asymmetric_tp": args.allow_asymmetric_tp,
             "activation_recompute": RECOMPUTE_CHOICES[args.recompute],
-            "time_limit_s": args.time_limit, "tp_degrees": args.tp}
+            "time_limit_s": args.time_limit}
 
 
 # ---- plans against clusters ------------------------------------------------------------------------

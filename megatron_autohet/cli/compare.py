@@ -30,11 +30,8 @@ def run(args) -> int:
     from megatron_autohet.planner.compare import compare
 
     cluster, model, profile = load_planning_inputs(args)
-    options = planning_options(args)
     result = compare(cluster, model, profile, args.global_batch_size, args.micro_batch_size,
-                     args.seq_length, allow_asymmetric_tp=options["allow_asymmetric_tp"],
-                     activation_recompute=options["activation_recompute"],
-                     time_limit_s=options["time_limit_s"], progress=not args.json)
+                     args.seq_length, progress=not args.json, **planning_options(args))
     if args.output:
         result.plan.save(args.output)
     if args.json:
