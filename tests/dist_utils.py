@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import socket
 import time
@@ -57,7 +58,9 @@ def _child(rank, world_size, port, results, fn, args, kwargs):
             value = fn(rank, world_size, *args, **kwargs)
         finally:
             torch.distributed.destroy_process_group()
-        results.put((rank, True, value))
+        # Plain pickle (by value): the queue's ForkingPickler would share tensors through file
+        # descriptors that die with this process.
+        results.put((rank, True, pickle.dumps(value)))
     except BaseException:                                          # report everything, then die
         results.put((rank, False, traceback.format_exc()))
     finally:
@@ -94,7 +97,7 @@ def run_on_ranks(world_size: int, fn, *args, timeout: float = 120, **kwargs) -> 
                     failures[r] = f"died with exit code {procs[r].exitcode} without a result"
                 continue
             if ok:
-                values[rank] = value
+                values[rank] = pickle.loads(value)
             else:
                 # The first failure often makes peers fail in collectives ("connection closed by
                 # peer"); wait briefly for theirs too so the root cause is in the report.

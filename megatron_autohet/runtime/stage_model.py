@@ -12,7 +12,8 @@ Public API
     ranges of every stage of this rank's pipeline (None: the whole model in one stage).
 ``build_stage_model(model_spec, state, *, seed, sequence_parallel=False, padded_vocab=None,
                     dropout=0.0, **config_overrides) -> GPTModel``
-    ``state``: runtime.parallel_state.HeteroParallelState. Layout-independent initial weights.
+    ``state``: runtime.parallel_state.HeteroParallelState. Layout-independent initial weights;
+    also seeds megatron's dropout RNG streams (``model_parallel_cuda_manual_seed``) from ``seed``.
 ``param_layouts(model, state) -> dict[str, ParamLayout]``
     For every local parameter name (``model.named_parameters()``): its global name and where the
     local tensor sits in the full one (runtime/init.py).
@@ -165,10 +166,15 @@ def stage_layer_spec(config):
 
 def build_stage_model(model_spec: ModelSpec, state, *, seed: int, sequence_parallel: bool = False,
                       padded_vocab: int | None = None, dropout: float = 0.0, **config_overrides):
+    from megatron.core import tensor_parallel
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
     role = state.role
+    # Megatron's dropout RNG streams (what megatron.training's initialize does): the
+    # model-parallel stream differs per TP rank, the default one is shared.
+    tensor_parallel.model_parallel_cuda_manual_seed(seed, tp_rank=role.tp_rank, ep_rank=0,
+                                                    etp_rank=0)
     pipeline = state.plan.pipelines[role.stage.pipeline]
     config = transformer_config(model_spec, role.stage.tp_size,
                                 sequence_parallel=sequence_parallel,

@@ -1,0 +1,116 @@
+"""The single-process reference every parallel layout must reproduce (DESIGN.md section 3).
+
+Public API
+----------
+``run_reference(model_spec, global_batches, *, micro_batch_size, seed, lr, clip_grad=1.0,
+                padded_vocab, sequence_parallel=False) -> list[ReferenceStep]``
+    Trains the whole model (TP1, PP1) in this process for one iteration per global batch and
+    returns each iteration's ``ReferenceStep(loss, grad_norm)``; the grad norm is taken before
+    clipping, as the runtime reports it.
+``reference_plan(model_spec, *, micro_batch_size, num_microbatches, seq_length) -> Plan``
+    The one-rank plan the reference trains.
+
+Design (why)
+------------
+* Same code path, no second model definition: the reference is a one-rank plan built with
+  ``build_parallel_state`` + ``build_stage_model`` - megatron-core's GPTModel with every layer and
+  the layout-independent initial weights of ``runtime/init.py``. Any parallel run of the same
+  model and seed starts from TP/PP slices of exactly these weights. ``padded_vocab`` must be the
+  parallel plan's (``stage_model.plan_padded_vocab_size``): padding rows enter the softmax.
+* Same objective and optimizer as the runtime, imported from ``runtime/trainer.py``
+  (``masked_token_mean``, ``microbatches``, ``make_optimizer``): iteration loss = mean over ALL
+  micro-batches of the global batch of the masked-token-mean cross-entropy; gradients = the
+  gradient of that (each micro-batch's backward is scaled by 1/M and accumulated); grad norm and
+  clipping with megatron-core's ``get_grad_norm_fp32`` / ``clip_grad_by_total_norm_fp32``.
+* It needs its own process (world size 1): if ``torch.distributed`` is not initialised it starts a
+  one-rank gloo world on an in-memory store and tears it down afterwards; tests call it through
+  ``tests/dist_utils.run_on_ranks(1, ...)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megatron_autohet.plan import Pipeline, Plan, RankInfo, Stage
+from megatron_autohet.spec.model import ModelSpec
+
+
+@dataclass(frozen=True)
+class ReferenceStep:
+    loss: float
+    grad_norm: float
+
+
+def reference_plan(model_spec: ModelSpec, *, micro_batch_size: int, num_microbatches: int,
+                   seq_length: int) -> Plan:
+    return Plan(cluster="reference", model=model_spec, micro_batch_size=micro_batch_size,
+                global_batch_size=micro_batch_size * num_microbatches, seq_length=seq_length,
+                ranks=[RankInfo(rank=0, node="reference", local_rank=0, gpu="reference")],
+                pipelines=[Pipeline(stages=[Stage(ranks=[0], layers=(0, model_spec.num_layers))],
+                                    num_microbatches=num_microbatches)]).validate("<reference>")
+
+
+def run_reference(model_spec: ModelSpec, global_batches, *, micro_batch_size: int, seed: int,
+                  lr: float, clip_grad: float = 1.0, padded_vocab: int,
+                  sequence_parallel: bool = False) -> list[ReferenceStep]:
+    own_world = not dist.is_initialized()
+    if own_world:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    elif dist.get_world_size() != 1:
+        raise RuntimeError("run_reference needs a process of its own (world size 1), got world "
+                           f"size {dist.get_world_size()}")
+    try:
+        return _train(model_spec, list(global_batches), micro_batch_size, seed, lr, clip_grad,
+                      padded_vocab, sequence_parallel)
+    finally:
+        if own_world:
+            from megatron.core import parallel_state
+            parallel_state.destroy_model_parallel()
+            dist.destroy_process_group()
+
+
+def _train(model_spec, global_batches, micro_batch_size, seed, lr, clip_grad, padded_vocab,
+           sequence_parallel) -> list[ReferenceStep]:
+    from megatron.core.optimizer.clip_grads import (clip_grad_by_total_norm_fp32,
+                                                    get_grad_norm_fp32)
+
+    from megatron_autohet.runtime.parallel_state import build_parallel_state
+    from megatron_autohet.runtime.stage_model import build_stage_model
+    from megatron_autohet.runtime.trainer import make_optimizer, masked_token_mean, microbatches
+
+    if not global_batches:
+        return []
+    global_size, seq_length = global_batches[0]["tokens"].shape
+    if global_size % micro_batch_size:
+        raise ValueError(f"global batch of {global_size} rows is not a multiple of "
+                         f"micro_batch_size {micro_batch_size}")
+    num_microbatches = global_size // micro_batch_size
+    plan = reference_plan(model_spec, micro_batch_size=micro_batch_size,
+                          num_microbatches=num_microbatches, seq_length=seq_length)
+    state = build_parallel_state(plan, 0)
+    model = build_stage_model(model_spec, state, seed=seed, padded_vocab=padded_vocab,
+                              sequence_parallel=sequence_parallel)
+    model.train()
+    params = list(model.parameters())
+    optimizer = make_optimizer(params, lr)
+    steps = []
+    for global_batch in global_batches:
+        for param in params:
+            param.grad = None
+        total = 0.0
+        for batch in microbatches(global_batch, micro_batch_size, 0, num_microbatches):
+            per_token = model(batch["tokens"], batch["position_ids"], None,
+                              labels=batch["labels"])
+            loss = masked_token_mean(per_token, batch["loss_mask"])
+            (loss / num_microbatches).backward()
+            total += loss.item()
+        grads = [p.grad for p in params if p.grad is not None]
+        grad_norm = float(get_grad_norm_fp32(grads))
+        if clip_grad > 0:
+            clip_grad_by_total_norm_fp32(params, clip_grad, grad_norm)
+        optimizer.step()
+        steps.append(ReferenceStep(loss=total / num_microbatches, grad_norm=grad_norm))
+    return steps
