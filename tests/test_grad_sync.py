@@ -9,7 +9,6 @@ full sums (each parameter counted once), and clipping must scale by megatron's c
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -17,7 +16,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_autohet.plan import load_plan
-from megatron_autohet.runtime.grad_sync import GradSync, shard_of_full
+from megatron_autohet.runtime.grad_sync import GradSync
+from megatron_autohet.runtime.init import ParamLayout
 from megatron_autohet.runtime.topology import rank_role, sync_group_specs
 from tests.dist_utils import RankFailed, run_on_ranks
 
@@ -25,29 +25,22 @@ PLANS = Path(__file__).resolve().parents[1] / "configs" / "plans"
 WORD = "embedding.word_embeddings.weight"
 
 
-@dataclass(frozen=True)
-class Layout:            # the fields GradSync reads from runtime.stage_model.ParamLayout
-    global_name: str
-    full_shape: tuple[int, ...]
-    partition_dim: int | None
-    tp_rank: int
-    tp_size: int
-
-
-def catalog(role, tied_rows=16) -> list[tuple[str, str, tuple[int, ...], int | None]]:
-    """(local name, global name, full shape, partition dim) of what this stage holds."""
+def catalog(role, tied_rows=16) -> list[tuple[str, str, tuple[int, ...], int | None, int]]:
+    """(local name, global name, full shape, partition dim, num_chunks) of this stage's params:
+    column- and row-parallel weights, a fused two-block (SwiGLU-like) weight, replicated norms."""
     out = []
     for layer in range(*role.stage.layers):
-        out += [(f"l{layer}_col", f"decoder.layers.{layer}.col.weight", (8, 4), 0),
-                (f"l{layer}_row", f"decoder.layers.{layer}.row.weight", (4, 8), 1),
-                (f"l{layer}_norm", f"decoder.layers.{layer}.norm.weight", (4,), None)]
+        out += [(f"l{layer}_col", f"decoder.layers.{layer}.col.weight", (8, 4), 0, 1),
+                (f"l{layer}_row", f"decoder.layers.{layer}.row.weight", (4, 8), 1, 1),
+                (f"l{layer}_fused", f"decoder.layers.{layer}.fused.weight", (8, 2), 0, 2),
+                (f"l{layer}_norm", f"decoder.layers.{layer}.norm.weight", (4,), None, 1)]
     if role.stage.is_first:
-        out += [("word", WORD, (tied_rows, 4), 0),
-                ("pos", "embedding.position_embeddings.weight", (8, 4), None)]
+        out += [("word", WORD, (tied_rows, 4), 0, 1),
+                ("pos", "embedding.position_embeddings.weight", (8, 4), None, 1)]
     if role.stage.is_last:
         if not role.stage.is_first:
-            out.append(("output", WORD, (tied_rows, 4), 0))        # the tied output weight
-        out.append(("final_norm", "decoder.final_layernorm.weight", (4,), None))
+            out.append(("output", WORD, (tied_rows, 4), 0, 1))     # the tied output weight
+        out.append(("final_norm", "decoder.final_layernorm.weight", (4,), None, 1))
     return out
 
 
@@ -67,7 +60,7 @@ def expected_full(plan, global_name: str, shape) -> torch.Tensor:
     for p, pipe in enumerate(plan.pipelines):
         for s in range(len(pipe.stages)):
             role = rank_role(plan, pipe.stages[s].ranks[0])
-            for local, gname, _, _ in catalog(role):
+            for local, gname, *_ in catalog(role):
                 if gname == global_name:
                     for use in uses(role, local):
                         total += pipeline_grad(p, gname, use, shape).double()
@@ -100,9 +93,9 @@ def build(plan, rank, *, bucket_numel, sequence_parallel=False, tied_rows=16):
     model = torch.nn.Module()
     model.p = torch.nn.ParameterDict()
     layouts = {}
-    for local, gname, shape, dim in catalog(role, tied_rows):
-        layout = Layout(gname, shape, dim, role.tp_rank, role.stage.tp_size)
-        param = torch.nn.Parameter(shard_of_full(torch.zeros(shape), layout).clone())
+    for local, gname, shape, dim, chunks in catalog(role, tied_rows):
+        layout = ParamLayout(gname, shape, dim, role.tp_rank, role.stage.tp_size, chunks)
+        param = torch.nn.Parameter(layout.shard(torch.zeros(shape)).clone())
         if sequence_parallel and dim is None:
             param.sequence_parallel = True   # as megatron tags layernorms under SP
         model.p[local] = param
@@ -117,8 +110,8 @@ def backward_pipeline_grads(role, model, layouts, sequence_parallel=False):
     for name, param in model.named_parameters():
         layout = layouts[name]
         for use in uses(role, name[2:]):
-            grad = shard_of_full(pipeline_grad(role.stage.pipeline, layout.global_name, use,
-                                               layout.full_shape), layout)
+            grad = layout.shard(pipeline_grad(role.stage.pipeline, layout.global_name, use,
+                                              layout.full_shape))
             if sequence_parallel and layout.partition_dim is None:
                 # each TP rank saw only its sequence chunk: it holds a share of the gradient
                 grad = grad * (role.tp_rank + 1) / sum(range(1, role.stage.tp_size + 1))
@@ -135,14 +128,14 @@ def _check_sync(rank, world_size, plan_file, bucket_numel, sequence_parallel):
         sync.sync()
         for name, param in model.named_parameters():
             layout = layouts[name]
-            want = shard_of_full(expected_full(plan, layout.global_name, layout.full_shape),
-                                 layout).float()
+            want = layout.shard(expected_full(plan, layout.global_name,
+                                              layout.full_shape)).float()
             torch.testing.assert_close(param.grad, want, rtol=1e-6, atol=1e-6,
                                        msg=lambda m: f"rank {rank} {name}: {m}")
         norm = sync.grad_norm()
     everything = {}
     for r in range(world_size):
-        for _, gname, shape, _ in catalog(rank_role(plan, r)):
+        for _, gname, shape, *_ in catalog(rank_role(plan, r)):
             everything[gname] = expected_full(plan, gname, shape)
     want_norm = sum(float((g * g).sum()) for g in everything.values()) ** 0.5
     assert abs(norm - want_norm) <= 1e-6 * want_norm, (rank, norm, want_norm)
@@ -189,7 +182,7 @@ def test_layout_mismatch_is_an_error_not_a_hang():
 
 def test_replaced_grad_is_detected():
     model = torch.nn.Linear(4, 4, bias=False)
-    layouts = {"weight": Layout("decoder.layers.0.fc.weight", (4, 4), None, 0, 1)}
+    layouts = {"weight": ParamLayout("decoder.layers.0.fc.weight", (4, 4), None, 0, 1)}
     plan = load_plan(PLANS / "tiny-homogeneous.yaml")
     specs = sync_group_specs(plan)
     sync = GradSync(model, layouts, specs, [None] * len(specs), holder=(0,), tp_group=None,

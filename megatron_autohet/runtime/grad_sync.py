@@ -74,18 +74,22 @@ def spec_index_of(global_name: str, specs: list[SyncGroupSpec]) -> int:
     raise ValueError(f"parameter {global_name!r}: the plan has no {kind} sync group for it")
 
 
-def shard_of_full(full: torch.Tensor, layout) -> torch.Tensor:
-    """The view of ``full`` (a tensor of ``layout.full_shape``) that is this rank's TP shard."""
+def write_shard(full: torch.Tensor, layout, shard: torch.Tensor) -> None:
+    """Copy this rank's TP shard into its place in ``full`` (inverse of ``layout.shard(full)``,
+    ParamLayout in runtime/init.py, including fused blocks split over TP separately)."""
     if layout.partition_dim is None:
-        return full
-    size = layout.full_shape[layout.partition_dim] // layout.tp_size
-    return full.narrow(layout.partition_dim, layout.tp_rank * size, size)
+        full.copy_(shard)
+        return
+    dim = layout.partition_dim
+    for block, part in zip(full.chunk(layout.num_chunks, dim),
+                           shard.chunk(layout.num_chunks, dim)):
+        block.chunk(layout.tp_size, dim)[layout.tp_rank].copy_(part)
 
 
 @dataclass
 class _Bucket:
     params: list[torch.nn.Parameter]
-    layouts: list                       # ParamLayout of each param
+    layouts: list                       # runtime.init.ParamLayout of each param
     group: dist.ProcessGroup | None     # None or one rank: nothing to reduce
     grad_data: torch.Tensor             # flat local grads; each param's .grad is a view into it
     offsets: list[int]                  # of each param in grad_data
@@ -113,14 +117,14 @@ class _Bucket:
         self.full_data.zero_()
         for i, (param, layout) in enumerate(zip(self.params, self.layouts)):
             if layout.partition_dim is not None or layout.tp_rank == 0:
-                shard_of_full(self.full_view(i), layout).copy_(param.grad)
+                write_shard(self.full_view(i), layout, param.grad)
         return dist.all_reduce(self.full_data, group=self.group, async_op=True)
 
     def finish(self) -> None:
         if self.full_data is None:
             return
         for i, (param, layout) in enumerate(zip(self.params, self.layouts)):
-            param.grad.copy_(shard_of_full(self.full_view(i), layout))
+            param.grad.copy_(layout.shard(self.full_view(i)))
 
 
 class GradSync:
