@@ -1,0 +1,93 @@
+"""Cost-model formulas on a hand-built profile with round numbers."""
+
+import pytest
+
+from megatron_autohet.cost_model import GIB, MEMORY_RESERVED_GIB, evaluate_plan, pipeline_time_s
+from megatron_autohet.plan import Pipeline, Plan, RankInfo, Stage
+from megatron_autohet.profiling.estimate import LINK_EFFICIENCY, MEMORY_EFFICIENCY
+from megatron_autohet.profiling.profile import OpCost, Profile, ProfileEntry
+from megatron_autohet.spec.cluster import cluster_from_dict
+from megatron_autohet.spec.model import ModelSpec
+
+MODEL = ModelSpec("hand", num_layers=4, hidden_size=64, num_attention_heads=4,
+                  ffn_hidden_size=256, vocab_size=512, seq_length=32, num_query_groups=4)
+INTRA, NIC = 0.008192, 0.0016          # GB/s: one P2P (2 x 4096 B) takes exactly 1 ms intra-node
+CLUSTER = cluster_from_dict({"name": "hand", "inter_node_bandwidth_gbs": NIC, "nodes": [
+    {"name": "a", "gpu": "A100-80GB", "gpus": 2, "intra_node_bandwidth_gbs": INTRA},
+    {"name": "b", "gpu": "H800", "gpus": 1, "intra_node_bandwidth_gbs": INTRA}]})
+WORD, POS, NORM = 512 * 64, 32 * 64, 2 * 64
+
+
+def _profile() -> Profile:
+    profile = Profile("hand")
+    for gpu in ("A100-80GB", "H800"):
+        profile.add(ProfileEntry(
+            gpu, 1, 1, 32,
+            layer=OpCost(1.0, 2.0, 10, 1, 100),
+            embedding=OpCost(0.5, 0.5, 5, 5, WORD + POS),
+            output=OpCost(1.0, 1.0, 7, 7, WORD + NORM)))
+    return profile
+
+
+def _plan(recompute=False) -> Plan:
+    ranks = [RankInfo(0, "a", 0, "A100-80GB"), RankInfo(1, "a", 1, "A100-80GB"),
+             RankInfo(2, "b", 0, "H800")]
+    return Plan("hand", MODEL, 1, 4, 32, ranks, [
+        Pipeline([Stage([0], (0, 2)), Stage([1], (2, 4))], num_microbatches=3),
+        Pipeline([Stage([2], (0, 4))], num_microbatches=1)], activation_recompute=recompute).validate()
+
+
+def _allreduce(params, holders, bw):
+    return 2 * (holders - 1) / holders * params * 4 / (bw * 1e9 * LINK_EFFICIENCY)
+
+
+def test_iteration_time_by_hand():
+    cost = evaluate_plan(_plan(), CLUSTER, _profile())
+    p0, p1 = cost.pipelines
+    # stage 0: 2 layers + embedding = 2.5 fwd + 4.5 bwd, 1 ms P2P; stage 1: 3 + 5, last.
+    assert [s.time_s for s in p0.stages] == [7.0, 8.0]
+    assert p0.stages[0].p2p_s == pytest.approx(0.001)
+    assert p0.time_s == pytest.approx(7.001 + 8.0 + 2 * 8.0)
+    assert p1.time_s == pytest.approx(4 * 3.0 + 1.0 + 2.0)        # one micro-batch, one stage
+    # Sync: pipeline 1's single GPU is in every group; the slowest link is the NIC.
+    sync = (_allreduce(200, 2, NIC) * 2 + _allreduce(WORD, 3, NIC) + _allreduce(POS, 2, NIC)
+            + _allreduce(NORM, 2, NIC))
+    assert cost.grad_sync_s == pytest.approx(sync)
+    # Optimizer: the max over GPUs is the A100 of stage 0 (slower memory than the H800, which
+    # holds 400 + WORD + POS + NORM params: the tied word matrix counted once).
+    opt = (200 + WORD + POS) * 30 / (2039 * 1e9 * MEMORY_EFFICIENCY)
+    assert cost.pipelines[1].stages[0].param_count == 400 + WORD + POS + NORM
+    assert cost.optimizer_s == pytest.approx(opt)
+    assert cost.iteration_time_s == pytest.approx(31.001 + sync + opt)
+    assert cost.tokens_per_s == pytest.approx(4 * 32 / cost.iteration_time_s)
+
+
+def test_memory_by_hand_with_and_without_recompute():
+    cost = evaluate_plan(_plan(), CLUSTER, _profile())
+    s0 = cost.pipelines[0].stages[0]
+    assert s0.in_flight_microbatches == 2
+    reserved = MEMORY_RESERVED_GIB * GIB
+    assert s0.memory_gib * GIB == pytest.approx((200 + WORD + POS) * 18 + 2 * (2 * 10 + 5) + reserved)
+    last = cost.pipelines[1].stages[0]
+    assert last.memory_gib * GIB == pytest.approx(
+        (400 + WORD + POS + NORM) * 18 + (4 * 10 + 5 + 7) + reserved)
+    rc = evaluate_plan(_plan(recompute=True), CLUSTER, _profile())
+    s0 = rc.pipelines[0].stages[0]
+    assert s0.memory_gib * GIB == pytest.approx((200 + WORD + POS) * 18 + 2 * (2 * 1 + 5) + 10 + reserved)
+    assert s0.backward_s == pytest.approx(4.5 + 2 * 1.0)   # recompute adds the layers' forward
+
+
+def test_timeline_is_1f1b_and_fits_in_the_closed_form():
+    cost = evaluate_plan(_plan(), CLUSTER, _profile())
+    first, last = cost.pipelines[0].stages
+    assert [(e.kind, e.microbatch) for e in first.timeline] == [
+        ("fwd", 0), ("fwd", 1), ("bwd", 0), ("fwd", 2), ("bwd", 1), ("bwd", 2)]
+    assert [(e.kind, e.microbatch) for e in last.timeline] == [
+        ("fwd", 0), ("bwd", 0), ("fwd", 1), ("bwd", 1), ("fwd", 2), ("bwd", 2)]
+    assert last.timeline[0].start_s == pytest.approx(2.5 + 0.0005)   # after one transfer
+    makespan = max(e.end_s for s in cost.pipelines[0].stages for e in s.timeline)
+    assert makespan <= cost.pipelines[0].time_s + 1e-9
+
+
+def test_pipeline_formula():
+    assert pipeline_time_s([1.0, 2.0, 1.5], 4) == 4.5 + 3 * 2.0
