@@ -1,0 +1,151 @@
+"""One training iteration of a heterogeneous plan on this rank: schedule, grad sync, optimizer.
+
+:class:`HeteroTrainer` builds everything a rank needs from the plan (parallel state, its stage of
+megatron-core's ``GPTModel``, the layer-wise :class:`~megatron_autohet.runtime.grad_sync.GradSync`,
+the optimizer) and :meth:`HeteroTrainer.train_step` runs one iteration on a global batch, returning
+:class:`StepMetrics` that are identical on every rank.
+
+Global batch contract: a dict of tensors ``tokens``, ``labels``, ``loss_mask``, ``position_ids``,
+each ``[global_batch_size, seq]`` and identical on all ranks. Micro-batch ``i`` is rows
+``[i * micro_batch_size, (i + 1) * micro_batch_size)``; pipeline ``p`` runs micro-batches
+``[offset_p, offset_p + m_p)`` (``RankRole.microbatch_offset``, the plan's ``num_microbatches``).
+
+Loss and scaling. The loss of an iteration is the mean over ALL ``M`` micro-batches of the global
+batch of each micro-batch's masked-token-mean cross-entropy, and the gradient is the gradient of
+that (runtime/reference.py computes the same in one process). Megatron's schedule divides each
+micro-batch loss by the LOCAL count ``m_p`` before backward (pipeline_parallel/schedules.py,
+``forward_step_calc_loss``), which would make every replica's gradient a per-replica mean, wrong as
+soon as replicas run different counts. The loss function therefore multiplies each micro-batch
+loss by ``m_p / M`` before returning it: after the schedule's ``/ m_p`` each micro-batch
+contributes ``loss_i / M``, exactly the reference's objective, so the grad sync is a plain SUM
+over replicas with no rescaling pass. Doing it in the loss (not in ``config.grad_scale_func``,
+which belongs to the mixed-precision loss scaler, and not as a scaling of the synced buckets)
+costs one scalar multiply per micro-batch.
+
+Optimizer: torch's ``torch.optim.Adam`` on each rank's local shards, with the global grad norm and
+clipping of :class:`GradSync` (megatron-core's ``get_grad_norm_fp32`` /
+``clip_grad_by_total_norm_fp32`` over the world, each parameter counted once). Adam is elementwise,
+so Adam on shards equals Adam on the full tensors; only the norm needs the whole model, and that is
+what GradSync provides. megatron-core's ``MegatronOptimizer`` was not used because it computes the
+norm over one model-parallel group with ``param.shared`` / TP-duplicate filters that assume every
+replica has the same shape, and its distributed optimizer needs megatron DDP's single DP group;
+on a machine without Apex/TE it falls back to the same torch Adam(W) anyway.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+import torch.distributed as dist
+
+from megatron_autohet.errors import ConfigError
+from megatron_autohet.plan import Plan
+from megatron_autohet.runtime.grad_sync import DEFAULT_BUCKET_NUMEL, GradSync
+from megatron_autohet.runtime.parallel_state import build_parallel_state
+from megatron_autohet.runtime.schedule import run_schedule
+from megatron_autohet.runtime.stage_model import build_stage_model, param_layouts
+from megatron_autohet.spec.model import ModelSpec
+
+BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
+ADAM_BETAS = (0.9, 0.999)
+ADAM_EPS = 1e-8
+
+
+@dataclass(frozen=True)
+class StepMetrics:
+    loss: float                 # mean over the global batch's micro-batches (see module doc)
+    grad_norm: float            # L2 norm of the global gradient, before clipping
+    num_microbatches: int       # M, all pipelines together
+    tokens: int                 # global_batch_size * seq_length
+
+
+def make_optimizer(params, lr: float) -> torch.optim.Adam:
+    """The optimizer of the runtime and of the single-process reference (they must match)."""
+    return torch.optim.Adam(params, lr=lr, betas=ADAM_BETAS, eps=ADAM_EPS, weight_decay=0.0)
+
+
+def masked_token_mean(per_token_loss: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """One micro-batch's loss: cross-entropy averaged over the tokens the mask keeps."""
+    mask = loss_mask.reshape(-1).float()
+    return torch.sum(per_token_loss.float().reshape(-1) * mask) / mask.sum().clamp(min=1.0)
+
+
+def microbatches(global_batch: dict, micro_batch_size: int, first: int, count: int) -> list[dict]:
+    """Micro-batches ``[first, first + count)`` of a global batch (dicts of row slices)."""
+    return [{key: global_batch[key][i * micro_batch_size:(i + 1) * micro_batch_size]
+             for key in BATCH_KEYS} for i in range(first, first + count)]
+
+
+class HeteroTrainer:
+    """This rank's part of training a plan; every rank of the job constructs one.
+
+    Args:
+        plan: the plan (validated); ``torch.distributed`` must be initialised with its world size.
+        model_spec: the job's model; a ConfigError if the plan was made for another one.
+        rank: this process's global rank.
+        lr: Adam's learning rate (constant).
+        seed: seed of the layout-independent initial weights (runtime/init.py).
+        clip_grad: clip the global gradient to this L2 norm; 0 disables clipping.
+        sequence_parallel: Megatron sequence parallelism on every stage with TP > 1.
+        bucket_numel: gradient bucket size in elements (runtime/grad_sync.py).
+    """
+
+    def __init__(self, plan: Plan, model_spec: ModelSpec | None = None, *, rank: int, lr: float,
+                 seed: int, clip_grad: float = 1.0, sequence_parallel: bool = False,
+                 bucket_numel: int = DEFAULT_BUCKET_NUMEL, plan_file: str = "<plan>"):
+        if clip_grad < 0:
+            raise ConfigError(plan_file, "clip_grad", f"got {clip_grad}", ">= 0 (0: no clipping)")
+        self.plan = plan
+        self.clip_grad = clip_grad
+        self.state = build_parallel_state(plan, rank, model=model_spec, plan_file=plan_file)
+        role = self.state.role
+        self.model = build_stage_model(plan.model, self.state, seed=seed,
+                                       sequence_parallel=sequence_parallel)
+        self.sequence_parallel = sequence_parallel
+        self.grad_sync = GradSync(
+            self.model, param_layouts(self.model, self.state),
+            [g.spec for g in self.state.sync_groups], [g.group for g in self.state.sync_groups],
+            holder=role.stage.ranks, tp_group=self.state.tp_group,
+            sequence_parallel=sequence_parallel, bucket_numel=bucket_numel)
+        self.optimizer = make_optimizer(self.model.parameters(), lr)
+        # The global-batch scaling of every micro-batch loss (module doc): m_p / M.
+        self.loss_scale = role.stage.num_microbatches / plan.num_microbatches_total
+
+    def train_step(self, global_batch: dict) -> StepMetrics:
+        role, plan = self.state.role, self.plan
+        self.model.train()
+        self.grad_sync.zero_grad()
+        local = microbatches(global_batch, plan.micro_batch_size, role.microbatch_offset,
+                             role.stage.num_microbatches)
+        reported = run_schedule(self._forward_step, iter(local), self.model, self.state,
+                                sequence_parallel=self.sequence_parallel)
+        self.grad_sync.sync()
+        grad_norm = self.grad_sync.grad_norm()
+        if self.clip_grad > 0:
+            self.grad_sync.clip(self.clip_grad, grad_norm)
+        self.optimizer.step()
+        return StepMetrics(loss=self._global_loss(reported), grad_norm=grad_norm,
+                           num_microbatches=plan.num_microbatches_total,
+                           tokens=plan.global_batch_size * plan.seq_length)
+
+    def _forward_step(self, data_iterator, model):
+        batch = next(data_iterator)
+        output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+        return output, partial(self._loss_func, batch["loss_mask"])
+
+    def _loss_func(self, loss_mask, per_token_loss):
+        loss = masked_token_mean(per_token_loss, loss_mask)
+        # The schedule divides the returned tensor in place by m_p; `loss` itself is untouched.
+        return loss * self.loss_scale, {"lm loss": loss.detach()}
+
+    def _global_loss(self, reported: list[dict]) -> float:
+        """Mean of the micro-batch losses of all pipelines: each last stage's TP rank 0 adds its
+        own, one all-reduce over the world."""
+        role = self.state.role
+        total = torch.zeros(1, dtype=torch.float64)
+        if role.stage.is_last and role.tp_rank == 0:
+            total += sum(float(r["lm loss"]) for r in reported)
+        dist.all_reduce(total)
+        return float(total) / self.plan.num_microbatches_total
