@@ -22,6 +22,9 @@ over replicas with no rescaling pass. Doing it in the loss (not in ``config.grad
 which belongs to the mixed-precision loss scaler, and not as a scaling of the synced buckets)
 costs one scalar multiply per micro-batch.
 
+The objective (``masked_token_mean``), the global-batch split (``microbatches``) and the optimizer
+(``make_optimizer``) are defined by runtime/reference.py, the ground truth, and imported here.
+
 Optimizer: torch's ``torch.optim.Adam`` on each rank's local shards, with the global grad norm and
 clipping of :class:`GradSync` (megatron-core's ``get_grad_norm_fp32`` /
 ``clip_grad_by_total_norm_fp32`` over the world, each parameter counted once). Adam is elementwise,
@@ -44,13 +47,10 @@ from megatron_autohet.errors import ConfigError
 from megatron_autohet.plan import Plan
 from megatron_autohet.runtime.grad_sync import DEFAULT_BUCKET_NUMEL, GradSync
 from megatron_autohet.runtime.parallel_state import build_parallel_state
+from megatron_autohet.runtime.reference import make_optimizer, masked_token_mean, microbatches
 from megatron_autohet.runtime.schedule import run_schedule
 from megatron_autohet.runtime.stage_model import build_stage_model, param_layouts
 from megatron_autohet.spec.model import ModelSpec
-
-BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
-ADAM_BETAS = (0.9, 0.999)
-ADAM_EPS = 1e-8
 
 
 @dataclass(frozen=True)
@@ -59,23 +59,6 @@ class StepMetrics:
     grad_norm: float            # L2 norm of the global gradient, before clipping
     num_microbatches: int       # M, all pipelines together
     tokens: int                 # global_batch_size * seq_length
-
-
-def make_optimizer(params, lr: float) -> torch.optim.Adam:
-    """The optimizer of the runtime and of the single-process reference (they must match)."""
-    return torch.optim.Adam(params, lr=lr, betas=ADAM_BETAS, eps=ADAM_EPS, weight_decay=0.0)
-
-
-def masked_token_mean(per_token_loss: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
-    """One micro-batch's loss: cross-entropy averaged over the tokens the mask keeps."""
-    mask = loss_mask.reshape(-1).float()
-    return torch.sum(per_token_loss.float().reshape(-1) * mask) / mask.sum().clamp(min=1.0)
-
-
-def microbatches(global_batch: dict, micro_batch_size: int, first: int, count: int) -> list[dict]:
-    """Micro-batches ``[first, first + count)`` of a global batch (dicts of row slices)."""
-    return [{key: global_batch[key][i * micro_batch_size:(i + 1) * micro_batch_size]
-             for key in BATCH_KEYS} for i in range(first, first + count)]
 
 
 class HeteroTrainer:
@@ -104,8 +87,9 @@ class HeteroTrainer:
         self.model = build_stage_model(plan.model, self.state, seed=seed,
                                        sequence_parallel=sequence_parallel)
         self.sequence_parallel = sequence_parallel
+        self.layouts = param_layouts(self.model, self.state)   # local name -> ParamLayout
         self.grad_sync = GradSync(
-            self.model, param_layouts(self.model, self.state),
+            self.model, self.layouts,
             [g.spec for g in self.state.sync_groups], [g.group for g in self.state.sync_groups],
             holder=role.stage.ranks, tp_group=self.state.tp_group,
             sequence_parallel=sequence_parallel, bucket_numel=bucket_numel)
