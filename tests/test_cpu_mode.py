@@ -26,6 +26,27 @@ def _device_mapping(rank, world):
     out["half_type"] = x.half().type()
     torch.cuda.synchronize()
 
+    class Double(torch.autograd.Function):        # the engine runs backward without the mode
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad * torch.full((1,), 2.0, device="cuda")
+
+    x = torch.ones(2, requires_grad=True)
+    Double.apply(x).sum().backward()
+    out["custom_backward"] = x.grad.tolist()
+
+    from megatron.core import tensor_parallel     # activation recompute reruns forward in backward
+    tensor_parallel.model_parallel_cuda_manual_seed(5, tp_rank=0, ep_rank=0, etp_rank=0)
+    y = torch.ones(3, requires_grad=True)
+    recomputed = tensor_parallel.checkpoint(
+        lambda t: t * torch.arange(3.0, device="cuda"), False, y)
+    recomputed.sum().backward()
+    out["recompute"] = y.grad.tolist()
+
     def in_thread(store, use_helper):
         from megatron_autohet.runtime.cpu_mode import cpu_mode_thread
         try:
@@ -52,6 +73,7 @@ def test_device_arguments_are_mapped_to_cpu():
     for key in ("zeros", "int_device", "torch_device", "to_cuda"):
         assert out[key] == "cpu", key
     assert out["cuda_identity"] and out["to_kw"]
+    assert out["custom_backward"] == [2.0, 2.0] and out["recompute"] == [0.0, 1.0, 2.0]
     assert out["type"] == "torch.cuda.FloatTensor"                 # what megatron asserts on
     assert out["type_back"] == "torch.cuda.DoubleTensor"           # round trip stays on CPU
     assert out["half_type"] == "torch.cuda.HalfTensor"

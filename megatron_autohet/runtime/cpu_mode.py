@@ -30,11 +30,17 @@ megatron-core assumes a CUDA device in three ways (DESIGN.md section 4 lists eve
    (``torch.cuda.FloatTensor``) because the optimizer and grad clipping assert on it; the CPU
    tensor then reports the type megatron expects for a device tensor, and ``Tensor.type("torch.cuda.X")``
    maps back to the CPU type so a round trip stays on the CPU.
-2. *``torch.cuda`` functions* that fail on a CPU-only build: ``current_device`` (returns 0, which
-   the mode then maps to ``cpu``), ``synchronize`` (no-op: CPU ops are synchronous), and the RNG
+2. *``torch.cuda`` functions* that fail on a CPU-only build: ``current_device`` (returns
+   ``torch.device("cpu")``: the autograd engine runs custom ``Function.backward`` - megatron's
+   sequence-parallel gathers - outside the torch function mode, so this site must be CPU without
+   the mode's help), ``synchronize`` (no-op: CPU ops are synchronous), and the RNG
    functions (``manual_seed``/``get_rng_state``/``set_rng_state``), which act on the CPU default
    generator: in CPU mode the CPU generator *is* the device generator.
-3. *The CUDA RNG tracker* (tensor_parallel/random.py): its private ``_get_cuda_rng_state`` /
+3. *Autograd*: custom ``torch.autograd.Function`` backward methods run with an empty torch
+   function mode stack, so the mode is also entered around ``BackwardCFunction.apply``, the
+   engine's entry into every Python backward (megatron's TP/SP communication ops, activation
+   recomputation re-running the forward).
+4. *The CUDA RNG tracker* (tensor_parallel/random.py): its private ``_get_cuda_rng_state`` /
    ``_set_cuda_rng_state`` are replaced by CPU versions, and the tracker class is replaced by
    :class:`CpuRNGStatesTracker`, a subclass whose ``fork`` swaps the CPU generator state (the stock
    ``fork`` warns whenever the CPU state changes inside a fork, which in CPU mode is every dropout).
@@ -157,7 +163,10 @@ def _install_rng_tracker() -> None:
 
 
 def _install_torch_cuda_shims() -> None:
-    torch.cuda.current_device = lambda: 0
+    # A device object, not 0: the autograd engine runs custom Functions' backward (e.g. the
+    # sequence-parallel all-gather in tensor_parallel/layers.py:552) without the torch function
+    # mode, so `device=torch.cuda.current_device()` must already mean the CPU there.
+    torch.cuda.current_device = lambda: torch.device("cpu")
     torch.cuda.synchronize = lambda device=None: None
     # torch.manual_seed itself calls torch.cuda.manual_seed_all (left alone: a lazy no-op on a
     # CPU build), so the shim seeds the CPU generator directly.
@@ -168,14 +177,40 @@ def _install_torch_cuda_shims() -> None:
     torch.cuda.random.set_rng_state = torch.cuda.set_rng_state
 
 
+def _mode_active() -> bool:
+    from torch.overrides import _get_current_function_mode_stack
+    return any(isinstance(m, _CudaAsCpuMode) for m in _get_current_function_mode_stack())
+
+
 def _enter_mode_in_this_thread() -> bool:
     """Enter the device-mapping mode here unless already active; True if it was entered now."""
-    if getattr(_thread_state, "mode", None) is not None:
+    if _mode_active():
         return False
     mode = _CudaAsCpuMode()
     mode.__enter__()
     _thread_state.mode = mode
     return True
+
+
+def _install_backward_hook() -> None:
+    """Custom autograd Functions' backward runs with an EMPTY torch function mode stack (the
+    engine does not carry modes over), which would leave every device literal inside backward -
+    and inside activation recomputation, which reruns the forward there - unmapped. The engine
+    calls ``BackwardCFunction.apply`` for each of them; entering the mode around it fixes that."""
+    from torch.autograd.function import BackwardCFunction
+
+    stock_apply = BackwardCFunction.apply
+    if getattr(stock_apply, "_autohet_cpu_mode", False):
+        return
+
+    def apply(self, *args):
+        if _mode_active():
+            return stock_apply(self, *args)
+        with _CudaAsCpuMode():
+            return stock_apply(self, *args)
+
+    apply._autohet_cpu_mode = True
+    BackwardCFunction.apply = apply
 
 
 def enable_cpu_mode() -> None:
@@ -185,6 +220,7 @@ def enable_cpu_mode() -> None:
         if not _enabled:
             _install_torch_cuda_shims()
             _install_rng_tracker()
+            _install_backward_hook()
             _enabled = True
             logger.info("> autohet CPU mode: megatron-core CUDA devices mapped to CPU (gloo)")
     _enter_mode_in_this_thread()

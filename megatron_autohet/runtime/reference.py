@@ -9,6 +9,11 @@ Public API
     clipping, as the runtime reports it.
 ``reference_plan(model_spec, *, micro_batch_size, num_microbatches, seq_length) -> Plan``
     The one-rank plan the reference trains.
+``masked_token_mean(per_token_loss, loss_mask)``, ``microbatches(global_batch, micro_batch_size,
+first, count)``, ``make_optimizer(params, lr)``, ``BATCH_KEYS``, ``ADAM_BETAS``, ``ADAM_EPS``
+    The loss definition, the global-batch contract and the optimizer, shared with the runtime.
+    Global batch: dict of ``tokens``, ``labels``, ``loss_mask``, ``position_ids`` tensors, each
+    ``[global_batch_size, seq]``; micro-batch i = rows [i*mbs, (i+1)*mbs).
 
 Design (why)
 ------------
@@ -17,8 +22,10 @@ Design (why)
   the layout-independent initial weights of ``runtime/init.py``. Any parallel run of the same
   model and seed starts from TP/PP slices of exactly these weights. ``padded_vocab`` must be the
   parallel plan's (``stage_model.plan_padded_vocab_size``): padding rows enter the softmax.
-* Same objective and optimizer as the runtime, imported from ``runtime/trainer.py``
-  (``masked_token_mean``, ``microbatches``, ``make_optimizer``): iteration loss = mean over ALL
+* The objective and optimizer are defined HERE, and the runtime (``runtime/trainer.py``) imports
+  them, so the ground truth does not import the system under test: ``masked_token_mean``
+  (one micro-batch's loss), ``microbatches`` (the global-batch split), ``make_optimizer`` (torch
+  Adam, ``ADAM_BETAS``, ``ADAM_EPS``, no weight decay). Iteration loss = mean over ALL
   micro-batches of the global batch of the masked-token-mean cross-entropy; gradients = the
   gradient of that (each micro-batch's backward is scaled by 1/M and accumulated); grad norm and
   clipping with megatron-core's ``get_grad_norm_fp32`` / ``clip_grad_by_total_norm_fp32``.
@@ -36,6 +43,28 @@ import torch.distributed as dist
 
 from megatron_autohet.plan import Pipeline, Plan, RankInfo, Stage
 from megatron_autohet.spec.model import ModelSpec
+
+
+BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
+ADAM_BETAS = (0.9, 0.999)
+ADAM_EPS = 1e-8
+
+
+def masked_token_mean(per_token_loss: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """One micro-batch's loss: cross-entropy averaged over the tokens the mask keeps."""
+    mask = loss_mask.reshape(-1).float()
+    return torch.sum(per_token_loss.float().reshape(-1) * mask) / mask.sum().clamp(min=1.0)
+
+
+def microbatches(global_batch: dict, micro_batch_size: int, first: int, count: int) -> list[dict]:
+    """Micro-batches ``[first, first + count)`` of a global batch (dicts of row slices)."""
+    return [{key: global_batch[key][i * micro_batch_size:(i + 1) * micro_batch_size]
+             for key in BATCH_KEYS} for i in range(first, first + count)]
+
+
+def make_optimizer(params, lr: float) -> torch.optim.Adam:
+    """The optimizer of the reference and of the runtime (they must match)."""
+    return torch.optim.Adam(params, lr=lr, betas=ADAM_BETAS, eps=ADAM_EPS, weight_decay=0.0)
 
 
 @dataclass(frozen=True)
@@ -79,7 +108,6 @@ def _train(model_spec, global_batches, micro_batch_size, seed, lr, clip_grad, pa
 
     from megatron_autohet.runtime.parallel_state import build_parallel_state
     from megatron_autohet.runtime.stage_model import build_stage_model
-    from megatron_autohet.runtime.trainer import make_optimizer, masked_token_mean, microbatches
 
     if not global_batches:
         return []
