@@ -111,7 +111,8 @@ def initial_value(layout: ParamLayout, model_spec: ModelSpec, seed: int) -> torc
     leaf = name.rsplit(".", 1)[-1]
     if leaf == "bias":
         return torch.zeros(shape)
-    if "layernorm" in name:                         # input_/pre_mlp_/final_/q_/k_layernorm
+    # input_/pre_mlp_/final_/q_/k_layernorm, and TE's fused linear_qkv/fc1 .layer_norm_weight
+    if "layernorm" in name or "layer_norm" in name:
         return torch.ones(shape)
     std = INIT_METHOD_STD
     if name.endswith(_OUTPUT_PROJECTIONS):

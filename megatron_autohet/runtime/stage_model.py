@@ -152,8 +152,8 @@ def stage_layer_spec(config):
         from megatron.core.extensions.transformer_engine import TENorm
         from megatron.core.models.gpt.gpt_layer_specs import \
             get_gpt_layer_with_transformer_engine_spec
-        return get_gpt_layer_with_transformer_engine_spec(
-            normalization=config.normalization), TENorm
+        # TE's norms follow config.normalization; the layer norms are fused into the linears.
+        return get_gpt_layer_with_transformer_engine_spec(), TENorm
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     spec = get_gpt_layer_local_spec(normalization=config.normalization)
     sub = spec.submodules
