@@ -1,0 +1,128 @@
+#!/usr/bin/env python
+"""Planner benchmark: solve time vs cluster size, plan quality vs baselines and vs brute force.
+
+    python scripts/bench_planner.py [--output bench-out/bench_planner.json] [--quick]
+
+Three tables, all predictions from the same cost model (megatron_autohet/cost_model.py):
+1. solve time of make_plan on generated fleets of 8-1024 GPUs over three GPU types (8-GPU nodes;
+   the 8-GPU fleet uses 4/2/2-GPU nodes) for GPT-3 1.3B and LLaMA-2 7B;
+2. predicted iteration time and speedup over the baselines on the bundled 3-type fleets;
+3. gap to the exhaustive optimum on small clusters (<= 16 GPUs, 8-layer GPT-3 1.3B).
+Writes JSON to --output (default bench-out/, gitignored by the repository's bench-out/ rule).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+from megatron_autohet.planner import compare, search
+from megatron_autohet.planner.exhaustive import exhaustive_search
+from megatron_autohet.spec import load_cluster, load_model
+from megatron_autohet.spec.cluster import Cluster, cluster_from_dict
+
+ROOT = Path(__file__).resolve().parent.parent
+TYPES = ("A100-80GB", "H800", "H20")
+
+
+def fleet(gpus: int) -> Cluster:
+    """A 3-type fleet: 8-GPU nodes split ~40/30/30 over A100/H800/H20 (4/2/2-GPU nodes for 8)."""
+    if gpus == 8:
+        nodes = [{"name": t.lower(), "gpu": t, "gpus": n} for t, n in zip(TYPES, (4, 2, 2))]
+    else:
+        count = gpus // 8
+        split = (count - 2 * (count * 3 // 10), count * 3 // 10, count * 3 // 10)
+        nodes = [{"name": t.lower(), "gpu": t, "gpus": 8, "count": c}
+                 for t, c in zip(TYPES, split) if c]
+    return cluster_from_dict({"name": f"fleet-{gpus}", "inter_node_bandwidth_gbs": 25,
+                              "nodes": nodes})
+
+
+def small(name: str, nodes: list[tuple[str, int]]) -> Cluster:
+    return cluster_from_dict({"name": name, "inter_node_bandwidth_gbs": 25, "nodes": [
+        {"name": f"n{i}", "gpu": g, "gpus": n} for i, (g, n) in enumerate(nodes)]})
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--output", default=str(ROOT / "bench-out" / "bench_planner.json"))
+    parser.add_argument("--quick", action="store_true", help="fewer sizes and cases")
+    args = parser.parse_args()
+    result = {"scaling": [], "baselines": [], "exhaustive": []}
+    models = {n: load_model(ROOT / f"configs/models/{n}.yaml")
+              for n in ("gpt3-1.3b", "gpt3-2.7b", "llama2-7b")}
+
+    print("== solve time vs cluster size (global batch = max(64, 2 x GPUs), micro-batch 1)")
+    print(f"{'GPUs':>6} {'model':>10} {'solve_s':>8} {'pipelines':>9} {'iter_s':>8} {'tokens/s':>10}")
+    sizes = (8, 64, 1024) if args.quick else (8, 32, 64, 128, 512, 1024)
+    for gpus in sizes:
+        for name in ("gpt3-1.3b", "llama2-7b"):
+            cluster = fleet(gpus)
+            start = time.perf_counter()
+            cand = search(cluster, models[name], None, max(64, 2 * gpus), 1, progress=True)
+            elapsed = time.perf_counter() - start
+            row = {"gpus": gpus, "model": name, "solve_s": elapsed,
+                   "pipelines": len(cand.plan.pipelines),
+                   "iteration_time_s": cand.cost.iteration_time_s,
+                   "tokens_per_s": cand.cost.tokens_per_s, "tp": cand.tp_of_gpu,
+                   "recompute": cand.recompute}
+            result["scaling"].append(row)
+            print(f"{gpus:>6} {name:>10} {elapsed:>8.2f} {row['pipelines']:>9} "
+                  f"{row['iteration_time_s']:>8.3f} {row['tokens_per_s']:>10.0f}")
+
+    print("\n== speedup over baselines on the bundled 3-type fleets")
+    print(f"{'cluster':>14} {'model':>10} {'gbs':>4} {'mbs':>3} {'ours_s':>8} "
+          f"{'megatron':>9} {'whale':>7} {'fastest':>8}")
+    cases = [("gpt3-1.3b", 64, 1), ("gpt3-2.7b", 128, 1), ("llama2-7b", 256, 1),
+             ("gpt3-1.3b", 512, 2)]
+    for cname in ("a100-h800-h20", "a100-v100-t4"):
+        cluster = load_cluster(ROOT / f"configs/clusters/{cname}.yaml")
+        for name, gbs, mbs in cases[:2] if args.quick else cases:
+            comp = compare(cluster, models[name], None, gbs, mbs, progress=False)
+            row = {"cluster": cname, "model": name, "global_batch_size": gbs,
+                   "micro_batch_size": mbs, **comp.to_dict()}
+            result["baselines"].append(row)
+            sp = [comp.baselines[i].speedup for i in range(3)]
+            fmt = [f"{s:.2f}x" if s else "none" for s in sp]
+            print(f"{cname:>14} {name:>10} {gbs:>4} {mbs:>3} {comp.cost.iteration_time_s:>8.3f} "
+                  f"{fmt[0]:>9} {fmt[1]:>7} {fmt[2]:>8}")
+
+    print("\n== gap to the exhaustive optimum (same cost model, same TP degrees and max stages)")
+    print(f"{'case':>26} {'ours_s':>9} {'optimum_s':>9} {'gap':>7} {'ours_t':>7} {'brute_t':>7}")
+    gpt8 = dataclasses.replace(models["gpt3-1.3b"], num_layers=8)
+    tiny = load_model(ROOT / "configs/models/tiny.yaml")
+    ex_cases = [
+        ("local-4 tiny", load_cluster(ROOT / "configs/clusters/local-4.yaml"), tiny, 8, 2, None),
+        ("8: A100x4 H20x2 T4x2", small("c8", [("A100-80GB", 4), ("H20", 2), ("T4", 2)]),
+         gpt8, 32, 1, [2, 4]),
+        ("8: A100x4 H800x4", small("c8b", [("A100-80GB", 4), ("H800", 4)]), gpt8, 32, 1, [2, 4]),
+        ("16: A100x8 V100x4 T4x4", small("c16", [("A100-40GB", 8), ("V100-32GB", 4), ("T4", 4)]),
+         gpt8, 64, 1, [4]),
+        ("16: H800x8 A100x4 H20x4", small("c16b", [("H800", 8), ("A100-80GB", 4), ("H20", 4)]),
+         gpt8, 64, 1, [4, 8]),
+    ]
+    for label, cluster, model, gbs, mbs, tps in ex_cases[:2] if args.quick else ex_cases:
+        start = time.perf_counter()
+        ours = search(cluster, model, None, gbs, mbs, progress=False, tp_degrees=tps, max_stages=4)
+        t_ours = time.perf_counter() - start
+        start = time.perf_counter()
+        best = exhaustive_search(cluster, model, None, gbs, mbs, tp_degrees=tps, max_stages=4)
+        t_best = time.perf_counter() - start
+        gap = ours.cost.iteration_time_s / best.cost.iteration_time_s - 1
+        result["exhaustive"].append({"case": label, "ours_s": ours.cost.iteration_time_s,
+                                     "optimum_s": best.cost.iteration_time_s, "gap": gap,
+                                     "planner_time_s": t_ours, "exhaustive_time_s": t_best})
+        print(f"{label:>26} {ours.cost.iteration_time_s:>9.5f} {best.cost.iteration_time_s:>9.5f} "
+              f"{100 * gap:>6.2f}% {t_ours:>7.2f} {t_best:>7.2f}")
+
+    out = Path(args.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    print(f"\nwrote {out}")
+
+
+if __name__ == "__main__":
+    main()
