@@ -7,6 +7,9 @@ Public API
     this rank's role, the job's model vs the plan's, every plan invariant incl. TP dividing heads)
     and raises :class:`ConfigError` before any group is created; then creates every group, in the
     same order on every rank, and installs the ``megatron.core.parallel_state`` globals.
+``check_job_matches_plan(plan, rank, world_size, model, plan_file="<plan>")``
+    The same input checks without torch.distributed (a launcher can run them before starting
+    processes).
 ``HeteroParallelState``: ``plan``, ``role`` (:class:`RankRole`), ``rank``, ``world_size``,
     ``tp_group``, ``pp_group`` (:class:`StagePosition`), ``pipeline_group``, ``cp_group``,
     ``dp_group``, ``sync_groups`` (list of :class:`SyncGroup`, one per
@@ -57,7 +60,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
 from megatron_autohet.errors import ConfigError
