@@ -97,25 +97,41 @@ class _CudaAsCpuMode(TorchFunctionMode):
     """Rewrites CUDA device arguments of every torch call to CPU (see module docstring)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = dict(kwargs) if kwargs else {}
-        if func is torch.Tensor.cuda:
-            return args[0]
-        if func is torch.Tensor.type:
-            if len(args) == 1 and not kwargs:
-                name = func(args[0])
-                if args[0].device.type == "cpu" and not name.startswith("torch.cuda."):
-                    return name.replace("torch.", "torch.cuda.", 1)
-                return name
-            if len(args) > 1:
-                args = (args[0], _cpu_type_name(args[1]), *args[2:])
-            if "dtype" in kwargs:
-                kwargs["dtype"] = _cpu_type_name(kwargs["dtype"])
-            return func(*args, **kwargs)
-        if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
-            args = (args[0], "cpu", *args[2:])
-        if "device" in kwargs and _is_cuda_device(kwargs["device"]):
-            kwargs["device"] = "cpu"
+        # Hot path (every torch call): no copies unless something must change.
+        if kwargs is None:
+            kwargs = {}
+        elif "device" in kwargs and _is_cuda_device(kwargs["device"]):
+            kwargs = {**kwargs, "device": "cpu"}
+        if func in _SPECIAL_METHODS:
+            return _SPECIAL_METHODS[func](func, args, kwargs)
         return func(*args, **kwargs)
+
+
+def _tensor_cuda(func, args, kwargs):
+    return args[0]
+
+
+def _tensor_to(func, args, kwargs):
+    if len(args) > 1 and _is_cuda_device(args[1]):
+        args = (args[0], "cpu", *args[2:])
+    return func(*args, **kwargs)
+
+
+def _tensor_type(func, args, kwargs):
+    if len(args) == 1 and not kwargs:
+        name = func(args[0])
+        if args[0].device.type == "cpu" and not name.startswith("torch.cuda."):
+            return name.replace("torch.", "torch.cuda.", 1)
+        return name
+    if len(args) > 1:
+        args = (args[0], _cpu_type_name(args[1]), *args[2:])
+    if "dtype" in kwargs:
+        kwargs = {**kwargs, "dtype": _cpu_type_name(kwargs["dtype"])}
+    return func(*args, **kwargs)
+
+
+_SPECIAL_METHODS = {torch.Tensor.cuda: _tensor_cuda, torch.Tensor.to: _tensor_to,
+                    torch.Tensor.type: _tensor_type}
 
 
 class _CpuRNGStatesTrackerMixin:
