@@ -46,7 +46,9 @@ megatron-core assumes a CUDA device in three ways (DESIGN.md section 4 lists eve
    ``fork`` warns whenever the CPU state changes inside a fork, which in CPU mode is every dropout).
    Activation checkpointing's RNG save/restore goes through the same two private functions.
 
-``torch.cuda.is_available()`` keeps answering False on purpose: megatron code that branches on it
+Not covered: code that formats ``current_device()`` into ``"cuda:N"`` or ``torch.device("cuda",
+N)`` (megatron-FSDP, the inference engines); the training path of GPTModel, the schedules, DDP
+and the optimizer does not. ``torch.cuda.is_available()`` keeps answering False on purpose: megatron code that branches on it
 (timers, memory reports) takes its CPU path. Nothing here is a TE/Apex shim: the stage model uses
 the local (non-TE) layer spec on CPU. The torch-norm refusal of ``sequence_parallel`` is not a
 CPU issue (it also hits GPUs without Apex/TE) and is handled in ``runtime/stage_model.py``.
