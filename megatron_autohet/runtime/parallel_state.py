@@ -202,9 +202,13 @@ def build_parallel_state(plan: Plan, rank: int | None = None, *, model: ModelSpe
     factory = _GroupFactory(rank)
 
     # Creation order (identical on every rank): singletons, TP groups, pipelines, sync groups.
-    singletons = [factory.get([r]) for r in range(world_size)]
-    tp_groups = [factory.get(s.ranks) for s in stage_roles(plan)]
-    pipeline_groups = [factory.get(p.ranks) for p in plan.pipelines]
+    # Later factory.get calls for an existing rank set return the cached group.
+    for r in range(world_size):
+        factory.get([r])
+    for stage in stage_roles(plan):
+        factory.get(stage.ranks)
+    for pipeline in plan.pipelines:
+        factory.get(pipeline.ranks)
     sync_groups = []
     for spec in sync_group_specs(plan):
         mine = None
@@ -214,11 +218,9 @@ def build_parallel_state(plan: Plan, rank: int | None = None, *, model: ModelSpe
                 mine = SyncGroup(spec, tuple(ranks), group)
         sync_groups.append(mine or SyncGroup(spec, None, None))
 
-    stage_index = [(s.pipeline, s.stage) for s in stage_roles(plan)].index(
-        (role.stage.pipeline, role.stage.stage))
-    tp_group = tp_groups[stage_index]
-    pipeline_group = pipeline_groups[role.stage.pipeline]
-    cp_group = singletons[rank]
+    tp_group = factory.get(role.stage.ranks)
+    pipeline_group = factory.get(plan.pipelines[role.stage.pipeline].ranks)
+    cp_group = factory.get([rank])
     first_layer = role.stage.layers[0]
     dp_sync = next(g for g in sync_groups if g.spec.kind == "layers"
                    and g.spec.layers[0] <= first_layer < g.spec.layers[1])
