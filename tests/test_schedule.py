@@ -178,6 +178,13 @@ def _pipeline(rank, world, plan, batch, sequence_parallel, padded_vocab, warmup_
             variant_state, sequence_parallel=sequence_parallel)
         runs.append(([s["lm loss"].item() for s in stored], _grads(model, state),
                      list(spy.calls)))
+    # forward only (evaluation): same losses, no gradients
+    model.zero_grad(set_to_none=True)
+    stored = schedule.run_schedule(
+        forward_step, iter(microbatches(batch, MBS, 0, num_microbatches)), model, state,
+        sequence_parallel=sequence_parallel, forward_only=True)
+    assert [s["lm loss"].item() for s in stored] == runs[0][0]
+    assert all(p.grad is None for p in model.parameters())
     return runs, spy.grads
 
 

@@ -170,6 +170,7 @@ class HeteroP2PCommunicator:
         stage = role.stage
         self.config = config
         self.rank = role.rank
+        self.tp_rank = role.tp_rank
         self.layout = StageLayout(stage.ranks, sequence_parallel)
         self.prev_layout = (StageLayout(stage.prev_ranks, sequence_parallel)
                             if stage.prev_ranks is not None else None)
@@ -243,7 +244,7 @@ class HeteroP2PCommunicator:
         buffer = None
         if recv_from is not None:
             seq_length = recv_shape[0] * self.layout.seq_chunks
-            my_start, _ = self.layout.held_range(self.layout.ranks.index(self.rank), seq_length)
+            my_start, _ = self.layout.held_range(self.tp_rank, seq_length)
             dtype = self.config.pipeline_dtype
             if dtype is None:
                 raise RuntimeError("config.pipeline_dtype must be set to receive activations")
@@ -255,7 +256,7 @@ class HeteroP2PCommunicator:
         num_recvs = len(ops)
         if send is not None:
             seq_length = send.shape[0] * self.layout.seq_chunks
-            my_start, _ = self.layout.held_range(self.layout.ranks.index(self.rank), seq_length)
+            my_start, _ = self.layout.held_range(self.tp_rank, seq_length)
             # A detached view keeps the storage alive even if megatron later swaps the output's
             # .data (deallocate_pipeline_outputs) while the deferred send is still in flight.
             data = send.detach()
