@@ -20,7 +20,8 @@ File form (``plan.yaml``)::
         stages:
           - ranks: [0, 1]          # TP group, in TP-rank order
             layers: [0, 12]        # global layer indices, half-open [start, end)
-            warmup_microbatches: 3 # optional: 1F1B warm-up depth (default num_stages - index - 1)
+            warmup_microbatches: 3 # optional: 1F1B warm-up depth (default num_stages - index - 1;
+                                   # non-increasing along the pipeline, 0 on the last stage)
             predicted_time_s: 0.021      # optional: forward+backward of one micro-batch
             predicted_memory_gib: 31.2   # optional: peak memory of one GPU of the stage
     predicted: {iteration_time_s: 1.93, tokens_per_s: 67900}   # optional

@@ -58,9 +58,10 @@ tightly. With deferred sends a stage only blocks on receives, and megatron's non
 
 ``w_{s+1} > w_s`` deadlocks (s+1 needs activation w_s + 1 before it sends gradient 0, which s
 only sends after receiving it), so plan validation enforces a non-increasing warm-up, with 0 on
-the last stage and >= 1 before it (megatron_autohet/plan.py). With blocking sends the stricter
-condition ``w_s - 2 <= w_{s+1} <= w_s`` would hold; the standard depths (``w_s = n - s - 1``)
-satisfy both.
+the last stage and >= 1 before it (megatron_autohet/plan.py). Stock megatron's blocking sends
+would, by the same kind of argument, also forbid a stage running more than two micro-batches
+ahead of its successor (``w_{s+1} >= w_s - 2``; derived, not exercised, since this communicator
+never blocks on a send). The standard depths ``w_s = n - s - 1`` satisfy both.
 
 Megatron computes the warm-up depth inside the schedule as
 ``p2p_communicator.pp_group.size() - p2p_communicator.pp_group.rank() - 1`` and reads the same
