@@ -71,6 +71,11 @@ object only through ``rank()``/``size()`` (first stage: ``rank() == 0``; last st
 pipeline's real rank and size, and with a plan's depth megatron runs that depth, unpatched. The
 communicator itself talks over the default (global) group with global ranks; it never uses a
 pipeline process group.
+
+On NCCL (untested here: no multi-GPU machine) ``batch_isend_irecv`` coalesces a call's ops into
+one handle, whose wait is stream-side, so nothing blocks the host there either; torch requires
+the default group's communicator to exist before a batch involving only some of its ranks, i.e.
+one collective over the whole world before the first schedule.
 """
 
 from __future__ import annotations
