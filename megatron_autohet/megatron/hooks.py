@@ -143,7 +143,7 @@ def pretrain_from_plan(args) -> None:
     # this rank's heterogeneous values in megatron.core.parallel_state).
     mpu.destroy_model_parallel()
     trainer = HeteroTrainer(plan, plan.model, rank=rank, lr=args.lr, seed=args.seed,
-                            clip_grad=args.clip_grad)
+                            clip_grad=args.clip_grad, plan_file=str(plan_path))
     # Megatron-LM's own warm-up/decay schedule, stepping our optimizer's param_groups.
     scheduler = get_optimizer_param_scheduler(trainer.optimizer)
     logger = IterationLogger(args.autohet_metrics_jsonl) if rank == 0 else None

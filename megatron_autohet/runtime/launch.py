@@ -193,7 +193,7 @@ def run_worker(plan: Plan, plan_path: str | Path, model: ModelSpec, options: Tra
         from megatron_autohet.runtime.trainer import HeteroTrainer
 
         trainer = HeteroTrainer(plan, model, rank=env.rank, lr=options.lr, seed=options.seed,
-                                clip_grad=options.clip_grad)
+                                clip_grad=options.clip_grad, plan_file=str(plan_path))
         if env.rank == 0:
             logger = IterationLogger(options.metrics_jsonl)
         for iteration in range(options.iters):
