@@ -3,10 +3,11 @@
 Public API
 ----------
 ``run_reference(model_spec, global_batches, *, micro_batch_size, seed, lr, clip_grad=1.0,
-                padded_vocab, sequence_parallel=False) -> list[ReferenceStep]``
+                padded_vocab, sequence_parallel=False, final_params=None) -> list[ReferenceStep]``
     Trains the whole model (TP1, PP1) in this process for one iteration per global batch and
     returns each iteration's ``ReferenceStep(loss, grad_norm)``; the grad norm is taken before
-    clipping, as the runtime reports it.
+    clipping, as the runtime reports it. ``final_params``: a dict to fill with the trained
+    parameters, full tensors keyed by global name (tests compare every layout's final weights).
 ``reference_plan(model_spec, *, micro_batch_size, num_microbatches, seq_length) -> Plan``
     The one-rank plan the reference trains.
 ``masked_token_mean(per_token_loss, loss_mask)``, ``microbatches(global_batch, micro_batch_size,
@@ -84,7 +85,8 @@ def reference_plan(model_spec: ModelSpec, *, micro_batch_size: int, num_microbat
 
 def run_reference(model_spec: ModelSpec, global_batches, *, micro_batch_size: int, seed: int,
                   lr: float, clip_grad: float = 1.0, padded_vocab: int,
-                  sequence_parallel: bool = False) -> list[ReferenceStep]:
+                  sequence_parallel: bool = False,
+                  final_params: dict | None = None) -> list[ReferenceStep]:
     own_world = not dist.is_initialized()
     if own_world:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -93,7 +95,7 @@ def run_reference(model_spec: ModelSpec, global_batches, *, micro_batch_size: in
                            f"size {dist.get_world_size()}")
     try:
         return _train(model_spec, list(global_batches), micro_batch_size, seed, lr, clip_grad,
-                      padded_vocab, sequence_parallel)
+                      padded_vocab, sequence_parallel, final_params)
     finally:
         if own_world:
             from megatron.core import parallel_state
@@ -102,12 +104,12 @@ def run_reference(model_spec: ModelSpec, global_batches, *, micro_batch_size: in
 
 
 def _train(model_spec, global_batches, micro_batch_size, seed, lr, clip_grad, padded_vocab,
-           sequence_parallel) -> list[ReferenceStep]:
+           sequence_parallel, final_params) -> list[ReferenceStep]:
     from megatron.core.optimizer.clip_grads import (clip_grad_by_total_norm_fp32,
                                                     get_grad_norm_fp32)
 
     from megatron_autohet.runtime.parallel_state import build_parallel_state
-    from megatron_autohet.runtime.stage_model import build_stage_model
+    from megatron_autohet.runtime.stage_model import build_stage_model, param_layouts
 
     if not global_batches:
         return []
@@ -141,4 +143,8 @@ def _train(model_spec, global_batches, micro_batch_size, seed, lr, clip_grad, pa
             clip_grad_by_total_norm_fp32(params, clip_grad, grad_norm)
         optimizer.step()
         steps.append(ReferenceStep(loss=total / num_microbatches, grad_norm=grad_norm))
+    if final_params is not None:
+        layouts = param_layouts(model, state)
+        final_params.update({layouts[name].global_name: param.detach().clone()
+                             for name, param in model.named_parameters()})
     return steps
