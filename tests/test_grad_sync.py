@@ -19,7 +19,7 @@ from megatron_autohet.plan import load_plan
 from megatron_autohet.runtime.grad_sync import GradSync
 from megatron_autohet.runtime.init import ParamLayout
 from megatron_autohet.runtime.topology import rank_role, sync_group_specs
-from tests.dist_utils import RankFailed, run_on_ranks
+from dist_utils import RankFailed, run_on_ranks
 
 PLANS = Path(__file__).resolve().parents[1] / "configs" / "plans"
 WORD = "embedding.word_embeddings.weight"
