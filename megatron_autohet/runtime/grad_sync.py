@@ -210,7 +210,8 @@ class GradSync:
             if not bucket.reduces:
                 continue
             numel = (bucket.grad_data if bucket.full_data is None else bucket.full_data).numel()
-            extent = torch.tensor([numel, -numel], dtype=torch.int64)
+            extent = torch.tensor([numel, -numel], dtype=torch.int64,
+                                  device=bucket.grad_data.device)   # NCCL needs device tensors
             dist.all_reduce(extent, op=dist.ReduceOp.MAX, group=bucket.group)
             if int(extent[0]) != numel or -int(extent[1]) != numel:
                 raise RuntimeError(

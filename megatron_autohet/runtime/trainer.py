@@ -87,6 +87,7 @@ class HeteroTrainer:
         self.model = build_stage_model(plan.model, self.state, seed=seed,
                                        sequence_parallel=sequence_parallel)
         self.sequence_parallel = sequence_parallel
+        self.device = next(self.model.parameters()).device
         self.layouts = param_layouts(self.model, self.state)   # local name -> ParamLayout
         self.grad_sync = GradSync(
             self.model, self.layouts,
@@ -115,7 +116,8 @@ class HeteroTrainer:
                            tokens=plan.global_batch_size * plan.seq_length)
 
     def _forward_step(self, data_iterator, model):
-        batch = next(data_iterator)
+        batch = {key: value.to(self.device, non_blocking=True)
+                 for key, value in next(data_iterator).items()}
         output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
         return output, partial(self._loss_func, batch["loss_mask"])
 
@@ -128,7 +130,7 @@ class HeteroTrainer:
         """Mean of the micro-batch losses of all pipelines: each last stage's TP rank 0 adds its
         own, one all-reduce over the world."""
         role = self.state.role
-        total = torch.zeros(1, dtype=torch.float64)
+        total = torch.zeros(1, dtype=torch.float64, device=self.device)
         if role.stage.is_last and role.tp_rank == 0:
             total += sum(float(r["lm loss"]) for r in reported)
         dist.all_reduce(total)
