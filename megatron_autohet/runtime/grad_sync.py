@@ -33,9 +33,10 @@ sequence chunk, so parameters Megatron tags ``.sequence_parallel`` (layernorms) 
 they are summed over the TP group first, as ``finalize_model_grads`` does.
 
 Grad norm: each logical parameter is counted exactly once in the whole world: only by the first
-holder TP group of its spec (pipeline order) and, if TP-replicated, only by TP rank 0 there. The
-sum of squares is all-reduced over the world with megatron-core's ``get_grad_norm_fp32``, so every
-rank gets the same norm; clipping uses megatron-core's ``clip_grad_by_total_norm_fp32``.
+holder TP group of its spec (pipeline order) and, if TP-replicated, only by TP rank 0 there.
+:meth:`GradSync.owned_sum_of_squares` is this rank's share; the trainer sums the shares over the
+world in the one all-reduce it also needs for the loss, so every rank gets the same norm; clipping
+uses megatron-core's ``clip_grad_by_total_norm_fp32`` (the reference's formula).
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32, get_grad_norm_fp32
+from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 
 from megatron_autohet.runtime.topology import SyncGroupSpec
 
@@ -243,10 +244,16 @@ class GradSync:
             work.wait()
             bucket.finish()
 
-    def grad_norm(self) -> float:
-        """L2 norm of the global gradient (call after :meth:`sync`); the same on every rank."""
-        return get_grad_norm_fp32([p.grad for p in self.norm_params],
-                                  grad_stats_parallel_group=dist.group.WORLD)
+    def owned_sum_of_squares(self) -> torch.Tensor:
+        """This rank's share of the squared global grad norm (call after :meth:`sync`): the sum
+        of squares of the gradients it owns (module doc), as a float64 scalar tensor. Summed over
+        the world it is the squared norm of the global gradient; the trainer does that sum in the
+        same all-reduce as the loss, so an iteration pays one world collective for both."""
+        grads = [p.grad for p in self.norm_params]
+        total = torch.zeros((), dtype=torch.float64, device=self.params[0].device)
+        if grads:
+            total += torch.stack(torch._foreach_norm(grads)).double().square().sum()
+        return total
 
     def clip(self, max_norm: float, total_norm: float) -> None:
         """Scale every local gradient by max_norm / (total_norm + 1e-6) if that is below one."""

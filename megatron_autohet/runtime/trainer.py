@@ -107,11 +107,11 @@ class HeteroTrainer:
         reported = run_schedule(self._forward_step, iter(local), self.model, self.state,
                                 sequence_parallel=self.sequence_parallel)
         self.grad_sync.sync()
-        grad_norm = self.grad_sync.grad_norm()
+        loss, grad_norm = self._global_loss_and_grad_norm(reported)
         if self.clip_grad > 0:
             self.grad_sync.clip(self.clip_grad, grad_norm)
         self.optimizer.step()
-        return StepMetrics(loss=self._global_loss(reported), grad_norm=grad_norm,
+        return StepMetrics(loss=loss, grad_norm=grad_norm,
                            num_microbatches=plan.num_microbatches_total,
                            tokens=plan.global_batch_size * plan.seq_length)
 
@@ -126,12 +126,14 @@ class HeteroTrainer:
         # The schedule divides the returned tensor in place by m_p; `loss` itself is untouched.
         return loss * self.loss_scale, {"lm loss": loss.detach()}
 
-    def _global_loss(self, reported: list[dict]) -> float:
-        """Mean of the micro-batch losses of all pipelines: each last stage's TP rank 0 adds its
-        own, one all-reduce over the world."""
+    def _global_loss_and_grad_norm(self, reported: list[dict]) -> tuple[float, float]:
+        """One all-reduce over the world of [loss sum, squared grad norm]: each last stage's TP
+        rank 0 adds its pipeline's micro-batch losses, every rank the squares of the gradients it
+        owns (GradSync counts each parameter once)."""
         role = self.state.role
-        total = torch.zeros(1, dtype=torch.float64, device=self.device)
+        sums = torch.zeros(2, dtype=torch.float64, device=self.device)
         if role.stage.is_last and role.tp_rank == 0:
-            total += sum(float(r["lm loss"]) for r in reported)
-        dist.all_reduce(total)
-        return float(total) / self.plan.num_microbatches_total
+            sums[0] = sum(float(r["lm loss"]) for r in reported)
+        sums[1] = self.grad_sync.owned_sum_of_squares()
+        dist.all_reduce(sums)
+        return float(sums[0]) / self.plan.num_microbatches_total, float(sums[1]) ** 0.5
