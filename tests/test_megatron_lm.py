@@ -101,7 +101,7 @@ def _patched_tree(dest: Path) -> Path:
 TINY_ARGS = ["--num-layers", "6", "--hidden-size", "64", "--num-attention-heads", "4",
              "--ffn-hidden-size", "256", "--seq-length", "64", "--max-position-embeddings", "64",
              "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "3",
-             "--lr", "1e-3", "--lr-decay-style", "constant", "--clip-grad", "1.0",
+             "--lr", "1e-3", "--lr-decay-style", "constant", "--weight-decay", "0", "--clip-grad", "1.0",
              "--seed", "1234", "--tokenizer-type", "NullTokenizer", "--vocab-size", "511",
              "--distributed-backend", "gloo"]
 

@@ -109,6 +109,14 @@ def check_megatron_args(args, plan: Plan, plan_path: str | Path) -> None:
     expect("--seq-length", args.seq_length, plan.seq_length)
     expect("--micro-batch-size", args.micro_batch_size, plan.micro_batch_size)
     expect("--global-batch-size", args.global_batch_size, plan.global_batch_size)
+    # Megatron's scheduler would write weight decay into the runtime's torch Adam, where it is
+    # coupled L2, not Megatron's decoupled AdamW decay: refuse rather than train differently.
+    for flag, value in (("--weight-decay", args.weight_decay),
+                        ("--start-weight-decay", args.start_weight_decay),
+                        ("--end-weight-decay", args.end_weight_decay)):
+        if value:
+            raise ConfigError(plan_path, flag, f"got {value}", "0 (the plan runtime's optimizer "
+                              "is Adam without weight decay)")
     if not args.train_iters:
         raise ConfigError(plan_path, "--train-iters", "missing",
                           "an iteration count (--train-samples is not supported with a plan)")
