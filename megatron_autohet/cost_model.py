@@ -156,7 +156,7 @@ class StageCost:
     param_count: int            # per GPU
     memory_gib: float           # peak per GPU
     memory_limit_gib: float
-    sync_s: float               # the sum of this stage's gradient all-reduces
+    sync_s: float               # gradient all-reduces of its busiest GPU, one after the other
     optimizer_s: float
     timeline: list[TimelineEvent] = field(default_factory=list)
 
@@ -184,6 +184,7 @@ class PlanCost:
     optimizer_s: float
     tokens_per_s: float
     pipelines: list[PipelineCost]
+    idle_gpus: dict[str, int] = field(default_factory=dict)   # GPUs of the cluster the plan leaves out, per type
 
     @property
     def stages(self) -> list[StageCost]:
@@ -205,7 +206,8 @@ class PlanCost:
                 "grad_sync_s": round(self.grad_sync_s, 6),
                 "optimizer_s": round(self.optimizer_s, 6),
                 "peak_memory_gib": round(self.peak_memory_gib, 3),
-                "fits_memory": self.fits_memory}
+                "fits_memory": self.fits_memory,
+                "idle_gpus": dict(self.idle_gpus)}
 
 
 def _slowest_link_gbs(cluster: Cluster, ranks_nodes: list[str]) -> float:
@@ -263,7 +265,9 @@ def evaluate_plan(plan: Plan, cluster: Cluster, profile: Profile, with_timeline:
             simulate_1f1b(stages, m, [st.warmup_microbatches for st in pipe.stages])
         pipelines.append(PipelineCost(m, time, stages))
 
-    # Layer-wise gradient sync: charge each group's all-reduce to every stage holding it.
+    # Layer-wise gradient sync: charge each group's all-reduce to every GPU in it (the TP ranks
+    # of a stage sync their shards in separate, concurrent groups); a stage reports its busiest GPU.
+    sync_of_rank = {r: 0.0 for r in stage_of_rank}
     for spec in sync_group_specs(plan):
         for group in spec.groups():
             if len(group) < 2:
@@ -287,8 +291,10 @@ def evaluate_plan(plan: Plan, cluster: Cluster, profile: Profile, with_timeline:
             holders = len(spec.holders)
             bw = _slowest_link_gbs(cluster, [node_of[r] for r in group])
             t = grad_allreduce_s(params, holders, bw)
-            for stage in {id(stage_of_rank[r]): stage_of_rank[r] for r in group}.values():
-                stage.sync_s += t
+            for r in group:
+                sync_of_rank[r] += t
+    for r, t in sync_of_rank.items():
+        stage_of_rank[r].sync_s = max(stage_of_rank[r].sync_s, t)
 
     pipeline_time = max(p.time_s for p in pipelines)
     all_stages = [s for p in pipelines for s in p.stages]
@@ -296,7 +302,12 @@ def evaluate_plan(plan: Plan, cluster: Cluster, profile: Profile, with_timeline:
     opt = max(s.optimizer_s for s in all_stages)
     iteration = pipeline_time + sync + opt
     tokens = plan.global_batch_size * plan.seq_length / iteration
-    return PlanCost(iteration, pipeline_time, sync, opt, tokens, pipelines)
+    used = {(r.node, r.local_rank) for r in plan.ranks}
+    idle: dict[str, int] = {}
+    for d in cluster.devices():
+        if (d.node, d.local_rank) not in used:
+            idle[d.gpu] = idle.get(d.gpu, 0) + 1
+    return PlanCost(iteration, pipeline_time, sync, opt, tokens, pipelines, idle)
 
 
 def simulate_1f1b(stages: list[StageCost], num_microbatches: int,

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import time
 from pathlib import Path
 
@@ -55,22 +56,26 @@ def main() -> None:
     models = {n: load_model(ROOT / f"configs/models/{n}.yaml")
               for n in ("gpt3-1.3b", "gpt3-2.7b", "llama2-7b")}
 
-    print("== solve time vs cluster size (global batch = max(64, 2 x GPUs), micro-batch 1)")
-    print(f"{'GPUs':>6} {'model':>10} {'solve_s':>8} {'pipelines':>9} {'iter_s':>8} {'tokens/s':>10}")
+    print("== solve time vs cluster size (global batch = max(64, 2 x GPUs), micro-batch 1); "
+          f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+    print(f"{'GPUs':>6} {'model':>10} {'wall_s':>8} {'cpu_s':>7} {'pipelines':>9} {'idle':>5} "
+          f"{'iter_s':>8} {'tokens/s':>10}")
     sizes = (8, 64, 1024) if args.quick else (8, 32, 64, 128, 512, 1024)
     for gpus in sizes:
         for name in ("gpt3-1.3b", "llama2-7b"):
             cluster = fleet(gpus)
-            start = time.perf_counter()
-            cand = search(cluster, models[name], None, max(64, 2 * gpus), 1, progress=True)
-            elapsed = time.perf_counter() - start
-            row = {"gpus": gpus, "model": name, "solve_s": elapsed,
+            start, cpu = time.perf_counter(), time.process_time()
+            cand = search(cluster, models[name], None, max(64, 2 * gpus), 1, progress=False)
+            elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
+            idle = sum(cand.cost.idle_gpus.values())
+            row = {"gpus": gpus, "model": name, "solve_s": elapsed, "cpu_s": cpu,
+                   "load_average": os.getloadavg()[0], "idle_gpus": idle,
                    "pipelines": len(cand.plan.pipelines),
                    "iteration_time_s": cand.cost.iteration_time_s,
                    "tokens_per_s": cand.cost.tokens_per_s, "tp": cand.tp_of_gpu,
                    "recompute": cand.recompute}
             result["scaling"].append(row)
-            print(f"{gpus:>6} {name:>10} {elapsed:>8.2f} {row['pipelines']:>9} "
+            print(f"{gpus:>6} {name:>10} {elapsed:>8.2f} {cpu:>7.2f} {row['pipelines']:>9} {idle:>5} "
                   f"{row['iteration_time_s']:>8.3f} {row['tokens_per_s']:>10.0f}")
 
     print("\n== speedup over baselines on the bundled 3-type fleets")

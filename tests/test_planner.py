@@ -16,7 +16,9 @@ TINY = load_model("configs/models/tiny.yaml")
 
 def _check(plan, cluster):
     plan.validate()
-    assert plan.world_size == cluster.world_size
+    devices = {(d.node, d.local_rank, d.gpu) for d in cluster.devices()}
+    assert plan.world_size <= cluster.world_size      # idle GPUs have no rank
+    assert {(r.node, r.local_rank, r.gpu) for r in plan.ranks} <= devices
     for pipe in plan.pipelines:
         for stage in pipe.stages:
             gpu = cluster.gpu_types[plan.ranks[stage.ranks[0]].gpu]
@@ -72,24 +74,44 @@ def _cluster(nodes):
 GPT13_8 = dataclasses.replace(GPT13, num_layers=8)
 
 
-def test_within_two_percent_of_brute_force():
-    cluster = _cluster([("A100-80GB", 4), ("H20", 2), ("T4", 2)])
-    kwargs = dict(tp_degrees=[2, 4], max_stages=4)
-    ours = search(cluster, GPT13_8, None, 32, 1, progress=False, **kwargs)
-    best = exhaustive_search(cluster, GPT13_8, None, 32, 1, **kwargs)
+EXHAUSTIVE_CASES = {
+    "local-4": ("configs/clusters/local-4.yaml", None, TINY, 8, 2, None),
+    "8-gpu-3-types": (None, [("A100-80GB", 4), ("H20", 2), ("T4", 2)], GPT13_8, 32, 1, [2, 4]),
+    "8-gpu-2-types": (None, [("A100-80GB", 4), ("H800", 4)], GPT13_8, 32, 1, [2, 4]),
+    "16-gpu-a100-v100-t4": (None, [("A100-40GB", 8), ("V100-32GB", 4), ("T4", 4)], GPT13_8, 64,
+                            1, [4]),
+    "16-gpu-h800-a100-h20": (None, [("H800", 8), ("A100-80GB", 4), ("H20", 4)], GPT13_8, 64, 1,
+                             [4, 8]),
+}
+
+
+@pytest.mark.parametrize("case", [
+    pytest.param(c, marks=pytest.mark.xfail(strict=True, reason="measured 2.8% above the "
+                 "optimum: its 3-type pipeline with a 38/26 micro-batch split is not kept"))
+    if c == "16-gpu-h800-a100-h20" else c for c in sorted(EXHAUSTIVE_CASES)])
+def test_within_two_percent_of_brute_force(case):
+    path, nodes, model, gbs, mbs, tps = EXHAUSTIVE_CASES[case]
+    cluster = load_cluster(path) if path else _cluster(nodes)
+    ours = search(cluster, model, None, gbs, mbs, progress=False, tp_degrees=tps, max_stages=4)
+    best = exhaustive_search(cluster, model, None, gbs, mbs, tp_degrees=tps, max_stages=4)
+    _check(ours.plan, cluster)
     assert ours.cost.iteration_time_s <= 1.02 * best.cost.iteration_time_s
 
 
-@pytest.mark.xfail(strict=True, reason="known gap: 11-15% above brute force on these cases")
-@pytest.mark.parametrize("case", ["local-4", "16-gpu"])
-def test_within_two_percent_of_brute_force_known_gaps(case):
-    if case == "local-4":
-        cluster, model, gbs, mbs, kwargs = (load_cluster("configs/clusters/local-4.yaml"), TINY,
-                                            8, 2, dict(max_stages=4))
-    else:
-        cluster, model, gbs, mbs, kwargs = (
-            _cluster([("A100-40GB", 8), ("V100-32GB", 4), ("T4", 4)]), GPT13_8, 64, 1,
-            dict(tp_degrees=[4], max_stages=4))
-    ours = search(cluster, model, None, gbs, mbs, progress=False, **kwargs)
-    best = exhaustive_search(cluster, model, None, gbs, mbs, **kwargs)
-    assert ours.cost.iteration_time_s <= 1.02 * best.cost.iteration_time_s
+@pytest.mark.parametrize("name", ["a100-h800-h20", "a100-v100-t4"])
+def test_no_baseline_beats_our_plan(name):
+    cluster = load_cluster(f"configs/clusters/{name}.yaml")
+    result = compare(cluster, GPT13, None, 64, 1, progress=False)
+    for b in result.baselines:
+        if b.cost is not None:
+            assert result.cost.iteration_time_s <= b.cost.iteration_time_s * (1 + 1e-9), b.name
+    assert result.baseline("megatron-lm").speedup >= 1.3
+
+
+def test_exhaustive_is_a_true_brute_force():
+    """The exhaustive optimum is never worse than any plan it could have enumerated, including
+    the planner's own (a sanity check that its space contains the planner's)."""
+    cluster = _cluster([("A100-80GB", 2), ("T4", 2)])
+    ours = search(cluster, TINY, None, 8, 2, progress=False, max_stages=4)
+    best = exhaustive_search(cluster, TINY, None, 8, 2, max_stages=4)
+    assert best.cost.iteration_time_s <= ours.cost.iteration_time_s * (1 + 1e-9)

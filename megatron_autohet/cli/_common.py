@@ -94,18 +94,21 @@ def bundled_cluster_path(name: str) -> Path | None:
 
 
 def check_plan_on_cluster(plan, cluster, cluster_file) -> None:
-    """The plan's ranks are this cluster's GPUs (same node, local index and type, rank by rank)."""
-    devices = cluster.devices()
-    if len(devices) != plan.world_size:
-        raise ConfigError(cluster_file, "nodes", f"{len(devices)} GPUs, the plan has "
-                          f"{plan.world_size} ranks", f"the cluster the plan was made for "
+    """Every rank of the plan is a GPU of this cluster (same node, local index and type); GPUs
+    the plan leaves idle have no rank."""
+    if plan.cluster != cluster.name:
+        raise ConfigError(cluster_file, "name", f"cluster {cluster.name!r}, the plan was made "
+                          f"for {plan.cluster!r}", f"the cluster the plan was made for "
                           f"({plan.cluster!r})")
-    for info, device in zip(plan.ranks, devices):
-        if (info.node, info.local_rank, info.gpu) != (device.node, device.local_rank, device.gpu):
-            raise ConfigError(cluster_file, "nodes", f"rank {info.rank} is {device.gpu} GPU "
-                              f"{device.local_rank} of node {device.node}, the plan has "
-                              f"{info.gpu} GPU {info.local_rank} of node {info.node}",
-                              f"the cluster the plan was made for ({plan.cluster!r})")
+    devices = {(d.node, d.local_rank): d for d in cluster.devices()}
+    for info in plan.ranks:
+        device = devices.get((info.node, info.local_rank))
+        if device is None or device.gpu != info.gpu:
+            found = "no such GPU" if device is None else f"a {device.gpu}"
+            raise ConfigError(cluster_file, "nodes", f"rank {info.rank} is {info.gpu} GPU "
+                              f"{info.local_rank} of node {info.node} in the plan, the cluster "
+                              f"has {found} there", f"the cluster the plan was made for "
+                              f"({plan.cluster!r})")
 
 
 # ---- output ----------------------------------------------------------------------------------------
@@ -168,4 +171,7 @@ def format_prediction(plan, cost=None) -> str:
                      f"{predicted['grad_sync_s']:.4g} s + optimizer {predicted['optimizer_s']:.4g} s; "
                      f"peak memory {predicted['peak_memory_gib']:.1f} GiB"
                      + ("" if predicted.get("fits_memory", True) else " (DOES NOT FIT)"))
+    if predicted.get("idle_gpus"):
+        lines.append("  idle GPUs (faster without them): " + ", ".join(
+            f"{n} x {gpu}" for gpu, n in predicted["idle_gpus"].items()))
     return "\n".join(lines)

@@ -28,14 +28,15 @@ class Baseline:
     note: str = ""
 
 
-def _grids(problem: Problem) -> list[tuple[int, int, int]]:
+def _grids(problem: Problem, tp_degrees: list[int] | None,
+           max_stages: int | None) -> list[tuple[int, int, int]]:
     cluster, model = problem.cluster, problem.model
     world = cluster.world_size
     out = []
     for t in model.valid_tp_degrees(max(n.num_gpus for n in cluster.nodes)):
-        if any(n.num_gpus % t for n in cluster.nodes):
+        if any(n.num_gpus % t for n in cluster.nodes) or (tp_degrees and t not in tp_degrees):
             continue
-        for p in range(1, model.num_layers + 1):
+        for p in range(1, min(model.num_layers, max_stages or model.num_layers) + 1):
             if world % (t * p):
                 continue
             out.append((t, p, world // (t * p)))
@@ -72,11 +73,11 @@ def _proportional(weights: list[float], total: int) -> list[int]:
     return shares
 
 
-def _best(problem: Problem, name: str, proportional: bool,
-          recompute_modes: list[bool]) -> Baseline:
+def _best(problem: Problem, name: str, proportional: bool, recompute_modes: list[bool],
+          tp_degrees: list[int] | None = None, max_stages: int | None = None) -> Baseline:
     M = problem.num_microbatches
     best: Baseline | None = None
-    for tp, pp, dp in _grids(problem):
+    for tp, pp, dp in _grids(problem, tp_degrees, max_stages):
         if dp > M or (not proportional and M % dp):
             continue
         for recompute in recompute_modes:
@@ -94,24 +95,27 @@ def _best(problem: Problem, name: str, proportional: bool,
     return best or Baseline(name, None, None, "no uniform grid fits in memory or divides the batch")
 
 
-def megatron_lm(problem: Problem, recompute_modes: list[bool]) -> Baseline:
-    return _best(problem, "megatron-lm", False, recompute_modes)
+def megatron_lm(problem: Problem, recompute_modes: list[bool], **space) -> Baseline:
+    return _best(problem, "megatron-lm", False, recompute_modes, **space)
 
 
-def whale(problem: Problem, recompute_modes: list[bool]) -> Baseline:
-    return _best(problem, "whale", True, recompute_modes)
+def whale(problem: Problem, recompute_modes: list[bool], **space) -> Baseline:
+    return _best(problem, "whale", True, recompute_modes, **space)
 
 
-def fastest_type_only(problem: Problem, recompute_modes: list[bool]) -> Baseline:
+def fastest_type_only(problem: Problem, recompute_modes: list[bool], **space) -> Baseline:
     cluster = problem.cluster
     fastest = max(cluster.gpu_types.values(), key=lambda g: g.dense_tflops).name
     sub = cluster.subset([n.name for n in cluster.nodes if n.gpu == fastest])
     sub_problem = Problem(sub, problem.model, problem.profile, problem.global_batch_size,
                           problem.micro_batch_size, problem.seq_length)
-    result = _best(sub_problem, f"megatron-lm ({fastest} only)", False, recompute_modes)
-    return result
+    return _best(sub_problem, f"megatron-lm ({fastest} only)", False, recompute_modes, **space)
 
 
-def all_baselines(problem: Problem, recompute_modes: list[bool]) -> list[Baseline]:
-    return [megatron_lm(problem, recompute_modes), whale(problem, recompute_modes),
-            fastest_type_only(problem, recompute_modes)]
+def all_baselines(problem: Problem, recompute_modes: list[bool], *,
+                  tp_degrees: list[int] | None = None,
+                  max_stages: int | None = None) -> list[Baseline]:
+    """The baselines, restricted to these TP degrees and pipeline depths (None: any)."""
+    space = {"tp_degrees": tp_degrees, "max_stages": max_stages}
+    return [megatron_lm(problem, recompute_modes, **space), whale(problem, recompute_modes, **space),
+            fastest_type_only(problem, recompute_modes, **space)]

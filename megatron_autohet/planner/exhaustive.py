@@ -1,12 +1,24 @@
 """Brute-force search of the plan space, for small clusters: the yardstick for make_plan.
 
-It enumerates, for every TP degree (per GPU type with ``allow_asymmetric_tp``) and recompute
-mode: every multiset of pipelines, where a pipeline is *any* sequence of TP groups of at most
-``max_stages`` stages (a superset of the planner's contiguous-type shapes), that uses every TP
-group exactly once; for each, every layer split of every pipeline (each stage >= 1 layer, within
-memory); then the optimal micro-batch split (exact: the sync and optimizer terms do not depend on
-it), the planner's placement, and the full cost model. Nothing is estimated or pruned except
-splits that cannot fit in memory, so the result is the optimum of the cost model over that space.
+Independent of the planner on purpose: it shares only the cost model (cost_model.evaluate_plan)
+and the plan dataclasses, so a weakness of the planner's option generation, estimates, SCIP model
+or placement shows up as a gap. For every TP degree (per GPU type with ``allow_asymmetric_tp``)
+and recompute mode it enumerates:
+
+* **grouping**: every node of n GPUs gives ``n // t`` TP groups of consecutive local ranks (GPUs
+  of a node are interchangeable, so which GPUs form a group does not matter to the cost model);
+* **mapping**: every way to arrange the TP groups into pipelines: each group is idle or one stage
+  of one pipeline, a pipeline is an ordered list of at most ``max_stages`` groups in any order of
+  GPU types and nodes, at most one pipeline per micro-batch. Arrangements that differ only by
+  swapping two groups of the same node are the same plan to the cost model and are costed once;
+* **layer split**: every split of the model's layers over each pipeline's stages (>= 1 each);
+* **micro-batch split**: the split minimising the longest pipeline, computed exactly: the
+  gradient sync and optimizer terms do not depend on it, and pipeline p finishes m micro-batches
+  at ``fill_p + (m - 1) period_p`` (cost_model.pipeline_time_s), so the smallest feasible
+  makespan is one of those values and is found by trying them in order.
+
+Every candidate is costed by the full cost model and kept only if it fits in memory, so the
+result is the optimum of the cost model over this space (plans that leave GPUs idle included).
 The work explodes quickly; ``max_evaluations`` guards against runaway cases.
 """
 
@@ -14,38 +26,86 @@ from __future__ import annotations
 
 import itertools
 
+from megatron_autohet.cost_model import evaluate_plan, annotate_plan
 from megatron_autohet.errors import ConfigError
+from megatron_autohet.plan import Pipeline, Plan, RankInfo, Stage
 from megatron_autohet.planner.search import Candidate, resolve_profile
-from megatron_autohet.planner.space import (PipelineOption, Problem, assign_microbatches,
-                                            build_plan, check_batch, evaluate, make_pools,
-                                            stage_coefficients)
 from megatron_autohet.profiling.profile import Profile
-from megatron_autohet.spec.cluster import Cluster
+from megatron_autohet.spec.cluster import Cluster, Device
 from megatron_autohet.spec.model import ModelSpec
 
 
-def _multisets(sequences: list[tuple[int, ...]], remaining: list[int], start: int, limit: int):
-    """Multisets (non-decreasing index lists) of sequences that use exactly ``remaining``."""
-    if not any(remaining):
-        yield []
-        return
-    if limit == 0:
-        return
-    for i in range(start, len(sequences)):
-        seq = sequences[i]
-        need = [seq.count(k) for k in range(len(remaining))]
-        if all(n <= r for n, r in zip(need, remaining)):
-            rest = [r - n for r, n in zip(remaining, need)]
-            for tail in _multisets(sequences, rest, i, limit - 1):
-                yield [i] + tail
+def _tp_groups(cluster: Cluster, tp_of_gpu: dict[str, int]) -> list[tuple[Device, ...]]:
+    devices = cluster.devices()
+    groups = []
+    for node in cluster.nodes:
+        tp = tp_of_gpu[node.gpu]
+        mine = [d for d in devices if d.node == node.name]
+        groups += [tuple(mine[g * tp:(g + 1) * tp]) for g in range(node.num_gpus // tp)]
+    return groups
 
 
-def _compositions(total: int, parts: int, caps: list[int]):
-    for cuts in itertools.combinations(range(1, total), parts - 1):
-        bounds = (0,) + cuts + (total,)
-        layers = tuple(bounds[i + 1] - bounds[i] for i in range(parts))
-        if all(n <= c for n, c in zip(layers, caps)):
-            yield layers
+def _arrangements(n: int, max_stages: int, max_pipelines: int):
+    """Every set of disjoint non-empty ordered lists of group indices 0..n-1 (the rest idle)."""
+    def extend(i: int, pipelines: list[list[int]]):
+        if i == n:
+            if pipelines:
+                yield [tuple(p) for p in pipelines]
+            return
+        yield from extend(i + 1, pipelines)                      # group i idle
+        for p in pipelines:                                      # group i joins a pipeline
+            if len(p) < max_stages:
+                for pos in range(len(p) + 1):
+                    p.insert(pos, i)
+                    yield from extend(i + 1, pipelines)
+                    p.pop(pos)
+        if len(pipelines) < max_pipelines:                       # group i starts a pipeline
+            pipelines.append([i])
+            yield from extend(i + 1, pipelines)
+            pipelines.pop()
+    yield from extend(0, [])
+
+
+def _layer_splits(num_layers: int, stages: int):
+    for cuts in itertools.combinations(range(1, num_layers), stages - 1):
+        bounds = (0,) + cuts + (num_layers,)
+        yield tuple(bounds[i + 1] - bounds[i] for i in range(stages))
+
+
+def _plan(cluster: Cluster, model: ModelSpec, groups, arrangement, splits, microbatches,
+          global_batch_size, micro_batch_size, seq_length, recompute) -> Plan:
+    used = sorted((d for pipe in arrangement for g in pipe for d in groups[g]),
+                  key=lambda d: d.rank)
+    rank_of = {d.rank: i for i, d in enumerate(used)}
+    pipelines = []
+    for pipe, layers, m in zip(arrangement, splits, microbatches):
+        stages, start = [], 0
+        for g, n in zip(pipe, layers):
+            stages.append(Stage(ranks=[rank_of[d.rank] for d in groups[g]],
+                                layers=(start, start + n)))
+            start += n
+        pipelines.append(Pipeline(stages=stages, num_microbatches=m))
+    return Plan(cluster=cluster.name, model=model, micro_batch_size=micro_batch_size,
+                global_batch_size=global_batch_size, seq_length=seq_length,
+                ranks=[RankInfo(i, d.node, d.local_rank, d.gpu) for i, d in enumerate(used)],
+                pipelines=pipelines, activation_recompute=recompute)
+
+
+def best_microbatch_split(fills: list[float], periods: list[float], total: int) -> list[int]:
+    """Micro-batches per pipeline (each >= 1) minimising max_p fill_p + (m_p - 1) period_p."""
+    candidates = sorted({f + k * p for f, p in zip(fills, periods) for k in range(total)})
+    for limit in candidates:
+        if limit < max(fills):
+            continue
+        caps = [min(total, int((limit - f) / p + 1e-9) + 1) for f, p in zip(fills, periods)]
+        if sum(caps) >= total:
+            excess = sum(caps) - total
+            for i in range(len(caps)):      # fewer micro-batches never lengthen a pipeline
+                cut = min(excess, caps[i] - 1)
+                caps[i] -= cut
+                excess -= cut
+            return caps
+    raise AssertionError("unreachable: the largest candidate admits every micro-batch")
 
 
 def exhaustive_search(cluster: Cluster, model: ModelSpec, profile: Profile | None,
@@ -54,11 +114,14 @@ def exhaustive_search(cluster: Cluster, model: ModelSpec, profile: Profile | Non
                       max_stages: int = 4, activation_recompute: bool | None = None,
                       allow_asymmetric_tp: bool = False,
                       max_evaluations: int = 200_000) -> Candidate:
+    """The cost model's optimum over the space in the module doc (ConfigError when too big)."""
     seq_length = seq_length or model.seq_length
+    if global_batch_size % micro_batch_size:
+        raise ConfigError("<arguments>", "global_batch_size", f"{global_batch_size} is not a "
+                          f"multiple of micro_batch_size {micro_batch_size}",
+                          "a multiple of the micro-batch size")
     profile = resolve_profile(cluster, model, profile, micro_batch_size, seq_length)
-    problem = Problem(cluster, model, profile, global_batch_size, micro_batch_size, seq_length)
-    check_batch(problem)
-    M, L = problem.num_microbatches, model.num_layers
+    M, L = global_batch_size // micro_batch_size, model.num_layers
     gpus = list(dict.fromkeys(n.gpu for n in cluster.nodes))
     degrees = [t for t in model.valid_tp_degrees(max(n.num_gpus for n in cluster.nodes))
                if tp_degrees is None or t in tp_degrees]
@@ -70,49 +133,44 @@ def exhaustive_search(cluster: Cluster, model: ModelSpec, profile: Profile | Non
     best: Candidate | None = None
     evaluations = 0
     for tp_of_gpu in tp_maps:
-        pools = make_pools(cluster, tp_of_gpu)
-        if pools is None:
+        groups = _tp_groups(cluster, tp_of_gpu)
+        if not groups:
             continue
-        counts = [p.count for p in pools]
-        sequences = [seq for S in range(1, max_stages + 1)
-                     for seq in itertools.product(range(len(pools)), repeat=S)
-                     if all(seq.count(k) <= counts[k] for k in range(len(pools)))]
-        for recompute in modes:
-            splits: dict[int, list[PipelineOption]] = {}
-            for i, seq in enumerate(sequences):
-                coeffs = stage_coefficients(problem, pools, seq, recompute)
-                splits[i] = [] if coeffs is None else [
-                    PipelineOption(seq, layers, 0.0, 0.0, 0.0)
-                    for layers in _compositions(L, len(seq), [c.max_layers for c in coeffs])]
-            for chosen in _multisets(sequences, counts, 0, M):
-                for combo in itertools.product(*(splits[i] for i in chosen)):
+        seen: set = set()
+        for arrangement in _arrangements(len(groups), max_stages, M):
+            # Groups of one node are interchangeable: the nodes along each pipeline identify
+            # the plan up to rank numbering, which the cost model does not see.
+            key = tuple(sorted(tuple(groups[g][0].node for g in p) for p in arrangement))
+            if key in seen:
+                continue
+            seen.add(key)
+            if any(len(p) > L for p in arrangement):
+                continue
+            for recompute in modes:
+                for splits in itertools.product(*(_layer_splits(L, len(p)) for p in arrangement)):
                     evaluations += 1
                     if evaluations > max_evaluations:
                         raise ConfigError(cluster.name, "nodes", f"exhaustive search exceeds "
                                           f"{max_evaluations} plans", "a smaller cluster, fewer "
                                           "layers, fewer TP degrees or stages")
-                    cand = _evaluate(problem, pools, list(combo), recompute, tp_of_gpu)
-                    if cand and (best is None or cand.cost.iteration_time_s
-                                 < best.cost.iteration_time_s):
-                        best = cand
+                    # Stage periods from a costing with one micro-batch per pipeline.
+                    args = (global_batch_size, micro_batch_size, seq_length, recompute)
+                    probe = _plan(cluster, model, groups, arrangement, splits,
+                                  [1] * len(arrangement), *args)
+                    probe.global_batch_size = micro_batch_size * len(arrangement)
+                    cost = evaluate_plan(probe, cluster, profile, with_timeline=False)
+                    fills = [sum(s.time_s + s.p2p_s for s in p.stages) for p in cost.pipelines]
+                    periods = [max(s.time_s + s.p2p_s for s in p.stages) for p in cost.pipelines]
+                    counts = best_microbatch_split(fills, periods, M)
+                    plan = _plan(cluster, model, groups, arrangement, splits, counts, *args)
+                    cost = evaluate_plan(plan, cluster, profile, with_timeline=False)
+                    if not cost.fits_memory:
+                        continue
+                    if best is None or cost.iteration_time_s < best.cost.iteration_time_s:
+                        plan.validate()
+                        annotate_plan(plan, cost)
+                        best = Candidate(plan, cost, dict(tp_of_gpu), recompute)
     if best is None:
         raise ConfigError(cluster.name, "nodes", f"no plan for {model.name} fits in memory",
                           "more or larger GPUs, activation recompute, a smaller micro-batch")
     return best
-
-
-def _evaluate(problem: Problem, pools, options: list[PipelineOption], recompute: bool,
-              tp_of_gpu: dict[str, int]) -> Candidate | None:
-    # Pipeline times for the micro-batch split come from a first costing of the plan.
-    plan = build_plan(problem, pools, options, [1] * len(options), recompute)
-    plan.global_batch_size = problem.micro_batch_size * len(options)
-    cost = evaluate(problem, plan)
-    timed = [PipelineOption(o.pools, o.layers, sum(s.time_s + s.p2p_s for s in p.stages),
-                            max(s.time_s + s.p2p_s for s in p.stages), 0.0)
-             for o, p in zip(options, cost.pipelines)]
-    counts = assign_microbatches(timed, problem.num_microbatches)
-    plan = build_plan(problem, pools, options, counts, recompute)
-    cost = evaluate(problem, plan)
-    if not cost.fits_memory:
-        return None
-    return Candidate(plan, cost, dict(tp_of_gpu), recompute)

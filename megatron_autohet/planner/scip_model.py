@@ -1,148 +1,147 @@
-"""The SCIP model: how many pipelines of each shape, and the iteration time they reach.
+"""The SCIP model: how many pipelines of each shape, and the time they finish a global batch in.
 
 Given candidate pipeline options j (a stage sequence over TP-group pools with a layer split, see
-planner/space.py) the model chooses integer multiplicities ``x_j`` (identical pipelines share one
-variable, which removes their permutation symmetry) such that
+planner/space.py), an iteration of a plan made of ``x_j`` pipelines of each option takes
 
-    sum_j n_jk x_j  = G_k         for every pool k   (every TP group of the fleet is used once)
-    D_min <= sum_j x_j <= min(D_max, M)              (pipeline count; each gets a micro-batch)
+    T = max over pipelines of (fill_j + (m_p - 1) period_j)  +  sync(D)  +  optimizer
 
-and the pipelines finish the M micro-batches of a global batch as early as possible. A pipeline
-of option j that runs m micro-batches ends (with its gradient sync and optimizer estimate) at
-``fill_j + (m - 1) period_j + extra_j``, so by a time limit T it finishes at most
-``cap_j(T) = floor((T - fill_j - extra_j) / period_j) + 1`` micro-batches. Minimising T is a
-parametric problem: for fixed T, "max sum_j cap_j(T) x_j >= M ?" is an integer program, and its
-answer is monotone in T. :func:`solve_composition` bisects T, re-solving one SCIP model whose
-objective coefficients and bounds change between solves; SCIP stops at the first composition that
-reaches M (objective limit), so each feasibility solve is cheap. After every feasible solve the
-upper bound drops to the composition's own achieved time, which makes the bisection converge in a
-handful of solves.
+where D = sum_j x_j and the last two terms are maxima over the stages of the chosen options
+(cost_model.py). The search (planner/search.py) fixes the coupling terms outside this model: a
+range of D and a level E on sync + optimizer (options above the level are excluded). What is
+left is a parametric integer program in the pipeline makespan tau: a pipeline of option j
+finishes at most ``cap_j(tau) = floor((tau - fill_j) / period_j) + 1`` micro-batches by tau, so
+
+    exists x integer >= 0 with   sum_j n_jk x_j <= G_k      for every pool k (idle groups allowed)
+                                 D_lo <= sum_j x_j <= D_hi  (pipeline count; one micro-batch each)
+                                 sum_j cap_j(tau) x_j >= M  (the global batch is finished by tau)
+
+is monotone in tau, and :meth:`CompositionModel.min_makespan` finds the smallest tau by
+bisection, re-solving one SCIP model whose objective coefficients (``cap_j(tau)``, maximised) and
+variable bounds change between solves. SCIP stops at the first solution reaching M (objective
+limit), and after every feasible solve the upper end of the bracket drops to the composition's
+own exact makespan (greedy micro-batch split), so a handful of solves suffice. Identical
+pipelines share one variable, which removes their permutation symmetry; the number of GPUs only
+changes the right-hand sides G_k.
 """
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 
 from pyscipopt import SCIP_PARAMSETTING, Model, quicksum
 
-from megatron_autohet.planner.space import PipelineOption, assign_microbatches
+from megatron_autohet.planner.space import PipelineOption
 
-# Bisection stops when the bracket is this tight (relative): well inside the 2% optimality target.
-RELATIVE_TOLERANCE = 2e-3
+# Bisection stops when the bracket is this tight relative to the iteration time it is part of.
+RELATIVE_TOLERANCE = 1e-3
+# ... and this tight when only a lower bound is wanted.
+BOUND_TOLERANCE = 2e-2
+# One feasibility solve may take this long; a solve that finds no composition in time counts as
+# infeasible (the bisection then only stops higher than it could).
+SOLVE_TIME_LIMIT_S = 2.0
 
 
 @dataclass
 class Composition:
     multiplicities: list[int]      # x_j per option
-    surrogate_time_s: float        # max over pipelines of T_pipe + extra
-    solves: int                    # SCIP solves used
+    makespan_s: float              # longest pipeline under the best micro-batch split
 
 
-def composition_time_s(options: list[PipelineOption], multiplicities: list[int],
-                       total_microbatches: int) -> float:
-    pipelines = [o for o, x in zip(options, multiplicities) for _ in range(x)]
-    counts = assign_microbatches(pipelines, total_microbatches, include_extra=True)
-    return max(o.time_s(m) + o.extra_s for o, m in zip(pipelines, counts))
+def makespan_s(options: list[PipelineOption], multiplicities: list[int], total: int,
+               offsets: list[float] | None = None) -> float:
+    """Longest pipeline (plus its option's offset) under the best micro-batch split."""
+    offsets = offsets or [0.0] * len(options)
+    pipelines = [(o, d) for o, d, x in zip(options, offsets, multiplicities) for _ in range(x)]
+    counts = [1] * len(pipelines)
+    heap = [(o.time_s(2) + d, i) for i, (o, d) in enumerate(pipelines)]
+    heapq.heapify(heap)
+    for _ in range(total - len(pipelines)):
+        _, i = heapq.heappop(heap)
+        counts[i] += 1
+        o, d = pipelines[i]
+        heapq.heappush(heap, (o.time_s(counts[i] + 1) + d, i))
+    return max(o.time_s(m) + d for (o, d), m in zip(pipelines, counts))
 
 
 class CompositionModel:
-    """One SCIP model over the options, re-parameterised by the time limit T."""
+    """One SCIP model over the options and a pipeline-count range, re-parameterised by tau and
+    by which options are allowed."""
 
     def __init__(self, options: list[PipelineOption], pool_counts: list[int],
-                 total_microbatches: int, time_limit_s: float,
-                 pipelines: tuple[int, int | None] = (1, None)):
+                 total_microbatches: int, pipelines: tuple[int, int], time_limit_s: float):
         self.options = options
         self.total = total_microbatches
+        self.solves = 0
+        low, high = pipelines
         self.model = Model("autohet-composition")
         self.model.hideOutput()
-        self.model.setParam("limits/time", max(1.0, time_limit_s))
-        # The model is small and re-solved a dozen times: presolving and cutting planes cost
-        # more per solve than they save (measured: 30 ms -> 2-15 ms per solve for 500 options).
+        self.model.setParam("limits/time", min(SOLVE_TIME_LIMIT_S, max(0.1, time_limit_s)))
+        # Small model, re-solved many times: presolving and cutting planes cost more per solve
+        # than they save.
         self.model.setPresolve(SCIP_PARAMSETTING.OFF)
         self.model.setSeparating(SCIP_PARAMSETTING.OFF)
         self.model.setHeuristics(SCIP_PARAMSETTING.FAST)
         self.upper = []
-        for j, o in enumerate(options):
-            ub = total_microbatches
+        for o in options:
+            ub = min(high, total_microbatches)
             for k in set(o.pools):
                 ub = min(ub, pool_counts[k] // o.pools.count(k))
             self.upper.append(ub)
         self.x = [self.model.addVar(f"x{j}", vtype="I", lb=0, ub=self.upper[j])
                   for j in range(len(options))]
         for k, count in enumerate(pool_counts):
-            self.model.addCons(quicksum(o.pools.count(k) * self.x[j]
-                                        for j, o in enumerate(options) if k in o.pools) == count,
-                               name=f"pool{k}")
-        low, high = pipelines
-        high = total_microbatches if high is None else min(high, total_microbatches)
-        self.model.addCons(quicksum(self.x) <= high, name="pipelines_max")
-        self.model.addCons(quicksum(self.x) >= low, name="pipelines_min")
+            users = [(o.pools.count(k), self.x[j]) for j, o in enumerate(options) if k in o.pools]
+            if users:
+                self.model.addCons(quicksum(n * v for n, v in users) <= count, name=f"pool{k}")
+        self.model.addCons(quicksum(self.x) <= min(high, total_microbatches), name="pipes_max")
+        self.model.addCons(quicksum(self.x) >= low, name="pipes_min")
 
-    def solve(self, time_limit: float | None) -> list[int] | None:
-        """A composition reaching all micro-batches within ``time_limit`` (None: no time limit)."""
+    def feasible(self, allowed: list[bool], tau: float | None,
+                 offsets: list[float] | None = None) -> list[int] | None:
+        """A composition of allowed options finishing all micro-batches by ``tau`` (None: no
+        limit on tau; option j's pipelines must finish by ``tau - offsets[j]``), or None."""
         m = self.model
         m.freeTransform()
-        caps = [o.capacity(time_limit) if time_limit is not None else self.total
-                for o in self.options]
+        offsets = offsets or [0.0] * len(self.options)
+        caps = [min(self.total, o.capacity(tau - d)) if tau is not None else self.total
+                for o, d in zip(self.options, offsets)]
         for j, v in enumerate(self.x):
-            m.chgVarUb(v, self.upper[j] if caps[j] > 0 else 0)
-        m.setObjective(quicksum(min(c, self.total) * v for c, v in zip(caps, self.x)), "maximize")
+            m.chgVarUb(v, self.upper[j] if allowed[j] and caps[j] > 0 else 0)
+        m.setObjective(quicksum(c * v for c, v in zip(caps, self.x) if c > 0), "maximize")
         m.setObjlimit(self.total - 0.5)
         m.setParam("limits/solutions", 1)
+        self.solves += 1
         m.optimize()
         if m.getNSols() == 0:
             return None
         sol = m.getBestSol()
-        value = sum(min(c, self.total) * round(m.getSolVal(sol, v)) for c, v in zip(caps, self.x))
-        if value < self.total:
+        x = [int(round(m.getSolVal(sol, v))) for v in self.x]
+        if sum(c * n for c, n in zip(caps, x)) < self.total:
             return None
-        return [int(round(m.getSolVal(sol, v))) for v in self.x]
+        return x
 
-
-def fluid_lower_bound_s(options: list[PipelineOption], pool_counts: list[int],
-                        total_microbatches: int) -> float:
-    """A lower bound on the surrogate time of any composition of these options.
-
-    A pipeline of option j with S_j stages running m micro-batches takes at least m * period_j,
-    so within T it runs at most T / period_j; charged to its TP groups that is at most
-    ``r_k = max_j 1 / (S_j period_j)`` micro-batches per second per group of pool k, hence
-    ``M <= T * sum_k G_k r_k``.
-    """
-    if not options:
-        return float("inf")
-    rate = [0.0] * len(pool_counts)
-    for o in options:
-        per_group = 1.0 / (len(o.pools) * o.period_s)
-        for k in set(o.pools):
-            rate[k] = max(rate[k], per_group)
-    if any(g and r == 0.0 for g, r in zip(pool_counts, rate)):
-        return float("inf")       # some GPUs fit in no pipeline at all
-    throughput = sum(g * r for g, r in zip(pool_counts, rate))
-    return total_microbatches / throughput + min(o.extra_s for o in options)
-
-
-def solve_composition(options: list[PipelineOption], pool_counts: list[int],
-                      total_microbatches: int, time_limit_s: float = 30.0,
-                      pipelines: tuple[int, int | None] = (1, None)) -> Composition | None:
-    """The composition with the smallest surrogate time whose pipeline count lies in
-    ``pipelines`` (min, max or None); None when no composition covers the pools."""
-    if not options:
-        return None
-    cm = CompositionModel(options, pool_counts, total_microbatches, time_limit_s, pipelines)
-    best = cm.solve(None)
-    solves = 1
-    if best is None:
-        return None
-    hi = composition_time_s(options, best, total_microbatches)
-    lo = max(min(o.fill_s + o.extra_s for o in options),
-             fluid_lower_bound_s(options, pool_counts, total_microbatches))
-    while hi - lo > RELATIVE_TOLERANCE * hi:
-        mid = 0.5 * (lo + hi)
-        x = cm.solve(mid)
-        solves += 1
-        if x is None:
-            lo = mid
-        else:
-            best = x
-            hi = min(mid, composition_time_s(options, x, total_microbatches))
-    return Composition(best, composition_time_s(options, best, total_microbatches), solves)
+    def min_makespan(self, allowed: list[bool], lower_s: float, known: Composition | None,
+                     give_up_above_s: float, tolerance: float = RELATIVE_TOLERANCE,
+                     offsets: list[float] | None = None) -> tuple[Composition | None, float]:
+        """The composition of allowed options with the smallest makespan (within the relative
+        tolerance), starting from a known feasible one if any, and a proven lower bound on that
+        makespan. The composition is None when none exists or the makespan provably cannot be
+        below ``give_up_above_s``. With ``offsets`` option j's pipelines count as finishing
+        ``offsets[j]`` later."""
+        best = known
+        if best is None:
+            x = self.feasible(allowed, None)
+            if x is None:
+                return None, float("inf")
+            best = Composition(x, makespan_s(self.options, x, self.total, offsets))
+        lo, hi = lower_s, best.makespan_s
+        while hi - lo > tolerance * hi and lo < give_up_above_s:
+            mid = 0.5 * (lo + hi)
+            x = self.feasible(allowed, mid, offsets)
+            if x is None:
+                lo = mid
+            else:
+                best = Composition(x, makespan_s(self.options, x, self.total, offsets))
+                hi = min(mid, best.makespan_s)
+        return (best if best.makespan_s < give_up_above_s else None), lo

@@ -1,33 +1,43 @@
-"""make_plan: the decomposed search around the SCIP model.
+"""make_plan: a best-first branch and bound around the SCIP composition model.
 
-The search is split so that no step grows with the number of GPUs except through integers:
+The iteration time of a plan is ``max_p T_pipe(p) + sync(D) + optimizer`` (cost_model.py): the
+longest pipeline plus the gradient sync and optimizer step of the busiest stages, where the sync
+depends on the number of pipelines D. The search fixes everything that couples pipelines
+non-linearly in an outer enumeration, and leaves an exact integer program to SCIP:
 
-1. **TP degrees** (outer enumeration). Symmetric TP (the default, DESIGN.md): one degree t for
-   every TP group of the fleet, so every layer has the same TP degree in every replica and the
-   layer-wise gradient sync is a plain shard-wise all-reduce; t must divide every node's GPU
-   count (TP groups stay inside a node and every GPU is used). With ``allow_asymmetric_tp`` each
-   GPU type gets its own degree, found by coordinate descent from the best symmetric choice.
-2. **Activation recompute** (outer): off, and on only where memory limits a layer split
-   (recompute only adds time), unless the caller fixes it.
-3. **Pipeline shapes** (enumerated, independent of cluster size): stage sequences of at most
-   ``max_stages`` TP groups over at most three GPU types, each type in one contiguous run (the
-   orders of the runs are all tried). For each sequence, :func:`space.split_options` gives the
-   min-period layer split and a few looser ones; options with the same GPU-count vector are
-   Pareto-filtered on (fill, period, extra).
-4. **Composition** (SCIP, planner/scip_model.py): integer multiplicities of the options that use
-   every TP group exactly once and finish the global batch earliest.
-5. **Micro-batches and placement**: exact greedy micro-batch split, best-fit placement of stage
-   runs into nodes, and the full cost model on the resulting plan. The gradient-sync estimate
-   used in steps 3-4 assumes many replicas; it is refined once with the replica count found.
+1. **Configs**: a TP degree (symmetric TP, the default, DESIGN.md: one degree for every TP group,
+   so every layer has the same degree in every replica; nodes it does not divide stay idle; with
+   ``allow_asymmetric_tp`` one degree per GPU type, by coordinate descent from the best symmetric
+   choice) and the recompute mode (on only where memory limits a split, unless fixed).
+2. **Pipeline options** per config (independent of the cluster size): stage sequences of at most
+   ``max_stages`` TP groups: every order of GPU types for short pipelines (so the fast GPUs can
+   sit at both ends, which carry the embedding and the output layer, and share a node for the
+   tied-embedding sync), contiguous runs (plus that wrap-around) for longer ones; each with its
+   layer splits (all of them for small models, else min-period splits), and per GPU-count vector
+   only the options that are best for some pipeline count (space.py, :func:`_keep_best`).
+3. **Branches** (config, D range, level E): D in a bin of pipeline counts (exact for D <= 4,
+   bins of a few percent of sync error above), E a level on sync(D) + optimizer of the options
+   allowed (a geometric grid 1% apart). A branch's iteration time is at least
+   ``E + lower bound on the makespan`` (the larger of the shortest fill, the D-bin bound and the
+   fluid bound M / sum_k G_k r_k), and at most ``E + SCIP's makespan`` (scip_model.py).
+4. **Best first**: branches are solved in order of their lower bound, each a bisection of SCIP
+   feasibility solves, and the search stops when the next bound cannot beat the best plan by
+   more than the tolerance. Every branch's composition is turned into a plan (exact micro-batch
+   split, placement) and judged by the full cost model, which decides the incumbent.
+5. **Incumbents from the baselines**: the Megatron-LM, Whale-style and fastest-type-only plans
+   (planner/baselines.py) are points of this space (uniform grids, a subset of the GPUs); they
+   seed the incumbent, as a MIP start does, so the result is never slower than any of them and
+   their bound prunes branches from the start.
 
-Bounded work: the shape enumeration depends on the number of GPU types and ``max_stages``, the
-SCIP model has one integer per surviving option and one equality per GPU type, and the bisection
-takes a dozen solves; the number of GPUs only changes right-hand sides.
+Bounded work: options depend on the GPU types and ``max_stages``, the SCIP model has one
+integer per option and one row per GPU type, the bins grow logarithmically with the GPU count;
+the number of GPUs otherwise only changes right-hand sides.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import itertools
 import math
 import time
@@ -35,32 +45,37 @@ from dataclasses import dataclass
 
 from tqdm import tqdm
 
-from megatron_autohet.cost_model import PlanCost, stage_memory_bytes, GIB
+from megatron_autohet.cost_model import GIB, PlanCost, stage_memory_bytes
 from megatron_autohet.errors import ConfigError
 from megatron_autohet.plan import Plan
-from megatron_autohet.planner.scip_model import fluid_lower_bound_s, solve_composition
+from megatron_autohet.planner.scip_model import BOUND_TOLERANCE, Composition, CompositionModel
 from megatron_autohet.planner.space import (PipelineOption, Pool, Problem, assign_microbatches,
-                                            build_plan, check_batch, evaluate, make_pools,
-                                            StageCoefficients, layer_splits,
-                                            option_for_split, stage_coefficients)
+                                            build_plan, check_batch, evaluate, layer_splits, ring_factor,
+                                            make_pools, option_for_split, stage_coefficients)
 from megatron_autohet.profiling.estimate import estimate_profile
 from megatron_autohet.profiling.profile import Profile
 from megatron_autohet.spec.cluster import Cluster
 from megatron_autohet.spec.model import ModelSpec
 
-# Pipeline shapes mix at most this many GPU types (3-type fleets need every mix; more types
-# than that in one pipeline only add slow cross-type links).
+# Pipelines mix at most this many GPU types.
 MAX_TYPES_PER_PIPELINE = 3
+# Pipelines up to this many stages take every order of GPU types; longer ones contiguous runs.
+ALL_ORDERS_UP_TO = 4
 # Upper bound on the default number of stages per pipeline (deeper ones only when memory needs).
 MAX_STAGES_CAP = 16
-# The grad-sync estimate when the replica count is not fixed: 2 (D - 1) / D with D large.
-MANY_REPLICAS = 1024
-# Replica counts up to this get an exact sync factor (one SCIP solve each).
-EXACT_REPLICAS = 8
-# Thresholds on the sync + optimizer time tried for the best replica range.
-THRESHOLD_LEVELS = 6
-# ... only for replica ranges whose first plan is within this factor of the best so far.
-THRESHOLD_WITHIN = 1.1
+# Pipeline-count bins: exact below 5; above, the bin's smallest count prices the sync (its ring
+# factor 2 (D-1)/D is then at most ~4% below the bin's largest).
+PIPELINE_BINS = ((1, 1), (2, 2), (3, 3), (4, 4), (5, 6), (7, 9), (10, 16), (17, 32), (33, 64),
+                 (65, 128), (129, 256), (257, 512), (513, 1 << 30))
+# Sync + optimizer levels: a geometric grid this far apart (an option is charged the level at or
+# above its own value, so a branch overestimates that term by at most this fraction).
+LEVEL_RATIO = 1.01
+# Stop when no branch's lower bound is this much below the best plan.
+PRUNE_TOLERANCE = 1e-3
+# Pipeline counts for which each GPU-count vector keeps its best option.
+KEEP_FOR_COUNTS = (1, 2, 4, 8, 32, 1024)
+# Stacks of up to this many identical pipelines are tried with their stages sharing nodes.
+MAX_STACK = 4
 
 
 @dataclass
@@ -93,75 +108,39 @@ def default_max_stages(problem: Problem, pools: list[Pool]) -> int:
 
 
 def stage_sequences(pools: list[Pool], max_stages: int) -> list[tuple[int, ...]]:
-    """Every stage sequence: a count per pool (<= the pool's groups), contiguous runs in every
-    order of the pools used."""
-    out = []
-    K = len(pools)
+    """Short pipelines in every order of pools; longer ones as contiguous runs of at most
+    MAX_TYPES_PER_PIPELINE pools in every order, and the same with one stage of the first run
+    moved to the end (both ends on the fast GPUs)."""
+    K, counts = len(pools), [p.count for p in pools]
+    out: dict[tuple[int, ...], None] = {}
+    for S in range(1, min(ALL_ORDERS_UP_TO, max_stages) + 1):
+        for seq in itertools.product(range(K), repeat=S):
+            if len(set(seq)) <= MAX_TYPES_PER_PIPELINE and all(
+                    seq.count(k) <= counts[k] for k in set(seq)):
+                out[seq] = None
     for used in range(1, min(K, MAX_TYPES_PER_PIPELINE) + 1):
         for subset in itertools.combinations(range(K), used):
-            ranges = [range(1, min(pools[k].count, max_stages) + 1) for k in subset]
-            for counts in itertools.product(*ranges):
-                if sum(counts) > max_stages:
+            ranges = [range(1, min(counts[k], max_stages) + 1) for k in subset]
+            for n in itertools.product(*ranges):
+                if not ALL_ORDERS_UP_TO < sum(n) <= max_stages:
                     continue
                 for order in itertools.permutations(range(used)):
-                    out.append(tuple(subset[i] for i in order for _ in range(counts[i])))
-    return out
+                    seq = tuple(subset[i] for i in order for _ in range(n[i]))
+                    out[seq] = None
+                    if used > 1 and n[order[0]] > 1:
+                        out[seq[1:] + seq[:1]] = None
+    return list(out)
 
 
-# Options kept per GPU-count vector after the Pareto filter: the extremes of each criterion and
-# the best balance (more only slow the SCIP solves down; measured no better plans).
-OPTIONS_PER_SHAPE = 4
-
-
-def _pareto(options: list[PipelineOption]) -> list[PipelineOption]:
-    options = sorted(options, key=lambda o: (o.period_s, o.fill_s, o.extra_s))
-    kept: list[PipelineOption] = []
-    for o in options:
-        if not any(k.period_s <= o.period_s and k.fill_s <= o.fill_s and k.extra_s <= o.extra_s
-                   for k in kept):
-            kept.append(o)
-    if len(kept) <= OPTIONS_PER_SHAPE:
-        return kept
-    picks = [min(kept, key=lambda o: o.period_s), min(kept, key=lambda o: o.fill_s),
-             min(kept, key=lambda o: o.extra_s),
-             min(kept, key=lambda o: o.period_s + o.extra_s)]
-    return list({id(o): o for o in picks}.values())
-
-
-@dataclass(frozen=True)
-class Split:
-    sequence: tuple[int, ...]
-    coeffs: tuple[StageCoefficients, ...]
-    layers: tuple[int, ...]
-
-
-def candidate_splits(problem: Problem, pools: list[Pool], recompute: bool,
-                     max_stages: int) -> tuple[list[Split], bool]:
-    """Every stage sequence with its layer splits, and whether memory limited any split."""
-    splits: list[Split] = []
-    memory_bound = False
-    L = problem.model.num_layers
-    for seq in stage_sequences(pools, max_stages):
-        coeffs = stage_coefficients(problem, pools, seq, recompute)
-        if coeffs is None:
-            memory_bound = True
-            continue
-        if any(c.max_layers < L for c in coeffs):
-            memory_bound = True
-        splits += [Split(seq, tuple(coeffs), layers) for layers in layer_splits(problem, coeffs)]
-    return splits, memory_bound
-
-
-def pipeline_options(problem: Problem, pools: list[Pool], splits: list[Split],
-                     holders: int) -> list[PipelineOption]:
-    """Options for SCIP: the splits costed with a sync estimate for ``holders`` replicas,
-    Pareto-filtered per GPU-count vector."""
-    by_counts: dict[tuple[int, ...], list[PipelineOption]] = {}
-    for sp in splits:
-        counts = tuple(sp.sequence.count(k) for k in range(len(pools)))
-        by_counts.setdefault(counts, []).append(
-            option_for_split(problem, sp.sequence, list(sp.coeffs), sp.layers, holders))
-    return [o for group in by_counts.values() for o in _pareto(group)]
+def _keep_best(options: list[PipelineOption], total: int) -> list[PipelineOption]:
+    """Of the options with one GPU-count vector, those that are best for a pipeline running its
+    share of the batch for some pipeline count (KEEP_FOR_COUNTS), or best in period alone."""
+    keep = {id(min(options, key=lambda o: (o.period_s, o.fill_s))): None}
+    for d in KEEP_FOR_COUNTS:
+        share = math.ceil(total / d)
+        for m in {max(1, share // 2), share, 2 * share}:   # pipelines get uneven shares
+            keep[id(min(options, key=lambda o: o.time_s(m) + o.extra_s(d)))] = None
+    return [o for o in options if id(o) in keep]
 
 
 @dataclass
@@ -170,77 +149,191 @@ class Config:
 
     pools: list[Pool]
     recompute: bool
-    splits: list[Split]
     options: list[PipelineOption]
     memory_bound: bool
-    lower_bound_s: float
+    extras: dict[int, list[float]] = dataclasses.field(default_factory=dict)
+
+    def extras_at(self, pipelines: int) -> list[float]:
+        """Each option's sync + optimizer level (grid value) with this many pipelines."""
+        if pipelines not in self.extras:
+            self.extras[pipelines] = [_level(o.extra_s(pipelines)) for o in self.options]
+        return self.extras[pipelines]
+
+    @property
+    def key(self) -> tuple:
+        return tuple((p.gpu, p.tp) for p in self.pools), self.recompute
 
 
 def make_config(problem: Problem, tp_of_gpu: dict[str, int], recompute: bool,
                 max_stages: int | None) -> Config | None:
     pools = make_pools(problem.cluster, tp_of_gpu)
-    if pools is None:
+    if not pools:
         return None
     stages = max_stages or default_max_stages(problem, pools)
-    splits, bound = candidate_splits(problem, pools, recompute, stages)
-    options = pipeline_options(problem, pools, splits, MANY_REPLICAS)
-    return Config(pools, recompute, splits, options, bound,
-                  fluid_lower_bound_s(options, [p.count for p in pools], problem.num_microbatches))
+    L = problem.model.num_layers
+    by_counts: dict[tuple[int, ...], list[PipelineOption]] = {}
+    memory_bound = False
+    for seq in stage_sequences(pools, min(stages, L)):
+        coeffs = stage_coefficients(problem, pools, seq, recompute)
+        if coeffs is None:
+            memory_bound = True
+            continue
+        memory_bound |= any(c.max_layers < L for c in coeffs)
+        counts = tuple(seq.count(k) for k in range(len(pools)))
+        by_counts.setdefault(counts, []).extend(
+            option_for_split(seq, coeffs, layers)
+            for layers in layer_splits(problem, coeffs))
+    options = [o for group in by_counts.values() if group
+               for o in _keep_best(group, problem.num_microbatches)]
+    return Config(pools, recompute, options, memory_bound) if options else None
 
 
-def solve_config(problem: Problem, config: Config, time_limit_s: float) -> Candidate | None:
-    """Compose, split micro-batches, place and cost.
+@dataclass(order=True)
+class Branch:
+    lower_bound_s: float
+    level_s: float
+    config_index: int
+    bin_index: int
 
-    Two refinements of the surrogate (each pipeline's time plus its own sync/optimizer estimate):
 
-    * the gradient sync of D replicas costs 2 (D-1)/D of a full all-reduce, far from its limit 2
-      when D is small, so each small D gets its own solve with the exact factor and the
-      constraint sum_j x_j = D; one more covers D > EXACT_REPLICAS with the factor of
-      EXACT_REPLICAS + 1;
-    * the real iteration adds the *largest* sync/optimizer time to the *longest* pipeline, so for
-      each replica range a few thresholds e on that extra time are solved exactly: only
-      options with extra <= e, each charged e (THRESHOLD_LEVELS levels below the first's).
-    """
-    best: Candidate | None = None
-    groups = sum(p.count for p in config.pools)
-    fewest = max(1, math.ceil(groups / max(len(o.pools) for o in config.options))) \
-        if config.options else 1
-    rounds = [(d, (d, d)) for d in range(fewest, EXACT_REPLICAS + 1)]
-    rounds.append((EXACT_REPLICAS + 1, (max(fewest, EXACT_REPLICAS + 1), None)))
+def _branches(problem: Problem, config: Config, index: int) -> list[Branch]:
+    """Every (pipeline-count bin, sync + optimizer level) of a config with its lower bound."""
+    M = problem.num_microbatches
+    counts = [p.count for p in config.pools]
+    groups = sum(counts)
+    out = []
+    for b, (lo, hi) in enumerate(PIPELINE_BINS):
+        if lo > min(M, groups):
+            break
+        hi = min(hi, M, groups)
+        # Options sorted by their sync + optimizer at the bin's smallest count; sweep the levels
+        # upwards keeping the fluid rate per pool and the shortest fill of the allowed options.
+        extras = sorted((e, j) for j, e in enumerate(config.extras_at(lo)))
+        rate = [0.0] * len(counts)
+        fill = period = math.inf
+        i = 0
+        while i < len(extras):
+            level = extras[i][0]
+            while i < len(extras) and extras[i][0] == level:
+                o = config.options[extras[i][1]]
+                for k in set(o.pools):
+                    rate[k] = max(rate[k], 1.0 / (len(o.pools) * o.period_s))
+                fill, period = min(fill, o.fill_s), min(period, o.period_s)
+                i += 1
+            throughput = sum(g * r for g, r in zip(counts, rate))
+            bound = max(fill + (math.ceil(M / hi) - 1) * period, M / throughput)
+            out.append(Branch(level + bound, level, index, b))
+    return out
 
-    def attempt(options: list[PipelineOption], count_range) -> Candidate | None:
-        nonlocal best
-        comp = solve_composition(options, [p.count for p in config.pools],
-                                 problem.num_microbatches, time_limit_s, count_range)
-        if comp is None:
-            return None
-        pipelines = [o for o, x in zip(options, comp.multiplicities) for _ in range(x)]
+
+def _level(value: float) -> float:
+    """The grid point at or above ``value`` (LEVEL_RATIO apart)."""
+    if value <= 0:
+        return 0.0
+    return LEVEL_RATIO ** math.ceil(math.log(value) / math.log(LEVEL_RATIO) - 1e-9)
+
+
+class BranchAndBound:
+    """Best-first search over the branches of several configs (module doc, steps 3-4)."""
+
+    def __init__(self, problem: Problem, deadline: float):
+        self.problem = problem
+        self.deadline = deadline
+        self.best: Candidate | None = None
+        self.solved: set = set()
+        self.solves = 0
+
+    def offer(self, cand: Candidate | None) -> None:
+        if cand is not None and cand.cost.fits_memory and (
+                self.best is None or cand.cost.iteration_time_s < self.best.cost.iteration_time_s):
+            self.best = cand
+
+    def run(self, configs: list[Config], bar) -> None:
+        configs = [c for c in configs if c.key not in self.solved]
+        self.solved.update(c.key for c in configs)
+        for config in configs:
+            self._stacks(config)
+        heap = [br for i, c in enumerate(configs) for br in _branches(self.problem, c, i)]
+        heapq.heapify(heap)
+        models: dict[tuple[int, int], CompositionModel] = {}
+        known: dict[tuple[int, int], list[tuple[float, Composition]]] = {}
+        # The relaxation that charges each pipeline only its own option's sync + optimizer
+        # (instead of the maximum over all pipelines) bounds every level of its (config, bin)
+        # from below, and its composition is usually close to the best: it is solved first.
+        floor: dict[tuple[int, int], float] = {}
+        while heap and time.monotonic() < self.deadline:
+            br = heapq.heappop(heap)
+            best_s = self.best.cost.iteration_time_s if self.best else math.inf
+            if br.lower_bound_s >= best_s * (1 - PRUNE_TOLERANCE):
+                break
+            bar.update()
+            config = configs[br.config_index]
+            lo = PIPELINE_BINS[br.bin_index][0]
+            key = (br.config_index, br.bin_index)
+            model = models.get(key) or self._model(config, br.bin_index)
+            models[key] = model
+            if key not in floor:
+                offsets = config.extras_at(lo)
+                comp, floor[key] = model.min_makespan(
+                    [True] * len(config.options), br.lower_bound_s - br.level_s + min(offsets),
+                    None, best_s, BOUND_TOLERANCE, offsets)
+                if comp is not None:
+                    self.offer(self._candidate(config, comp))
+            if floor[key] > br.lower_bound_s * (1 + PRUNE_TOLERANCE):
+                heapq.heappush(heap, Branch(floor[key], br.level_s, br.config_index,
+                                            br.bin_index))
+                continue
+            allowed = [e <= br.level_s for e in config.extras_at(lo)]
+            # A composition feasible at a lower level stays feasible here.
+            start = min((c for level, c in known.get(key, []) if level <= br.level_s),
+                        key=lambda c: c.makespan_s, default=None)
+            comp, _ = model.min_makespan(allowed, max(br.lower_bound_s - br.level_s, floor[key]),
+                                         start, best_s - br.level_s)
+            if comp is None:
+                continue
+            known.setdefault(key, []).append((br.level_s, comp))
+            if comp is not start:
+                self.offer(self._candidate(config, comp))
+        self.solves += sum(m.solves for m in models.values())
+
+    def _stacks(self, config: Config) -> None:
+        """Plans of D <= MAX_STACK identical pipelines whose stage s all sit on one node, so
+        every layer's gradients sync inside a node (the SCIP branches price the sync over the
+        NIC). Closed form: the best option per D by its makespan plus an intra-node sync
+        estimate; the exact plan is judged by the cost model like every other candidate."""
+        M = self.problem.num_microbatches
+        for d in range(2, MAX_STACK + 1):
+            stackable = [o for o in config.options
+                         if all(d * o.pools.count(k) <= config.pools[k].count
+                                and d <= config.pools[k].groups_per_node for k in set(o.pools))]
+            if not stackable or d > M:
+                continue
+            nic = self.problem.sync_bandwidth_gbs
+            intra = min(p.intra_gbs for p in config.pools)
+
+            def estimate(o: PipelineOption) -> float:
+                shared = ring_factor(d) * max(a for a in o.sync_shared_s) * nic / intra
+                return o.time_s(math.ceil(M / d)) + shared + o.optimizer_s
+
+            best = min(stackable, key=estimate)
+            self.offer(self._candidate(config, Composition(
+                [d if o is best else 0 for o in config.options], 0.0)))
+
+    def _model(self, config: Config, bin_index: int) -> CompositionModel:
+        lo, hi = PIPELINE_BINS[bin_index]
+        groups = sum(p.count for p in config.pools)
+        M = self.problem.num_microbatches
+        return CompositionModel(config.options, [p.count for p in config.pools], M,
+                                (lo, min(hi, M, groups)),
+                                max(0.1, self.deadline - time.monotonic()))
+
+    def _candidate(self, config: Config, comp: Composition) -> Candidate:
+        problem = self.problem
+        pipelines = [o for o, x in zip(config.options, comp.multiplicities) for _ in range(x)]
         counts = assign_microbatches(pipelines, problem.num_microbatches)
         plan = build_plan(problem, config.pools, pipelines, counts, config.recompute)
         cost = evaluate(problem, plan)
-        if not cost.fits_memory:
-            return None
-        cand = Candidate(plan, cost, {p.gpu: p.tp for p in config.pools}, config.recompute)
-        if best is None or cost.iteration_time_s < best.cost.iteration_time_s:
-            best = cand
-        return cand
-
-    for holders, count_range in rounds:
-        if count_range[0] > problem.num_microbatches:
-            break
-        options = pipeline_options(problem, config.pools, config.splits, holders)
-        found = attempt(options, count_range)
-        if found is None or found.cost.iteration_time_s > THRESHOLD_WITHIN * best.cost.iteration_time_s:
-            continue
-        top = found.cost.grad_sync_s + found.cost.optimizer_s
-        levels = sorted({o.extra_s for o in options if o.extra_s < top}, reverse=True)
-        if len(levels) > THRESHOLD_LEVELS:
-            step = len(levels) / THRESHOLD_LEVELS
-            levels = [levels[int(i * step)] for i in range(THRESHOLD_LEVELS)]
-        for level in levels:
-            capped = [dataclasses.replace(o, extra_s=level) for o in options if o.extra_s <= level]
-            attempt(capped, count_range)
-    return best
+        return Candidate(plan, cost, {p.gpu: p.tp for p in config.pools}, config.recompute)
 
 
 def make_plan(cluster: Cluster, model: ModelSpec, profile: Profile | None,
@@ -267,18 +360,24 @@ def search(cluster: Cluster, model: ModelSpec, profile: Profile | None, global_b
            time_limit_s: float = 60.0, progress: bool = True, tp_degrees: list[int] | None = None,
            max_stages: int | None = None) -> Candidate:
     """make_plan, returning the plan with its cost and the TP/recompute choice."""
+    from megatron_autohet.planner.baselines import all_baselines
+
     seq_length = seq_length or model.seq_length
     profile = resolve_profile(cluster, model, profile, micro_batch_size, seq_length)
     problem = Problem(cluster, model, profile, global_batch_size, micro_batch_size, seq_length)
     check_batch(problem)
-    gpus = sorted({n.gpu for n in cluster.nodes}, key=lambda g: [n.gpu for n in cluster.nodes].index(g))
+    gpus = list(dict.fromkeys(n.gpu for n in cluster.nodes))
     max_node = max(n.num_gpus for n in cluster.nodes)
     degrees = [t for t in model.valid_tp_degrees(max_node)
                if tp_degrees is None or t in tp_degrees]
     recompute_modes = [False, True] if activation_recompute is None else [activation_recompute]
-    deadline = time.monotonic() + time_limit_s
-    best: Candidate | None = None
-    solved: dict[tuple, Candidate | None] = {}
+    search_bb = BranchAndBound(problem, time.monotonic() + time_limit_s)
+    for baseline in all_baselines(problem, recompute_modes, tp_degrees=degrees,
+                                  max_stages=max_stages):
+        if baseline.plan is not None:
+            plan = baseline.plan
+            tp = {plan.ranks[s.ranks[0]].gpu: s.tp for p in plan.pipelines for s in p.stages}
+            search_bb.offer(Candidate(plan, baseline.cost, tp, plan.activation_recompute))
 
     def configs_for(tp_of_gpu: dict[str, int]) -> list[Config]:
         out = []
@@ -291,43 +390,31 @@ def search(cluster: Cluster, model: ModelSpec, profile: Profile | None, global_b
                 break   # recompute only adds time when memory never limited a split
         return out
 
-    def solve_all(configs: list[Config], bar) -> None:
-        """Solve in order of lower bound; stop where the bound cannot beat the best plan."""
-        nonlocal best
-        for config in sorted(configs, key=lambda c: c.lower_bound_s):
-            bar.update()
-            key = (tuple((p.gpu, p.tp) for p in config.pools), config.recompute)
-            if key in solved or time.monotonic() > deadline:
-                continue
-            if best is not None and config.lower_bound_s >= best.cost.iteration_time_s:
-                solved[key] = None
-                continue
-            cand = solve_config(problem, config, max(1.0, deadline - time.monotonic()))
-            solved[key] = cand
-            if cand and (best is None or cand.cost.iteration_time_s < best.cost.iteration_time_s):
-                best = cand
-
-    with tqdm(desc="planning", unit="config", disable=not progress, delay=0.5,
+    with tqdm(desc="planning", unit="branch", disable=not progress, delay=0.5,
               leave=False) as bar:
-        solve_all([c for t in degrees for c in configs_for({g: t for g in gpus})], bar)
+        search_bb.run([c for t in degrees for c in configs_for({g: t for g in gpus})], bar)
         if allow_asymmetric_tp:
-            per_gpu = {g: [t for t in model.valid_tp_degrees(max_node)
-                           if (tp_degrees is None or t in tp_degrees)
-                           and all(n.num_gpus % t == 0 for n in cluster.nodes if n.gpu == g)]
+            per_gpu = {g: [t for t in degrees
+                           if any(n.num_gpus % t == 0 for n in cluster.nodes if n.gpu == g)]
                        for g in gpus}
+            best = search_bb.best
             current = dict(best.tp_of_gpu) if best else {g: per_gpu[g][0] for g in gpus}
+            for g in gpus:
+                current.setdefault(g, per_gpu[g][0])
             improved = True
-            while improved and time.monotonic() < deadline:
-                improved, before = False, best
+            while improved and time.monotonic() < search_bb.deadline:
+                improved = False
                 for g in gpus:
+                    before = search_bb.best
                     trials = [dict(current, **{g: t}) for t in per_gpu[g] if t != current[g]]
-                    solve_all([c for trial in trials for c in configs_for(trial)], bar)
-                    if best is not before and best is not None:
-                        current, improved, before = dict(best.tp_of_gpu), True, best
-    if best is None:
+                    search_bb.run([c for trial in trials for c in configs_for(trial)], bar)
+                    if search_bb.best is not before and search_bb.best is not None:
+                        current.update(search_bb.best.tp_of_gpu)
+                        improved = True
+    if search_bb.best is None:
         raise ConfigError(cluster.name, "nodes", f"no plan for {model.name} fits in memory with "
                           f"global batch {global_batch_size} and micro-batch {micro_batch_size} "
                           f"(TP degrees tried: {degrees}, recompute: {recompute_modes})",
                           "more or larger GPUs, activation recompute, a smaller micro-batch or "
                           "sequence length, or a global batch with a micro-batch per pipeline")
-    return best
+    return search_bb.best

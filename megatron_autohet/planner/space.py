@@ -1,27 +1,29 @@
-"""The plan space and its building blocks, shared by the SCIP planner, the baselines and the
-exhaustive search.
+"""The planner's plan space and its building blocks (shared by the SCIP search and the baselines).
 
 * A :class:`Pool` is the set of TP groups of one GPU type at one TP degree: a node of ``n`` GPUs
-  gives ``n / tp`` groups of consecutive local ranks (TP groups never leave a node and never mix
-  GPU types).
-* A pipeline is a sequence of pools (one TP group per stage) with a layer count per stage; its
+  gives ``n // tp`` groups of consecutive local ranks (TP groups never leave a node and never mix
+  GPU types). A node whose GPU count the degree does not divide contributes no group: under that
+  degree it stays idle. Any TP group may stay idle: a plan lists only the GPUs it uses (ranks
+  0..W-1), so leaving slow GPUs out is a point of the space, not a special case.
+* A pipeline is a sequence of pools (one TP group per stage) with a layer count per stage. Its
   :class:`PipelineOption` carries what the cost model says about it independent of the
-  micro-batch count: ``fill_s`` = sum of stage periods and ``period_s`` = max stage period (so
-  ``T_pipe(m) = fill_s + (m - 1) * period_s``, cost_model.pipeline_time_s) and ``extra_s``, the
-  gradient sync + optimizer time of its busiest stage.
-* :func:`place_pipelines` maps pipelines to concrete ranks (best-fit of same-type stage runs
-  into nodes, so consecutive stages of one type share a node whenever they can), and
-  :func:`build_plan` turns that into a :class:`Plan` evaluated by the cost model.
-
-Stage periods use the links the placement will give: consecutive stages of one type share a node
-unless the run is longer than a node holds, different types always cross nodes (a node has one
-GPU type).
+  micro-batch count: ``fill_s`` = sum of stage periods and ``period_s`` = max stage period, so
+  ``T_pipe(m) = fill_s + (m - 1) * period_s`` (cost_model.pipeline_time_s), and the per-stage
+  parameter volumes from which :meth:`PipelineOption.extra_s` gives its gradient sync + optimizer
+  time for a given number of pipelines D (the cost model's layer-wise ring all-reduce, which
+  costs 2 (D - 1) / D of the gradients; with D = 1 only the tied embedding is synced, between the
+  first and the last stage).
+* :func:`place_pipelines` maps pipelines to concrete TP groups: runs of consecutive stages of one
+  pool go best-fit into nodes, and a pipeline that starts and ends on the same pool has its first
+  and last run placed together (so its tied-embedding sync stays inside a node), which is what
+  the option's link estimates assume. :func:`build_plan` turns that into a :class:`Plan`.
 """
 
 from __future__ import annotations
 
 import functools
 import heapq
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -30,6 +32,7 @@ from megatron_autohet.cost_model import (GIB, PlanCost, annotate_plan, evaluate_
                                          stage_compute_s, stage_memory_bytes, stage_param_count)
 from megatron_autohet.errors import ConfigError
 from megatron_autohet.plan import Pipeline, Plan, RankInfo, Stage
+from megatron_autohet.profiling.estimate import padded_vocab_size
 from megatron_autohet.profiling.profile import Profile, ProfileEntry
 from megatron_autohet.spec.cluster import Cluster
 from megatron_autohet.spec.model import ModelSpec
@@ -84,18 +87,22 @@ def check_batch(problem: Problem) -> None:
                           "a multiple of the micro-batch size")
 
 
-def make_pools(cluster: Cluster, tp_of_gpu: dict[str, int]) -> list[Pool] | None:
-    """Pools for a TP degree per GPU type; None when a degree does not divide some node."""
+def make_pools(cluster: Cluster, tp_of_gpu: dict[str, int]) -> list[Pool]:
+    """One pool per GPU type with at least one node its TP degree divides (others stay idle)."""
     pools = []
     for gpu, tp in tp_of_gpu.items():
-        nodes = [n for n in cluster.nodes if n.gpu == gpu]
-        if any(n.num_gpus % tp for n in nodes):
-            return None
-        pools.append(Pool(gpu, tp, sum(n.num_gpus // tp for n in nodes),
-                          min(n.num_gpus // tp for n in nodes),
-                          min(n.inter_node_bandwidth_gbs for n in nodes),
-                          min(n.intra_node_bandwidth_gbs for n in nodes)))
+        nodes = [n for n in cluster.nodes if n.gpu == gpu and n.num_gpus % tp == 0]
+        if nodes:
+            pools.append(Pool(gpu, tp, sum(n.num_gpus // tp for n in nodes),
+                              min(n.num_gpus // tp for n in nodes),
+                              min(n.inter_node_bandwidth_gbs for n in nodes),
+                              min(n.intra_node_bandwidth_gbs for n in nodes)))
     return pools
+
+
+def ring_factor(holders: int) -> float:
+    """Fraction 2 (n - 1) / n of the bytes each member sends in a ring all-reduce of n members."""
+    return 2.0 * (holders - 1) / holders if holders > 1 else 0.0
 
 
 @dataclass(frozen=True)
@@ -104,17 +111,37 @@ class PipelineOption:
     layers: tuple[int, ...]     # layers of each stage
     fill_s: float               # sum of stage periods (t_s + c_s)
     period_s: float             # max stage period
-    extra_s: float              # gradient sync + optimizer of the busiest stage (estimate)
+    # Per stage, all-reduce seconds at ring factor 1: gradients synced among the D pipelines'
+    # holders over the sync link (layers, position embedding, untied embedding/output, final
+    # norm), the tied word embedding over the sync link and over the pipeline's own end-to-end
+    # link (intra-node when its ends share a node; used when D = 1).
+    sync_shared_s: tuple[float, ...]
+    sync_tied_s: tuple[float, ...]
+    sync_tied_own_s: tuple[float, ...]
+    optimizer_s: float          # the slowest stage's optimizer step
 
     def time_s(self, num_microbatches: int) -> float:
         return self.fill_s + (num_microbatches - 1) * self.period_s
 
     def capacity(self, time_limit_s: float) -> int:
-        """Most micro-batches this pipeline finishes (with its sync) within ``time_limit_s``."""
-        slack = time_limit_s - self.fill_s - self.extra_s
-        if slack < 0:
+        """Most micro-batches this pipeline finishes within ``time_limit_s`` (0: not even one)."""
+        slack = time_limit_s - self.fill_s
+        if slack < -1e-12:
             return 0
         return int(math.floor(slack / self.period_s + 1e-9)) + 1
+
+    def sync_s(self, pipelines: int) -> float:
+        """Gradient sync of the busiest stage when the plan has ``pipelines`` pipelines, as
+        cost_model.evaluate_plan charges it (all pipelines hold every layer once; the tied word
+        embedding has a first and a last holder in every pipeline of 2+ stages)."""
+        shared = ring_factor(pipelines)
+        tied = ring_factor(pipelines * (2 if len(self.layers) > 1 else 1))
+        own = self.sync_tied_own_s if pipelines == 1 else self.sync_tied_s
+        return max(shared * a + tied * t for a, t in zip(self.sync_shared_s, own))
+
+    def extra_s(self, pipelines: int) -> float:
+        """Gradient sync + optimizer step of this pipeline's busiest stages."""
+        return self.sync_s(pipelines) + self.optimizer_s
 
 
 @dataclass(frozen=True)
@@ -128,89 +155,151 @@ class StageCoefficients:
     memory_bandwidth_gbs: float
     first: bool
     last: bool
+    # All-reduce seconds at ring factor 1 (see PipelineOption): per layer and fixed parts.
+    sync_per_layer_s: float
+    sync_fixed_s: float
+    sync_tied_s: float
+    sync_tied_own_s: float
+    optimizer_fixed_s: float
+    optimizer_per_layer_s: float
+
+
+def colocated_ends(pools: list[Pool], sequence: tuple[int, ...]) -> bool:
+    """Whether placement puts the first and the last stage on one node (same pool, and the
+    first and last runs together fit in a node)."""
+    S = len(sequence)
+    if S < 2 or sequence[0] != sequence[-1]:
+        return False
+    k = sequence[0]
+    if all(x == k for x in sequence):
+        return S <= pools[k].groups_per_node
+    head = next(i for i, x in enumerate(sequence) if x != k)
+    tail = next(i for i, x in enumerate(reversed(sequence)) if x != k)
+    return head + tail <= pools[k].groups_per_node
 
 
 def stage_coefficients(problem: Problem, pools: list[Pool], sequence: tuple[int, ...],
                        recompute: bool) -> list[StageCoefficients] | None:
     """Per-stage linear coefficients; None if some stage cannot hold even one layer."""
     S = len(sequence)
-    model, mbs, seq = problem.model, problem.micro_batch_size, problem.seq_length
     out = []
     run_pos = 0
+    ends_together = colocated_ends(pools, sequence)
     for s, k in enumerate(sequence):
         pool = pools[k]
-        entry = problem.entry(pool)
         first, last = s == 0, s == S - 1
         run_pos = run_pos + 1 if s > 0 and sequence[s - 1] == k else 0
-        comm = 0.0
+        link = None
         if not last:
             nxt = sequence[s + 1]
             if nxt == k and (run_pos + 1) % pool.groups_per_node != 0:
-                bw = pool.intra_gbs
+                link = pool.intra_gbs
             else:
-                bw = min(pool.nic_gbs, pools[nxt].nic_gbs)
-            comm = p2p_s(model, mbs, seq, bw)
-        f1, b1 = stage_compute_s(entry, 1, first, last, recompute)
-        f2, b2 = stage_compute_s(entry, 2, first, last, recompute)
-        per_layer = (f2 + b2) - (f1 + b1)
-        in_flight = S - s
-        m1 = stage_memory_bytes(entry, model, 1, first, last, recompute, in_flight)
-        m2 = stage_memory_bytes(entry, model, 2, first, last, recompute, in_flight)
-        gpu = problem.cluster.gpu_types[pool.gpu]
-        limit = gpu.memory_gib * GIB
-        if m1 > limit:
+                link = min(pool.nic_gbs, pools[nxt].nic_gbs)
+        tied_bw = (pool.intra_gbs if ends_together
+                   else min(pool.nic_gbs, pools[sequence[-1 if first else 0]].nic_gbs))
+        coeff = _stage_coefficients(problem, pool, first, last, recompute, S - s, link, tied_bw)
+        if coeff is None:
             return None
-        max_layers = int((limit - m1) // (m2 - m1)) + 1 if m2 > m1 else problem.model.num_layers
-        out.append(StageCoefficients(f1 + b1 - per_layer + comm, per_layer, max_layers, entry,
-                                     gpu.memory_bandwidth_gbs, first, last))
+        out.append(coeff)
     return out
 
 
-def stage_extra_s(problem: Problem, coeff: StageCoefficients, num_layers: int,
-                  sync_factor_holders: int) -> float:
-    """Estimated gradient sync + optimizer time of a stage (cost_model formulas, slowest link)."""
-    params = stage_param_count(coeff.entry, problem.model, num_layers, coeff.first, coeff.last)
-    sync = grad_allreduce_s(params, sync_factor_holders, problem.sync_bandwidth_gbs)
-    return sync + optimizer_step_s(params, coeff.memory_bandwidth_gbs)
+@functools.lru_cache(maxsize=65536)
+def _stage_coefficients(problem: Problem, pool: Pool, first: bool, last: bool, recompute: bool,
+                        in_flight: int, link_gbs: float | None,
+                        tied_bw: float) -> StageCoefficients | None:
+    """One stage's coefficients (memoised: sequences share most of their stages)."""
+    model, mbs, seq = problem.model, problem.micro_batch_size, problem.seq_length
+    entry = problem.entry(pool)
+    comm = 0.0 if link_gbs is None else p2p_s(model, mbs, seq, link_gbs)
+    f1, b1 = stage_compute_s(entry, 1, first, last, recompute)
+    f2, b2 = stage_compute_s(entry, 2, first, last, recompute)
+    per_layer = (f2 + b2) - (f1 + b1)
+    m1 = stage_memory_bytes(entry, model, 1, first, last, recompute, in_flight)
+    m2 = stage_memory_bytes(entry, model, 2, first, last, recompute, in_flight)
+    gpu = problem.cluster.gpu_types[pool.gpu]
+    limit = gpu.memory_gib * GIB
+    if m1 > limit:
+        return None
+    max_layers = int((limit - m1) // (m2 - m1)) + 1 if m2 > m1 else model.num_layers
+    sync = _sync_terms(problem, entry, first, last, tied_bw)
+    opt1 = optimizer_step_s(stage_param_count(entry, model, 1, first, last),
+                            gpu.memory_bandwidth_gbs)
+    opt2 = optimizer_step_s(stage_param_count(entry, model, 2, first, last),
+                            gpu.memory_bandwidth_gbs)
+    return StageCoefficients(f1 + b1 - per_layer + comm, per_layer, max_layers, entry,
+                             gpu.memory_bandwidth_gbs, first, last, *sync,
+                             2 * opt1 - opt2, opt2 - opt1)
 
 
-def option_for_split(problem: Problem, sequence: tuple[int, ...], coeffs: list[StageCoefficients],
-                     layers: tuple[int, ...], holders: int) -> PipelineOption:
+def _sync_terms(problem: Problem, entry: ProfileEntry, first: bool, last: bool,
+                tied_bandwidth_gbs: float) -> tuple[float, float, float, float]:
+    """(per layer, fixed shared, tied over the sync link, tied over the pipeline's own link):
+    a stage's gradient all-reduce seconds at ring factor 1 (cost_model's sync formulas)."""
+    model, bw = problem.model, problem.sync_bandwidth_gbs
+    unit = grad_allreduce_s(1.0, 2, 1.0)          # seconds per parameter at 1 GB/s, factor 1
+    vocab = padded_vocab_size(model, entry.tp) * model.hidden_size // entry.tp
+    fixed = 0.0
+    if first and model.position_embedding_type == "learned_absolute":
+        fixed += problem.seq_length * model.hidden_size
+    if first and not model.tie_embeddings:
+        fixed += vocab
+    if last:
+        fixed += 2 * model.hidden_size + (0 if model.tie_embeddings else vocab)
+    tied = vocab if model.tie_embeddings and (first or last) else 0
+    return (unit * entry.layer.param_count / bw, unit * fixed / bw, unit * tied / bw,
+            unit * tied / tied_bandwidth_gbs)
+
+
+def option_for_split(sequence: tuple[int, ...], coeffs: list[StageCoefficients],
+                     layers: tuple[int, ...]) -> PipelineOption:
     periods = [c.time_fixed + c.time_per_layer * n for c, n in zip(coeffs, layers)]
-    extra = max(stage_extra_s(problem, c, n, holders) for c, n in zip(coeffs, layers))
-    return PipelineOption(sequence, layers, sum(periods), max(periods), extra)
+    return PipelineOption(
+        sequence, layers, sum(periods), max(periods),
+        tuple(c.sync_fixed_s + c.sync_per_layer_s * n for c, n in zip(coeffs, layers)),
+        tuple(c.sync_tied_s for c in coeffs), tuple(c.sync_tied_own_s for c in coeffs),
+        max(c.optimizer_fixed_s + c.optimizer_per_layer_s * n for c, n in zip(coeffs, layers)))
 
 
 # Layer splits tried above the smallest feasible period: looser caps move layers to the faster
-# stages (shorter fill, better for few micro-batches) at the price of a longer period.
-PERIOD_SLACKS = (0.0, 0.05, 0.15, 0.4)
+# stages (shorter fill, fewer parameters on slow GPUs) at the price of a longer period.
+PERIOD_SLACKS = (0.0, 0.03, 0.08, 0.15, 0.3)
+# Sequences with at most this many layer splits get every split (small models, short pipelines).
+ALL_SPLITS_UP_TO = 84
 
 
 def layer_splits(problem: Problem, coeffs: list[StageCoefficients]) -> list[tuple[int, ...]]:
-    """Layer splits of one stage sequence: the min-period split and a few looser ones.
+    """Layer splits of one stage sequence (each stage >= 1 layer, within its memory).
 
-    For a period cap P a stage holds at most ``min(memory cap, (P - fixed) / per_layer)`` layers;
-    the smallest P whose caps sum to the model's layers is found by bisection, then each split
-    fills every stage with one layer and hands the rest to the fastest stages first (smallest
-    fill time under that cap).
+    Every split when there are at most ALL_SPLITS_UP_TO of them; otherwise the min-period split
+    and a few looser ones: for a period cap P a stage holds at most
+    ``min(memory cap, (P - fixed) / per_layer)`` layers; the smallest P whose caps sum to the
+    model's layers is found by bisection, then each split fills every stage with one layer and
+    hands the rest to the fastest stages first (smallest fill time under that cap).
     """
     L, S = problem.model.num_layers, len(coeffs)
-    if S > L or sum(min(c.max_layers, L) for c in coeffs) < L:
+    limits = [min(c.max_layers, L) for c in coeffs]
+    if S > L or sum(limits) < L:
         return []
+    if math.comb(L - 1, S - 1) <= ALL_SPLITS_UP_TO:
+        return [sp for sp in _compositions(L, S) if all(n <= c for n, c in zip(sp, limits))]
 
     def caps(period_cap: float) -> list[int]:
-        return [min(c.max_layers, int((period_cap - c.time_fixed) / c.time_per_layer + 1e-9))
-                for c in coeffs]
+        return [min(m, int((period_cap - c.time_fixed) / c.time_per_layer + 1e-9))
+                for c, m in zip(coeffs, limits)]
 
     lo = max(c.time_fixed + c.time_per_layer for c in coeffs)
-    hi = max(c.time_fixed + c.time_per_layer * min(L, c.max_layers) for c in coeffs)
+    hi = max(c.time_fixed + c.time_per_layer * m for c, m in zip(coeffs, limits))
     if sum(max(0, x) for x in caps(lo)) < L:
-        for _ in range(24):
+        for _ in range(30):
             mid = 0.5 * (lo + hi)
             if sum(max(0, x) for x in caps(mid)) >= L:
                 hi = mid
             else:
                 lo = mid
+            if hi - lo < 1e-4 * hi:
+                break
         base = hi
     else:
         base = lo
@@ -231,80 +320,91 @@ def layer_splits(problem: Problem, coeffs: list[StageCoefficients]) -> list[tupl
     return splits
 
 
-def assign_microbatches(options: list[PipelineOption], total: int,
-                        include_extra: bool = False) -> list[int]:
-    """Micro-batches per pipeline minimising max_p T_pipe(m_p) (+ extra_s with include_extra)
-    with every m_p >= 1: greedy on the linear pipeline times, always giving the next micro-batch
-    where it finishes earliest; optimal because each pipeline's time increases with m_p."""
+def _compositions(total: int, parts: int):
+    for cuts in itertools.combinations(range(1, total), parts - 1):
+        bounds = (0,) + cuts + (total,)
+        yield tuple(bounds[i + 1] - bounds[i] for i in range(parts))
+
+
+def assign_microbatches(options: list[PipelineOption], total: int) -> list[int]:
+    """Micro-batches per pipeline minimising max_p T_pipe(m_p) with every m_p >= 1: greedy,
+    always giving the next micro-batch where it finishes earliest; optimal because each
+    pipeline's time increases with m_p (and the sync/optimizer terms do not depend on it)."""
     if total < len(options):
         raise ConfigError("<arguments>", "global_batch_size", f"{total} micro-batches for "
                           f"{len(options)} pipelines", "at least one micro-batch per pipeline")
     counts = [1] * len(options)
-    extra = [o.extra_s if include_extra else 0.0 for o in options]
-    heap = [(o.time_s(2) + extra[i], i) for i, o in enumerate(options)]
+    heap = [(o.time_s(2), i) for i, o in enumerate(options)]
     heapq.heapify(heap)
     for _ in range(total - len(options)):
         _, i = heapq.heappop(heap)
         counts[i] += 1
-        heapq.heappush(heap, (options[i].time_s(counts[i] + 1) + extra[i], i))
+        heapq.heappush(heap, (options[i].time_s(counts[i] + 1), i))
     return counts
 
 
 def place_pipelines(cluster: Cluster, pools: list[Pool],
-                    sequences: list[tuple[int, ...]]) -> list[list[list[int]]]:
-    """Concrete TP-group ranks for every stage: same-pool runs go best-fit into nodes."""
-    base = 0
-    free: dict[int, list[tuple[str, list[list[int]]]]] = {k: [] for k in range(len(pools))}
+                    sequences: list[tuple[int, ...]]) -> list[list[list]]:
+    """Concrete TP groups (lists of cluster Devices) for every stage. A run is a block of
+    consecutive stages of one pool; a pipeline that starts and ends on one pool places its first
+    and last runs as one block. Longest blocks first, each best-fit into a node of its pool."""
+    free: dict[int, list[list[list]]] = {k: [] for k in range(len(pools))}
     pool_of_gpu = {p.gpu: k for k, p in enumerate(pools)}
+    devices = cluster.devices()
     for node in cluster.nodes:
-        k = pool_of_gpu[node.gpu]
+        k = pool_of_gpu.get(node.gpu)
+        if k is None or node.num_gpus % pools[k].tp:
+            continue
         tp = pools[k].tp
-        groups = [list(range(base + g * tp, base + (g + 1) * tp)) for g in range(node.num_gpus // tp)]
-        free[k].append((node.name, groups))
-        base += node.num_gpus
-    runs = []   # (length, pipeline, first stage, pool)
+        mine = [d for d in devices if d.node == node.name]
+        free[k].append([mine[g * tp:(g + 1) * tp] for g in range(node.num_gpus // tp)])
+    blocks = []   # (stage indices, pipeline, pool)
     for p, seq in enumerate(sequences):
-        s = 0
+        runs, s = [], 0
         while s < len(seq):
             e = s
             while e + 1 < len(seq) and seq[e + 1] == seq[s]:
                 e += 1
-            runs.append((e - s + 1, p, s, seq[s]))
+            runs.append(list(range(s, e + 1)))
             s = e + 1
-    placed: list[list[list[int] | None]] = [[None] * len(seq) for seq in sequences]
-    for length, p, start, k in sorted(runs, key=lambda r: (-r[0], r[1], r[2])):
-        s, need = start, length
-        while need:
-            nodes = [n for n in free[k] if n[1]]
+        if len(runs) > 1 and seq[0] == seq[-1]:
+            runs[0] = runs[-1] + runs[0]        # last run, then the first: they share a node
+            runs.pop()
+        blocks += [(run, p, seq[run[0]]) for run in runs]
+    placed: list[list] = [[None] * len(seq) for seq in sequences]
+    for run, p, k in sorted(blocks, key=lambda b: (-len(b[0]), b[1], b[0][0])):
+        todo = list(run)
+        while todo:
+            nodes = [n for n in free[k] if n]
             if not nodes:
                 raise ConfigError("<plan>", "pipelines", f"more {pools[k].gpu} TP groups than "
                                   "the cluster has", f"{pools[k].count}")
-            fitting = [n for n in nodes if len(n[1]) >= need]
-            node = (min(fitting, key=lambda n: len(n[1])) if fitting
-                    else max(nodes, key=lambda n: len(n[1])))
-            take = min(need, len(node[1]))
-            for _ in range(take):
-                placed[p][s] = node[1].pop(0)
-                s += 1
-            need -= take
-    return placed  # type: ignore[return-value]
+            fitting = [n for n in nodes if len(n) >= len(todo)]
+            node = min(fitting, key=len) if fitting else max(nodes, key=len)
+            for _ in range(min(len(todo), len(node))):
+                placed[p][todo.pop(0)] = node.pop(0)
+    return placed
 
 
 def build_plan(problem: Problem, pools: list[Pool], options: list[PipelineOption],
                microbatches: list[int], recompute: bool) -> Plan:
-    ranks = [RankInfo(d.rank, d.node, d.local_rank, d.gpu) for d in problem.cluster.devices()]
+    """The plan of these pipelines; ranks 0..W-1 are the GPUs it uses, in cluster order."""
     placement = place_pipelines(problem.cluster, pools, [o.pools for o in options])
+    used = sorted((d for stages in placement for group in stages for d in group),
+                  key=lambda d: d.rank)
+    rank_of = {d.rank: i for i, d in enumerate(used)}
     pipelines = []
-    for opt, m, stage_ranks in zip(options, microbatches, placement):
+    for opt, m, stage_groups in zip(options, microbatches, placement):
         stages, start = [], 0
-        for n, rs in zip(opt.layers, stage_ranks):
-            stages.append(Stage(ranks=list(rs), layers=(start, start + n)))
+        for n, group in zip(opt.layers, stage_groups):
+            stages.append(Stage(ranks=[rank_of[d.rank] for d in group], layers=(start, start + n)))
             start += n
         pipelines.append(Pipeline(stages=stages, num_microbatches=m))
     return Plan(cluster=problem.cluster.name, model=problem.model,
                 micro_batch_size=problem.micro_batch_size,
                 global_batch_size=problem.global_batch_size, seq_length=problem.seq_length,
-                ranks=ranks, pipelines=pipelines, activation_recompute=recompute)
+                ranks=[RankInfo(i, d.node, d.local_rank, d.gpu) for i, d in enumerate(used)],
+                pipelines=pipelines, activation_recompute=recompute)
 
 
 def evaluate(problem: Problem, plan: Plan) -> PlanCost:
