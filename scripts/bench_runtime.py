@@ -2,9 +2,9 @@
 """Benchmark the heterogeneous runtime: overhead vs stock megatron-core, and each proof plan.
 
 1. Homogeneous layout (configs/plans/tiny-homogeneous.yaml, TP1 x PP2 x DP2): in the SAME
-   processes, alternating rounds of stock megatron-core (its own parallel_state, GPTModel, 1F1B
-   schedule, DistributedDataParallel grad all-reduce, megatron optimizer with clipping) and of our
-   runtime (HeteroTrainer: parallel state from the plan, hetero P2P, layer-wise grad sync, Adam).
+   processes, alternating rounds of stock megatron-core (runtime/stock.py: its own
+   parallel_state, GPTModel, 1F1B schedule, DistributedDataParallel grad all-reduce, megatron
+   optimizer with clipping; our initial weights and loss) and of our runtime (HeteroTrainer: parallel state from the plan, hetero P2P, layer-wise grad sync, Adam).
    Alternating cancels drift of a shared machine; the ratio is ours / stock of the median
    iteration time (target <= 1.03).
 2. Per-iteration time of every proof plan (configs/plans/tiny-*.yaml) with our runtime.
@@ -25,7 +25,6 @@ import statistics
 import sys
 import time
 import traceback
-from functools import partial
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,60 +35,11 @@ SEED, LR, CLIP = 1234, 1e-3, 1.0
 
 
 def _stock_megatron_step_fn(plan, rank):
-    """Stock megatron-core TP1 x PP2 x DP(world/2) for the homogeneous plan; returns step(batch)."""
-    from megatron.core import parallel_state as mps
-    from megatron.core import tensor_parallel
-    from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
-                                           finalize_model_grads)
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.pipeline_parallel import get_forward_backward_func
+    """Stock megatron-core on the homogeneous plan (runtime/stock.py); returns step, teardown."""
+    from megatron_autohet.runtime.stock import StockMegatronTrainer
 
-    from megatron_autohet.runtime.reference import (ADAM_BETAS, ADAM_EPS, masked_token_mean,
-                                                    microbatches)
-    from megatron_autohet.runtime.stage_model import plan_padded_vocab_size, transformer_config
-    from megatron_autohet.runtime.topology import rank_role
-
-    pp = len(plan.pipelines[0].stages)
-    mps.destroy_model_parallel()      # the previous round's (ours installs its own globals)
-    mps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=pp)
-    tensor_parallel.model_parallel_cuda_manual_seed(SEED)
-    role = rank_role(plan, rank)
-    config = transformer_config(plan.model, 1, pipeline_model_parallel_size=pp)
-    model = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=plan_padded_vocab_size(plan),
-                     max_sequence_length=plan.model.seq_length,
-                     pre_process=mps.is_pipeline_first_stage(),
-                     post_process=mps.is_pipeline_last_stage(),
-                     share_embeddings_and_output_weights=plan.model.tie_embeddings)
-    model = DistributedDataParallel(config, DistributedDataParallelConfig(), model)
-    config.finalize_model_grads_func = finalize_model_grads
-    optimizer = get_megatron_optimizer(
-        OptimizerConfig(optimizer="adam", lr=LR, weight_decay=0.0, adam_beta1=ADAM_BETAS[0],
-                        adam_beta2=ADAM_BETAS[1], adam_eps=ADAM_EPS, clip_grad=CLIP), [model])
-
-    def loss_func(loss_mask, per_token):
-        loss = masked_token_mean(per_token, loss_mask)
-        return loss, {"lm loss": loss.detach().clone()}
-
-    def forward_step(data_iterator, model):
-        batch = next(data_iterator)
-        out = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
-        return out, partial(loss_func, batch["loss_mask"])
-
-    count = role.stage.num_microbatches
-
-    def step(batch):
-        model.zero_grad_buffer()
-        optimizer.zero_grad()
-        local = microbatches(batch, plan.micro_batch_size, role.microbatch_offset, count)
-        get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iter(local), model=[model],
-            num_microbatches=count, seq_length=plan.seq_length,
-            micro_batch_size=plan.micro_batch_size, forward_only=False)
-        optimizer.step()
-
-    return step, mps.destroy_model_parallel
+    trainer = StockMegatronTrainer(plan, rank=rank, lr=LR, seed=SEED, clip_grad=CLIP)
+    return trainer.train_step, trainer.close
 
 
 def _ours_step_fn(plan, plan_path, rank):

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
-from functools import partial
 from pathlib import Path
 
 import pytest
@@ -176,69 +175,15 @@ def check_plan_trains_like_one_process(plan, sequence_parallel, record_property,
 
 def _stock_megatron(rank, world, plan, batches):
     """TP1 x PP2 x DP2 with megatron-core's own parallel_state, GPTModel, schedule, DDP and
-    optimizer, from the same layout-independent weights (runtime/init.py)."""
-    from types import SimpleNamespace
+    optimizer, from the same layout-independent weights (runtime/stock.py)."""
+    from megatron_autohet.runtime.stock import StockMegatronTrainer
 
-    from megatron.core import parallel_state as mps
-    from megatron.core import tensor_parallel
-    from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
-                                           finalize_model_grads)
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    from megatron_autohet.runtime.init import initialize_parameters
-    from megatron_autohet.runtime.reference import (ADAM_BETAS, ADAM_EPS, masked_token_mean,
-                                                    microbatches)
-    from megatron_autohet.runtime.stage_model import (param_layouts, plan_padded_vocab_size,
-                                                      transformer_config)
-    from megatron_autohet.runtime.topology import rank_role
-
-    mps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=2)
-    tensor_parallel.model_parallel_cuda_manual_seed(SEED)
-    role = rank_role(plan, rank)          # the plan places ranks as megatron's default order
-    assert (mps.get_pipeline_model_parallel_rank(), mps.get_data_parallel_rank()) == \
-        (role.stage.stage, role.stage.pipeline)
-    config = transformer_config(plan.model, 1, pipeline_model_parallel_size=2)
-    model = GPTModel(config, get_gpt_layer_local_spec(),
-                     vocab_size=plan_padded_vocab_size(plan),
-                     max_sequence_length=plan.model.seq_length,
-                     pre_process=mps.is_pipeline_first_stage(),
-                     post_process=mps.is_pipeline_last_stage(),
-                     share_embeddings_and_output_weights=plan.model.tie_embeddings)
-    layouts = param_layouts(model, SimpleNamespace(plan=plan, role=role))
-    initialize_parameters(((p, layouts[n]) for n, p in model.named_parameters()), plan.model,
-                          SEED)
-    model = DistributedDataParallel(config, DistributedDataParallelConfig(), model)
-    config.finalize_model_grads_func = finalize_model_grads
-    optimizer = get_megatron_optimizer(
-        OptimizerConfig(optimizer="adam", lr=LR, weight_decay=0.0, adam_beta1=ADAM_BETAS[0],
-                        adam_beta2=ADAM_BETAS[1], adam_eps=ADAM_EPS, clip_grad=CLIP), [model])
-
-    def loss_func(loss_mask, per_token):
-        loss = masked_token_mean(per_token, loss_mask)
-        return loss, {"lm loss": loss.detach().clone()}
-
-    def forward_step(data_iterator, model):
-        batch = next(data_iterator)
-        out = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
-        return out, partial(loss_func, batch["loss_mask"])
-
+    trainer = StockMegatronTrainer(plan, rank=rank, lr=LR, seed=SEED, clip_grad=CLIP)
     per_step = []
-    count = role.stage.num_microbatches
     for batch in batches:
-        model.zero_grad_buffer()
-        optimizer.zero_grad()
-        local = microbatches(batch, plan.micro_batch_size, role.microbatch_offset, count)
-        losses = get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iter(local), model=[model],
-            num_microbatches=count, seq_length=plan.seq_length,
-            micro_batch_size=plan.micro_batch_size, forward_only=False)
-        ok, grad_norm, _ = optimizer.step()
-        assert ok
-        per_step.append(([float(x["lm loss"]) for x in losses], grad_norm))
-    mps.destroy_model_parallel()
+        step = trainer.train_step(batch)
+        per_step.append((step.losses, step.grad_norm))
+    trainer.close()
     return per_step
 
 

@@ -8,7 +8,6 @@ way megatron shards it (fused QKV, row/column parallel, vocab-parallel embedding
 
 from dataclasses import replace
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -59,66 +58,18 @@ def _reference(rank, world, model, batches, padded_vocab, micro_batch_size=2):
 
 # ---- stock megatron-core TP2 x PP2 ----------------------------------------------------------
 
-def _stock_megatron_tp2_pp2(rank, world, batches, padded_vocab):
-    from functools import partial
+def _stock_megatron_tp2_pp2(rank, world, batches):
+    from megatron_autohet.runtime.stock import StockMegatronTrainer
 
-    from megatron.core import parallel_state as mps
-    from megatron.core import tensor_parallel
-    from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
-                                           finalize_model_grads)
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    from megatron_autohet.runtime.init import initialize_parameters
-    from megatron_autohet.runtime.stage_model import param_layouts, transformer_config
-    from megatron_autohet.runtime.topology import rank_role
-    from megatron_autohet.runtime.reference import ADAM_BETAS, ADAM_EPS, masked_token_mean
-
-    mps.initialize_model_parallel(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
-    tensor_parallel.model_parallel_cuda_manual_seed(SEED)
     # Megatron's rank order for TP2 x PP2: TP groups {0,1}, {2,3}; stage 0 = {0,1}.
     plan = one_pipeline_plan(TINY, [([0, 1], (0, 3)), ([2, 3], (3, 6))], num_microbatches=4)
-    role = rank_role(plan, rank)
-    assert (mps.get_tensor_model_parallel_rank(), mps.get_pipeline_model_parallel_rank()) == \
-        (role.tp_rank, role.stage.stage)
-    config = transformer_config(TINY, 2, pipeline_model_parallel_size=2)
-    model = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=padded_vocab,
-                     max_sequence_length=TINY.seq_length,
-                     pre_process=mps.is_pipeline_first_stage(),
-                     post_process=mps.is_pipeline_last_stage(),
-                     share_embeddings_and_output_weights=True)
-    layouts = param_layouts(model, SimpleNamespace(plan=plan, role=role))
-    initialize_parameters(((p, layouts[n]) for n, p in model.named_parameters()), TINY, SEED)
-    model = DistributedDataParallel(config, DistributedDataParallelConfig(), model)
-    config.finalize_model_grads_func = finalize_model_grads
-    optimizer = get_megatron_optimizer(
-        OptimizerConfig(optimizer="adam", lr=LR, weight_decay=0.0, adam_beta1=ADAM_BETAS[0],
-                        adam_beta2=ADAM_BETAS[1], adam_eps=ADAM_EPS, clip_grad=CLIP), [model])
-
-    def loss_func(loss_mask, per_token):
-        loss = masked_token_mean(per_token, loss_mask)
-        return loss, {"lm loss": loss.detach().clone()}
-
-    def forward_step(data_iterator, model):
-        batch = next(data_iterator)
-        out = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
-        return out, partial(loss_func, batch["loss_mask"])
-
+    trainer = StockMegatronTrainer(plan, rank=rank, lr=LR, seed=SEED, clip_grad=CLIP)
     results = []
     for batch in batches:
-        model.zero_grad_buffer()
-        optimizer.zero_grad()
-        micro = [{k: v[i * 2:(i + 1) * 2] for k, v in batch.items()} for i in range(4)]
-        losses = get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iter(micro), model=[model],
-            num_microbatches=4, seq_length=SEQ, micro_batch_size=2, forward_only=False)
-        ok, grad_norm, _ = optimizer.step()
-        assert ok
-        loss = sum(float(x["lm loss"]) for x in losses) / 4 if losses else None
-        results.append((loss, grad_norm))
-    mps.destroy_model_parallel()
+        step = trainer.train_step(batch)
+        loss = sum(step.losses) / 4 if step.losses else None
+        results.append((loss, step.grad_norm))
+    trainer.close()
     return results
 
 
@@ -127,7 +78,7 @@ def test_stock_megatron_tp2_pp2_matches_single_process_reference():
     batches = global_batches(TINY, count=1, rows=8) * 3        # same batch: the loss must fall
     padded = padded_vocab_size(TINY.vocab_size, [2])
     reference = run_on_ranks(1, _reference, TINY, batches, padded)[0]
-    stock = run_on_ranks(4, _stock_megatron_tp2_pp2, batches, padded, timeout=180)
+    stock = run_on_ranks(4, _stock_megatron_tp2_pp2, batches, timeout=180)
     last_stage = stock[2]
     assert stock[3] == last_stage                          # TP ranks of the last stage agree
     assert len(reference) == 3 and reference[0].loss > 5.0   # ~ln(512): an untrained model
@@ -236,3 +187,13 @@ def test_padded_vocab_is_shared_by_every_tp_degree_of_a_plan():
     assert padded_vocab_size(50257, [2]) == 50432
     assert padded_vocab_size(50257, [2, 4, 1]) == 50688         # 128 * lcm = 512
     assert plan_padded_vocab_size(load_plan(PLAN_FILE)) == 512
+
+
+def test_stock_baseline_refuses_plans_megatron_cannot_express():
+    from megatron_autohet.runtime.stock import check_homogeneous
+    check_homogeneous(load_plan(PLAN_FILE.with_name("tiny-homogeneous.yaml")))
+    with pytest.raises(ValueError, match="not homogeneous"):
+        check_homogeneous(load_plan(PLAN_FILE))                  # [TP2 | TP1] next to [TP1]
+    swapped = one_pipeline_plan(TINY, [([1, 0], (0, 3)), ([2, 3], (3, 6))], num_microbatches=4)
+    with pytest.raises(ValueError, match="default order"):
+        check_homogeneous(swapped)

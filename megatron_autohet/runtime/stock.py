@@ -1,0 +1,158 @@
+"""The stock megatron-core baseline for a homogeneous plan.
+
+The equivalence tests (tests/test_equivalence.py, tests/test_stage_model.py) and the runtime
+benchmark (scripts/bench_runtime.py) compare our runtime against what megatron-core does on its
+own when the plan is one regular TP x PP x DP grid. This module is that baseline, written once.
+
+Public API
+----------
+``StockMegatronTrainer(plan, *, rank, lr, seed, clip_grad=1.0)``
+    ``torch.distributed`` must be initialised with the plan's world size. Builds, with
+    megatron-core's own machinery only: ``parallel_state.initialize_model_parallel``, a
+    ``GPTModel`` of this rank's stage (local layer spec), ``DistributedDataParallel`` with its
+    contiguous grad buffers, ``finalize_model_grads`` (DP all-reduce, tied-embedding all-reduce)
+    as the schedule's finalize hook, ``get_megatron_optimizer`` (Adam + megatron's grad-norm
+    clipping) and ``get_forward_backward_func`` (megatron's own P2P and 1F1B).
+    ``train_step(global_batch) -> StockStep`` runs one iteration; ``close()`` destroys megatron's
+    parallel state (so a different runtime can run in the same process afterwards).
+``StockStep(losses, grad_norm)``: this rank's micro-batch losses (last stages; empty elsewhere)
+    and megatron's grad norm before clipping.
+
+What is ours, and why: the initial weights are the layout-independent ones of runtime/init.py
+(copied in before DDP wraps the model), and the loss, global-batch split and Adam
+hyper-parameters are runtime/reference.py's. So stock megatron-core, our runtime and the
+single-process reference train the same model on the same data with the same objective, and any
+difference is the system's. Everything that moves data between ranks is megatron's.
+
+"Homogeneous" means what megatron can express: every pipeline has the same stages (layer ranges,
+one TP degree for the whole plan, the standard 1F1B warm-up) and the same micro-batch count (megatron DDP
+averages over DP), and ranks are placed in megatron's default order (tp-cp-ep-dp-pp: global rank
+= tp_rank + tp * pipeline + tp * dp * stage). Anything else is a ValueError before a group is
+created.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from types import SimpleNamespace
+
+from megatron_autohet.plan import Plan
+
+
+@dataclass(frozen=True)
+class StockStep:
+    losses: list[float]       # this rank's micro-batch losses (last stages), else []
+    grad_norm: float          # megatron's global grad norm, before clipping
+
+
+def check_homogeneous(plan: Plan) -> None:
+    """ValueError unless megatron-core's single grid can run ``plan`` as planned (module doc)."""
+    first = plan.pipelines[0]
+    shape = [(s.layers, s.tp) for s in first.stages]
+    tp = first.stages[0].tp
+    for p, pipeline in enumerate(plan.pipelines):
+        if [(s.layers, s.tp) for s in pipeline.stages] != shape:
+            raise ValueError(f"pipeline {p} has other stages than pipeline 0: not homogeneous")
+        if pipeline.num_microbatches != first.num_microbatches:
+            raise ValueError(f"pipeline {p} runs {pipeline.num_microbatches} micro-batches, "
+                             f"pipeline 0 {first.num_microbatches}: megatron DDP needs equal counts")
+    if any(s.tp != tp for s in first.stages):
+        raise ValueError("stages differ in TP degree: megatron has one TP size")
+    n = len(first.stages)
+    if first.warmup_depths() != [min(n - s - 1, first.num_microbatches) for s in range(n)]:
+        raise ValueError("the plan sets its own 1F1B warm-up depths: megatron's schedule has "
+                         "only the standard ones")
+    dp = len(plan.pipelines)
+    for p, pipeline in enumerate(plan.pipelines):
+        for s, stage in enumerate(pipeline.stages):
+            expected = [t + tp * p + tp * dp * s for t in range(tp)]
+            if list(stage.ranks) != expected:
+                raise ValueError(f"pipeline {p} stage {s} has ranks {list(stage.ranks)}; "
+                                 f"megatron's default order places {expected} there")
+
+
+class StockMegatronTrainer:
+    """One rank of stock megatron-core training a homogeneous plan (see module doc)."""
+
+    def __init__(self, plan: Plan, *, rank: int, lr: float, seed: int, clip_grad: float = 1.0):
+        from megatron.core import parallel_state as mps
+        from megatron.core import tensor_parallel
+        from megatron.core.distributed import (DistributedDataParallel,
+                                               DistributedDataParallelConfig,
+                                               finalize_model_grads)
+        from megatron.core.models.gpt import GPTModel
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        from megatron_autohet.runtime.init import initialize_parameters
+        from megatron_autohet.runtime.reference import ADAM_BETAS, ADAM_EPS
+        from megatron_autohet.runtime.stage_model import (param_layouts, plan_padded_vocab_size,
+                                                          transformer_config)
+        from megatron_autohet.runtime.topology import rank_role
+
+        check_homogeneous(plan)
+        self.plan = plan
+        self.role = role = rank_role(plan, rank)
+        stages = plan.pipelines[0].stages
+        tp = stages[0].tp
+        mps.destroy_model_parallel()      # whatever was installed before (e.g. our runtime's)
+        mps.initialize_model_parallel(tensor_model_parallel_size=tp,
+                                      pipeline_model_parallel_size=len(stages))
+        grid = (mps.get_tensor_model_parallel_rank(), mps.get_pipeline_model_parallel_rank(),
+                mps.get_data_parallel_rank())
+        if grid != (role.tp_rank, role.stage.stage, role.stage.pipeline):
+            raise RuntimeError(f"rank {rank}: megatron placed it at (tp, pp, dp) = {grid}, the "
+                               f"plan at {(role.tp_rank, role.stage.stage, role.stage.pipeline)}")
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+        config = transformer_config(plan.model, tp, pipeline_layers=[s.layers for s in stages])
+        model = GPTModel(config, get_gpt_layer_local_spec(),
+                         vocab_size=plan_padded_vocab_size(plan),
+                         max_sequence_length=plan.model.seq_length,
+                         pre_process=mps.is_pipeline_first_stage(),
+                         post_process=mps.is_pipeline_last_stage(),
+                         share_embeddings_and_output_weights=plan.model.tie_embeddings)
+        layouts = param_layouts(model, SimpleNamespace(plan=plan, role=role))
+        initialize_parameters(((p, layouts[n]) for n, p in model.named_parameters()),
+                              plan.model, seed)
+        self.model = DistributedDataParallel(config, DistributedDataParallelConfig(), model)
+        config.finalize_model_grads_func = finalize_model_grads
+        self.optimizer = get_megatron_optimizer(
+            OptimizerConfig(optimizer="adam", lr=lr, weight_decay=0.0, adam_beta1=ADAM_BETAS[0],
+                            adam_beta2=ADAM_BETAS[1], adam_eps=ADAM_EPS, clip_grad=clip_grad),
+            [self.model])
+
+    def train_step(self, global_batch: dict) -> StockStep:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        from megatron_autohet.runtime.reference import microbatches
+
+        plan, role = self.plan, self.role
+        count = role.stage.num_microbatches
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        local = microbatches(global_batch, plan.micro_batch_size, role.microbatch_offset, count)
+        losses = get_forward_backward_func()(
+            forward_step_func=_forward_step, data_iterator=iter(local), model=[self.model],
+            num_microbatches=count, seq_length=plan.seq_length,
+            micro_batch_size=plan.micro_batch_size, forward_only=False)
+        ok, grad_norm, _ = self.optimizer.step()
+        if not ok:
+            raise RuntimeError("megatron's optimizer skipped the step (non-finite gradients)")
+        return StockStep(losses=[float(x["lm loss"]) for x in losses], grad_norm=grad_norm)
+
+    def close(self) -> None:
+        from megatron.core import parallel_state as mps
+        mps.destroy_model_parallel()
+
+
+def _loss_func(loss_mask, per_token_loss):
+    from megatron_autohet.runtime.reference import masked_token_mean
+    loss = masked_token_mean(per_token_loss, loss_mask)
+    return loss, {"lm loss": loss.detach().clone()}
+
+
+def _forward_step(data_iterator, model):
+    batch = next(data_iterator)
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    return output, partial(_loss_func, batch["loss_mask"])
