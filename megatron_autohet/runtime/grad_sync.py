@@ -13,12 +13,16 @@ micro-batch count ``m_p`` each replica's gradient is ``sum over its micro-batche
 The global-batch gradient is then the plain SUM over replicas: every reduction here is a sum and
 nothing is rescaled, whatever the micro-batch counts are.
 
-Buckets. The parameters of one spec are packed, in a fixed order (global name), into flat
-buckets; each parameter's ``.grad`` is a view into its bucket (autograd accumulates into it in
-place), so a symmetric bucket is all-reduced with no copy at all, exactly what Megatron's DP
-all-reduce does with its own grad buffers. Buckets of all specs are launched asynchronously in the
-same global order on every rank (a consistent order over groups cannot deadlock) and waited for
-together.
+Buckets. The parameters are packed into flat buckets per process group, not per spec: specs whose
+groups are the same rank set (a layer run and the position embedding of the first stages, a layer
+run and the final norm of the last stages) share buckets, so a rank pays one collective per
+distinct group and bucket, as Megatron's DP all-reduce does with one grad buffer. This is
+consistent across ranks because a spec's groups are a property of the spec: every member of a
+group maps the same specs to it, so all members build the same buckets (specs in plan order, each
+in global-name order). Each parameter's ``.grad`` is a view into its bucket (autograd
+accumulates into it in place), so a symmetric bucket is all-reduced with no copy at all. Buckets
+are launched asynchronously in that global order on every rank (a consistent order over groups
+cannot deadlock) and waited for together.
 
 Asymmetric TP (holders of a spec differ in TP degree; opt-in in the planner): a bucket also has a
 zero full-size staging buffer; every holder writes its shard at its slice of the full tensor
@@ -91,9 +95,9 @@ def write_shard(full: torch.Tensor, layout, shard: torch.Tensor) -> None:
 class _Bucket:
     params: list[torch.nn.Parameter]
     layouts: list                       # runtime.init.ParamLayout of each param
+    grads: list[torch.Tensor]           # each param's .grad: its view into grad_data
     group: dist.ProcessGroup | None     # None or one rank: nothing to reduce
     grad_data: torch.Tensor             # flat local grads; each param's .grad is a view into it
-    offsets: list[int]                  # of each param in grad_data
     full_data: torch.Tensor | None      # asymmetric only: flat full-size staging buffer
     full_offsets: list[int]             # of each param in full_data
 
@@ -107,8 +111,10 @@ class _Bucket:
         return self.full_data[off:off + shape.numel()].view(shape)
 
     def check_grad_views(self) -> None:
-        for param, off in zip(self.params, self.offsets):
-            if param.grad is None or param.grad.data_ptr() != self.grad_data[off:].data_ptr():
+        # Identity, not data pointers: one attribute read per parameter (each torch call costs
+        # a trip through CPU mode's function mode, and this runs every iteration).
+        for param, grad in zip(self.params, self.grads):
+            if param.grad is not grad:
                 raise RuntimeError("a parameter's .grad was replaced; zero gradients with "
                                    "GradSync.zero_grad(), not optimizer.zero_grad()")
 
@@ -170,38 +176,47 @@ class GradSync:
                     layout.partition_dim is not None or layout.tp_rank == 0):
                 self.norm_params.append(param)
 
-        self.buckets: list[_Bucket] = []
+        # Specs sharing a rank set share buckets (module doc); the dict keeps plan order.
+        per_group: dict[tuple, tuple[object, list]] = {}
         for spec, group, members in zip(specs, groups, per_spec):
+            if not members:
+                continue
             members.sort(key=lambda member: member[0])   # the same order on every holder
-            self._add_buckets(spec, group, [m[1] for m in members], [m[2] for m in members],
-                              bucket_numel)
+            ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else ()
+            per_group.setdefault((ranks, spec.symmetric), (group, []))[1].extend(members)
+        self.buckets: list[_Bucket] = []
+        for (_, symmetric), (group, members) in per_group.items():
+            self._add_buckets(group, symmetric, [m[1] for m in members],
+                              [m[2] for m in members], bucket_numel)
         self._verify_bucket_extents()
 
-    def _add_buckets(self, spec, group, params, layouts, bucket_numel):
+    def _add_buckets(self, group, symmetric, params, layouts, bucket_numel):
         def numel(i):   # what the bucket all-reduces per parameter
-            return params[i].numel() if spec.symmetric else torch.Size(
+            return params[i].numel() if symmetric else torch.Size(
                 layouts[i].full_shape).numel()
 
         start, total = 0, 0
         for i in range(len(params)):
             if total and total + numel(i) > bucket_numel:
-                self._make_bucket(group, params[start:i], layouts[start:i], spec.symmetric)
+                self._make_bucket(group, params[start:i], layouts[start:i], symmetric)
                 start, total = i, 0
             total += numel(i)
         if params:
-            self._make_bucket(group, params[start:], layouts[start:], spec.symmetric)
+            self._make_bucket(group, params[start:], layouts[start:], symmetric)
 
     def _make_bucket(self, group, params, layouts, symmetric):
         offsets = _offsets([p.numel() for p in params])
         grad_data = torch.zeros(offsets[-1], dtype=params[0].dtype, device=params[0].device)
-        for param, off in zip(params, offsets):
-            param.grad = grad_data[off:off + param.numel()].view_as(param)
+        grads = [grad_data[off:off + param.numel()].view_as(param)
+                 for param, off in zip(params, offsets)]
+        for param, grad in zip(params, grads):
+            param.grad = grad
         full_data, full_offsets = None, []
         if not symmetric:
             full_offsets = _offsets([torch.Size(layout.full_shape).numel() for layout in layouts])
             full_data = torch.zeros(full_offsets[-1], dtype=grad_data.dtype,
                                     device=grad_data.device)
-        self.buckets.append(_Bucket(params, layouts, group, grad_data, offsets[:-1], full_data,
+        self.buckets.append(_Bucket(params, layouts, grads, group, grad_data, full_data,
                                     full_offsets[:-1]))
 
     def _verify_bucket_extents(self) -> None:
