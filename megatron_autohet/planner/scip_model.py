@@ -33,6 +33,7 @@ from pyscipopt import SCIP_PARAMSETTING, Model, quicksum
 
 from megatron_autohet.planner.space import PipelineOption
 
+INF = float("inf")
 # Bisection stops when the bracket is this tight relative to the iteration time it is part of.
 RELATIVE_TOLERANCE = 1e-3
 # ... and this tight when only a lower bound is wanted.
@@ -129,13 +130,18 @@ class CompositionModel:
         makespan. The composition is None when none exists or the makespan provably cannot be
         below ``give_up_above_s``. With ``offsets`` option j's pipelines count as finishing
         ``offsets[j]`` later."""
-        best = known
-        if best is None:
-            x = self.feasible(allowed, None)
+        best, lo = known, lower_s
+        if best is None or best.makespan_s >= give_up_above_s:
+            # First ask whether anything beats the cut-off at all: most branches of a search
+            # end here, after one solve.
+            cut = give_up_above_s * (1 - RELATIVE_TOLERANCE) if give_up_above_s < INF else None
+            if cut is not None and cut < lo:
+                return None, lo
+            x = self.feasible(allowed, cut, offsets)
             if x is None:
-                return None, float("inf")
+                return None, INF if cut is None else max(lo, cut)
             best = Composition(x, makespan_s(self.options, x, self.total, offsets))
-        lo, hi = lower_s, best.makespan_s
+        hi = best.makespan_s
         while hi - lo > tolerance * hi and lo < give_up_above_s:
             mid = 0.5 * (lo + hi)
             x = self.feasible(allowed, mid, offsets)

@@ -43,15 +43,17 @@ import math
 import time
 from dataclasses import dataclass
 
+import numpy as np
 from tqdm import tqdm
 
-from megatron_autohet.cost_model import GIB, PlanCost, stage_memory_bytes
+from megatron_autohet.cost_model import GIB, PlanCost, stage_compute_s, stage_memory_bytes
 from megatron_autohet.errors import ConfigError
 from megatron_autohet.plan import Plan
 from megatron_autohet.planner.scip_model import BOUND_TOLERANCE, Composition, CompositionModel
-from megatron_autohet.planner.space import (PipelineOption, Pool, Problem, assign_microbatches,
-                                            build_plan, check_batch, evaluate, layer_splits, ring_factor,
-                                            make_pools, option_for_split, stage_coefficients)
+from megatron_autohet.planner.space import (OptionTable, PipelineOption, Pool, Problem,
+                                            assign_microbatches, build_plan, check_batch, evaluate,
+                                            layer_splits, make_pools, option_for_split,
+                                            ring_factor, stage_coefficients)
 from megatron_autohet.profiling.estimate import estimate_profile
 from megatron_autohet.profiling.profile import Profile
 from megatron_autohet.spec.cluster import Cluster
@@ -135,28 +137,35 @@ def stage_sequences(pools: list[Pool], max_stages: int) -> list[tuple[int, ...]]
 def _keep_best(options: list[PipelineOption], total: int) -> list[PipelineOption]:
     """Of the options with one GPU-count vector, those that are best for a pipeline running its
     share of the batch for some pipeline count (KEEP_FOR_COUNTS), or best in period alone."""
-    keep = {id(min(options, key=lambda o: (o.period_s, o.fill_s))): None}
+    table = OptionTable(options)
+    keep = {int(np.lexsort((table.fill_s, table.period_s))[0])}
     for d in KEEP_FOR_COUNTS:
         share = math.ceil(total / d)
+        extras = table.extras_s(d)
         for m in {max(1, share // 2), share, 2 * share}:   # pipelines get uneven shares
-            keep[id(min(options, key=lambda o: o.time_s(m) + o.extra_s(d)))] = None
-    return [o for o in options if id(o) in keep]
+            keep.add(int(np.argmin(table.fill_s + (m - 1) * table.period_s + extras)))
+    return [options[j] for j in sorted(keep)]
 
 
 @dataclass
 class Config:
-    """One outer choice: a TP degree per GPU type and the recompute mode, with its options."""
+    """One outer choice: a TP degree per GPU type and the recompute mode. Its options are built
+    only when the search reaches its fluid bound (``build_options``)."""
 
     pools: list[Pool]
     recompute: bool
-    options: list[PipelineOption]
-    memory_bound: bool
+    fluid_bound_s: float
+    options: list[PipelineOption] | None = None
+    memory_bound: bool = False
+    table: OptionTable | None = None
     extras: dict[int, list[float]] = dataclasses.field(default_factory=dict)
 
     def extras_at(self, pipelines: int) -> list[float]:
         """Each option's sync + optimizer level (grid value) with this many pipelines."""
         if pipelines not in self.extras:
-            self.extras[pipelines] = [_level(o.extra_s(pipelines)) for o in self.options]
+            if self.table is None:
+                self.table = OptionTable(self.options)
+            self.extras[pipelines] = [_level(e) for e in self.table.extras_s(pipelines)]
         return self.extras[pipelines]
 
     @property
@@ -164,17 +173,51 @@ class Config:
         return tuple((p.gpu, p.tp) for p in self.pools), self.recompute
 
 
-def make_config(problem: Problem, tp_of_gpu: dict[str, int], recompute: bool,
-                max_stages: int | None) -> Config | None:
+def fluid_bound_s(problem: Problem, pools: list[Pool], recompute: bool) -> float:
+    """Lower bound on the makespan of any plan of these pools: every micro-batch passes all L
+    layers, the embedding and the output layer once, and a TP group of pool k spends at least
+    ``l_k`` seconds per layer and micro-batch (forward + backward; its stage period also has
+    P2P and the other layers), so within a makespan tau the groups do at most
+    ``tau * sum_k G_k / l_k`` layer passes:
+
+        tau >= M (L + min_k e_k / l_k + min_k o_k / l_k) / sum_k (G_k / l_k)
+
+    with ``e_k``, ``o_k`` the embedding's and the output layer's time on pool k (in layer units
+    on the pool doing them; the minimum over pools keeps the bound valid wherever they sit).
+    Pools that cannot hold one layer in memory do no work."""
+    model, M = problem.model, problem.num_microbatches
+    rate, embed, output = 0.0, math.inf, math.inf
+    for pool in pools:
+        entry = problem.entry(pool)
+        limit = problem.cluster.gpu_types[pool.gpu].memory_gib * GIB
+        if stage_memory_bytes(entry, model, 1, False, False, recompute, 1) > limit:
+            continue
+        per_layer = sum(stage_compute_s(entry, 1, False, False, recompute))
+        rate += pool.count / per_layer
+        embed = min(embed, sum(stage_compute_s(entry, 0, True, False, recompute)) / per_layer)
+        output = min(output, sum(stage_compute_s(entry, 0, False, True, recompute)) / per_layer)
+    if rate == 0:
+        return math.inf
+    return M * (model.num_layers + embed + output) / rate
+
+
+def make_config(problem: Problem, tp_of_gpu: dict[str, int], recompute: bool) -> Config | None:
+    """The config of this TP choice and recompute mode, options not built yet (None: no pool)."""
     pools = make_pools(problem.cluster, tp_of_gpu)
     if not pools:
         return None
+    return Config(pools, recompute, fluid_bound_s(problem, pools, recompute))
+
+
+def build_options(problem: Problem, config: Config, max_stages: int | None) -> None:
+    """The config's pipeline options (module doc, step 2) and whether memory limited a split."""
+    pools = config.pools
     stages = max_stages or default_max_stages(problem, pools)
     L = problem.model.num_layers
     by_counts: dict[tuple[int, ...], list[PipelineOption]] = {}
     memory_bound = False
     for seq in stage_sequences(pools, min(stages, L)):
-        coeffs = stage_coefficients(problem, pools, seq, recompute)
+        coeffs = stage_coefficients(problem, pools, seq, config.recompute)
         if coeffs is None:
             memory_bound = True
             continue
@@ -183,9 +226,9 @@ def make_config(problem: Problem, tp_of_gpu: dict[str, int], recompute: bool,
         by_counts.setdefault(counts, []).extend(
             option_for_split(seq, coeffs, layers)
             for layers in layer_splits(problem, coeffs))
-    options = [o for group in by_counts.values() if group
-               for o in _keep_best(group, problem.num_microbatches)]
-    return Config(pools, recompute, options, memory_bound) if options else None
+    config.options = [o for group in by_counts.values() if group
+                      for o in _keep_best(group, problem.num_microbatches)]
+    config.memory_bound = memory_bound
 
 
 @dataclass(order=True)
@@ -221,7 +264,8 @@ def _branches(problem: Problem, config: Config, index: int) -> list[Branch]:
                 fill, period = min(fill, o.fill_s), min(period, o.period_s)
                 i += 1
             throughput = sum(g * r for g, r in zip(counts, rate))
-            bound = max(fill + (math.ceil(M / hi) - 1) * period, M / throughput)
+            bound = max(fill + (math.ceil(M / hi) - 1) * period, M / throughput,
+                        config.fluid_bound_s)
             out.append(Branch(level + bound, level, index, b))
     return out
 
@@ -236,11 +280,14 @@ def _level(value: float) -> float:
 class BranchAndBound:
     """Best-first search over the branches of several configs (module doc, steps 3-4)."""
 
-    def __init__(self, problem: Problem, deadline: float):
+    def __init__(self, problem: Problem, deadline: float, max_stages: int | None,
+                 skip_needless_recompute: bool):
         self.problem = problem
         self.deadline = deadline
+        self.max_stages = max_stages
+        self.skip_needless_recompute = skip_needless_recompute
         self.best: Candidate | None = None
-        self.solved: set = set()
+        self.built: dict[tuple, Config] = {}
         self.solves = 0
 
     def offer(self, cand: Candidate | None) -> None:
@@ -248,12 +295,24 @@ class BranchAndBound:
                 self.best is None or cand.cost.iteration_time_s < self.best.cost.iteration_time_s):
             self.best = cand
 
+    def _build(self, config: Config) -> bool:
+        """Build a config's options when the search reaches it; False when it has none, or when
+        it is the recompute twin of a config that memory never limited (recompute only adds
+        time there)."""
+        twin = self.built.get((config.key[0], False))
+        if config.recompute and self.skip_needless_recompute and twin is not None \
+                and not twin.memory_bound:
+            return False
+        build_options(self.problem, config, self.max_stages)
+        self.built[config.key] = config
+        return bool(config.options)
+
     def run(self, configs: list[Config], bar) -> None:
-        configs = [c for c in configs if c.key not in self.solved]
-        self.solved.update(c.key for c in configs)
-        for config in configs:
-            self._stacks(config)
-        heap = [br for i, c in enumerate(configs) for br in _branches(self.problem, c, i)]
+        configs = [c for c in configs if c.key not in self.built]
+        # Configs enter the heap unbuilt at their fluid bound (bin index -1); a config's options
+        # are built, and its branches pushed, only when no plan found by then beats that bound.
+        # No-recompute configs come first at equal bounds (their recompute twins look at them).
+        heap = [Branch(c.fluid_bound_s, 0.0, i, -1) for i, c in enumerate(configs)]
         heapq.heapify(heap)
         models: dict[tuple[int, int], CompositionModel] = {}
         known: dict[tuple[int, int], list[tuple[float, Composition]]] = {}
@@ -266,8 +325,14 @@ class BranchAndBound:
             best_s = self.best.cost.iteration_time_s if self.best else math.inf
             if br.lower_bound_s >= best_s * (1 - PRUNE_TOLERANCE):
                 break
-            bar.update()
             config = configs[br.config_index]
+            if br.bin_index < 0:
+                if self._build(config):
+                    self._stacks(config)
+                    for branch in _branches(self.problem, config, br.config_index):
+                        heapq.heappush(heap, branch)
+                continue
+            bar.update()
             lo = PIPELINE_BINS[br.bin_index][0]
             key = (br.config_index, br.bin_index)
             model = models.get(key) or self._model(config, br.bin_index)
@@ -287,7 +352,7 @@ class BranchAndBound:
             # A composition feasible at a lower level stays feasible here.
             start = min((c for level, c in known.get(key, []) if level <= br.level_s),
                         key=lambda c: c.makespan_s, default=None)
-            comp, _ = model.min_makespan(allowed, max(br.lower_bound_s - br.level_s, floor[key]),
+            comp, _ = model.min_makespan(allowed, max(br.lower_bound_s, floor[key]) - br.level_s,
                                          start, best_s - br.level_s)
             if comp is None:
                 continue
@@ -371,7 +436,8 @@ def search(cluster: Cluster, model: ModelSpec, profile: Profile | None, global_b
     degrees = [t for t in model.valid_tp_degrees(max_node)
                if tp_degrees is None or t in tp_degrees]
     recompute_modes = [False, True] if activation_recompute is None else [activation_recompute]
-    search_bb = BranchAndBound(problem, time.monotonic() + time_limit_s)
+    search_bb = BranchAndBound(problem, time.monotonic() + time_limit_s, max_stages,
+                               skip_needless_recompute=activation_recompute is None)
     for baseline in all_baselines(problem, recompute_modes, tp_degrees=degrees,
                                   max_stages=max_stages):
         if baseline.plan is not None:
@@ -380,15 +446,8 @@ def search(cluster: Cluster, model: ModelSpec, profile: Profile | None, global_b
             search_bb.offer(Candidate(plan, baseline.cost, tp, plan.activation_recompute))
 
     def configs_for(tp_of_gpu: dict[str, int]) -> list[Config]:
-        out = []
-        for recompute in recompute_modes:
-            config = make_config(problem, tp_of_gpu, recompute, max_stages)
-            if config is None:
-                break
-            out.append(config)
-            if activation_recompute is None and not config.memory_bound:
-                break   # recompute only adds time when memory never limited a split
-        return out
+        configs = [make_config(problem, tp_of_gpu, recompute) for recompute in recompute_modes]
+        return [c for c in configs if c is not None]
 
     with tqdm(desc="planning", unit="branch", disable=not progress, delay=0.5,
               leave=False) as bar:

@@ -9,7 +9,7 @@
   :class:`PipelineOption` carries what the cost model says about it independent of the
   micro-batch count: ``fill_s`` = sum of stage periods and ``period_s`` = max stage period, so
   ``T_pipe(m) = fill_s + (m - 1) * period_s`` (cost_model.pipeline_time_s), and the per-stage
-  parameter volumes from which :meth:`PipelineOption.extra_s` gives its gradient sync + optimizer
+  parameter volumes from which :meth:`OptionTable.extras_s` gives its gradient sync + optimizer
   time for a given number of pipelines D (the cost model's layer-wise ring all-reduce, which
   costs 2 (D - 1) / D of the gradients; with D = 1 only the tied embedding is synced, between the
   first and the last stage).
@@ -26,6 +26,8 @@ import heapq
 import itertools
 import math
 from dataclasses import dataclass
+
+import numpy as np
 
 from megatron_autohet.cost_model import (GIB, PlanCost, annotate_plan, evaluate_plan,
                                          grad_allreduce_s, optimizer_step_s, p2p_s,
@@ -130,18 +132,39 @@ class PipelineOption:
             return 0
         return int(math.floor(slack / self.period_s + 1e-9)) + 1
 
-    def sync_s(self, pipelines: int) -> float:
-        """Gradient sync of the busiest stage when the plan has ``pipelines`` pipelines, as
-        cost_model.evaluate_plan charges it (all pipelines hold every layer once; the tied word
-        embedding has a first and a last holder in every pipeline of 2+ stages)."""
-        shared = ring_factor(pipelines)
-        tied = ring_factor(pipelines * (2 if len(self.layers) > 1 else 1))
-        own = self.sync_tied_own_s if pipelines == 1 else self.sync_tied_s
-        return max(shared * a + tied * t for a, t in zip(self.sync_shared_s, own))
 
-    def extra_s(self, pipelines: int) -> float:
-        """Gradient sync + optimizer step of this pipeline's busiest stages."""
-        return self.sync_s(pipelines) + self.optimizer_s
+
+class OptionTable:
+    """Options' costs as arrays, so the search prices all of them at once for a pipeline count.
+
+    :meth:`extras_s` is the gradient sync + optimizer step of each option's busiest stages when
+    the plan has D pipelines, as cost_model.evaluate_plan charges it: all pipelines hold every
+    layer once (ring factor ``2 (D - 1) / D`` on the per-stage volumes), the tied word embedding
+    has a first and a last holder in every pipeline of 2+ stages (factor of 2D holders; with
+    D = 1 it syncs only between the pipeline's own ends, over their link). Stage columns are
+    padded with zeros, which never win the maximum.
+    """
+
+    def __init__(self, options: list[PipelineOption]):
+        width = max(len(o.layers) for o in options)
+
+        def padded(values: tuple[float, ...]) -> list[float]:
+            return list(values) + [0.0] * (width - len(values))
+
+        self.fill_s = np.array([o.fill_s for o in options])
+        self.period_s = np.array([o.period_s for o in options])
+        self.shared = np.array([padded(o.sync_shared_s) for o in options])
+        self.tied = np.array([padded(o.sync_tied_s) for o in options])
+        self.tied_own = np.array([padded(o.sync_tied_own_s) for o in options])
+        self.multi_stage = np.array([len(o.layers) > 1 for o in options])
+        self.optimizer_s = np.array([o.optimizer_s for o in options])
+
+    def extras_s(self, pipelines: int) -> np.ndarray:
+        tied_factor = np.where(self.multi_stage, ring_factor(2 * pipelines),
+                               ring_factor(pipelines))
+        tied = self.tied_own if pipelines == 1 else self.tied
+        sync = (ring_factor(pipelines) * self.shared + tied_factor[:, None] * tied).max(axis=1)
+        return sync + self.optimizer_s
 
 
 @dataclass(frozen=True)
@@ -275,7 +298,7 @@ def layer_splits(problem: Problem, coeffs: list[StageCoefficients]) -> list[tupl
     Every split when there are at most ALL_SPLITS_UP_TO of them; otherwise the min-period split
     and a few looser ones: for a period cap P a stage holds at most
     ``min(memory cap, (P - fixed) / per_layer)`` layers; the smallest P whose caps sum to the
-    model's layers is found by bisection, then each split fills every stage with one layer and
+    model's layers is found greedily, then each split fills every stage with one layer and
     hands the rest to the fastest stages first (smallest fill time under that cap).
     """
     L, S = problem.model.num_layers, len(coeffs)
@@ -289,20 +312,18 @@ def layer_splits(problem: Problem, coeffs: list[StageCoefficients]) -> list[tupl
         return [min(m, int((period_cap - c.time_fixed) / c.time_per_layer + 1e-9))
                 for c, m in zip(coeffs, limits)]
 
-    lo = max(c.time_fixed + c.time_per_layer for c in coeffs)
-    hi = max(c.time_fixed + c.time_per_layer * m for c, m in zip(coeffs, limits))
-    if sum(max(0, x) for x in caps(lo)) < L:
-        for _ in range(30):
-            mid = 0.5 * (lo + hi)
-            if sum(max(0, x) for x in caps(mid)) >= L:
-                hi = mid
-            else:
-                lo = mid
-            if hi - lo < 1e-4 * hi:
-                break
-        base = hi
-    else:
-        base = lo
+    # The smallest period cap: give layers one at a time to the stage whose period grows least
+    # (greedy is exact for a min-max of increasing per-stage costs).
+    layers = [1] * S
+    grow = [(c.time_fixed + 2 * c.time_per_layer, s) for s, c in enumerate(coeffs) if limits[s] > 1]
+    heapq.heapify(grow)
+    for _ in range(L - S):
+        _, s = heapq.heappop(grow)
+        layers[s] += 1
+        if layers[s] < limits[s]:
+            c = coeffs[s]
+            heapq.heappush(grow, (c.time_fixed + (layers[s] + 1) * c.time_per_layer, s))
+    base = max(c.time_fixed + c.time_per_layer * n for c, n in zip(coeffs, layers))
     order = sorted(range(S), key=lambda s: coeffs[s].time_per_layer)
     splits: list[tuple[int, ...]] = []
     for slack in PERIOD_SLACKS:
