@@ -52,7 +52,8 @@ from megatron_autohet.plan import Plan
 from megatron_autohet.planner.scip_model import BOUND_TOLERANCE, Composition, CompositionModel
 from megatron_autohet.planner.space import (OptionTable, PipelineOption, Pool, Problem,
                                             assign_microbatches, build_plan, check_batch, evaluate,
-                                            layer_splits, make_pools, option_for_split,
+                                            layer_splits, layer_sync_s, make_pools,
+                                            option_for_split,
                                             ring_factor, stage_coefficients)
 from megatron_autohet.profiling.estimate import estimate_profile
 from megatron_autohet.profiling.profile import Profile
@@ -76,6 +77,8 @@ LEVEL_RATIO = 1.01
 PRUNE_TOLERANCE = 1e-3
 # Pipeline counts for which each GPU-count vector keeps its best option.
 KEEP_FOR_COUNTS = (1, 2, 4, 8, 32, 1024)
+# Two-pipeline plans with node-local layer sync judged by the cost model per config.
+PAIRS_TRIED = 3
 # Stacks of up to this many identical pipelines are tried with their stages sharing nodes.
 MAX_STACK = 4
 
@@ -163,8 +166,6 @@ class Config:
     def extras_at(self, pipelines: int) -> list[float]:
         """Each option's sync + optimizer level (grid value) with this many pipelines."""
         if pipelines not in self.extras:
-            if self.table is None:
-                self.table = OptionTable(self.options)
             self.extras[pipelines] = [_level(e) for e in self.table.extras_s(pipelines)]
         return self.extras[pipelines]
 
@@ -229,6 +230,7 @@ def build_options(problem: Problem, config: Config, max_stages: int | None) -> N
     config.options = [o for group in by_counts.values() if group
                       for o in _keep_best(group, problem.num_microbatches)]
     config.memory_bound = memory_bound
+    config.table = OptionTable(config.options) if config.options else None
 
 
 @dataclass(order=True)
@@ -320,6 +322,7 @@ class BranchAndBound:
         # (instead of the maximum over all pipelines) bounds every level of its (config, bin)
         # from below, and its composition is usually close to the best: it is solved first.
         floor: dict[tuple[int, int], float] = {}
+        fastest: dict[tuple[int, int], float] = {}
         while heap and time.monotonic() < self.deadline:
             br = heapq.heappop(heap)
             best_s = self.best.cost.iteration_time_s if self.best else math.inf
@@ -329,6 +332,7 @@ class BranchAndBound:
             if br.bin_index < 0:
                 if self._build(config):
                     self._stacks(config)
+                    self._pairs(config)
                     for branch in _branches(self.problem, config, br.config_index):
                         heapq.heappush(heap, branch)
                 continue
@@ -339,14 +343,21 @@ class BranchAndBound:
             models[key] = model
             if key not in floor:
                 offsets = config.extras_at(lo)
+                everything = [True] * len(config.options)
                 comp, floor[key] = model.min_makespan(
-                    [True] * len(config.options), br.lower_bound_s - br.level_s + min(offsets),
+                    everything, br.lower_bound_s - br.level_s + min(offsets),
                     None, best_s, BOUND_TOLERANCE, offsets)
                 if comp is not None:
                     self.offer(self._candidate(config, comp))
-            if floor[key] > br.lower_bound_s * (1 + PRUNE_TOLERANCE):
-                heapq.heappush(heap, Branch(floor[key], br.level_s, br.config_index,
-                                            br.bin_index))
+                # No level's makespan is below the makespan with every option allowed.
+                comp, fastest[key] = model.min_makespan(
+                    everything, config.fluid_bound_s, None, best_s - min(offsets),
+                    BOUND_TOLERANCE)
+                if comp is not None:
+                    self.offer(self._candidate(config, comp))
+            bound = max(floor[key], br.level_s + fastest[key])
+            if bound > br.lower_bound_s * (1 + PRUNE_TOLERANCE):
+                heapq.heappush(heap, Branch(bound, br.level_s, br.config_index, br.bin_index))
                 continue
             allowed = [e <= br.level_s for e in config.extras_at(lo)]
             # A composition feasible at a lower level stays feasible here.
@@ -383,6 +394,63 @@ class BranchAndBound:
             best = min(stackable, key=estimate)
             self.offer(self._candidate(config, Composition(
                 [d if o is best else 0 for o in config.options], 0.0)))
+
+    def _pairs(self, config: Config) -> None:
+        """Two-pipeline plans whose layer-wise sync may stay inside a node: a layer both
+        pipelines hold on one pool of 2+ TP groups per node syncs over NVLink once placement
+        puts the two stages together (the SCIP branches price every layer over the NIC). Every
+        pair of options that fits the pools is priced in closed form: the best two-way
+        micro-batch split (the crossing point of the two pipelines' times, rounded both ways),
+        plus the busier pipeline's sync with the co-held layers at the intra-node rate, plus the
+        slower optimizer step; the PAIRS_TRIED best are judged by the cost model."""
+        problem, options, pools = self.problem, config.options, config.pools
+        M, L, n = problem.num_microbatches, problem.model.num_layers, len(config.options)
+        nic = problem.sync_bandwidth_gbs
+        saving = np.array([layer_sync_s(problem, p) * (1 - nic / max(nic, p.intra_gbs))
+                           if p.groups_per_node >= 2 else 0.0 for p in pools])
+        table = config.table
+        best_s = self.best.cost.iteration_time_s if self.best else math.inf
+        if M < 2 or n < 2 or not saving.any() or (
+                table.fill_s.min() + (math.ceil(M / 2) - 1) * table.period_s.min() >= best_s):
+            return
+        fill_i, period_i = table.fill_s[:, None], table.period_s[:, None]
+        fill_j, period_j = table.fill_s[None, :], table.period_s[None, :]
+        crossing = (fill_j - fill_i + period_i + (M - 1) * period_j) / (period_i + period_j)
+        makespan = np.full((n, n), math.inf)
+        for m in (np.floor(crossing), np.ceil(crossing)):
+            m = np.clip(m, 1, M - 1)
+            makespan = np.minimum(makespan, np.maximum(fill_i + (m - 1) * period_i,
+                                                       fill_j + (M - m - 1) * period_j))
+        makespan += np.maximum(table.optimizer_s[:, None], table.optimizer_s[None, :])
+        use = np.array([[o.pools.count(k) for k in range(len(pools))] for o in options])
+        fits = ((use[:, None, :] + use[None, :, :]) <= [p.count for p in pools]).all(axis=2)
+        # Pairs that fit and could beat the best plan even with no sync at all.
+        i, j = np.nonzero(fits & np.triu(makespan < best_s, 1))
+        if not len(i):
+            return
+        layer_pool = np.array([[k for k, c in zip(o.pools, o.layers) for _ in range(c)]
+                               for o in options])
+        width = table.shared.shape[1]
+        bounds = np.array([list(itertools.accumulate(o.layers, initial=0))
+                           + [L] * (width - len(o.layers)) for o in options])
+        tied_factor = np.where(table.multi_stage, ring_factor(4), ring_factor(2))
+        # Per pair, the seconds (ring factor 1) each side saves on its co-held layers.
+        save = np.where(layer_pool[i] == layer_pool[j], saving[layer_pool[i]], 0.0)
+        cum = np.concatenate([np.zeros((len(i), 1)), np.cumsum(save, axis=1)], axis=1)
+
+        def busiest_sync(side: np.ndarray) -> np.ndarray:
+            rows = np.arange(len(side))[:, None]
+            stage_save = cum[rows, bounds[side, 1:]] - cum[rows, bounds[side, :-1]]
+            return (ring_factor(2) * (table.shared[side] - stage_save)
+                    + tied_factor[side, None] * table.tied[side]).max(axis=1)
+
+        estimate = makespan[i, j] + np.maximum(busiest_sync(i), busiest_sync(j))
+        for p in np.argsort(estimate)[:PAIRS_TRIED]:
+            if not estimate[p] < best_s:
+                break
+            pair = (i[p], j[p])
+            self.offer(self._candidate(config, Composition(
+                [int(k in pair) for k in range(n)], 0.0)))
 
     def _model(self, config: Config, bin_index: int) -> CompositionModel:
         lo, hi = PIPELINE_BINS[bin_index]

@@ -256,6 +256,12 @@ def _stage_coefficients(problem: Problem, pool: Pool, first: bool, last: bool, r
                              2 * opt1 - opt2, opt2 - opt1)
 
 
+def layer_sync_s(problem: Problem, pool: Pool) -> float:
+    """One layer's gradient all-reduce seconds at ring factor 1 over the sync link (one TP
+    shard of a GPU of this pool)."""
+    return _sync_terms(problem, problem.entry(pool), False, False, 1.0)[0]
+
+
 def _sync_terms(problem: Problem, entry: ProfileEntry, first: bool, last: bool,
                 tied_bandwidth_gbs: float) -> tuple[float, float, float, float]:
     """(per layer, fixed shared, tied over the sync link, tied over the pipeline's own link):
