@@ -1,18 +1,31 @@
 #!/usr/bin/env python
 """Benchmark the heterogeneous runtime: overhead vs stock megatron-core, and each proof plan.
 
-1. Homogeneous layout (configs/plans/tiny-homogeneous.yaml, TP1 x PP2 x DP2): in the SAME
-   processes, alternating rounds of stock megatron-core (runtime/stock.py: its own
-   parallel_state, GPTModel, 1F1B schedule, DistributedDataParallel grad all-reduce, megatron
-   optimizer with clipping; our initial weights and loss) and of our runtime (HeteroTrainer: parallel state from the plan, hetero P2P, layer-wise grad sync, Adam).
-   Alternating cancels drift of a shared machine; the ratio is ours / stock of the median
-   iteration time (target <= 1.03).
+1. Homogeneous layout (configs/plans/tiny-homogeneous.yaml, TP1 x PP2 x DP2): stock megatron-core
+   (runtime/stock.py: its own parallel_state, GPTModel, 1F1B schedule and P2P,
+   DistributedDataParallel grad all-reduce, megatron optimizer with clipping) and our runtime
+   (HeteroTrainer: parallel state from the plan, hetero P2P, layer-wise grad sync, Adam) live in
+   the SAME processes and take turns iteration by iteration (order ABBA, so neither always runs
+   first), on the same plan, initial weights, global batches and micro-batches. A shared, noisy
+   machine then slows both alike: each iteration of ours is paired with the adjacent one of stock,
+   and the reported ratio is the median of these paired ratios (target <= 1.03), with its
+   interquartile range; the ratio of the two medians is reported too. Fairness is checked, not
+   assumed: both train the same model on the same data, so the grad norms of the first 5
+   iterations must agree to 1e-5 (relative, as in the proofs) and later ones to 1e-2 (fp32
+   rounding drifts apart over many Adam steps); a mismatch aborts the benchmark.
+   Besides wall time, the CPU time of every rank is summed per iteration: with more processes than
+   cores, the work each iteration costs is what competes for the CPU.
 2. Per-iteration time of every proof plan (configs/plans/tiny-*.yaml) with our runtime.
 
-Every process gets the same global batches from the built-in corpus (megatron-core GPTDataset).
-Times are rank 0's wall time per iteration, first iterations of each round dropped (warm-up).
+Timed: an iteration's time is the slowest rank's wall time of ``train_step``, each rank timing
+from the barrier before it (the next iteration cannot start before the slowest rank is done);
+batches are read before the clock starts; the first WARMUP iterations of each trainer are dropped.
+The ratio's 95% confidence interval is the distribution-free one of a median (order statistics).
+The 1-minute load average before and after the run is recorded (other jobs on the machine show
+up there).
 
-    python scripts/bench_runtime.py [--iters 12] [--rounds 2] [--json bench-runtime.json]
+    python scripts/bench_runtime.py [--iters 150] [--plan-iters 20] [--homogeneous-only]
+                                    [--json bench-runtime.json]
 """
 
 from __future__ import annotations
@@ -21,6 +34,7 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import re
 import statistics
 import sys
 import time
@@ -30,39 +44,47 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PLANS = ROOT / "configs/plans"
 HOMOGENEOUS = "tiny-homogeneous.yaml"
-WARMUP = 2
+WARMUP = 3
 SEED, LR, CLIP = 1234, 1e-3, 1.0
+# Same model, same data: the grad norms agree like the proofs' (tests/test_equivalence.py: 1e-5 for
+# 5 iterations); over many Adam steps fp32 rounding differences grow (Adam turns rounding in
+# near-zero gradients into lr-sized steps), so later iterations only have to stay on the same
+# trajectory.
+SAME_NORM_ITERS, SAME_NORM_REL, DRIFT_NORM_REL = 5, 1e-5, 1e-2
+_MEGATRON_GLOBAL = re.compile(r"^_[A-Z0-9_]+$")
 
 
-def _stock_megatron_step_fn(plan, rank):
-    """Stock megatron-core on the homogeneous plan (runtime/stock.py); returns step, teardown."""
-    from megatron_autohet.runtime.stock import StockMegatronTrainer
+class _MegatronGlobals:
+    """The ``megatron.core.parallel_state`` globals one trainer installed. Both trainers of the
+    homogeneous comparison live in one process and megatron code reads these globals at step time
+    (finalize_model_grads, the optimizer's norm), so each step runs with its own trainer's."""
 
-    trainer = StockMegatronTrainer(plan, rank=rank, lr=LR, seed=SEED, clip_grad=CLIP)
-    return trainer.train_step, trainer.close
+    def __init__(self):
+        from megatron.core import parallel_state as mps
+        self.values = {k: v for k, v in vars(mps).items() if _MEGATRON_GLOBAL.match(k)}
+
+    def install(self):
+        from megatron.core import parallel_state as mps
+        for name, value in self.values.items():
+            setattr(mps, name, value)
 
 
-def _ours_step_fn(plan, plan_path, rank):
+def _trainers(plan, plan_path, rank, with_stock):
+    """{kind: (step(batch) -> grad norm, megatron globals)}, stock first (it resets megatron's)."""
     from megatron_autohet.runtime.trainer import HeteroTrainer
 
-    trainer = HeteroTrainer(plan, plan.model, rank=rank, lr=LR, seed=SEED, clip_grad=CLIP,
-                            plan_file=str(plan_path))
-    return trainer.train_step, None
+    trainers = {}
+    if with_stock:
+        from megatron_autohet.runtime.stock import StockMegatronTrainer
+        stock = StockMegatronTrainer(plan, rank=rank, lr=LR, seed=SEED, clip_grad=CLIP)
+        trainers["stock"] = (lambda batch: stock.train_step(batch).grad_norm, _MegatronGlobals())
+    ours = HeteroTrainer(plan, plan.model, rank=rank, lr=LR, seed=SEED, clip_grad=CLIP,
+                         plan_file=str(plan_path))
+    trainers["ours"] = (lambda batch: ours.train_step(batch).grad_norm, _MegatronGlobals())
+    return trainers
 
 
-def _timed(step, batches, iters):
-    import torch.distributed as dist
-
-    times = []
-    for i in range(iters):
-        dist.barrier()
-        start = time.perf_counter()
-        step(batches.batch(i))
-        times.append(time.perf_counter() - start)
-    return times[WARMUP:]
-
-
-def _rank_main(rank, world, port, plan_path, with_stock, iters, rounds, data_dir, results):
+def _rank_main(rank, world, port, plan_path, with_stock, iters, data_dir, results):
     try:
         import torch
         import torch.distributed as dist
@@ -77,22 +99,25 @@ def _rank_main(rank, world, port, plan_path, with_stock, iters, rounds, data_dir
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world)
         plan = load_plan(plan_path)
-        batches = build_global_batches(DataOptions(
+        data = build_global_batches(DataOptions(
             seq_length=plan.seq_length, global_batch_size=plan.global_batch_size,
             num_iterations=iters, seed=SEED, data_dir=data_dir), plan.model.vocab_size)
-        times = {"ours": [], "stock": []}
-        for _ in range(rounds if with_stock else 1):
-            kinds = ("stock", "ours") if with_stock else ("ours",)
-            for kind in kinds:
-                if kind == "stock":
-                    step, teardown = _stock_megatron_step_fn(plan, rank)
-                else:
-                    step, teardown = _ours_step_fn(plan, plan_path, rank)
-                times[kind] += _timed(step, batches, iters)
-                if teardown:
-                    teardown()
+        batches = [data.batch(i) for i in range(iters)]
+        trainers = _trainers(plan, plan_path, rank, with_stock)
+        kinds = list(trainers)
+        out = {kind: {"wall": [], "cpu": [], "grad_norm": []} for kind in kinds}
+        for i in range(iters):
+            for kind in (kinds if i % 2 == 0 else kinds[::-1]):     # ABBA...
+                step, megatron_globals = trainers[kind]
+                megatron_globals.install()
+                dist.barrier()
+                wall, cpu = time.perf_counter(), time.process_time()
+                grad_norm = step(batches[i])
+                out[kind]["wall"].append(time.perf_counter() - wall)
+                out[kind]["cpu"].append(time.process_time() - cpu)
+                out[kind]["grad_norm"].append(grad_norm)
         dist.destroy_process_group()
-        results.put((rank, True, times))
+        results.put((rank, True, out))
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
     finally:
@@ -101,7 +126,8 @@ def _rank_main(rank, world, port, plan_path, with_stock, iters, rounds, data_dir
         os._exit(0)
 
 
-def run_plan(plan_path: Path, *, with_stock: bool, iters: int, rounds: int, data_dir: str) -> dict:
+def run_plan(plan_path: Path, *, with_stock: bool, iters: int, data_dir: str) -> list[dict]:
+    """Every rank's {kind: {"wall", "cpu", "grad_norm": per-iteration lists}}, in rank order."""
     from megatron_autohet.plan import load_plan
     from megatron_autohet.runtime.launch import free_port
 
@@ -110,7 +136,7 @@ def run_plan(plan_path: Path, *, with_stock: bool, iters: int, rounds: int, data
     results = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_rank_main, args=(r, world, port, plan_path, with_stock, iters,
-                                                  rounds, data_dir, results))
+                                                  data_dir, results))
              for r in range(world)]
     for p in procs:
         p.start()
@@ -124,51 +150,113 @@ def run_plan(plan_path: Path, *, with_stock: bool, iters: int, rounds: int, data
         out[rank] = value
     for p in procs:
         p.join()
-    return out[0]
+    return [out[r] for r in range(world)]
+
+
+def _quartiles(values: list[float]) -> tuple[float, float, float]:
+    q1, q2, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return q1, q2, q3
+
+
+def _median_ci95(values: list[float]) -> tuple[float, float]:
+    """Distribution-free 95% confidence interval of the median: order statistics
+    n/2 -+ 1.96 sqrt(n)/2 (normal approximation of the binomial)."""
+    ordered, n = sorted(values), len(values)
+    half = 1.96 * n ** 0.5 / 2
+    return ordered[max(0, int(n / 2 - half))], ordered[min(n - 1, int(n / 2 + half))]
+
+
+def summarize(per_rank: list[dict], plan_name: str) -> dict:
+    """The slowest rank's wall time and all ranks' summed CPU time per kept iteration (ms); for
+    the stock comparison also the paired ratios, after checking both trained the same model."""
+    kept = slice(WARMUP, None)
+    entry = {}
+    for kind in per_rank[0]:
+        wall = [1000 * max(w) for w in zip(*(r[kind]["wall"] for r in per_rank))][kept]
+        cpu = [1000 * sum(c) for c in zip(*(r[kind]["cpu"] for r in per_rank))][kept]
+        entry[kind] = {"wall_ms": wall, "wall_quartiles_ms": _quartiles(wall),
+                       "cpu_all_ranks_ms": cpu, "cpu_quartiles_ms": _quartiles(cpu)}
+    if "stock" in entry:
+        worst = [0.0, 0.0]                  # the proof's first iterations, the rest
+        for rank, result in enumerate(per_rank):
+            for i, (ours, stock) in enumerate(zip(result["ours"]["grad_norm"],
+                                                  result["stock"]["grad_norm"])):
+                diff, strict = abs(ours - stock) / abs(stock), i < SAME_NORM_ITERS
+                worst[not strict] = max(worst[not strict], diff)
+                if diff > (SAME_NORM_REL if strict else DRIFT_NORM_REL):
+                    raise RuntimeError(f"{plan_name}: unfair comparison - iteration {i} on rank "
+                                       f"{rank}: grad norm {ours} (ours) vs {stock} (stock)")
+        entry["grad_norm_rel_diff_first"], entry["grad_norm_rel_diff_later"] = worst
+        paired = [o / s for o, s in zip(entry["ours"]["wall_ms"], entry["stock"]["wall_ms"])]
+        paired_cpu = [o / s for o, s in zip(entry["ours"]["cpu_all_ranks_ms"],
+                                            entry["stock"]["cpu_all_ranks_ms"])]
+        entry["paired_ratios"] = paired
+        entry["ratio_quartiles"] = _quartiles(paired)
+        entry["ratio"] = entry["ratio_quartiles"][1]
+        entry["ratio_ci95"] = _median_ci95(paired)
+        entry["ratio_of_medians"] = (entry["ours"]["wall_quartiles_ms"][1]
+                                     / entry["stock"]["wall_quartiles_ms"][1])
+        entry["cpu_ratio"] = _quartiles(paired_cpu)[1]
+    return entry
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--iters", type=int, default=12, help="iterations per measurement")
-    parser.add_argument("--rounds", type=int, default=2,
-                        help="alternating stock/ours rounds on the homogeneous plan")
+    parser.add_argument("--iters", type=int, default=150,
+                        help="iterations of each trainer in the ours-vs-stock comparison "
+                             f"(the first {WARMUP} are warm-up)")
+    parser.add_argument("--plan-iters", type=int, default=20,
+                        help="iterations of each other proof plan")
+    parser.add_argument("--homogeneous-only", action="store_true",
+                        help="only the ours-vs-stock comparison, not the other proof plans")
     parser.add_argument("--json", default="bench-runtime.json", help="where to write the results")
     parser.add_argument("--data-dir", default=None, help="corpus cache (see autohet train)")
     args = parser.parse_args(argv)
-    if args.iters <= WARMUP:
-        parser.error(f"--iters must be > {WARMUP} (the first {WARMUP} are warm-up)")
+    for name in ("iters", "plan_iters"):
+        if getattr(args, name) < WARMUP + 4:
+            parser.error(f"--{name.replace('_', '-')} must be >= {WARMUP + 4} (the first "
+                         f"{WARMUP} are warm-up)")
 
     from tqdm import tqdm
 
-    from megatron_autohet.data.batches import resolve_data_path, DataOptions
+    from megatron_autohet.data.batches import DataOptions, resolve_data_path
     resolve_data_path(DataOptions(64, 8, 1, data_dir=args.data_dir))    # build the corpus once
 
     plans = sorted(PLANS.glob("tiny-*.yaml"))
-    rows, report = [], {"iters": args.iters, "warmup": WARMUP, "rounds": args.rounds,
-                        "cpu_count": os.cpu_count(), "plans": {}}
+    if args.homogeneous_only:
+        plans = [PLANS / HOMOGENEOUS]
+    report = {"iters": args.iters, "plan_iters": args.plan_iters, "warmup": WARMUP,
+              "cpu_count": os.cpu_count(), "load_average_1min_before": os.getloadavg()[0],
+              "plans": {}}
     for plan_path in tqdm(plans, desc="plans", file=sys.stderr):
-        homogeneous = plan_path.name == HOMOGENEOUS
-        times = run_plan(plan_path, with_stock=homogeneous, iters=args.iters,
-                         rounds=args.rounds, data_dir=args.data_dir)
-        entry = {"ours_median_ms": 1000 * statistics.median(times["ours"]),
-                 "ours_ms": [1000 * t for t in times["ours"]]}
-        if homogeneous:
-            entry["stock_median_ms"] = 1000 * statistics.median(times["stock"])
-            entry["stock_ms"] = [1000 * t for t in times["stock"]]
-            entry["ratio"] = entry["ours_median_ms"] / entry["stock_median_ms"]
-            report["homogeneous_ratio"] = entry["ratio"]
-        report["plans"][plan_path.name] = entry
-        rows.append((plan_path.name, entry["ours_median_ms"], entry.get("stock_median_ms"),
-                     entry.get("ratio")))
+        per_rank = run_plan(plan_path, with_stock=plan_path.name == HOMOGENEOUS,
+                            iters=args.iters if plan_path.name == HOMOGENEOUS
+                            else args.plan_iters, data_dir=args.data_dir)
+        report["plans"][plan_path.name] = summarize(per_rank, plan_path.name)
+    report["load_average_1min_after"] = os.getloadavg()[0]
 
-    print(f"{'plan':28s} {'ours ms/iter':>13s} {'stock ms/iter':>14s} {'ours/stock':>11s}")
-    for name, ours, stock, ratio in rows:
-        print(f"{name:28s} {ours:13.1f} {stock if stock else float('nan'):14.1f} "
-              f"{ratio if ratio else float('nan'):11.3f}")
-    ratio = report.get("homogeneous_ratio")
-    if ratio is not None:
-        print(f"homogeneous overhead ours/stock = {ratio:.3f} (target <= 1.03): "
-              f"{'met' if ratio <= 1.03 else 'NOT met'}")
+    print(f"{'plan':27s} {'runtime':8s} {'wall ms/iter: q1  median   q3':>31s} "
+          f"{'CPU ms/iter, all ranks: median':>31s}")
+    for name, entry in report["plans"].items():
+        for kind in ("stock", "ours"):
+            if kind in entry:
+                q1, med, q3 = entry[kind]["wall_quartiles_ms"]
+                print(f"{name:27s} {kind:8s} {q1:13.1f} {med:8.1f} {q3:8.1f} "
+                      f"{entry[kind]['cpu_quartiles_ms'][1]:31.1f}")
+    homogeneous = report["plans"].get(HOMOGENEOUS, {})
+    if "ratio" in homogeneous:
+        q1, ratio, q3 = homogeneous["ratio_quartiles"]
+        low, high = homogeneous["ratio_ci95"]
+        print(f"homogeneous ours/stock (median of {len(homogeneous['paired_ratios'])} paired "
+              f"iterations) = {ratio:.3f} [95% CI {low:.3f}-{high:.3f}, IQR {q1:.3f}-{q3:.3f}], "
+              f"ratio of medians "
+              f"{homogeneous['ratio_of_medians']:.3f}, CPU {homogeneous['cpu_ratio']:.3f}; "
+              f"target <= 1.03: {'met' if ratio <= 1.03 else 'NOT met'}")
+        print(f"same model and data: grad norm rel diff ours vs stock "
+              f"{homogeneous['grad_norm_rel_diff_first']:.1e} (first {SAME_NORM_ITERS} "
+              f"iterations), {homogeneous['grad_norm_rel_diff_later']:.1e} (later)")
+    print(f"load average (1 min) before/after: {report['load_average_1min_before']:.2f} / "
+          f"{report['load_average_1min_after']:.2f} on {os.cpu_count()} CPUs")
     Path(args.json).write_text(json.dumps(report, indent=2))
     print(f"wrote {args.json}")
     return 0

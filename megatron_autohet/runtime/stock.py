@@ -25,10 +25,10 @@ single-process reference train the same model on the same data with the same obj
 difference is the system's. Everything that moves data between ranks is megatron's.
 
 "Homogeneous" means what megatron can express: every pipeline has the same stages (layer ranges,
-one TP degree for the whole plan, the standard 1F1B warm-up) and the same micro-batch count (megatron DDP
-averages over DP), and ranks are placed in megatron's default order (tp-cp-ep-dp-pp: global rank
-= tp_rank + tp * pipeline + tp * dp * stage). Anything else is a ValueError before a group is
-created.
+one TP degree for the whole plan, the standard 1F1B warm-up) and the same micro-batch count
+(megatron DDP averages over DP), and ranks are placed in megatron's default order (tp-cp-ep-dp-pp:
+global rank = tp_rank + tp * pipeline + tp * dp * stage). Anything else is a ValueError before a
+group is created.
 """
 
 from __future__ import annotations
@@ -56,7 +56,8 @@ def check_homogeneous(plan: Plan) -> None:
             raise ValueError(f"pipeline {p} has other stages than pipeline 0: not homogeneous")
         if pipeline.num_microbatches != first.num_microbatches:
             raise ValueError(f"pipeline {p} runs {pipeline.num_microbatches} micro-batches, "
-                             f"pipeline 0 {first.num_microbatches}: megatron DDP needs equal counts")
+                             f"pipeline 0 {first.num_microbatches}: megatron DDP needs equal "
+                             "counts")
     if any(s.tp != tp for s in first.stages):
         raise ValueError("stages differ in TP degree: megatron has one TP size")
     n = len(first.stages)
