@@ -19,7 +19,8 @@ is monotone in tau, and :meth:`CompositionModel.min_makespan` finds the smallest
 bisection, re-solving one SCIP model whose objective coefficients (``cap_j(tau)``, maximised) and
 variable bounds change between solves. SCIP stops at the first solution reaching M (objective
 limit), and after every feasible solve the upper end of the bracket drops to the composition's
-own exact makespan (greedy micro-batch split), so a handful of solves suffice. Identical
+own exact makespan (greedy micro-batch split), so a handful of solves suffice. A search that
+only needs to beat an incumbent asks first at that cut-off: one infeasible solve ends it. Identical
 pipelines share one variable, which removes their permutation symmetry; the number of GPUs only
 changes the right-hand sides G_k.
 """

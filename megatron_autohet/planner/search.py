@@ -8,7 +8,11 @@ non-linearly in an outer enumeration, and leaves an exact integer program to SCI
 1. **Configs**: a TP degree (symmetric TP, the default, DESIGN.md: one degree for every TP group,
    so every layer has the same degree in every replica; nodes it does not divide stay idle; with
    ``allow_asymmetric_tp`` one degree per GPU type, by coordinate descent from the best symmetric
-   choice) and the recompute mode (on only where memory limits a split, unless fixed).
+   choice) and the recompute mode (on only where memory limits a split, unless fixed). A config
+   enters the search unbuilt at its fluid bound (:func:`fluid_bound_s`: the layer passes of the
+   whole batch over the pools' total layer throughput); its options are built only if the search
+   reaches that bound, so configs that cannot win (often the recompute and the widest-TP ones)
+   cost nothing.
 2. **Pipeline options** per config (independent of the cluster size): stage sequences of at most
    ``max_stages`` TP groups: every order of GPU types for short pipelines (so the fast GPUs can
    sit at both ends, which carry the embedding and the output layer, and share a node for the
@@ -17,17 +21,27 @@ non-linearly in an outer enumeration, and leaves an exact integer program to SCI
    only the options that are best for some pipeline count (space.py, :func:`_keep_best`).
 3. **Branches** (config, D range, level E): D in a bin of pipeline counts (exact for D <= 4,
    bins of a few percent of sync error above), E a level on sync(D) + optimizer of the options
-   allowed (a geometric grid 1% apart). A branch's iteration time is at least
-   ``E + lower bound on the makespan`` (the larger of the shortest fill, the D-bin bound and the
-   fluid bound M / sum_k G_k r_k), and at most ``E + SCIP's makespan`` (scip_model.py).
-4. **Best first**: branches are solved in order of their lower bound, each a bisection of SCIP
-   feasibility solves, and the search stops when the next bound cannot beat the best plan by
-   more than the tolerance. Every branch's composition is turned into a plan (exact micro-batch
-   split, placement) and judged by the full cost model, which decides the incumbent.
+   allowed (a geometric grid LEVEL_RATIO apart). A branch's iteration time is at least
+   ``E + lower bound on the makespan``: the largest of the shortest fill, the D-bin bound, the
+   option-rate bound M / sum_k G_k r_k, the config's fluid bound and (once its (config, bin) is
+   first reached) SCIP's bound on the makespan with every option allowed; also at least the
+   (config, bin)'s relaxation that charges each pipeline only its own option's sync. It is at
+   most ``E + SCIP's makespan`` (scip_model.py).
+4. **Best first**: branches are solved in order of their lower bound. Each first asks SCIP
+   whether any composition beats the incumbent (one solve prunes most branches), then bisects
+   on the makespan. The search stops when the next bound cannot beat the best plan by more than
+   the tolerance. Every branch's composition is turned into a plan (exact micro-batch split,
+   placement) and judged by the full cost model, which decides the incumbent.
 5. **Incumbents from the baselines**: the Megatron-LM, Whale-style and fastest-type-only plans
    (planner/baselines.py) are points of this space (uniform grids, a subset of the GPUs); they
    seed the incumbent, as a MIP start does, so the result is never slower than any of them and
    their bound prunes branches from the start.
+6. **Node-local sync**: the branches price every layer's gradient sync over the NIC, but with
+   few pipelines the holders of a layer can share a node. Two closed-form families cover that
+   and are judged by the cost model when a config is built: stacks of D <= MAX_STACK identical
+   pipelines (:meth:`BranchAndBound._stacks`) and every pair of options that fits the pools, with
+   the layers both hold on one pool synced at the intra-node rate
+   (:meth:`BranchAndBound._pairs`).
 
 Bounded work: options depend on the GPU types and ``max_stages``, the SCIP model has one
 integer per option and one row per GPU type, the bins grow logarithmically with the GPU count;
@@ -71,8 +85,9 @@ MAX_STAGES_CAP = 16
 PIPELINE_BINS = ((1, 1), (2, 2), (3, 3), (4, 4), (5, 6), (7, 9), (10, 16), (17, 32), (33, 64),
                  (65, 128), (129, 256), (257, 512), (513, 1 << 30))
 # Sync + optimizer levels: a geometric grid this far apart (an option is charged the level at or
-# above its own value, so a branch overestimates that term by at most this fraction).
-LEVEL_RATIO = 1.01
+# above its own value, so a branch overestimates that term by at most this fraction; the plans
+# themselves are judged exactly, only pruning sees the grid).
+LEVEL_RATIO = 1.02
 # Stop when no branch's lower bound is this much below the best plan.
 PRUNE_TOLERANCE = 1e-3
 # Pipeline counts for which each GPU-count vector keeps its best option.
