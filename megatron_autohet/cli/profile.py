@@ -7,9 +7,9 @@ from the merged file, in which every entry says whether it was measured or estim
 
 from __future__ import annotations
 
-import argparse
 import logging
 
+from megatron_autohet.cli._common import positive
 from megatron_autohet.cli._table import format_table
 from megatron_autohet.errors import ConfigError
 
@@ -64,8 +64,7 @@ def run(args) -> int:
     for flag, values in (("--micro-batch-size", args.micro_batch_size),
                          ("--seq-length", args.seq_length or [])):
         for v in values:
-            if v <= 0:
-                raise ConfigError("<command line>", flag, f"got {v}", "a number > 0")
+            positive(v, flag)
     seq_lengths = args.seq_length or [model.seq_length]
     gpu = _device_type(args.as_gpu, catalog, local_accelerator(), catalog_name_for_device)
 
@@ -116,7 +115,6 @@ def format_profile(profile) -> str:
                      _ms(e.embedding.forward_s + e.embedding.backward_s),
                      _ms(e.output.forward_s + e.output.backward_s), e.layer.source))
     return format_table(header, rows) + "\n(times in ms per micro-batch, per GPU of the TP group)"
-
 
 
 def _ms(seconds: float) -> str:

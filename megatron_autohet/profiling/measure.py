@@ -43,7 +43,6 @@ import time
 import warnings
 import weakref
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 from megatron_autohet.errors import ConfigError
 from megatron_autohet.profiling.profile import OpCost, Profile, ProfileEntry
@@ -127,9 +126,10 @@ def measure_profile(model: ModelSpec, tp_degrees: list[int], micro_batch_sizes: 
             raise ConfigError("<command line>", "--tp", f"TP degree {tp} needs {tp} GPUs, this "
                               f"machine has {accelerator[2]}",
                               f"TP degrees up to {accelerator[2]}")
-    if warmup < 0 or iters < 1:
-        raise ConfigError("<command line>", "--iters", f"got warmup={warmup}, iters={iters}",
-                          "warmup >= 0 and iters >= 1")
+    if warmup < 0:
+        raise ConfigError("<command line>", "--warmup", f"got {warmup}", "a number >= 0")
+    if iters < 1:
+        raise ConfigError("<command line>", "--iters", f"got {iters}", "a number >= 1")
 
     logger.info("> measuring %s as %s on %s: TP %s, micro-batch sizes %s, seq lengths %s, "
                 "%d warm-up + %d timed iterations each", model.name, gpu,
