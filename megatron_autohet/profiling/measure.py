@@ -45,15 +45,12 @@ import weakref
 from dataclasses import asdict, dataclass
 
 from megatron_autohet.errors import ConfigError
-from megatron_autohet.profiling.profile import OpCost, Profile, ProfileEntry
+from megatron_autohet.profiling.estimate import padded_vocab_size
+from megatron_autohet.profiling.profile import OpCost, Profile, entry_from_dict
 from megatron_autohet.spec.gpus import GPUType
 from megatron_autohet.spec.model import ModelSpec
 
 logger = logging.getLogger(__name__)
-
-# Megatron pads the vocabulary to a multiple of this times the TP degree
-# (Megatron-LM --make-vocab-size-divisible-by, default 128).
-VOCAB_DIVISIBLE_BY = 128
 
 
 @dataclass(frozen=True)
@@ -69,11 +66,6 @@ class MeasureRequest:
     iters: int
     master_port: int
     result_dir: str
-
-
-def padded_vocab_size(vocab_size: int, tp: int) -> int:
-    multiple = VOCAB_DIVISIBLE_BY * tp
-    return -(-vocab_size // multiple) * multiple
 
 
 def catalog_name_for_device(device_name: str, memory_gib: float,
@@ -157,19 +149,13 @@ def measure_profile(model: ModelSpec, tp_degrees: list[int], micro_batch_sizes: 
                         raise RuntimeError(f"measurement processes for TP={tp} exited after "
                                            f"{received} of {expected} entries") from None
                     continue
-                profile.add(_entry_from_dict(entry))
+                profile.add(entry_from_dict(entry, "<measurement>"))
                 received += 1
                 bar.set_postfix_str(f"tp={tp} mbs={entry['micro_batch_size']} "
                                     f"seq={entry['seq_length']}")
                 bar.update(1)
             workers.join()
     return profile
-
-
-def _entry_from_dict(data: dict) -> ProfileEntry:
-    return ProfileEntry(gpu=data["gpu"], tp=data["tp"], micro_batch_size=data["micro_batch_size"],
-                        seq_length=data["seq_length"],
-                        **{part: OpCost(**data[part]) for part in ("layer", "embedding", "output")})
 
 
 def _free_port() -> int:
@@ -284,7 +270,7 @@ class _Bench:
 
         model = self.request.model
         return LanguageModelEmbedding(
-            self.config, vocab_size=padded_vocab_size(model.vocab_size, self.request.tp),
+            self.config, vocab_size=padded_vocab_size(model, self.request.tp),
             # Sized like GPTModel's: the model's positions, or more if a longer seq is measured.
             max_sequence_length=max(model.seq_length, *self.request.seq_lengths),
             position_embedding_type=model.position_embedding_type)
@@ -298,7 +284,7 @@ class _Bench:
         # GPTModel's output layer: column-parallel over the vocabulary, logits stay split.
         # With tied embeddings the last stage still holds (a synced copy of) this matrix.
         output = tensor_parallel.ColumnParallelLinear(
-            self.config.hidden_size, padded_vocab_size(model.vocab_size, self.request.tp),
+            self.config.hidden_size, padded_vocab_size(model, self.request.tp),
             config=self.config, init_method=self.config.init_method, bias=False,
             skip_bias_add=False, gather_output=False)
         return norm, output

@@ -25,8 +25,10 @@ from pathlib import Path
 import yaml
 
 from megatron_autohet.errors import ConfigError
+from megatron_autohet.spec._yaml import check_keys, get_field
 
 SOURCES = ("measured", "estimated")
+PARTS = ("layer", "embedding", "output")
 
 
 @dataclass(frozen=True)
@@ -108,30 +110,46 @@ class Profile:
     def from_dict(cls, data, file="<profile>") -> "Profile":
         if not isinstance(data, dict) or not isinstance(data.get("model"), str):
             raise ConfigError(file, "model", "missing", "the model name the profile was made for")
+        check_keys(data, {"model", "entries"}, file, "")
         entries = data.get("entries")
         if not isinstance(entries, list):
             raise ConfigError(file, "entries", "missing or not a list", "a list of entries")
         profile = cls(data["model"])
         for i, raw in enumerate(entries):
-            where = f"entries[{i}]"
-            if not isinstance(raw, dict):
-                raise ConfigError(file, where, f"expected a mapping, got {raw!r}")
-            try:
-                parts = {}
-                for part in ("layer", "embedding", "output"):
-                    cost = dict(raw[part])
-                    if cost.get("source", "estimated") not in SOURCES:
-                        raise ConfigError(file, f"{where}.{part}.source", f"got {cost['source']!r}",
-                                          ", ".join(SOURCES))
-                    parts[part] = OpCost(**cost)
-                entry = ProfileEntry(gpu=str(raw["gpu"]), tp=int(raw["tp"]),
-                                     micro_batch_size=int(raw["micro_batch_size"]),
-                                     seq_length=int(raw["seq_length"]), **parts)
-            except KeyError as exc:
-                raise ConfigError(file, f"{where}.{exc.args[0]}", "missing") from None
-            except TypeError as exc:
-                raise ConfigError(file, where, f"bad fields: {exc}",
-                                  "forward_s, backward_s, activation_bytes, "
-                                  "activation_bytes_recompute, param_count, source") from None
-            profile.add(entry)
+            profile.add(entry_from_dict(raw, file, f"entries[{i}]"))
         return profile
+
+
+_ENTRY_FIELDS = {"gpu", "tp", "micro_batch_size", "seq_length", *PARTS}
+_OP_COST_FIELDS = {"forward_s", "backward_s", "activation_bytes", "activation_bytes_recompute",
+                   "param_count", "source"}
+
+
+def entry_from_dict(raw, file="<profile>", where="entry") -> ProfileEntry:
+    """One entry of a profile file (or of a measuring process's report), every field checked."""
+    if not isinstance(raw, dict):
+        raise ConfigError(file, where, f"expected a mapping, got {raw!r}")
+    check_keys(raw, _ENTRY_FIELDS, file, where)
+    parts = {part: _op_cost_from_dict(get_field(raw, part, dict, file, where), file,
+                                      f"{where}.{part}") for part in PARTS}
+    return ProfileEntry(
+        gpu=get_field(raw, "gpu", str, file, where),
+        tp=get_field(raw, "tp", int, file, where, positive=True),
+        micro_batch_size=get_field(raw, "micro_batch_size", int, file, where, positive=True),
+        seq_length=get_field(raw, "seq_length", int, file, where, positive=True),
+        **parts)
+
+
+def _op_cost_from_dict(raw: dict, file, where: str) -> OpCost:
+    check_keys(raw, _OP_COST_FIELDS, file, where)
+    source = get_field(raw, "source", str, file, where, default="estimated")
+    if source not in SOURCES:
+        raise ConfigError(file, f"{where}.source", f"got {source!r}", ", ".join(SOURCES))
+    return OpCost(
+        forward_s=get_field(raw, "forward_s", float, file, where, min_value=0),
+        backward_s=get_field(raw, "backward_s", float, file, where, min_value=0),
+        activation_bytes=get_field(raw, "activation_bytes", float, file, where, min_value=0),
+        activation_bytes_recompute=get_field(raw, "activation_bytes_recompute", float, file,
+                                             where, min_value=0),
+        param_count=get_field(raw, "param_count", int, file, where, min_value=0),
+        source=source)
