@@ -38,7 +38,6 @@ import queue as queue_module
 import re
 import socket
 import statistics
-import tempfile
 import time
 import warnings
 import weakref
@@ -65,7 +64,6 @@ class MeasureRequest:
     warmup: int
     iters: int
     master_port: int
-    result_dir: str
 
 
 def catalog_name_for_device(device_name: str, memory_gib: float,
@@ -130,11 +128,10 @@ def measure_profile(model: ModelSpec, tp_degrees: list[int], micro_batch_sizes: 
     profile = Profile(model.name)
     total = len(tp_degrees) * len(micro_batch_sizes) * len(seq_lengths)
     context = mp.get_context("spawn")
-    with tempfile.TemporaryDirectory(prefix="autohet-measure-") as result_dir, \
-            tqdm(total=total, desc="measuring", unit="entry", disable=not progress) as bar:
+    with tqdm(total=total, desc="measuring", unit="entry", disable=not progress) as bar:
         for tp in tp_degrees:
             request = MeasureRequest(model, tp, tuple(micro_batch_sizes), tuple(seq_lengths), gpu,
-                                     warmup, iters, _free_port(), result_dir)
+                                     warmup, iters, _free_port())
             done = context.Queue()
             workers = mp.start_processes(_worker, args=(request, done), nprocs=tp, join=False,
                                          start_method="spawn")
