@@ -97,11 +97,7 @@ def rank_role(plan: Plan, rank: int) -> RankRole:
 
 
 def _dedup(holders: list[tuple[int, ...]]) -> tuple[tuple[int, ...], ...]:
-    out: list[tuple[int, ...]] = []
-    for h in holders:
-        if h not in out:
-            out.append(h)
-    return tuple(out)
+    return tuple(dict.fromkeys(holders))          # first occurrence wins: pipeline order kept
 
 
 def sync_group_specs(plan: Plan) -> list[SyncGroupSpec]:
