@@ -15,7 +15,9 @@ one more forward of the layers; ``t_s = f_s + b_s``.
   ``c_{S-1} = 0``. Every TP rank of a stage sends its full copy to its peer, in parallel.
 * **Pipeline (1F1B)**: ``T_pipe = sum_s (t_s + c_s) + (m - 1) * max_s (t_s + c_s)``: the first
   micro-batch flows through every stage and back (the fill and drain), and each further one adds
-  the slowest stage's period, its communication not overlapped (Megatron's P2P calls block).
+  the slowest stage's period, its communication not overlapped. This charges transfers as
+  blocking (stock megatron waits for its sends); the per-stage warm-up depths of a plan are not
+  in it (see "Warm-up depth" below).
 * **Gradient sync** is layer-wise (runtime/topology.sync_group_specs): a symmetric group of D
   holders is a ring all-reduce of one TP shard's fp32 gradients among D GPUs,
   ``2 (D-1)/D * bytes / bw_min`` with ``bw_min`` the slowest link among the group's GPUs; an
@@ -34,6 +36,29 @@ one more forward of the layers; ``t_s = f_s + b_s``.
   that layer is recomputed; + MEMORY_RESERVED_GIB for the CUDA context, NCCL buffers and
   allocator fragmentation. With tied embeddings a stage that is both first and last holds the
   shared matrix once.
+
+Warm-up depth (HAPT-style 1F1B): modelled in the event-level simulation only
+--------------------------------------------------------------------------------
+:func:`simulate_1f1b` plays the runtime's semantics (runtime/p2p.py: sends are posted and never
+waited for, receives block) with the plan's depths ``w_s``, assuming a posted send moves its
+bytes at once, one message after the other per link and direction (``c_s / 2`` each; eager
+delivery). Its steady state obeys, per stage interval [a, z], ``(w_a - w_z + 1) P >= sum_{a..z}
+t_i + sum_{a..z-1} c_i`` (micro-batch k crosses the interval both ways while a runs w_a and z
+w_z micro-batches ahead), plus ``P >= t_s`` and ``P >= c_s / 2``; so a deeper warm-up before a
+slow boundary lets the transfer overlap compute. That steady-state form is NOT a closed form of
+the makespan: with finite m the transients matter (checked on 3000 random pipelines: at the
+standard depths ``sum (t_s + c_s) + (m - 1) P`` bounds the simulation from above, up to 48% loose
+for small m; with deep warm-ups on link-bound pipelines the simulation runs up to 31% longer,
+because a deep warm-up downstream of a saturated link delays the first backward). The iteration
+time therefore still uses the blocking form above, which bounds the simulation at the standard
+depths (test_cost_model); a planner that picks depths must price them by the simulation.
+
+What is modelled, not measured: the speed effect rests on eager delivery. gloo sends only once
+the receive is posted (measured, runtime/p2p.py), NCCL moves a message beyond its connection
+buffers only while both sides' kernels run, and megatron's unpatched 1F1B posts each receive
+right before it needs the data; so on those transports an early send still moves when the
+receiver asks, and realising the overlap needs receives posted one micro-batch ahead in the
+communicator. The memory effect (min(w_s + 1, m) micro-batches of activations) is real either way.
 """
 
 from __future__ import annotations
@@ -123,8 +148,12 @@ def optimizer_step_s(param_count: float, memory_bandwidth_gbs: float) -> float:
 
 
 def pipeline_time_s(stage_periods: list[float], num_microbatches: int) -> float:
-    """1F1B time from per-stage periods ``t_s + c_s``: sum + (m - 1) * max."""
+    """1F1B time from per-stage periods ``t_s + c_s``: sum + (m - 1) * max (blocking transfers)."""
     return sum(stage_periods) + (num_microbatches - 1) * max(stage_periods)
+
+
+def standard_warmups(num_stages: int) -> list[int]:
+    return [num_stages - s - 1 for s in range(num_stages)]
 
 
 def grad_allreduce_s(param_count: float, holders: int, bandwidth_gbs: float) -> float:
@@ -248,8 +277,7 @@ def evaluate_plan(plan: Plan, cluster: Cluster, profile: Profile, with_timeline:
                 bw = cluster.link_bandwidth_gbs(node_of[stage.ranks[0]],
                                                 node_of[pipe.stages[s + 1].ranks[0]])
                 comm = p2p_s(model, plan.micro_batch_size, plan.seq_length, bw)
-            warmup = stage.warmup_microbatches if stage.warmup_microbatches is not None else S - s - 1
-            in_flight = min(warmup + 1, m)
+            in_flight = min(pipe.warmup_depths()[s] + 1, m)
             params = stage_param_count(entry, model, stage.num_layers, first, last)
             memory = stage_memory_bytes(entry, model, stage.num_layers, first, last,
                                         plan.activation_recompute, in_flight)
@@ -262,7 +290,7 @@ def evaluate_plan(plan: Plan, cluster: Cluster, profile: Profile, with_timeline:
                 stage_of_rank[r] = cost
         time = pipeline_time_s([c.time_s + c.p2p_s for c in stages], m)
         if with_timeline:
-            simulate_1f1b(stages, m, [st.warmup_microbatches for st in pipe.stages])
+            simulate_1f1b(stages, m, pipe.warmup_depths())
         pipelines.append(PipelineCost(m, time, stages))
 
     # Layer-wise gradient sync: charge each group's all-reduce to every GPU in it (the TP ranks
@@ -311,27 +339,29 @@ def evaluate_plan(plan: Plan, cluster: Cluster, profile: Profile, with_timeline:
 
 
 def simulate_1f1b(stages: list[StageCost], num_microbatches: int,
-                  warmups: list[int | None] | None = None) -> None:
-    """Fill ``stage.timeline`` with the event-level 1F1B schedule (for figures).
+                  warmups: list[int] | None = None) -> float:
+    """Fill ``stage.timeline`` with the event-level 1F1B schedule; returns its makespan.
 
-    Each stage runs its warm-up forwards, then alternates one forward / one backward, then drains
-    its backwards; an op starts when the stage is free and its input has arrived (the previous
-    stage's forward plus one transfer, or the next stage's backward plus one transfer). This is
-    for drawing; the iteration time is the closed form :func:`pipeline_time_s` the planner
-    optimises, which charges every transfer as blocking and so bounds this schedule's makespan
-    from above in the cases the tests check.
+    The runtime's semantics (module doc, "Warm-up depth"), op by op: stage s runs its ``warmups[s]``
+    forwards (standard depths by default), then alternates one forward / one backward, then
+    drains its backwards. An op starts when the stage is free and its input has arrived. A send
+    is posted when the op that produced it ends and never holds its stage up; it occupies its
+    link (one per boundary and direction) for ``p2p_s / 2``, messages one after the other, and
+    arrives when it leaves the link. At the standard depths the makespan is at most
+    :func:`pipeline_time_s`; with other depths only this simulation prices them (module doc).
     """
     S, m = len(stages), num_microbatches
+    depths = warmups if warmups is not None else standard_warmups(S)
     orders: list[list[tuple[str, int]]] = []
     for s in range(S):
-        w = warmups[s] if warmups and warmups[s] is not None else S - s - 1
-        w = min(w, m)
+        w = min(depths[s], m)
         order = [("fwd", i) for i in range(w)]
         for i in range(m - w):
             order += [("fwd", w + i), ("bwd", i)]
         order += [("bwd", i) for i in range(m - w, m)]
         orders.append(order)
-    done: dict[tuple[int, str, int], float] = {}
+    arrival: dict[tuple[int, str, int], float] = {}   # input of (stage, op, micro-batch) is there
+    link_free = {(s, kind): 0.0 for s in range(S) for kind in ("fwd", "bwd")}
     free = [0.0] * S
     nxt = [0] * S
     for st in stages:
@@ -343,31 +373,32 @@ def simulate_1f1b(stages: list[StageCost], num_microbatches: int,
             while nxt[s] < len(orders[s]):
                 kind, i = orders[s][nxt[s]]
                 if kind == "fwd":
-                    dep = 0.0 if s == 0 else done.get((s - 1, "fwd", i))
-                    if dep is not None and s > 0:
-                        dep += stages[s - 1].p2p_s / 2
+                    dep = 0.0 if s == 0 else arrival.get((s, kind, i))
                     duration = stages[s].forward_s
                 else:
-                    if s == S - 1:
-                        dep = done.get((s, "fwd", i))
-                    else:
-                        dep = done.get((s + 1, "bwd", i))
-                        if dep is not None:
-                            dep += stages[s].p2p_s / 2
+                    dep = arrival.get((s, kind, i))
                     duration = stages[s].backward_s
                 if dep is None:
                     break
                 start = max(free[s], dep)
                 end = start + duration
                 free[s] = end
-                done[(s, kind, i)] = end
                 stages[s].timeline.append(TimelineEvent(start, end, kind, i))
+                # Post the send (activation forward, gradient backward) or hand over locally.
+                if kind == "fwd" and s == S - 1:
+                    arrival[(s, "bwd", i)] = end
+                elif kind == "fwd" or s > 0:
+                    boundary, peer = (s, s + 1) if kind == "fwd" else (s - 1, s - 1)
+                    leave = max(end, link_free[(boundary, kind)]) + stages[boundary].p2p_s / 2
+                    link_free[(boundary, kind)] = leave
+                    arrival[(peer, kind, i)] = leave
                 nxt[s] += 1
                 remaining -= 1
                 progressed = True
         if not progressed:  # cannot happen for a valid warm-up; guard against a silent hang
             raise ConfigError("<plan>", "warmup_microbatches", "the 1F1B order deadlocks",
                               "warm-up depths that let every stage make progress")
+    return max(free)
 
 
 def annotate_plan(plan: Plan, cost: PlanCost) -> Plan:

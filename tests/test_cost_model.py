@@ -1,8 +1,11 @@
 """Cost-model formulas on a hand-built profile with round numbers."""
 
+import random
+
 import pytest
 
-from megatron_autohet.cost_model import GIB, MEMORY_RESERVED_GIB, evaluate_plan, pipeline_time_s
+from megatron_autohet.cost_model import (GIB, MEMORY_RESERVED_GIB, StageCost, evaluate_plan,
+                                         pipeline_time_s, simulate_1f1b)
 from megatron_autohet.plan import Pipeline, Plan, RankInfo, Stage
 from megatron_autohet.profiling.estimate import LINK_EFFICIENCY, MEMORY_EFFICIENCY
 from megatron_autohet.profiling.profile import OpCost, Profile, ProfileEntry
@@ -91,3 +94,46 @@ def test_timeline_is_1f1b_and_fits_in_the_closed_form():
 
 def test_pipeline_formula():
     assert pipeline_time_s([1.0, 2.0, 1.5], 4) == 4.5 + 3 * 2.0
+
+
+def _stage(fwd, bwd, p2p):
+    return StageCost(0, 0, "x", 1, (0, 1), fwd, bwd, p2p, None, 1, 1, 1.0, 1.0, 0.0, 0.0)
+
+
+def test_deeper_warmup_overlaps_a_slow_link_in_the_simulation():
+    # Two stages, f = 1, b = 2, a boundary whose transfer takes 2 each way (c = 4), m = 6.
+    # Standard depth 1: stage 0's backwards end at 10, 13, 20, 23, 30, 33 (a round trip of
+    # 1 + 2 + 3 + 2 + 2 = 10 covers two micro-batches). Depth 5: stage 0 sends all six
+    # activations by 6; stage 1 then computes back to back from 3 (activation k is there at
+    # k + 3 <= 3 + 3k), gradient k leaves it at 6 + 3k and arrives at 8 + 3k, so stage 0's
+    # backwards end at 10, 13, ..., 25.
+    stages = [_stage(1.0, 2.0, 4.0), _stage(1.0, 2.0, 0.0)]
+    assert simulate_1f1b(stages, 6, [1, 0]) == pytest.approx(33.0)
+    assert [e.end_s for e in stages[0].timeline if e.kind == "bwd"] == pytest.approx(
+        [10, 13, 20, 23, 30, 33])
+    assert simulate_1f1b(stages, 6, [5, 0]) == pytest.approx(25.0)
+    assert [e.end_s for e in stages[0].timeline if e.kind == "bwd"] == pytest.approx(
+        [10, 13, 16, 19, 22, 25])
+    assert pipeline_time_s([7.0, 3.0], 6) == pytest.approx(45.0)   # the blocking form
+
+
+def test_simulation_at_standard_depths_within_the_blocking_form():
+    rng = random.Random(3)
+    for _ in range(200):
+        n, m = rng.randint(2, 5), rng.randint(1, 12)
+        stages = [_stage(rng.uniform(0.5, 2), rng.uniform(1, 4),
+                         rng.choice([0.0, 0.1, 1.0, 4.0, 10.0]) if s < n - 1 else 0.0)
+                  for s in range(n)]
+        makespan = simulate_1f1b(stages, m)
+        assert makespan <= pipeline_time_s([s.time_s + s.p2p_s for s in stages], m) + 1e-9
+
+
+def test_plan_warmup_depth_keeps_more_activations():
+    plan = _plan()
+    plan.pipelines[0].stages[0].warmup_microbatches = 2
+    deep = evaluate_plan(plan.validate(), CLUSTER, _profile()).pipelines[0].stages[0]
+    std = evaluate_plan(_plan(), CLUSTER, _profile()).pipelines[0].stages[0]
+    assert (deep.in_flight_microbatches, std.in_flight_microbatches) == (3, 2)
+    assert (deep.memory_gib - std.memory_gib) * GIB == pytest.approx(2 * 10 + 5)
+    assert [(e.kind, e.microbatch) for e in deep.timeline] == [
+        ("fwd", 0), ("fwd", 1), ("fwd", 2), ("bwd", 0), ("bwd", 1), ("bwd", 2)]
