@@ -196,7 +196,8 @@ def plan_from_dict(data: dict, file: str | Path = "<plan>") -> Plan:
                 raise ConfigError(file, f"{swhere}.ranks", f"got {stage_ranks!r}",
                                   "a non-empty list of global ranks")
             layers = get_field(sraw, "layers", list, file, swhere)
-            if len(layers) != 2 or not all(isinstance(x, int) for x in layers):
+            if len(layers) != 2 or not all(isinstance(x, int) and not isinstance(x, bool)
+                                           for x in layers):
                 raise ConfigError(file, f"{swhere}.layers", f"got {layers!r}",
                                   "[start, end): two integers, end exclusive")
             stages.append(Stage(
@@ -265,6 +266,12 @@ def validate_plan(plan: Plan, file: str | Path = "<plan>") -> None:
     if not plan.pipelines:
         raise ConfigError(file, "pipelines", "empty", "at least one pipeline")
     model = plan.model
+    # The stage model sizes its learned position table by the model's seq_length; a longer
+    # sequence would index past it in the first forward pass.
+    if model.position_embedding_type == "learned_absolute" and plan.seq_length > model.seq_length:
+        raise ConfigError(file, "seq_length", f"{plan.seq_length} > the model's seq_length "
+                          f"{model.seq_length} (learned position embeddings)",
+                          f"at most {model.seq_length}, or a model with rope positions")
     owner: dict[int, str] = {}
     for p, pipe in enumerate(plan.pipelines):
         where = f"pipelines[{p}]"

@@ -114,6 +114,20 @@ def test_layers_stop_short(raw):
                       "(allowed: the last stage ends at num_layers = 6)")
 
 
+def test_layers_not_integers(raw):
+    raw["pipelines"][1]["stages"][0]["layers"] = [False, 6]
+    expect_error(raw, "field 'pipelines[1].stages[0].layers': got [False, 6] "
+                      "(allowed: [start, end): two integers, end exclusive)")
+
+
+def test_sequence_longer_than_learned_positions(raw):
+    raw["seq_length"] = 128
+    expect_error(raw, "field 'seq_length': 128 > the model's seq_length 64 (learned position "
+                      "embeddings) (allowed: at most 64, or a model with rope positions)")
+    raw["model"]["position_embedding_type"] = "rope"
+    assert plan_from_dict(raw, "plan.yaml").seq_length == 128
+
+
 def test_layers_malformed(raw):
     raw["pipelines"][1]["stages"][0]["layers"] = [0, 3, 6]
     expect_error(raw, "field 'pipelines[1].stages[0].layers': got [0, 3, 6] "
