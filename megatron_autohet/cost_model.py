@@ -343,8 +343,9 @@ def simulate_1f1b(stages: list[StageCost], num_microbatches: int,
     """Fill ``stage.timeline`` with the event-level 1F1B schedule; returns its makespan.
 
     The runtime's semantics (module doc, "Warm-up depth"), op by op: stage s runs its
-    ``warmups[s]`` forwards (standard depths by default), then alternates one forward / one backward, then
-    drains its backwards. An op starts when the stage is free and its input has arrived. A send
+    ``warmups[s]`` forwards (standard depths by default), then alternates one forward / one
+    backward, then drains its backwards. An op starts when the stage is free and its input has
+    arrived. A send
     is posted when the op that produced it ends and never holds its stage up; it occupies its
     link (one per boundary and direction) for ``p2p_s / 2``, messages one after the other, and
     arrives when it leaves the link. At the standard depths the makespan is at most
