@@ -79,6 +79,14 @@ def test_catalog_not_yaml(tmp_path):
     assert str(info.value).startswith(f"{path}: field '<file>': not valid YAML:")
 
 
+def test_model_file_not_text(tmp_path):
+    path = tmp_path / "model.yaml"
+    path.write_bytes(b"name: x\n\xff\xfe: 1\n")
+    with pytest.raises(ConfigError) as info:
+        load_model(path)
+    assert str(info.value).startswith(f"{path}: field '<file>': not valid YAML:")
+
+
 def test_catalog_top_level_not_a_mapping(tmp_path):
     expect_error(load_gpu_catalog, write(tmp_path, "gpus.yaml", "- A100\n"),
                  "field '<top level>': expected a mapping, got list")

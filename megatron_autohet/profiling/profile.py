@@ -102,7 +102,7 @@ class Profile:
             raise ConfigError(path, "<file>", "file not found", "a profile written by `autohet profile`")
         try:
             data = json.loads(path.read_text()) if path.suffix == ".json" else yaml.safe_load(path.read_text())
-        except (json.JSONDecodeError, yaml.YAMLError) as exc:
+        except (json.JSONDecodeError, yaml.YAMLError, UnicodeDecodeError) as exc:
             raise ConfigError(path, "<file>", f"cannot parse: {exc}") from None
         return cls.from_dict(data, path)
 

@@ -21,7 +21,7 @@ def read_yaml_mapping(path: str | Path) -> dict:
         raise ConfigError(path, "<file>", "file not found", "a path to an existing YAML file")
     try:
         data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
+    except (yaml.YAMLError, UnicodeDecodeError) as exc:
         raise ConfigError(path, "<file>", f"not valid YAML: {exc}") from None
     if not isinstance(data, dict):
         raise ConfigError(path, "<top level>", f"expected a mapping, got {type(data).__name__}")
