@@ -41,11 +41,15 @@ import time
 import traceback
 from pathlib import Path
 
+from megatron_autohet.runtime.optimizer import OptimizerSettings
+
 ROOT = Path(__file__).resolve().parents[1]
 PLANS = ROOT / "configs/plans"
 HOMOGENEOUS = "tiny-homogeneous.yaml"
 WARMUP = 3
-SEED, LR, CLIP = 1234, 1e-3, 1.0
+SEED = 1234
+# AdamW at Megatron's default weight decay, constant lr (no scheduler: timing only).
+OPTIMIZER = OptimizerSettings(lr=1e-3, clip_grad=1.0, lr_decay_style="constant")
 # Same model, same data: the grad norms agree like the proofs' (tests/test_equivalence.py: 1e-5 for
 # 5 iterations); over many Adam steps fp32 rounding differences grow (Adam turns rounding in
 # near-zero gradients into lr-sized steps), so later iterations only have to stay on the same
@@ -76,9 +80,9 @@ def _trainers(plan, plan_path, rank, with_stock):
     trainers = {}
     if with_stock:
         from megatron_autohet.runtime.stock import StockMegatronTrainer
-        stock = StockMegatronTrainer(plan, rank=rank, lr=LR, seed=SEED, clip_grad=CLIP)
+        stock = StockMegatronTrainer(plan, rank=rank, seed=SEED, optimizer=OPTIMIZER)
         trainers["stock"] = (lambda batch: stock.train_step(batch).grad_norm, _MegatronGlobals())
-    ours = HeteroTrainer(plan, plan.model, rank=rank, lr=LR, seed=SEED, clip_grad=CLIP,
+    ours = HeteroTrainer(plan, plan.model, rank=rank, seed=SEED, optimizer=OPTIMIZER,
                          plan_file=str(plan_path))
     trainers["ours"] = (lambda batch: ours.train_step(batch).grad_norm, _MegatronGlobals())
     return trainers

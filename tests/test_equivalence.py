@@ -1,7 +1,8 @@
 """The proof of issue 3: heterogeneous training equals single-process training.
 
-For each proof plan (configs/plans/tiny-*.yaml) the tiny GPT trains ITERS iterations with Adam
-and gradient clipping on the same global batches, from the same layout-independent initial
+For each proof plan (configs/plans/tiny-*.yaml) the tiny GPT trains ITERS iterations with AdamW
+(decoupled weight decay, none on biases and 1-D parameters), gradient clipping and megatron-core's
+learning-rate schedule (warm-up, then cosine decay to a minimum) on the same global batches, from the same layout-independent initial
 weights, (1) with our runtime on one gloo process per planned GPU and (2) in one process
 (runtime/reference.py). Required (fp32): every iteration's loss and grad norm within a relative
 1e-5 of the reference, every rank reporting the same metrics, and after the run every replica's
@@ -10,7 +11,9 @@ The homogeneous plan is also trained with stock megatron-core (its own parallel_
 DistributedDataParallel grad all-reduce and optimizer) for the same losses.
 
 Learning rate and clipping are chosen so that clipping is active in the first iterations and not
-in the later ones, and the weights move far enough (lr 3e-3) that a wrong gradient shows.
+in the later ones, and the weights move far enough (peak lr 3e-3) that a wrong gradient shows.
+Weight decay 0.1 (GPT-3's) rather than Megatron's default 0.01 so that the decay is large enough
+to show in the final parameters.
 """
 
 from __future__ import annotations
@@ -23,10 +26,15 @@ import pytest
 import torch
 
 from megatron_autohet.plan import load_plan
+from megatron_autohet.runtime.optimizer import OptimizerSettings
 from dist_utils import run_on_ranks
 
 PLANS = Path(__file__).resolve().parents[1] / "configs" / "plans"
-ITERS, LR, CLIP, SEED = 5, 3e-3, 1.0, 1234
+ITERS, SEED = 5, 1234
+CLIP = 1.0
+# iteration lrs: 0 (warm-up start), 3e-3, then cosine down towards 3e-4 (megatron's scheduler)
+OPTIMIZER = OptimizerSettings(lr=3e-3, min_lr=3e-4, weight_decay=0.1, clip_grad=CLIP,
+                              lr_warmup_iters=1, lr_decay_style="cosine")
 REL = 1e-5
 PARAM_TENSOR_REL = 1e-3
 
@@ -50,22 +58,37 @@ def _reference(rank, world, plan, batches):
 
     params: dict = {}
     steps = run_reference(plan.model, batches, micro_batch_size=plan.micro_batch_size, seed=SEED,
-                          lr=LR, clip_grad=CLIP, padded_vocab=plan_padded_vocab_size(plan),
+                          optimizer=OPTIMIZER, padded_vocab=plan_padded_vocab_size(plan),
                           final_params=params)
-    return [(s.loss, s.grad_norm) for s in steps], params
+    return [(s.loss, s.grad_norm) for s in steps], params, [s.learning_rate for s in steps]
+
+
+def _scheduled_steps(trainer, batches) -> tuple[list, list[float]]:
+    """train_step per batch with megatron-core's scheduler stepping the trainer's optimizer (as
+    `autohet train` does); returns the steps and the learning rate each one used."""
+    from megatron_autohet.runtime.optimizer import make_lr_scheduler
+
+    scheduler = make_lr_scheduler(trainer.optimizer, OPTIMIZER, len(batches))
+    steps, rates = [], []
+    for batch in batches:
+        rates.append(trainer.optimizer.param_groups[0]["lr"])
+        steps.append(trainer.train_step(batch))
+        scheduler.step(1)
+    return steps, rates
 
 
 def _hetero(rank, world, plan, batches, sequence_parallel=False):
     from megatron_autohet.runtime.trainer import HeteroTrainer
 
-    trainer = HeteroTrainer(plan, plan.model, rank=rank, lr=LR, seed=SEED, clip_grad=CLIP,
+    trainer = HeteroTrainer(plan, plan.model, rank=rank, seed=SEED, optimizer=OPTIMIZER,
                             sequence_parallel=sequence_parallel)
     start = time.perf_counter()
-    metrics = [trainer.train_step(batch) for batch in batches]
+    metrics, rates = _scheduled_steps(trainer, batches)
     elapsed = time.perf_counter() - start
     shards = {name: (trainer.layouts[name], param.detach().clone())
               for name, param in trainer.model.named_parameters()}
-    return [(m.loss, m.grad_norm) for m in metrics], shards, trainer.state.role.stage.ranks, elapsed
+    return ([(m.loss, m.grad_norm) for m in metrics], shards, trainer.state.role.stage.ranks,
+            elapsed, rates)
 
 
 def rel(a: float, b: float) -> float:
@@ -84,7 +107,7 @@ def check_final_params(plan, results, reference_params) -> tuple[float, float]:
     lr 3e-3 against weights of std 0.02).
     """
     replicas: dict[tuple[str, tuple[int, ...]], dict[int, tuple]] = {}
-    for _, shards, stage_ranks, _ in results:
+    for _, shards, stage_ranks, *_ in results:
         for layout, value in shards.values():
             replicas.setdefault((layout.global_name, stage_ranks), {})[layout.tp_rank] = (
                 layout, value)
@@ -131,9 +154,12 @@ PROOF_PLANS = [   # (plan, sequence parallelism on the TP>1 stages)
 
 @pytest.mark.parametrize("plan_file,sequence_parallel", PROOF_PLANS)
 def test_plan_trains_like_one_process(plan_file, sequence_parallel, record_property):
-    reference = check_plan_trains_like_one_process(load_plan(PLANS / plan_file),
-                                                   sequence_parallel, record_property, plan_file)
+    reference, rates = check_plan_trains_like_one_process(
+        load_plan(PLANS / plan_file), sequence_parallel, record_property, plan_file)
     assert reference[0][1] > CLIP > reference[-1][1]   # clipping was active, then not
+    # warm-up from 0, the peak, then a cosine decay that has not reached the minimum
+    assert rates[0] == 0.0 and rates[1] == OPTIMIZER.lr
+    assert OPTIMIZER.lr > rates[2] > rates[3] > rates[4] > OPTIMIZER.min_lr
 
 
 def test_llama_style_model_on_asymmetric_plan(record_property):
@@ -149,12 +175,13 @@ def test_llama_style_model_on_asymmetric_plan(record_property):
 
 def check_plan_trains_like_one_process(plan, sequence_parallel, record_property, label):
     batches = global_batches(plan, ITERS)
-    reference, reference_params = run_on_ranks(1, _reference, plan, batches)[0]
+    reference, reference_params, reference_rates = run_on_ranks(1, _reference, plan, batches)[0]
     results = run_on_ranks(plan.world_size, _hetero, plan, batches, sequence_parallel,
                            timeout=180)
     ours = results[0][0]
-    for rank, (metrics, *_) in enumerate(results):
+    for rank, (metrics, *_, rates) in enumerate(results):
         assert metrics == ours, f"rank {rank} reports other metrics than rank 0"
+        assert rates == reference_rates, (rank, rates, reference_rates)
     assert len(ours) == ITERS
     loss_diffs = [rel(a[0], b[0]) for a, b in zip(ours, reference)]
     norm_diffs = [rel(a[1], b[1]) for a, b in zip(ours, reference)]
@@ -168,7 +195,7 @@ def check_plan_trains_like_one_process(plan, sequence_parallel, record_property,
                         ("seconds_per_iteration", max(r[3] for r in results) / ITERS)):
         record_property(name, value)
         print(f"{label} sp={sequence_parallel}: {name} = {value:.3g}")
-    return reference
+    return reference, reference_rates
 
 
 # ---- stock megatron-core on the homogeneous plan ---------------------------------------------
@@ -178,19 +205,22 @@ def _stock_megatron(rank, world, plan, batches):
     optimizer, from the same layout-independent weights (runtime/stock.py)."""
     from megatron_autohet.runtime.stock import StockMegatronTrainer
 
-    trainer = StockMegatronTrainer(plan, rank=rank, lr=LR, seed=SEED, clip_grad=CLIP)
-    per_step = []
-    for batch in batches:
-        step = trainer.train_step(batch)
-        per_step.append((step.losses, step.grad_norm))
+    trainer = StockMegatronTrainer(plan, rank=rank, seed=SEED, optimizer=OPTIMIZER)
+    steps, _ = _scheduled_steps(trainer, batches)
+    shards = {name: (trainer.layouts[name], param.detach().clone())
+              for name, param in trainer.model.module.named_parameters()}
     trainer.close()
-    return per_step
+    return [(step.losses, step.grad_norm) for step in steps], shards, trainer.role.stage.ranks
 
 
 def test_homogeneous_plan_matches_stock_megatron_core():
+    """Same losses and grad norms as stock megatron-core; and stock megatron-core's final weights
+    equal the reference's: megatron's own parameter groups decay exactly the parameters our
+    rule decays (with weight decay 0.1 a norm weight decayed by mistake moves ~1e-3)."""
     plan = load_plan(PLANS / "tiny-homogeneous.yaml")
     batches = global_batches(plan, ITERS)
-    stock = run_on_ranks(plan.world_size, _stock_megatron, plan, batches, timeout=180)
+    stock_results = run_on_ranks(plan.world_size, _stock_megatron, plan, batches, timeout=180)
+    stock = [metrics for metrics, *_ in stock_results]
     ours = run_on_ranks(plan.world_size, _hetero, plan, batches, timeout=180)[0][0]
     total = plan.num_microbatches_total
     diffs = []
@@ -203,3 +233,7 @@ def test_homogeneous_plan_matches_stock_megatron_core():
     print(f"vs stock megatron-core: max loss / grad-norm rel diff "
           f"{max(d[0] for d in diffs):.2e} / {max(d[1] for d in diffs):.2e}")
     assert max(max(d) for d in diffs) <= REL, diffs
+    _, reference_params, _ = run_on_ranks(1, _reference, plan, batches)[0]
+    whole, worst = check_final_params(plan, stock_results, reference_params)
+    print(f"stock megatron-core vs reference: final params rel diff {whole:.2e} "
+          f"(worst tensor {worst:.2e})")

@@ -15,6 +15,7 @@ import torch
 from dist_utils import run_on_ranks
 from megatron_autohet.plan import Pipeline, RankInfo, Stage, load_plan
 from megatron_autohet.runtime.init import ParamLayout
+from megatron_autohet.runtime.optimizer import OptimizerSettings
 from megatron_autohet.spec.model import load_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,7 +26,9 @@ LLAMA_TINY = replace(TINY, name="llama-tiny", num_layers=2, num_query_groups=2,
                      gated_linear_unit=True, position_embedding_type="rope",
                      tie_embeddings=False)
 SEQ = 32
-LR, CLIP, SEED = 1e-3, 1.0, 1234
+SEED = 1234
+# constant learning rate: the stock trainer runs without a scheduler here
+OPTIMIZER = OptimizerSettings(lr=1e-3, clip_grad=1.0, lr_decay_style="constant")
 
 
 def global_batches(model, count, rows, seed=0):
@@ -52,8 +55,8 @@ def one_pipeline_plan(model, stages, num_microbatches, micro_batch_size=2):
 
 def _reference(rank, world, model, batches, padded_vocab, micro_batch_size=2):
     from megatron_autohet.runtime.reference import run_reference
-    return run_reference(model, batches, micro_batch_size=micro_batch_size, seed=SEED, lr=LR,
-                         clip_grad=CLIP, padded_vocab=padded_vocab)
+    return run_reference(model, batches, micro_batch_size=micro_batch_size, seed=SEED,
+                         optimizer=OPTIMIZER, padded_vocab=padded_vocab)
 
 
 # ---- stock megatron-core TP2 x PP2 ----------------------------------------------------------
@@ -63,7 +66,7 @@ def _stock_megatron_tp2_pp2(rank, world, batches):
 
     # Megatron's rank order for TP2 x PP2: TP groups {0,1}, {2,3}; stage 0 = {0,1}.
     plan = one_pipeline_plan(TINY, [([0, 1], (0, 3)), ([2, 3], (3, 6))], num_microbatches=4)
-    trainer = StockMegatronTrainer(plan, rank=rank, lr=LR, seed=SEED, clip_grad=CLIP)
+    trainer = StockMegatronTrainer(plan, rank=rank, seed=SEED, optimizer=OPTIMIZER)
     results = []
     for batch in batches:
         step = trainer.train_step(batch)

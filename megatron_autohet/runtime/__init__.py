@@ -5,5 +5,6 @@ cpu_mode        megatron-core on a CPU-only torch with gloo (device mapping, RNG
 parallel_state  this rank's process groups: megatron ProcessGroupCollection + parallel_state globals
 stage_model     this rank's stage: megatron-core GPTModel with global layer numbers; ParamLayouts
 init            layout-independent initial weights (seeded by global name + full shape)
-reference       single-process ground truth: the loss, micro-batch split and optimizer definitions
+reference       single-process ground truth: the loss and micro-batch split definitions
+optimizer       AdamW with megatron's no-decay rule + megatron-core's LR scheduler (shared)
 """

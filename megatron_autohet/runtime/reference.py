@@ -2,17 +2,19 @@
 
 Public API
 ----------
-``run_reference(model_spec, global_batches, *, micro_batch_size, seed, lr, clip_grad=1.0,
+``run_reference(model_spec, global_batches, *, micro_batch_size, seed, optimizer,
                 padded_vocab, sequence_parallel=False, final_params=None) -> list[ReferenceStep]``
-    Trains the whole model (TP1, PP1) in this process for one iteration per global batch and
-    returns each iteration's ``ReferenceStep(loss, grad_norm)``; the grad norm is taken before
-    clipping, as the runtime reports it. ``final_params``: a dict to fill with the trained
+    Trains the whole model (TP1, PP1) in this process for one iteration per global batch with
+    ``optimizer`` (an ``OptimizerSettings``: AdamW, weight decay, clipping and the learning-rate
+    schedule over ``len(global_batches)`` iterations) and returns each iteration's
+    ``ReferenceStep(loss, grad_norm, learning_rate)``; the grad norm is taken before clipping, as
+    the runtime reports it, the learning rate is the one the iteration used. ``final_params``: a dict to fill with the trained
     parameters, full tensors keyed by global name (tests compare every layout's final weights).
 ``reference_plan(model_spec, *, micro_batch_size, num_microbatches, seq_length) -> Plan``
     The one-rank plan the reference trains.
 ``masked_token_mean(per_token_loss, loss_mask)``, ``microbatches(global_batch, micro_batch_size,
-first, count)``, ``make_optimizer(params, lr)``, ``BATCH_KEYS``, ``ADAM_BETAS``, ``ADAM_EPS``
-    The loss definition, the global-batch contract and the optimizer, shared with the runtime.
+first, count)``, ``BATCH_KEYS``
+    The loss definition and the global-batch contract, shared with the runtime.
     Global batch: dict of ``tokens``, ``labels``, ``loss_mask``, ``position_ids`` tensors, each
     ``[global_batch_size, seq]``; micro-batch i = rows [i*mbs, (i+1)*mbs).
 
@@ -23,10 +25,12 @@ Design (why)
   the layout-independent initial weights of ``runtime/init.py``. Any parallel run of the same
   model and seed starts from TP/PP slices of exactly these weights. ``padded_vocab`` must be the
   parallel plan's (``stage_model.plan_padded_vocab_size``): padding rows enter the softmax.
-* The objective and optimizer are defined HERE, and the runtime (``runtime/trainer.py``) imports
-  them, so the ground truth does not import the system under test: ``masked_token_mean``
-  (one micro-batch's loss), ``microbatches`` (the global-batch split), ``make_optimizer`` (torch
-  Adam, ``ADAM_BETAS``, ``ADAM_EPS``, no weight decay). Iteration loss = mean over ALL
+* The objective is defined HERE, and the runtime (``runtime/trainer.py``) imports it, so the
+  ground truth does not import the system under test: ``masked_token_mean`` (one micro-batch's
+  loss), ``microbatches`` (the global-batch split). The optimizer and schedule come from
+  runtime/optimizer.py (``make_optimizer``: AdamW with megatron's no-decay rule on global names;
+  ``make_lr_scheduler``: megatron-core's OptimizerParamScheduler), which the runtime and the
+  stock baseline use too; it holds no parallel logic. Iteration loss = mean over ALL
   micro-batches of the global batch of the masked-token-mean cross-entropy; gradients = the
   gradient of that (each micro-batch's backward is scaled by 1/M and accumulated); grad norm and
   clipping with megatron-core's ``get_grad_norm_fp32`` / ``clip_grad_by_total_norm_fp32``.
@@ -43,12 +47,12 @@ import torch
 import torch.distributed as dist
 
 from megatron_autohet.plan import Pipeline, Plan, RankInfo, Stage
+from megatron_autohet.runtime.optimizer import (OptimizerSettings, make_lr_scheduler,
+                                                make_optimizer)
 from megatron_autohet.spec.model import ModelSpec
 
 
 BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
-ADAM_BETAS = (0.9, 0.999)
-ADAM_EPS = 1e-8
 
 
 def masked_token_mean(per_token_loss: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
@@ -63,15 +67,11 @@ def microbatches(global_batch: dict, micro_batch_size: int, first: int, count: i
              for key in BATCH_KEYS} for i in range(first, first + count)]
 
 
-def make_optimizer(params, lr: float) -> torch.optim.Adam:
-    """The optimizer of the reference and of the runtime (they must match)."""
-    return torch.optim.Adam(params, lr=lr, betas=ADAM_BETAS, eps=ADAM_EPS, weight_decay=0.0)
-
-
 @dataclass(frozen=True)
 class ReferenceStep:
     loss: float
     grad_norm: float
+    learning_rate: float        # the rate this iteration's optimizer step used
 
 
 def reference_plan(model_spec: ModelSpec, *, micro_batch_size: int, num_microbatches: int,
@@ -84,7 +84,7 @@ def reference_plan(model_spec: ModelSpec, *, micro_batch_size: int, num_microbat
 
 
 def run_reference(model_spec: ModelSpec, global_batches, *, micro_batch_size: int, seed: int,
-                  lr: float, clip_grad: float = 1.0, padded_vocab: int,
+                  optimizer: OptimizerSettings, padded_vocab: int,
                   sequence_parallel: bool = False,
                   final_params: dict | None = None) -> list[ReferenceStep]:
     own_world = not dist.is_initialized()
@@ -94,7 +94,7 @@ def run_reference(model_spec: ModelSpec, global_batches, *, micro_batch_size: in
         raise RuntimeError("run_reference needs a process of its own (world size 1), got world "
                            f"size {dist.get_world_size()}")
     try:
-        return _train(model_spec, list(global_batches), micro_batch_size, seed, lr, clip_grad,
+        return _train(model_spec, list(global_batches), micro_batch_size, seed, optimizer,
                       padded_vocab, sequence_parallel, final_params)
     finally:
         if own_world:
@@ -103,7 +103,7 @@ def run_reference(model_spec: ModelSpec, global_batches, *, micro_batch_size: in
             dist.destroy_process_group()
 
 
-def _train(model_spec, global_batches, micro_batch_size, seed, lr, clip_grad, padded_vocab,
+def _train(model_spec, global_batches, micro_batch_size, seed, settings, padded_vocab,
            sequence_parallel, final_params) -> list[ReferenceStep]:
     from megatron.core.optimizer.clip_grads import (clip_grad_by_total_norm_fp32,
                                                     get_grad_norm_fp32)
@@ -125,7 +125,9 @@ def _train(model_spec, global_batches, micro_batch_size, seed, lr, clip_grad, pa
                               sequence_parallel=sequence_parallel)
     model.train()
     params = list(model.parameters())
-    optimizer = make_optimizer(params, lr)
+    layouts = param_layouts(model, state)
+    optimizer = make_optimizer(model, layouts, settings)
+    scheduler = make_lr_scheduler(optimizer, settings, len(global_batches))
     steps = []
     for global_batch in global_batches:
         for param in params:
@@ -139,12 +141,14 @@ def _train(model_spec, global_batches, micro_batch_size, seed, lr, clip_grad, pa
             total += loss.item()
         grads = [p.grad for p in params if p.grad is not None]
         grad_norm = float(get_grad_norm_fp32(grads))
-        if clip_grad > 0:
-            clip_grad_by_total_norm_fp32(params, clip_grad, grad_norm)
+        if settings.clip_grad > 0:
+            clip_grad_by_total_norm_fp32(params, settings.clip_grad, grad_norm)
+        learning_rate = optimizer.param_groups[0]["lr"]
         optimizer.step()
-        steps.append(ReferenceStep(loss=total / num_microbatches, grad_norm=grad_norm))
+        scheduler.step(1)
+        steps.append(ReferenceStep(loss=total / num_microbatches, grad_norm=grad_norm,
+                                   learning_rate=learning_rate))
     if final_params is not None:
-        layouts = param_layouts(model, state)
         final_params.update({layouts[name].global_name: param.detach().clone()
                              for name, param in model.named_parameters()})
     return steps

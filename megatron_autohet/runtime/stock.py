@@ -6,23 +6,30 @@ own when the plan is one regular TP x PP x DP grid. This module is that baseline
 
 Public API
 ----------
-``StockMegatronTrainer(plan, *, rank, lr, seed, clip_grad=1.0)``
+``StockMegatronTrainer(plan, *, rank, seed, optimizer)``
     ``torch.distributed`` must be initialised with the plan's world size. Builds, with
     megatron-core's own machinery only: ``parallel_state.initialize_model_parallel``, a
     ``GPTModel`` of this rank's stage (local layer spec), ``DistributedDataParallel`` with its
     contiguous grad buffers, ``finalize_model_grads`` (DP all-reduce, tied-embedding all-reduce)
-    as the schedule's finalize hook, ``get_megatron_optimizer`` (Adam + megatron's grad-norm
-    clipping) and ``get_forward_backward_func`` (megatron's own P2P and 1F1B).
+    as the schedule's finalize hook, ``get_megatron_optimizer`` (AdamW with megatron's own
+    parameter groups and no-decay rule, megatron's grad-norm clipping; hyper-parameters from the
+    ``OptimizerSettings``) and ``get_forward_backward_func`` (megatron's own P2P and 1F1B).
+    ``.optimizer`` is megatron's optimizer: a learning-rate scheduler
+    (``optimizer.make_lr_scheduler``) drives its ``param_groups`` exactly as it drives ours.
     ``train_step(global_batch) -> StockStep`` runs one iteration; ``close()`` destroys megatron's
     parallel state (so a different runtime can run in the same process afterwards).
 ``StockStep(losses, grad_norm)``: this rank's micro-batch losses (last stages; empty elsewhere)
     and megatron's grad norm before clipping.
 
 What is ours, and why: the initial weights are the layout-independent ones of runtime/init.py
-(copied in before DDP wraps the model), and the loss, global-batch split and Adam
-hyper-parameters are runtime/reference.py's. So stock megatron-core, our runtime and the
-single-process reference train the same model on the same data with the same objective, and any
-difference is the system's. Everything that moves data between ranks is megatron's.
+(copied in before DDP wraps the model), the loss and global-batch split are
+runtime/reference.py's, and the AdamW hyper-parameters (weight decay included) are the same
+``OptimizerSettings`` our runtime gets. Which parameters are decayed is decided by megatron's own
+``_get_param_groups`` here (biases and 1-D parameters are not), by runtime/optimizer.py's
+``applies_weight_decay`` in ours: the same rule, so with weight decay on, a matching run also
+shows the two rules agree. So stock megatron-core, our runtime and the single-process reference
+train the same model on the same data with the same objective and optimizer, and any difference
+is the system's. Everything that moves data between ranks is megatron's.
 
 "Homogeneous" means what megatron can express: every pipeline has the same stages (layer ranges,
 one TP degree for the whole plan, the standard 1F1B warm-up) and the same micro-batch count
@@ -38,6 +45,7 @@ from functools import partial
 from types import SimpleNamespace
 
 from megatron_autohet.plan import Plan
+from megatron_autohet.runtime.optimizer import OptimizerSettings
 
 
 @dataclass(frozen=True)
@@ -76,7 +84,7 @@ def check_homogeneous(plan: Plan) -> None:
 class StockMegatronTrainer:
     """One rank of stock megatron-core training a homogeneous plan (see module doc)."""
 
-    def __init__(self, plan: Plan, *, rank: int, lr: float, seed: int, clip_grad: float = 1.0):
+    def __init__(self, plan: Plan, *, rank: int, seed: int, optimizer: OptimizerSettings):
         from megatron.core import parallel_state as mps
         from megatron.core import tensor_parallel
         from megatron.core.distributed import (DistributedDataParallel,
@@ -87,7 +95,6 @@ class StockMegatronTrainer:
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
         from megatron_autohet.runtime.init import initialize_parameters
-        from megatron_autohet.runtime.reference import ADAM_BETAS, ADAM_EPS
         from megatron_autohet.runtime.stage_model import (param_layouts, plan_padded_vocab_size,
                                                           transformer_config)
         from megatron_autohet.runtime.topology import rank_role
@@ -113,15 +120,24 @@ class StockMegatronTrainer:
                          pre_process=mps.is_pipeline_first_stage(),
                          post_process=mps.is_pipeline_last_stage(),
                          share_embeddings_and_output_weights=plan.model.tie_embeddings)
-        layouts = param_layouts(model, SimpleNamespace(plan=plan, role=role))
+        # local name (of the unwrapped GPTModel, ``.model.module``) -> ParamLayout
+        self.layouts = layouts = param_layouts(model, SimpleNamespace(plan=plan, role=role))
         initialize_parameters(((p, layouts[n]) for n, p in model.named_parameters()),
                               plan.model, seed)
         self.model = DistributedDataParallel(config, DistributedDataParallelConfig(), model)
         config.finalize_model_grads_func = finalize_model_grads
+        optimizer.validate()
         self.optimizer = get_megatron_optimizer(
-            OptimizerConfig(optimizer="adam", lr=lr, weight_decay=0.0, adam_beta1=ADAM_BETAS[0],
-                            adam_beta2=ADAM_BETAS[1], adam_eps=ADAM_EPS, clip_grad=clip_grad),
+            OptimizerConfig(optimizer="adam", lr=optimizer.lr, min_lr=optimizer.min_lr,
+                            weight_decay=optimizer.weight_decay, decoupled_weight_decay=True,
+                            adam_beta1=optimizer.adam_beta1, adam_beta2=optimizer.adam_beta2,
+                            adam_eps=optimizer.adam_eps, clip_grad=optimizer.clip_grad),
             [self.model])
+        # Megatron builds every group with weight_decay = config.weight_decay and leaves applying
+        # the group's wd_mult to its scheduler's first step; do it now so the optimizer is right
+        # with or without a scheduler (a scheduler writes the same value again).
+        for group in self.optimizer.param_groups:
+            group["weight_decay"] = optimizer.weight_decay * group["wd_mult"]
 
     def train_step(self, global_batch: dict) -> StockStep:
         from megatron.core.pipeline_parallel import get_forward_backward_func

@@ -22,14 +22,19 @@ over replicas with no rescaling pass. Doing it in the loss (not in ``config.grad
 which belongs to the mixed-precision loss scaler, and not as a scaling of the synced buckets)
 costs one scalar multiply per micro-batch.
 
-The objective (``masked_token_mean``), the global-batch split (``microbatches``) and the optimizer
-(``make_optimizer``) are defined by runtime/reference.py, the ground truth, and imported here.
+The objective (``masked_token_mean``) and the global-batch split (``microbatches``) are defined by
+runtime/reference.py, the ground truth, and imported here; the optimizer by runtime/optimizer.py,
+which the reference uses too.
 
-Optimizer: torch's ``torch.optim.Adam`` on each rank's local shards, with the global grad norm and
-clipping of :class:`GradSync` (megatron-core's ``get_grad_norm_fp32`` /
-``clip_grad_by_total_norm_fp32`` over the world, each parameter counted once). Adam is elementwise,
-so Adam on shards equals Adam on the full tensors; only the norm needs the whole model, and that is
-what GradSync provides. megatron-core's ``MegatronOptimizer`` was not used because it computes the
+Optimizer: torch's ``torch.optim.AdamW`` (``make_optimizer``: decoupled weight decay, none on
+biases and 1-D parameters, decided on global names so every rank agrees) on each rank's local
+shards, with the global grad norm and clipping of :class:`GradSync` (megatron-core's
+``get_grad_norm_fp32`` / ``clip_grad_by_total_norm_fp32`` over the world, each parameter counted
+once). AdamW is elementwise, so AdamW on shards equals AdamW on the full tensors; only the norm
+needs the whole model, and that is what GradSync provides. The learning-rate schedule is the
+caller's, between iterations: megatron-core's ``OptimizerParamScheduler`` on ``.optimizer``
+(``make_lr_scheduler`` for ``autohet train``, Megatron-LM's own ``get_optimizer_param_scheduler``
+on the ``pretrain_gpt.py`` path), stepped after each :meth:`HeteroTrainer.train_step`. megatron-core's ``MegatronOptimizer`` was not used because it computes the
 norm over one model-parallel group with ``param.shared`` / TP-duplicate filters that assume every
 replica has the same shape, and its distributed optimizer needs megatron DDP's single DP group;
 on a machine without Apex/TE it falls back to the same torch Adam(W) anyway.
@@ -43,11 +48,11 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from megatron_autohet.errors import ConfigError
 from megatron_autohet.plan import Plan
 from megatron_autohet.runtime.grad_sync import DEFAULT_BUCKET_NUMEL, GradSync
 from megatron_autohet.runtime.parallel_state import build_parallel_state
-from megatron_autohet.runtime.reference import make_optimizer, masked_token_mean, microbatches
+from megatron_autohet.runtime.optimizer import OptimizerSettings, make_optimizer
+from megatron_autohet.runtime.reference import masked_token_mean, microbatches
 from megatron_autohet.runtime.schedule import run_schedule
 from megatron_autohet.runtime.stage_model import build_stage_model, param_layouts
 from megatron_autohet.spec.model import ModelSpec
@@ -68,20 +73,20 @@ class HeteroTrainer:
         plan: the plan (validated); ``torch.distributed`` must be initialised with its world size.
         model_spec: the job's model; a ConfigError if the plan was made for another one.
         rank: this process's global rank.
-        lr: Adam's learning rate (constant).
         seed: seed of the layout-independent initial weights (runtime/init.py).
-        clip_grad: clip the global gradient to this L2 norm; 0 disables clipping.
+        optimizer: AdamW hyper-parameters, weight decay and the clipping threshold (the global
+            gradient is clipped to ``optimizer.clip_grad``; 0 disables clipping). Its learning
+            rate is the initial one; a scheduler on ``.optimizer`` changes it between steps.
         sequence_parallel: Megatron sequence parallelism on every stage with TP > 1.
         bucket_numel: gradient bucket size in elements (runtime/grad_sync.py).
     """
 
-    def __init__(self, plan: Plan, model_spec: ModelSpec | None = None, *, rank: int, lr: float,
-                 seed: int, clip_grad: float = 1.0, sequence_parallel: bool = False,
+    def __init__(self, plan: Plan, model_spec: ModelSpec | None = None, *, rank: int, seed: int,
+                 optimizer: OptimizerSettings, sequence_parallel: bool = False,
                  bucket_numel: int = DEFAULT_BUCKET_NUMEL, plan_file: str = "<plan>"):
-        if clip_grad < 0:
-            raise ConfigError(plan_file, "clip_grad", f"got {clip_grad}", ">= 0 (0: no clipping)")
+        optimizer.validate(source=plan_file)
         self.plan = plan
-        self.clip_grad = clip_grad
+        self.clip_grad = optimizer.clip_grad
         self.state = build_parallel_state(plan, rank, model=model_spec, plan_file=plan_file)
         role = self.state.role
         self.model = build_stage_model(plan.model, self.state, seed=seed,
@@ -94,7 +99,7 @@ class HeteroTrainer:
             [g.spec for g in self.state.sync_groups], [g.group for g in self.state.sync_groups],
             holder=role.stage.ranks, tp_group=self.state.tp_group,
             sequence_parallel=sequence_parallel, bucket_numel=bucket_numel)
-        self.optimizer = make_optimizer(self.model.parameters(), lr)
+        self.optimizer = make_optimizer(self.model, self.layouts, optimizer)
         # The global-batch scaling of every micro-batch loss (module doc): m_p / M.
         self.loss_scale = role.stage.num_microbatches / plan.num_microbatches_total
 

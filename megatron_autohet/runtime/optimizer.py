@@ -1,0 +1,144 @@
+"""The optimizer and learning-rate schedule: AdamW with Megatron's weight-decay rule and schedule.
+
+Public API
+----------
+``OptimizerSettings``
+    Every knob, named and defaulted as Megatron-LM's flags (``--lr``, ``--min-lr``,
+    ``--weight-decay`` 0.01, ``--adam-beta1/2``, ``--adam-eps``, ``--clip-grad`` 1.0,
+    ``--lr-warmup-iters``, ``--lr-decay-iters``, ``--lr-decay-style`` linear).
+    ``validate(train_iters=None, source=None)`` raises :class:`ConfigError` naming the flag.
+``applies_weight_decay(layout) -> bool``
+    Megatron-core's no-decay rule on a parameter's GLOBAL identity.
+``make_optimizer(model, layouts, settings) -> torch.optim.AdamW``
+    The optimizer of the single-process reference, of ``HeteroTrainer`` and of the Megatron-LM
+    path: two parameter groups, ``wd_mult`` 1.0 (decayed) and 0.0 (not decayed).
+``make_lr_scheduler(optimizer, settings, train_iters) -> OptimizerParamScheduler``
+    megatron-core's own scheduler driving that optimizer, stepped once per iteration
+    (``scheduler.step(1)`` after ``optimizer.step()``, as Megatron-LM's ``train_step`` does).
+
+Design (why)
+------------
+* One definition. runtime/reference.py (the ground truth), runtime/trainer.py and
+  runtime/stock.py's hyper-parameters all come from here, so the runtime, the reference and stock
+  megatron-core cannot drift apart. The module imports torch and megatron lazily: the CLI
+  validates settings before any process (or torch) exists.
+* AdamW, decoupled decay (Megatron's ``decoupled_weight_decay=True`` default;
+  ``get_megatron_optimizer`` picks ``torch.optim.AdamW`` when neither TE nor Apex is installed, and
+  the fused kernels it prefers compute the same update). AdamW is elementwise - the decay
+  ``p *= 1 - lr * wd`` included - so AdamW on a TP shard equals AdamW on the full tensor sliced,
+  and every rank can step its own shards.
+* The no-decay rule is megatron-core 0.16.1's default
+  (``optimizer/__init__.py:get_standard_config_overrides`` with ``apply_wd_to_qk_layernorm``
+  False: ``ParamKey(name="*.bias", predicate=len(param.shape) == 1)`` gets ``wd_mult=0.0``): no
+  decay on biases and on 1-D parameters (norm weights); everything else, embeddings and the output
+  layer included, is decayed. It is decided on the parameter's global name and FULL shape
+  (:class:`~megatron_autohet.runtime.init.ParamLayout`), never on a local shard, so every rank of
+  every layout and the one-process reference put a parameter in the same group. TP never changes
+  a tensor's number of dimensions, so this is exactly megatron's per-rank decision.
+  tests/test_optimizer.py checks it against megatron's ``_get_param_groups`` on the tiny GPTs.
+* The groups carry ``wd_mult`` as megatron's do, so megatron-core's ``OptimizerParamScheduler``
+  (ours here, or Megatron-LM's ``get_optimizer_param_scheduler`` on the ``pretrain_gpt.py`` path)
+  writes ``weight_decay = wd * wd_mult`` and the scheduled ``lr`` into them; there is no second
+  scheduler. ``make_lr_scheduler`` is ``get_optimizer_param_scheduler`` for iteration-based
+  training in iteration units (Megatron counts samples; with a fixed global batch the ratios, and
+  so the learning rates, are the same), with Megatron's defaults: warm-up from
+  ``--lr-warmup-init`` 0, constant weight decay. The group's initial ``weight_decay`` is already
+  ``wd * wd_mult``, so the optimizer is right even before a scheduler touches it.
+* The learning rate a log line shows is the one in the optimizer after the iteration's scheduler
+  step, as Megatron-LM's ``training_log`` shows it (the rate of the next iteration).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_autohet.errors import ConfigError
+
+LR_DECAY_STYLES = ("constant", "linear", "cosine")
+LR_WARMUP_INIT = 0.0          # Megatron-LM's --lr-warmup-init default: warm-up starts at 0
+
+
+@dataclass(frozen=True)
+class OptimizerSettings:
+    lr: float
+    min_lr: float = 0.0
+    weight_decay: float = 0.01
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0                    # 0: no clipping
+    lr_warmup_iters: int = 0
+    lr_decay_iters: int | None = None         # None: decay over the whole run (train_iters)
+    lr_decay_style: str = "linear"
+
+    def decay_iters(self, train_iters: int) -> int:
+        return train_iters if self.lr_decay_iters is None else self.lr_decay_iters
+
+    def validate(self, train_iters: int | None = None,
+                 source: str | None = None) -> "OptimizerSettings":
+        """ConfigError (field = Megatron's flag) for values Megatron would refuse or misuse;
+        the schedule length is checked when ``train_iters`` is given."""
+        def bad(flag: str, value, allowed: str):
+            raise ConfigError(source, flag, f"got {value}", allowed)
+
+        if not self.lr > 0:
+            bad("--lr", self.lr, "a learning rate > 0")
+        if not 0 <= self.min_lr <= self.lr:
+            bad("--min-lr", self.min_lr, f"0 <= --min-lr <= --lr ({self.lr})")
+        if not self.weight_decay >= 0:
+            bad("--weight-decay", self.weight_decay, ">= 0 (0: no weight decay)")
+        if not self.clip_grad >= 0:
+            bad("--clip-grad", self.clip_grad, ">= 0 (0: no clipping)")
+        for flag, beta in (("--adam-beta1", self.adam_beta1), ("--adam-beta2", self.adam_beta2)):
+            if not 0 <= beta < 1:
+                bad(flag, beta, "0 <= beta < 1")
+        if not self.adam_eps > 0:
+            bad("--adam-eps", self.adam_eps, "> 0")
+        if self.lr_decay_style not in LR_DECAY_STYLES:
+            bad("--lr-decay-style", self.lr_decay_style, ", ".join(LR_DECAY_STYLES))
+        if self.lr_warmup_iters < 0:
+            bad("--lr-warmup-iters", self.lr_warmup_iters, ">= 0")
+        if self.lr_decay_iters is not None and self.lr_decay_iters <= 0:
+            bad("--lr-decay-iters", self.lr_decay_iters, "> 0")
+        if train_iters is not None and self.lr_warmup_iters >= self.decay_iters(train_iters):
+            # megatron's OptimizerParamScheduler asserts warm-up < decay steps
+            bad("--lr-warmup-iters", self.lr_warmup_iters,
+                f"fewer than the decay iterations ({self.decay_iters(train_iters)}: "
+                "--lr-decay-iters, default the training iterations)")
+        return self
+
+
+def applies_weight_decay(layout) -> bool:
+    """Megatron-core's default rule on the global identity: no decay on ``*.bias`` and 1-D."""
+    return not (layout.global_name.endswith(".bias") or len(layout.full_shape) == 1)
+
+
+def make_optimizer(model, layouts: dict, settings: OptimizerSettings):
+    """AdamW over ``model``'s parameters; ``layouts``: local name -> ParamLayout."""
+    import torch
+
+    settings.validate()
+    groups = {1.0: [], 0.0: []}
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            groups[1.0 if applies_weight_decay(layouts[name]) else 0.0].append(param)
+    # Both groups on every rank (an empty one is allowed): group 0 is the decayed one everywhere.
+    return torch.optim.AdamW(
+        [{"params": params, "wd_mult": wd_mult, "weight_decay": settings.weight_decay * wd_mult}
+         for wd_mult, params in groups.items()],
+        lr=settings.lr, betas=(settings.adam_beta1, settings.adam_beta2), eps=settings.adam_eps,
+        weight_decay=settings.weight_decay)
+
+
+def make_lr_scheduler(optimizer, settings: OptimizerSettings, train_iters: int):
+    """megatron-core's OptimizerParamScheduler for ``train_iters`` iterations of ``settings``;
+    sets the first iteration's learning rate now, ``step(1)`` after each optimizer step."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    settings.validate(train_iters)
+    return OptimizerParamScheduler(
+        optimizer, init_lr=LR_WARMUP_INIT, max_lr=settings.lr, min_lr=settings.min_lr,
+        lr_warmup_steps=settings.lr_warmup_iters,
+        lr_decay_steps=settings.decay_iters(train_iters), lr_decay_style=settings.lr_decay_style,
+        start_wd=settings.weight_decay, end_wd=settings.weight_decay, wd_incr_steps=train_iters,
+        wd_incr_style="constant")
