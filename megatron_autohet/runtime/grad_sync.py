@@ -79,18 +79,6 @@ def spec_index_of(global_name: str, specs: list[SyncGroupSpec]) -> int:
     raise ValueError(f"parameter {global_name!r}: the plan has no {kind} sync group for it")
 
 
-def write_shard(full: torch.Tensor, layout, shard: torch.Tensor) -> None:
-    """Copy this rank's TP shard into its place in ``full`` (inverse of ``layout.shard(full)``,
-    ParamLayout in runtime/init.py, including fused blocks split over TP separately)."""
-    if layout.partition_dim is None:
-        full.copy_(shard)
-        return
-    dim = layout.partition_dim
-    for block, part in zip(full.chunk(layout.num_chunks, dim),
-                           shard.chunk(layout.num_chunks, dim)):
-        block.chunk(layout.tp_size, dim)[layout.tp_rank].copy_(part)
-
-
 @dataclass
 class _Bucket:
     params: list[torch.nn.Parameter]
@@ -124,7 +112,7 @@ class _Bucket:
         self.full_data.zero_()
         for i, (param, layout) in enumerate(zip(self.params, self.layouts)):
             if layout.partition_dim is not None or layout.tp_rank == 0:
-                write_shard(self.full_view(i), layout, param.grad)
+                layout.write_shard(self.full_view(i), param.grad)
         return dist.all_reduce(self.full_data, group=self.group, async_op=True)
 
     def finish(self) -> None:

@@ -9,8 +9,9 @@ Public API
     ``partition_dim`` is None for TP-replicated parameters. ``num_chunks`` > 1 marks fused
     tensors whose full form is ``num_chunks`` stacked blocks each split over TP separately (the
     gate/up halves of a SwiGLU ``linear_fc1``). Methods: ``local_shape``, ``shard(full)`` (this
-    rank's shard of a full tensor), ``merge(shards)`` (the full tensor from every TP rank's shard,
-    in TP-rank order) - grad sync and checkpoints re-shard with these.
+    rank's shard of a full tensor), ``write_shard(full, shard)`` (its inverse, in place),
+    ``merge(shards)`` (the full tensor from every TP rank's shard, in TP-rank order) - grad sync
+    and checkpoints re-shard with these.
 ``initial_value(layout, model_spec, seed) -> Tensor``
     The FULL initial tensor of a parameter: depends only on the seed, the global name and the
     full shape (plus the model's true vocabulary size), never on TP/PP layout.
@@ -87,6 +88,15 @@ class ParamLayout:
             return full
         pieces = self._pieces(full, self.tp_rank)
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=self.partition_dim)
+
+    def write_shard(self, full: torch.Tensor, shard: torch.Tensor) -> None:
+        """Copy this rank's shard into its place in ``full`` (the inverse of :meth:`shard`)."""
+        if self.partition_dim is None:
+            full.copy_(shard)
+            return
+        for piece, part in zip(self._pieces(full, self.tp_rank),
+                               shard.chunk(self.num_chunks, dim=self.partition_dim)):
+            piece.copy_(part)
 
     def merge(self, shards: list[torch.Tensor]) -> torch.Tensor:
         """The full tensor from the shards of TP ranks 0..tp_size-1 (inverse of :meth:`shard`)."""

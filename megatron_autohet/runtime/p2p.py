@@ -193,6 +193,8 @@ class HeteroP2PCommunicator:
             raise ValueError(f"stage {stage.stage} of {stage.num_stages}: warm-up depth {warmup} "
                              "(the last stage needs 0, the others >= 1)")
         self.pp_group = SchedulePosition(stage.stage, warmup)
+        self._device = (torch.device("cuda", torch.cuda.current_device())
+                        if torch.cuda.is_available() else torch.device("cpu"))
         self._pending_sends: list[tuple[dist.Work, torch.Tensor]] = []
 
     # ---- the methods megatron's non-interleaved schedule calls --------------------------------
@@ -254,7 +256,7 @@ class HeteroP2PCommunicator:
             dtype = self.config.pipeline_dtype
             if dtype is None:
                 raise RuntimeError("config.pipeline_dtype must be set to receive activations")
-            buffer = torch.empty(tuple(recv_shape), dtype=dtype, device=_comm_device())
+            buffer = torch.empty(tuple(recv_shape), dtype=dtype, device=self._device)
             for t in transfer_plan(recv_from, self.layout, seq_length):
                 if t.dst == self.rank:
                     ops.append(dist.P2POp(dist.irecv, buffer[t.start - my_start:t.end - my_start],
@@ -284,9 +286,3 @@ class HeteroP2PCommunicator:
         if buffer is not None:
             buffer.requires_grad_()
         return buffer
-
-
-def _comm_device() -> torch.device:
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")

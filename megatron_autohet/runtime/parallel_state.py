@@ -231,18 +231,16 @@ def build_parallel_state(plan: Plan, rank: int | None = None, *, model: ModelSpe
         plan=plan, role=role, rank=rank, world_size=world_size, tp_group=tp_group,
         pp_group=pp_position, pipeline_group=pipeline_group, cp_group=cp_group,
         dp_group=dp_sync.group, sync_groups=sync_groups, pg_collection=pg_collection)
-    _install_megatron_globals(state)
+    _install_megatron_globals(state, sorted(dp_sync.ranks))
     return state
 
 
-def _install_megatron_globals(state: HeteroParallelState) -> None:
+def _install_megatron_globals(state: HeteroParallelState, dp_ranks: list[int]) -> None:
     from megatron.core import parallel_state as mps
 
     mps.destroy_model_parallel()
     role, plan = state.role, state.plan
     word, pos = state.word_embedding_sync, state.position_embedding_sync
-    dp_ranks = sorted(next(g.ranks for g in state.sync_groups
-                           if g.spec.kind == "layers" and g.group is state.dp_group))
     values = {
         "_TENSOR_MODEL_PARALLEL_GROUP": state.tp_group,
         "_TENSOR_MODEL_PARALLEL_GLOBAL_RANKS": list(role.stage.ranks),
