@@ -52,8 +52,7 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    from megatron_autohet.profiling.measure import (catalog_name_for_device, local_accelerator,
-                                                    measure_profile)
+    from megatron_autohet.profiling.measure import local_accelerator, measure_profile
     from megatron_autohet.profiling.profile import Profile
     from megatron_autohet.spec import load_cluster, load_gpu_catalog, load_model
 
@@ -66,7 +65,7 @@ def run(args) -> int:
         for v in values:
             positive(v, flag)
     seq_lengths = args.seq_length or [model.seq_length]
-    gpu = _device_type(args.as_gpu, catalog, local_accelerator(), catalog_name_for_device)
+    gpu = _device_type(args.as_gpu, catalog, local_accelerator())
 
     profile = measure_profile(model, args.tp, args.micro_batch_size, seq_lengths, gpu,
                               warmup=args.warmup, iters=args.iters)
@@ -86,8 +85,10 @@ def run(args) -> int:
     return 0
 
 
-def _device_type(as_gpu, catalog, accelerator, match) -> str:
+def _device_type(as_gpu, catalog, accelerator) -> str:
     """The GPU type entries are recorded as (see --as-gpu)."""
+    from megatron_autohet.profiling.measure import catalog_name_for_device
+
     if as_gpu is not None:
         if as_gpu not in catalog and as_gpu != "CPU":
             raise ConfigError("<command line>", "--as-gpu", f"unknown GPU type {as_gpu!r}",
@@ -96,7 +97,7 @@ def _device_type(as_gpu, catalog, accelerator, match) -> str:
     if accelerator is None:
         return "CPU"
     name, memory_gib, _ = accelerator
-    found = match(name, memory_gib, catalog)
+    found = catalog_name_for_device(name, memory_gib, catalog)
     if found is None:
         raise ConfigError("<command line>", "--as-gpu", f"the local GPU {name!r} matches no GPU "
                           f"catalog type; name it", ", ".join(sorted(catalog)))
