@@ -1,4 +1,5 @@
-"""`autohet train`: bad input stops before any process starts; a heterogeneous plan trains."""
+"""`autohet train`: bad input stops before any process starts; a heterogeneous plan trains with
+Megatron's learning-rate schedule (the logged rates are megatron-core's scheduler's)."""
 
 import json
 import math
@@ -52,6 +53,29 @@ def test_world_size_mismatch_under_torchrun_env(capsys):
             in result.stderr)
 
 
+@pytest.mark.parametrize("flags,field,message", [
+    (["--weight-decay", "-0.1"], "--weight-decay", "got -0.1 (allowed: >= 0"),
+    (["--lr", "1e-3", "--min-lr", "2e-3"], "--min-lr", "got 0.002 (allowed: 0 <= --min-lr <= --lr"),
+    (["--iters", "3", "--lr-warmup-iters", "3"], "--lr-warmup-iters",
+     "got 3 (allowed: fewer than the decay iterations (3"),
+    (["--adam-beta2", "1.0"], "--adam-beta2", "got 1.0 (allowed: 0 <= beta < 1)"),
+])
+def test_bad_optimizer_values_are_clear_errors_before_any_process(flags, field, message, capsys):
+    start = time.perf_counter()
+    assert main(["train", "--plan", str(PLAN), "--model", str(MODEL), *flags]) == 2
+    assert time.perf_counter() - start < 5           # no process, no torch import
+    assert f"autohet train: error: <input>: field '{field}': {message}" in capsys.readouterr().err
+
+
+def test_unknown_lr_decay_style_is_refused_by_argparse(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "--plan", str(PLAN), "--model", str(MODEL), "--lr-decay-style", "WSD"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --lr-decay-style: invalid choice: 'WSD'" in err
+    assert all(style in err for style in ("constant", "linear", "cosine"))
+
+
 def test_megatron_log_line_format():
     rec = IterationRecord.make(iteration=3, train_iters=10, global_batch_size=8, seq_length=64,
                                elapsed_s=0.3124, learning_rate=1e-4, lm_loss=6.23812,
@@ -65,7 +89,10 @@ def test_megatron_log_line_format():
 
 def test_train_two_pipelines_three_iterations(tmp_path):
     metrics = tmp_path / "metrics.jsonl"
+    peak, floor = 2e-3, 2e-4
     result = _autohet("train", "--plan", str(PLAN), "--model", str(MODEL), "--iters", "3",
+                      "--lr", str(peak), "--min-lr", str(floor), "--lr-warmup-iters", "1",
+                      "--lr-decay-style", "cosine", "--weight-decay", "0.1",
                       "--metrics-jsonl", str(metrics), "--data-dir", str(tmp_path / "data"))
     assert result.returncode == 0, result.stderr[-3000:]
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
@@ -75,5 +102,11 @@ def test_train_two_pipelines_three_iterations(tmp_path):
     assert abs(losses[0] - math.log(512)) < 0.5      # untrained: about uniform over the vocab
     assert losses[-1] < losses[0]
     assert all(r["grad_norm"] > 0 and r["tokens_per_second"] > 0 for r in records)
+    # Megatron's warm-up (from 0 over 1 iteration) then cosine decay over iterations 1..3, logged
+    # as Megatron-LM logs it: the rate after the iteration's scheduler step.
+    def cosine(done):
+        return floor + 0.5 * (math.cos(math.pi * done) + 1.0) * (peak - floor)
+    expected = [peak, cosine(0.5), cosine(1.0)]
+    assert [r["learning_rate"] for r in records] == pytest.approx(expected, rel=1e-12)
     lines = [line for line in result.stdout.splitlines() if " iteration " in line]
     assert len(lines) == 3 and "lm loss:" in lines[-1] and "tokens per second:" in lines[-1]

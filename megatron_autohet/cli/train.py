@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import argparse
 
+from megatron_autohet.runtime.optimizer import LR_DECAY_STYLES, OptimizerSettings
+
 _WORKER_FLAGS: list[tuple[str, str]] = []     # (dest, option string) forwarded to each rank
 
 
@@ -23,12 +25,30 @@ def register(subparsers) -> None:
         (("--plan",), dict(required=True, help="plan YAML (from `autohet plan`)")),
         (("--model",), dict(required=True, help="model YAML the plan was made for")),
         (("--iters",), dict(type=int, default=10, help="training iterations (default 10)")),
-        (("--lr",), dict(type=float, default=1e-3,
-                         help="Adam learning rate, constant (default 1e-3)")),
         (("--seed",), dict(type=int, default=1234,
                            help="seed of the initial weights and the data shuffle (default 1234)")),
+        # Optimizer and schedule: Megatron-LM's flag names and defaults (runtime/optimizer.py).
+        (("--lr",), dict(type=float, default=1e-3,
+                         help="peak learning rate, reached after the warm-up (default 1e-3)")),
+        (("--min-lr",), dict(type=float, default=0.0,
+                             help="learning rate at the end of the decay (default 0.0)")),
+        (("--lr-warmup-iters",), dict(type=int, default=0,
+                                      help="iterations of linear warm-up from 0 to --lr "
+                                           "(default 0)")),
+        (("--lr-decay-iters",), dict(type=int, default=None,
+                                     help="iterations over which the learning rate decays to "
+                                          "--min-lr, warm-up included (default: --iters)")),
+        (("--lr-decay-style",), dict(default="linear", choices=list(LR_DECAY_STYLES),
+                                     help="decay after the warm-up (default linear, as "
+                                          "Megatron-LM)")),
+        (("--weight-decay",), dict(type=float, default=0.01,
+                                   help="AdamW decoupled weight decay; biases and 1-D parameters "
+                                        "(norms) are not decayed, as in Megatron (default 0.01)")),
         (("--clip-grad",), dict(type=float, default=1.0,
-                                help="global grad-norm clipping threshold (default 1.0)")),
+                                help="global grad-norm clipping threshold, 0: off (default 1.0)")),
+        (("--adam-beta1",), dict(type=float, default=0.9, help="AdamW beta1 (default 0.9)")),
+        (("--adam-beta2",), dict(type=float, default=0.999, help="AdamW beta2 (default 0.999)")),
+        (("--adam-eps",), dict(type=float, default=1e-8, help="AdamW epsilon (default 1e-8)")),
         (("--metrics-jsonl",), dict(default=None,
                                     help="also write one JSON object per iteration to this file")),
         (("--data-path",), dict(default=None,
@@ -63,14 +83,23 @@ def run(args: argparse.Namespace) -> int:
     if args.iters <= 0:
         from megatron_autohet.errors import ConfigError
         raise ConfigError(None, "--iters", f"got {args.iters}", "a number > 0")
+    optimizer = optimizer_settings(args).validate(train_iters=args.iters)
     plan, model = load_job(args.plan, args.model)
     env = DistEnv.from_environ()
     if env is None:
         return launch_local(plan, worker_argv(args), gpus_available=_gpu_count())
-    options = TrainOptions(iters=args.iters, lr=args.lr, seed=args.seed, clip_grad=args.clip_grad,
+    options = TrainOptions(iters=args.iters, seed=args.seed, optimizer=optimizer,
                            metrics_jsonl=args.metrics_jsonl, data_path=args.data_path,
                            data_dir=args.data_dir)
     return run_worker(plan, args.plan, model, options, env)
+
+
+def optimizer_settings(args: argparse.Namespace) -> OptimizerSettings:
+    return OptimizerSettings(
+        lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
+        adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
+        clip_grad=args.clip_grad, lr_warmup_iters=args.lr_warmup_iters,
+        lr_decay_iters=args.lr_decay_iters, lr_decay_style=args.lr_decay_style)
 
 
 def _gpu_count() -> int:

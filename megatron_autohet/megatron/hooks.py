@@ -5,8 +5,12 @@ Division of labour (patches/README.md has the line-by-line patch):
 * Megatron-LM keeps: its command line (every flag it knows plus ours, via
   ``extra_args_provider``), argument validation, ``initialize_megatron`` (torch.distributed
   with ``--distributed-backend``, global args/timers/tokenizer, seeds, the dataset helper build)
-  and its learning-rate / weight-decay schedule (``get_optimizer_param_scheduler`` drives our
-  optimizer's ``param_groups``).
+  and its learning-rate / weight-decay schedule: ``get_optimizer_param_scheduler`` (every
+  ``--lr-*`` and ``--*weight-decay*`` flag) drives our optimizer's ``param_groups``, stepped by
+  the global batch size after each iteration as Megatron's ``train_step`` does. The optimizer
+  is Megatron's: AdamW with decoupled weight decay and megatron-core's no-decay rule (biases and
+  1-D parameters), ``--adam-beta1/2``, ``--adam-eps``, ``--clip-grad`` (runtime/optimizer.py),
+  the groups carrying ``wd_mult`` as Megatron's scheduler expects.
 * megatron-autohet takes over the iteration: Megatron's ``train_step`` assumes one homogeneous
   TP x PP x DP grid (it wraps the model in DDP over one DP group, calls the schedule without a
   communicator, and its optimizer clips over mpu groups), none of which can describe pipelines of
@@ -28,6 +32,7 @@ from pathlib import Path
 
 from megatron_autohet.errors import ConfigError
 from megatron_autohet.plan import Plan, load_plan
+from megatron_autohet.runtime.optimizer import OptimizerSettings
 
 
 def prepare_process(argv: list[str] | None = None) -> None:
@@ -109,14 +114,14 @@ def check_megatron_args(args, plan: Plan, plan_path: str | Path) -> None:
     expect("--seq-length", args.seq_length, plan.seq_length)
     expect("--micro-batch-size", args.micro_batch_size, plan.micro_batch_size)
     expect("--global-batch-size", args.global_batch_size, plan.global_batch_size)
-    # Megatron's scheduler would write weight decay into the runtime's torch Adam, where it is
-    # coupled L2, not Megatron's decoupled AdamW decay: refuse rather than train differently.
-    for flag, value in (("--weight-decay", args.weight_decay),
-                        ("--start-weight-decay", args.start_weight_decay),
-                        ("--end-weight-decay", args.end_weight_decay)):
-        if value:
-            raise ConfigError(plan_path, flag, f"got {value}", "0 (the plan runtime's optimizer "
-                              "is Adam without weight decay)")
+    expect("--optimizer", args.optimizer, "adam", "the plan runtime trains with AdamW")
+    # --decoupled-lr lives in megatron's own param groups (max_lr of embedding/output groups),
+    # which the runtime's two weight-decay groups do not reproduce: refuse, don't ignore it.
+    for flag, value in (("--decoupled-lr", args.decoupled_lr),
+                        ("--decoupled-min-lr", args.decoupled_min_lr)):
+        if value is not None:
+            raise ConfigError(plan_path, flag, f"got {value}",
+                              "not set (one learning rate for all parameters with a plan)")
     if not args.train_iters:
         raise ConfigError(plan_path, "--train-iters", "missing",
                           "an iteration count (--train-samples is not supported with a plan)")
@@ -150,24 +155,29 @@ def pretrain_from_plan(args) -> None:
     # Megatron's homogeneous groups are replaced by the plan's (build_parallel_state installs
     # this rank's heterogeneous values in megatron.core.parallel_state).
     mpu.destroy_model_parallel()
-    trainer = HeteroTrainer(plan, plan.model, rank=rank, lr=args.lr, seed=args.seed,
-                            clip_grad=args.clip_grad, plan_file=str(plan_path))
-    # Megatron-LM's own warm-up/decay schedule, stepping our optimizer's param_groups.
+    # The schedule fields of OptimizerSettings stay unused here: Megatron's scheduler runs it.
+    optimizer = OptimizerSettings(lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
+                                  adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2,
+                                  adam_eps=args.adam_eps, clip_grad=args.clip_grad)
+    trainer = HeteroTrainer(plan, plan.model, rank=rank, seed=args.seed, optimizer=optimizer,
+                            plan_file=str(plan_path))
+    # Megatron-LM's own warm-up/decay and weight-decay schedule, stepping our param_groups.
     scheduler = get_optimizer_param_scheduler(trainer.optimizer)
     logger = IterationLogger(args.autohet_metrics_jsonl) if rank == 0 else None
     try:
         for iteration in range(args.train_iters):
-            lr = trainer.optimizer.param_groups[0]["lr"]
             batch = batches.batch(iteration)
             start = time.perf_counter()
             metrics = trainer.train_step(batch)
             elapsed = time.perf_counter() - start
             scheduler.step(increment=plan.global_batch_size)
             if logger:
+                # read after the scheduler step, as Megatron-LM's training_log reads it
                 logger.log(IterationRecord.make(
                     iteration=iteration + 1, train_iters=args.train_iters,
                     global_batch_size=plan.global_batch_size, seq_length=plan.seq_length,
-                    elapsed_s=elapsed, learning_rate=lr, lm_loss=float(metrics.loss),
+                    elapsed_s=elapsed, learning_rate=trainer.optimizer.param_groups[0]["lr"],
+                    lm_loss=float(metrics.loss),
                     grad_norm=float(metrics.grad_norm)))
     finally:
         if logger:

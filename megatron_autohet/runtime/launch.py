@@ -16,8 +16,10 @@ Three pieces, used by ``autohet train`` (cli/train.py):
   the environment against the plan (``WORLD_SIZE`` = plan ranks; on GPUs ``LOCAL_RANK`` = the plan's
   ``local_rank`` of this rank), picks NCCL + ``cuda:LOCAL_RANK`` when this process has a GPU and
   gloo + the CPU mode otherwise, opens the data on every rank (identical global batches), builds
-  the :class:`HeteroTrainer` and logs each iteration from rank 0 (the trainer's metrics are the
-  same on every rank).
+  the :class:`HeteroTrainer` with megatron-core's learning-rate scheduler on its optimizer
+  (runtime/optimizer.py ``make_lr_scheduler``, stepped after every iteration) and logs each
+  iteration from rank 0 (the trainer's metrics are the same on every rank). The logged learning
+  rate is read after the scheduler step, as Megatron-LM logs it.
 """
 
 from __future__ import annotations
@@ -33,15 +35,15 @@ from pathlib import Path
 
 from megatron_autohet.errors import ConfigError
 from megatron_autohet.plan import Plan, load_plan
+from megatron_autohet.runtime.optimizer import OptimizerSettings, make_lr_scheduler
 from megatron_autohet.spec.model import ModelSpec, load_model
 
 
 @dataclass(frozen=True)
 class TrainOptions:
     iters: int
-    lr: float
     seed: int
-    clip_grad: float
+    optimizer: OptimizerSettings
     metrics_jsonl: str | None = None
     data_path: str | None = None
     data_dir: str | None = None
@@ -192,20 +194,23 @@ def run_worker(plan: Plan, plan_path: str | Path, model: ModelSpec, options: Tra
 
         from megatron_autohet.runtime.trainer import HeteroTrainer
 
-        trainer = HeteroTrainer(plan, model, rank=env.rank, lr=options.lr, seed=options.seed,
-                                clip_grad=options.clip_grad, plan_file=str(plan_path))
+        trainer = HeteroTrainer(plan, model, rank=env.rank, seed=options.seed,
+                                optimizer=options.optimizer, plan_file=str(plan_path))
+        scheduler = make_lr_scheduler(trainer.optimizer, options.optimizer, options.iters)
         if env.rank == 0:
             logger = IterationLogger(options.metrics_jsonl)
         for iteration in range(options.iters):
             batch = batches.batch(iteration)
             start = time.perf_counter()
             metrics = trainer.train_step(batch)
+            scheduler.step(1)
             elapsed = time.perf_counter() - start
             if logger:
                 logger.log(IterationRecord.make(
                     iteration=iteration + 1, train_iters=options.iters,
                     global_batch_size=plan.global_batch_size, seq_length=plan.seq_length,
-                    elapsed_s=elapsed, learning_rate=options.lr, lm_loss=float(metrics.loss),
+                    elapsed_s=elapsed, learning_rate=trainer.optimizer.param_groups[0]["lr"],
+                    lm_loss=float(metrics.loss),
                     grad_norm=float(metrics.grad_norm)))
     finally:
         if logger:
