@@ -176,3 +176,29 @@ def test_communicator_rejects_inconsistent_config():
                                  pipeline_dtype=torch.float32)
     with pytest.raises(ValueError, match="sequence_parallel"):
         HeteroP2PCommunicator(role, config, sequence_parallel=True)
+
+
+def _run_ahead(rank, world_size):
+    """Stage 0 sends two activations and waits for both sends before stage 1 asks for the second."""
+    role = chain_roles([1, 1])[rank]
+    config = ModelParallelConfig(pipeline_dtype=torch.float32, pipeline_model_parallel_size=2)
+    comm = HeteroP2PCommunicator(role, config, sequence_parallel=False, forward_only=True)
+    shapes = [(SEQ, MBS, HIDDEN)]
+    if rank == 0:
+        assert comm.recv_forward(shapes, True) == [None]
+        comm.send_forward([activation(0, 0, grad=False)], False)
+        comm.send_forward([activation(0, 1, grad=False)], False)
+        comm.finish_sends()      # hangs (test timeout) unless stage 1 pre-posted micro-batch 1
+        torch.distributed.barrier()
+        return []
+    first = comm.recv_forward(shapes, False)[0].detach().clone()
+    torch.distributed.barrier()  # stage 1 has not asked for micro-batch 1 yet
+    second = comm.recv_forward(shapes, False)[0].detach()
+    comm.finish_sends()
+    assert torch.equal(first, activation(0, 0, grad=False))
+    assert torch.equal(second, activation(0, 1, grad=False))
+    return [2]
+
+
+def test_next_receive_is_posted_ahead_so_a_send_completes_before_it_is_needed():
+    assert run_on_ranks(2, _run_ahead, timeout=30) == [[], [2]]

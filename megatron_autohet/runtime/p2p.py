@@ -11,12 +11,13 @@ Public API
     identically, so no shapes or metadata are ever exchanged.
 ``SchedulePosition(stage, warmup_microbatches)``
     The ``pp_group`` megatron's 1F1B schedule reads (``rank()``, ``size()``); see below.
-``HeteroP2PCommunicator(role, config, *, sequence_parallel)``
+``HeteroP2PCommunicator(role, config, *, sequence_parallel, forward_only=False)``
     Drop-in for megatron-core's ``P2PCommunicator`` in
     ``forward_backward_pipelining_without_interleaving``: ``recv_forward``, ``send_forward``,
     ``recv_backward``, ``send_backward``, ``send_forward_recv_backward``,
     ``send_backward_recv_forward`` with megatron's signatures and list/single-tensor conventions,
-    plus ``config``, ``pp_group`` and :meth:`~HeteroP2PCommunicator.finish_sends`.
+    plus ``config``, ``pp_group`` and :meth:`~HeteroP2PCommunicator.finish_sends`. One
+    communicator serves one schedule run (``forward_only`` as passed to megatron's schedule).
 
 Which rank sends what (no duplicate copies)
 -------------------------------------------
@@ -37,15 +38,30 @@ is a per-run switch that applies to every stage with TP > 1; layouts may differ 
 neighbours (SP TP2 -> non-SP TP1 and back). Each ordered rank pair carries at most one message
 per micro-batch and direction, so messages match in FIFO order without tags (NCCL has none).
 
-Deferred sends, and why the HAPT warm-up needs them
----------------------------------------------------
-Every call posts its receives and sends together (``batch_isend_irecv``) and waits only for the
-receives; a send completes in the background and is only waited for when its handle is pruned or
-by :meth:`finish_sends` at the end of the schedule. Stock megatron waits for sends too, and a gloo
-send does not complete before the receiver posts the matching receive (measured: an ``isend`` of
-16 floats waits until the peer's ``irecv``), which couples the stages' programs much more
-tightly. With deferred sends a stage only blocks on receives, and megatron's non-interleaved
-1F1B is deadlock-free for any per-stage warm-up depths ``w_0 >= w_1 >= ... >= w_{n-1}``:
+Deferred sends and pre-posted receives: what makes the HAPT warm-up overlap a slow link
+-----------------------------------------------------------------------------------------
+A call posts its sends and waits only for its receive; a send completes in the background and is
+only waited for when its handle is pruned or by :meth:`finish_sends` at the end of the schedule.
+Stock megatron waits for sends too, and a gloo send does not move its bytes before the receiver
+posts the matching receive (measured: an ``isend`` of 16 floats waits until the peer's
+``irecv``), while megatron's 1F1B asks for each receive just before it needs the data. So the
+communicator keeps the receive of the *next* micro-batch posted in each direction: 1F1B receives
+activations 0..m-1 from the previous stage and gradients 0..m-1 from the next one, in that order
+(none in a forward-only run), with static shapes; the first call posts micro-batch 0 of both
+directions, and as soon as micro-batch k has been taken the irecv of k+1 goes out into a fresh
+buffer. A send posted early (a stage running ahead with a deeper warm-up) then travels while its
+receiver computes, on gloo's own I/O threads. Exactly m receives are posted per direction and
+schedule and all of them are taken, so none is left for a later schedule's message to fall into
+(:meth:`finish_sends` checks it). Messages still match correctly: the direction is implied by the
+peer (activations only come from the previous stage's ranks, gradients only from the next
+one's), each ordered rank pair carries one message per micro-batch and shape, and both sides
+post them in micro-batch order.
+
+Deadlock freedom. Pre-posting adds no wait: a stage still blocks only when megatron asks for a
+receive, at the same program points as before, and sends never block (:meth:`finish_sends`
+returns because every peer posts all its receives within its own schedule); so megatron's
+non-interleaved 1F1B is deadlock-free for any per-stage warm-up depths
+``w_0 >= w_1 >= ... >= w_{n-1}``:
 
     A stuck stage waits on a receive. A receive of an activation waits on the previous stage,
     a receive of a gradient on the next one, so a cycle of waits contains two neighbours s, s+1
@@ -75,7 +91,11 @@ pipeline process group.
 On NCCL (untested here: no multi-GPU machine) ``batch_isend_irecv`` coalesces a call's ops into
 one handle, whose wait is stream-side, so nothing blocks the host there either; torch requires
 the default group's communicator to exist before a batch involving only some of its ranks, i.e.
-one collective over the whole world before the first schedule.
+one collective over the whole world before the first schedule. Receives are posted ahead on gloo
+only: NCCL runs the ops of one rank pair on one stream in posting order, so a receive posted
+ahead would hold up the next send to the same peer (stage s's gradient k behind its pre-posted
+activation k+1, while stage s-1's activation k+1 can sit behind its pre-posted gradient k: a
+deadlock); there each receive is posted with the call's sends in one coalesced batch, as before.
 """
 
 from __future__ import annotations
@@ -172,7 +192,8 @@ def _is_single_shape(x) -> bool:
 class HeteroP2PCommunicator:
     """Sends and receives stage activations/gradients between TP groups of any size."""
 
-    def __init__(self, role: RankRole, config, *, sequence_parallel: bool):
+    def __init__(self, role: RankRole, config, *, sequence_parallel: bool,
+                 forward_only: bool = False):
         stage = role.stage
         self.config = config
         self.rank = role.rank
@@ -196,93 +217,159 @@ class HeteroP2PCommunicator:
         self._device = (torch.device("cuda", torch.cuda.current_device())
                         if torch.cuda.is_available() else torch.device("cpu"))
         self._pending_sends: list[tuple[dist.Work, torch.Tensor]] = []
+        m = stage.num_microbatches
+        # Activations come from the previous stage, gradients from the next one, each in
+        # micro-batch order; a forward-only run receives no gradients.
+        self._activations = _ReceiveQueue(self.prev_layout, m) if self.prev_layout else None
+        self._gradients = (_ReceiveQueue(self.next_layout, m)
+                           if self.next_layout and not forward_only else None)
+        # Receives are posted one micro-batch ahead only where every op has its own handle
+        # (gloo); see "Pre-posted receives" in the module docstring for why not on NCCL.
+        self._post_ahead = dist.get_backend() == "gloo"
 
     # ---- the methods megatron's non-interleaved schedule calls --------------------------------
     def recv_forward(self, tensor_shapes, is_first_stage: bool):
-        return self._per_shape(tensor_shapes, lambda shape: None if is_first_stage else
-                               self._exchange(recv_from=self.prev_layout, recv_shape=shape))
+        return self._communicate(tensor_shapes, None if is_first_stage else self._activations)
 
     def recv_backward(self, tensor_shapes, is_last_stage: bool):
-        return self._per_shape(tensor_shapes, lambda shape: None if is_last_stage else
-                               self._exchange(recv_from=self.next_layout, recv_shape=shape))
+        return self._communicate(tensor_shapes, None if is_last_stage else self._gradients)
 
     def send_forward(self, output_tensors, is_last_stage: bool) -> None:
-        for tensor in output_tensors if isinstance(output_tensors, list) else [output_tensors]:
-            if not is_last_stage:
-                self._exchange(send=tensor, send_to=self.next_layout)
+        if not is_last_stage:
+            self._communicate(None, None, sends=output_tensors, send_to=self.next_layout)
 
     def send_backward(self, input_tensor_grads, is_first_stage: bool) -> None:
-        for grad in input_tensor_grads if isinstance(input_tensor_grads, list) else [input_tensor_grads]:
-            if not is_first_stage:
-                self._exchange(send=grad, send_to=self.prev_layout)
+        if not is_first_stage:
+            self._communicate(None, None, sends=input_tensor_grads, send_to=self.prev_layout)
 
     def send_forward_recv_backward(self, output_tensors, tensor_shapes, is_last_stage: bool):
-        return self._send_recv(output_tensors, tensor_shapes, self.next_layout, is_last_stage)
+        if is_last_stage:
+            return self._communicate(tensor_shapes, None)
+        return self._communicate(tensor_shapes, self._gradients, sends=output_tensors,
+                                 send_to=self.next_layout)
 
     def send_backward_recv_forward(self, input_tensor_grads, tensor_shapes, is_first_stage: bool):
-        return self._send_recv(input_tensor_grads, tensor_shapes, self.prev_layout, is_first_stage)
+        if is_first_stage:
+            return self._communicate(tensor_shapes, None)
+        return self._communicate(tensor_shapes, self._activations, sends=input_tensor_grads,
+                                 send_to=self.prev_layout)
 
     def finish_sends(self) -> None:
-        """Wait for every send still in flight (call before the sent tensors may change)."""
+        """End of the schedule: wait for every send still in flight (call before the sent tensors
+        may change) and make sure no receive is left posted for a later schedule to fall into."""
         for work, _ in self._pending_sends:
             work.wait()
         self._pending_sends.clear()
+        for queue in (self._activations, self._gradients):
+            if queue is not None and queue.ahead is not None:
+                for work in queue.ahead[1]:   # the peer sends all its micro-batches: this ends
+                    work.wait()
+                queue.ahead = None
+                raise RuntimeError(f"the schedule took {queue.taken} of {queue.total} micro-batches "
+                                   f"from ranks {queue.peer.ranks}; a receive was left posted")
 
     # ---- internals ---------------------------------------------------------------------------
-    @staticmethod
-    def _per_shape(tensor_shapes, receive):
-        if _is_single_shape(tensor_shapes):
-            return receive(tensor_shapes)
-        return [receive(shape) for shape in tensor_shapes]
+    def _communicate(self, tensor_shapes, queue: _ReceiveQueue | None, *, sends=None,
+                     send_to: StageLayout | None = None):
+        """Post ``sends`` to ``send_to`` and, with a ``queue``, return its next micro-batch.
 
-    def _send_recv(self, tensors, tensor_shapes, peer: StageLayout | None, at_end: bool):
-        """Send to ``peer`` and receive from it in one call (the combined 1F1B steps)."""
-        single = not isinstance(tensors, list)
-        tensors = [tensors] if single else tensors
-        shapes = tensor_shapes if isinstance(tensor_shapes, list) else [tensor_shapes]
-        received = [None if at_end else
-                    self._exchange(send=t, send_to=peer, recv_from=peer, recv_shape=shape)
-                    for t, shape in zip(tensors, shapes)]
+        Follows megatron's conventions: a single shape gives a single tensor (or None), a list of
+        shapes a list; ``None`` stands in for every tensor when there is no ``queue``.
+        """
+        single = tensor_shapes is not None and _is_single_shape(tensor_shapes)
+        shapes = ([] if tensor_shapes is None else
+                  [tuple(tensor_shapes)] if single else [tuple(x) for x in tensor_shapes])
+        if self._post_ahead and shapes:
+            self._keep_posted(shapes)
+        ops: list[dist.P2POp] = []
+        if queue is not None and queue.ahead is None:
+            buffers, ops = self._recv_ops(queue, shapes)
+        num_recvs = len(ops)
+        if sends is not None:
+            for tensor in sends if isinstance(sends, list) else [sends]:
+                ops += self._send_ops(tensor, send_to)
+        works = dist.batch_isend_irecv(ops) if ops else []
+        if len(works) == len(ops):        # one handle per op (gloo): sends complete in background
+            self._pending_sends.extend(
+                (work, op.tensor) for work, op in zip(works[num_recvs:], ops[num_recvs:]))
+            if num_recvs:
+                queue.ahead = (buffers, works[:num_recvs])
+        else:                             # coalesced (NCCL): one handle, a stream-side wait
+            for work in works:
+                work.wait()
+            if num_recvs:
+                queue.ahead = (buffers, [])
+        self._pending_sends = [(w, t) for w, t in self._pending_sends if not w.is_completed()]
+        if queue is None:
+            received = [None] * len(shapes)
+        else:
+            received = self._take(queue, shapes)
+            if self._post_ahead:
+                self._keep_posted(shapes)
         return received[0] if single else received
 
-    def _exchange(self, *, send: torch.Tensor | None = None, send_to: StageLayout | None = None,
-                  recv_from: StageLayout | None = None, recv_shape=None) -> torch.Tensor | None:
-        """Post this rank's part of one send and/or one receive; return once received."""
-        ops: list[dist.P2POp] = []
-        buffer = None
-        if recv_from is not None:
-            seq_length = recv_shape[0] * self.layout.seq_chunks
+    def _keep_posted(self, shapes: list[tuple[int, ...]]) -> None:
+        """Post the receive of each queue's next micro-batch unless it is posted or all are."""
+        for queue in (self._activations, self._gradients):
+            if queue is not None and queue.ahead is None and queue.posted < queue.total:
+                buffers, ops = self._recv_ops(queue, shapes)
+                queue.ahead = (buffers, dist.batch_isend_irecv(ops))
+
+    def _take(self, queue: _ReceiveQueue, shapes: list[tuple[int, ...]]) -> list[torch.Tensor]:
+        """Wait for the posted receive of the queue's next micro-batch and hand its buffers over."""
+        buffers, works = queue.ahead
+        queue.ahead = None
+        if [tuple(b.shape) for b in buffers] != shapes:
+            raise RuntimeError(f"receive of shapes {shapes} from ranks {queue.peer.ranks}, but "
+                               f"{[tuple(b.shape) for b in buffers]} was posted (shapes must be static)")
+        for work in works:
+            work.wait()
+        queue.taken += 1
+        for buffer in buffers:
+            buffer.requires_grad_()
+        return buffers
+
+    def _recv_ops(self, queue: _ReceiveQueue, shapes: list[tuple[int, ...]]
+                  ) -> tuple[list[torch.Tensor], list[dist.P2POp]]:
+        """Fresh buffers for the queue's next micro-batch and the irecvs that fill them."""
+        dtype = self.config.pipeline_dtype
+        if dtype is None:
+            raise RuntimeError("config.pipeline_dtype must be set to receive activations")
+        if queue.posted >= queue.total:
+            raise RuntimeError(f"receive of micro-batch {queue.posted} from ranks "
+                               f"{queue.peer.ranks}, but the pipeline has {queue.total}")
+        queue.posted += 1
+        buffers, ops = [], []
+        for shape in shapes:
+            seq_length = shape[0] * self.layout.seq_chunks
             my_start, _ = self.layout.held_range(self.tp_rank, seq_length)
-            dtype = self.config.pipeline_dtype
-            if dtype is None:
-                raise RuntimeError("config.pipeline_dtype must be set to receive activations")
-            buffer = torch.empty(tuple(recv_shape), dtype=dtype, device=self._device)
-            for t in transfer_plan(recv_from, self.layout, seq_length):
+            buffer = torch.empty(shape, dtype=dtype, device=self._device)
+            buffers.append(buffer)
+            for t in transfer_plan(queue.peer, self.layout, seq_length):
                 if t.dst == self.rank:
                     ops.append(dist.P2POp(dist.irecv, buffer[t.start - my_start:t.end - my_start],
                                           t.src))
-        num_recvs = len(ops)
-        if send is not None:
-            seq_length = send.shape[0] * self.layout.seq_chunks
-            my_start, _ = self.layout.held_range(self.tp_rank, seq_length)
-            # A detached view keeps the storage alive even if megatron later swaps the output's
-            # .data (deallocate_pipeline_outputs) while the deferred send is still in flight.
-            data = send.detach()
-            for t in transfer_plan(self.layout, send_to, seq_length):
-                if t.src == self.rank:
-                    ops.append(dist.P2POp(dist.isend, data[t.start - my_start:t.end - my_start],
-                                          t.dst))
-        if ops:
-            works = dist.batch_isend_irecv(ops)
-            if len(works) == len(ops):        # one handle per op (gloo): wait for receives only
-                for work in works[:num_recvs]:
-                    work.wait()
-                self._pending_sends.extend(
-                    (work, op.tensor) for work, op in zip(works[num_recvs:], ops[num_recvs:]))
-            else:                             # coalesced (NCCL): one handle, a stream-side wait
-                for work in works:
-                    work.wait()
-        self._pending_sends = [(w, t) for w, t in self._pending_sends if not w.is_completed()]
-        if buffer is not None:
-            buffer.requires_grad_()
-        return buffer
+        return buffers, ops
+
+    def _send_ops(self, send: torch.Tensor, send_to: StageLayout) -> list[dist.P2POp]:
+        """This rank's part of sending one stage-layout tensor to ``send_to``."""
+        seq_length = send.shape[0] * self.layout.seq_chunks
+        my_start, _ = self.layout.held_range(self.tp_rank, seq_length)
+        # A detached view keeps the storage alive even if megatron later swaps the output's
+        # .data (deallocate_pipeline_outputs) while the deferred send is still in flight.
+        data = send.detach()
+        return [dist.P2POp(dist.isend, data[t.start - my_start:t.end - my_start], t.dst)
+                for t in transfer_plan(self.layout, send_to, seq_length) if t.src == self.rank]
+
+
+@dataclass
+class _ReceiveQueue:
+    """The receives of one direction, in micro-batch order: activations from the previous stage
+    or gradients from the next one. ``ahead`` is the posted receive of the next micro-batch
+    (its buffers, one per shape, and the handles of its irecvs) or None."""
+
+    peer: StageLayout
+    total: int
+    posted: int = 0
+    taken: int = 0
+    ahead: tuple[list[torch.Tensor], list] | None = None
