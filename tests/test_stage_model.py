@@ -77,9 +77,8 @@ def _stock_megatron_tp2_pp2(rank, world, batches):
 
 
 def test_stock_megatron_tp2_pp2_matches_single_process_reference():
-    from megatron_autohet.runtime.stage_model import padded_vocab_size
     batches = global_batches(TINY, count=1, rows=8) * 3        # same batch: the loss must fall
-    padded = padded_vocab_size(TINY.vocab_size, [2])
+    padded = TINY.padded_vocab_size([2])
     reference = run_on_ranks(1, _reference, TINY, batches, padded)[0]
     stock = run_on_ranks(4, _stock_megatron_tp2_pp2, batches, timeout=180)
     last_stage = stock[2]
@@ -185,10 +184,13 @@ def test_param_layout_shard_merge_round_trip_with_chunks():
 
 
 def test_padded_vocab_is_shared_by_every_tp_degree_of_a_plan():
-    from megatron_autohet.runtime.stage_model import padded_vocab_size, plan_padded_vocab_size
-    assert padded_vocab_size(50257, [1]) == 50304               # Megatron's 128 * TP rule
-    assert padded_vocab_size(50257, [2]) == 50432
-    assert padded_vocab_size(50257, [2, 4, 1]) == 50688         # 128 * lcm = 512
+    from megatron_autohet.profiling.estimate import padded_vocab_size
+    from megatron_autohet.runtime.stage_model import plan_padded_vocab_size
+    gpt = replace(TINY, vocab_size=50257)
+    assert gpt.padded_vocab_size([1]) == 50304                  # Megatron's 128 * TP rule
+    assert gpt.padded_vocab_size([2]) == 50432
+    assert gpt.padded_vocab_size([2, 4, 1]) == 50688            # 128 * lcm = 512
+    assert [padded_vocab_size(gpt, t) for t in (1, 2)] == [50304, 50432]   # the estimate's too
     assert plan_padded_vocab_size(load_plan(PLAN_FILE)) == 512
 
 

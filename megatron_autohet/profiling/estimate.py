@@ -37,7 +37,6 @@ Every OpCost made here has ``source="estimated"``; measured profiles replace the
 
 from __future__ import annotations
 
-import math
 
 from megatron_autohet.profiling.profile import OpCost, Profile, ProfileEntry
 from megatron_autohet.spec.cluster import Cluster
@@ -56,13 +55,11 @@ MEMORY_EFFICIENCY = 0.8
 LINK_EFFICIENCY = 0.8
 # Bytes of one activation element: layers run in bf16 (fp16 on GPUs without bf16).
 ACTIVATION_DTYPE_BYTES = 2
-# Megatron pads the vocabulary to a multiple of this times the TP degree.
-VOCAB_PAD_MULTIPLE = 128
 
 
 def padded_vocab_size(model: ModelSpec, tp: int) -> int:
-    multiple = VOCAB_PAD_MULTIPLE * tp
-    return int(math.ceil(model.vocab_size / multiple) * multiple)
+    """Megatron's padded vocabulary for one TP degree (:meth:`ModelSpec.padded_vocab_size`)."""
+    return model.padded_vocab_size([tp])
 
 
 def ring_allreduce_s(num_bytes: float, ranks: int, bandwidth_gbs: float) -> float:

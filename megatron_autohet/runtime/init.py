@@ -38,7 +38,7 @@ Shard layout (verified against megatron-core 0.16.1 in tests/test_stage_model.py
 * SwiGLU ``linear_fc1`` (``gated_linear_unit``): each rank holds [its gate rows; its up rows], i.e.
   ``num_chunks = 2``.
 * Vocabulary rows: the embedding/output full shape uses the padded vocabulary
-  (``stage_model.padded_vocab_size``, one size for the whole plan). Rows below the true
+  (``stage_model.plan_padded_vocab_size``, one size for the whole plan). Rows below the true
   vocabulary size are drawn from the hash of the *true* shape and padding rows are 0, so the
   initial values of real tokens do not depend on how much padding a plan needs.
 """

@@ -2,10 +2,8 @@
 
 Public API
 ----------
-``padded_vocab_size(vocab_size, tp_degrees) -> int``
-    The vocabulary rounded up to a multiple of ``128 * lcm(tp_degrees)``.
 ``plan_padded_vocab_size(plan) -> int``
-    The padded vocabulary of a plan (every TP degree in it).
+    The padded vocabulary of a plan: ``ModelSpec.padded_vocab_size`` over every TP degree in it.
 ``transformer_config(model_spec, tp_size, *, sequence_parallel=False, pipeline_layers=None,
                      dropout=0.0, **overrides) -> TransformerConfig``
     fp32, CPU-safe megatron config of one stage. ``pipeline_layers``: the [start, end) layer
@@ -46,7 +44,6 @@ Design (why)
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 
 import torch
@@ -55,18 +52,11 @@ from megatron_autohet.plan import Plan
 from megatron_autohet.runtime.init import INIT_METHOD_STD, ParamLayout, initialize_parameters
 from megatron_autohet.spec.model import ModelSpec
 
-_VOCAB_PAD_UNIT = 128
 _LAYER_NAME = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 
 
-def padded_vocab_size(vocab_size: int, tp_degrees) -> int:
-    unit = _VOCAB_PAD_UNIT * math.lcm(*tp_degrees)
-    return -(-vocab_size // unit) * unit
-
-
 def plan_padded_vocab_size(plan: Plan) -> int:
-    return padded_vocab_size(plan.model.vocab_size,
-                             {s.tp for p in plan.pipelines for s in p.stages})
+    return plan.model.padded_vocab_size({s.tp for p in plan.pipelines for s in p.stages})
 
 
 def transformer_config(model_spec: ModelSpec, tp_size: int, *, sequence_parallel: bool = False,

@@ -7,7 +7,7 @@ YAML form::
     hidden_size: 2048
     num_attention_heads: 16
     ffn_hidden_size: 8192          # default 4 * hidden_size
-    vocab_size: 50257              # padded by the runtime as Megatron does
+    vocab_size: 50257              # padded as Megatron does: ModelSpec.padded_vocab_size
     seq_length: 2048
     num_query_groups: 16           # optional (GQA); default num_attention_heads
     gated_linear_unit: false       # SwiGLU MLP (LLaMA): three FFN matrices instead of two
@@ -17,6 +17,8 @@ YAML form::
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -24,6 +26,9 @@ from megatron_autohet.errors import ConfigError
 from megatron_autohet.spec._yaml import check_keys, get_field, read_yaml_mapping
 
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope")
+# Megatron pads the vocabulary to a multiple of this times the TP degree
+# (--make-vocab-size-divisible-by 128).
+VOCAB_PAD_UNIT = 128
 
 
 @dataclass(frozen=True)
@@ -42,6 +47,16 @@ class ModelSpec:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def padded_vocab_size(self, tp_degrees: Iterable[int]) -> int:
+        """The vocabulary rounded up to a multiple of ``128 * lcm(tp_degrees)``.
+
+        For one TP degree this is Megatron's padding. A plan mixing TP degrees needs one size
+        that every stage holding the (tied) embedding or the output layer splits evenly: padding
+        rows enter the softmax, so all copies must agree on the full shape.
+        """
+        unit = VOCAB_PAD_UNIT * math.lcm(*tp_degrees)
+        return -(-self.vocab_size // unit) * unit
 
     def valid_tp_degrees(self, max_tp: int = 8) -> list[int]:
         """TP degrees (powers of two up to max_tp) that divide heads, query groups and FFN."""
