@@ -296,14 +296,7 @@ def validate_plan(plan: Plan, file: str | Path = "<plan>") -> None:
             if len(gpus) > 1:
                 raise ConfigError(file, f"{swhere}.ranks", f"TP group mixes GPU types "
                                   f"{sorted(gpus)}", "ranks of one GPU type")
-            tp = stage.tp
-            for what, value in (("num_attention_heads", model.num_attention_heads),
-                                ("num_query_groups", model.num_query_groups),
-                                ("ffn_hidden_size", model.ffn_hidden_size)):
-                if value % tp:
-                    raise ConfigError(file, f"{swhere}.ranks", f"TP degree {tp} does not divide "
-                                      f"the model's {what} ({value})",
-                                      f"a TP degree in {model.valid_tp_degrees(64)}")
+            model.check_tp_degree(stage.tp, file, f"{swhere}.ranks")
             start, end = stage.layers
             if start != expected_start or end <= start:
                 raise ConfigError(file, f"{swhere}.layers", f"got [{start}, {end}) after "

@@ -76,7 +76,7 @@ def test_bad_tp_degree_is_a_config_error(capsys):
     assert main(["profile", "--model", str(TINY), "--tp", "3", "-o", "unused.yaml"]) == 2
     assert capsys.readouterr().err.strip() == (
         "autohet profile: error: <command line>: field '--tp': TP degree 3 does not divide the "
-        "model's heads/query groups/FFN size (allowed: 1, 2, 4)")
+        "model's num_attention_heads (4) (allowed: a TP degree in [1, 2, 4])")
 
 
 @pytest.mark.parametrize("device, memory, expected", [

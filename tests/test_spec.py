@@ -287,3 +287,20 @@ def test_model_defaults_and_tp_degrees(tmp_path):
                                                           num_query_groups=2)))
     assert model.ffn_hidden_size == 256 and model.tie_embeddings
     assert model.valid_tp_degrees() == [1, 2]      # query groups (2) bound the TP degree
+
+
+@pytest.mark.parametrize("changes, tp, problem", [
+    ({"num_attention_heads": 8, "num_query_groups": 2}, 4,
+     "TP degree 4 does not divide the model's num_query_groups (2)"),
+    ({"ffn_hidden_size": 98}, 4, "TP degree 4 does not divide the model's ffn_hidden_size (98)"),
+    ({}, 3, "TP degree 3 does not divide the model's num_attention_heads (4)"),
+    ({}, 0, "TP degree 0"),
+])
+def test_tp_degree_check_names_the_dimension_it_does_not_divide(tmp_path, changes, tp, problem):
+    model = load_model(write(tmp_path, "model.yaml", dict(GOOD_MODEL, **changes)))
+    with pytest.raises(ConfigError) as info:
+        model.check_tp_degree(tp, "plan.yaml", "pipelines[0].stages[0].ranks")
+    assert str(info.value) == (f"plan.yaml: field 'pipelines[0].stages[0].ranks': {problem} "
+                               f"(allowed: a TP degree in {model.valid_tp_degrees(64)})")
+    for good in model.valid_tp_degrees(64):
+        model.check_tp_degree(good, "plan.yaml", "pipelines[0].stages[0].ranks")

@@ -108,10 +108,7 @@ def measure_profile(model: ModelSpec, tp_degrees: list[int], micro_batch_sizes: 
 
     accelerator = local_accelerator()
     for tp in tp_degrees:
-        if tp not in model.valid_tp_degrees(max_tp=max(tp, 1)):
-            raise ConfigError("<command line>", "--tp", f"TP degree {tp} does not divide the "
-                              f"model's heads/query groups/FFN size",
-                              ", ".join(map(str, model.valid_tp_degrees(64))))
+        model.check_tp_degree(tp, "<command line>", "--tp")
         if accelerator is not None and tp > accelerator[2]:
             raise ConfigError("<command line>", "--tp", f"TP degree {tp} needs {tp} GPUs, this "
                               f"machine has {accelerator[2]}",
