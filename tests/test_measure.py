@@ -65,6 +65,42 @@ def test_parameter_counts_match_megatron_shapes(measured):
     assert entry.output.param_count == vocab * model.hidden_size + 2 * model.hidden_size
 
 
+def _bench_modules(rank, world, model):
+    from megatron.core import parallel_state
+
+    from megatron_autohet.profiling.measure import MeasureRequest, _Bench
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+    try:
+        bench = _Bench(MeasureRequest(model, 1, (1,), (32,), "CPU", 0, 1, 0), on_gpu=False)
+
+        def count(*modules):
+            return sum(p.numel() for m in modules for p in m.parameters())
+
+        return (count(bench.layer), count(bench.embedding),
+                count(bench.final_norm, bench.output_layer), bench.config.normalization,
+                sorted(n for n, _ in bench.layer.named_parameters() if n.endswith("bias")))
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def test_llama_style_layer_is_measured_as_the_runtime_builds_it():
+    """SwiGLU models train with RMSNorm and no linear biases (runtime/stage_model.py); the measured
+    modules must be those, with the parameter counts the estimate (and the runtime) have."""
+    from dataclasses import replace
+
+    from dist_utils import run_on_ranks
+    from megatron_autohet.profiling.estimate import estimate_entry
+    model = replace(load_model(TINY), name="llama-tiny", num_layers=2, num_query_groups=2,
+                    gated_linear_unit=True, position_embedding_type="rope",
+                    tie_embeddings=False)
+    layer, embedding, output, norm, biases = run_on_ranks(1, _bench_modules, model)[0]
+    assert norm == "RMSNorm" and biases == []
+    estimate = estimate_entry(model, load_gpu_catalog()["A100-80GB"], 1, 1, 32, 300)
+    assert (layer, embedding, output) == (estimate.layer.param_count,
+                                          estimate.embedding.param_count,
+                                          estimate.output.param_count)
+
+
 def test_cluster_types_not_measured_are_estimated(measured):
     for gpu in ("H800", "H20"):
         for seq in (32, 64):

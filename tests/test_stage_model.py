@@ -171,6 +171,37 @@ def test_llama_style_tp2_gradients_are_slices_of_tp1_gradients(sequence_parallel
 
 # ---- ParamLayout / padding units -------------------------------------------------------------
 
+def _part_param_counts(rank, world, model_spec):
+    from megatron_autohet.runtime.parallel_state import build_parallel_state
+    from megatron_autohet.runtime.stage_model import build_stage_model
+    plan = one_pipeline_plan(model_spec, [([0], (0, model_spec.num_layers))], num_microbatches=1)
+    model = build_stage_model(model_spec, build_parallel_state(plan, rank), seed=SEED)
+
+    def count(module):
+        return sum(p.numel() for p in module.parameters())
+
+    # A single stage holds the tied output weight once (the embedding's); a last stage of a
+    # deeper pipeline holds its own copy, which is what the estimate's output part counts.
+    output_weight = (model.output_layer.weight if model.output_layer.weight is not None
+                     else model.embedding.word_embeddings.weight).numel()
+    return ([count(layer) for layer in model.decoder.layers], count(model.embedding),
+            count(model.decoder.final_layernorm) + output_weight,
+            type(model.decoder.final_layernorm).__name__)
+
+
+@pytest.mark.parametrize("model_spec, norm", [(TINY, "LayerNorm"), (LLAMA_TINY, "RMSNorm")])
+def test_estimated_parameter_counts_equal_megatron_cores_modules(model_spec, norm):
+    from megatron_autohet.profiling.estimate import estimate_entry
+    from megatron_autohet.spec.gpus import load_gpu_catalog
+    layers, embedding, output, norm_type = run_on_ranks(1, _part_param_counts, model_spec)[0]
+    assert norm_type == norm
+    estimate = estimate_entry(model_spec, load_gpu_catalog()["A100-80GB"], 1, 1,
+                              model_spec.seq_length, 300)
+    assert layers == [estimate.layer.param_count] * model_spec.num_layers
+    assert embedding == estimate.embedding.param_count
+    assert output == estimate.output.param_count
+
+
 def test_param_layout_shard_merge_round_trip_with_chunks():
     full = torch.arange(8 * 3, dtype=torch.float32).reshape(8, 3)
     layouts = [ParamLayout("x", (8, 3), 0, r, 2, num_chunks=2) for r in range(2)]

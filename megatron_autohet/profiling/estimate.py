@@ -28,8 +28,10 @@ Symbols: b micro-batch size, s sequence length, h hidden size, a attention heads
   same terms for general f, GQA and gated MLPs (see :func:`layer_activation_bytes`); with
   FlashAttention the ``a s^2`` score terms are replaced by the softmax statistics (fp32 per row).
   Under full activation recompute only the layer input (2 s b h bytes) stays alive.
-* Parameters are counted per TP shard: weight matrices are divided by t, biases of row-parallel
-  layers and norms are replicated.
+* Parameters are counted per TP shard, as megatron-core builds the layer: weight matrices are
+  divided by t, biases of row-parallel layers and norms are replicated. GPT layers have linear
+  biases and LayerNorm (weight and bias); LLaMA-family (SwiGLU) layers have neither biases nor a
+  norm bias (RMSNorm), see ``ModelSpec.normalization`` / ``ModelSpec.linear_biases``.
 
 Every OpCost made here has ``source="estimated"``; measured profiles replace these entries via
 :meth:`Profile.merged_over`.
@@ -79,13 +81,23 @@ def layer_forward_flops(model: ModelSpec, tp: int, micro_batch_size: int, seq_le
     return (qkv + attention + projection + mlp) / tp
 
 
+def norm_param_count(model: ModelSpec) -> int:
+    """Parameters of one norm over the hidden size: LayerNorm has a weight and a bias, RMSNorm
+    only a weight."""
+    return model.hidden_size * (2 if model.normalization == "LayerNorm" else 1)
+
+
 def layer_param_count(model: ModelSpec, tp: int) -> int:
-    """Parameters of one layer held by one GPU of a TP group of degree ``tp``."""
+    """Parameters of one layer held by one GPU of a TP group of degree ``tp``, as megatron-core
+    builds the layer (runtime/stage_model.py: biases only when ``model.linear_biases``)."""
     h, f = model.hidden_size, model.ffn_hidden_size
     kv = 2 * h * model.num_query_groups // model.num_attention_heads
     fc1_out = f * (2 if model.gated_linear_unit else 1)
-    split = h * (h + kv) + (h + kv) + h * h + h * fc1_out + fc1_out + f * h   # column/row parallel
-    replicated = h + h + 2 * 2 * h       # row-parallel biases (proj, fc2), two norms (weight, bias)
+    split = h * (h + kv) + h * h + h * fc1_out + f * h      # QKV, proj, fc1, fc2 weights
+    replicated = 2 * norm_param_count(model)                # input and pre-MLP norms
+    if model.linear_biases:
+        split += (h + kv) + fc1_out                         # column-parallel biases (QKV, fc1)
+        replicated += 2 * h                                 # row-parallel biases (proj, fc2)
     return split // tp + replicated
 
 
@@ -144,9 +156,10 @@ def estimate_entry(model: ModelSpec, gpu: GPUType, tp: int, micro_batch_size: in
         source="estimated")
 
     # Embedding: a vocab-parallel gather (memory-bound) whose partial sums are all-reduced over TP;
-    # backward scatter-adds into the table shard. Learned positions add an [s, h] table.
+    # backward scatter-adds into the table shard. Learned positions add the model's position
+    # table (GPTModel sizes it by the model's seq_length, whatever length is trained).
     vocab = padded_vocab_size(model, tp)
-    positions = s * h if model.position_embedding_type == "learned_absolute" else 0
+    positions = model.seq_length * h if model.position_embedding_type == "learned_absolute" else 0
     embedding = OpCost(
         forward_s=_timed(0.0, 3 * hidden_bytes, gpu) + tp_allreduce,
         backward_s=_timed(0.0, 3 * hidden_bytes, gpu),
@@ -165,7 +178,7 @@ def estimate_entry(model: ModelSpec, gpu: GPUType, tp: int, micro_batch_size: in
         backward_s=_timed(2 * out_flops, 2 * out_traffic, gpu) + tp_allreduce,
         activation_bytes=logits_fp32 + 2 * hidden_bytes,  # logits, norm and projection inputs
         activation_bytes_recompute=logits_fp32 + 2 * hidden_bytes,  # never recomputed
-        param_count=vocab * h // tp + 2 * h,
+        param_count=vocab * h // tp + norm_param_count(model),
         source="estimated")
     return ProfileEntry(gpu=gpu.name, tp=tp, micro_batch_size=b, seq_length=s,
                         layer=layer, embedding=embedding, output=output)

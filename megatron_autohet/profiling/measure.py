@@ -1,11 +1,14 @@
 """Measure one transformer layer, the embedding and the output layer on the local device.
 
-What is measured is megatron-core's own code, built the way a GPT model builds it:
+What is measured is megatron-core's own code, built as the runtime builds it for training:
+the config comes from ``runtime.stage_model.transformer_config`` (norm, biases, activation,
+dropout as trained; only the precision and, on a GPU, the fused kernels differ) and the layer spec
+and final norm from ``stage_model.stage_layer_spec`` (local spec, or Transformer Engine's when it
+imports and a GPU is present):
 
-* ``layer``: one ``TransformerLayer`` from ``get_gpt_layer_local_spec`` (the Transformer Engine
-  spec when ``transformer_engine`` imports and a GPU is present);
+* ``layer``: one ``TransformerLayer`` of that spec;
 * ``embedding``: ``LanguageModelEmbedding`` (a ``VocabParallelEmbedding``, plus learned positions
-  unless the model uses RoPE);
+  unless the model uses RoPE), over ``ModelSpec.padded_vocab_size``;
 * ``output``: the final norm, the vocab-parallel output projection and
   ``vocab_parallel_cross_entropy`` (what the last pipeline stage runs).
 
@@ -44,7 +47,6 @@ import weakref
 from dataclasses import asdict, dataclass
 
 from megatron_autohet.errors import ConfigError
-from megatron_autohet.profiling.estimate import padded_vocab_size
 from megatron_autohet.profiling.profile import OpCost, Profile, entry_from_dict
 from megatron_autohet.spec.gpus import GPUType
 from megatron_autohet.spec.model import ModelSpec
@@ -187,7 +189,7 @@ def _worker(rank: int, request: MeasureRequest, done) -> None:
         model_parallel_cuda_manual_seed(1234)
         bench = _Bench(request, on_gpu)
         if rank == 0:
-            print(f"> TP={request.tp}: {bench.layer_spec} layer spec, {bench.dtype}, "
+            print(f"> TP={request.tp}: layer {bench.layer_kind}, {bench.dtype}, "
                   f"{'GPU' if on_gpu else 'CPU'}", flush=True)
         for mbs in request.micro_batch_sizes:
             for seq in request.seq_lengths:
@@ -204,84 +206,61 @@ class _Bench:
 
     def __init__(self, request: MeasureRequest, on_gpu: bool):
         import torch
-        from megatron.core.transformer.transformer_config import TransformerConfig
+        from megatron.core.transformer.spec_utils import build_module
+
+        from megatron_autohet.runtime.stage_model import stage_layer_spec, transformer_config
 
         self.request, self.on_gpu = request, on_gpu
-        model = request.model
         self.device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
         if on_gpu:
             self.dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
         else:
             self.dtype = torch.float32
-        self.config = TransformerConfig(
-            num_layers=1,
-            hidden_size=model.hidden_size,
-            ffn_hidden_size=model.ffn_hidden_size,
-            num_attention_heads=model.num_attention_heads,
-            num_query_groups=model.num_query_groups,
-            gated_linear_unit=model.gated_linear_unit,
-            activation_func=_activation(model),
-            tensor_model_parallel_size=request.tp,
+        # The runtime's own config and layer spec (norm, biases, activation, dropout, init), so
+        # the measured layer is the trained one; only the precision and, on a GPU, the fused
+        # kernels (which compute the same thing) differ from the runtime's fp32 CPU-safe config.
+        self.config = transformer_config(
+            request.model, request.tp,
             params_dtype=self.dtype,
+            pipeline_dtype=self.dtype,
             bf16=self.dtype == torch.bfloat16,
             fp16=self.dtype == torch.float16,
-            use_cpu_initialization=not on_gpu,
-            # Fused CUDA kernels only exist on a GPU; on a CPU take the plain PyTorch paths.
-            bias_activation_fusion=on_gpu and not model.gated_linear_unit,
+            bias_activation_fusion=on_gpu and request.model.linear_biases,
             masked_softmax_fusion=on_gpu,
             bias_dropout_fusion=on_gpu,
-            apply_rope_fusion=False,
-            gradient_accumulation_fusion=False,
         )
-        self.layer = self._build_layer().to(self.device)
+        layer_spec, final_norm = stage_layer_spec(self.config)
+        self.layer = build_module(layer_spec, config=self.config, layer_number=1).to(self.device)
+        self.layer_kind = (f"{type(self.layer.self_attention.linear_qkv).__name__} / "
+                           f"{final_norm.__name__} ({self.config.normalization})")
         self.embedding = self._build_embedding().to(self.device)
-        self.final_norm, self.output_layer = self._build_output()
-        self.final_norm.to(self.device)
-        self.output_layer.to(self.device)
+        # TransformerBlock's final norm, built as the block builds it.
+        self.final_norm = build_module(final_norm, config=self.config,
+                                       hidden_size=self.config.hidden_size,
+                                       eps=self.config.layernorm_epsilon).to(self.device)
+        self.output_layer = self._build_output_layer().to(self.device)
 
     # -- building megatron-core modules --------------------------------------------------------
-    def _build_layer(self):
-        from megatron.core.transformer.spec_utils import build_module
-
-        spec, self.layer_spec = None, "local (megatron-core)"
-        if self.on_gpu:
-            try:
-                from megatron.core.models.gpt.gpt_layer_specs import \
-                    get_gpt_layer_with_transformer_engine_spec
-                import transformer_engine  # noqa: F401  (the spec needs it at build time)
-                spec = get_gpt_layer_with_transformer_engine_spec()
-                self.layer_spec = "Transformer Engine"
-            except ImportError:
-                spec = None
-        if spec is None:
-            from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-            spec = get_gpt_layer_local_spec()
-        return build_module(spec, config=self.config, layer_number=1)
-
     def _build_embedding(self):
         from megatron.core.models.common.embeddings.language_model_embedding import \
             LanguageModelEmbedding
 
         model = self.request.model
         return LanguageModelEmbedding(
-            self.config, vocab_size=padded_vocab_size(model, self.request.tp),
+            self.config, vocab_size=model.padded_vocab_size([self.request.tp]),
             # Sized like GPTModel's: the model's positions, or more if a longer seq is measured.
             max_sequence_length=max(model.seq_length, *self.request.seq_lengths),
             position_embedding_type=model.position_embedding_type)
 
-    def _build_output(self):
+    def _build_output_layer(self):
         from megatron.core import tensor_parallel
-        from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-        model = self.request.model
-        norm = WrappedTorchNorm(self.config, self.config.hidden_size, eps=self.config.layernorm_epsilon)
         # GPTModel's output layer: column-parallel over the vocabulary, logits stay split.
         # With tied embeddings the last stage still holds (a synced copy of) this matrix.
-        output = tensor_parallel.ColumnParallelLinear(
-            self.config.hidden_size, padded_vocab_size(model, self.request.tp),
+        return tensor_parallel.ColumnParallelLinear(
+            self.config.hidden_size, self.request.model.padded_vocab_size([self.request.tp]),
             config=self.config, init_method=self.config.init_method, bias=False,
             skip_bias_add=False, gather_output=False)
-        return norm, output
 
     def _rotary(self, seq: int):
         if self.request.model.position_embedding_type != "rope":
@@ -413,9 +392,3 @@ class _Bench:
             return start.elapsed_time(end) / 1e3
         return end - start
 
-
-def _activation(model: ModelSpec):
-    import torch.nn.functional as F
-
-    # LLaMA-style gated MLPs use SwiGLU; GPT-3 uses GELU.
-    return F.silu if model.gated_linear_unit else F.gelu

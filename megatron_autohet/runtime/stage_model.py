@@ -64,7 +64,6 @@ def transformer_config(model_spec: ModelSpec, tp_size: int, *, sequence_parallel
                        dropout: float = 0.0, **overrides):
     from megatron.core.transformer import TransformerConfig
 
-    llama_style = model_spec.gated_linear_unit
     num_stages = len(pipeline_layers) if pipeline_layers else 1
     layout = None
     if num_stages > 1:
@@ -86,11 +85,13 @@ def transformer_config(model_spec: ModelSpec, tp_size: int, *, sequence_parallel
         hidden_dropout=dropout,
         attention_dropout=dropout,
         init_method_std=INIT_METHOD_STD,
-        # SwiGLU models (LLaMA family) also use RMSNorm and no linear biases.
-        gated_linear_unit=llama_style,
-        activation_func=torch.nn.functional.silu if llama_style else torch.nn.functional.gelu,
-        normalization="RMSNorm" if llama_style else "LayerNorm",
-        add_bias_linear=not llama_style,
+        # SwiGLU models (LLaMA family) also use RMSNorm and no linear biases (ModelSpec says which;
+        # profiling/estimate.py counts parameters from the same properties).
+        gated_linear_unit=model_spec.gated_linear_unit,
+        activation_func=(torch.nn.functional.silu if model_spec.gated_linear_unit
+                         else torch.nn.functional.gelu),
+        normalization=model_spec.normalization,
+        add_bias_linear=model_spec.linear_biases,
         # Megatron's CPU init path needs no device RNG and is what sets the TP attributes
         # (tensor_model_parallel, partition_dim) that param_layouts reads; runtime/init.py then
         # overwrites the values with the layout-independent ones.

@@ -10,7 +10,8 @@ YAML form::
     vocab_size: 50257              # padded as Megatron does: ModelSpec.padded_vocab_size
     seq_length: 2048
     num_query_groups: 16           # optional (GQA); default num_attention_heads
-    gated_linear_unit: false       # SwiGLU MLP (LLaMA): three FFN matrices instead of two
+    gated_linear_unit: false       # SwiGLU MLP (LLaMA): three FFN matrices instead of two;
+                                   # such models also get RMSNorm and no linear biases
     position_embedding_type: learned_absolute   # or rope
     tie_embeddings: true           # share input embedding and output layer weights
 """
@@ -47,6 +48,16 @@ class ModelSpec:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    @property
+    def normalization(self) -> str:
+        """The norm megatron-core builds: RMSNorm for SwiGLU (LLaMA-family) models, else LayerNorm."""
+        return "RMSNorm" if self.gated_linear_unit else "LayerNorm"
+
+    @property
+    def linear_biases(self) -> bool:
+        """Whether the layers' linears have biases: GPT's do, the LLaMA family's do not."""
+        return not self.gated_linear_unit
 
     def padded_vocab_size(self, tp_degrees: Iterable[int]) -> int:
         """The vocabulary rounded up to a multiple of ``128 * lcm(tp_degrees)``.
