@@ -181,10 +181,10 @@ def _worker(rank: int, request: MeasureRequest, done) -> None:
         from megatron_autohet.runtime.cpu_mode import enable_cpu_mode
         enable_cpu_mode()
     dist.init_process_group("nccl" if on_gpu else "gloo", rank=rank, world_size=request.tp)
-    try:
-        from megatron.core import parallel_state
-        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
+    try:
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=request.tp)
         model_parallel_cuda_manual_seed(1234)
         bench = _Bench(request, on_gpu)
@@ -196,8 +196,9 @@ def _worker(rank: int, request: MeasureRequest, done) -> None:
                 entry = bench.measure_entry(mbs, seq)
                 if rank == 0:
                     done.put(entry)
-        parallel_state.destroy_model_parallel()
     finally:
+        # Megatron's groups first (they live in the default group), also when a measurement raised.
+        parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
 
 
