@@ -27,6 +27,7 @@ import torch
 
 from megatron_autohet.plan import load_plan
 from megatron_autohet.runtime.optimizer import OptimizerSettings
+from megatron_autohet.runtime.topology import rank_role
 from dist_utils import run_on_ranks
 
 PLANS = Path(__file__).resolve().parents[1] / "configs" / "plans"
@@ -119,7 +120,7 @@ def check_final_params(plan, results, reference_params) -> tuple[float, float]:
         if layout.partition_dim is None:         # TP-replicated: every TP copy must agree
             for k in range(1, layout.tp_size):
                 torch.testing.assert_close(by_tp[k][1], full, rtol=0, atol=0)
-        pipeline = plan.locate(stage_ranks[0])[0]
+        pipeline = rank_role(plan, stage_ranks[0]).stage.pipeline
         held = by_pipeline.setdefault(pipeline, {})
         if name in held:                         # the tied copy on the last stage
             torch.testing.assert_close(full, held[name], rtol=0, atol=0)
