@@ -7,10 +7,12 @@ Package layout follows the data flow (see README.md):
     cost_model   iteration time and memory of a plan (pure functions)
     planner/     SCIP plan search and the baselines it is compared with
     plan         the plan dataclass and its YAML file: the contract with the runtime
-    runtime/     parallel_state from a plan, stage model, hetero P2P, schedules, grad sync
-    checkpoint/  layout-independent checkpoints, local + S3, recovery
+    data/        the built-in corpus and deterministic global batches through megatron's GPTDataset
+    runtime/     parallel_state from a plan, stage model, hetero P2P, schedules, grad sync,
+                 optimizer (AdamW + Megatron's LR schedule), the trainer
     megatron/    glue for Megatron-LM's pretrain_gpt.py
     cli/         the `autohet` command
+    checkpoint/  planned (a later issue): layout-independent checkpoints, local + S3, recovery
 
 Nothing in spec/, cost_model, planner/ or plan imports torch or megatron.
 """

@@ -1,10 +1,19 @@
 """Training from a plan on megatron-core.
 
-topology        pure: each rank's role and the process groups a plan needs (no torch)
+Modules in data-flow order (a job's start, one iteration, then the baselines it is checked with):
+
+launch          `autohet train`: file checks, local process launch, the per-rank worker
 cpu_mode        megatron-core on a CPU-only torch with gloo (device mapping, RNG tracker)
+topology        pure: each rank's role and the process groups a plan needs (no torch)
 parallel_state  this rank's process groups: megatron ProcessGroupCollection + parallel_state globals
 stage_model     this rank's stage: megatron-core GPTModel with global layer numbers; ParamLayouts
 init            layout-independent initial weights (seeded by global name + full shape)
-reference       single-process ground truth: the loss and micro-batch split definitions
+p2p             activations and gradients between stages of different TP degrees
+schedule        one iteration's forward/backward on megatron-core's pipeline schedules
+grad_sync       layer-wise data-parallel gradient sync across pipelines of different shapes
 optimizer       AdamW with megatron's no-decay rule + megatron-core's LR scheduler (shared)
+trainer         HeteroTrainer: schedule, grad sync and optimizer step of one iteration
+train_log       Megatron-LM's per-iteration console line and the same fields as JSON lines
+reference       single-process ground truth: the loss and micro-batch split definitions
+stock           stock megatron-core on a homogeneous plan: the baseline of tests and benchmarks
 """
