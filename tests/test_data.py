@@ -4,8 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_autohet.data.batches import (BATCH_KEYS, DataOptions, build_global_batches,
-                                           check_token_range)
+from megatron_autohet.data.batches import BATCH_KEYS, DataOptions, build_global_batches
 from megatron_autohet.data.corpus import (build_corpus, byte_tokenizer, corpus_prefix,
                                           stdlib_documents)
 from megatron_autohet.errors import ConfigError
@@ -66,8 +65,40 @@ def test_bad_data_path_and_vocab_are_config_errors(corpus, tmp_path):
     with pytest.raises(ConfigError, match="--data-path.*not found"):
         build_global_batches(DataOptions(32, 4, 1, data_path=str(tmp_path / "nope"),
                                          data_dir=str(tmp_path)), 512)
-    with pytest.raises(ConfigError, match="token id .* beyond the model's vocab_size 64"):
-        check_token_range(corpus, 64)
     with pytest.raises(ConfigError, match="vocab_size"):
         byte_tokenizer(100)
     assert int(np.max(np.fromfile(corpus.with_suffix(".bin"), dtype=np.uint16))) < 256
+
+
+def test_token_beyond_the_vocab_is_a_config_error_in_the_batches_that_read_it(tmp_path):
+    """The check runs on what each global batch reads (no start-up scan of the .bin): exactly the
+    batches holding the bad id fail, with the data path, the id and the vocab in the message."""
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    prefix = tmp_path / "user" / "text_document"
+    prefix.parent.mkdir()
+    builder = IndexedDatasetBuilder(str(prefix.with_suffix(".bin")), dtype=np.uint16)
+    rng = np.random.default_rng(0)
+    for doc in range(40):
+        ids = rng.integers(2, 256, size=50).astype(np.uint16)
+        if doc == 17:
+            ids[25] = 300                  # tokenized for a larger vocabulary than the model's
+        builder.add_document(np.append(ids, 0).astype(np.uint16), [51])
+    builder.finalize(str(prefix.with_suffix(".idx")))
+    batches = build_global_batches(DataOptions(16, 4, 20, data_path=str(prefix),
+                                               data_dir=str(tmp_path)), vocab_size=256)
+    failed = []
+    for i in range(len(batches)):
+        rows = [batches.dataset[j] for j in range(4 * i, 4 * i + 4)]
+        holds_bad_id = any(int(r[key].max()) == 300 for r in rows for key in ("tokens", "labels"))
+        if not holds_bad_id:
+            assert int(batches.batch(i)["tokens"].max()) < 256
+            continue
+        with pytest.raises(ConfigError) as info:
+            batches.batch(i)
+        assert str(info.value) == (
+            f"<input>: field '--data-path': {prefix} holds token id 300 (read by global batch {i}), "
+            "beyond the model's vocab_size 256 (allowed: a dataset tokenized for this model's "
+            "vocabulary)")
+        failed.append(i)
+    assert 1 <= len(failed) < len(batches)

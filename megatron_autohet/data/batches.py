@@ -37,11 +37,20 @@ class DataOptions:
 
 
 class GlobalBatches:
-    """Deterministic global batches: ``batch(i)`` is the same on every rank and every call."""
+    """Deterministic global batches: ``batch(i)`` is the same on every rank and every call.
 
-    def __init__(self, dataset, global_batch_size: int):
+    Token ids are checked against the model's vocabulary in each batch as it is read: every rank
+    reads the whole global batch anyway, so the check costs a max over it, where scanning a large
+    dataset's ``.bin`` up front would be a full read of it on every rank at start-up. A bad id is
+    a ConfigError naming the data path, the id and the vocabulary (the same on every rank, since
+    all ranks read the same batch), instead of an index error inside the embedding.
+    """
+
+    def __init__(self, dataset, global_batch_size: int, vocab_size: int, data_path: Path):
         self.dataset = dataset
         self.global_batch_size = global_batch_size
+        self.vocab_size = vocab_size
+        self.data_path = data_path
 
     def __len__(self) -> int:
         return len(self.dataset) // self.global_batch_size
@@ -53,7 +62,15 @@ class GlobalBatches:
             raise IndexError(f"iteration {iteration} outside the {len(self)} built batches")
         start = iteration * self.global_batch_size
         samples = [self.dataset[i] for i in range(start, start + self.global_batch_size)]
-        return {key: torch.stack([s[key] for s in samples]) for key in BATCH_KEYS}
+        batch = {key: torch.stack([s[key] for s in samples]) for key in BATCH_KEYS}
+        # labels hold the one token past the last of tokens; GPTDataset maps padding to id 0
+        largest = int(torch.maximum(batch["tokens"].max(), batch["labels"].max()))
+        if largest >= self.vocab_size:
+            raise ConfigError(None, "--data-path", f"{self.data_path} holds token id {largest} "
+                              f"(read by global batch {iteration}), beyond the model's "
+                              f"vocab_size {self.vocab_size}",
+                              "a dataset tokenized for this model's vocabulary")
+        return batch
 
 
 def resolve_data_path(options: DataOptions) -> Path:
@@ -70,20 +87,6 @@ def resolve_data_path(options: DataOptions) -> Path:
     return prefix
 
 
-def check_token_range(prefix: Path, vocab_size: int) -> None:
-    """Token ids must index the model's embedding table (a clear error instead of a crash)."""
-    import numpy
-    from megatron.core.datasets.indexed_dataset import IndexedDataset
-
-    dtype = IndexedDataset(str(prefix)).index.dtype
-    tokens = numpy.memmap(prefix.with_suffix(".bin"), dtype=dtype, mode="r")
-    largest = int(tokens.max()) if tokens.size else 0
-    if largest >= vocab_size:
-        raise ConfigError(None, "--data-path", f"{prefix} holds token id {largest}, beyond the "
-                          f"model's vocab_size {vocab_size}",
-                          "a dataset tokenized for this model's vocabulary")
-
-
 def build_global_batches(options: DataOptions, vocab_size: int) -> GlobalBatches:
     """Open the GPTDataset for ``num_iterations`` global batches (call on every rank)."""
     from megatron.core.datasets.blended_megatron_dataset_builder import (
@@ -93,8 +96,6 @@ def build_global_batches(options: DataOptions, vocab_size: int) -> GlobalBatches
     from megatron_autohet.data.corpus import byte_tokenizer, default_data_dir
 
     prefix = resolve_data_path(options)
-    if options.data_path is not None:
-        check_token_range(prefix, vocab_size)
     config = GPTDatasetConfig(
         random_seed=options.seed,
         sequence_length=options.seq_length,
@@ -110,4 +111,4 @@ def build_global_batches(options: DataOptions, vocab_size: int) -> GlobalBatches
     num_samples = options.num_iterations * options.global_batch_size
     train, _, _ = BlendedMegatronDatasetBuilder(
         GPTDataset, [num_samples, None, None], lambda: True, config).build()
-    return GlobalBatches(train, options.global_batch_size)
+    return GlobalBatches(train, options.global_batch_size, vocab_size, prefix)
