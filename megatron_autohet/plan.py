@@ -78,11 +78,15 @@ class Pipeline:
     def ranks(self) -> list[int]:
         return [r for s in self.stages for r in s.ranks]
 
-    def warmup_depths(self) -> list[int]:
-        """Effective 1F1B warm-up depth per stage: the plan's, or the standard num_stages - s - 1."""
+    def standard_warmup_depths(self) -> list[int]:
+        """Megatron's 1F1B warm-up depth per stage: num_stages - s - 1, at most the micro-batches."""
         n = len(self.stages)
-        return [min(n - s - 1, self.num_microbatches) if stage.warmup_microbatches is None
-                else stage.warmup_microbatches for s, stage in enumerate(self.stages)]
+        return [min(n - s - 1, self.num_microbatches) for s in range(n)]
+
+    def warmup_depths(self) -> list[int]:
+        """Effective 1F1B warm-up depth per stage: the plan's, or the standard one."""
+        return [standard if stage.warmup_microbatches is None else stage.warmup_microbatches
+                for stage, standard in zip(self.stages, self.standard_warmup_depths())]
 
 
 @dataclass

@@ -127,6 +127,21 @@ def test_show_table_and_figure(capsys, tmp_path):
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000
 
 
+def test_show_warmup_column_only_for_hapt_depths(capsys, tmp_path):
+    raw = yaml.safe_load(EXAMPLE_PLAN.read_text())
+    raw["pipelines"][0]["stages"][0]["warmup_microbatches"] = 3     # standard is 1
+    plan_file = tmp_path / "plan.yaml"
+    plan_file.write_text(yaml.safe_dump(raw))
+    rc, out, _ = run_cli(capsys, "show", plan_file)
+    assert rc == 0
+    lines = out.splitlines()
+    assert lines[1].split()[:9] == ["pipe", "stage", "ranks", "node", "GPU", "TP", "layers",
+                                    "micro-batches", "warm-up"]
+    assert lines[3].split()[8] == "3" and lines[4].split()[6] == "0"    # stage 1: last, 0
+    assert lines[5].split()[8] == "0"                                   # one-stage pipeline
+    assert "warm-up" not in run_cli(capsys, "show", EXAMPLE_PLAN)[1]
+
+
 def test_show_without_a_known_cluster(capsys, tmp_path):
     raw = yaml.safe_load(EXAMPLE_PLAN.read_text())
     raw["cluster"] = "my-own-fleet"

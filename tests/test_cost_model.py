@@ -137,3 +137,14 @@ def test_plan_warmup_depth_keeps_more_activations():
     assert (deep.memory_gib - std.memory_gib) * GIB == pytest.approx(2 * 10 + 5)
     assert [(e.kind, e.microbatch) for e in deep.timeline] == [
         ("fwd", 0), ("fwd", 1), ("fwd", 2), ("bwd", 0), ("bwd", 1), ("bwd", 2)]
+
+
+def test_hapt_depths_charge_the_closed_form_minus_the_simulated_saving():
+    plan = _plan()
+    plan.pipelines[0].stages[0].warmup_microbatches = 2
+    deep = evaluate_plan(plan.validate(), CLUSTER, _profile())
+    std = evaluate_plan(_plan(), CLUSTER, _profile())
+    stages, m = std.pipelines[0].stages, 3
+    saving = simulate_1f1b(stages, m) - simulate_1f1b(stages, m, [2, 0])
+    assert deep.pipelines[0].time_s == pytest.approx(std.pipelines[0].time_s - saving)
+    assert deep.pipelines[1].time_s == std.pipelines[1].time_s       # one stage: unchanged

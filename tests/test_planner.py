@@ -112,3 +112,37 @@ def test_exhaustive_is_a_true_brute_force():
     ours = search(cluster, TINY, None, 8, 2, progress=False, max_stages=4)
     best = exhaustive_search(cluster, TINY, None, 8, 2, max_stages=4)
     assert best.cost.iteration_time_s <= ours.cost.iteration_time_s * (1 + 1e-9)
+
+
+def test_warmup_post_pass_overlaps_a_slow_link():
+    from megatron_autohet.cost_model import StageCost, simulate_1f1b
+    from megatron_autohet.planner.warmup import best_warmups
+
+    # t = 1 per stage, 1 per message each way: standard 1F1B needs 2 per micro-batch (a round
+    # trip covers two), running ahead overlaps the link: ~1 per micro-batch.
+    stages = [StageCost(0, s, "x", 1, (s, s + 1), 0.5, 0.5, 2.0 if s == 0 else 0.0, None, 1, 1,
+                        1.0, 1.0, 0.0, 0.0) for s in range(2)]
+    depths, makespan = best_warmups(stages, 8, [8, 0])
+    assert depths[0] > 1 and depths[1] == 0
+    assert makespan < 0.7 * simulate_1f1b(stages, 8)
+    assert best_warmups(stages, 8, [1, 0]) == ([1, 0], simulate_1f1b(stages, 8))  # no memory
+
+
+def test_warmup_post_pass_gives_valid_depths_within_memory_and_a_shorter_iteration():
+    from megatron_autohet.cost_model import evaluate_plan
+    from megatron_autohet.planner.search import resolve_profile
+
+    cluster = load_cluster("configs/clusters/fleet-96.yaml")
+    result = compare(cluster, GPT13, None, 256, 1, progress=False)
+    plan = result.plan
+    _check(plan, cluster)                         # validates: non-increasing, 0 last, >= 1 before
+    assert any(s.warmup_microbatches is not None for p in plan.pipelines for s in p.stages)
+    standard = dataclasses.replace(plan, pipelines=[dataclasses.replace(
+        p, stages=[dataclasses.replace(s, warmup_microbatches=None) for s in p.stages])
+        for p in plan.pipelines])
+    profile = resolve_profile(cluster, GPT13, None, 1, GPT13.seq_length)
+    before = evaluate_plan(standard, cluster, profile)
+    assert result.cost.iteration_time_s < 0.99 * before.iteration_time_s
+    for b in result.baselines:                    # Megatron-LM has no such option
+        assert b.plan is None or all(s.warmup_microbatches is None
+                                     for p in b.plan.pipelines for s in p.stages)

@@ -129,9 +129,14 @@ def layer_range(layers) -> str:
 
 def format_plan_table(plan, cost=None) -> str:
     """Pipelines x stages. Time and memory come from ``cost`` (a PlanCost) when given, else from
-    the predictions stored in the plan file."""
+    the predictions stored in the plan file. A "warm-up" column (the 1F1B warm-up depth each
+    stage runs) appears when some stage's depth is not the standard one."""
     header = ["pipe", "stage", "ranks", "node", "GPU", "TP", "layers", "micro-batches",
               "time/mb ms", "memory GiB"]
+    with_warmup = any(pipe.warmup_depths() != pipe.standard_warmup_depths()
+                      for pipe in plan.pipelines)
+    if with_warmup:
+        header.insert(8, "warm-up")
     rows = []
     for p, pipe in enumerate(plan.pipelines):
         for s, stage in enumerate(pipe.stages):
@@ -146,10 +151,12 @@ def format_plan_table(plan, cost=None) -> str:
                 time_s = stage.predicted_time_s
                 memory = ("-" if stage.predicted_memory_gib is None
                           else f"{stage.predicted_memory_gib:.1f}")
-            rows.append([p if s == 0 else "", s, rank_list(stage.ranks), info.node, info.gpu,
-                         stage.tp, layer_range(stage.layers),
-                         pipe.num_microbatches if s == 0 else "",
-                         "-" if time_s is None else f"{time_s * 1e3:.3g}", memory])
+            row = [p if s == 0 else "", s, rank_list(stage.ranks), info.node, info.gpu,
+                   stage.tp, layer_range(stage.layers), pipe.num_microbatches if s == 0 else "",
+                   "-" if time_s is None else f"{time_s * 1e3:.3g}", memory]
+            if with_warmup:
+                row.insert(8, pipe.warmup_depths()[s])
+            rows.append(row)
     return format_table(header, rows)
 
 

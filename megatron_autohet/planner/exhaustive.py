@@ -30,6 +30,7 @@ from megatron_autohet.cost_model import evaluate_plan, annotate_plan
 from megatron_autohet.errors import ConfigError
 from megatron_autohet.plan import Pipeline, Plan, RankInfo, Stage
 from megatron_autohet.planner.search import Candidate, resolve_profile
+from megatron_autohet.planner.warmup import choose_warmups
 from megatron_autohet.profiling.profile import Profile
 from megatron_autohet.spec.cluster import Cluster, Device
 from megatron_autohet.spec.model import ModelSpec
@@ -173,4 +174,5 @@ def exhaustive_search(cluster: Cluster, model: ModelSpec, profile: Profile | Non
     if best is None:
         raise ConfigError(cluster.name, "nodes", f"no plan for {model.name} fits in memory",
                           "more or larger GPUs, activation recompute, a smaller micro-batch")
-    return best
+    plan, cost = choose_warmups(best.plan, best.cost, cluster, profile)   # the same post-pass
+    return Candidate(plan, cost, best.tp_of_gpu, best.recompute)

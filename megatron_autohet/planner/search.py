@@ -42,6 +42,10 @@ non-linearly in an outer enumeration, and leaves an exact integer program to SCI
    pipelines (:meth:`BranchAndBound._stacks`) and every pair of options that fits the pools, with
    the layers both hold on one pool synced at the intra-node rate
    (:meth:`BranchAndBound._pairs`).
+7. **HAPT warm-up post-pass** (planner/warmup.py): the best plan's pipelines that set the
+   iteration time get deeper 1F1B warm-ups where the event-level simulation says they overlap
+   a slow boundary with compute, within memory; the exhaustive search's best gets the same
+   pass, the baselines never (Megatron-LM has no such option).
 
 Bounded work: options depend on the GPU types and ``max_stages``, the SCIP model has one
 integer per option and one row per GPU type, the bins grow logarithmically with the GPU count;
@@ -69,6 +73,7 @@ from megatron_autohet.planner.space import (OptionTable, PipelineOption, Pool, P
                                             layer_splits, layer_sync_s, make_pools,
                                             option_for_split,
                                             ring_factor, stage_coefficients)
+from megatron_autohet.planner.warmup import choose_warmups
 from megatron_autohet.profiling.estimate import estimate_profile
 from megatron_autohet.profiling.profile import Profile
 from megatron_autohet.spec.cluster import Cluster
@@ -559,4 +564,6 @@ def search(cluster: Cluster, model: ModelSpec, profile: Profile | None, global_b
                           f"(TP degrees tried: {degrees}, recompute: {recompute_modes})",
                           "more or larger GPUs, activation recompute, a smaller micro-batch or "
                           "sequence length, or a global batch with a micro-batch per pipeline")
-    return search_bb.best
+    best = search_bb.best
+    plan, cost = choose_warmups(best.plan, best.cost, cluster, problem.profile)
+    return dataclasses.replace(best, plan=plan, cost=cost)
