@@ -40,6 +40,17 @@ def chain_roles(tps: list[int], num_microbatches: int = 2) -> list[RankRole]:
     return roles
 
 
+def chain_links(tps: list[int], rank: int):
+    """This rank's boundary groups of the chain (collective: every rank of the chain calls it)."""
+    from megatron_autohet.runtime.parallel_state import create_p2p_links
+    return create_p2p_links(list(dict.fromkeys(r.stage for r in chain_roles(tps))), rank)
+
+
+def group_ops(group) -> int | None:
+    """How many operations this rank has run on ``group`` (gloo counts sends and receives)."""
+    return None if group is None else group._get_sequence_number_for_group()
+
+
 def activation(stage: int, microbatch: int, grad: bool) -> torch.Tensor:
     """A distinct full [s, b, h] tensor per (stage boundary, micro-batch, direction)."""
     base = 1000 * stage + 100 * microbatch + (50 if grad else 0)
@@ -52,15 +63,19 @@ def local_part(full: torch.Tensor, layout: StageLayout, tp_rank: int) -> torch.T
 
 
 def _run_chain(rank, world_size, tps, sequence_parallel):
-    """Two micro-batches through the chain in 1F1B order; returns the checks this rank made."""
+    """Two micro-batches through the chain in 1F1B order; returns the checks this rank made and
+    how many operations it ran on each group (boundary groups, default group)."""
+    import torch.distributed as dist
     role = chain_roles(tps)[rank]
+    links = chain_links(tps, rank)
+    default_before = group_ops(dist.group.WORLD)
     stage = role.stage
     layout = StageLayout(stage.ranks, sequence_parallel)
     config = ModelParallelConfig(tensor_model_parallel_size=stage.tp_size,
                                  sequence_parallel=layout.seq_chunks > 1,
                                  pipeline_model_parallel_size=stage.num_stages,
                                  pipeline_dtype=torch.float32)
-    comm = HeteroP2PCommunicator(role, config, sequence_parallel=sequence_parallel)
+    comm = HeteroP2PCommunicator(role, config, links=links, sequence_parallel=sequence_parallel)
     shapes = [(SEQ // layout.seq_chunks, MBS, HIDDEN)]          # what get_tensor_shapes returns
     first, last = stage.is_first, stage.is_last
     # megatron's own stage tests read our SchedulePosition as the pipeline group
@@ -104,7 +119,11 @@ def _run_chain(rank, world_size, tps, sequence_parallel):
         # single-tensor form (megatron unwraps when given a single shape / tensor)
         comm.send_backward(mine(activation(s - 1, 1, grad=True)), first)
     comm.finish_sends()
-    return checked
+    ops = {f"{side}.{direction}": group_ops(getattr(boundary, direction, None))
+           for side, boundary in (("prev", links.prev), ("next", links.next))
+           for direction in ("activations", "gradients")}
+    ops["default"] = group_ops(dist.group.WORLD) - default_before
+    return checked, ops
 
 
 CHAINS = [[2, 1], [1, 2], [2, 4], [4, 2], [1, 4], [2, 1, 2]]
@@ -113,7 +132,8 @@ CHAINS = [[2, 1], [1, 2], [2, 4], [4, 2], [1, 4], [2, 1, 2]]
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["no-sp", "sp"])
 @pytest.mark.parametrize("tps", CHAINS, ids=["->".join(map(str, c)) for c in CHAINS])
 def test_chain_exact(tps, sequence_parallel):
-    checked = run_on_ranks(sum(tps), _run_chain, tps, sequence_parallel, timeout=60)
+    checked = [c for c, _ in run_on_ranks(sum(tps), _run_chain, tps, sequence_parallel,
+                                          timeout=60)]
     roles = chain_roles(tps)
     for role, shapes in zip(roles, checked):
         # first stages check 2 gradients, last stages 2 activations, middle stages both
@@ -175,14 +195,15 @@ def test_communicator_rejects_inconsistent_config():
     config = ModelParallelConfig(tensor_model_parallel_size=2, sequence_parallel=False,
                                  pipeline_dtype=torch.float32)
     with pytest.raises(ValueError, match="sequence_parallel"):
-        HeteroP2PCommunicator(role, config, sequence_parallel=True)
+        HeteroP2PCommunicator(role, config, links=None, sequence_parallel=True)
 
 
 def _run_ahead(rank, world_size):
     """Stage 0 sends two activations and waits for both sends before stage 1 asks for the second."""
     role = chain_roles([1, 1])[rank]
     config = ModelParallelConfig(pipeline_dtype=torch.float32, pipeline_model_parallel_size=2)
-    comm = HeteroP2PCommunicator(role, config, sequence_parallel=False, forward_only=True)
+    comm = HeteroP2PCommunicator(role, config, links=chain_links([1, 1], rank),
+                                 sequence_parallel=False, forward_only=True)
     shapes = [(SEQ, MBS, HIDDEN)]
     if rank == 0:
         assert comm.recv_forward(shapes, True) == [None]
@@ -202,3 +223,34 @@ def _run_ahead(rank, world_size):
 
 def test_next_receive_is_posted_ahead_so_a_send_completes_before_it_is_needed():
     assert run_on_ranks(2, _run_ahead, timeout=30) == [[], [2]]
+
+
+def test_each_direction_of_a_boundary_has_its_own_group():
+    """A 3-stage chain of single ranks: the middle stage talks to both neighbours. Every
+    activation travels on its boundary's activations group and every gradient on its gradients
+    group (gloo counts each send and receive on the group that ran it), none on the default group;
+    the two groups of a boundary are distinct, so each direction has its own TCP connection."""
+    out = run_on_ranks(3, _run_chain, [1, 1, 1], False, timeout=60)
+    ops = [o for _, o in out]
+    two = 2                                       # micro-batches, one message each per direction
+    assert ops == [
+        {"prev.activations": None, "prev.gradients": None,
+         "next.activations": two, "next.gradients": two, "default": 0},
+        {"prev.activations": two, "prev.gradients": two,
+         "next.activations": two, "next.gradients": two, "default": 0},
+        {"prev.activations": two, "prev.gradients": two,
+         "next.activations": None, "next.gradients": None, "default": 0}]
+
+
+def _links_of_plan_stages(rank, world_size):
+    links = chain_links([2, 1, 2], rank)
+    boundaries = [b for b in (links.prev, links.next) if b is not None]
+    return [(sorted(torch.distributed.get_process_group_ranks(b.activations)),
+             sorted(torch.distributed.get_process_group_ranks(b.gradients)),
+             b.activations is not b.gradients) for b in boundaries]
+
+
+def test_boundary_groups_span_both_stages_of_the_boundary():
+    out = run_on_ranks(5, _links_of_plan_stages, timeout=60)
+    first, second = ([0, 1, 2], [0, 1, 2], True), ([2, 3, 4], [2, 3, 4], True)
+    assert out == [[first], [first], [first, second], [second], [second]]

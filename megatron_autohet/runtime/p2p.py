@@ -11,7 +11,10 @@ Public API
     identically, so no shapes or metadata are ever exchanged.
 ``SchedulePosition(stage, warmup_microbatches)``
     The ``pp_group`` megatron's 1F1B schedule reads (``rank()``, ``size()``); see below.
-``HeteroP2PCommunicator(role, config, *, sequence_parallel, forward_only=False)``
+``BoundaryGroups(activations, gradients)`` / ``StageLinks(prev, next)``
+    The process groups of a pipeline boundary, one per direction, and a rank's two boundaries
+    (``runtime/parallel_state.create_p2p_links`` creates them; see "One group per direction").
+``HeteroP2PCommunicator(role, config, *, links, sequence_parallel, forward_only=False)``
     Drop-in for megatron-core's ``P2PCommunicator`` in
     ``forward_backward_pipelining_without_interleaving``: ``recv_forward``, ``send_forward``,
     ``recv_backward``, ``send_backward``, ``send_forward_recv_backward``,
@@ -84,13 +87,22 @@ Megatron computes the warm-up depth inside the schedule as
 object only through ``rank()``/``size()`` (first stage: ``rank() == 0``; last stage:
 ``rank() == size() - 1``; grad-sync hook: ``rank == 0``). :class:`SchedulePosition` answers
 ``rank() = stage`` and ``size() = stage + warmup + 1``: with the default depth that is exactly the
-pipeline's real rank and size, and with a plan's depth megatron runs that depth, unpatched. The
-communicator itself talks over the default (global) group with global ranks; it never uses a
-pipeline process group.
+pipeline's real rank and size, and with a plan's depth megatron runs that depth, unpatched.
 
-On NCCL (untested here: no multi-GPU machine) ``batch_isend_irecv`` coalesces a call's ops into
-one handle, whose wait is stream-side, so nothing blocks the host there either; torch requires
-the default group's communicator to exist before a batch involving only some of its ranks, i.e.
+One group per direction (gloo). Peers are global ranks; the group is the boundary's group of
+the direction (``links``): activations to the next stage and from the previous one on that
+boundary's ``activations`` group, gradients on its ``gradients`` group. A gloo group has one
+TCP connection per rank pair, and on the default group the two directions of a boundary shared
+it and moved one after the other: on a rate-limited link (scripts/bench_hapt.py) 8 x 256 KiB
+each way took 1.82 s where one way took 0.87 s (1.01 s with a group per direction): a
+boundary's activations and gradients were never on the wire at the same time. Each group carries one direction, so the FIFO
+matching above holds per group. Sends and receives of one call are on different groups and
+are posted separately (a batch must use one group; on gloo a batch is a loop anyway).
+
+On NCCL (untested here: no multi-GPU machine) the communicator keeps the default group (no
+``links``) and ``batch_isend_irecv`` coalesces a call's ops, sends and receive, into one
+handle, whose wait is stream-side, so nothing blocks the host there either; torch requires the
+default group's communicator to exist before a batch involving only some of its ranks, i.e.
 one collective over the whole world before the first schedule. Receives are posted ahead on gloo
 only: NCCL runs the ops of one rank pair on one stream in posting order, so a receive posted
 ahead would hold up the next send to the same peer (stage s's gradient k behind its pre-posted
@@ -189,20 +201,42 @@ def _is_single_shape(x) -> bool:
     return isinstance(x, (list, tuple)) and len(x) > 0 and all(isinstance(d, int) for d in x)
 
 
+@dataclass(frozen=True)
+class BoundaryGroups:
+    """The process groups of one pipeline boundary (stage s to s+1), one per direction, each over
+    both stages' ranks: activations travel on ``activations``, gradients on ``gradients``."""
+
+    activations: object     # torch.distributed.ProcessGroup
+    gradients: object
+
+
+@dataclass(frozen=True)
+class StageLinks:
+    """This rank's boundary groups: to the previous stage and to the next one (None at the ends)."""
+
+    prev: BoundaryGroups | None
+    next: BoundaryGroups | None
+
+
+@dataclass(frozen=True)
+class _Link:
+    """One direction to one neighbour: its layout and the group its messages use (None: the
+    default group)."""
+
+    peer: StageLayout
+    group: object | None
+
+
 class HeteroP2PCommunicator:
     """Sends and receives stage activations/gradients between TP groups of any size."""
 
-    def __init__(self, role: RankRole, config, *, sequence_parallel: bool,
-                 forward_only: bool = False):
+    def __init__(self, role: RankRole, config, *, links: StageLinks | None,
+                 sequence_parallel: bool, forward_only: bool = False):
         stage = role.stage
         self.config = config
         self.rank = role.rank
         self.tp_rank = role.tp_rank
         self.layout = StageLayout(stage.ranks, sequence_parallel)
-        self.prev_layout = (StageLayout(stage.prev_ranks, sequence_parallel)
-                            if stage.prev_ranks is not None else None)
-        self.next_layout = (StageLayout(stage.next_ranks, sequence_parallel)
-                            if stage.next_ranks is not None else None)
         if bool(config.sequence_parallel) != (self.layout.seq_chunks > 1):
             raise ValueError(f"config.sequence_parallel={config.sequence_parallel} but a stage "
                              f"of TP {self.layout.tp_size} with sequence_parallel="
@@ -216,16 +250,30 @@ class HeteroP2PCommunicator:
         self.pp_group = SchedulePosition(stage.stage, warmup)
         self._device = (torch.device("cuda", torch.cuda.current_device())
                         if torch.cuda.is_available() else torch.device("cpu"))
+        # gloo: every direction of every boundary on its own group, receives posted one
+        # micro-batch ahead; NCCL: the default group, one coalesced batch per call (module doc).
+        self._post_ahead = dist.get_backend() == "gloo"
+        if self._post_ahead and links is None:
+            raise ValueError("on gloo the communicator needs the boundary groups "
+                             "(HeteroParallelState.p2p_links)")
+        prev_groups = links.prev if self._post_ahead else None
+        next_groups = links.next if self._post_ahead else None
+        to_prev = from_prev = to_next = from_next = None
+        if stage.prev_ranks is not None:
+            prev_layout = StageLayout(stage.prev_ranks, sequence_parallel)
+            from_prev = _Link(prev_layout, prev_groups.activations if prev_groups else None)
+            to_prev = _Link(prev_layout, prev_groups.gradients if prev_groups else None)
+        if stage.next_ranks is not None:
+            next_layout = StageLayout(stage.next_ranks, sequence_parallel)
+            to_next = _Link(next_layout, next_groups.activations if next_groups else None)
+            from_next = _Link(next_layout, next_groups.gradients if next_groups else None)
+        self._to_prev, self._to_next = to_prev, to_next
         self._pending_sends: list[tuple[dist.Work, torch.Tensor]] = []
         m = stage.num_microbatches
         # Activations come from the previous stage, gradients from the next one, each in
         # micro-batch order; a forward-only run receives no gradients.
-        self._activations = _ReceiveQueue(self.prev_layout, m) if self.prev_layout else None
-        self._gradients = (_ReceiveQueue(self.next_layout, m)
-                           if self.next_layout and not forward_only else None)
-        # Receives are posted one micro-batch ahead only where every op has its own handle
-        # (gloo); see "Pre-posted receives" in the module docstring for why not on NCCL.
-        self._post_ahead = dist.get_backend() == "gloo"
+        self._activations = _ReceiveQueue(from_prev, m) if from_prev else None
+        self._gradients = _ReceiveQueue(from_next, m) if from_next and not forward_only else None
 
     # ---- the methods megatron's non-interleaved schedule calls --------------------------------
     def recv_forward(self, tensor_shapes, is_first_stage: bool):
@@ -236,23 +284,23 @@ class HeteroP2PCommunicator:
 
     def send_forward(self, output_tensors, is_last_stage: bool) -> None:
         if not is_last_stage:
-            self._communicate(None, None, sends=output_tensors, send_to=self.next_layout)
+            self._communicate(None, None, sends=output_tensors, send_to=self._to_next)
 
     def send_backward(self, input_tensor_grads, is_first_stage: bool) -> None:
         if not is_first_stage:
-            self._communicate(None, None, sends=input_tensor_grads, send_to=self.prev_layout)
+            self._communicate(None, None, sends=input_tensor_grads, send_to=self._to_prev)
 
     def send_forward_recv_backward(self, output_tensors, tensor_shapes, is_last_stage: bool):
         if is_last_stage:
             return self._communicate(tensor_shapes, None)
         return self._communicate(tensor_shapes, self._gradients, sends=output_tensors,
-                                 send_to=self.next_layout)
+                                 send_to=self._to_next)
 
     def send_backward_recv_forward(self, input_tensor_grads, tensor_shapes, is_first_stage: bool):
         if is_first_stage:
             return self._communicate(tensor_shapes, None)
         return self._communicate(tensor_shapes, self._activations, sends=input_tensor_grads,
-                                 send_to=self.prev_layout)
+                                 send_to=self._to_prev)
 
     def finish_sends(self) -> None:
         """End of the schedule: wait for every send still in flight (call before the sent tensors
@@ -266,11 +314,11 @@ class HeteroP2PCommunicator:
                     work.wait()
                 queue.ahead = None
                 raise RuntimeError(f"the schedule took {queue.taken} of {queue.total} micro-batches "
-                                   f"from ranks {queue.peer.ranks}; a receive was left posted")
+                                   f"from ranks {queue.link.peer.ranks}; a receive was left posted")
 
     # ---- internals ---------------------------------------------------------------------------
     def _communicate(self, tensor_shapes, queue: _ReceiveQueue | None, *, sends=None,
-                     send_to: StageLayout | None = None):
+                     send_to: _Link | None = None):
         """Post ``sends`` to ``send_to`` and, with a ``queue``, return its next micro-batch.
 
         Follows megatron's conventions: a single shape gives a single tensor (or None), a list of
@@ -279,26 +327,26 @@ class HeteroP2PCommunicator:
         single = tensor_shapes is not None and _is_single_shape(tensor_shapes)
         shapes = ([] if tensor_shapes is None else
                   [tuple(tensor_shapes)] if single else [tuple(x) for x in tensor_shapes])
-        if self._post_ahead and shapes:
-            self._keep_posted(shapes)
-        ops: list[dist.P2POp] = []
-        if queue is not None and queue.ahead is None:
-            buffers, ops = self._recv_ops(queue, shapes)
-        num_recvs = len(ops)
-        if sends is not None:
-            for tensor in sends if isinstance(sends, list) else [sends]:
-                ops += self._send_ops(tensor, send_to)
-        works = dist.batch_isend_irecv(ops) if ops else []
-        if len(works) == len(ops):        # one handle per op (gloo): sends complete in background
-            self._pending_sends.extend(
-                (work, op.tensor) for work, op in zip(works[num_recvs:], ops[num_recvs:]))
-            if num_recvs:
-                queue.ahead = (buffers, works[:num_recvs])
-        else:                             # coalesced (NCCL): one handle, a stream-side wait
-            for work in works:
-                work.wait()
-            if num_recvs:
+        send_ops = [op for tensor in (sends if isinstance(sends, list) else [sends])
+                    for op in self._send_ops(tensor, send_to)] if sends is not None else []
+        if self._post_ahead:
+            # Sends and receives are on different groups (one per direction), so never batched
+            # together; gloo gives every op its own handle: the sends complete in the background.
+            if shapes:
+                self._keep_posted(shapes)
+            if send_ops:
+                self._pending_sends.extend(
+                    (work, op.tensor) for work, op in zip(dist.batch_isend_irecv(send_ops),
+                                                          send_ops))
+        else:
+            # One coalesced batch (NCCL) whose handle's wait is stream-side.
+            ops = send_ops
+            if queue is not None:
+                buffers, recv_ops = self._recv_ops(queue, shapes)
+                ops = recv_ops + send_ops
                 queue.ahead = (buffers, [])
+            for work in dist.batch_isend_irecv(ops) if ops else []:
+                work.wait()
         self._pending_sends = [(w, t) for w, t in self._pending_sends if not w.is_completed()]
         if queue is None:
             received = [None] * len(shapes)
@@ -317,11 +365,14 @@ class HeteroP2PCommunicator:
 
     def _take(self, queue: _ReceiveQueue, shapes: list[tuple[int, ...]]) -> list[torch.Tensor]:
         """Wait for the posted receive of the queue's next micro-batch and hand its buffers over."""
+        if queue.ahead is None:           # every micro-batch was posted and taken already
+            self._recv_ops(queue, shapes)     # raises: one receive more than the pipeline has
         buffers, works = queue.ahead
         queue.ahead = None
         if [tuple(b.shape) for b in buffers] != shapes:
-            raise RuntimeError(f"receive of shapes {shapes} from ranks {queue.peer.ranks}, but "
-                               f"{[tuple(b.shape) for b in buffers]} was posted (shapes must be static)")
+            raise RuntimeError(f"receive of shapes {shapes} from ranks {queue.link.peer.ranks}, "
+                               f"but {[tuple(b.shape) for b in buffers]} was posted "
+                               "(shapes must be static)")
         for work in works:
             work.wait()
         queue.taken += 1
@@ -337,7 +388,7 @@ class HeteroP2PCommunicator:
             raise RuntimeError("config.pipeline_dtype must be set to receive activations")
         if queue.posted >= queue.total:
             raise RuntimeError(f"receive of micro-batch {queue.posted} from ranks "
-                               f"{queue.peer.ranks}, but the pipeline has {queue.total}")
+                               f"{queue.link.peer.ranks}, but the pipeline has {queue.total}")
         queue.posted += 1
         buffers, ops = [], []
         for shape in shapes:
@@ -345,21 +396,22 @@ class HeteroP2PCommunicator:
             my_start, _ = self.layout.held_range(self.tp_rank, seq_length)
             buffer = torch.empty(shape, dtype=dtype, device=self._device)
             buffers.append(buffer)
-            for t in transfer_plan(queue.peer, self.layout, seq_length):
+            for t in transfer_plan(queue.link.peer, self.layout, seq_length):
                 if t.dst == self.rank:
                     ops.append(dist.P2POp(dist.irecv, buffer[t.start - my_start:t.end - my_start],
-                                          t.src))
+                                          t.src, group=queue.link.group))
         return buffers, ops
 
-    def _send_ops(self, send: torch.Tensor, send_to: StageLayout) -> list[dist.P2POp]:
-        """This rank's part of sending one stage-layout tensor to ``send_to``."""
+    def _send_ops(self, send: torch.Tensor, link: _Link) -> list[dist.P2POp]:
+        """This rank's part of sending one stage-layout tensor over ``link``."""
         seq_length = send.shape[0] * self.layout.seq_chunks
         my_start, _ = self.layout.held_range(self.tp_rank, seq_length)
         # A detached view keeps the storage alive even if megatron later swaps the output's
         # .data (deallocate_pipeline_outputs) while the deferred send is still in flight.
         data = send.detach()
-        return [dist.P2POp(dist.isend, data[t.start - my_start:t.end - my_start], t.dst)
-                for t in transfer_plan(self.layout, send_to, seq_length) if t.src == self.rank]
+        return [dist.P2POp(dist.isend, data[t.start - my_start:t.end - my_start], t.dst,
+                           group=link.group)
+                for t in transfer_plan(self.layout, link.peer, seq_length) if t.src == self.rank]
 
 
 @dataclass
@@ -368,7 +420,7 @@ class _ReceiveQueue:
     or gradients from the next one. ``ahead`` is the posted receive of the next micro-batch
     (its buffers, one per shape, and the handles of its irecvs) or None."""
 
-    peer: StageLayout
+    link: _Link
     total: int
     posted: int = 0
     taken: int = 0

@@ -10,10 +10,14 @@ Public API
 ``check_job_matches_plan(plan, rank, world_size, model, plan_file="<plan>")``
     The same input checks without torch.distributed (a launcher can run them before starting
     processes).
+``create_p2p_links(stages, rank) -> StageLinks``
+    Collective over the world: for every pipeline boundary of ``stages`` (all stages of the
+    job, same order on every rank) one group per direction; returns this rank's (see Design).
 ``HeteroParallelState``: ``plan``, ``role`` (:class:`RankRole`), ``rank``, ``world_size``,
     ``tp_group``, ``pp_group`` (:class:`StagePosition`), ``pipeline_group``, ``cp_group``,
     ``dp_group``, ``sync_groups`` (list of :class:`SyncGroup`, one per
-    ``topology.sync_group_specs(plan)`` entry, same order), ``pg_collection`` (megatron's
+    ``topology.sync_group_specs(plan)`` entry, same order), ``p2p_links``
+    (:class:`~megatron_autohet.runtime.p2p.StageLinks` on gloo, None on NCCL), ``pg_collection`` (megatron's
     ``ProcessGroupCollection`` for ``GPTModel(pg_collection=)`` and the schedules); properties
     ``tp_size``, ``tp_rank``, ``stage`` (StageRole), ``is_first_stage``, ``is_last_stage``,
     ``word_embedding_sync`` / ``position_embedding_sync`` / ``post_process_sync`` (the SyncGroup
@@ -36,6 +40,18 @@ Design
   (``get_pg_rank``/``get_pg_size``/``is_pp_first_stage`` in transformer_block.py, gpt_model.py,
   language_module.py and schedules.py via ``p2p_communicator.pp_group``); activations travel
   through ``runtime/p2p.py`` with global ranks.
+* P2P groups (gloo only): every pipeline boundary (the TP groups of stages s and s+1, which hold
+  every rank pair the communicator's ``transfer_plan`` uses there) gets two groups over both
+  stages' ranks, one for the activations going forward and one for the gradients coming back.
+  A gloo group has one TCP connection per rank pair, and one connection carried the two
+  directions one after the other (scripts/bench_hapt.py's shaped link: 8 x 256 KiB each way
+  took 1.82 s on one group, 0.87 s one way, 1.01 s with a group per direction), so forward and
+  backward traffic of a boundary could not overlap on the default group. Two groups per
+  boundary is the fewest that give each direction its own connections (a group per rank pair
+  and direction would be more groups for the same connections); each ``new_group`` is
+  collective over the world, so they number 2 x (stages - pipelines), all created after the
+  groups above and never shared with a collective (not de-duplicated by rank set). NCCL keeps
+  the default group (runtime/p2p.py explains why), so none are created there.
 * ``pg_collection.embd`` and ``pos_embd`` are None on purpose: megatron's
   ``LanguageModule.setup_embeddings_and_output_layer`` would all-reduce the output layer into the
   embedding (zero + sum), which assumes exactly two equally sharded copies; here tied copies live
@@ -64,6 +80,7 @@ import torch.distributed as dist
 
 from megatron_autohet.errors import ConfigError
 from megatron_autohet.plan import Plan, validate_plan
+from megatron_autohet.runtime.p2p import BoundaryGroups, StageLinks
 from megatron_autohet.runtime.topology import (RankRole, StageRole, SyncGroupSpec, rank_role,
                                                stage_roles, sync_group_specs)
 from megatron_autohet.spec.model import ModelSpec
@@ -103,6 +120,7 @@ class HeteroParallelState:
     cp_group: object
     dp_group: object
     sync_groups: list[SyncGroup]
+    p2p_links: StageLinks | None    # None on NCCL (the communicator uses the default group)
     pg_collection: object           # megatron.core.process_groups_config.ProcessGroupCollection
 
     @property
@@ -176,6 +194,25 @@ class _GroupFactory:
         return self._groups[key] if self.rank in key else None
 
 
+def create_p2p_links(stages, rank: int) -> StageLinks:
+    """Two groups per pipeline boundary of ``stages`` (module doc, "P2P groups"); this rank's.
+
+    Collective over the world: every rank passes all stages of the job in the same order
+    (``topology.stage_roles``)."""
+    prev = nxt = None
+    for stage in stages:
+        if stage.next_ranks is None:
+            continue
+        ranks = sorted(stage.ranks + stage.next_ranks)
+        groups = BoundaryGroups(activations=dist.new_group(ranks),
+                                gradients=dist.new_group(ranks))
+        if rank in stage.ranks:
+            nxt = groups
+        elif rank in stage.next_ranks:
+            prev = groups
+    return StageLinks(prev=prev, next=nxt)
+
+
 def _pipeline_chain(role: RankRole, plan: Plan) -> tuple[int, ...]:
     """For each stage of this rank's pipeline, the rank holding this rank's TP fraction."""
     frac_num, frac_den = role.tp_rank, role.stage.tp_size
@@ -197,7 +234,8 @@ def build_parallel_state(plan: Plan, rank: int | None = None, *, model: ModelSpe
     role = rank_role(plan, rank)
     factory = _GroupFactory(rank)
 
-    # Creation order (identical on every rank): singletons, TP groups, pipelines, sync groups.
+    # Creation order (identical on every rank): singletons, TP groups, pipelines, sync groups,
+    # P2P groups.
     # Later factory.get calls for an existing rank set return the cached group.
     for r in range(world_size):
         factory.get([r])
@@ -213,6 +251,8 @@ def build_parallel_state(plan: Plan, rank: int | None = None, *, model: ModelSpe
             if group is not None:
                 mine = SyncGroup(spec, tuple(ranks), group)
         sync_groups.append(mine or SyncGroup(spec, None, None))
+    p2p_links = (create_p2p_links(stage_roles(plan), rank) if dist.get_backend() == "gloo"
+                 else None)
 
     tp_group = factory.get(role.stage.ranks)
     pipeline_group = factory.get(plan.pipelines[role.stage.pipeline].ranks)
@@ -230,7 +270,8 @@ def build_parallel_state(plan: Plan, rank: int | None = None, *, model: ModelSpe
     state = HeteroParallelState(
         plan=plan, role=role, rank=rank, world_size=world_size, tp_group=tp_group,
         pp_group=pp_position, pipeline_group=pipeline_group, cp_group=cp_group,
-        dp_group=dp_sync.group, sync_groups=sync_groups, pg_collection=pg_collection)
+        dp_group=dp_sync.group, sync_groups=sync_groups, p2p_links=p2p_links,
+        pg_collection=pg_collection)
     _install_megatron_globals(state, sorted(dp_sync.ranks))
     return state
 

@@ -63,6 +63,7 @@ def run_schedule(forward_step_func, data_iterator, model, state, *,
     if stage.num_stages == 1:
         return forward_backward_no_pipelining(**common)
     communicator = HeteroP2PCommunicator(state.role, get_model_config(model),
+                                         links=state.p2p_links,
                                          sequence_parallel=sequence_parallel,
                                          forward_only=forward_only)
     losses = forward_backward_pipelining_without_interleaving(p2p_communicator=communicator,
