@@ -109,14 +109,6 @@ class Plan:
     def num_microbatches_total(self) -> int:
         return sum(p.num_microbatches for p in self.pipelines)
 
-    def locate(self, rank: int) -> tuple[int, int, int]:
-        """(pipeline index, stage index, TP rank) of a global rank."""
-        for p, pipe in enumerate(self.pipelines):
-            for s, stage in enumerate(pipe.stages):
-                if rank in stage.ranks:
-                    return p, s, stage.ranks.index(rank)
-        raise KeyError(f"rank {rank} has no role in this plan")
-
     def validate(self, file: str | Path = "<plan>") -> "Plan":
         validate_plan(self, file)
         return self

@@ -195,7 +195,8 @@ def test_tp_that_does_not_divide_heads(capsys, tmp_path):
     expect_usage_error(capsys, ["plan", "--cluster", H3, "--model", GPT, "--global-batch-size", 8,
                                 "--tp", 3, "-o", tmp_path / "p.yaml"],
                        "autohet plan: error: <command line>: field '--tp': TP degree 3 does not "
-                       "divide the model's heads/query groups/FFN size (allowed: 1, 2, 4, 8, 16)")
+                       "divide the model's num_attention_heads (16) (allowed: a TP degree in "
+                       "[1, 2, 4, 8, 16])")
 
 
 def test_profile_for_another_model(capsys, tmp_path):

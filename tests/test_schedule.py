@@ -20,6 +20,7 @@ from dist_utils import RankFailed, run_on_ranks
 from megatron_autohet.errors import ConfigError
 from megatron_autohet.plan import Pipeline, Plan, RankInfo, Stage
 from megatron_autohet.runtime.reference import masked_token_mean, microbatches, reference_plan
+from megatron_autohet.runtime.topology import rank_role
 from megatron_autohet.spec.model import ModelSpec
 
 MODEL = ModelSpec(name="schedule-test", num_layers=4, hidden_size=64, num_attention_heads=4,
@@ -160,7 +161,6 @@ def _pipeline(rank, world, plan, batch, sequence_parallel, padded_vocab, warmup_
     from megatron_autohet.runtime import schedule
     from megatron_autohet.runtime.parallel_state import build_parallel_state
     from megatron_autohet.runtime.stage_model import build_stage_model
-    from megatron_autohet.runtime.topology import rank_role
 
     state = build_parallel_state(plan, rank)
     model = build_stage_model(MODEL, state, seed=SEED, padded_vocab=padded_vocab,
@@ -205,7 +205,8 @@ def assert_matches_reference(plan, per_rank, ref):
         else:
             assert losses == []                 # megatron returns losses on last stages only
     expected = full_grads([ref_direct], [0])
-    stages = [plan.locate(rank)[:2] for rank in range(plan.world_size)]
+    stages = [(role.stage.pipeline, role.stage.stage)
+              for role in (rank_role(plan, rank) for rank in range(plan.world_size))]
     got = full_grads([runs[0][1] for runs, _ in per_rank], stages)
     assert sorted(got) == sorted(expected)
     for name in expected:
@@ -276,7 +277,7 @@ def test_every_valid_hapt_warmup_gives_identical_results():
         [1, 1, 0], [2, 1, 0], [2, 2, 0], [3, 1, 0], [3, 2, 0], [3, 3, 0]]
     per_rank = run_pipeline(plan, global_batch(num_microbatches), warmup_variants=variants)
     for rank, (runs, _) in enumerate(per_rank):
-        stage = plan.locate(rank)[1]
+        stage = rank_role(plan, rank).stage.stage
         base_losses, base_grads, _ = runs[0]
         for variant, (losses, grads, calls) in zip([plan, *variants], runs):
             # megatron ran the plan's depth: warm-up = forwards sent before the first 1F1B step
@@ -313,7 +314,6 @@ def _forced_schedule(rank, world, plan, batch, marker_dir):
     from megatron_autohet.runtime.parallel_state import build_parallel_state
     from megatron_autohet.runtime.schedule import run_schedule
     from megatron_autohet.runtime.stage_model import build_stage_model, plan_padded_vocab_size
-    from megatron_autohet.runtime.topology import rank_role
 
     valid = dataclasses.replace(plan, pipelines=[Pipeline(
         [dataclasses.replace(s, warmup_microbatches=None) for s in plan.pipelines[0].stages],

@@ -66,10 +66,7 @@ def load_planning_inputs(args):
     cluster = load_cluster(args.cluster, catalog)
     model = load_model(args.model)
     for t in getattr(args, "tp", None) or []:
-        if t not in model.valid_tp_degrees(64):
-            raise ConfigError("<command line>", "--tp", f"TP degree {t} does not divide the "
-                              f"model's heads/query groups/FFN size",
-                              ", ".join(map(str, model.valid_tp_degrees(64))))
+        model.check_tp_degree(t, "<command line>", "--tp")
     profile = None
     if args.profile:
         profile = Profile.load(args.profile)
