@@ -60,14 +60,19 @@ the simulation's, and the figure stays comparable with standard-depth plans and 
 48%, for merely being priced differently). The planner's post-pass (planner/warmup.py) picks
 depths by simulation and keeps them only where this saving shortens the iteration.
 
-What is modelled, not measured: the speed effect rests on eager delivery. gloo sends only once
-the receive is posted, so the communicator posts each receive one micro-batch ahead
+What is modelled, and what was measured: the speed effect rests on eager delivery. gloo sends
+only once the receive is posted, so the communicator posts each receive one micro-batch ahead
 (runtime/p2p.py); one message per direction can then be in flight while the receiver computes,
-not several as simulated. On a shaped link (scripts/bench_hapt.py) gloo also carried the two
-directions of a rank pair one after the other (one TCP connection per pair: 8 x 256 KiB each way
-took 1.82 s vs 0.87 s one way; 1.01 s with one process group per direction), which the
-simulation's independent links do not model. The memory effect (min(w_s + 1, m) micro-batches of
-activations) is real either way.
+not several as simulated. gloo also carried the two directions of a rank pair one after the
+other on one process group (one TCP connection per pair: 8 x 256 KiB each way took 1.82 s on a
+shaped link vs 0.87 s one way), so the runtime gives every boundary one group per direction
+(runtime/parallel_state.py). With that, scripts/bench_hapt.py (two stages, 8 micro-batches,
+20 Mbit/s tbf-shaped link, 105 ms per activation) measured a stage-0 warm-up of 2/4/8 at
+0.886/0.899/0.898 of the standard iteration time (paired medians), saving 186-212 ms per
+iteration where this simulation, fed the measured stage times, predicts 291 ms (1332 -> 1041
+ms for the schedule alone): the direction and the depth it takes (2 gains all) are right, the
+size about 1.4x too large. The memory effect (min(w_s + 1, m) micro-batches of activations) is
+real either way.
 """
 
 from __future__ import annotations

@@ -18,8 +18,11 @@ differ only in timing, so the variants must report bit-identical grad norms ever
 a mismatch aborts the run. An iteration's time is the slowest rank's wall time of
 ``train_step`` from a barrier; the first WARMUP iterations are dropped; reported: the median
 and quartiles per variant, and per deeper variant the median of its paired ratios to the
-standard variant's time in the same round. The 1-minute load average before and after is
-recorded (other jobs on the machine show up there).
+standard variant's time in the same round; next to them the planner's prediction for the same
+pipeline, ``cost_model.simulate_1f1b`` over each stage's measured compute per micro-batch (timed
+on both ranks at once after the run) and the link's rate, so model and measurement can be
+compared. The 1-minute load average before and after is recorded (other jobs on the machine
+show up there).
 
     sudo python scripts/bench_hapt.py [--iters 30] [--microbatches 8] [--rate-mbit 20] [--queue-ms 20]
         [--warmups 1,2,4,8] [--json bench-hapt.json]
@@ -137,11 +140,58 @@ def worker(args) -> None:
             metrics = trainers[v].train_step(batches[i])
             wall[v].append(time.perf_counter() - start)
             norms[v].append(metrics.grad_norm)
+    stage_s = stage_compute_s(trainers[0], batches[0], plans[0].micro_batch_size)
     dist.destroy_process_group()
-    Path(args.result).write_text(json.dumps({"wall_s": wall, "grad_norm": norms}))
+    Path(args.result).write_text(json.dumps({"wall_s": wall, "grad_norm": norms,
+                                             "stage_s": stage_s}))
+
+
+def stage_compute_s(trainer, batch: dict, micro_batch_size: int, repeats: int = 10
+                    ) -> tuple[float, float]:
+    """Median (forward, backward) seconds of one micro-batch through this rank's stage, both
+    ranks computing at the same time as in the schedule, with no link in between: stage 1 takes
+    a random activation, stage 0 a random output gradient. What the simulation is given."""
+    import torch
+    import torch.distributed as dist
+
+    model, first = trainer.model, trainer.state.is_first_stage
+    mb = {k: v[:micro_batch_size] for k, v in batch.items()}
+    shape = (MODEL["seq_length"], micro_batch_size, MODEL["hidden_size"])
+    forward, backward = [], []
+    for _ in range(repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        if first:
+            out = model(mb["tokens"], mb["position_ids"], None)
+        else:
+            model.set_input_tensor(torch.randn(shape, requires_grad=True))
+            out = model(mb["tokens"], mb["position_ids"], None, labels=mb["labels"]).mean()
+        middle = time.perf_counter()
+        out.backward(torch.randn_like(out) if first else None)
+        forward.append(middle - start)
+        backward.append(time.perf_counter() - middle)
+    return statistics.median(forward), statistics.median(backward)
 
 
 # ---- the driver -----------------------------------------------------------------------------------
+
+def simulate_pipeline(stage_s: list[tuple[float, float]], num_microbatches: int, warmup: int,
+                      rate_mbit: float) -> float:
+    """The planner's prediction for this pipeline: cost_model.simulate_1f1b over the measured
+    per-stage compute and the link's rate (activation and gradient each one message per
+    micro-batch; an unshaped veth counts as free). Only the schedule: the loss/grad-norm
+    all-reduce and the optimizer step of an iteration are not in it."""
+    from megatron_autohet.cost_model import StageCost, simulate_1f1b
+
+    activation_bits = MICRO_BATCH_SIZE * MODEL["seq_length"] * MODEL["hidden_size"] * 4 * 8
+    p2p_s = 2 * activation_bits / (rate_mbit * 1e6) if rate_mbit > 0 else 0.0
+    stages = [StageCost(pipeline=0, stage=s, gpu="cpu", tp=1, layers=(0, 0), forward_s=f,
+                        backward_s=b, p2p_s=p2p_s if s == 0 else 0.0, p2p_bandwidth_gbs=None,
+                        in_flight_microbatches=0, param_count=0, memory_gib=0.0,
+                        memory_limit_gib=0.0, sync_s=0.0, optimizer_s=0.0)
+              for s, (f, b) in enumerate(stage_s)]
+    return simulate_1f1b(stages, num_microbatches, [warmup, 0])
+
 
 def _quartiles(values: list[float]) -> list[float]:
     return statistics.quantiles(values, n=4, method="inclusive")
@@ -186,16 +236,24 @@ def run(args) -> dict:
             if norms != result["grad_norm"][0]:
                 raise SystemExit(f"rank {r}: warm-up {warmups[v]} gave other grad norms than the "
                                  f"standard schedule ({norms[:3]} vs {result['grad_norm'][0][:3]})")
+    stage_s = [r["stage_s"] for r in per_rank]
+    predicted_ms = [1000 * simulate_pipeline(stage_s, args.microbatches, w, args.rate_mbit)
+                    for w in warmups]
     wall_ms = [[1000 * max(pair) for pair in zip(per_rank[0]["wall_s"][v], per_rank[1]["wall_s"][v])
                 ][WARMUP:] for v in range(len(warmups))]
     variants = []
     for v, w in enumerate(warmups):
         paired = [x / s for x, s in zip(wall_ms[v], wall_ms[0])]
+        saved = [s - x for x, s in zip(wall_ms[v], wall_ms[0])]
         variants.append({"warmup_stage0": w, "wall_ms": wall_ms[v],
                          "median_ms": statistics.median(wall_ms[v]),
                          "quartiles_ms": _quartiles(wall_ms[v]),
                          "paired_ratio_to_standard": statistics.median(paired),
-                         "paired_ratio_quartiles": _quartiles(paired)})
+                         "paired_ratio_quartiles": _quartiles(paired),
+                         "paired_saving_ms": statistics.median(saved),
+                         "simulated_pipeline_ms": predicted_ms[v],
+                         "simulated_ratio_to_standard": predicted_ms[v] / predicted_ms[0],
+                         "simulated_saving_ms": predicted_ms[0] - predicted_ms[v]})
     return {"link": {"shaping": "tbf" if args.rate_mbit > 0 else "none",
                      "rate_mbit": args.rate_mbit, "queue_ms": args.queue_ms,
                      "activation_transfer_ms": (MICRO_BATCH_SIZE * MODEL["seq_length"]
@@ -205,22 +263,33 @@ def run(args) -> dict:
             "model": MODEL, "micro_batch_size": MICRO_BATCH_SIZE,
             "num_microbatches": args.microbatches, "iters": args.iters, "dropped": WARMUP,
             "activation_bytes": MICRO_BATCH_SIZE * MODEL["seq_length"] * MODEL["hidden_size"] * 4,
-            "grad_norms_identical": True, "variants": variants,
+            "grad_norms_identical": True,
+            "stage_compute_ms": [[1000 * f, 1000 * b] for f, b in stage_s],
+            "variants": variants,
             "load_average_1min": {"before": load_before, "after": os.getloadavg()[0]}}
 
 
 def print_table(result: dict) -> None:
     link = result["link"]
+    stage_ms = ", ".join(f"stage {s}: {f:.1f} + {b:.1f}"
+                         for s, (f, b) in enumerate(result["stage_compute_ms"]))
     print(f"2-stage pipeline, {result['num_microbatches']} micro-batches, "
           f"{result['activation_bytes'] / 1024:.0f} KiB per activation; link: "
           f"{link['shaping']}, rate {link['rate_mbit']} Mbit/s ({link['activation_transfer_ms']:.1f}"
           f" ms per activation at that rate); load average {result['load_average_1min']}")
-    print(f"{'warm-up s0':>10} {'median ms':>10} {'IQR ms':>17} {'paired ratio':>13} {'IQR':>13}")
+    print(f"measured compute per micro-batch (forward + backward ms): {stage_ms}; simulated = "
+          "cost_model.simulate_1f1b of the schedule alone (no all-reduce, no optimizer step)")
+    print("saved = the standard variant's time minus this one's (measured: median of the paired "
+          "differences; simulated: of the schedule alone)")
+    print(f"{'warm-up s0':>10} {'median ms':>10} {'IQR ms':>17} {'paired ratio':>13} {'IQR':>13} "
+          f"{'saved ms':>9} {'simulated ms':>13} {'sim. ratio':>11} {'sim. saved':>11}")
     for v in result["variants"]:
         q = v["quartiles_ms"]
         r = v["paired_ratio_quartiles"]
         print(f"{v['warmup_stage0']:>10} {v['median_ms']:>10.1f} {q[0]:>8.1f}-{q[2]:<8.1f} "
-              f"{v['paired_ratio_to_standard']:>13.3f} {r[0]:>6.3f}-{r[2]:<6.3f}")
+              f"{v['paired_ratio_to_standard']:>13.3f} {r[0]:>6.3f}-{r[2]:<6.3f} "
+              f"{v['paired_saving_ms']:>9.1f} {v['simulated_pipeline_ms']:>13.1f} "
+              f"{v['simulated_ratio_to_standard']:>11.3f} {v['simulated_saving_ms']:>11.1f}")
 
 
 def main() -> None:
