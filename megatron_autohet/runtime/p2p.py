@@ -365,8 +365,9 @@ class HeteroP2PCommunicator:
 
     def _take(self, queue: _ReceiveQueue, shapes: list[tuple[int, ...]]) -> list[torch.Tensor]:
         """Wait for the posted receive of the queue's next micro-batch and hand its buffers over."""
-        if queue.ahead is None:           # every micro-batch was posted and taken already
-            self._recv_ops(queue, shapes)     # raises: one receive more than the pipeline has
+        if queue.ahead is None:           # only when every micro-batch was posted and taken
+            raise RuntimeError(f"receive of micro-batch {queue.taken} from ranks "
+                               f"{queue.link.peer.ranks}, but the pipeline has {queue.total}")
         buffers, works = queue.ahead
         queue.ahead = None
         if [tuple(b.shape) for b in buffers] != shapes:
