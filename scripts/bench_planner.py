@@ -1,14 +1,14 @@
 #!/usr/bin/env python
 """Planner benchmark: solve time vs cluster size, plan quality vs baselines and vs brute force.
 
-    python scripts/bench_planner.py [--output bench-out/bench_planner.json] [--quick]
+    python scripts/bench_planner.py [--json bench-out/bench_planner.json] [--quick]
 
 Three tables, all predictions from the same cost model (megatron_autohet/cost_model.py):
 1. solve time of make_plan on generated fleets of 8-1024 GPUs over three GPU types (8-GPU nodes;
    the 8-GPU fleet uses 4/2/2-GPU nodes) for GPT-3 1.3B and LLaMA-2 7B;
 2. predicted iteration time and speedup over the baselines on the bundled 3-type fleets;
 3. gap to the exhaustive optimum on small clusters (<= 16 GPUs, 8-layer GPT-3 1.3B).
-Writes JSON to --output (default bench-out/, gitignored by the repository's bench-out/ rule).
+Writes JSON to --json (default bench-out/, gitignored by the repository's bench-out/ rule).
 """
 
 from __future__ import annotations
@@ -49,7 +49,8 @@ def small(name: str, nodes: list[tuple[str, int]]) -> Cluster:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--output", default=str(ROOT / "bench-out" / "bench_planner.json"))
+    parser.add_argument("--json", default=str(ROOT / "bench-out" / "bench_planner.json"),
+                        help="where to write the results (default bench-out/, gitignored)")
     parser.add_argument("--quick", action="store_true", help="fewer sizes and cases")
     args = parser.parse_args()
     result = {"scaling": [], "baselines": [], "exhaustive": []}
@@ -123,7 +124,7 @@ def main() -> None:
         print(f"{label:>26} {ours.cost.iteration_time_s:>9.5f} {best.cost.iteration_time_s:>9.5f} "
               f"{100 * gap:>6.2f}% {t_ours:>7.2f} {t_best:>7.2f}")
 
-    out = Path(args.output)
+    out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     print(f"\nwrote {out}")
