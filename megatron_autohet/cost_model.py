@@ -80,7 +80,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from megatron_autohet.errors import ConfigError
-from megatron_autohet.plan import Plan
+from megatron_autohet.plan import Plan, standard_warmup_depths
 from megatron_autohet.profiling.estimate import (ACTIVATION_DTYPE_BYTES, MEMORY_EFFICIENCY,
                                                  padded_vocab_size, ring_allreduce_s)
 from megatron_autohet.profiling.profile import Profile, ProfileEntry
@@ -164,10 +164,6 @@ def optimizer_step_s(param_count: float, memory_bandwidth_gbs: float) -> float:
 def pipeline_time_s(stage_periods: list[float], num_microbatches: int) -> float:
     """1F1B time from per-stage periods ``t_s + c_s``: sum + (m - 1) * max (blocking transfers)."""
     return sum(stage_periods) + (num_microbatches - 1) * max(stage_periods)
-
-
-def standard_warmups(num_stages: int) -> list[int]:
-    return [num_stages - s - 1 for s in range(num_stages)]
 
 
 def grad_allreduce_s(param_count: float, holders: int, bandwidth_gbs: float) -> float:
@@ -278,6 +274,7 @@ def evaluate_plan(plan: Plan, cluster: Cluster, profile: Profile, with_timeline:
     stage_of_rank: dict[int, StageCost] = {}
     for p, pipe in enumerate(plan.pipelines):
         S, m = len(pipe.stages), pipe.num_microbatches
+        depths = pipe.warmup_depths()
         stages: list[StageCost] = []
         for s, stage in enumerate(pipe.stages):
             gpu = plan.ranks[stage.ranks[0]].gpu
@@ -291,7 +288,7 @@ def evaluate_plan(plan: Plan, cluster: Cluster, profile: Profile, with_timeline:
                 bw = cluster.link_bandwidth_gbs(node_of[stage.ranks[0]],
                                                 node_of[pipe.stages[s + 1].ranks[0]])
                 comm = p2p_s(model, plan.micro_batch_size, plan.seq_length, bw)
-            in_flight = min(pipe.warmup_depths()[s] + 1, m)
+            in_flight = min(depths[s] + 1, m)
             params = stage_param_count(entry, model, stage.num_layers, first, last)
             memory = stage_memory_bytes(entry, model, stage.num_layers, first, last,
                                         plan.activation_recompute, in_flight)
@@ -303,11 +300,11 @@ def evaluate_plan(plan: Plan, cluster: Cluster, profile: Profile, with_timeline:
             for r in stage.ranks:
                 stage_of_rank[r] = cost
         time = pipeline_time_s([c.time_s + c.p2p_s for c in stages], m)
-        depths = pipe.warmup_depths()
         if depths != pipe.standard_warmup_depths():
-            # HAPT depths: the simulated saving over the standard depths (module doc)
+            # HAPT depths: the simulated saving over the standard depths (module doc); the
+            # second simulation leaves the plan's own timeline in the stages
             time -= simulate_1f1b(stages, m) - simulate_1f1b(stages, m, depths)
-        if with_timeline:
+        elif with_timeline:
             simulate_1f1b(stages, m, depths)
         pipelines.append(PipelineCost(m, time, stages))
 
@@ -327,8 +324,9 @@ def evaluate_plan(plan: Plan, cluster: Cluster, profile: Profile, with_timeline:
             elif spec.kind == "word_embeddings":
                 vocab = padded_vocab_size(model, holder_stage.tp) * model.hidden_size
                 params = vocab // holder_stage.tp if spec.symmetric else vocab
-            elif spec.kind == "position_embeddings":  # replicated on every TP rank
-                params = plan.seq_length * model.hidden_size
+            elif spec.kind == "position_embeddings":
+                # replicated on every TP rank; GPTModel sizes it by the model's seq_length
+                params = model.seq_length * model.hidden_size
             else:  # "post_process": final norm (replicated), untied output layer (vocab-parallel)
                 params = 2 * model.hidden_size
                 if not model.tie_embeddings:
@@ -363,14 +361,13 @@ def simulate_1f1b(stages: list[StageCost], num_microbatches: int,
     The runtime's semantics (module doc, "Warm-up depth"), op by op: stage s runs its
     ``warmups[s]`` forwards (standard depths by default), then alternates one forward / one
     backward, then drains its backwards. An op starts when the stage is free and its input has
-    arrived. A send
-    is posted when the op that produced it ends and never holds its stage up; it occupies its
-    link (one per boundary and direction) for ``p2p_s / 2``, messages one after the other, and
-    arrives when it leaves the link. At the standard depths the makespan is at most
+    arrived. A send is posted when the op that produced it ends and never holds its stage up; it
+    occupies its link (one per boundary and direction) for ``p2p_s / 2``, messages one after the
+    other, and arrives when it leaves the link. At the standard depths the makespan is at most
     :func:`pipeline_time_s`; with other depths only this simulation prices them (module doc).
     """
     S, m = len(stages), num_microbatches
-    depths = warmups if warmups is not None else standard_warmups(S)
+    depths = warmups if warmups is not None else standard_warmup_depths(S, m)
     orders: list[list[tuple[str, int]]] = []
     for s in range(S):
         w = min(depths[s], m)

@@ -65,6 +65,22 @@ def test_iteration_time_by_hand():
     assert cost.tokens_per_s == pytest.approx(4 * 32 / cost.iteration_time_s)
 
 
+def test_position_table_synced_at_the_models_length_when_training_shorter_sequences():
+    # GPTModel sizes the learned position table by the model's seq_length (32), whatever length
+    # the plan trains (16): its gradient all-reduce moves all 32 rows.
+    profile = Profile("hand")
+    for gpu in ("A100-80GB", "H800"):
+        profile.add(ProfileEntry(gpu, 1, 1, 16, layer=OpCost(1.0, 2.0, 10, 1, 100),
+                                 embedding=OpCost(0.5, 0.5, 5, 5, WORD + POS),
+                                 output=OpCost(1.0, 1.0, 7, 7, WORD + NORM)))
+    plan = _plan()
+    plan.seq_length = 16
+    cost = evaluate_plan(plan.validate(), CLUSTER, profile)
+    sync = (_allreduce(200, 2, NIC) * 2 + _allreduce(WORD, 3, NIC) + _allreduce(POS, 2, NIC)
+            + _allreduce(NORM, 2, NIC))
+    assert cost.grad_sync_s == pytest.approx(sync)
+
+
 def test_memory_by_hand_with_and_without_recompute():
     cost = evaluate_plan(_plan(), CLUSTER, _profile())
     s0 = cost.pipelines[0].stages[0]

@@ -271,7 +271,7 @@ def _sync_terms(problem: Problem, entry: ProfileEntry, first: bool, last: bool,
     vocab = padded_vocab_size(model, entry.tp) * model.hidden_size // entry.tp
     fixed = 0.0
     if first and model.position_embedding_type == "learned_absolute":
-        fixed += problem.seq_length * model.hidden_size
+        fixed += model.seq_length * model.hidden_size      # GPTModel's table: model's length
     if first and not model.tie_embeddings:
         fixed += vocab
     if last:
