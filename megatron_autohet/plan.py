@@ -69,6 +69,11 @@ class Stage:
         return self.layers[1] - self.layers[0]
 
 
+def standard_warmup_depths(num_stages: int, num_microbatches: int) -> list[int]:
+    """Megatron's 1F1B warm-up depth per stage: num_stages - s - 1, at most the micro-batches."""
+    return [min(num_stages - s - 1, num_microbatches) for s in range(num_stages)]
+
+
 @dataclass
 class Pipeline:
     stages: list[Stage]
@@ -79,9 +84,7 @@ class Pipeline:
         return [r for s in self.stages for r in s.ranks]
 
     def standard_warmup_depths(self) -> list[int]:
-        """Megatron's 1F1B warm-up depth per stage: num_stages - s - 1, at most the micro-batches."""
-        n = len(self.stages)
-        return [min(n - s - 1, self.num_microbatches) for s in range(n)]
+        return standard_warmup_depths(len(self.stages), self.num_microbatches)
 
     def warmup_depths(self) -> list[int]:
         """Effective 1F1B warm-up depth per stage: the plan's, or the standard one."""

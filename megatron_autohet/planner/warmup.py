@@ -43,8 +43,8 @@ it with a measurement), so a step must beat the shallower ones by MIN_GAIN to be
 from __future__ import annotations
 
 from megatron_autohet.cost_model import (GIB, PlanCost, annotate_plan, evaluate_plan,
-                                         simulate_1f1b, stage_memory_bytes, standard_warmups)
-from megatron_autohet.plan import Plan
+                                         simulate_1f1b, stage_memory_bytes)
+from megatron_autohet.plan import Plan, standard_warmup_depths
 from megatron_autohet.profiling.profile import Profile
 from megatron_autohet.spec.cluster import Cluster
 
@@ -73,7 +73,7 @@ def _max_depths(plan: Plan, pipeline: int, cost: PlanCost, profile: Profile) -> 
 def best_warmups(stages, num_microbatches: int, max_depths: list[int]) -> tuple[list[int], float]:
     """Greedy depths for one pipeline (module doc) and their simulated makespan."""
     m, S = num_microbatches, len(stages)
-    depths = [min(w, m) for w in standard_warmups(S)]
+    depths = standard_warmup_depths(S, m)
     best = simulate_1f1b(stages, m, depths)
     extras = sorted({1 << k for k in range(m.bit_length())} | {m})
     while True:

@@ -68,8 +68,7 @@ def check_homogeneous(plan: Plan) -> None:
                              "counts")
     if any(s.tp != tp for s in first.stages):
         raise ValueError("stages differ in TP degree: megatron has one TP size")
-    n = len(first.stages)
-    if first.warmup_depths() != [min(n - s - 1, first.num_microbatches) for s in range(n)]:
+    if first.warmup_depths() != first.standard_warmup_depths():
         raise ValueError("the plan sets its own 1F1B warm-up depths: megatron's schedule has "
                          "only the standard ones")
     dp = len(plan.pipelines)
