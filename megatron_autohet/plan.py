@@ -265,12 +265,7 @@ def validate_plan(plan: Plan, file: str | Path = "<plan>") -> None:
     if not plan.pipelines:
         raise ConfigError(file, "pipelines", "empty", "at least one pipeline")
     model = plan.model
-    # The stage model sizes its learned position table by the model's seq_length; a longer
-    # sequence would index past it in the first forward pass.
-    if model.position_embedding_type == "learned_absolute" and plan.seq_length > model.seq_length:
-        raise ConfigError(file, "seq_length", f"{plan.seq_length} > the model's seq_length "
-                          f"{model.seq_length} (learned position embeddings)",
-                          f"at most {model.seq_length}, or a model with rope positions")
+    model.check_seq_length(plan.seq_length, file, "seq_length")
     owner: dict[int, str] = {}
     for p, pipe in enumerate(plan.pipelines):
         where = f"pipelines[{p}]"

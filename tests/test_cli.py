@@ -199,6 +199,32 @@ def test_tp_that_does_not_divide_heads(capsys, tmp_path):
                        "[1, 2, 4, 8, 16])")
 
 
+def test_output_in_a_missing_directory_fails_before_the_search(capsys, tmp_path):
+    out = tmp_path / "none" / "p.yaml"
+    expect_usage_error(capsys, ["plan", "--cluster", H3, "--model", GPT, "--global-batch-size", 8,
+                                "-o", out],
+                       f"autohet plan: error: <command line>: field '--output': {out}: directory "
+                       f"{tmp_path / 'none'} does not exist (allowed: a file in an existing "
+                       "directory)")
+
+
+def test_sequence_longer_than_the_learned_position_table(capsys, tmp_path):
+    expect_usage_error(capsys, ["compare", "--cluster", H3, "--model", GPT,
+                                "--global-batch-size", 8, "--seq-length", 4096],
+                       "autohet compare: error: <command line>: field '--seq-length': 4096 > the "
+                       "model's seq_length 2048 (learned position embeddings) (allowed: at most "
+                       "2048, or a model with rope positions)")
+
+
+def test_show_figure_in_an_unknown_format(capsys, tmp_path):
+    rc, _, err = run_cli(capsys, "show", EXAMPLE_PLAN, "--figure", tmp_path / "plan.xyz")
+    assert rc == 2
+    assert err.startswith(f"autohet show: error: <command line>: field '--figure': "
+                          f"{tmp_path / 'plan.xyz'}: unknown image format (allowed: a name "
+                          "ending in ")
+    assert ".png" in err and "Traceback" not in err
+
+
 def test_profile_for_another_model(capsys, tmp_path):
     profile = tmp_path / "p.yaml"
     profile.write_text("model: llama2-7b\nentries: []\n")

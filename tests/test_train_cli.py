@@ -64,7 +64,7 @@ def test_bad_optimizer_values_are_clear_errors_before_any_process(flags, field, 
     start = time.perf_counter()
     assert main(["train", "--plan", str(PLAN), "--model", str(MODEL), *flags]) == 2
     assert time.perf_counter() - start < 5           # no process, no torch import
-    assert f"autohet train: error: <input>: field '{field}': {message}" in capsys.readouterr().err
+    assert f"autohet train: error: <command line>: field '{field}': {message}" in capsys.readouterr().err
 
 
 def test_unknown_lr_decay_style_is_refused_by_argparse(capsys):

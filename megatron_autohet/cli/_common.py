@@ -49,9 +49,28 @@ def positive(value: int | float | None, flag: str) -> None:
         raise ConfigError("<command line>", flag, f"got {value}", "a number > 0")
 
 
+def check_output_path(path: str | None, flag: str) -> None:
+    """Before any work: the file ``path`` can be created (its directory exists), so a typo costs
+    a second instead of the search or measurement it would end."""
+    if path is not None and not Path(path).expanduser().absolute().parent.is_dir():
+        raise ConfigError("<command line>", flag, f"{path}: directory "
+                          f"{Path(path).expanduser().absolute().parent} does not exist",
+                          "a file in an existing directory")
+
+
+def load_profile(path: str, model_name: str):
+    """The profile file at ``path``, made for the model ``model_name``."""
+    from megatron_autohet.profiling.profile import Profile
+
+    profile = Profile.load(path)
+    if profile.model != model_name:
+        raise ConfigError(path, "model", f"profile is for {profile.model!r}, the model is "
+                          f"{model_name!r}", f"a profile of {model_name!r}")
+    return profile
+
+
 def load_planning_inputs(args):
     """(cluster, model, profile or None) from the shared arguments, cross-checked."""
-    from megatron_autohet.profiling.profile import Profile
     from megatron_autohet.spec import load_cluster, load_gpu_catalog, load_model
 
     for flag, value in (("--global-batch-size", args.global_batch_size),
@@ -62,17 +81,15 @@ def load_planning_inputs(args):
         raise ConfigError("<command line>", "--global-batch-size",
                           f"{args.global_batch_size} is not a multiple of --micro-batch-size "
                           f"{args.micro_batch_size}", "a multiple of the micro-batch size")
+    check_output_path(args.output, "--output")
     catalog = load_gpu_catalog(args.gpu_catalog)
     cluster = load_cluster(args.cluster, catalog)
     model = load_model(args.model)
     for t in getattr(args, "tp", None) or []:
         model.check_tp_degree(t, "<command line>", "--tp")
-    profile = None
-    if args.profile:
-        profile = Profile.load(args.profile)
-        if profile.model != model.name:
-            raise ConfigError(args.profile, "model", f"profile is for {profile.model!r}, the "
-                              f"model is {model.name!r}", f"a profile of {model.name!r}")
+    if args.seq_length is not None:
+        model.check_seq_length(args.seq_length, "<command line>", "--seq-length")
+    profile = load_profile(args.profile, model.name) if args.profile else None
     return cluster, model, profile
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 
-from megatron_autohet.cli._common import positive
+from megatron_autohet.cli._common import check_output_path, positive
 from megatron_autohet.cli._table import format_table
 from megatron_autohet.errors import ConfigError
 
@@ -65,6 +65,9 @@ def run(args) -> int:
         for v in values:
             positive(v, flag)
     seq_lengths = args.seq_length or [model.seq_length]
+    for seq in seq_lengths:
+        model.check_seq_length(seq, "<command line>", "--seq-length")
+    check_output_path(args.output, "--output")
     gpu = _device_type(args.as_gpu, catalog, local_accelerator())
 
     profile = measure_profile(model, args.tp, args.micro_batch_size, seq_lengths, gpu,

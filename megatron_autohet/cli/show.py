@@ -14,9 +14,9 @@ readable.
 
 from __future__ import annotations
 
-from megatron_autohet.cli._common import (bundled_cluster_path, check_plan_on_cluster,
-                                          format_plan_table, format_prediction, layer_range,
-                                          rank_list)
+from megatron_autohet.cli._common import (bundled_cluster_path, check_output_path,
+                                          check_plan_on_cluster, format_plan_table,
+                                          format_prediction, layer_range, load_profile, rank_list)
 from megatron_autohet.errors import ConfigError
 
 # Colours per GPU type (matplotlib's tab10, in order of first appearance in the plan).
@@ -49,6 +49,8 @@ def run(args) -> int:
     from megatron_autohet.plan import load_plan
 
     plan = load_plan(args.plan)
+    if args.figure:
+        check_figure_path(args.figure)
     cost = predict(plan, args)
     print(f"plan {args.plan}: {plan.model.name} on {plan.cluster}, {plan.world_size} GPUs, "
           f"{len(plan.pipelines)} pipelines")
@@ -60,11 +62,23 @@ def run(args) -> int:
     return 0
 
 
+def check_figure_path(path: str) -> None:
+    """A writable place and an image format matplotlib knows (ConfigError naming --figure)."""
+    from pathlib import Path
+
+    from matplotlib.figure import Figure
+
+    check_output_path(path, "--figure")
+    formats = Figure().canvas.get_supported_filetypes()
+    if Path(path).suffix.lstrip(".").lower() not in formats:
+        raise ConfigError("<command line>", "--figure", f"{path}: unknown image format",
+                          "a name ending in " + ", ".join(f".{f}" for f in sorted(formats)))
+
+
 def predict(plan, args):
     """PlanCost with timelines, or None when no cluster is known."""
     from megatron_autohet.cost_model import evaluate_plan
     from megatron_autohet.planner.search import resolve_profile
-    from megatron_autohet.profiling.profile import Profile
     from megatron_autohet.spec import load_cluster, load_gpu_catalog
 
     cluster_file = args.cluster or bundled_cluster_path(plan.cluster)
@@ -75,10 +89,7 @@ def predict(plan, args):
         return None
     cluster = load_cluster(cluster_file, load_gpu_catalog(args.gpu_catalog))
     check_plan_on_cluster(plan, cluster, cluster_file)
-    profile = Profile.load(args.profile) if args.profile else None
-    if profile is not None and profile.model != plan.model.name:
-        raise ConfigError(args.profile, "model", f"profile is for {profile.model!r}, the plan's "
-                          f"model is {plan.model.name!r}", f"a profile of {plan.model.name!r}")
+    profile = load_profile(args.profile, plan.model.name) if args.profile else None
     profile = resolve_profile(cluster, plan.model, profile, plan.micro_batch_size, plan.seq_length)
     return evaluate_plan(plan, cluster, profile, with_timeline=True)
 

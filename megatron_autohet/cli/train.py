@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 
+from megatron_autohet.cli._common import check_output_path, positive
 from megatron_autohet.runtime.optimizer import LR_DECAY_STYLES, OptimizerSettings
 
 _WORKER_FLAGS: list[tuple[str, str]] = []     # (dest, option string) forwarded to each rank
@@ -80,10 +81,9 @@ def run(args: argparse.Namespace) -> int:
     from megatron_autohet.runtime.launch import (DistEnv, TrainOptions, launch_local, load_job,
                                                  run_worker)
 
-    if args.iters <= 0:
-        from megatron_autohet.errors import ConfigError
-        raise ConfigError(None, "--iters", f"got {args.iters}", "a number > 0")
-    optimizer = optimizer_settings(args).validate(train_iters=args.iters)
+    positive(args.iters, "--iters")
+    check_output_path(args.metrics_jsonl, "--metrics-jsonl")
+    optimizer = optimizer_settings(args).validate(train_iters=args.iters, source="<command line>")
     plan, model = load_job(args.plan, args.model)
     env = DistEnv.from_environ()
     if env is None:

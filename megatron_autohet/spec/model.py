@@ -69,6 +69,15 @@ class ModelSpec:
         unit = VOCAB_PAD_UNIT * math.lcm(*tp_degrees)
         return -(-self.vocab_size // unit) * unit
 
+    def check_seq_length(self, seq_length: int, file, field: str) -> None:
+        """Raise ConfigError (``file``, ``field``) when sequences of ``seq_length`` tokens do not
+        fit the model: GPTModel sizes a learned position table by the model's seq_length, and a
+        longer sequence would index past it in the first forward pass."""
+        if self.position_embedding_type == "learned_absolute" and seq_length > self.seq_length:
+            raise ConfigError(file, field, f"{seq_length} > the model's seq_length "
+                              f"{self.seq_length} (learned position embeddings)",
+                              f"at most {self.seq_length}, or a model with rope positions")
+
     def check_tp_degree(self, tp: int, file, field: str) -> None:
         """Raise ConfigError (``file``, ``field``) unless TP degree ``tp`` splits the attention
         heads, the query groups and the FFN evenly, as megatron-core's TP layers require."""
