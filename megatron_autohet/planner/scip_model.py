@@ -27,12 +27,11 @@ changes the right-hand sides G_k.
 
 from __future__ import annotations
 
-import heapq
 from dataclasses import dataclass
 
 from pyscipopt import SCIP_PARAMSETTING, Model, quicksum
 
-from megatron_autohet.planner.space import PipelineOption
+from megatron_autohet.planner.space import PipelineOption, assign_microbatches
 
 INF = float("inf")
 # Bisection stops when the bracket is this tight relative to the iteration time it is part of.
@@ -55,14 +54,7 @@ def makespan_s(options: list[PipelineOption], multiplicities: list[int], total: 
     """Longest pipeline (plus its option's offset) under the best micro-batch split."""
     offsets = offsets or [0.0] * len(options)
     pipelines = [(o, d) for o, d, x in zip(options, offsets, multiplicities) for _ in range(x)]
-    counts = [1] * len(pipelines)
-    heap = [(o.time_s(2) + d, i) for i, (o, d) in enumerate(pipelines)]
-    heapq.heapify(heap)
-    for _ in range(total - len(pipelines)):
-        _, i = heapq.heappop(heap)
-        counts[i] += 1
-        o, d = pipelines[i]
-        heapq.heappush(heap, (o.time_s(counts[i] + 1) + d, i))
+    counts = assign_microbatches([o for o, _ in pipelines], total, [d for _, d in pipelines])
     return max(o.time_s(m) + d for (o, d), m in zip(pipelines, counts))
 
 

@@ -353,20 +353,23 @@ def _compositions(total: int, parts: int):
         yield tuple(bounds[i + 1] - bounds[i] for i in range(parts))
 
 
-def assign_microbatches(options: list[PipelineOption], total: int) -> list[int]:
-    """Micro-batches per pipeline minimising max_p T_pipe(m_p) with every m_p >= 1: greedy,
-    always giving the next micro-batch where it finishes earliest; optimal because each
-    pipeline's time increases with m_p (and the sync/optimizer terms do not depend on it)."""
+def assign_microbatches(options: list[PipelineOption], total: int,
+                        offsets: list[float] | None = None) -> list[int]:
+    """Micro-batches per pipeline minimising max_p (T_pipe(m_p) + offsets[p]) with every
+    m_p >= 1: greedy, always giving the next micro-batch where it finishes earliest; optimal
+    because each pipeline's time increases with m_p (and the sync/optimizer terms do not depend
+    on it)."""
     if total < len(options):
         raise ConfigError("<arguments>", "global_batch_size", f"{total} micro-batches for "
                           f"{len(options)} pipelines", "at least one micro-batch per pipeline")
+    offsets = offsets or [0.0] * len(options)
     counts = [1] * len(options)
-    heap = [(o.time_s(2), i) for i, o in enumerate(options)]
+    heap = [(o.time_s(2) + d, i) for i, (o, d) in enumerate(zip(options, offsets))]
     heapq.heapify(heap)
     for _ in range(total - len(options)):
         _, i = heapq.heappop(heap)
         counts[i] += 1
-        heapq.heappush(heap, (options[i].time_s(counts[i] + 1), i))
+        heapq.heappush(heap, (options[i].time_s(counts[i] + 1) + offsets[i], i))
     return counts
 
 
