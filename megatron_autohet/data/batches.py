@@ -87,6 +87,17 @@ def resolve_data_path(options: DataOptions) -> Path:
     return prefix
 
 
+def open_global_batches(options: DataOptions, vocab_size: int, local_rank: int) -> GlobalBatches:
+    """:func:`build_global_batches` for a job (``torch.distributed`` initialised, every rank
+    calls it): local rank 0 of each node builds the built-in corpus first, once per node."""
+    import torch.distributed as dist
+
+    if local_rank == 0:
+        resolve_data_path(options)
+    dist.barrier()
+    return build_global_batches(options, vocab_size)
+
+
 def build_global_batches(options: DataOptions, vocab_size: int) -> GlobalBatches:
     """Open the GPTDataset for ``num_iterations`` global batches (call on every rank)."""
     from megatron.core.datasets.blended_megatron_dataset_builder import (

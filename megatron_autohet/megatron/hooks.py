@@ -27,7 +27,6 @@ dimensions, batch sizes, sequence length, world size, trivial Megatron grid) and
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 
 from megatron_autohet.errors import ConfigError
@@ -136,9 +135,8 @@ def pretrain_from_plan(args) -> None:
     from megatron.core import parallel_state as mpu
     from megatron.training.training import get_optimizer_param_scheduler
 
-    from megatron_autohet.data.batches import DataOptions, build_global_batches, resolve_data_path
-    from megatron_autohet.runtime.train_log import IterationLogger, IterationRecord
-    from megatron_autohet.runtime.trainer import HeteroTrainer
+    from megatron_autohet.data.batches import DataOptions, open_global_batches
+    from megatron_autohet.runtime.trainer import HeteroTrainer, train_iterations
 
     plan_path = args.autohet_plan
     plan = load_plan(plan_path)
@@ -148,10 +146,7 @@ def pretrain_from_plan(args) -> None:
                        num_iterations=args.train_iters, seed=args.seed,
                        data_path=args.data_path[0] if args.data_path else None,
                        data_dir=args.autohet_data_dir)
-    if args.local_rank in (None, 0):
-        resolve_data_path(data)             # build the built-in corpus once per node
-    dist.barrier()
-    batches = build_global_batches(data, plan.model.vocab_size)
+    batches = open_global_batches(data, plan.model.vocab_size, args.local_rank or 0)
     # Megatron's homogeneous groups are replaced by the plan's (build_parallel_state installs
     # this rank's heterogeneous values in megatron.core.parallel_state).
     mpu.destroy_model_parallel()
@@ -161,24 +156,9 @@ def pretrain_from_plan(args) -> None:
                                   adam_eps=args.adam_eps, clip_grad=args.clip_grad)
     trainer = HeteroTrainer(plan, plan.model, rank=rank, seed=args.seed, optimizer=optimizer,
                             plan_file=str(plan_path))
-    # Megatron-LM's own warm-up/decay and weight-decay schedule, stepping our param_groups.
+    # Megatron-LM's own warm-up/decay and weight-decay schedule, stepping our param_groups by
+    # the samples of each iteration, as Megatron's train_step does.
     scheduler = get_optimizer_param_scheduler(trainer.optimizer)
-    logger = IterationLogger(args.autohet_metrics_jsonl) if rank == 0 else None
-    try:
-        for iteration in range(args.train_iters):
-            batch = batches.batch(iteration)
-            start = time.perf_counter()
-            metrics = trainer.train_step(batch)
-            elapsed = time.perf_counter() - start
-            scheduler.step(increment=plan.global_batch_size)
-            if logger:
-                # read after the scheduler step, as Megatron-LM's training_log reads it
-                logger.log(IterationRecord.make(
-                    iteration=iteration + 1, train_iters=args.train_iters,
-                    global_batch_size=plan.global_batch_size, seq_length=plan.seq_length,
-                    elapsed_s=elapsed, learning_rate=trainer.optimizer.param_groups[0]["lr"],
-                    lm_loss=float(metrics.loss),
-                    grad_norm=float(metrics.grad_norm)))
-    finally:
-        if logger:
-            logger.close()
+    train_iterations(trainer, batches, scheduler, train_iters=args.train_iters,
+                     scheduler_increment=plan.global_batch_size, log=rank == 0,
+                     metrics_jsonl=args.autohet_metrics_jsonl)

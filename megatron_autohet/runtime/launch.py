@@ -17,9 +17,9 @@ Three pieces, used by ``autohet train`` (cli/train.py):
   ``local_rank`` of this rank), picks NCCL + ``cuda:LOCAL_RANK`` when this process has a GPU and
   gloo + the CPU mode otherwise, opens the data on every rank (identical global batches), builds
   the :class:`HeteroTrainer` with megatron-core's learning-rate scheduler on its optimizer
-  (runtime/optimizer.py ``make_lr_scheduler``, stepped after every iteration) and logs each
-  iteration from rank 0 (the trainer's metrics are the same on every rank). The logged learning
-  rate is read after the scheduler step, as Megatron-LM logs it.
+  (runtime/optimizer.py ``make_lr_scheduler``, stepped after every iteration) and runs
+  ``trainer.train_iterations``, which logs each iteration from rank 0 (the trainer's metrics are
+  the same on every rank).
 """
 
 from __future__ import annotations
@@ -169,9 +169,8 @@ def run_worker(plan: Plan, plan_path: str | Path, model: ModelSpec, options: Tra
     import torch
     import torch.distributed as dist
 
-    from megatron_autohet.data.batches import DataOptions, build_global_batches, resolve_data_path
+    from megatron_autohet.data.batches import DataOptions, open_global_batches
     from megatron_autohet.runtime.cpu_mode import cpu_mode_required, enable_cpu_mode
-    from megatron_autohet.runtime.train_log import IterationLogger, IterationRecord
 
     on_cpu = cpu_mode_required()
     check_env(plan, plan_path, env, uses_gpus=not on_cpu)
@@ -182,38 +181,20 @@ def run_worker(plan: Plan, plan_path: str | Path, model: ModelSpec, options: Tra
         torch.cuda.set_device(env.local_rank)
         backend = "nccl"
     dist.init_process_group(backend, rank=env.rank, world_size=env.world_size)
-    logger = None
     try:
         data = DataOptions(seq_length=plan.seq_length, global_batch_size=plan.global_batch_size,
                            num_iterations=options.iters, seed=options.seed,
                            data_path=options.data_path, data_dir=options.data_dir)
-        if env.local_rank == 0:
-            resolve_data_path(data)     # build the built-in corpus once per node
-        dist.barrier()
-        batches = build_global_batches(data, model.vocab_size)
+        batches = open_global_batches(data, model.vocab_size, env.local_rank)
 
-        from megatron_autohet.runtime.trainer import HeteroTrainer
+        from megatron_autohet.runtime.trainer import HeteroTrainer, train_iterations
 
         trainer = HeteroTrainer(plan, model, rank=env.rank, seed=options.seed,
                                 optimizer=options.optimizer, plan_file=str(plan_path))
         scheduler = make_lr_scheduler(trainer.optimizer, options.optimizer, options.iters)
-        if env.rank == 0:
-            logger = IterationLogger(options.metrics_jsonl)
-        for iteration in range(options.iters):
-            batch = batches.batch(iteration)
-            start = time.perf_counter()
-            metrics = trainer.train_step(batch)
-            scheduler.step(1)
-            elapsed = time.perf_counter() - start
-            if logger:
-                logger.log(IterationRecord.make(
-                    iteration=iteration + 1, train_iters=options.iters,
-                    global_batch_size=plan.global_batch_size, seq_length=plan.seq_length,
-                    elapsed_s=elapsed, learning_rate=trainer.optimizer.param_groups[0]["lr"],
-                    lm_loss=float(metrics.loss),
-                    grad_norm=float(metrics.grad_norm)))
+        train_iterations(trainer, batches, scheduler, train_iters=options.iters,
+                         scheduler_increment=1, log=env.rank == 0,
+                         metrics_jsonl=options.metrics_jsonl)
     finally:
-        if logger:
-            logger.close()
         dist.destroy_process_group()
     return 0

@@ -3,7 +3,9 @@
 :class:`HeteroTrainer` builds everything a rank needs from the plan (parallel state, its stage of
 megatron-core's ``GPTModel``, the layer-wise :class:`~megatron_autohet.runtime.grad_sync.GradSync`,
 the optimizer) and :meth:`HeteroTrainer.train_step` runs one iteration on a global batch, returning
-:class:`StepMetrics` that are identical on every rank.
+:class:`StepMetrics` that are identical on every rank. :func:`train_iterations` is a job's loop
+over it (scheduler step and Megatron's log line per iteration), for ``autohet train`` and the
+Megatron-LM path alike.
 
 Global batch contract: a dict of tensors ``tokens``, ``labels``, ``loss_mask``, ``position_ids``,
 each ``[global_batch_size, seq]`` and identical on all ranks. Micro-batch ``i`` is rows
@@ -42,6 +44,7 @@ on a machine without Apex/TE it falls back to the same torch Adam(W) anyway.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from functools import partial
 
@@ -142,3 +145,34 @@ class HeteroTrainer:
         sums[1] = self.grad_sync.owned_sum_of_squares()
         dist.all_reduce(sums)
         return float(sums[0]) / self.plan.num_microbatches_total, float(sums[1]) ** 0.5
+
+
+def train_iterations(trainer: HeteroTrainer, batches, scheduler, *, train_iters: int,
+                     scheduler_increment: int, log: bool,
+                     metrics_jsonl: str | None = None) -> None:
+    """The iteration loop of a job (``autohet train`` and the Megatron-LM path): a train step on
+    each global batch, the learning-rate scheduler stepped by ``scheduler_increment`` after it
+    (1 for iteration-based schedules, the global batch size for Megatron's sample-based one),
+    and, where ``log`` (one rank: the metrics are the same on all), Megatron's iteration line.
+    The logged learning rate is read after the scheduler step, as Megatron-LM's training_log
+    reads it."""
+    from megatron_autohet.runtime.train_log import IterationLogger, IterationRecord
+
+    plan = trainer.plan
+    logger = IterationLogger(metrics_jsonl) if log else None
+    try:
+        for iteration in range(train_iters):
+            batch = batches.batch(iteration)
+            start = time.perf_counter()
+            metrics = trainer.train_step(batch)
+            elapsed = time.perf_counter() - start
+            scheduler.step(scheduler_increment)
+            if logger:
+                logger.log(IterationRecord.make(
+                    iteration=iteration + 1, train_iters=train_iters,
+                    global_batch_size=plan.global_batch_size, seq_length=plan.seq_length,
+                    elapsed_s=elapsed, learning_rate=trainer.optimizer.param_groups[0]["lr"],
+                    lm_loss=metrics.loss, grad_norm=metrics.grad_norm))
+    finally:
+        if logger:
+            logger.close()
