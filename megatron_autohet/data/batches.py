@@ -23,9 +23,6 @@ from pathlib import Path
 
 from megatron_autohet.errors import ConfigError
 
-BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
-
-
 @dataclass(frozen=True)
 class DataOptions:
     seq_length: int
@@ -57,6 +54,8 @@ class GlobalBatches:
 
     def batch(self, iteration: int) -> dict:
         import torch
+
+        from megatron_autohet.runtime.reference import BATCH_KEYS   # the contract's keys
 
         if not 0 <= iteration < len(self):
             raise IndexError(f"iteration {iteration} outside the {len(self)} built batches")
