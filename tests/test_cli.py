@@ -142,6 +142,33 @@ def test_show_warmup_column_only_for_hapt_depths(capsys, tmp_path):
     assert "warm-up" not in run_cli(capsys, "show", EXAMPLE_PLAN)[1]
 
 
+def test_figure_groups_pipelines_only_with_identical_timelines():
+    """Two copies of an [A100 | H800] pipeline on local-8 draw one timeline; a different 1F1B
+    warm-up depth on one of them changes its timeline, so it gets its own."""
+    from megatron_autohet.cli.show import identical_pipelines
+    from megatron_autohet.cost_model import evaluate_plan
+    from megatron_autohet.plan import plan_from_dict
+    from megatron_autohet.planner.search import resolve_profile
+
+    cluster = load_cluster(CONFIGS / "clusters" / "local-8.yaml")
+    tiny = yaml.safe_load(EXAMPLE_PLAN.read_text())["model"]
+    ranks = [{"rank": d.rank, "node": d.node, "local_rank": d.local_rank, "gpu": d.gpu}
+             for d in cluster.devices()]
+    pipe = lambda a100, h800: {"num_microbatches": 4, "stages": [
+        {"ranks": [a100], "layers": [0, 3]}, {"ranks": [h800], "layers": [3, 6]}]}
+    raw = {"cluster": "local-8", "model": tiny, "micro_batch_size": 2, "global_batch_size": 16,
+           "seq_length": 64, "ranks": ranks[:1] + ranks[1:2] + ranks[4:6],
+           "pipelines": [pipe(0, 2), pipe(1, 3)]}
+    for i, r in enumerate(raw["ranks"]):
+        r["rank"] = i
+    plan = plan_from_dict(raw)
+    profile = resolve_profile(cluster, plan.model, None, plan.micro_batch_size, plan.seq_length)
+    assert identical_pipelines(evaluate_plan(plan, cluster, profile)) == [[0, 1]]
+    raw["pipelines"][1]["stages"][0]["warmup_microbatches"] = 3
+    plan = plan_from_dict(raw)
+    assert identical_pipelines(evaluate_plan(plan, cluster, profile)) == [[0], [1]]
+
+
 def test_show_without_a_known_cluster(capsys, tmp_path):
     raw = yaml.safe_load(EXAMPLE_PLAN.read_text())
     raw["cluster"] = "my-own-fleet"

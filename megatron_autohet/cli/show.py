@@ -95,13 +95,13 @@ def predict(plan, args):
 
 
 def identical_pipelines(cost) -> list[list[int]]:
-    """Pipelines with the same predicted timeline (same stage GPU types, TP, layers, times and
-    micro-batches) grouped, so a 96-GPU fleet of a few pipeline shapes draws a few timelines."""
+    """Pipelines with the same predicted timeline (same stage GPU types, TP, layers, sync times
+    and the same simulated 1F1B events, which also reflect warm-up depths) grouped, so a 96-GPU
+    fleet of a few pipeline shapes draws a few timelines."""
     groups: dict[tuple, list[int]] = {}
     for p, pcost in enumerate(cost.pipelines):
         key = (pcost.num_microbatches, tuple(
-            (s.gpu, s.tp, s.layers, s.forward_s, s.backward_s, s.p2p_s, s.sync_s)
-            for s in pcost.stages))
+            (s.gpu, s.tp, s.layers, s.sync_s, tuple(s.timeline)) for s in pcost.stages))
         groups.setdefault(key, []).append(p)
     return list(groups.values())
 
