@@ -82,7 +82,7 @@ from dataclasses import dataclass, field
 from megatron_autohet.errors import ConfigError
 from megatron_autohet.plan import Plan, standard_warmup_depths
 from megatron_autohet.profiling.estimate import (ACTIVATION_DTYPE_BYTES, MEMORY_EFFICIENCY,
-                                                 padded_vocab_size, ring_allreduce_s)
+                                                 ring_allreduce_s)
 from megatron_autohet.profiling.profile import Profile, ProfileEntry
 from megatron_autohet.runtime.topology import sync_group_specs
 from megatron_autohet.spec.cluster import Cluster
@@ -133,7 +133,7 @@ def stage_param_count(entry: ProfileEntry, model: ModelSpec, num_layers: int, fi
     if last:
         params += entry.output.param_count
     if first and last and model.tie_embeddings:
-        params -= padded_vocab_size(model, entry.tp) * model.hidden_size // entry.tp
+        params -= model.padded_vocab_size([entry.tp]) * model.hidden_size // entry.tp
     return params
 
 
@@ -322,7 +322,7 @@ def evaluate_plan(plan: Plan, cluster: Cluster, profile: Profile, with_timeline:
                 shard = n_layers * entry.layer.param_count
                 params = shard if spec.symmetric else shard * holder_stage.tp
             elif spec.kind == "word_embeddings":
-                vocab = padded_vocab_size(model, holder_stage.tp) * model.hidden_size
+                vocab = model.padded_vocab_size([holder_stage.tp]) * model.hidden_size
                 params = vocab // holder_stage.tp if spec.symmetric else vocab
             elif spec.kind == "position_embeddings":
                 # replicated on every TP rank; GPTModel sizes it by the model's seq_length
@@ -330,7 +330,7 @@ def evaluate_plan(plan: Plan, cluster: Cluster, profile: Profile, with_timeline:
             else:  # "post_process": final norm (replicated), untied output layer (vocab-parallel)
                 params = 2 * model.hidden_size
                 if not model.tie_embeddings:
-                    vocab = padded_vocab_size(model, holder_stage.tp) * model.hidden_size
+                    vocab = model.padded_vocab_size([holder_stage.tp]) * model.hidden_size
                     params += vocab // holder_stage.tp if spec.symmetric else vocab
             holders = len(spec.holders)
             bw = _slowest_link_gbs(cluster, [node_of[r] for r in group])

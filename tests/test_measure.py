@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from megatron_autohet.cli.main import main
-from megatron_autohet.profiling.estimate import layer_param_count, padded_vocab_size
+from megatron_autohet.profiling.estimate import layer_param_count
 from megatron_autohet.profiling.measure import catalog_name_for_device
 from megatron_autohet.profiling.profile import Profile
 from megatron_autohet.spec import load_gpu_catalog, load_model
@@ -60,7 +60,7 @@ def test_parameter_counts_match_megatron_shapes(measured):
     model = load_model(TINY)
     entry = measured.get("A100-80GB", 1, 1, 64)
     assert entry.layer.param_count == layer_param_count(model, 1)
-    vocab = padded_vocab_size(model, 1)
+    vocab = model.padded_vocab_size([1])
     assert entry.embedding.param_count == (vocab + model.seq_length) * model.hidden_size
     assert entry.output.param_count == vocab * model.hidden_size + 2 * model.hidden_size
 

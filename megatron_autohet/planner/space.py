@@ -34,7 +34,6 @@ from megatron_autohet.cost_model import (GIB, PlanCost, annotate_plan, evaluate_
                                          stage_compute_s, stage_memory_bytes, stage_param_count)
 from megatron_autohet.errors import ConfigError
 from megatron_autohet.plan import Pipeline, Plan, RankInfo, Stage
-from megatron_autohet.profiling.estimate import padded_vocab_size
 from megatron_autohet.profiling.profile import Profile, ProfileEntry
 from megatron_autohet.spec.cluster import Cluster
 from megatron_autohet.spec.model import ModelSpec
@@ -268,7 +267,7 @@ def _sync_terms(problem: Problem, entry: ProfileEntry, first: bool, last: bool,
     a stage's gradient all-reduce seconds at ring factor 1 (cost_model's sync formulas)."""
     model, bw = problem.model, problem.sync_bandwidth_gbs
     unit = grad_allreduce_s(1.0, 2, 1.0)          # seconds per parameter at 1 GB/s, factor 1
-    vocab = padded_vocab_size(model, entry.tp) * model.hidden_size // entry.tp
+    vocab = model.padded_vocab_size([entry.tp]) * model.hidden_size // entry.tp
     fixed = 0.0
     if first and model.position_embedding_type == "learned_absolute":
         fixed += model.seq_length * model.hidden_size      # GPTModel's table: model's length

@@ -59,11 +59,6 @@ LINK_EFFICIENCY = 0.8
 ACTIVATION_DTYPE_BYTES = 2
 
 
-def padded_vocab_size(model: ModelSpec, tp: int) -> int:
-    """Megatron's padded vocabulary for one TP degree (:meth:`ModelSpec.padded_vocab_size`)."""
-    return model.padded_vocab_size([tp])
-
-
 def ring_allreduce_s(num_bytes: float, ranks: int, bandwidth_gbs: float) -> float:
     """Time of a ring all-reduce of ``num_bytes`` among ``ranks`` GPUs over a link of this speed."""
     if ranks <= 1:
@@ -158,7 +153,7 @@ def estimate_entry(model: ModelSpec, gpu: GPUType, tp: int, micro_batch_size: in
     # Embedding: a vocab-parallel gather (memory-bound) whose partial sums are all-reduced over TP;
     # backward scatter-adds into the table shard. Learned positions add the model's position
     # table (GPTModel sizes it by the model's seq_length, whatever length is trained).
-    vocab = padded_vocab_size(model, tp)
+    vocab = model.padded_vocab_size([tp])
     positions = model.seq_length * h if model.position_embedding_type == "learned_absolute" else 0
     embedding = OpCost(
         forward_s=_timed(0.0, 3 * hidden_bytes, gpu) + tp_allreduce,
