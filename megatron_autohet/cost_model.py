@@ -256,15 +256,6 @@ def _slowest_link_gbs(cluster: Cluster, ranks_nodes: list[str]) -> float:
     return min(speeds) if speeds else float("inf")
 
 
-def _profile_entry(profile: Profile, gpu: str, tp: int, plan: Plan) -> ProfileEntry:
-    if not profile.has(gpu, tp, plan.micro_batch_size, plan.seq_length):
-        raise ConfigError("<profile>", "entries", f"no entry for gpu={gpu} tp={tp} micro_batch_size="
-                          f"{plan.micro_batch_size} seq_length={plan.seq_length} (model "
-                          f"{profile.model})", "a profile covering every GPU type and TP degree "
-                          "of the plan (see `autohet profile`, or the analytic estimate)")
-    return profile.get(gpu, tp, plan.micro_batch_size, plan.seq_length)
-
-
 def evaluate_plan(plan: Plan, cluster: Cluster, profile: Profile, with_timeline: bool = True
                   ) -> PlanCost:
     """Predicted iteration time, throughput, per-stage time and memory of a plan (see module doc)."""
@@ -278,7 +269,7 @@ def evaluate_plan(plan: Plan, cluster: Cluster, profile: Profile, with_timeline:
         stages: list[StageCost] = []
         for s, stage in enumerate(pipe.stages):
             gpu = plan.ranks[stage.ranks[0]].gpu
-            entry = _profile_entry(profile, gpu, stage.tp, plan)
+            entry = profile.get(gpu, stage.tp, plan.micro_batch_size, plan.seq_length)
             first, last = s == 0, s == S - 1
             fwd, bwd = stage_compute_s(entry, stage.num_layers, first, last,
                                        plan.activation_recompute)
@@ -317,7 +308,8 @@ def evaluate_plan(plan: Plan, cluster: Cluster, profile: Profile, with_timeline:
                 continue
             holder_stage = stage_of_rank[group[0]]
             if spec.kind == "layers":
-                entry = _profile_entry(profile, holder_stage.gpu, holder_stage.tp, plan)
+                entry = profile.get(holder_stage.gpu, holder_stage.tp, plan.micro_batch_size,
+                                    plan.seq_length)
                 n_layers = spec.layers[1] - spec.layers[0]
                 shard = n_layers * entry.layer.param_count
                 params = shard if spec.symmetric else shard * holder_stage.tp

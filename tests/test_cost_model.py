@@ -65,6 +65,18 @@ def test_iteration_time_by_hand():
     assert cost.tokens_per_s == pytest.approx(4 * 32 / cost.iteration_time_s)
 
 
+def test_profile_without_an_entry_for_a_stage_is_a_clear_error():
+    from megatron_autohet.errors import ConfigError
+    profile = _profile()
+    del profile.entries[("H800", 1, 1, 32)]
+    with pytest.raises(ConfigError) as err:
+        evaluate_plan(_plan(), CLUSTER, profile)
+    assert str(err.value) == (
+        "<profile>: field 'entries': no entry for gpu=H800 tp=1 micro_batch_size=1 seq_length=32 "
+        "(model hand) (allowed: a profile covering every GPU type and TP degree used (see "
+        "`autohet profile`, or the analytic estimate))")
+
+
 def test_position_table_synced_at_the_models_length_when_training_shorter_sequences():
     # GPTModel sizes the learned position table by the model's seq_length (32), whatever length
     # the plan trains (16): its gradient all-reduce moves all 32 rows.

@@ -65,11 +65,6 @@ class Problem:
         return self.global_batch_size // self.micro_batch_size
 
     def entry(self, pool: Pool) -> ProfileEntry:
-        if not self.profile.has(pool.gpu, pool.tp, self.micro_batch_size, self.seq_length):
-            raise ConfigError("<profile>", "entries", f"no entry for gpu={pool.gpu} tp={pool.tp} "
-                              f"micro_batch_size={self.micro_batch_size} seq_length="
-                              f"{self.seq_length}", "a profile covering every GPU type of the "
-                              "cluster at the TP degrees searched")
         return self.profile.get(pool.gpu, pool.tp, self.micro_batch_size, self.seq_length)
 
     @functools.cached_property

@@ -67,11 +67,16 @@ class Profile:
         self.entries[entry.key] = entry
 
     def get(self, gpu: str, tp: int, micro_batch_size: int, seq_length: int) -> ProfileEntry:
+        """The entry for a key; a missing one is bad input (a measured profile that does not
+        cover the plan or the search), reported as a ConfigError."""
         try:
             return self.entries[(gpu, tp, micro_batch_size, seq_length)]
         except KeyError:
-            raise KeyError(f"profile for model {self.model!r} has no entry for gpu={gpu} tp={tp} "
-                           f"micro_batch_size={micro_batch_size} seq_length={seq_length}") from None
+            raise ConfigError("<profile>", "entries", f"no entry for gpu={gpu} tp={tp} "
+                              f"micro_batch_size={micro_batch_size} seq_length={seq_length} "
+                              f"(model {self.model})", "a profile covering every GPU type and TP "
+                              "degree used (see `autohet profile`, or the analytic estimate)"
+                              ) from None
 
     def has(self, gpu: str, tp: int, micro_batch_size: int, seq_length: int) -> bool:
         return (gpu, tp, micro_batch_size, seq_length) in self.entries
