@@ -7,6 +7,7 @@ Package layout follows the data flow (see README.md):
     cost_model   iteration time and memory of a plan (pure functions)
     planner/     SCIP plan search and the baselines it is compared with
     plan         the plan dataclass and its YAML file: the contract with the runtime
+    layout/      torch-free: rank roles and sync groups, parameter names and TP shards, main owners
     data/        the built-in corpus and deterministic global batches through megatron's GPTDataset
     runtime/     parallel_state from a plan, stage model, hetero P2P, schedules, grad sync,
                  optimizer (AdamW + Megatron's LR schedule), the trainer
@@ -14,7 +15,8 @@ Package layout follows the data flow (see README.md):
     cli/         the `autohet` command
     checkpoint/  planned (a later issue): layout-independent checkpoints, local + S3, recovery
 
-Nothing in spec/, cost_model, planner/ or plan imports torch or megatron.
+Nothing in spec/, cost_model, planner/ or plan imports torch or megatron; nothing in layout/ does
+at import time (ParamLayout imports torch only to concatenate shards).
 """
 
 __version__ = "0.1.0"

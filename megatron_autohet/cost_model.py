@@ -18,7 +18,7 @@ one more forward of the layers; ``t_s = f_s + b_s``.
   the slowest stage's period, its communication not overlapped. This charges transfers as
   blocking (stock megatron waits for its sends); the per-stage warm-up depths of a plan are not
   in it (see "Warm-up depth" below).
-* **Gradient sync** is layer-wise (runtime/topology.sync_group_specs): a symmetric group of D
+* **Gradient sync** is layer-wise (layout/topology.sync_group_specs): a symmetric group of D
   holders is a ring all-reduce of one TP shard's fp32 gradients among D GPUs,
   ``2 (D-1)/D * bytes / bw_min`` with ``bw_min`` the slowest link among the group's GPUs; an
   asymmetric group (holders of different TP degree, opt-in) is charged the all-reduce of the full,
@@ -80,11 +80,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from megatron_autohet.errors import ConfigError
+from megatron_autohet.layout.topology import sync_group_specs
 from megatron_autohet.plan import Plan, standard_warmup_depths
 from megatron_autohet.profiling.estimate import (ACTIVATION_DTYPE_BYTES, MEMORY_EFFICIENCY,
                                                  ring_allreduce_s)
 from megatron_autohet.profiling.profile import Profile, ProfileEntry
-from megatron_autohet.runtime.topology import sync_group_specs
 from megatron_autohet.spec.cluster import Cluster
 from megatron_autohet.spec.model import ModelSpec
 

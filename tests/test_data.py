@@ -4,8 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_autohet.data.batches import DataOptions, build_global_batches
-from megatron_autohet.runtime.reference import BATCH_KEYS
+from megatron_autohet.data.batches import BATCH_KEYS, DataOptions, build_global_batches
 from megatron_autohet.data.corpus import (build_corpus, byte_tokenizer, corpus_prefix,
                                           stdlib_documents)
 from megatron_autohet.errors import ConfigError

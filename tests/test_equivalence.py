@@ -25,9 +25,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron_autohet.layout.topology import rank_role
 from megatron_autohet.plan import load_plan
 from megatron_autohet.runtime.optimizer import OptimizerSettings
-from megatron_autohet.runtime.topology import rank_role
 from dist_utils import run_on_ranks
 
 PLANS = Path(__file__).resolve().parents[1] / "configs" / "plans"

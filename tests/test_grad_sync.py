@@ -16,10 +16,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from megatron_autohet.layout.params import ParamLayout
+from megatron_autohet.layout.topology import rank_role, sync_group_specs
 from megatron_autohet.plan import load_plan
 from megatron_autohet.runtime.grad_sync import GradSync
-from megatron_autohet.runtime.init import ParamLayout
-from megatron_autohet.runtime.topology import rank_role, sync_group_specs
 from dist_utils import RankFailed, run_on_ranks
 
 PLANS = Path(__file__).resolve().parents[1] / "configs" / "plans"

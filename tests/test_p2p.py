@@ -14,9 +14,9 @@ from megatron.core.model_parallel_config import ModelParallelConfig
 from megatron.core.pipeline_parallel.utils import is_pp_first_stage, is_pp_last_stage
 
 from dist_utils import run_on_ranks
+from megatron_autohet.layout.topology import RankRole, StageRole
 from megatron_autohet.runtime.p2p import (HeteroP2PCommunicator, SchedulePosition, StageLayout,
                                           transfer_plan)
-from megatron_autohet.runtime.topology import RankRole, StageRole
 
 SEQ, MBS, HIDDEN = 8, 2, 4
 

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from dist_utils import run_on_ranks
+from megatron_autohet.layout.params import ParamLayout
 from megatron_autohet.plan import Pipeline, RankInfo, Stage, load_plan
-from megatron_autohet.runtime.init import ParamLayout
 from megatron_autohet.runtime.optimizer import OptimizerSettings
 from megatron_autohet.spec.model import load_model
 

@@ -1,13 +1,14 @@
 """Global batches for the runtime, read through megatron-core's own GPTDataset.
 
-The heterogeneous runtime gives every rank the WHOLE global batch (the trainer's contract: a dict
-of ``tokens``, ``labels``, ``loss_mask``, ``position_ids``, each ``[global_batch_size, seq]``,
-identical on all ranks) and each pipeline takes its own micro-batches from it
-(``RankRole.microbatch_offset``). So instead of Megatron's per-DP-rank data loader, every rank
-opens the same GPTDataset - same files, same seed, hence the same shuffle - and iteration ``i``
-is the samples ``[i * global_batch_size, (i + 1) * global_batch_size)``. No rank depends on
-another for data, and the batches do not depend on the plan: any plan of the same model sees the
-same sequence of global batches as the single-process reference.
+The heterogeneous runtime gives every rank the WHOLE global batch (the global-batch contract of
+the runtime and the single-process reference: a dict of :data:`BATCH_KEYS` - ``tokens``,
+``labels``, ``loss_mask``, ``position_ids`` - each ``[global_batch_size, seq]``, identical on all
+ranks) and each pipeline takes its own micro-batches from it (``RankRole.microbatch_offset``).
+So instead of Megatron's per-DP-rank data loader, every rank opens the same GPTDataset - same
+files, same seed, hence the same shuffle - and iteration ``i`` is the samples
+``[i * global_batch_size, (i + 1) * global_batch_size)``. No rank depends on another for data,
+and the batches do not depend on the plan: any plan of the same model sees the same sequence of
+global batches as the single-process reference.
 
 The dataset is built with ``BlendedMegatronDatasetBuilder`` + ``GPTDatasetConfig`` exactly as
 Megatron-LM's ``pretrain_gpt.py`` does; its sample/shuffle indices use megatron-core's compiled
@@ -22,6 +23,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_autohet.errors import ConfigError
+
+# The global-batch contract's keys, defined here where the batches are made (data is upstream of
+# the runtime and the reference, which read them).
+BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
+
 
 @dataclass(frozen=True)
 class DataOptions:
@@ -54,8 +60,6 @@ class GlobalBatches:
 
     def batch(self, iteration: int) -> dict:
         import torch
-
-        from megatron_autohet.runtime.reference import BATCH_KEYS   # the contract's keys
 
         if not 0 <= iteration < len(self):
             raise IndexError(f"iteration {iteration} outside the {len(self)} built batches")

@@ -4,7 +4,6 @@ Modules in data-flow order (a job's start, one iteration, then the baselines it 
 
 launch          `autohet train`: file checks, local process launch, the per-rank worker
 cpu_mode        megatron-core on a CPU-only torch with gloo (device mapping, RNG tracker)
-topology        pure: each rank's role and the process groups a plan needs (no torch)
 parallel_state  this rank's process groups: megatron ProcessGroupCollection + parallel_state globals
 stage_model     this rank's stage: megatron-core GPTModel with global layer numbers; ParamLayouts
 init            layout-independent initial weights (seeded by global name + full shape)

@@ -2,7 +2,7 @@
 
 Megatron's ``DistributedDataParallel`` assumes one data-parallel group for every parameter. In a
 heterogeneous plan the replicas cut the model at different layers, so each parameter is synced in
-the group of *its* holders: :func:`megatron_autohet.runtime.topology.sync_group_specs` splits the
+the group of *its* holders: :func:`megatron_autohet.layout.topology.sync_group_specs` splits the
 model into runs of layers (plus the embeddings and the post-process part of the last stages)
 whose holders are the same TP groups in every pipeline, and the parallel state creates one torch
 group per spec (per TP shard when the spec is symmetric).
@@ -36,8 +36,9 @@ TP group, so TP-partitioned weights and, without sequence parallelism, TP-replic
 sequence chunk, so parameters Megatron tags ``.sequence_parallel`` (layernorms) hold partial sums;
 they are summed over the TP group first, as ``finalize_model_grads`` does.
 
-Grad norm: each logical parameter is counted exactly once in the whole world: only by the first
-holder TP group of its spec (pipeline order) and, if TP-replicated, only by TP rank 0 there.
+Grad norm: each logical parameter is counted exactly once in the whole world, by its main replica
+(layout/owners.py): only by the first holder TP group of its spec (pipeline order) and, if
+TP-replicated, only by TP rank 0 there.
 :meth:`GradSync.owned_sum_of_squares` is this rank's share; the trainer sums the shares over the
 world in the one all-reduce it also needs for the loss, so every rank gets the same norm; clipping
 uses megatron-core's ``clip_grad_by_total_norm_fp32`` (the reference's formula).
@@ -45,44 +46,23 @@ uses megatron-core's ``clip_grad_by_total_norm_fp32`` (the reference's formula).
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 
-from megatron_autohet.runtime.topology import SyncGroupSpec
+from megatron_autohet.layout.owners import holds_main_replica
+from megatron_autohet.layout.topology import SyncGroupSpec, spec_index_of
 
 # Megatron's DDP default: 40M elements per bucket.
 DEFAULT_BUCKET_NUMEL = 40_000_000
-
-_LAYER_NAME = re.compile(r"^decoder\.layers\.(\d+)\.")
-_NON_LAYER_KINDS = (("embedding.word_embeddings.", "word_embeddings"),
-                    ("embedding.position_embeddings.", "position_embeddings"),
-                    ("decoder.final_layernorm.", "post_process"),
-                    ("output_layer.", "post_process"))   # untied only: tied maps to word emb.
-
-
-def spec_index_of(global_name: str, specs: list[SyncGroupSpec]) -> int:
-    """Index of the spec whose holders sync the parameter called ``global_name`` (megatron
-    GPTModel naming with GLOBAL layer numbers)."""
-    match = _LAYER_NAME.match(global_name)
-    layer = int(match.group(1)) if match else None
-    kind = "layers" if match else next(
-        (kind for prefix, kind in _NON_LAYER_KINDS if global_name.startswith(prefix)), None)
-    if kind is None:
-        raise ValueError(f"parameter {global_name!r} belongs to no gradient sync group")
-    for i, spec in enumerate(specs):
-        if spec.kind == kind and (layer is None or spec.layers[0] <= layer < spec.layers[1]):
-            return i
-    raise ValueError(f"parameter {global_name!r}: the plan has no {kind} sync group for it")
 
 
 @dataclass
 class _Bucket:
     params: list[torch.nn.Parameter]
-    layouts: list                       # runtime.init.ParamLayout of each param
+    layouts: list                       # layout.params.ParamLayout of each param
     grads: list[torch.Tensor]           # each param's .grad: its view into grad_data
     group: dist.ProcessGroup | None     # None or one rank: nothing to reduce
     grad_data: torch.Tensor             # flat local grads; each param's .grad is a view into it
@@ -160,8 +140,7 @@ class GradSync:
             self.params.append(param)
             if sequence_parallel and getattr(param, "sequence_parallel", False):
                 self.sequence_parallel_params.append(param)
-            if specs[i].holders[0] == holder and (
-                    layout.partition_dim is not None or layout.tp_rank == 0):
+            if holds_main_replica(specs[i].holders, holder, layout):
                 self.norm_params.append(param)
 
         # Specs sharing a rank set share buckets (module doc); the dict keeps plan order.

@@ -32,7 +32,7 @@ Design (why)
   False: ``ParamKey(name="*.bias", predicate=len(param.shape) == 1)`` gets ``wd_mult=0.0``): no
   decay on biases and on 1-D parameters (norm weights); everything else, embeddings and the output
   layer included, is decayed. It is decided on the parameter's global name and FULL shape
-  (:class:`~megatron_autohet.runtime.init.ParamLayout`), never on a local shard, so every rank of
+  (:class:`~megatron_autohet.layout.params.ParamLayout`), never on a local shard, so every rank of
   every layout and the one-process reference put a parameter in the same group. TP never changes
   a tensor's number of dimensions, so this is exactly megatron's per-rank decision.
   tests/test_optimizer.py checks it against megatron's ``_get_param_groups`` on the tiny GPTs.

@@ -118,7 +118,7 @@ from functools import lru_cache
 import torch
 import torch.distributed as dist
 
-from megatron_autohet.runtime.topology import RankRole
+from megatron_autohet.layout.topology import RankRole
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ Public API
 Design
 ------
 * Megatron has one TP x PP x DP grid; a plan has pipelines of different depth whose stages have
-  different TP degrees. Everything a rank needs is derived from ``runtime/topology.py`` (pure,
+  different TP degrees. Everything a rank needs is derived from ``layout/topology.py`` (pure,
   identical on every rank), so ``new_group`` calls happen in the same order everywhere. Groups are
   de-duplicated by rank set (a single-rank TP group *is* that rank's singleton group; an
   embedding sync group may equal a layer sync group): one torch group per distinct rank set.
@@ -79,10 +79,10 @@ from pathlib import Path
 import torch.distributed as dist
 
 from megatron_autohet.errors import ConfigError
+from megatron_autohet.layout.topology import (RankRole, StageRole, SyncGroupSpec, rank_role,
+                                              stage_roles, sync_group_specs)
 from megatron_autohet.plan import Plan, validate_plan
 from megatron_autohet.runtime.p2p import BoundaryGroups, StageLinks
-from megatron_autohet.runtime.topology import (RankRole, StageRole, SyncGroupSpec, rank_role,
-                                               stage_roles, sync_group_specs)
 from megatron_autohet.spec.model import ModelSpec
 
 

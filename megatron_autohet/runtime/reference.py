@@ -1,4 +1,4 @@
-"""The single-process reference every parallel layout must reproduce (DESIGN.md section 3).
+"""The single-process reference every parallel layout must reproduce.
 
 Public API
 ----------
@@ -13,10 +13,12 @@ Public API
 ``reference_plan(model_spec, *, micro_batch_size, num_microbatches, seq_length) -> Plan``
     The one-rank plan the reference trains.
 ``masked_token_mean(per_token_loss, loss_mask)``, ``microbatches(global_batch, micro_batch_size,
-first, count)``, ``BATCH_KEYS``
-    The loss definition and the global-batch contract, shared with the runtime.
-    Global batch: dict of ``tokens``, ``labels``, ``loss_mask``, ``position_ids`` tensors, each
-    ``[global_batch_size, seq]``; micro-batch i = rows [i*mbs, (i+1)*mbs).
+first, count)``
+    The loss definition and the micro-batch split of the global-batch contract, shared with the
+    runtime. Global batch: dict of ``data.batches.BATCH_KEYS`` (``tokens``, ``labels``,
+    ``loss_mask``, ``position_ids``) tensors, each ``[global_batch_size, seq]``; micro-batch i =
+    rows [i*mbs, (i+1)*mbs). The keys are defined in data/batches.py, where the batches are made;
+    the reference and the runtime read them through ``microbatches``.
 
 Design (why)
 ------------
@@ -46,13 +48,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megatron_autohet.data.batches import BATCH_KEYS
 from megatron_autohet.plan import Pipeline, Plan, RankInfo, Stage
 from megatron_autohet.runtime.optimizer import (OptimizerSettings, make_lr_scheduler,
                                                 make_optimizer)
 from megatron_autohet.spec.model import ModelSpec
-
-
-BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
 
 
 def masked_token_mean(per_token_loss: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,7 @@ Public API
     also seeds megatron's dropout RNG streams (``model_parallel_cuda_manual_seed``) from ``seed``.
 ``param_layouts(model, state) -> dict[str, ParamLayout]``
     For every local parameter name (``model.named_parameters()``): its global name and where the
-    local tensor sits in the full one (runtime/init.py).
+    local tensor sits in the full one (layout/params.py).
 ``stage_layer_spec(config)``, ``TorchNorm``: the layer spec the stage uses and its norm.
 
 Design (why)
@@ -48,11 +48,10 @@ import re
 
 import torch
 
+from megatron_autohet.layout.params import ParamLayout, global_param_name
 from megatron_autohet.plan import Plan
-from megatron_autohet.runtime.init import INIT_METHOD_STD, ParamLayout, initialize_parameters
+from megatron_autohet.runtime.init import INIT_METHOD_STD, initialize_parameters
 from megatron_autohet.spec.model import ModelSpec
-
-_LAYER_NAME = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 
 
 def plan_padded_vocab_size(plan: Plan) -> int:
@@ -199,15 +198,6 @@ def build_stage_model(model_spec: ModelSpec, state, *, seed: int, sequence_paral
     return model
 
 
-def _global_name(local_name: str, first_layer: int, tied: bool) -> str:
-    match = _LAYER_NAME.match(local_name)
-    if match:
-        return f"decoder.layers.{first_layer + int(match.group(1))}.{match.group(2)}"
-    if tied and local_name == "output_layer.weight":
-        return "embedding.word_embeddings.weight"        # one logical tensor (tied)
-    return local_name
-
-
 def param_layouts(model, state) -> dict[str, ParamLayout]:
     role = state.role
     tp_size, tp_rank = role.stage.tp_size, role.tp_rank
@@ -220,7 +210,7 @@ def param_layouts(model, state) -> dict[str, ParamLayout]:
         full_shape = list(param.shape)
         if partition_dim is not None:
             full_shape[partition_dim] *= tp_size
-        global_name = _global_name(name, role.stage.layers[0], tied)
+        global_name = global_param_name(name, role.stage.layers[0], tied)
         num_chunks = 2 if gated and re.search(r"mlp\.linear_fc1\.(weight|bias)$", name) else 1
         layouts[name] = ParamLayout(global_name, tuple(full_shape), partition_dim, tp_rank,
                                     tp_size, num_chunks)

@@ -93,10 +93,10 @@ class StockMegatronTrainer:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
+        from megatron_autohet.layout.topology import rank_role
         from megatron_autohet.runtime.init import initialize_parameters
         from megatron_autohet.runtime.stage_model import (param_layouts, plan_padded_vocab_size,
                                                           transformer_config)
-        from megatron_autohet.runtime.topology import rank_role
 
         check_homogeneous(plan)
         self.plan = plan

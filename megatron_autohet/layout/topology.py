@@ -1,24 +1,34 @@
 """What a plan means for each rank, computed without torch.
 
-The runtime creates torch process groups from :func:`process_group_specs`, which every rank
-computes identically from the plan, so groups are created in the same order everywhere (a
-requirement of ``torch.distributed.new_group``).
+The runtime creates its torch process groups from :func:`stage_roles` and
+:func:`sync_group_specs` (runtime/parallel_state.py), which every rank computes identically from
+the plan, so groups are created in the same order everywhere (a requirement of
+``torch.distributed.new_group``); the cost model prices the same sync groups.
 
-Data-parallel gradient sync is layer-wise (DESIGN.md section 3): pipelines cut the model at
-different layers, so there is no single DP group. A :class:`SyncGroupSpec` covers a run of
-parameters whose holders are the same TP groups in every pipeline:
+Data-parallel gradient sync is layer-wise: pipelines cut the model at different layers, so there
+is no single DP group. A :class:`SyncGroupSpec` covers a run of parameters whose holders are the
+same TP groups in every pipeline:
 
 * symmetric (every holder has the same TP degree t): t groups, group k = the k-th TP rank of each
   holder; each rank all-reduces its own shard, exactly as Megatron's DP all-reduce does;
 * asymmetric (holders differ in TP degree, opt-in): one group of all holder ranks; the sync
   re-shards (see runtime/grad_sync.py).
-"""
 
+:func:`spec_index_of` maps a parameter's global name to its spec, so the grad sync and
+layout/owners.py read a parameter's holders from the same place.
+"""
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from megatron_autohet.plan import Plan
+
+_LAYER_NAME = re.compile(r"^decoder\.layers\.(\d+)\.")
+_NON_LAYER_KINDS = (("embedding.word_embeddings.", "word_embeddings"),
+                    ("embedding.position_embeddings.", "position_embeddings"),
+                    ("decoder.final_layernorm.", "post_process"),
+                    ("output_layer.", "post_process"))   # untied only: tied maps to word emb.
 
 
 @dataclass(frozen=True)
@@ -123,3 +133,18 @@ def sync_group_specs(plan: Plan) -> list[SyncGroupSpec]:
         specs.append(SyncGroupSpec("position_embeddings", None, _dedup(firsts)))
     specs.append(SyncGroupSpec("post_process", None, _dedup(lasts)))
     return specs
+
+
+def spec_index_of(global_name: str, specs: list[SyncGroupSpec]) -> int:
+    """Index of the spec whose holders sync the parameter called ``global_name`` (megatron
+    GPTModel naming with GLOBAL layer numbers)."""
+    match = _LAYER_NAME.match(global_name)
+    layer = int(match.group(1)) if match else None
+    kind = "layers" if match else next(
+        (kind for prefix, kind in _NON_LAYER_KINDS if global_name.startswith(prefix)), None)
+    if kind is None:
+        raise ValueError(f"parameter {global_name!r} belongs to no gradient sync group")
+    for i, spec in enumerate(specs):
+        if spec.kind == kind and (layer is None or spec.layers[0] <= layer < spec.layers[1]):
+            return i
+    raise ValueError(f"parameter {global_name!r}: the plan has no {kind} sync group for it")
