@@ -1,0 +1,24 @@
+"""Shared fixtures."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+from s3_server import moto_s3_server
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint():
+    """``(endpoint_url, bucket)`` of moto's S3 server: started once per session (start-up costs
+    about a second), with dummy AWS credentials in the environment while it runs."""
+    with moto_s3_server() as endpoint:
+        yield endpoint
+
+
+@pytest.fixture
+def s3_uri(s3_endpoint) -> str:
+    """A fresh ``s3://bucket/prefix`` for one test, so tests sharing the server are independent."""
+    _, bucket = s3_endpoint
+    return f"s3://{bucket}/test-{uuid.uuid4().hex}"
