@@ -11,9 +11,11 @@ Package layout follows the data flow (see README.md):
     data/        the built-in corpus and deterministic global batches through megatron's GPTDataset
     runtime/     parallel_state from a plan, stage model, hetero P2P, schedules, grad sync,
                  optimizer (AdamW + Megatron's LR schedule), the trainer
+    checkpoint/  layout-independent checkpoints (megatron-core torch_dist files + manifest),
+                 local tier and S3 tier, loading into any plan
+    launch       `autohet train`'s job: checks, local process launch, the per-rank worker
     megatron/    glue for Megatron-LM's pretrain_gpt.py
     cli/         the `autohet` command
-    checkpoint/  planned (a later issue): layout-independent checkpoints, local + S3, recovery
 
 Nothing in spec/, cost_model, planner/ or plan imports torch or megatron; nothing in layout/ does
 at import time (ParamLayout imports torch only to concatenate shards).

@@ -148,7 +148,7 @@ def _rank_main(rank, world, port, plan_path, with_stock, iters, data_dir, result
 def run_plan(plan_path: Path, *, with_stock: bool, iters: int, data_dir: str) -> list[dict]:
     """Every rank's {kind: {"wall", "cpu", "grad_norm": per-iteration lists}}, in rank order."""
     from megatron_autohet.plan import load_plan
-    from megatron_autohet.runtime.launch import free_port
+    from megatron_autohet.launch import free_port
 
     world = load_plan(plan_path).world_size
     ctx = mp.get_context("fork")

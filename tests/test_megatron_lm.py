@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_autohet.runtime.launch import free_port
+from megatron_autohet.launch import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts/apply_megatron_patch.sh"

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 
+from megatron_autohet.checkpoint.options import DEFAULT_KEEP, CheckpointOptions
 from megatron_autohet.cli._common import check_output_path, positive
 from megatron_autohet.runtime.optimizer import LR_DECAY_STYLES, OptimizerSettings
 
@@ -60,6 +61,25 @@ def register(subparsers) -> None:
         (("--data-dir",), dict(default=None,
                                help="cache of the built-in corpus and the dataset indices "
                                     "(default $AUTOHET_DATA_DIR or ~/.cache/megatron-autohet)")),
+        # Checkpoints: Megatron-LM's flag names (checkpoint/options.py explains each).
+        (("--save",), dict(default=None,
+                           help="checkpoint directory of the job (a filesystem every node "
+                                "shares): DIR/iter_NNNNNNN in megatron's torch_dist format")),
+        (("--save-interval",), dict(type=int, default=None,
+                                    help="save every N iterations (and after the last one)")),
+        (("--load",), dict(default=None,
+                           help="resume from the newest complete checkpoint in this directory "
+                                "(and the local tier); none there: start from scratch")),
+        (("--autohet-local-ckpt-dir",), dict(
+            default=None, help="node-local checkpoint directory: each node writes what its "
+                               "ranks hold there; '{node}' in the path becomes the plan's node "
+                               "name (emulated nodes on one machine)")),
+        (("--autohet-keep-ckpts",), dict(type=int, default=DEFAULT_KEEP,
+                                         help="committed checkpoints kept per directory "
+                                              f"(default {DEFAULT_KEEP})")),
+        (("--exit-interval",), dict(type=int, default=None,
+                                    help="stop after an iteration that is a multiple of N "
+                                         "(saving first), as Megatron-LM's --exit-interval")),
     ]
     _WORKER_FLAGS.clear()
     for flags, kwargs in opts:
@@ -78,19 +98,22 @@ def worker_argv(args: argparse.Namespace) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatron_autohet.runtime.launch import (DistEnv, TrainOptions, launch_local, load_job,
+    from megatron_autohet.launch import (DistEnv, TrainOptions, launch_local, load_job,
                                                  run_worker)
 
     positive(args.iters, "--iters")
     check_output_path(args.metrics_jsonl, "--metrics-jsonl")
     optimizer = optimizer_settings(args).validate(train_iters=args.iters, source="<command line>")
+    checkpoint = checkpoint_options(args)
+    positive(args.exit_interval, "--exit-interval")
     plan, model = load_job(args.plan, args.model)
     env = DistEnv.from_environ()
     if env is None:
         return launch_local(plan, worker_argv(args), gpus_available=_gpu_count())
     options = TrainOptions(iters=args.iters, seed=args.seed, optimizer=optimizer,
                            metrics_jsonl=args.metrics_jsonl, data_path=args.data_path,
-                           data_dir=args.data_dir)
+                           data_dir=args.data_dir, checkpoint=checkpoint,
+                           exit_interval=args.exit_interval)
     return run_worker(plan, args.plan, model, options, env)
 
 
@@ -100,6 +123,12 @@ def optimizer_settings(args: argparse.Namespace) -> OptimizerSettings:
         adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
         clip_grad=args.clip_grad, lr_warmup_iters=args.lr_warmup_iters,
         lr_decay_iters=args.lr_decay_iters, lr_decay_style=args.lr_decay_style)
+
+
+def checkpoint_options(args: argparse.Namespace) -> CheckpointOptions:
+    return CheckpointOptions(save=args.save, save_interval=args.save_interval, load=args.load,
+                             local_dir=args.autohet_local_ckpt_dir,
+                             keep=args.autohet_keep_ckpts).validate()
 
 
 def _gpu_count() -> int:

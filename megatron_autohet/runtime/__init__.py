@@ -1,8 +1,8 @@
 """Training from a plan on megatron-core.
 
-Modules in data-flow order (a job's start, one iteration, then the baselines it is checked with):
+Modules in data-flow order (a rank's start, one iteration, then the baselines it is checked with;
+launching a job and checkpointing it sit above this package: launch.py, checkpoint/):
 
-launch          `autohet train`: file checks, local process launch, the per-rank worker
 cpu_mode        megatron-core on a CPU-only torch with gloo (device mapping, RNG tracker)
 parallel_state  this rank's process groups: megatron ProcessGroupCollection + parallel_state globals
 stage_model     this rank's stage: megatron-core GPTModel with global layer numbers; ParamLayouts

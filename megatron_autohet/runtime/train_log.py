@@ -56,11 +56,13 @@ def megatron_line(rec: IterationRecord) -> str:
 
 
 class IterationLogger:
-    """Prints the Megatron line; appends the record to ``metrics_jsonl`` when given."""
+    """Prints the Megatron line; appends the record to ``metrics_jsonl`` when given (a new file,
+    or the end of an existing one with ``append``)."""
 
-    def __init__(self, metrics_jsonl: str | Path | None = None, stream: TextIO | None = None):
+    def __init__(self, metrics_jsonl: str | Path | None = None, stream: TextIO | None = None,
+                 append: bool = False):
         self._stream = stream
-        self._jsonl = open(metrics_jsonl, "w") if metrics_jsonl else None
+        self._jsonl = open(metrics_jsonl, "a" if append else "w") if metrics_jsonl else None
 
     def log(self, rec: IterationRecord) -> None:
         print(megatron_line(rec), file=self._stream, flush=True)

@@ -148,31 +148,48 @@ class HeteroTrainer:
 
 
 def train_iterations(trainer: HeteroTrainer, batches, scheduler, *, train_iters: int,
-                     scheduler_increment: int, log: bool,
-                     metrics_jsonl: str | None = None) -> None:
+                     scheduler_increment: int, log: bool, metrics_jsonl: str | None = None,
+                     checkpointer=None, exit_interval: int | None = None) -> int:
     """The iteration loop of a job (``autohet train`` and the Megatron-LM path): a train step on
     each global batch, the learning-rate scheduler stepped by ``scheduler_increment`` after it
     (1 for iteration-based schedules, the global batch size for Megatron's sample-based one),
     and, where ``log`` (one rank: the metrics are the same on all), Megatron's iteration line.
     The logged learning rate is read after the scheduler step, as Megatron-LM's training_log
-    reads it."""
+    reads it.
+
+    ``checkpointer`` (checkpoint/checkpointer.py): training starts where its ``resume()`` says
+    (global batch ``i`` is the same whatever plan runs it, so a resumed job sees exactly the
+    batches an uninterrupted one would), it saves after iterations its interval names and at
+    the end. ``exit_interval``: stop after an iteration that is a multiple of it (Megatron's
+    ``--exit-interval``), saving first. Returns the last iteration trained."""
     from megatron_autohet.runtime.train_log import IterationLogger, IterationRecord
 
     plan = trainer.plan
-    logger = IterationLogger(metrics_jsonl) if log else None
+    first = checkpointer.resume().iteration if checkpointer else 0
+    # A resumed job appends to the metrics of the run it continues.
+    logger = IterationLogger(metrics_jsonl, append=first > 0) if log else None
+    iteration = first
     try:
-        for iteration in range(train_iters):
+        while iteration < train_iters:
             batch = batches.batch(iteration)
             start = time.perf_counter()
             metrics = trainer.train_step(batch)
             elapsed = time.perf_counter() - start
             scheduler.step(scheduler_increment)
+            iteration += 1
             if logger:
                 logger.log(IterationRecord.make(
-                    iteration=iteration + 1, train_iters=train_iters,
+                    iteration=iteration, train_iters=train_iters,
                     global_batch_size=plan.global_batch_size, seq_length=plan.seq_length,
                     elapsed_s=elapsed, learning_rate=trainer.optimizer.param_groups[0]["lr"],
                     lm_loss=metrics.loss, grad_norm=metrics.grad_norm))
+            if checkpointer:
+                checkpointer.after_iteration(iteration)
+            if exit_interval and iteration % exit_interval == 0:
+                break
+        if checkpointer:
+            checkpointer.finish(iteration)
     finally:
         if logger:
             logger.close()
+    return iteration

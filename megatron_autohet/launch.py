@@ -19,7 +19,10 @@ Three pieces, used by ``autohet train`` (cli/train.py):
   the :class:`HeteroTrainer` with megatron-core's learning-rate scheduler on its optimizer
   (runtime/optimizer.py ``make_lr_scheduler``, stepped after every iteration) and runs
   ``trainer.train_iterations``, which logs each iteration from rank 0 (the trainer's metrics are
-  the same on every rank).
+  the same on every rank), with the checkpoint hook (checkpoint/checkpointer.py) when the job
+  saves or loads.
+
+It sits above runtime/ and checkpoint/ (it wires the two together), not inside either.
 """
 
 from __future__ import annotations
@@ -30,9 +33,10 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
+from megatron_autohet.checkpoint.options import CheckpointOptions
 from megatron_autohet.errors import ConfigError
 from megatron_autohet.plan import Plan, load_plan
 from megatron_autohet.runtime.optimizer import OptimizerSettings, make_lr_scheduler
@@ -47,6 +51,8 @@ class TrainOptions:
     metrics_jsonl: str | None = None
     data_path: str | None = None
     data_dir: str | None = None
+    checkpoint: CheckpointOptions = CheckpointOptions()
+    exit_interval: int | None = None
 
 
 @dataclass(frozen=True)
@@ -162,6 +168,12 @@ def _terminate(procs: list[subprocess.Popen]) -> None:
             proc.kill()
 
 
+def train_args(options: TrainOptions) -> dict:
+    """The arguments a checkpoint records (plain values; ``autohet checkpoint ls`` shows them)."""
+    return {"iters": options.iters, "seed": options.seed, "data_path": options.data_path,
+            "optimizer": asdict(options.optimizer)}
+
+
 # ---- worker --------------------------------------------------------------------------------
 
 def run_worker(plan: Plan, plan_path: str | Path, model: ModelSpec, options: TrainOptions,
@@ -192,9 +204,15 @@ def run_worker(plan: Plan, plan_path: str | Path, model: ModelSpec, options: Tra
         trainer = HeteroTrainer(plan, model, rank=env.rank, seed=options.seed,
                                 optimizer=options.optimizer, plan_file=str(plan_path))
         scheduler = make_lr_scheduler(trainer.optimizer, options.optimizer, options.iters)
+        checkpointer = None
+        if options.checkpoint.saving or options.checkpoint.load is not None:
+            from megatron_autohet.checkpoint.checkpointer import Checkpointer
+            checkpointer = Checkpointer(options.checkpoint, trainer, scheduler, seed=options.seed,
+                                        train_args=train_args(options))
         train_iterations(trainer, batches, scheduler, train_iters=options.iters,
                          scheduler_increment=1, log=env.rank == 0,
-                         metrics_jsonl=options.metrics_jsonl)
+                         metrics_jsonl=options.metrics_jsonl, checkpointer=checkpointer,
+                         exit_interval=options.exit_interval)
     finally:
         dist.destroy_process_group()
     return 0

@@ -1,0 +1,221 @@
+"""The manifest that commits a checkpoint step, and the atomic file writes behind it (no torch).
+
+A step directory (``iter_0000004/``, Megatron-LM's name) holds megatron-core's ``torch_dist``
+files - torch DCP data files ``__<rank>_<i>.distcp`` and their index ``.metadata``, megatron's
+``common.pt`` and ``metadata.json`` - and, written last, ``autohet-manifest.json``. A step counts
+only once its manifest is there: readers ignore a directory without one (a save that died half
+way), and every byte they load is checked against the manifest's SHA-256 first.
+
+What the manifest records
+-------------------------
+* ``files``: every file of the step with its size, the rank that wrote it and, for the small
+  files, the SHA-256 of the whole file.
+* ``items``: every chunk DCP stored in a data file - its checkpoint key, the global offsets and
+  sizes of the tensor region it holds (None for a serialized object), and where its bytes are
+  (file, byte offset, length) with their SHA-256. Recovery plans from these alone (which chunk a
+  new layout needs, who holds it) without unpickling DCP's ``.metadata``; a chunk is the unit
+  that is verified, fetched from a peer or read from S3 with a ranged GET.
+* ``iteration``, the plan and the model it was saved under (``autohet checkpoint ls`` shows them).
+
+Atomic writes: :func:`write_atomic` writes a temporary name in the target directory, fsyncs it,
+renames it over the target and fsyncs the directory, so a crash leaves the old file or the new
+one, never a torn one. The step directory itself is written under ``iter_0000004.partial`` and
+renamed when complete (:func:`commit_step_dir`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+MANIFEST_FILE = "autohet-manifest.json"
+LATEST_FILE = "latest_checkpointed_iteration.txt"      # Megatron-LM's name and format
+FORMAT = "megatron-autohet checkpoint"
+FORMAT_VERSION = 1
+PARTIAL_SUFFIX = ".partial"
+
+
+def step_dir_name(iteration: int) -> str:
+    """Megatron-LM's step directory name: ``iter_0000004``."""
+    return f"iter_{iteration:07d}"
+
+
+def parse_step_dir_name(name: str) -> int | None:
+    if len(name) == 12 and name.startswith("iter_") and name[5:].isdigit():
+        return int(name[5:])
+    return None
+
+
+def sha256_bytes(data: bytes | memoryview) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def sha256_file(path: str | Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+@dataclass(frozen=True)
+class ItemRecord:
+    """One DCP chunk: a tensor region (``offsets``/``sizes`` in the global tensor) or an object."""
+
+    key: str
+    offsets: tuple[int, ...] | None          # None: a serialized object (megatron ShardedObject)
+    sizes: tuple[int, ...] | None
+    file: str
+    offset: int                              # byte offset in the file
+    length: int
+    sha256: str
+
+    @property
+    def region(self) -> tuple[str, tuple[int, ...] | None]:
+        """What DCP's index calls the chunk: (key, offsets)."""
+        return self.key, self.offsets
+
+
+@dataclass(frozen=True)
+class FileRecord:
+    name: str
+    size: int
+    rank: int                                # the rank that wrote it (0 for the small files)
+    sha256: str | None = None                # whole-file hash of the small files
+
+
+@dataclass
+class Manifest:
+    iteration: int
+    files: dict[str, FileRecord]
+    items: list[ItemRecord]
+    plan: dict                               # Plan.to_dict() of the plan that saved it
+    format: str = FORMAT
+    format_version: int = FORMAT_VERSION
+    extra: dict = field(default_factory=dict)
+
+    def data_files_of(self, rank: int) -> list[str]:
+        return sorted(f.name for f in self.files.values() if f.rank == rank and self.items_in(f.name))
+
+    def items_in(self, file: str) -> list[ItemRecord]:
+        return [i for i in self.items if i.file == file]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.size for f in self.files.values())
+
+    def to_json(self) -> bytes:
+        data = asdict(self)
+        data["files"] = [asdict(f) for f in self.files.values()]
+        return (json.dumps(data, indent=1, sort_keys=True) + "\n").encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes, source: str) -> "Manifest":
+        """Parse a manifest; ValueError naming ``source`` when it is not one of ours."""
+        try:
+            data = json.loads(raw)
+            if data.get("format") != FORMAT or data.get("format_version") != FORMAT_VERSION:
+                raise ValueError(f"format {data.get('format')!r} version "
+                                 f"{data.get('format_version')!r}")
+            return cls(
+                iteration=int(data["iteration"]), plan=data["plan"], extra=data.get("extra", {}),
+                files={f["name"]: FileRecord(**f) for f in data["files"]},
+                items=[ItemRecord(key=i["key"], file=i["file"], offset=i["offset"],
+                                  length=i["length"], sha256=i["sha256"],
+                                  offsets=None if i["offsets"] is None else tuple(i["offsets"]),
+                                  sizes=None if i["sizes"] is None else tuple(i["sizes"]))
+                       for i in data["items"]])
+        except (ValueError, KeyError, TypeError) as err:
+            raise ValueError(f"{source}: not a readable {FORMAT} manifest ({err})") from err
+
+
+# ---- atomic file operations ------------------------------------------------------------------
+
+def fsync_dir(path: str | Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: str | Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` so that a crash leaves the old content or the new, never half."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def fsync_tree(path: str | Path) -> None:
+    """fsync every file of a directory and the directory (before a rename commits it)."""
+    for entry in Path(path).iterdir():
+        if entry.is_file():
+            with open(entry, "rb") as f:
+                os.fsync(f.fileno())
+    fsync_dir(path)
+
+
+def partial_dir(root: str | Path, iteration: int) -> Path:
+    return Path(root) / (step_dir_name(iteration) + PARTIAL_SUFFIX)
+
+
+def commit_step_dir(root: str | Path, iteration: int) -> Path:
+    """Rename the finished ``iter_N.partial`` to ``iter_N`` (replacing an older copy) and point
+    Megatron's ``latest_checkpointed_iteration.txt`` at it."""
+    root = Path(root)
+    final = root / step_dir_name(iteration)
+    staged = partial_dir(root, iteration)
+    fsync_tree(staged)
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(staged, final)
+    fsync_dir(root)
+    write_atomic(root / LATEST_FILE, str(iteration).encode())
+    return final
+
+
+def read_manifest(step_dir: str | Path) -> Manifest | None:
+    """The step's manifest, or None when the step is not committed (no manifest yet)."""
+    path = Path(step_dir) / MANIFEST_FILE
+    if not path.is_file():
+        return None
+    return Manifest.from_json(path.read_bytes(), str(path))
+
+
+def committed_steps(root: str | Path) -> list[int]:
+    """Iterations with a committed step directory under ``root`` (a manifest), oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    steps = []
+    for entry in root.iterdir():
+        iteration = parse_step_dir_name(entry.name)
+        if iteration is not None and (entry / MANIFEST_FILE).is_file():
+            steps.append(iteration)
+    return sorted(steps)
+
+
+def remove_old_steps(root: str | Path, keep: int) -> list[int]:
+    """Keep the newest ``keep`` committed steps; also drop partial directories older than the
+    newest committed step (left by a save that died). Returns the iterations removed."""
+    root = Path(root)
+    steps = committed_steps(root)
+    removed = steps[:-keep] if keep > 0 else []
+    for iteration in removed:
+        shutil.rmtree(root / step_dir_name(iteration), ignore_errors=True)
+    newest = steps[-1] if steps else None
+    for entry in root.iterdir() if root.is_dir() else ():
+        if entry.name.endswith(PARTIAL_SUFFIX):
+            iteration = parse_step_dir_name(entry.name[:-len(PARTIAL_SUFFIX)])
+            if iteration is not None and newest is not None and iteration < newest:
+                shutil.rmtree(entry, ignore_errors=True)
+    return removed

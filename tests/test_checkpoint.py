@@ -1,0 +1,210 @@
+"""Checkpoints load into any plan, exactly; a corrupt or incomplete one is never loaded.
+
+The proof: train ``HALF`` iterations on plan A and save (``train_iterations`` with the
+``Checkpointer``, the loop ``autohet train`` runs), then resume on plan B for the rest; every
+iteration's loss and grad norm must equal an uninterrupted run of A (bit-identical when B is A,
+relative 1e-6 otherwise: another layout sums in another order). The learning-rate schedule, the
+Adam moments and step, and the data position all have to come back for that to hold.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from megatron_autohet.checkpoint.manifest import MANIFEST_FILE, read_manifest, step_dir_name
+from megatron_autohet.checkpoint.options import CheckpointOptions
+from megatron_autohet.plan import load_plan, plan_from_dict
+from megatron_autohet.runtime.optimizer import OptimizerSettings
+from dist_utils import RankFailed, run_on_ranks
+from test_equivalence import global_batches
+
+PLANS = Path(__file__).resolve().parents[1] / "configs" / "plans"
+TOTAL, HALF, SEED = 8, 4, 1234
+OPTIMIZER = OptimizerSettings(lr=3e-3, min_lr=3e-4, weight_decay=0.1, clip_grad=1.0,
+                              lr_warmup_iters=1, lr_decay_style="cosine")
+REL = 1e-6
+
+
+def plan(name: str):
+    return load_plan(PLANS / f"{name}.yaml")
+
+
+def one_node_lost():
+    """tiny-two-pipelines without its H20 node: one pipeline [TP2 on a100 | TP1 on h800]."""
+    data = plan("tiny-two-pipelines").to_dict()
+    data["ranks"] = data["ranks"][:3]
+    data["pipelines"] = [dict(data["pipelines"][0], num_microbatches=4)]
+    return plan_from_dict(data, "<one node lost>")
+
+
+class Batches:
+    def __init__(self, batches):
+        self.batches = batches
+
+    def batch(self, iteration):
+        return self.batches[iteration]
+
+
+def _train(rank, world, the_plan, batches, options, exit_interval=None):
+    """One job: resume per ``options``, train to TOTAL (or the exit interval); the metrics."""
+    from megatron_autohet.checkpoint.checkpointer import Checkpointer
+    from megatron_autohet.runtime.optimizer import make_lr_scheduler
+    from megatron_autohet.runtime.trainer import HeteroTrainer, train_iterations
+
+    trainer = HeteroTrainer(the_plan, the_plan.model, rank=rank, seed=SEED, optimizer=OPTIMIZER)
+    scheduler = make_lr_scheduler(trainer.optimizer, OPTIMIZER, TOTAL)
+    checkpointer = Checkpointer(options, trainer, scheduler, seed=SEED, train_args={})
+    metrics = []
+    original = trainer.train_step
+
+    def recording_step(batch):
+        step = original(batch)
+        metrics.append((step.loss, step.grad_norm, trainer.optimizer.param_groups[0]["lr"]))
+        return step
+
+    trainer.train_step = recording_step
+    train_iterations(trainer, Batches(batches), scheduler, train_iters=TOTAL,
+                     scheduler_increment=1, log=False, checkpointer=checkpointer,
+                     exit_interval=exit_interval)
+    return metrics
+
+
+def rel(a, b):
+    return abs(a - b) / abs(b)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_and_saved(tmp_path_factory):
+    """An uninterrupted TOTAL-iteration run of tiny-two-pipelines (A), and A stopped after HALF
+    iterations with its checkpoint (shared directory)."""
+    a = plan("tiny-two-pipelines")
+    batches = global_batches(a, TOTAL)
+    full = run_on_ranks(a.world_size, _train, a, batches, CheckpointOptions())[0]
+    save = tmp_path_factory.mktemp("ckpt")
+    first = run_on_ranks(a.world_size, _train, a, batches,
+                         CheckpointOptions(save=str(save), save_interval=HALF),
+                         exit_interval=HALF)[0]
+    assert first == full[:HALF]
+    return full, batches, save
+
+
+RESUME_PLANS = {
+    "same plan": lambda: plan("tiny-two-pipelines"),
+    "other layer split and TP": lambda: plan("tiny-homogeneous"),
+    "one node lost": one_node_lost,
+    "node added, TP2 -> TP1 -> TP2": lambda: plan("tiny-tp-change"),
+}
+
+
+@pytest.mark.parametrize("scenario", list(RESUME_PLANS))
+def test_resume_on_another_plan_equals_uninterrupted(scenario, uninterrupted_and_saved,
+                                                     tmp_path, record_property):
+    full, batches, saved = uninterrupted_and_saved
+    load = tmp_path / "ckpt"
+    shutil.copytree(saved, load)
+    b = RESUME_PLANS[scenario]()
+    rest = run_on_ranks(b.world_size, _train, b, batches,
+                        CheckpointOptions(load=str(load)))[0]
+    assert len(rest) == TOTAL - HALF
+    resumed = full[:HALF] + rest
+    if scenario == "same plan":
+        assert resumed == full                       # bit-identical
+    diffs = [max(rel(x[0], y[0]), rel(x[1], y[1])) for x, y in zip(resumed, full)]
+    assert [x[2] for x in resumed] == [y[2] for y in full]      # learning rates
+    assert max(diffs) <= REL, diffs
+    record_property("max_rel_diff", max(diffs))
+    print(f"{scenario}: max relative difference {max(diffs):.2e}")
+
+
+def test_llama_style_model_resumes_from_asymmetric_to_homogeneous(tmp_path):
+    """SwiGLU (megatron saves fc1 through a sharded-tensor factory), GQA, rope, untied output."""
+    def llama(p):
+        p.model = replace(p.model, name="llama-tiny", num_query_groups=2, gated_linear_unit=True,
+                          position_embedding_type="rope", tie_embeddings=False)
+        return p.validate()
+
+    a, b = llama(plan("tiny-two-pipelines")), llama(plan("tiny-homogeneous"))
+    batches = global_batches(a, TOTAL)
+    full = run_on_ranks(a.world_size, _train, a, batches, CheckpointOptions())[0]
+    run_on_ranks(a.world_size, _train, a, batches,
+                 CheckpointOptions(save=str(tmp_path), save_interval=HALF), exit_interval=HALF)
+    rest = run_on_ranks(b.world_size, _train, b, batches, CheckpointOptions(load=str(tmp_path)))[0]
+    diffs = [max(rel(x[0], y[0]), rel(x[1], y[1])) for x, y in zip(full[:HALF] + rest, full)]
+    assert max(diffs) <= REL, diffs
+
+
+# ---- nothing corrupt or partial is loaded ----------------------------------------------------
+
+def _corrupt_copy(saved: Path, tmp_path: Path) -> tuple[Path, Path]:
+    load = tmp_path / "ckpt"
+    shutil.copytree(saved, load)
+    return load, load / step_dir_name(HALF)
+
+
+def _largest_item(step: Path):
+    manifest = read_manifest(step)
+    return max(manifest.items, key=lambda i: i.length)
+
+
+def test_flipped_bit_is_reported_with_its_path_and_never_loaded(uninterrupted_and_saved,
+                                                                tmp_path):
+    _, batches, saved = uninterrupted_and_saved
+    load, step = _corrupt_copy(saved, tmp_path)
+    item = _largest_item(step)
+    path = step / item.file
+    raw = bytearray(path.read_bytes())
+    raw[item.offset + item.length // 2] ^= 0x10
+    path.write_bytes(bytes(raw))
+    a = plan("tiny-two-pipelines")
+    with pytest.raises(RankFailed) as failed:
+        run_on_ranks(a.world_size, _train, a, batches, CheckpointOptions(load=str(load)))
+    assert f"CorruptCheckpoint: {path}: bytes {item.offset}-{item.offset + item.length} " \
+           f"({item.key}) do not match their SHA-256 in the manifest" in str(failed.value)
+
+
+def test_truncated_file_is_reported(uninterrupted_and_saved, tmp_path):
+    _, batches, saved = uninterrupted_and_saved
+    load, step = _corrupt_copy(saved, tmp_path)
+    item = _largest_item(step)
+    path = step / item.file
+    path.write_bytes(path.read_bytes()[:item.offset + 10])
+    a = plan("tiny-two-pipelines")
+    with pytest.raises(RankFailed) as failed:
+        run_on_ranks(a.world_size, _train, a, batches, CheckpointOptions(load=str(load)))
+    assert f"CorruptCheckpoint: {path}: bytes {item.offset}-" in str(failed.value)
+
+
+def test_step_without_manifest_is_not_loaded(uninterrupted_and_saved, tmp_path):
+    """A save that died before its manifest: the step does not exist for a reader (here the
+    only step, so training starts from scratch, as Megatron does without a checkpoint)."""
+    full, batches, saved = uninterrupted_and_saved
+    load, step = _corrupt_copy(saved, tmp_path)
+    (step / MANIFEST_FILE).unlink()
+    a = plan("tiny-two-pipelines")
+    again = run_on_ranks(a.world_size, _train, a, batches, CheckpointOptions(load=str(load)))[0]
+    assert again == full
+
+
+def test_manifest_lists_every_chunk_once_with_its_checksum(uninterrupted_and_saved):
+    _, _, saved = uninterrupted_and_saved
+    step = saved / step_dir_name(HALF)
+    manifest = read_manifest(step)
+    assert manifest.iteration == HALF
+    assert manifest.plan == plan("tiny-two-pipelines").to_dict()
+    regions = [item.region for item in manifest.items]
+    assert len(regions) == len(set(regions))          # one main copy per chunk
+    on_disk = {p.name: p.stat().st_size for p in step.iterdir() if p.name != MANIFEST_FILE}
+    assert {name: f.size for name, f in manifest.files.items()} == on_disk
+    for name in manifest.files:                       # data files are exactly their items
+        items = manifest.items_in(name)
+        if items:
+            assert sum(i.length for i in items) == on_disk[name]
+    keys = {item.key for item in manifest.items}
+    assert "optimizer.state.exp_avg.decoder.layers.self_attention.linear_qkv.weight" in keys
+    assert (saved / "latest_checkpointed_iteration.txt").read_text() == str(HALF)
+    assert json.loads((step / "metadata.json").read_text())["sharded_backend"] == "torch_dist"
