@@ -1,28 +1,48 @@
 """The checkpoint hook of a training job: resume at start, save every ``--save-interval``.
 
 ``Checkpointer(options, trainer, scheduler, *, seed, train_args)`` is built on every rank after
-the trainer; ``resume()`` returns where training starts (iteration 0 without a checkpoint) and
-``after_iteration(iteration)`` saves when the interval says so; ``finish(iteration)`` saves the
-last iteration if it was not just saved (Megatron-LM does the same at the end of training).
+the trainer (it creates the job's checkpoint process group, so every rank must build it);
+``resume()`` returns where training starts (iteration 0 without a checkpoint),
+``after_iteration(iteration)`` saves when the interval says so and ``finish(iteration)`` saves
+the last iteration if it was not just saved (Megatron-LM does the same at the end of training)
+and waits for the background work.
 
-Finding the step to resume (``resume``): every rank lists the committed steps (a manifest) it can
-read - its own local-tier directory and ``--load`` - and the ranks agree on the newest step that
-every rank can read (an all-gather), so all ranks load the same step or none does.
+A save:
+
+1. Snapshot: this rank's model weights, Adam moments and RNG states copied to host memory
+   (``clone`` on a CPU; device-to-host on a GPU), with the common state. This is the only part
+   training waits for with ``--async-save``.
+2. Write (checkpoint/writer.py) and commit the step in the local tier, keep the newest
+   ``--autohet-keep-ckpts``, then upload it to S3 (checkpoint/upload.py) when configured.
+   With ``--async-save`` this runs in a background thread on a process group of its own
+   (gloo), so its collectives never interleave with training's; the next save first waits for
+   the previous one (on every rank alike).
+
+A save that fails - a full disk, S3 unreachable - is reported on every rank as a WARNING and
+training goes on; the next interval tries again with a new step. Nothing partial is committed
+(checkpoint/manifest.py), so a failed save costs the progress since the last good one, never a
+corrupt resume.
 """
 
 from __future__ import annotations
 
+import threading
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import torch.distributed as dist
 
-from megatron_autohet.checkpoint.manifest import (committed_steps, read_manifest,
-                                                  remove_old_steps, step_dir_name)
+from megatron_autohet.checkpoint.manifest import remove_old_steps, step_dir_name
 from megatron_autohet.checkpoint.options import CheckpointOptions
 from megatron_autohet.checkpoint.state import (RNG_KEY, TrainingProgress, common_state,
-                                               rank_sharded_state_dict, rng_sharded_object)
+                                               rank_sharded_state_dict, rng_sharded_object,
+                                               snapshot)
 from megatron_autohet.checkpoint.writer import StepDirs, write_step
+
+# Collectives of a save wait at most this long for a peer (a dead peer fails the save instead of
+# hanging the background writer forever).
+CHECKPOINT_GROUP_TIMEOUT = timedelta(minutes=10)
 
 
 def _log(message: str) -> None:
@@ -41,7 +61,17 @@ class Checkpointer:
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self.dirs = self._save_dirs()
+        self.group = dist.new_group(backend="gloo", timeout=CHECKPOINT_GROUP_TIMEOUT)
+        self.s3 = None
+        if options.s3_uri is not None:
+            from megatron_autohet.checkpoint.s3_store import S3Store
+            self.s3 = S3Store(options.s3_uri, endpoint_url=options.s3_endpoint_url)
         self.last_saved: int | None = None
+        self.last_report = None                 # RecoveryReport of resume(), if it loaded
+        self.last_snapshot_s: float | None = None
+        self.failed_saves: list[int] = []
+        self.failed_uploads: list[int] = []
+        self._writer: threading.Thread | None = None
 
     def _save_dirs(self) -> StepDirs | None:
         if self.options.local_dir is not None:
@@ -55,36 +85,32 @@ class Checkpointer:
         if self.dirs is not None:
             roots.append(self.dirs.root(self.rank))
         if self.options.load is not None:
-            roots.append(Path(self.options.load))
+            roots.append(StepDirs.per_node(self.options.load, self.plan).root(self.rank))
         return list(dict.fromkeys(roots))
+
+    def _log0(self, message: str) -> None:
+        if self.rank == 0:
+            _log(message)
 
     # ---- resume ---------------------------------------------------------------------------
 
     def resume(self) -> TrainingProgress:
-        from megatron_autohet.checkpoint.loader import load_step
+        """Load the newest complete step (checkpoint/recovery.py), or start at iteration 0."""
+        from megatron_autohet.checkpoint.recovery import recover
 
         start = TrainingProgress(iteration=0, consumed_train_samples=0)
         if self.options.load is None:
             return start
-        roots = self._readable_roots()
-        mine = {it: root for root in reversed(roots) for it in committed_steps(root)}
-        everyone: list = [None] * self.world_size
-        dist.all_gather_object(everyone, sorted(mine))
-        common = set.intersection(*(set(steps) for steps in everyone))
-        if not common:
-            if self.rank == 0:
-                _log(f"WARNING: no complete checkpoint in {self.options.load}; "
-                     "training from scratch")
+        result = recover(self.trainer, self.scheduler, roots=self._readable_roots(),
+                         s3=self.s3, group=self.group, log=self._log0)
+        if result is None:
+            self._log0(f"WARNING: no complete checkpoint in {self.options.load}"
+                       + (f" or {self.options.s3_uri}" if self.s3 else "")
+                       + "; training from scratch")
             return start
-        iteration = max(common)
-        step_dir = mine[iteration] / step_dir_name(iteration)
-        manifest = read_manifest(step_dir)
-        if self.rank == 0:
-            _log(f"loading checkpoint from {mine[iteration]} at iteration {iteration}")
-        progress = load_step(self.trainer, self.scheduler, step_dir, manifest, self.world_size)
-        if self.rank == 0:
-            _log(f"successfully loaded checkpoint from {mine[iteration]} at iteration "
-                 f"{iteration} (saved by a {len(manifest.plan['ranks'])}-rank plan)")
+        progress, report = result
+        self.last_report = report
+        self._log0(f"successfully loaded checkpoint: {report.line()}")
         self.last_saved = progress.iteration
         return progress
 
@@ -98,24 +124,66 @@ class Checkpointer:
     def finish(self, iteration: int) -> None:
         if self.dirs is not None and iteration > 0 and self.last_saved != iteration:
             self.save(iteration)
+        self.wait()
+
+    def wait(self) -> None:
+        """Block until the background save (if any) is done."""
+        if self._writer is not None:
+            self._writer.join()
+            self._writer = None
 
     def save(self, iteration: int) -> None:
-        progress = TrainingProgress(iteration=iteration,
-                                    consumed_train_samples=iteration
+        self.wait()
+        start = time.perf_counter()
+        progress = TrainingProgress(iteration=iteration, consumed_train_samples=iteration
                                     * self.plan.global_batch_size)
         state_dict = rank_sharded_state_dict(self.trainer)
         state_dict[RNG_KEY] = rng_sharded_object(self.trainer, self.world_size)
+        state_dict = snapshot(state_dict)
         common = common_state(self.trainer, self.scheduler, progress, seed=self.seed,
                               train_args=self.train_args)
-        root = self.dirs.root(self.rank)
-        if self.rank == 0:
-            _log(f"saving checkpoint at iteration {iteration:7d} to {root} in torch_dist format")
-        start = time.perf_counter()
-        manifest = write_step(state_dict, common, iteration=iteration, plan=self.plan,
-                              rank=self.rank, dirs=self.dirs)
-        if self.dirs.is_leader(self.rank):
-            remove_old_steps(root, self.options.keep)
         self.last_saved = iteration
-        if self.rank == 0:
-            _log(f"successfully saved checkpoint from iteration {iteration:7d} to {root} "
-                 f"({manifest.total_bytes / 2**20:.1f} MiB, {time.perf_counter() - start:.2f} s)")
+        self.last_snapshot_s = time.perf_counter() - start
+        self._log0(f"saving checkpoint at iteration {iteration:7d} to "
+                   f"{self.dirs.root(self.rank)} in torch_dist format"
+                   + (" (in the background)" if self.options.async_save else ""))
+        if self.options.async_save:
+            self._writer = threading.Thread(target=self._write, args=(state_dict, common,
+                                                                      iteration, start),
+                                            name=f"autohet-checkpoint-{iteration}", daemon=True)
+            self._writer.start()
+        else:
+            self._write(state_dict, common, iteration, start)
+
+    def _write(self, state_dict: dict, common: dict, iteration: int, start: float) -> None:
+        from megatron_autohet.checkpoint.upload import upload_step
+        from megatron_autohet.checkpoint.writer import SaveFailed
+        from megatron_autohet.runtime.cpu_mode import cpu_mode_thread
+
+        root = self.dirs.root(self.rank)
+        with cpu_mode_thread():
+            try:
+                manifest = write_step(state_dict, common, iteration=iteration, plan=self.plan,
+                                      rank=self.rank, dirs=self.dirs, group=self.group)
+                if self.dirs.is_leader(self.rank):
+                    remove_old_steps(root, self.options.keep)
+                self._log0(f"successfully saved checkpoint from iteration {iteration:7d} to "
+                           f"{root} ({manifest.total_bytes / 2**20:.1f} MiB, "
+                           f"{time.perf_counter() - start:.2f} s)")
+            except SaveFailed as err:
+                self.failed_saves.append(iteration)
+                self._log0(f"WARNING: checkpoint of iteration {iteration} failed, training "
+                           f"goes on and the next interval saves again: {err}")
+                return
+            if self.s3 is None:
+                return
+            t = time.perf_counter()
+            try:
+                if upload_step(self.s3, manifest, root / step_dir_name(iteration),
+                               rank=self.rank, keep=self.options.keep, group=self.group):
+                    self._log0(f"uploaded iteration {iteration} to {self.s3.location.uri()} "
+                               f"({time.perf_counter() - t:.2f} s)")
+            except SaveFailed as err:
+                self.failed_uploads.append(iteration)
+                self._log0(f"WARNING: upload of iteration {iteration} failed (the local "
+                           f"checkpoint is complete; the next save uploads again): {err}")

@@ -18,13 +18,12 @@
 from __future__ import annotations
 
 import warnings
-from collections import defaultdict
 from pathlib import Path
 
-from megatron_autohet.checkpoint.manifest import ItemRecord, Manifest, sha256_bytes
-from megatron_autohet.checkpoint.recovery_plan import Wanted, needed_items
-from megatron_autohet.checkpoint.state import (RNG_KEY, TrainingProgress, apply_loaded,
-                                               rank_sharded_state_dict, rng_sharded_object)
+from megatron_autohet.checkpoint.inspect import check_local_items
+from megatron_autohet.checkpoint.manifest import ItemRecord, sha256_bytes
+from megatron_autohet.checkpoint.recovery_plan import Wanted
+from megatron_autohet.checkpoint.state import TrainingProgress, apply_loaded
 
 
 class CorruptCheckpoint(RuntimeError):
@@ -49,45 +48,29 @@ def wanted_regions(sharded_state_dict: dict) -> list[Wanted]:
 
 
 def verify_items(step_dir: Path, items: list[ItemRecord]) -> int:
-    """Check every item's bytes in ``step_dir`` against its SHA-256; returns the bytes read."""
-    by_file: dict[str, list[ItemRecord]] = defaultdict(list)
-    for item in items:
-        by_file[item.file].append(item)
-    total = 0
-    for name, file_items in sorted(by_file.items()):
-        path = step_dir / name
-        if not path.is_file():
-            raise CorruptCheckpoint(f"{path}: missing (the manifest lists it)")
-        with open(path, "rb") as f:
-            for item in sorted(file_items, key=lambda i: i.offset):
-                f.seek(item.offset)
-                raw = f.read(item.length)
-                total += len(raw)
-                if len(raw) != item.length or sha256_bytes(raw) != item.sha256:
-                    raise CorruptCheckpoint(
-                        f"{path}: bytes {item.offset}-{item.offset + item.length} ({item.key}) "
-                        f"do not match their SHA-256 in the manifest (truncated or corrupt file)")
+    """Check every item's bytes in ``step_dir`` against its SHA-256 (inspect.check_local_items,
+    the check `autohet checkpoint verify` runs); returns the bytes read."""
+    problems, total = check_local_items(step_dir, items)
+    if problems and problems[0].item is None:
+        raise CorruptCheckpoint(f"{problems[0].file}: missing (the manifest lists it)")
+    if problems:
+        item = problems[0].item
+        raise CorruptCheckpoint(
+            f"{problems[0].file}: bytes {item.offset}-{item.offset + item.length} ({item.key}) "
+            f"do not match their SHA-256 in the manifest (truncated or corrupt file)")
     return total
 
 
-def load_step(trainer, scheduler, step_dir: str | Path, manifest: Manifest,
-              world_size: int) -> TrainingProgress:
+def load_staged(trainer, scheduler, state_dict: dict, step_dir: str | Path) -> TrainingProgress:
+    """megatron-core's ``dist_checkpointing.load`` of ``state_dict`` (this rank's
+    :func:`~megatron_autohet.checkpoint.state.rank_sharded_state_dict` for loading) from a
+    directory whose chunks were verified, then copy it into the live model, optimizer and
+    scheduler."""
     from megatron.core import dist_checkpointing
 
-    step_dir = Path(step_dir)
-    state_dict = rank_sharded_state_dict(trainer, for_load=True)
-    if manifest.plan == trainer.plan.to_dict():
-        state_dict[RNG_KEY] = rng_sharded_object(trainer, world_size)
-    verify_items(step_dir, needed_items(manifest.items, wanted_regions(state_dict)))
-    for name in ("common.pt", ".metadata", "metadata.json"):
-        record = manifest.files[name]
-        if sha256_bytes((step_dir / name).read_bytes()) != record.sha256:
-            raise CorruptCheckpoint(f"{step_dir / name}: does not match its SHA-256 in the "
-                                    "manifest")
     with warnings.catch_warnings():
         # megatron-core 0.16.1 calls DCP's load_state_dict, which torch deprecates (same reader)
-        warnings.filterwarnings("ignore", category=FutureWarning,
-                                module="megatron.core.dist_checkpointing")
+        warnings.filterwarnings("ignore", category=FutureWarning)
         loaded = dist_checkpointing.load(state_dict, str(step_dir),
                                          validate_access_integrity=False)
     return apply_loaded(trainer, scheduler, loaded)

@@ -15,6 +15,9 @@ What the manifest records
   (file, byte offset, length) with their SHA-256. Recovery plans from these alone (which chunk a
   new layout needs, who holds it) without unpickling DCP's ``.metadata``; a chunk is the unit
   that is verified, fetched from a peer or read from S3 with a ranged GET.
+* ``replicas``: the same chunks again, byte for byte, in ``replica_<rank>.distcp`` files that
+  ranks holding a non-main copy wrote on other nodes' disks (at most one copy per node): after a
+  node is lost, a survivor's replica saves the download.
 * ``iteration``, the plan and the model it was saved under (``autohet checkpoint ls`` shows them).
 
 Atomic writes: :func:`write_atomic` writes a temporary name in the target directory, fsyncs it,
@@ -85,6 +88,7 @@ class FileRecord:
     name: str
     size: int
     rank: int                                # the rank that wrote it (0 for the small files)
+    node: str                                # the plan's node of that rank (whose disk has it)
     sha256: str | None = None                # whole-file hash of the small files
 
 
@@ -92,17 +96,15 @@ class FileRecord:
 class Manifest:
     iteration: int
     files: dict[str, FileRecord]
-    items: list[ItemRecord]
+    items: list[ItemRecord]                  # the main copy of every chunk (DCP's index)
     plan: dict                               # Plan.to_dict() of the plan that saved it
+    replicas: list[ItemRecord] = field(default_factory=list)   # same bytes in other nodes' files
     format: str = FORMAT
     format_version: int = FORMAT_VERSION
     extra: dict = field(default_factory=dict)
 
-    def data_files_of(self, rank: int) -> list[str]:
-        return sorted(f.name for f in self.files.values() if f.rank == rank and self.items_in(f.name))
-
     def items_in(self, file: str) -> list[ItemRecord]:
-        return [i for i in self.items if i.file == file]
+        return [i for i in self.items + self.replicas if i.file == file]
 
     @property
     def total_bytes(self) -> int:
@@ -124,13 +126,17 @@ class Manifest:
             return cls(
                 iteration=int(data["iteration"]), plan=data["plan"], extra=data.get("extra", {}),
                 files={f["name"]: FileRecord(**f) for f in data["files"]},
-                items=[ItemRecord(key=i["key"], file=i["file"], offset=i["offset"],
-                                  length=i["length"], sha256=i["sha256"],
-                                  offsets=None if i["offsets"] is None else tuple(i["offsets"]),
-                                  sizes=None if i["sizes"] is None else tuple(i["sizes"]))
-                       for i in data["items"]])
+                items=[_item(i) for i in data["items"]],
+                replicas=[_item(i) for i in data["replicas"]])
         except (ValueError, KeyError, TypeError) as err:
             raise ValueError(f"{source}: not a readable {FORMAT} manifest ({err})") from err
+
+
+def _item(data: dict) -> ItemRecord:
+    return ItemRecord(key=data["key"], file=data["file"], offset=data["offset"],
+                      length=data["length"], sha256=data["sha256"],
+                      offsets=None if data["offsets"] is None else tuple(data["offsets"]),
+                      sizes=None if data["sizes"] is None else tuple(data["sizes"]))
 
 
 # ---- atomic file operations ------------------------------------------------------------------

@@ -9,12 +9,19 @@ Megatron-LM's names where Megatron has the concept, ``--autohet-*`` for what it 
 ``--autohet-local-ckpt-dir DIR``  node-local tier: each node writes the state its ranks hold under
                                   its own ``DIR`` (a local disk; ``{node}`` in the path is replaced
                                   by the plan's node name, so emulated nodes on one machine keep
-                                  separate directories). When given, steps are written here and
-                                  ``--save`` is not written directly.
+                                  separate directories), including copies of chunks whose main
+                                  copy is on another node. Instead of ``--save``, not with it.
 ``--save-interval N``             save every N iterations (and at the end of training).
-``--load DIR``                    resume from the newest complete step found in ``DIR`` and the
-                                  local tier; nothing there: start from scratch, as Megatron does.
-``--autohet-keep-ckpts K``        committed steps kept per directory (default 2).
+``--load DIR``                    resume from the newest complete step found in ``DIR`` (``{node}``
+                                  expanded as above), the local tier and the S3 tier; none
+                                  anywhere: start from scratch, as Megatron does.
+``--autohet-keep-ckpts K``        committed steps kept per directory and in S3 (default 2).
+``--async-save``                  Megatron's: training stalls only to copy the state to host
+                                  memory; files are written (and uploaded) in the background.
+``--autohet-s3-uri s3://B/P``     S3 tier: every step is uploaded in the background (one copy of
+                                  each chunk), and recovery reads from it what no disk holds.
+``--autohet-s3-endpoint-url URL`` an S3-compatible endpoint (MinIO, Ceph, a test server);
+                                  credentials come from boto3's standard chain, never flags.
 """
 
 from __future__ import annotations
@@ -33,6 +40,9 @@ class CheckpointOptions:
     load: str | None = None
     local_dir: str | None = None
     keep: int = DEFAULT_KEEP
+    async_save: bool = False
+    s3_uri: str | None = None
+    s3_endpoint_url: str | None = None
 
     @property
     def saving(self) -> bool:
@@ -44,7 +54,7 @@ class CheckpointOptions:
                               "a number of iterations > 0")
         if self.save_interval is not None and not self.saving:
             raise ConfigError(source, "--save-interval", "given without a place to save",
-                              "--save DIR and/or --autohet-local-ckpt-dir DIR")
+                              "--save DIR or --autohet-local-ckpt-dir DIR")
         if self.saving and self.save_interval is None:
             raise ConfigError(source, "--save-interval", "missing",
                               "how often to save (iterations) when --save or "
@@ -52,4 +62,22 @@ class CheckpointOptions:
         if self.keep < 1:
             raise ConfigError(source, "--autohet-keep-ckpts", f"got {self.keep}",
                               "a number of committed steps >= 1")
+        if self.save is not None and self.local_dir is not None:
+            raise ConfigError(source, "--save", "given with --autohet-local-ckpt-dir",
+                              "one place that every rank writes: --save DIR (shared) or "
+                              "--autohet-local-ckpt-dir DIR (node-local; add --autohet-s3-uri "
+                              "for a durable copy)")
+        if self.async_save and not self.saving:
+            raise ConfigError(source, "--async-save", "given without a place to save",
+                              "--save DIR or --autohet-local-ckpt-dir DIR")
+        if self.s3_uri is not None:
+            from megatron_autohet.checkpoint.s3_store import parse_s3_uri
+            parse_s3_uri(self.s3_uri)
+            if not self.saving and self.load is None:
+                raise ConfigError(source, "--autohet-s3-uri", "given without saving or loading",
+                                  "with --save/--autohet-local-ckpt-dir (upload) and/or --load "
+                                  "(recovery)")
+        if self.s3_endpoint_url is not None and self.s3_uri is None:
+            raise ConfigError(source, "--autohet-s3-endpoint-url", "given without --autohet-s3-uri",
+                              "an endpoint for the S3 tier named by --autohet-s3-uri")
         return self

@@ -36,3 +36,80 @@ def needed_items(items: list[ItemRecord], wanted: list[Wanted]) -> list[ItemReco
         by_key.setdefault(want.key, []).append(want)
     return [item for item in items
             if any(_overlaps(item, want) for want in by_key.get(item.key, ()))]
+
+
+# ---- where each needed chunk comes from --------------------------------------------------------
+
+OWN, PEER, S3 = "own", "peer", "s3"
+
+
+@dataclass(frozen=True)
+class Fetch:
+    """How rank ``rank`` gets main chunk ``index`` (of ``manifest.items``): read ``copy`` (a
+    record of the main file or of a replica file) from its own disk, receive it from ``peer``
+    (who reads ``copy`` from its disk), or download it from S3 (``copy`` is then the main record;
+    with ``peer`` set, ``peer`` downloads it once for its node and sends it on)."""
+
+    rank: int
+    index: int
+    source: str                       # OWN, PEER or S3
+    copy: ItemRecord
+    peer: int | None = None
+
+
+class ChunkUnavailable(RuntimeError):
+    """A needed chunk is on no surviving disk and there is no S3 copy."""
+
+
+def copies_of(items: list[ItemRecord], replicas: list[ItemRecord]) -> list[list[ItemRecord]]:
+    """For each main chunk, the records that hold its bytes: the main record first, then the
+    replicas (usable in its place only with the same byte length: DCP reads ``length`` bytes at
+    the main record's offset)."""
+    by_region = {item.region: [item] for item in items}
+    for replica in replicas:
+        main = by_region.get(replica.region)
+        if main is not None and replica.length == main[0].length:
+            main.append(replica)
+    return [by_region[item.region] for item in items]
+
+
+def assign_sources(items: list[ItemRecord], replicas: list[ItemRecord],
+                   needed: dict[int, list[int]], present: dict[int, set[str]],
+                   s3_available: bool) -> list[Fetch]:
+    """Every rank's fetches, computed identically on every rank.
+
+    ``needed``: rank -> indices of the main chunks it needs; ``present``: rank -> the files of
+    the step its own disk holds (verified sizes). Rules, cheapest first: a copy on the rank's own
+    disk; else a peer holding a copy, the one with the fewest bytes assigned so far (spreading the
+    sends); else S3, downloaded ONCE per chunk by the lowest rank needing it, which then serves
+    the others like a peer - so S3 serves exactly the chunks no surviving disk holds.
+    """
+    copies = copies_of(items, replicas)
+    holders: dict[int, list[tuple[int, ItemRecord]]] = {}
+    for index in sorted({i for wanted in needed.values() for i in wanted}):
+        holders[index] = [(rank, copy) for rank in sorted(present)
+                          for copy in copies[index] if copy.file in present[rank]]
+    sent: dict[int, int] = {}
+    downloader: dict[int, int] = {}
+    fetches = []
+    for rank in sorted(needed):
+        for index in needed[rank]:
+            own = [copy for holder, copy in holders[index] if holder == rank]
+            if own:
+                fetches.append(Fetch(rank, index, OWN, own[0]))
+                continue
+            if holders[index]:
+                peer, copy = min(holders[index], key=lambda hc: (sent.get(hc[0], 0), hc[0]))
+                sent[peer] = sent.get(peer, 0) + copy.length
+                fetches.append(Fetch(rank, index, PEER, copy, peer))
+                continue
+            if not s3_available:
+                item = items[index]
+                where = "" if item.offsets is None else f" at {item.offsets}"
+                raise ChunkUnavailable(
+                    f"so chunk {item.key}{where} (file {item.file}) is on no surviving node's "
+                    "disk, and no S3 copy of the step is configured")
+            first = downloader.setdefault(index, rank)
+            fetches.append(Fetch(rank, index, S3, items[index],
+                                 None if first == rank else first))
+    return fetches

@@ -14,6 +14,9 @@ Public API
     What is the same on every rank: iteration and data position, the learning-rate schedule, the
     optimizer step and hyper-parameters, the plan and model it was saved under, the training
     arguments. Megatron writes it once, to ``common.pt``.
+``snapshot(state_dict) -> dict``
+    The same entries over host copies of their tensors: what a background save writes while
+    training changes the live tensors.
 ``rng_sharded_object(trainer, world_size) -> ShardedObject``
     This rank's RNG states (torch's and megatron's model-parallel streams), one per rank.
 ``apply_loaded(trainer, scheduler, loaded) -> TrainingProgress``
@@ -120,6 +123,17 @@ def common_state(trainer, scheduler, progress: TrainingProgress, *, seed: int,
         "optimizer_param_groups": groups,
         "autohet": {"plan": trainer.plan.to_dict(), "seed": seed, "train_args": train_args},
     }
+
+
+def snapshot(state_dict: dict) -> dict:
+    """Host copies of every tensor in a sharded state dict (in place on the entries, which
+    :func:`rank_sharded_state_dict` builds fresh for each save)."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+
+    for entry in nested_values(state_dict):
+        if isinstance(entry.data, torch.Tensor):
+            entry.data = entry.data.detach().to("cpu", copy=True)
+    return state_dict
 
 
 def rng_sharded_object(trainer, world_size: int):

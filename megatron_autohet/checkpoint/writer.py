@@ -29,6 +29,8 @@ Steps, on every rank:
 from __future__ import annotations
 
 import io
+import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -86,7 +88,8 @@ def _dcp_save(state_dict: dict, directory: Path, group) -> "object":
                     planner=MCoreSavePlanner(flatten_state_dict=False), process_group=group)
 
 
-def _own_items(metadata, directory: Path, rank: int) -> tuple[list[ItemRecord], list[FileRecord]]:
+def _own_items(metadata, directory: Path, rank: int,
+               node: str) -> tuple[list[ItemRecord], list[FileRecord]]:
     """SHA-256 of every chunk in this rank's data files (DCP names them ``__<rank>_<i>``)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -99,7 +102,7 @@ def _own_items(metadata, directory: Path, rank: int) -> tuple[list[ItemRecord], 
     files = []
     for name, entries in sorted(by_file.items()):
         raw = (directory / name).read_bytes()
-        files.append(FileRecord(name=name, size=len(raw), rank=rank))
+        files.append(FileRecord(name=name, size=len(raw), rank=rank, node=node))
         for index, info in entries:
             chunk = memoryview(raw)[info.offset:info.offset + info.length]
             sizes = None
@@ -114,48 +117,174 @@ def _own_items(metadata, directory: Path, rank: int) -> tuple[list[ItemRecord], 
     return items, files
 
 
+# ---- replicas on other nodes' disks ------------------------------------------------------------
+
+def _contains(entry, item: ItemRecord) -> bool:
+    """Whether this rank's (non-main) entry holds all of the main chunk ``item``."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    if isinstance(entry, ShardedObject):
+        return item.offsets is None and entry.unique_key == item.key
+    if item.offsets is None or entry.key != item.key:
+        return False
+    sizes = (1,) * entry.prepend_axis_num + tuple(entry.local_shape)
+    return all(have <= want and want + size <= have + extent for have, extent, want, size
+               in zip(entry.global_offset, sizes, item.offsets, item.sizes))
+
+
+def _replica_candidates(sharded: dict, items: list[ItemRecord]) -> dict[int, object]:
+    """Main chunks this rank can write a byte-identical copy of: item index -> its entry."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, is_main_replica
+
+    by_key: dict[str, list[int]] = {}
+    for index, item in enumerate(items):
+        by_key.setdefault(item.key, []).append(index)
+    candidates = {}
+    for entry in nested_values(sharded):
+        if is_main_replica(entry.replica_id):
+            continue
+        key = entry.unique_key if isinstance(entry, ShardedObject) else entry.key
+        for index in by_key.get(key, ()):
+            if index not in candidates and _contains(entry, items[index]):
+                candidates[index] = entry
+    return candidates
+
+
+def _chunk_bytes(entry, item: ItemRecord) -> bytes:
+    """The bytes DCP stores for ``item``, produced from a replica's entry: megatron's object
+    serialization, or ``torch.save`` of the chunk (what DCP's FileSystemWriter writes)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+    from megatron.core.dist_checkpointing.strategies.torch import mcore_to_pyt_state_dict
+
+    if isinstance(entry, ShardedObject):
+        return mcore_to_pyt_state_dict({item.key: [entry]}, False)[item.key].getvalue()
+    sizes = (1,) * entry.prepend_axis_num + tuple(entry.local_shape)
+    chunk = entry.data.reshape(sizes)
+    for dim, (start, size) in enumerate(zip(item.offsets, item.sizes)):
+        chunk = chunk.narrow(dim, start - entry.global_offset[dim], size)
+    buffer = io.BytesIO()
+    torch.save(chunk.contiguous().clone(), buffer)
+    return buffer.getvalue()
+
+
+def _choose_replicas(candidates_by_rank: list, main_files: dict[str, FileRecord],
+                     items: list[ItemRecord], dirs: StepDirs) -> dict[int, list[int]]:
+    """At most one copy of each main chunk per directory other than the main copy's: the lowest
+    rank there that can write it. Returns rank -> item indices to write."""
+    chosen: dict[tuple[Path, int], int] = {}
+    for rank, indices in enumerate(candidates_by_rank):
+        for index in indices:
+            directory = dirs.root(rank)
+            if directory == dirs.root(main_files[items[index].file].rank):
+                continue
+            chosen.setdefault((directory, index), rank)
+    per_rank: dict[int, list[int]] = {}
+    for (_, index), rank in sorted(chosen.items(), key=lambda kv: kv[1]):
+        per_rank.setdefault(rank, []).append(index)
+    return per_rank
+
+
+def _write_replicas(directory: Path, rank: int, node: str, entries: list[tuple[ItemRecord, object]]
+                    ) -> tuple[list[ItemRecord], list[FileRecord]]:
+    if not entries:
+        return [], []
+    name = f"replica_{rank}.distcp"
+    records = []
+    with open(directory / name, "wb") as f:
+        for item, entry in entries:
+            raw = _chunk_bytes(entry, item)
+            records.append(ItemRecord(key=item.key, offsets=item.offsets, sizes=item.sizes,
+                                      file=name, offset=f.tell(), length=len(raw),
+                                      sha256=sha256_bytes(raw)))
+            f.write(raw)
+        size = f.tell()
+        f.flush()
+        os.fsync(f.fileno())
+    return records, [FileRecord(name=name, size=size, rank=rank, node=node)]
+
+
+# ---- one step --------------------------------------------------------------------------------
+
+class SaveFailed(RuntimeError):
+    """A step could not be written; raised on every rank alike (the step is not committed)."""
+
+
+def _on_every_rank(local, group, what: str) -> list:
+    """Run ``local()`` here, gather every rank's result; if any rank raised, raise SaveFailed on
+    all of them. Each phase of a save is one of these, so a failure on one rank (a full disk)
+    cannot leave the others waiting in the next collective."""
+    try:
+        value, error = local(), None
+    except Exception as err:                      # reported on every rank, never swallowed
+        value, error = None, f"{type(err).__name__}: {err}"
+    gathered: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, (value, error), group=group)
+    errors = [f"rank {r}: {e}" for r, (_, e) in enumerate(gathered) if e]
+    if errors:
+        raise SaveFailed(f"{what} failed ({'; '.join(errors)})")
+    return [v for v, _ in gathered]
+
+
 def write_step(state_dict: dict, common: dict, *, iteration: int, plan, rank: int,
                dirs: StepDirs, group=None) -> Manifest:
-    """Write and commit step ``iteration`` (collective over ``group``; module docstring)."""
+    """Write and commit step ``iteration`` (collective over ``group``; module docstring).
+    Raises SaveFailed on every rank when any rank fails."""
     from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
     from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
 
+    node = plan.ranks[rank].node
     root = dirs.root(rank)
     staged = partial_dir(root, iteration)
-    if dirs.is_leader(rank):
-        if staged.exists():
-            import shutil
-            shutil.rmtree(staged)
-        staged.mkdir(parents=True)
-    dist.barrier(group=group)
 
+    def prepare():
+        if dirs.is_leader(rank):
+            if staged.exists():
+                shutil.rmtree(staged)
+            staged.mkdir(parents=True)
+
+    _on_every_rank(prepare, group, f"creating {staged}")
     sharded, leftover_common = save_preprocess(state_dict, validate_access_integrity=False)
-    common = {**leftover_common, **common}
-    metadata = _dcp_save(sharded, staged, group)
-    if rank == 0:
-        buffer = io.BytesIO()
-        torch.save(common, buffer)
-        (staged / "common.pt").write_bytes(buffer.getvalue())
-        save_config(CheckpointingConfig("torch_dist", 1), str(staged))
+    metadata = _dcp_save(sharded, staged, group)   # DCP raises on every rank when one fails
 
-    items, files = _own_items(metadata, staged, rank)
-    gathered: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, (items, files), group=group)
-    small = [{name: (staged / name).read_bytes() for name in SMALL_FILES} if rank == 0 else None]
-    dist.broadcast_object_list(small, src=0, group=group)
-    small_files = small[0]
+    def hash_own_files():
+        small = None
+        if rank == 0:
+            buffer = io.BytesIO()
+            torch.save({**leftover_common, **common}, buffer)
+            (staged / "common.pt").write_bytes(buffer.getvalue())
+            save_config(CheckpointingConfig("torch_dist", 1), str(staged))
+            small = {name: (staged / name).read_bytes() for name in SMALL_FILES}
+        return _own_items(metadata, staged, rank, node), small
 
-    all_items = [item for rank_items, _ in gathered for item in rank_items]
-    all_files = {f.name: f for _, rank_files in gathered for f in rank_files}
-    for name, raw in small_files.items():
-        all_files[name] = FileRecord(name=name, size=len(raw), rank=0, sha256=sha256_bytes(raw))
+    # Main chunks: hashed by their writers and gathered, so every rank knows the manifest and
+    # plans the replicas the same way.
+    gathered = _on_every_rank(hash_own_files, group, f"writing iteration {iteration}")
+    small = gathered[0][1]
+    all_items = [item for (items, _), _ in gathered for item in items]
+    all_files = {f.name: f for (_, files), _ in gathered for f in files}
+    for name, raw in small.items():
+        all_files[name] = FileRecord(name=name, size=len(raw), rank=0, node=plan.ranks[0].node,
+                                     sha256=sha256_bytes(raw))
+
+    candidates = _replica_candidates(sharded, all_items)
+    everyone = _on_every_rank(lambda: sorted(candidates), group, "planning replicas")
+    mine = _choose_replicas(everyone, all_files, all_items, dirs).get(rank, [])
+    written = _on_every_rank(
+        lambda: _write_replicas(staged, rank, node, [(all_items[i], candidates[i]) for i in mine]),
+        group, "writing replicas")
+    replicas = [item for items, _ in written for item in items]
+    all_files.update({f.name: f for _, files in written for f in files})
     manifest = Manifest(iteration=iteration, files=all_files, items=all_items,
-                        plan=plan.to_dict())
-    if dirs.is_leader(rank):
-        for name, raw in small_files.items():
-            if not (staged / name).exists():
-                write_atomic(staged / name, raw)
-        write_atomic(staged / MANIFEST_FILE, manifest.to_json())
-        commit_step_dir(root, iteration)
-    dist.barrier(group=group)
+                        plan=plan.to_dict(), replicas=replicas)
+
+    def commit():
+        if dirs.is_leader(rank):
+            for name, raw in small.items():
+                if not (staged / name).exists():
+                    write_atomic(staged / name, raw)
+            write_atomic(staged / MANIFEST_FILE, manifest.to_json())
+            commit_step_dir(root, iteration)
+
+    _on_every_rank(commit, group, f"committing iteration {iteration}")
     return manifest

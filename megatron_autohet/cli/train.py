@@ -75,8 +75,19 @@ def register(subparsers) -> None:
                                "ranks hold there; '{node}' in the path becomes the plan's node "
                                "name (emulated nodes on one machine)")),
         (("--autohet-keep-ckpts",), dict(type=int, default=DEFAULT_KEEP,
-                                         help="committed checkpoints kept per directory "
-                                              f"(default {DEFAULT_KEEP})")),
+                                         help="committed checkpoints kept per directory and in "
+                                              f"S3 (default {DEFAULT_KEEP})")),
+        (("--async-save",), dict(action="store_true",
+                                 help="write (and upload) checkpoints in the background; "
+                                      "training waits only for the copy to host memory")),
+        (("--autohet-s3-uri",), dict(default=None,
+                                     help="S3 tier s3://BUCKET/PREFIX: each checkpoint is "
+                                          "uploaded in the background, and recovery downloads "
+                                          "from it only what no surviving disk holds "
+                                          "(credentials: boto3's standard chain)")),
+        (("--autohet-s3-endpoint-url",), dict(default=None,
+                                              help="endpoint of an S3-compatible store "
+                                                   "(default: AWS)")),
         (("--exit-interval",), dict(type=int, default=None,
                                     help="stop after an iteration that is a multiple of N "
                                          "(saving first), as Megatron-LM's --exit-interval")),
@@ -92,7 +103,9 @@ def worker_argv(args: argparse.Namespace) -> list[str]:
     argv = ["train"]
     for dest, flag in _WORKER_FLAGS:
         value = getattr(args, dest)
-        if value is not None:
+        if value is True:                      # store_true flags
+            argv.append(flag)
+        elif value is not None and value is not False:
             argv += [flag, str(value)]
     return argv
 
@@ -127,8 +140,9 @@ def optimizer_settings(args: argparse.Namespace) -> OptimizerSettings:
 
 def checkpoint_options(args: argparse.Namespace) -> CheckpointOptions:
     return CheckpointOptions(save=args.save, save_interval=args.save_interval, load=args.load,
-                             local_dir=args.autohet_local_ckpt_dir,
-                             keep=args.autohet_keep_ckpts).validate()
+                             local_dir=args.autohet_local_ckpt_dir, keep=args.autohet_keep_ckpts,
+                             async_save=args.async_save, s3_uri=args.autohet_s3_uri,
+                             s3_endpoint_url=args.autohet_s3_endpoint_url).validate()
 
 
 def _gpu_count() -> int:
