@@ -2,11 +2,19 @@
 
 Needs a Megatron-LM checkout at tag core_v0.16.1 named by MEGATRON_LM_DIR (it is not a pip
 package); skipped otherwise. The checkout itself is never modified: the tests patch copies.
+
+Each pretrain_gpt.py job is four processes that import Megatron-LM (slow on a small CPU machine),
+so the module builds one patched tree and one uninterrupted run for all tests, and the flag checks
+that need no job run in one process on Megatron-LM's own parser (:func:`_flag_checks_in_tree`).
 """
 
+import argparse
+import contextlib
+import io
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -20,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts/apply_megatron_patch.sh"
 PATCH = ROOT / "patches/megatron-lm-core_v0.16.1.patch"
 PLAN = ROOT / "configs/plans/tiny-two-pipelines.yaml"
+HOMOGENEOUS = ROOT / "configs/plans/tiny-homogeneous.yaml"      # same model and batch as PLAN
 MLM = os.environ.get("MEGATRON_LM_DIR")
 
 pytestmark = pytest.mark.skipif(
@@ -98,63 +107,228 @@ def _patched_tree(dest: Path) -> Path:
     return dest
 
 
+@pytest.fixture(scope="module")
+def tree(tmp_path_factory) -> Path:
+    """One patched copy for the module: Megatron compiles its dataset helpers into it once."""
+    reason = _megatron_lm_runnable()
+    if reason:
+        pytest.skip(reason)
+    return _patched_tree(tmp_path_factory.mktemp("mlm") / "tree")
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("data")
+
+
+TRAIN_ITERS = 4
 # Optimizer and schedule flags that both `pretrain_gpt.py` and `autohet train` take, spelled the
 # same; --weight-decay is left at Megatron's default 0.01 on both.
 SCHEDULE_ARGS = ["--lr", "2e-3", "--min-lr", "2e-4", "--lr-warmup-iters", "1",
                  "--lr-decay-style", "cosine", "--clip-grad", "1.0", "--seed", "1234"]
 TINY_ARGS = ["--num-layers", "6", "--hidden-size", "64", "--num-attention-heads", "4",
              "--ffn-hidden-size", "256", "--seq-length", "64", "--max-position-embeddings", "64",
-             "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "3",
-             *SCHEDULE_ARGS, "--tokenizer-type", "NullTokenizer", "--vocab-size", "511",
-             "--distributed-backend", "gloo"]
+             "--micro-batch-size", "2", "--global-batch-size", "8",
+             "--train-iters", str(TRAIN_ITERS), *SCHEDULE_ARGS, "--tokenizer-type",
+             "NullTokenizer", "--vocab-size", "511", "--distributed-backend", "gloo"]
 
 
-def _torchrun(tree: Path, args: list[str], tmp_path: Path):
+def _torchrun(tree: Path, plan: Path, args: list[str]):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
-           "--master-port", str(free_port()), "pretrain_gpt.py", "--autohet-plan", str(PLAN), *args]
-    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_DEVICE_MAX_CONNECTIONS="1")
-    return subprocess.run(cmd, cwd=tree, capture_output=True, text=True, timeout=300, env=env)
+           "--master-port", str(free_port()), "pretrain_gpt.py", "--autohet-plan", str(plan),
+           *TINY_ARGS, *map(str, args)]
+    # Megatron's dataset-helper Makefile runs `python3 -m pybind11`: this interpreter's.
+    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_DEVICE_MAX_CONNECTIONS="1", PATH=path)
+    return subprocess.run(cmd, cwd=tree, capture_output=True, text=True, timeout=600, env=env)
 
 
-def test_pretrain_gpt_trains_the_plan_like_autohet_train(tmp_path):
-    reason = _megatron_lm_runnable()
-    if reason:
-        pytest.skip(reason)
-    tree = _patched_tree(tmp_path / "mlm")
-    data_dir = tmp_path / "data"
-    metrics = tmp_path / "megatron.jsonl"
-    result = _torchrun(tree, TINY_ARGS + ["--autohet-metrics-jsonl", str(metrics),
-                                          "--autohet-data-dir", str(data_dir)], tmp_path)
-    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
-    megatron = [json.loads(line) for line in metrics.read_text().splitlines()]
-    assert [r["iteration"] for r in megatron] == [1, 2, 3]
-    assert all(math.isfinite(r["lm_loss"]) for r in megatron)
+def _tail(result) -> str:
+    return (result.stdout + result.stderr)[-4000:]
 
+
+def _metrics(path: Path) -> list[tuple]:
+    """(iteration, loss, grad norm, learning rate) of each logged iteration."""
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    return [(r["iteration"], r["lm_loss"], r["grad_norm"], r["learning_rate"]) for r in records]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tree, data_dir, tmp_path_factory) -> list[tuple]:
+    """TRAIN_ITERS iterations of PLAN, no checkpoint: what every other run is compared with."""
+    metrics = tmp_path_factory.mktemp("uninterrupted") / "metrics.jsonl"
+    result = _torchrun(tree, PLAN, ["--autohet-metrics-jsonl", metrics,
+                                    "--autohet-data-dir", data_dir])
+    assert result.returncode == 0, _tail(result)
+    return _metrics(metrics)
+
+
+def test_pretrain_gpt_trains_the_plan_like_autohet_train(uninterrupted, data_dir, tmp_path):
+    assert [m[0] for m in uninterrupted] == list(range(1, TRAIN_ITERS + 1))
+    assert all(math.isfinite(m[1]) for m in uninterrupted)
     ours = tmp_path / "autohet.jsonl"
     plain = subprocess.run(
         [sys.executable, "-m", "megatron_autohet.cli.main", "train", "--plan", str(PLAN),
-         "--model", str(ROOT / "configs/models/tiny.yaml"), "--iters", "3", *SCHEDULE_ARGS,
-         "--metrics-jsonl", str(ours), "--data-dir", str(data_dir)],
+         "--model", str(ROOT / "configs/models/tiny.yaml"), "--iters", str(TRAIN_ITERS),
+         *SCHEDULE_ARGS, "--metrics-jsonl", str(ours), "--data-dir", str(data_dir)],
         capture_output=True, text=True, timeout=600)
     assert plain.returncode == 0, plain.stderr[-3000:]
-    reference = [json.loads(line) for line in ours.read_text().splitlines()]
+    reference = _metrics(ours)
     # Same runtime, batches, seed, AdamW with weight decay; Megatron-LM's scheduler (counting
     # samples) and ours (counting iterations) give the same learning rates.
-    assert len(megatron) == len(reference) == 3
-    assert len({r["learning_rate"] for r in megatron}) == 3          # the schedule moved
-    for a, b in zip(megatron, reference):
-        assert a["learning_rate"] == pytest.approx(b["learning_rate"], rel=1e-12)
-        assert a["lm_loss"] == pytest.approx(b["lm_loss"], rel=1e-5)
-        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
+    assert len(uninterrupted) == len(reference) == TRAIN_ITERS
+    assert len({m[3] for m in uninterrupted}) == TRAIN_ITERS          # the schedule moved
+    for (_, loss, norm, lr), (_, ref_loss, ref_norm, ref_lr) in zip(uninterrupted, reference):
+        assert lr == pytest.approx(ref_lr, rel=1e-12)
+        assert loss == pytest.approx(ref_loss, rel=1e-5)
+        assert norm == pytest.approx(ref_norm, rel=1e-5)
 
 
-def test_pretrain_gpt_rejects_flags_that_contradict_the_plan(tmp_path):
-    reason = _megatron_lm_runnable()
-    if reason:
-        pytest.skip(reason)
-    tree = _patched_tree(tmp_path / "mlm")
-    args = [a if a != "256" else "128" for a in TINY_ARGS]             # --ffn-hidden-size 128
-    result = _torchrun(tree, args + ["--autohet-data-dir", str(tmp_path / "data")], tmp_path)
+def test_pretrain_gpt_resumes_on_another_plan_like_an_uninterrupted_run(tree, data_dir,
+                                                                        uninterrupted, tmp_path):
+    """--save/--save-interval/--exit-interval stop PLAN after 2 iterations; --load resumes on
+    HOMOGENEOUS (other layer split, no TP): the weights, Adam state, Megatron's sample-counting
+    scheduler and the data position all have to come back for the numbers to match."""
+    half = TRAIN_ITERS // 2
+    ckpt, first, rest = tmp_path / "ckpt", tmp_path / "first.jsonl", tmp_path / "rest.jsonl"
+    data = ["--autohet-data-dir", data_dir]
+    saved = _torchrun(tree, PLAN, ["--save", ckpt, "--save-interval", half,
+                                   "--exit-interval", half, "--autohet-metrics-jsonl", first,
+                                   *data])
+    assert saved.returncode == 0, _tail(saved)
+    assert _metrics(first) == uninterrupted[:half]                    # bit-identical
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == str(half)
+
+    resumed = _torchrun(tree, HOMOGENEOUS, ["--load", ckpt, "--exit-on-missing-checkpoint",
+                                            "--autohet-metrics-jsonl", rest, *data])
+    assert resumed.returncode == 0, _tail(resumed)
+    after = _metrics(rest)
+    assert [m[0] for m in after] == list(range(half + 1, TRAIN_ITERS + 1))
+    for (_, loss, norm, lr), (_, ref_loss, ref_norm, ref_lr) in zip(after, uninterrupted[half:]):
+        assert lr == ref_lr
+        assert loss == pytest.approx(ref_loss, rel=1e-6)
+        assert norm == pytest.approx(ref_norm, rel=1e-6)
+
+
+@pytest.mark.parametrize("case", ["refused flag", "missing checkpoint"])
+def test_pretrain_gpt_stops_with_one_error_line(case, tree, data_dir, tmp_path):
+    """Every rank raises the same ConfigError: one line on stderr, every rank exits 2."""
+    flags, problem = {
+        "refused flag": (["--ckpt-format", "torch"],
+                         "field '--ckpt-format': 'torch' is not supported with --autohet-plan "
+                         "(allowed: torch_dist, the format megatron-autohet writes)"),
+        "missing checkpoint": (["--load", tmp_path, "--exit-on-missing-checkpoint"],
+                               f"field '--load': no complete checkpoint in {tmp_path} (allowed: "
+                               "a directory holding one, as --exit-on-missing-checkpoint is set)"),
+    }[case]
+    result = _torchrun(tree, PLAN, [*flags, "--autohet-data-dir", data_dir])
     assert result.returncode != 0
-    assert (f"{PLAN}: field '--ffn-hidden-size': Megatron-LM was given 128 but the plan has 256"
-            in result.stderr)
+    line = f"pretrain_gpt.py: error: {PLAN}: {problem}\n"
+    assert result.stderr.count(line) == 1, _tail(result)
+    assert "ConfigError" not in result.stderr, _tail(result)           # no traceback
+    # torchrun exits 1 when a worker fails; its summary names each worker's status.
+    codes = re.findall(r"exitcode\s*:\s*(-?\d+)", result.stderr)
+    assert codes and set(codes) <= {"2", "-15"} and "2" in codes, _tail(result)
+
+
+# Megatron-LM's checkpointing flags that the plan path honours; every other one must be in
+# hooks.UNSUPPORTED_FLAGS. --use-dist-ckpt, --dist-ckpt-format and --ckpt-fully-parallel-save
+# are deprecated flags Megatron itself ignores.
+HONOURED = {"--save", "--save-interval", "--load", "--exit-on-missing-checkpoint",
+            "--async-save", "--use-persistent-ckpt-worker",
+            "--use-dist-ckpt", "--dist-ckpt-format", "--ckpt-fully-parallel-save"}
+
+
+def test_flags_on_megatron_lm_parser(tree, tmp_path):
+    """The flag checks that need no job (:func:`_flag_checks_in_tree`), in one process inside the
+    patched tree: seconds instead of a four-process launch per flag."""
+    code = ("from test_megatron_lm import _flag_checks_in_tree; "
+            f"_flag_checks_in_tree({str(tmp_path)!r})")
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).parent), RANK="0", WORLD_SIZE="4")
+    result = subprocess.run([sys.executable, "-c", code], cwd=tree, capture_output=True,
+                            text=True, timeout=600, env=env)
+    assert result.returncode == 0, _tail(result)
+
+
+def _other_value(action: argparse.Action, off) -> str:
+    """A command-line value of ``action`` other than ``off``."""
+    if action.choices:
+        return next(str(c) for c in action.choices if c != off)
+    return str((off or 0) + 1) if action.type is int else "x"
+
+
+def _flag_checks_in_tree(tmp: str) -> None:
+    """Runs where ``megatron`` is Megatron-LM's package (the patched tree is the working directory,
+    WORLD_SIZE=4): Megatron's parser, validated as ``pretrain()`` does, against check_megatron_args,
+    and every unsupported flag's name, attribute and default against Megatron's parser."""
+    from megatron.training.arguments import add_megatron_arguments, parse_args, validate_args
+
+    from megatron_autohet.checkpoint.options import CheckpointOptions
+    from megatron_autohet.errors import ConfigError
+    from megatron_autohet.megatron import hooks
+    from megatron_autohet.megatron.args import add_autohet_args
+    from megatron_autohet.plan import load_plan
+
+    plan = load_plan(PLAN)
+
+    def megatron_args(*flags) -> argparse.Namespace:
+        sys.argv = ["pretrain_gpt.py", "--autohet-plan", str(PLAN), *TINY_ARGS, *flags]
+        with contextlib.redirect_stdout(io.StringIO()):              # validate_args prints args
+            return validate_args(parse_args(extra_args_provider=add_autohet_args))
+
+    def error(*flags) -> str | None:
+        args = megatron_args(*flags)
+        try:
+            hooks.check_megatron_args(args, plan, PLAN)
+            hooks.checkpoint_options(args, PLAN)
+        except ConfigError as err:
+            return str(err)
+        return None
+
+    assert error() is None
+    assert hooks.checkpoint_options(megatron_args(), PLAN) == CheckpointOptions()
+    honoured = megatron_args("--save", tmp, "--save-interval", "2", "--load", tmp,
+                             "--exit-interval", "2", "--autohet-keep-ckpts", "3",
+                             "--exit-on-missing-checkpoint", "--use-checkpoint-opt-param-scheduler",
+                             "--use-dist-ckpt")
+    hooks.check_megatron_args(honoured, plan, PLAN)
+    assert hooks.checkpoint_options(honoured, PLAN) == CheckpointOptions(
+        save=tmp, save_interval=2, load=tmp, keep=3)
+    local = megatron_args("--autohet-local-ckpt-dir", f"{tmp}/{{node}}", "--save-interval", "2")
+    assert hooks.checkpoint_options(local, PLAN) == CheckpointOptions(
+        local_dir=f"{tmp}/{{node}}", save_interval=2)
+    with pytest.raises(ConfigError) as no_place:              # CheckpointOptions' own error
+        CheckpointOptions(save_interval=2).validate(str(PLAN))
+    assert error("--save-interval", "2") == str(no_place.value)
+    assert error("--ffn-hidden-size", "128") == (
+        f"{PLAN}: field '--ffn-hidden-size': Megatron-LM was given 128 but the plan has 256 "
+        "(allowed: 256 (the plan's value))")
+    # validate_args turns --async-save off (with a warning) unless --use-persistent-ckpt-worker;
+    # kept, it is the background writer's.
+    assert megatron_args("--async-save").async_save is False
+    background = megatron_args("--async-save", "--use-persistent-ckpt-worker", "--save", tmp,
+                               "--save-interval", "2", "--autohet-s3-uri", "s3://bucket/run",
+                               "--autohet-s3-endpoint-url", "http://127.0.0.1:9")
+    assert hooks.checkpoint_options(background, PLAN) == CheckpointOptions(
+        save=tmp, save_interval=2, async_save=True, s3_uri="s3://bucket/run",
+        s3_endpoint_url="http://127.0.0.1:9")
+
+    parser = add_autohet_args(add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False)))
+    refused = {entry.flag: entry for entry in hooks.UNSUPPORTED_FLAGS}
+    checkpointing = next(g for g in parser._action_groups if g.title == "checkpointing")
+    flags = {action.option_strings[0] for action in checkpointing._group_actions}
+    assert flags - HONOURED - set(refused) == set(), "neither honoured nor refused"
+    for flag, entry in refused.items():
+        action = parser._option_string_actions[flag]
+        assert (action.dest, action.default) == (entry.attr, entry.off), flag
+        value = [] if action.nargs == 0 else [_other_value(action, entry.off)]
+        args = parser.parse_args(["--autohet-plan", str(PLAN), *TINY_ARGS, flag, *value])
+        with pytest.raises(ConfigError, match="^" + re.escape(f"{PLAN}: field '{flag}': ")):
+            hooks.refuse_unsupported_flags(args, PLAN)
+
+    help_text = io.StringIO()
+    with contextlib.redirect_stdout(help_text), pytest.raises(SystemExit) as done:
+        hooks.prepare_process(["pretrain_gpt.py", "--help"])
+    assert done.value.code == 0
+    assert "--autohet-plan" in help_text.getvalue()
+    assert "--autohet-keep-ckpts" in help_text.getvalue()

@@ -19,25 +19,41 @@ Division of labour (patches/README.md has the line-by-line patch):
   layer-wise grad sync) on the same global batches ``autohet train`` uses, and logs Megatron's
   iteration line.
 
+Checkpoints are megatron-autohet's (checkpoint/: torch_dist, layout-independent), driven by
+Megatron's own flags: ``--save``, ``--save-interval``, ``--load``, ``--exit-interval``,
+``--exit-on-missing-checkpoint``, ``--ckpt-format torch_dist`` (the default and the only format),
+``--async-save`` (Megatron keeps it only with ``--use-persistent-ckpt-worker``; the background
+writer of checkpoint/checkpointer.py is that worker), ``--use-checkpoint-opt-param-scheduler`` /
+``--override-opt-param-scheduler`` (Megatron's scheduler applies them itself when it loads its
+state), plus ``--autohet-local-ckpt-dir``, ``--autohet-keep-ckpts``, ``--autohet-s3-uri`` and
+``--autohet-s3-endpoint-url`` (megatron/args.py). Every other checkpoint flag of Megatron-LM
+core_v0.16.1 is refused by :data:`UNSUPPORTED_FLAGS` unless it has its default.
+
 Before anything runs, :func:`check_megatron_args` checks Megatron's flags against the plan (model
-dimensions, batch sizes, sequence length, world size, trivial Megatron grid) and raises
-:class:`ConfigError` naming the flag.
+dimensions, batch sizes, sequence length, world size, trivial Megatron grid) and the runtime
+(optimizer, unsupported checkpoint flags) and raises :class:`ConfigError` naming the flag; every
+rank raises the same one, so :func:`stop_job` prints it once and every rank exits with status 2.
 """
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import NamedTuple, NoReturn
 
+from megatron_autohet.checkpoint.options import CheckpointOptions
 from megatron_autohet.errors import ConfigError
 from megatron_autohet.plan import Plan, load_plan
 from megatron_autohet.runtime.optimizer import OptimizerSettings
 
 
 def prepare_process(argv: list[str] | None = None) -> None:
-    """Called at the top of ``pretrain_gpt.py``'s main: turn on the CPU mode for a plan job on a
-    machine without a usable GPU (Megatron-LM then runs on gloo: ``--distributed-backend gloo``)."""
+    """Called at the top of ``pretrain_gpt.py``'s main: answer ``--help`` with the ``--autohet-*``
+    flags listed, and turn on the CPU mode for a plan job on a machine without a usable GPU
+    (Megatron-LM then runs on gloo: ``--distributed-backend gloo``)."""
     argv = sys.argv if argv is None else argv
+    if "-h" in argv or "--help" in argv:
+        _print_help_with_autohet_flags(Path(argv[0]).name)
     if not any(a == "--autohet-plan" or a.startswith("--autohet-plan=") for a in argv):
         return
     from megatron_autohet.runtime.cpu_mode import cpu_mode_required, enable_cpu_mode
@@ -45,6 +61,22 @@ def prepare_process(argv: list[str] | None = None) -> None:
     if cpu_mode_required():
         enable_cpu_mode()
         _adapt_megatron_lm_initialization_to_cpu()
+
+
+def _print_help_with_autohet_flags(prog: str) -> None:
+    """``pretrain_gpt.py --help`` is answered by the first parse of the command line, the one
+    ``maybe_wrap_for_inprocess_restart`` makes without ``extra_args_provider``, so it would not
+    list ``--autohet-*``: print Megatron's help with them instead, and exit as argparse does."""
+    import argparse
+
+    from megatron.training.arguments import add_megatron_arguments
+
+    from megatron_autohet.megatron.args import add_autohet_args
+
+    parser = argparse.ArgumentParser(prog=prog, description="Megatron-LM Arguments",
+                                     allow_abbrev=False)
+    add_autohet_args(add_megatron_arguments(parser)).print_help()
+    sys.exit(0)
 
 
 def _adapt_megatron_lm_initialization_to_cpu() -> None:
@@ -127,6 +159,147 @@ def check_megatron_args(args, plan: Plan, plan_path: str | Path) -> None:
     if args.data_path and len(args.data_path) != 1:
         raise ConfigError(plan_path, "--data-path", f"got {args.data_path}",
                           "one indexed-dataset prefix (blends are not supported with a plan)")
+    refuse_unsupported_flags(args, plan_path)
+
+
+class Unsupported(NamedTuple):
+    """A Megatron-LM flag the plan path does not implement: refused unless it has ``off``, its
+    Megatron default (the value that means "not used")."""
+    flag: str
+    off: object
+    allowed: str
+    dest: str | None = None             # the attribute on ``args``, where not the flag's name
+
+    @property
+    def attr(self) -> str:
+        return self.dest or self.flag.removeprefix("--").replace("-", "_")
+
+
+_NOT_SET = "not set"
+_LOCAL_TIER = "not set (--autohet-local-ckpt-dir DIR is the node-local tier)"
+_RESUME = "not set (--load DIR resumes weights, Adam state and schedule from the newest step)"
+# Megatron-LM core_v0.16.1's checkpoint flags (its "checkpointing" group) and exit flags that
+# megatron-autohet's checkpoints or loop do not implement. Deprecated flags that Megatron itself
+# ignores (--use-dist-ckpt, --dist-ckpt-format, --ckpt-fully-parallel-save) are not listed.
+UNSUPPORTED_FLAGS = (
+    Unsupported("--ckpt-format", "torch_dist", "torch_dist, the format megatron-autohet writes"),
+    Unsupported("--auto-detect-ckpt-format", False, "not set (checkpoints are always torch_dist)"),
+    Unsupported("--no-ckpt-fully-parallel-save", True, "not set (the plan's owner map spreads "
+                "the writes: each chunk once, by its owner)", dest="ckpt_fully_parallel_save"),
+    Unsupported("--ckpt-fully-parallel-load", False,
+                "not set (each rank reads only the chunks its shards need)"),
+    Unsupported("--ckpt-assume-constant-structure", False, _NOT_SET),
+    Unsupported("--dist-ckpt-strictness", "assume_ok_unexpected",
+                "assume_ok_unexpected (a load checks every chunk against the step's manifest)"),
+    Unsupported("--dist-ckpt-save-pre-mcore-014", False, _NOT_SET),
+    Unsupported("--dist-ckpt-optim-fully-reshardable", False,
+                "not set (the Adam state reshards to any plan anyway)"),
+    Unsupported("--distrib-optim-fully-reshardable-mem-efficient", False, _NOT_SET),
+    Unsupported("--no-strict-fsdp-dtensor-load", True, _NOT_SET,
+                dest="strict_fsdp_dtensor_load"),
+    Unsupported("--ckpt-convert-format", None, _NOT_SET),
+    Unsupported("--ckpt-convert-save", None, _NOT_SET),
+    Unsupported("--ckpt-convert-update-legacy-dist-opt-format", False, _NOT_SET),
+    Unsupported("--no-load-optim", None, _RESUME),
+    Unsupported("--no-load-rng", None, "not set (RNG states are restored when the plan that "
+                "saved them resumes, and ignored on another plan)"),
+    Unsupported("--no-save-optim", None, "not set (every step holds the Adam state)"),
+    Unsupported("--no-save-rng", None, "not set (every step holds the RNG states)"),
+    Unsupported("--load-main-params-from-ckpt", False, _RESUME),
+    Unsupported("--finetune", False, _RESUME),
+    Unsupported("--pretrained-checkpoint", None, _RESUME),
+    Unsupported("--ckpt-step", None, _RESUME),
+    Unsupported("--use-checkpoint-args", False,
+                "not set (the plan and the flags describe the job)"),
+    Unsupported("--use-mp-args-from-checkpoint-args", False, "not set (the plan sets the layout)"),
+    Unsupported("--no-use-tokenizer-model-from-checkpoint-args", True, _NOT_SET,
+                dest="use_tokenizer_model_from_checkpoint_args"),
+    Unsupported("--save-retain-interval", None,
+                "not set (--autohet-keep-ckpts K keeps the K newest steps)"),
+    Unsupported("--save-wgrads-interval", None, _NOT_SET),
+    Unsupported("--save-dgrads-interval", None, _NOT_SET),
+    Unsupported("--non-persistent-save-interval", None, _LOCAL_TIER),
+    Unsupported("--non-persistent-ckpt-type", None, _LOCAL_TIER),
+    Unsupported("--non-persistent-global-ckpt-dir", None, _LOCAL_TIER),
+    Unsupported("--non-persistent-local-ckpt-dir", None, _LOCAL_TIER),
+    Unsupported("--non-persistent-local-ckpt-algo", "fully_parallel", _LOCAL_TIER),
+    Unsupported("--replication", False, _LOCAL_TIER),
+    Unsupported("--replication-jump", None, _LOCAL_TIER),
+    Unsupported("--replication-factor", 2, _LOCAL_TIER),
+    Unsupported("--exit-duration-in-mins", None, "not set (--exit-interval N)"),
+    Unsupported("--exit-signal-handler", False, "not set (--exit-interval N)"),
+)
+
+
+def refuse_unsupported_flags(args, plan_path: str | Path) -> None:
+    """The first flag of :data:`UNSUPPORTED_FLAGS` that is not at its default: a ConfigError, so
+    a job never runs with a flag silently ignored."""
+    for entry in UNSUPPORTED_FLAGS:
+        value = getattr(args, entry.attr)
+        if value != entry.off:
+            problem = ("not yet supported with --autohet-plan" if isinstance(value, bool)
+                       else f"{value!r} is not supported with --autohet-plan")
+            raise ConfigError(plan_path, entry.flag, problem, entry.allowed)
+
+
+def checkpoint_options(args, plan_path: str | Path) -> CheckpointOptions:
+    """The job's checkpoint flags, validated as ``autohet train`` validates them."""
+    return CheckpointOptions(save=args.save, save_interval=args.save_interval, load=args.load,
+                             local_dir=args.autohet_local_ckpt_dir, keep=args.autohet_keep_ckpts,
+                             async_save=bool(args.async_save), s3_uri=args.autohet_s3_uri,
+                             s3_endpoint_url=args.autohet_s3_endpoint_url
+                             ).validate(str(plan_path))
+
+
+def _data_path(args) -> str | None:
+    return args.data_path[0] if args.data_path else None
+
+
+def train_args(args) -> dict:
+    """What a checkpoint records of the job (plain values; ``autohet checkpoint ls`` shows them)."""
+    return {"train_iters": args.train_iters, "seed": args.seed, "data_path": _data_path(args),
+            "lr": args.lr, "min_lr": args.min_lr, "lr_decay_style": args.lr_decay_style,
+            "lr_warmup_iters": args.lr_warmup_iters, "lr_decay_iters": args.lr_decay_iters,
+            "weight_decay": args.weight_decay}
+
+
+def make_checkpointer(args, options: CheckpointOptions, trainer, scheduler,
+                      plan_path: str | Path):
+    """The checkpoint hook of the job, or None when it neither saves nor loads.
+
+    ``--exit-on-missing-checkpoint`` is Megatron's "exit instead of random initialization" when
+    ``--load`` holds no checkpoint; the ranks agree on the step to resume in
+    ``Checkpointer.resume``, so all of them stop there together.
+    """
+    if not options.saving and options.load is None:
+        return None
+    from megatron_autohet.checkpoint.checkpointer import Checkpointer
+
+    class MegatronLMCheckpointer(Checkpointer):
+        def resume(self):
+            progress = super().resume()
+            if progress.iteration == 0 and options.load and args.exit_on_missing_checkpoint:
+                stop_job(ConfigError(plan_path, "--load",
+                                     f"no complete checkpoint in {options.load}",
+                                     "a directory holding one, as --exit-on-missing-checkpoint "
+                                     "is set"))
+            return progress
+
+    return MegatronLMCheckpointer(options, trainer, scheduler, seed=args.seed,
+                                  train_args=train_args(args))
+
+
+def stop_job(err: ConfigError) -> NoReturn:
+    """End the job on an error that every rank reached alike (the same flags and plan, a resume
+    step the ranks agreed on): rank 0 prints its one line as argparse would, and every rank exits
+    with status 2 - not one traceback per rank. The barrier keeps the others alive until rank 0
+    has printed: torchrun kills the rest of a job as soon as one rank has exited."""
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        print(f"{Path(sys.argv[0]).name}: error: {err}", file=sys.stderr, flush=True)
+    dist.barrier()
+    sys.exit(2)
 
 
 def pretrain_from_plan(args) -> None:
@@ -139,13 +312,16 @@ def pretrain_from_plan(args) -> None:
     from megatron_autohet.runtime.trainer import HeteroTrainer, train_iterations
 
     plan_path = args.autohet_plan
-    plan = load_plan(plan_path)
-    check_megatron_args(args, plan, plan_path)
+    try:
+        plan = load_plan(plan_path)
+        check_megatron_args(args, plan, plan_path)
+        checkpoint = checkpoint_options(args, plan_path)
+    except ConfigError as err:
+        stop_job(err)
     rank = dist.get_rank()
     data = DataOptions(seq_length=plan.seq_length, global_batch_size=plan.global_batch_size,
                        num_iterations=args.train_iters, seed=args.seed,
-                       data_path=args.data_path[0] if args.data_path else None,
-                       data_dir=args.autohet_data_dir)
+                       data_path=_data_path(args), data_dir=args.autohet_data_dir)
     batches = open_global_batches(data, plan.model.vocab_size, args.local_rank or 0)
     # Megatron's homogeneous groups are replaced by the plan's (build_parallel_state installs
     # this rank's heterogeneous values in megatron.core.parallel_state).
@@ -157,8 +333,12 @@ def pretrain_from_plan(args) -> None:
     trainer = HeteroTrainer(plan, plan.model, rank=rank, seed=args.seed, optimizer=optimizer,
                             plan_file=str(plan_path))
     # Megatron-LM's own warm-up/decay and weight-decay schedule, stepping our param_groups by
-    # the samples of each iteration, as Megatron's train_step does.
+    # the samples of each iteration, as Megatron's train_step does; its state (in samples) is
+    # what a checkpoint saves and a resume loads back.
     scheduler = get_optimizer_param_scheduler(trainer.optimizer)
     train_iterations(trainer, batches, scheduler, train_iters=args.train_iters,
                      scheduler_increment=plan.global_batch_size, log=rank == 0,
-                     metrics_jsonl=args.autohet_metrics_jsonl)
+                     metrics_jsonl=args.autohet_metrics_jsonl,
+                     checkpointer=make_checkpointer(args, checkpoint, trainer, scheduler,
+                                                    plan_path),
+                     exit_interval=args.exit_interval)
