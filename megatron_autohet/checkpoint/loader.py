@@ -1,18 +1,15 @@
-"""Loading a committed step into this rank's (possibly different) plan.
+"""Loading verified chunks into this rank's (possibly different) plan.
 
-``load_step(trainer, scheduler, step_dir, manifest) -> TrainingProgress`` (every rank calls it):
+``wanted_regions(state_dict)``: the tensor regions and objects this rank's NEW shards ask for
+(what recovery intersects with the saved chunks, checkpoint/recovery_plan.py).
 
-1. Build this rank's sharded state dict for the NEW plan (checkpoint/state.py) - keys, global
-   shapes and offsets of the shards it holds now.
-2. :func:`needed_items`: the saved chunks that overlap them (checkpoint/recovery_plan.py), and
-   verify each one's SHA-256 against the manifest before anything is deserialized. A mismatch or
-   a short file raises :class:`CorruptCheckpoint` naming the file and the chunk: a corrupt
-   checkpoint is reported, never loaded.
-3. megatron-core's ``dist_checkpointing.load`` (torch_dist strategy: torch DCP reads the chunks
-   and reshards them into this rank's shards; ``common.pt`` is read with torch's default
-   ``weights_only=True``). Access validation is off for the same reason as at save time
-   (checkpoint/state.py): mixed TP degrees have no single local shape per key.
-4. Copy into the live model, optimizer and scheduler.
+``load_staged(trainer, scheduler, state_dict, step_dir) -> TrainingProgress``: megatron-core's
+``dist_checkpointing.load`` from a directory whose needed chunks were verified
+(checkpoint/recovery.py stages it): the torch_dist strategy has torch DCP read the chunks and
+reshard them into this rank's shards, ``common.pt`` is read with torch's default
+``weights_only=True``, and access validation is off for the same reason as at save time
+(checkpoint/state.py: mixed TP degrees have no single local shape per key). Then the values are
+copied into the live model, optimizer and scheduler.
 """
 
 from __future__ import annotations
@@ -20,8 +17,6 @@ from __future__ import annotations
 import warnings
 from pathlib import Path
 
-from megatron_autohet.checkpoint.inspect import check_local_items
-from megatron_autohet.checkpoint.manifest import ItemRecord, sha256_bytes
 from megatron_autohet.checkpoint.recovery_plan import Wanted
 from megatron_autohet.checkpoint.state import TrainingProgress, apply_loaded
 
@@ -45,20 +40,6 @@ def wanted_regions(sharded_state_dict: dict) -> list[Wanted]:
         elif isinstance(entry, ShardedObject):
             wanted.append(Wanted(entry.unique_key, None, None))
     return wanted
-
-
-def verify_items(step_dir: Path, items: list[ItemRecord]) -> int:
-    """Check every item's bytes in ``step_dir`` against its SHA-256 (inspect.check_local_items,
-    the check `autohet checkpoint verify` runs); returns the bytes read."""
-    problems, total = check_local_items(step_dir, items)
-    if problems and problems[0].item is None:
-        raise CorruptCheckpoint(f"{problems[0].file}: missing (the manifest lists it)")
-    if problems:
-        item = problems[0].item
-        raise CorruptCheckpoint(
-            f"{problems[0].file}: bytes {item.offset}-{item.offset + item.length} ({item.key}) "
-            f"do not match their SHA-256 in the manifest (truncated or corrupt file)")
-    return total
 
 
 def load_staged(trainer, scheduler, state_dict: dict, step_dir: str | Path) -> TrainingProgress:

@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megatron_autohet.checkpoint.inspect import item_problem
 from megatron_autohet.checkpoint.loader import CorruptCheckpoint, load_staged, wanted_regions
 from megatron_autohet.checkpoint.manifest import (MANIFEST_FILE, ItemRecord, Manifest,
                                                   committed_steps, read_manifest, sha256_bytes,
@@ -43,6 +44,7 @@ from megatron_autohet.checkpoint.manifest import (MANIFEST_FILE, ItemRecord, Man
 from megatron_autohet.checkpoint.recovery_plan import (OWN, PEER, S3, ChunkUnavailable,
                                                        assign_sources, copies_of, needed_items)
 from megatron_autohet.checkpoint.state import RNG_KEY, rank_sharded_state_dict, rng_sharded_object
+from megatron_autohet.checkpoint.upload import byte_progress
 from megatron_autohet.checkpoint.writer import SMALL_FILES
 
 
@@ -85,13 +87,22 @@ def _scan(roots: list[Path]) -> dict[int, _Visible]:
     return seen
 
 
-def _s3_steps(s3) -> dict[int, bytes]:
-    """Committed S3 steps (manifest present) -> manifest bytes."""
+def _s3_steps(s3, log) -> dict[int, bytes]:
+    """Committed S3 steps (manifest present) -> manifest bytes; none when S3 is not configured
+    or cannot be reached (recovery then uses the disks alone, and says so)."""
+    from megatron_autohet.checkpoint.s3_store import S3Error
+
+    if s3 is None:
+        return {}
     steps = {}
-    for iteration in s3.list_steps():
-        raw = s3.get_bytes(f"{step_dir_name(iteration)}/{MANIFEST_FILE}")
-        if raw is not None:
-            steps[iteration] = raw
+    try:
+        for iteration in s3.list_steps():
+            raw = s3.get_bytes(f"{step_dir_name(iteration)}/{MANIFEST_FILE}")
+            if raw is not None:
+                steps[iteration] = raw
+    except S3Error as err:
+        log(f"WARNING: the S3 tier is unreachable, recovering from the disks alone: {err}")
+        return {}
     return steps
 
 
@@ -112,7 +123,7 @@ def _read(path: Path, record: ItemRecord) -> bytes:
 
 
 def _good(raw: bytes, record: ItemRecord) -> bool:
-    return len(raw) == record.length and sha256_bytes(raw) == record.sha256
+    return item_problem(record, raw) is None
 
 
 def recover(trainer, scheduler, *, roots: list[Path], s3=None, group=None,
@@ -127,7 +138,7 @@ def recover(trainer, scheduler, *, roots: list[Path], s3=None, group=None,
     views: list = [None] * world_size
     dist.all_gather_object(views, {it: (sorted(v.paths), v.manifest_json)
                                    for it, v in mine.items()}, group=group)
-    s3_steps = [(_s3_steps(s3) if s3 is not None else {}) if rank == 0 else None]
+    s3_steps = [_s3_steps(s3, log) if rank == 0 else None]
     dist.broadcast_object_list(s3_steps, src=0, group=group)
     s3_steps = s3_steps[0]
 
@@ -181,10 +192,13 @@ def recover(trainer, scheduler, *, roots: list[Path], s3=None, group=None,
     # 4. fetch: S3 downloads (each chunk once), the peer exchange, then local reads
     t = time.perf_counter()
     chunks: dict[int, bytes] = {}
-    for f in fetches:
-        if f.source == S3 and f.rank == rank and f.peer is None:
+    downloads = [f for f in fetches if f.source == S3 and f.rank == rank and f.peer is None]
+    with byte_progress(sum(f.copy.length for f in downloads), f"download {step_dir_name(iteration)}"
+                       f" (rank {rank})", show=rank == 0) as bar:
+        for f in downloads:
             chunks[f.index] = _download(s3, iteration, f.copy)
             report.bytes[S3] += f.copy.length
+            bar.update(f.copy.length)
     report.seconds["s3"] = time.perf_counter() - t
     t = time.perf_counter()
     received = _exchange(fetches, rank, local_paths, chunks, group)

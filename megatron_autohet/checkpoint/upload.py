@@ -16,7 +16,18 @@ from __future__ import annotations
 from pathlib import Path
 
 from megatron_autohet.checkpoint.manifest import LATEST_FILE, MANIFEST_FILE, Manifest, step_dir_name
-from megatron_autohet.checkpoint.writer import SMALL_FILES, SaveFailed, _on_every_rank
+from megatron_autohet.checkpoint.writer import SMALL_FILES, on_every_rank
+
+
+def byte_progress(total: int, desc: str, *, show: bool):
+    """A tqdm bar over bytes on stderr, for one rank (the others would garble the terminal) and
+    only on a terminal; long uploads and downloads show their progress."""
+    import sys
+
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024,
+                leave=False, disable=not (show and sys.stderr.isatty()))
 
 
 def files_to_upload(manifest: Manifest, rank: int) -> list[str]:
@@ -33,10 +44,13 @@ def upload_step(store, manifest: Manifest, step_dir: Path, *, rank: int, keep: i
     prefix = step_dir_name(manifest.iteration)
 
     def upload_mine():
-        for name in files_to_upload(manifest, rank):
-            store.upload_file(step_dir / name, f"{prefix}/{name}")
+        names = files_to_upload(manifest, rank)
+        with byte_progress(sum(manifest.files[n].size for n in names),
+                           f"upload {prefix} (rank {rank})", show=rank == 0) as bar:
+            for name in names:
+                store.upload_file(step_dir / name, f"{prefix}/{name}", progress=bar.update)
 
-    _on_every_rank(upload_mine, group, f"uploading iteration {manifest.iteration} to "
+    on_every_rank(upload_mine, group, f"uploading iteration {manifest.iteration} to "
                                        f"{store.location.uri()}")
 
     def commit():
@@ -49,8 +63,7 @@ def upload_step(store, manifest: Manifest, step_dir: Path, *, rank: int, keep: i
             store.delete_step(old)
         return True
 
-    return bool(_on_every_rank(commit, group, f"committing iteration {manifest.iteration} in "
+    return bool(on_every_rank(commit, group, f"committing iteration {manifest.iteration} in "
                                               f"{store.location.uri()}")[0])
 
 
-__all__ = ["upload_step", "files_to_upload", "SaveFailed"]

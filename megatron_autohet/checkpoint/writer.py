@@ -210,7 +210,7 @@ class SaveFailed(RuntimeError):
     """A step could not be written; raised on every rank alike (the step is not committed)."""
 
 
-def _on_every_rank(local, group, what: str) -> list:
+def on_every_rank(local, group, what: str) -> list:
     """Run ``local()`` here, gather every rank's result; if any rank raised, raise SaveFailed on
     all of them. Each phase of a save is one of these, so a failure on one rank (a full disk)
     cannot leave the others waiting in the next collective."""
@@ -243,7 +243,7 @@ def write_step(state_dict: dict, common: dict, *, iteration: int, plan, rank: in
                 shutil.rmtree(staged)
             staged.mkdir(parents=True)
 
-    _on_every_rank(prepare, group, f"creating {staged}")
+    on_every_rank(prepare, group, f"creating {staged}")
     sharded, leftover_common = save_preprocess(state_dict, validate_access_integrity=False)
     metadata = _dcp_save(sharded, staged, group)   # DCP raises on every rank when one fails
 
@@ -259,7 +259,7 @@ def write_step(state_dict: dict, common: dict, *, iteration: int, plan, rank: in
 
     # Main chunks: hashed by their writers and gathered, so every rank knows the manifest and
     # plans the replicas the same way.
-    gathered = _on_every_rank(hash_own_files, group, f"writing iteration {iteration}")
+    gathered = on_every_rank(hash_own_files, group, f"writing iteration {iteration}")
     small = gathered[0][1]
     all_items = [item for (items, _), _ in gathered for item in items]
     all_files = {f.name: f for (_, files), _ in gathered for f in files}
@@ -268,9 +268,9 @@ def write_step(state_dict: dict, common: dict, *, iteration: int, plan, rank: in
                                      sha256=sha256_bytes(raw))
 
     candidates = _replica_candidates(sharded, all_items)
-    everyone = _on_every_rank(lambda: sorted(candidates), group, "planning replicas")
+    everyone = on_every_rank(lambda: sorted(candidates), group, "planning replicas")
     mine = _choose_replicas(everyone, all_files, all_items, dirs).get(rank, [])
-    written = _on_every_rank(
+    written = on_every_rank(
         lambda: _write_replicas(staged, rank, node, [(all_items[i], candidates[i]) for i in mine]),
         group, "writing replicas")
     replicas = [item for items, _ in written for item in items]
@@ -286,5 +286,5 @@ def write_step(state_dict: dict, common: dict, *, iteration: int, plan, rank: in
             write_atomic(staged / MANIFEST_FILE, manifest.to_json())
             commit_step_dir(root, iteration)
 
-    _on_every_rank(commit, group, f"committing iteration {iteration}")
+    on_every_rank(commit, group, f"committing iteration {iteration}")
     return manifest

@@ -1,0 +1,231 @@
+"""Recovery after losing nodes: own disk, then surviving peers, then S3 - and exactly that order.
+
+Every test saves tiny-two-pipelines (nodes a100 [TP2 stage], h800, h20) with node-local
+directories (``{node}`` in the path: one directory per emulated node) and the S3 tier (moto's
+real HTTP server), deletes what the lost nodes had, resumes on a plan for the survivors and
+checks (1) the resumed run equals the uninterrupted one and (2) the bytes each tier served.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from megatron_autohet.checkpoint.manifest import (MANIFEST_FILE, Manifest, committed_steps,
+                                                  read_manifest, step_dir_name)
+from megatron_autohet.checkpoint.options import CheckpointOptions
+from megatron_autohet.checkpoint.recovery_plan import copies_of
+from megatron_autohet.checkpoint.state import RNG_KEY
+from megatron_autohet.plan import plan_from_dict
+from dist_utils import run_on_ranks
+from s3_server import free_port
+from test_checkpoint import HALF, REL, TOTAL, _train, global_batches, plan, rel
+
+A = "tiny-two-pipelines"
+
+
+def survivors_plan(nodes: list[str], cuts: list[int] | None = None):
+    """A one-pipeline plan over the surviving nodes of A, one stage per node in the order
+    given, split at ``cuts``; the a100 node keeps its TP2 stage."""
+    data = plan(A).to_dict()
+    ranks = [r for r in data["ranks"] if r["node"] in nodes]
+    for new, r in enumerate(ranks):
+        r["rank"] = new
+    groups = {}
+    for r in ranks:
+        groups.setdefault(r["node"], []).append(r["rank"])
+    stage_ranks = [groups[n] for n in nodes]
+    cuts = cuts or ([0, 4, 6] if len(stage_ranks) == 2 else [0, 6])
+    data["ranks"] = ranks
+    data["pipelines"] = [{"num_microbatches": 4, "stages": [
+        {"ranks": ranks_, "layers": [cuts[i], cuts[i + 1]]} for i, ranks_ in enumerate(stage_ranks)]}]
+    return plan_from_dict(data, f"<survivors {nodes}>")
+
+
+def _train_with_report(rank, world, the_plan, batches, options, exit_interval=None):
+    from megatron_autohet.checkpoint import checkpointer as module
+
+    reports = []
+    original = module.Checkpointer.resume
+
+    def resume(self):
+        progress = original(self)
+        reports.append(self.last_report)
+        return progress
+
+    module.Checkpointer.resume = resume
+    metrics = _train(rank, world, the_plan, batches, options, exit_interval)
+    report = reports[0]
+    return metrics, (report.bytes if report else None)
+
+
+@pytest.fixture(scope="module")
+def full_and_batches():
+    a = plan(A)
+    batches = global_batches(a, TOTAL)
+    return run_on_ranks(a.world_size, _train, a, batches, CheckpointOptions())[0], batches
+
+
+def _save_half(tmp_path, batches, s3_uri=None, endpoint=None, async_save=False):
+    local = str(tmp_path / "local" / "{node}")
+    options = CheckpointOptions(local_dir=local, save_interval=HALF, s3_uri=s3_uri,
+                                s3_endpoint_url=endpoint, async_save=async_save)
+    first = run_on_ranks(4, _train, plan(A), batches, options, exit_interval=HALF)[0]
+    return local, first
+
+
+def _resume(local, survivors, batches, s3_uri=None, endpoint=None):
+    options = CheckpointOptions(load=local, s3_uri=s3_uri, s3_endpoint_url=endpoint)
+    results = run_on_ranks(survivors.world_size, _train_with_report, survivors, batches, options)
+    return results[0][0], [bytes_ for _, bytes_ in results]
+
+
+def _check_equal(full, first, rest):
+    resumed = first + rest
+    diffs = [max(rel(x[0], y[0]), rel(x[1], y[1])) for x, y in zip(resumed, full)]
+    assert len(resumed) == TOTAL and max(diffs) <= REL, diffs
+
+
+def _node_dir(local: str, node: str) -> Path:
+    return Path(local.replace("{node}", node))
+
+
+LOSSES = {   # lost node -> the survivors' plan (stage order, layer cuts)
+    "h20": (["a100", "h800"], [0, 4, 6]),
+    # h20 takes layers 0-2 from its own replicas; the a100 stage takes 2-6 and gets the lost
+    # h800's layers 4-6 from h20's replicas over the network
+    "h800": (["h20", "a100"], [0, 2, 6]),
+}
+
+
+@pytest.mark.parametrize("lost", list(LOSSES))
+def test_one_node_lost_recovers_from_survivors_without_s3(lost, full_and_batches, tmp_path,
+                                                          s3_endpoint, s3_uri):
+    """Every chunk the lost node held has a copy on a survivor (the other pipeline's replica),
+    so nothing is read from S3 although S3 has the step."""
+    full, batches = full_and_batches
+    endpoint, _ = s3_endpoint
+    local, first = _save_half(tmp_path, batches, s3_uri, endpoint)
+    shutil.rmtree(_node_dir(local, lost))
+    survivors = survivors_plan(*LOSSES[lost])
+    rest, per_rank = _resume(local, survivors, batches, s3_uri, endpoint)
+    _check_equal(full, first, rest)
+    assert sum(b["s3"] for b in per_rank) == 0
+    if lost == "h800":
+        assert per_rank[0]["peer"] > 0 and per_rank[1]["peer"] > 0, per_rank   # the a100 ranks
+
+
+def test_s3_serves_exactly_the_chunks_no_surviving_disk_holds(full_and_batches, tmp_path,
+                                                              s3_endpoint, s3_uri):
+    full, batches = full_and_batches
+    endpoint, _ = s3_endpoint
+    local, first = _save_half(tmp_path, batches, s3_uri, endpoint)
+    manifest = read_manifest(_node_dir(local, "h800") / step_dir_name(HALF))
+    for lost in ("a100", "h20"):
+        shutil.rmtree(_node_dir(local, lost))
+    survivors = survivors_plan(["h800"])            # one rank: it needs every chunk
+    rest, per_rank = _resume(local, survivors, batches, s3_uri, endpoint)
+    _check_equal(full, first, rest)
+    on_h800 = {name for name, f in manifest.files.items() if f.node == "h800"}
+    # everything but the per-rank RNG states (restored only into the plan that saved them)
+    lost_only = sum(copies[0].length for copies in copies_of(manifest.items, manifest.replicas)
+                    if not any(c.file in on_h800 for c in copies)
+                    and not copies[0].key.startswith(RNG_KEY))
+    assert lost_only > 0
+    assert per_rank[0]["s3"] == lost_only
+
+
+def test_async_save_and_upload_resume_exactly(full_and_batches, tmp_path, s3_endpoint, s3_uri):
+    """--async-save: the step written in the background is the one training had at the save."""
+    full, batches = full_and_batches
+    endpoint, _ = s3_endpoint
+    local, first = _save_half(tmp_path, batches, s3_uri, endpoint, async_save=True)
+    assert first == full[:HALF]
+    manifest = read_manifest(_node_dir(local, "h20") / step_dir_name(HALF))
+    for node in ("a100", "h800", "h20"):            # every disk lost: S3 alone
+        shutil.rmtree(_node_dir(local, node))
+    rest, per_rank = _resume(local, plan(A), batches, s3_uri, endpoint)
+    _check_equal(full, first, rest)
+    assert sum(b["own"] for b in per_rank) == 0
+    # each chunk downloaded once, by the first rank needing it (then passed on to the others)
+    assert sum(b["s3"] for b in per_rank) == sum(item.length for item in manifest.items)
+
+
+def test_s3_unreachable_at_save_and_at_recovery(full_and_batches, tmp_path, capfd):
+    """S3 down: saves stay local (the upload is reported, training goes on) and recovery with
+    complete local copies does not need S3."""
+    full, batches = full_and_batches
+    dead = f"http://127.0.0.1:{free_port()}"
+    local, first = _save_half(tmp_path, batches, "s3://autohet-test/down", dead)
+    out = capfd.readouterr().out
+    assert f"WARNING: upload of iteration {HALF} failed (the local checkpoint is complete" in out
+    rest, per_rank = _resume(local, plan(A), batches, "s3://autohet-test/down", dead)
+    _check_equal(full, first, rest)
+    assert "WARNING: the S3 tier is unreachable, recovering from the disks alone" in \
+        capfd.readouterr().out
+
+
+def test_failed_save_is_reported_and_the_next_interval_saves(full_and_batches, tmp_path, capfd):
+    full, batches = full_and_batches
+    save = tmp_path / "ckpt"
+    save.mkdir()
+    (save / f"{step_dir_name(HALF)}.partial").write_text("not a directory")   # blocks step 4
+    metrics = run_on_ranks(4, _train, plan(A), batches,
+                           CheckpointOptions(save=str(save), save_interval=HALF))[0]
+    assert metrics == full
+    assert f"WARNING: checkpoint of iteration {HALF} failed, training goes on" in \
+        capfd.readouterr().out
+    assert committed_steps(save) == [TOTAL]
+
+
+def test_interrupted_save_and_upload_leave_nothing_loadable(full_and_batches, tmp_path,
+                                                            s3_endpoint, s3_uri):
+    """What a writer killed mid-save leaves - iter_8.partial with some files on disk, step 8's
+    data files in S3 without a manifest - is never loaded: recovery takes step 4."""
+    from megatron_autohet.checkpoint.s3_store import S3Store
+
+    full, batches = full_and_batches
+    endpoint, _ = s3_endpoint
+    local, first = _save_half(tmp_path, batches, s3_uri, endpoint)
+    store = S3Store(s3_uri, endpoint_url=endpoint)
+    for node in ("a100", "h800", "h20"):
+        done = _node_dir(local, node) / step_dir_name(HALF)
+        partial = _node_dir(local, node) / f"{step_dir_name(TOTAL)}.partial"
+        partial.mkdir()
+        for f in sorted(done.iterdir())[:2]:
+            if f.name != MANIFEST_FILE:
+                shutil.copy(f, partial / f.name)
+                store.upload_file(f, f"{step_dir_name(TOTAL)}/{f.name}")
+    rest, _ = _resume(local, plan(A), batches, s3_uri, endpoint)
+    _check_equal(full, first, rest)
+
+
+def test_two_savers_racing_for_one_step_commit_it_once(s3_endpoint, s3_uri, tmp_path):
+    """The second manifest write for a step finds the first and backs off (IfNoneMatch)."""
+    from megatron_autohet.checkpoint.manifest import FileRecord
+
+    endpoint, _ = s3_endpoint
+
+    def race(rank, world):
+        from megatron_autohet.checkpoint.s3_store import S3Store
+        from megatron_autohet.checkpoint.upload import upload_step
+
+        store = S3Store(s3_uri, endpoint_url=endpoint)
+        results = []
+        for saver in ("first", "second"):
+            step = tmp_path / saver
+            step.mkdir()
+            for name in (".metadata", "common.pt", "metadata.json"):
+                (step / name).write_text(saver)
+            manifest = Manifest(iteration=TOTAL, items=[], plan={"saver": saver}, files={
+                name: FileRecord(name, len(saver), 0, "n") for name in
+                (".metadata", "common.pt", "metadata.json")})
+            results.append(upload_step(store, manifest, step, rank=0, keep=2))
+        stored = store.get_bytes(f"{step_dir_name(TOTAL)}/{MANIFEST_FILE}")
+        return results, Manifest.from_json(stored, "s3").plan
+
+    results, stored_plan = run_on_ranks(1, race)[0]
+    assert results == [True, False]
+    assert stored_plan == {"saver": "first"}
