@@ -41,8 +41,9 @@ import subprocess
 import sys
 import tempfile
 import time
-import warnings
 from pathlib import Path
+
+from _bench import silence_known_megatron_warnings
 
 ROOT = Path(__file__).resolve().parents[1]
 NAMESPACES = ("autohet-hapt0", "autohet-hapt1")
@@ -110,11 +111,7 @@ def link_down() -> None:
 # ---- one rank (runs inside its namespace) --------------------------------------------------------
 
 def worker(args) -> None:
-    # megatron-core's known, irrelevant warnings (Apex / Transformer Engine missing on CPU, the
-    # deprecation its own cuda_graph_scope default triggers), repeated by every rank, would bury
-    # the table; only this benchmark's workers drop them, the product keeps them.
-    for message in (r".*Apex (is|are) not installed", r"full scope is deprecated"):
-        warnings.filterwarnings("ignore", message=message, category=UserWarning)
+    silence_known_megatron_warnings()
     import torch
     import torch.distributed as dist
 

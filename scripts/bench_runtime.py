@@ -39,10 +39,11 @@ import statistics
 import sys
 import time
 import traceback
-import warnings
 from pathlib import Path
 
 from megatron_autohet.runtime.optimizer import OptimizerSettings
+
+from _bench import silence_known_megatron_warnings
 
 ROOT = Path(__file__).resolve().parents[1]
 PLANS = ROOT / "configs/plans"
@@ -57,19 +58,6 @@ OPTIMIZER = OptimizerSettings(lr=1e-3, clip_grad=1.0, lr_decay_style="constant")
 # trajectory.
 SAME_NORM_ITERS, SAME_NORM_REL, DRIFT_NORM_REL = 5, 1e-5, 1e-2
 _MEGATRON_GLOBAL = re.compile(r"^_[A-Z0-9_]+$")
-
-
-# megatron-core's warnings that are known and say nothing about this benchmark: Apex /
-# Transformer Engine missing (on CPU it falls back to torch) and the deprecation its own
-# TransformerConfig default (cuda_graph_scope "full") triggers.
-KNOWN_MEGATRON_WARNINGS = (r".*Apex (is|are) not installed", r"full scope is deprecated")
-
-
-def _silence_known_megatron_warnings() -> None:
-    """Every rank repeats those warnings (once per module), which buried the table; only the
-    benchmark's processes drop them, the product keeps them."""
-    for message in KNOWN_MEGATRON_WARNINGS:
-        warnings.filterwarnings("ignore", message=message, category=UserWarning)
 
 
 class _MegatronGlobals:
@@ -103,7 +91,7 @@ def _trainers(plan, plan_path, rank, with_stock):
 
 
 def _rank_main(rank, world, port, plan_path, with_stock, iters, data_dir, results):
-    _silence_known_megatron_warnings()
+    silence_known_megatron_warnings()
     try:
         import torch
         import torch.distributed as dist

@@ -1,0 +1,17 @@
+"""What the benchmark scripts share (imported from scripts/, the directory they run from)."""
+
+from __future__ import annotations
+
+import warnings
+
+# megatron-core's warnings that are known and say nothing about a benchmark: Apex / Transformer
+# Engine missing (on CPU it falls back to torch) and the deprecation its own TransformerConfig
+# default (cuda_graph_scope "full") triggers.
+KNOWN_MEGATRON_WARNINGS = (r".*Apex (is|are) not installed", r"full scope is deprecated")
+
+
+def silence_known_megatron_warnings() -> None:
+    """Every rank repeats those warnings (once per module), which buried the tables; only the
+    benchmarks' processes drop them, the product keeps them."""
+    for message in KNOWN_MEGATRON_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=UserWarning)
