@@ -50,15 +50,18 @@ from megatron_autohet.checkpoint.writer import SMALL_FILES
 
 @dataclass
 class RecoveryReport:
+    """Bytes per tier this rank received, the job's totals, and this rank's seconds per phase
+    (``agree``: finding and planning the step, waiting for every rank included)."""
     iteration: int
     bytes: dict[str, int] = field(default_factory=lambda: {OWN: 0, PEER: 0, S3: 0})
+    job_bytes: dict[str, int] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
 
     def line(self) -> str:
-        mib = {k: v / 2**20 for k, v in self.bytes.items()}
+        mib = {k: v / 2**20 for k, v in self.job_bytes.items()}
         secs = ", ".join(f"{k} {v:.2f} s" for k, v in self.seconds.items())
-        return (f"recovered iteration {self.iteration}: local disk {mib[OWN]:.1f} MiB, peers "
-                f"{mib[PEER]:.1f} MiB, S3 {mib[S3]:.1f} MiB ({secs})")
+        return (f"recovered iteration {self.iteration}, all ranks: local disks {mib[OWN]:.1f} "
+                f"MiB, peers {mib[PEER]:.1f} MiB, S3 {mib[S3]:.1f} MiB (rank 0: {secs})")
 
 
 @dataclass
@@ -187,7 +190,7 @@ def recover(trainer, scheduler, *, roots: list[Path], s3=None, group=None,
             raise CorruptCheckpoint("no checkpoint step can be recovered: " + " | ".join(failures))
         return None
     report = RecoveryReport(iteration)
-    report.seconds["discover"] = time.perf_counter() - start
+    report.seconds["agree"] = time.perf_counter() - start
 
     # 4. fetch: S3 downloads (each chunk once), the peer exchange, then local reads
     t = time.perf_counter()
@@ -230,6 +233,9 @@ def recover(trainer, scheduler, *, roots: list[Path], s3=None, group=None,
         report.seconds["load"] = time.perf_counter() - t
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+    everyone_bytes: list = [None] * world_size
+    dist.all_gather_object(everyone_bytes, report.bytes, group=group)
+    report.job_bytes = {tier: sum(b[tier] for b in everyone_bytes) for tier in report.bytes}
     return progress, report
 
 
