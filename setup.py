@@ -25,7 +25,8 @@ setup(
         # Megatron-LM's pretrain_gpt.py (patches/README.md): it compiles megatron-core's dataset
         # helpers with pybind11 at start-up; its training package imports triton (on CPU-only
         # machines install triton too; CUDA builds of torch bring it).
-        "megatron-lm": ["pybind11>=2.10"],
+        # psutil: megatron-core's torch_dist saver (stock Megatron-LM's --save) needs it.
+        "megatron-lm": ["pybind11>=2.10", "psutil>=5.9"],
     },
     entry_points={"console_scripts": ["autohet=megatron_autohet.cli.main:main"]},
 )

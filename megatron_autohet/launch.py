@@ -17,7 +17,8 @@ Three pieces, used by ``autohet train`` (cli/train.py):
   ``local_rank`` of this rank), picks NCCL + ``cuda:LOCAL_RANK`` when this process has a GPU and
   gloo + the CPU mode otherwise, opens the data on every rank (identical global batches), builds
   the :class:`HeteroTrainer` with megatron-core's learning-rate scheduler on its optimizer
-  (runtime/optimizer.py ``make_lr_scheduler``, stepped after every iteration) and runs
+  (runtime/optimizer.py ``make_lr_scheduler``, counting samples as Megatron-LM does, stepped
+  by the global batch size after every iteration) and runs
   ``trainer.train_iterations``, which logs each iteration from rank 0 (the trainer's metrics are
   the same on every rank), with the checkpoint hook (checkpoint/checkpointer.py) when the job
   saves or loads.
@@ -203,14 +204,17 @@ def run_worker(plan: Plan, plan_path: str | Path, model: ModelSpec, options: Tra
 
         trainer = HeteroTrainer(plan, model, rank=env.rank, seed=options.seed,
                                 optimizer=options.optimizer, plan_file=str(plan_path))
-        scheduler = make_lr_scheduler(trainer.optimizer, options.optimizer, options.iters)
+        # Counting samples, as Megatron-LM does (runtime/optimizer.py): checkpoints of this job
+        # load into the pretrain_gpt.py path and stock Megatron-LM, and theirs into this job.
+        scheduler = make_lr_scheduler(trainer.optimizer, options.optimizer, options.iters,
+                                      plan.global_batch_size)
         checkpointer = None
         if options.checkpoint.saving or options.checkpoint.load is not None:
             from megatron_autohet.checkpoint.checkpointer import Checkpointer
             checkpointer = Checkpointer(options.checkpoint, trainer, scheduler, seed=options.seed,
                                         train_args=train_args(options))
         train_iterations(trainer, batches, scheduler, train_iters=options.iters,
-                         scheduler_increment=1, log=env.rank == 0,
+                         scheduler_increment=plan.global_batch_size, log=env.rank == 0,
                          metrics_jsonl=options.metrics_jsonl, checkpointer=checkpointer,
                          exit_interval=options.exit_interval)
     finally:

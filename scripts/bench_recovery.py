@@ -578,15 +578,9 @@ def worker(args) -> None:
     settings = OptimizerSettings(lr=3e-4, min_lr=3e-5, clip_grad=1.0, lr_warmup_iters=1,
                                  lr_decay_style="cosine")
     trainer = HeteroTrainer(plan, plan.model, rank=rank, seed=SEED, optimizer=settings)
-    # Megatron-LM counts the schedule in samples (the scheduler stepped by the global batch
-    # size); older versions of make_lr_scheduler counted iterations.
-    import inspect
-    if "global_batch_size" in inspect.signature(make_lr_scheduler).parameters:
-        increment = plan.global_batch_size
-        scheduler = make_lr_scheduler(trainer.optimizer, settings, total, increment)
-    else:
-        increment = 1
-        scheduler = make_lr_scheduler(trainer.optimizer, settings, total)
+    # The schedule counts samples, as Megatron-LM's: stepped by the global batch size.
+    increment = plan.global_batch_size
+    scheduler = make_lr_scheduler(trainer.optimizer, settings, total, increment)
     endpoint = f"http://{S3_SERVER_IP[node]}:{S3_HTTP_PORT}"
     if resuming:
         options = CheckpointOptions(load=args.local, s3_uri=S3_URI, s3_endpoint_url=endpoint)

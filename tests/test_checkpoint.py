@@ -57,7 +57,7 @@ def _train(rank, world, the_plan, batches, options, exit_interval=None):
     from megatron_autohet.runtime.trainer import HeteroTrainer, train_iterations
 
     trainer = HeteroTrainer(the_plan, the_plan.model, rank=rank, seed=SEED, optimizer=OPTIMIZER)
-    scheduler = make_lr_scheduler(trainer.optimizer, OPTIMIZER, TOTAL)
+    scheduler = make_lr_scheduler(trainer.optimizer, OPTIMIZER, TOTAL, the_plan.global_batch_size)
     checkpointer = Checkpointer(options, trainer, scheduler, seed=SEED, train_args={})
     metrics = []
     original = trainer.train_step
@@ -69,7 +69,8 @@ def _train(rank, world, the_plan, batches, options, exit_interval=None):
 
     trainer.train_step = recording_step
     train_iterations(trainer, Batches(batches), scheduler, train_iters=TOTAL,
-                     scheduler_increment=1, log=False, checkpointer=checkpointer,
+                     scheduler_increment=the_plan.global_batch_size, log=False,
+                     checkpointer=checkpointer,
                      exit_interval=exit_interval)
     return metrics
 
@@ -211,3 +212,40 @@ def test_manifest_lists_every_chunk_once_with_its_checksum(uninterrupted_and_sav
     assert "optimizer.state.exp_avg.decoder.layers.self_attention.linear_qkv.weight" in keys
     assert (saved / "latest_checkpointed_iteration.txt").read_text() == str(HALF)
     assert json.loads((step / "metadata.json").read_text())["sharded_backend"] == "torch_dist"
+
+
+def test_common_pt_has_stock_megatron_lm_layout(uninterrupted_and_saved):
+    """What stock Megatron-LM's load_checkpoint reads from common.pt, read as it reads it
+    (weights_only, megatron's safe globals); tests/test_megatron_interop.py has stock load it."""
+    import argparse
+
+    import megatron.core  # noqa: F401  megatron's safe globals
+    import torch
+
+    _, _, saved = uninterrupted_and_saved
+    a = plan("tiny-two-pipelines")
+    gbs = a.global_batch_size
+    common = torch.load(saved / step_dir_name(HALF) / "common.pt", weights_only=True)
+    assert (common["checkpoint_version"], common["iteration"]) == (3.0, HALF)
+    assert common["content_metadata"] == {"singleton_local_shards": False,
+                                          "chained_optim_avoid_prefix": True}
+    args = common["args"]
+    assert isinstance(args, argparse.Namespace)
+    assert (args.num_layers, args.hidden_size, args.num_attention_heads) == (
+        a.model.num_layers, a.model.hidden_size, a.model.num_attention_heads)
+    assert args.consumed_train_samples == HALF * gbs
+    assert args.no_save_rng and not args.no_save_optim          # stock skips our RNG, loads Adam
+    assert not hasattr(args, "tensor_model_parallel_size")      # TP2 and TP1 stages: no one size
+    optimizer = common["optimizer"]
+    assert torch.equal(optimizer["state"]["common_step"], torch.tensor(float(HALF)))
+    groups = sorted(optimizer["param_groups"], key=lambda g: g["wd_mult"])
+    assert [g["wd_mult"] for g in groups] == [0.0, 1.0]
+    for group in groups:
+        assert "params" not in group
+        assert (group["lr_mult"], group["is_expert_parallel"], group["is_decoupled_lr"],
+                group["default_config"]) == (1.0, False, False, True)
+        assert (group["max_lr"], group["min_lr"]) == (OPTIMIZER.lr, OPTIMIZER.min_lr)
+    scheduler = common["opt_param_scheduler"]                  # in samples, as Megatron-LM
+    assert (scheduler["num_steps"], scheduler["lr_warmup_steps"], scheduler["lr_decay_steps"],
+            scheduler["wd_incr_steps"]) == (HALF * gbs, gbs, TOTAL * gbs, TOTAL * gbs)
+    assert common["autohet"]["plan"] == a.to_dict()

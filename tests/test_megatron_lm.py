@@ -174,8 +174,8 @@ def test_pretrain_gpt_trains_the_plan_like_autohet_train(uninterrupted, data_dir
         capture_output=True, text=True, timeout=600)
     assert plain.returncode == 0, plain.stderr[-3000:]
     reference = _metrics(ours)
-    # Same runtime, batches, seed, AdamW with weight decay; Megatron-LM's scheduler (counting
-    # samples) and ours (counting iterations) give the same learning rates.
+    # Same runtime, batches, seed, AdamW with weight decay; Megatron-LM's scheduler and ours
+    # (both counting samples) give the same learning rates.
     assert len(uninterrupted) == len(reference) == TRAIN_ITERS
     assert len({m[3] for m in uninterrupted}) == TRAIN_ITERS          # the schedule moved
     for (_, loss, norm, lr), (_, ref_loss, ref_norm, ref_lr) in zip(uninterrupted, reference):

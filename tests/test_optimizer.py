@@ -66,7 +66,7 @@ def test_no_decay_rule_is_megatron_cores(model_spec):
         assert "output_layer.weight" in decayed
 
 
-def _scheduled_rates(rank, world, settings, train_iters):
+def _scheduled_rates(rank, world, settings, train_iters, global_batch_size=8, state=None):
     import torch
 
     from megatron_autohet.runtime.optimizer import make_lr_scheduler
@@ -74,12 +74,12 @@ def _scheduled_rates(rank, world, settings, train_iters):
     param = torch.nn.Parameter(torch.ones(2))
     optimizer = torch.optim.AdamW([{"params": [param], "wd_mult": 1.0},
                                    {"params": [], "wd_mult": 0.0}], lr=1.0)
-    scheduler = make_lr_scheduler(optimizer, settings, train_iters)
+    scheduler = make_lr_scheduler(optimizer, settings, train_iters, global_batch_size)
     rates = []
     for _ in range(train_iters):
         rates.append([(g["lr"], g["weight_decay"]) for g in optimizer.param_groups])
-        scheduler.step(1)
-    return rates
+        scheduler.step(global_batch_size)
+    return (rates, scheduler.state_dict()) if state else rates
 
 
 def test_schedule_warmup_then_linear_decay_with_group_weight_decay():
@@ -93,6 +93,22 @@ def test_schedule_warmup_then_linear_decay_with_group_weight_decay():
     assert lrs == pytest.approx(expected, rel=1e-12, abs=1e-15)
     assert all(r[0][1] == 0.05 and r[1][1] == 0.0 for r in rates)   # wd * wd_mult per group
     assert all(r[0][0] == r[1][0] for r in rates)
+
+
+def test_schedule_counts_samples_with_the_rates_of_iterations():
+    """Megatron-LM's scheduler state counts samples (what a checkpoint holds and a loading
+    Megatron-LM compares with its own); the learning rates stay those of iterations: bit for bit
+    after the warm-up, within an ulp during it (megatron multiplies before it divides)."""
+    settings = OptimizerSettings(lr=2e-3, min_lr=2e-4, weight_decay=0.1, lr_warmup_iters=2,
+                                 lr_decay_style="cosine")
+    (per_sample, state), per_iteration = run_on_ranks(
+        1, lambda r, w: (_scheduled_rates(r, w, settings, 6, 12, state=True),
+                         _scheduled_rates(r, w, settings, 6, 1)))[0]
+    assert per_sample[3:] == per_iteration[3:]                       # decay: bit for bit
+    assert [x[0][0] for x in per_sample[:3]] == pytest.approx(
+        [x[0][0] for x in per_iteration[:3]], rel=1e-15)
+    assert (state["num_steps"], state["lr_warmup_steps"], state["lr_decay_steps"],
+            state["wd_incr_steps"]) == (6 * 12, 2 * 12, 6 * 12, 6 * 12)
 
 
 @pytest.mark.parametrize("changes,flag", [

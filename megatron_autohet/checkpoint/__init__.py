@@ -8,6 +8,7 @@ state           what a rank's checkpoint holds, as megatron-core sharded state d
 writer          one step: torch DCP files + common.pt + metadata.json, checksums, manifest, commit
 upload          the S3 tier of a save: main files, then the manifest once, then `latest`
 inspect         pure: what a step holds and re-hashing its chunks (`autohet checkpoint ls/verify`)
+convert         adopt a stock Megatron-LM torch_dist step: check it, copy it, write our manifest
 recovery_plan   pure: which saved chunks a rank of a new plan needs, and who serves each
 loader          the regions a rank needs; megatron-core's dist_checkpointing.load of verified chunks
 recovery        discover steps on every disk and in S3, fetch own/peers/S3, verify, stage, load

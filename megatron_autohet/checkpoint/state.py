@@ -11,16 +11,22 @@ Public API
     main or replica by the plan's owner map; ``for_load`` builds the same entries over empty
     targets for a load (the optimizer may have no state yet).
 ``common_state(trainer, scheduler, progress, *, seed, train_args) -> dict``
-    What is the same on every rank: iteration and data position, the learning-rate schedule, the
-    optimizer step and hyper-parameters, the plan and model it was saved under, the training
-    arguments. Megatron writes it once, to ``common.pt``.
+    What is the same on every rank, laid out as Megatron-LM's ``save_checkpoint`` lays out
+    ``common.pt`` (:func:`megatron_args`, ``checkpoint_version``, ``iteration``,
+    ``opt_param_scheduler`` in samples, ``optimizer`` = ``{"state": {"common_step"},
+    "param_groups"}``, ``content_metadata``, ``num_floating_point_operations_so_far``) plus our
+    own ``autohet`` entry (plan, seed, training arguments). Megatron writes it once.
+``megatron_args(plan, progress) -> argparse.Namespace``
+    The ``args`` of ``common.pt``: what Megatron-LM's ``load_checkpoint`` and
+    ``--use-checkpoint-args`` read from it.
 ``snapshot(state_dict) -> dict``
     The same entries over host copies of their tensors: what a background save writes while
     training changes the live tensors.
 ``rng_sharded_object(trainer, world_size) -> ShardedObject``
     This rank's RNG states (torch's and megatron's model-parallel streams), one per rank.
 ``apply_loaded(trainer, scheduler, loaded) -> TrainingProgress``
-    Copy a loaded state dict into the live model, optimizer and scheduler.
+    Copy a loaded state dict into the live model, optimizer and scheduler; reads our steps and
+    stock Megatron-LM's alike (the same ``common.pt`` layout).
 
 Design (why)
 ------------
@@ -44,22 +50,49 @@ Design (why)
 * RNG states are per rank and only meaningful for the same rank layout: they are restored when the
   checkpoint's plan equals the job's plan, else every rank keeps the streams seeded from the seed
   (the runtime trains with dropout 0, so no number of the loss depends on them).
+* ``common.pt`` is stock Megatron-LM's (core_v0.16.1, ``megatron/training/checkpointing.py``
+  ``generate_state_dict`` / ``load_checkpoint``), so that stock Megatron-LM (homogeneous TP x PP,
+  ``--ckpt-format torch_dist``, ``--transformer-impl local``, fp32) loads our steps and continues,
+  and our plans load stock's (tests/test_megatron_interop.py proves both):
+
+  - ``optimizer`` is what megatron-core's non-distributed fp32 optimizer
+    (``FP32Optimizer.sharded_state_dict``) leaves in the common part: the step shared by all
+    parameters as ``state.common_step``, and the parameter groups without their params. Its
+    ``load_state_dict`` matches groups by (wd_mult, lr_mult, is_expert_parallel,
+    is_decoupled_lr) and merges the list with its own groups index by index, so there are
+    exactly megatron's two dense-GPT groups (decayed, not decayed) with megatron's group fields.
+  - ``opt_param_scheduler`` counts SAMPLES, as Megatron-LM's ``get_optimizer_param_scheduler``
+    does (runtime/optimizer.make_lr_scheduler does the same): stock asserts each field equals
+    its own unless ``--use-checkpoint-opt-param-scheduler`` / ``--override-opt-param-scheduler``.
+  - ``args`` says ``no_save_rng=True``: our RNG states are per rank of a plan
+    (``autohet.rng_state``), not stock's ``rng_state`` objects, and with that flag stock skips
+    its RNG load instead of asking for objects the step does not have. TP/PP sizes are recorded
+    only when the plan has one of each (stock compares them only to decide about RNG).
+  - ``num_floating_point_operations_so_far`` is 0: stock only uses it for throughput logging.
 """
 
 from __future__ import annotations
 
+from argparse import Namespace
 from dataclasses import dataclass
 
 import torch
 
 from megatron_autohet.layout.owners import is_main_replica
 from megatron_autohet.layout.params import ParamLayout, global_param_name
+from megatron_autohet.spec.model import VOCAB_PAD_UNIT
 
 MAIN_REPLICA = (0, 0, 0)
 OTHER_REPLICA = (1, 0, 0)
 ADAM_STATE_KEYS = ("exp_avg", "exp_avg_sq")
 RNG_KEY = "autohet.rng_state"
 CHECKPOINT_VERSION = 3.0            # Megatron-LM's current checkpoint_version
+# Megatron-LM's _build_sharded_state_dict_metadata without a distributed optimizer.
+CONTENT_METADATA = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
+# The fields megatron-core's _get_param_groups gives each group of a dense model besides
+# wd_mult (one learning rate, no experts, no --decoupled-lr).
+MEGATRON_GROUP_FIELDS = {"lr_mult": 1.0, "is_expert_parallel": False, "is_decoupled_lr": False,
+                         "default_config": True}
 
 
 @dataclass(frozen=True)
@@ -110,17 +143,58 @@ def optimizer_step(trainer) -> int:
     return steps.pop() if steps else 0
 
 
+def megatron_args(plan, progress: TrainingProgress) -> Namespace:
+    """``args`` as Megatron-LM saves it, reduced to what a loading Megatron-LM reads: the model
+    dimensions (``check_checkpoint_args``, ``--use-checkpoint-args``), the data position, and
+    the flags deciding what else it loads (module docstring). Primitives only: ``common.pt`` is
+    read with ``weights_only=True``."""
+    model = plan.model
+    tps = {s.tp for p in plan.pipelines for s in p.stages}
+    depths = {len(p.stages) for p in plan.pipelines}
+    args = Namespace(
+        num_layers=model.num_layers, hidden_size=model.hidden_size,
+        ffn_hidden_size=model.ffn_hidden_size, num_attention_heads=model.num_attention_heads,
+        num_query_groups=model.num_query_groups,
+        group_query_attention=model.num_query_groups != model.num_attention_heads,
+        seq_length=plan.seq_length, max_position_embeddings=model.seq_length,
+        position_embedding_type=model.position_embedding_type, swiglu=model.gated_linear_unit,
+        untie_embeddings_and_output_weights=not model.tie_embeddings,
+        normalization=model.normalization, add_bias_linear=model.linear_biases,
+        hidden_dropout=0.0, attention_dropout=0.0,
+        make_vocab_size_divisible_by=VOCAB_PAD_UNIT, padded_vocab_size=model.padded_vocab_size(tps),
+        micro_batch_size=plan.micro_batch_size, global_batch_size=plan.global_batch_size,
+        consumed_train_samples=progress.consumed_train_samples, skipped_train_samples=0,
+        consumed_valid_samples=0, ckpt_format="torch_dist", no_save_optim=False,
+        no_save_rng=True)
+    if len(tps) == 1:
+        args.tensor_model_parallel_size = tps.pop()
+    if len(depths) == 1:
+        args.pipeline_model_parallel_size = depths.pop()
+    return args
+
+
+def _megatron_param_groups(trainer, scheduler) -> list[dict]:
+    """The optimizer's groups as megatron-core's optimizer saves them (no params)."""
+    groups = []
+    for group in trainer.optimizer.param_groups:
+        fields = {k: v for k, v in group.items() if k != "params"}
+        groups.append({**MEGATRON_GROUP_FIELDS, "max_lr": scheduler.max_lr,
+                       "min_lr": scheduler.min_lr, **fields})
+    return groups
+
+
 def common_state(trainer, scheduler, progress: TrainingProgress, *, seed: int,
                  train_args: dict) -> dict:
-    groups = [{k: v for k, v in group.items() if k != "params"}
-              for group in trainer.optimizer.param_groups]
+    step = optimizer_step(trainer)
     return {
+        "args": megatron_args(trainer.plan, progress),
         "checkpoint_version": CHECKPOINT_VERSION,
         "iteration": progress.iteration,
-        "consumed_train_samples": progress.consumed_train_samples,
+        "num_floating_point_operations_so_far": 0,
         "opt_param_scheduler": scheduler.state_dict(),
-        "optimizer_step": optimizer_step(trainer),
-        "optimizer_param_groups": groups,
+        "optimizer": {"state": {"common_step": torch.tensor(float(step))} if step else {},
+                      "param_groups": _megatron_param_groups(trainer, scheduler)},
+        "content_metadata": dict(CONTENT_METADATA),
         "autohet": {"plan": trainer.plan.to_dict(), "seed": seed, "train_args": train_args},
     }
 
@@ -146,16 +220,30 @@ def rng_sharded_object(trainer, world_size: int):
     return ShardedObject(RNG_KEY, states, (world_size,), (rank,), replica_id=MAIN_REPLICA)
 
 
+def loaded_optimizer_step(optimizer_common: dict) -> int:
+    """The step of a loaded ``common.pt`` ``optimizer`` entry: megatron-core's ``common_step``
+    (torch's Adam keeps a step per parameter, saved once), else the step TE's / Apex's fused Adam
+    keep per group (GPU runs of stock Megatron-LM), else 0 (saved before any step)."""
+    common = optimizer_common.get("state", {}).get("common_step")
+    if common is not None:
+        return int(common)
+    steps = {int(g["step"]) for g in optimizer_common.get("param_groups", []) if "step" in g}
+    if len(steps) > 1:
+        raise RuntimeError(f"parameter groups are at different optimizer steps {sorted(steps)}")
+    return steps.pop() if steps else 0
+
+
 @torch.no_grad()
 def apply_loaded(trainer, scheduler, loaded: dict) -> TrainingProgress:
     """Copy ``loaded`` (the result of a load of :func:`rank_sharded_state_dict` plus the common
-    state) into the live model, optimizer and scheduler."""
+    state, ours or stock Megatron-LM's) into the live model, optimizer and scheduler. The
+    hyper-parameters stay the job's: the scheduler's own check refuses a different schedule."""
     from megatron.core import tensor_parallel
 
     named = dict(trainer.model.named_parameters())
     for name, param in named.items():
         param.copy_(loaded["model"][name])
-    step = torch.tensor(float(loaded["optimizer_step"]), dtype=torch.float32)
+    step = torch.tensor(float(loaded_optimizer_step(loaded["optimizer"])), dtype=torch.float32)
     for name, param in named.items():
         trainer.optimizer.state[param] = {
             "step": step.clone(),
@@ -166,5 +254,6 @@ def apply_loaded(trainer, scheduler, loaded: dict) -> TrainingProgress:
     if rng is not None:
         torch.set_rng_state(rng["torch"])
         tensor_parallel.get_cuda_rng_tracker().set_states(rng["model_parallel"])
-    return TrainingProgress(iteration=int(loaded["iteration"]),
-                            consumed_train_samples=int(loaded["consumed_train_samples"]))
+    return TrainingProgress(
+        iteration=int(loaded["iteration"]),
+        consumed_train_samples=int(getattr(loaded.get("args"), "consumed_train_samples", 0)))

@@ -88,7 +88,7 @@ def _dcp_save(state_dict: dict, directory: Path, group) -> "object":
                     planner=MCoreSavePlanner(flatten_state_dict=False), process_group=group)
 
 
-def _own_items(metadata, directory: Path, rank: int,
+def own_items(metadata, directory: Path, rank: int,
                node: str) -> tuple[list[ItemRecord], list[FileRecord]]:
     """SHA-256 of every chunk in this rank's data files (DCP names them ``__<rank>_<i>``)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -255,7 +255,7 @@ def write_step(state_dict: dict, common: dict, *, iteration: int, plan, rank: in
             (staged / "common.pt").write_bytes(buffer.getvalue())
             save_config(CheckpointingConfig("torch_dist", 1), str(staged))
             small = {name: (staged / name).read_bytes() for name in SMALL_FILES}
-        return _own_items(metadata, staged, rank, node), small
+        return own_items(metadata, staged, rank, node), small
 
     # Main chunks: hashed by their writers and gathered, so every rank knows the manifest and
     # plans the replicas the same way.

@@ -27,9 +27,11 @@ ENDPOINT_HELP = ("S3 endpoint for an s3:// location (MinIO, moto, ...); default:
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
-        "checkpoint", help="list checkpoint steps, verify their SHA-256 checksums",
+        "checkpoint", help="list checkpoint steps, verify their SHA-256 checksums, adopt a "
+                           "stock Megatron-LM step",
         description="Inspect checkpoints written by `autohet train --save/--autohet-local-ckpt-"
-                    "dir` or uploaded to S3, without loading them (no torch, no GPU).")
+                    "dir` or uploaded to S3, without loading them (no torch, no GPU); convert a "
+                    "stock Megatron-LM torch_dist step into one of ours.")
     actions = p.add_subparsers(dest="action", metavar="ACTION", required=True)
 
     ls = actions.add_parser(
@@ -63,6 +65,7 @@ def register(subparsers) -> None:
                              "newest with a manifest: the one a job would load)")
     verify.add_argument(ENDPOINT, default=None, metavar="URL", help=ENDPOINT_HELP)
     verify.set_defaults(func=run_verify)
+    add_convert_action(actions)
 
 
 # ---- locations -------------------------------------------------------------------------------
@@ -203,3 +206,33 @@ def run_verify(args) -> int:
         print_report(report)
         ok = ok and report.ok
     return 0 if ok else 1
+
+
+def add_convert_action(actions) -> None:
+    convert = actions.add_parser(
+        "convert", help="adopt a stock Megatron-LM torch_dist checkpoint step (write our manifest)",
+        description="Check that a step of stock Megatron-LM (--ckpt-format torch_dist) is "
+                    "complete, copy it to OUT_DIR, hash every chunk of the copy (SHA-256) and "
+                    "commit it with our manifest, so that `autohet train --load OUT_DIR` (any "
+                    "plan), `autohet checkpoint ls/verify` and the S3 tier accept it. The stock "
+                    "directory is not modified.")
+    convert.add_argument("stock_dir", metavar="STOCK_DIR",
+                         help="stock Megatron-LM's --save directory (holding iter_NNNNNNN/)")
+    convert.add_argument("out_dir", metavar="OUT_DIR",
+                         help="where the converted step goes (iter_NNNNNNN/ + "
+                              "latest_checkpointed_iteration.txt); not STOCK_DIR")
+    convert.add_argument("--iteration", type=int, default=None, metavar="N",
+                         help="the step to convert (default: the one "
+                              "latest_checkpointed_iteration.txt names)")
+    convert.set_defaults(func=run_convert)
+
+
+def run_convert(args) -> int:
+    from megatron_autohet.checkpoint.convert import convert_step
+
+    manifest = convert_step(args.stock_dir, args.out_dir, iteration=args.iteration)
+    print(f"converted iteration {manifest.iteration} of {args.stock_dir} "
+          f"({manifest.extra['megatron_lm']}): {len(manifest.items)} chunks in "
+          f"{len(manifest.files)} files ({manifest.total_bytes / 2**20:.1f} MiB) hashed and "
+          f"committed to {Path(args.out_dir) / ('iter_%07d' % manifest.iteration)}")
+    return 0

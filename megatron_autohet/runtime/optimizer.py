@@ -12,9 +12,10 @@ Public API
 ``make_optimizer(model, layouts, settings) -> torch.optim.AdamW``
     The optimizer of the single-process reference, of ``HeteroTrainer`` and of the Megatron-LM
     path: two parameter groups, ``wd_mult`` 1.0 (decayed) and 0.0 (not decayed).
-``make_lr_scheduler(optimizer, settings, train_iters) -> OptimizerParamScheduler``
-    megatron-core's own scheduler driving that optimizer, stepped once per iteration
-    (``scheduler.step(1)`` after ``optimizer.step()``, as Megatron-LM's ``train_step`` does).
+``make_lr_scheduler(optimizer, settings, train_iters, global_batch_size)``
+    megatron-core's ``OptimizerParamScheduler`` driving that optimizer, counting SAMPLES as
+    Megatron-LM's ``get_optimizer_param_scheduler`` does: ``scheduler.step(global_batch_size)``
+    after each ``optimizer.step()``, as Megatron-LM's ``train_step`` does.
 
 Design (why)
 ------------
@@ -40,10 +41,19 @@ Design (why)
   (ours here, or Megatron-LM's ``get_optimizer_param_scheduler`` on the ``pretrain_gpt.py`` path)
   writes ``weight_decay = wd * wd_mult`` and the scheduled ``lr`` into them; there is no second
   scheduler. ``make_lr_scheduler`` is ``get_optimizer_param_scheduler`` for iteration-based
-  training in iteration units (Megatron counts samples; with a fixed global batch the ratios, and
-  so the learning rates, are the same), with Megatron's defaults: warm-up from
-  ``--lr-warmup-init`` 0, constant weight decay. The group's initial ``weight_decay`` is already
-  ``wd * wd_mult``, so the optimizer is right even before a scheduler touches it.
+  training (``--train-iters``), with Megatron's defaults: warm-up from ``--lr-warmup-init`` 0,
+  constant weight decay. The group's initial ``weight_decay`` is already ``wd * wd_mult``, so the
+  optimizer is right even before a scheduler touches it.
+* Samples, not iterations: the scheduler's state is part of every checkpoint, and Megatron-LM
+  (stock, and the ``pretrain_gpt.py --autohet-plan`` path) counts every step count of it in
+  samples (``num_steps = iteration * global_batch_size``, warm-up, decay and weight-decay
+  lengths likewise) and asserts on load that they equal its own. Counting the same way makes one
+  checkpoint format serve ``autohet train``, the Megatron-LM path and stock Megatron-LM, and the
+  learning rates are bit for bit stock Megatron-LM's. They are those of iteration units: after
+  the warm-up bit for bit (the decay is a function of ``(k * B) / (n * B)``, a correctly rounded
+  quotient of exact integers, so ``k / n``); during the warm-up megatron computes
+  ``lr * (k * B) / (w * B)`` product first, which for a global batch size B that is not a power
+  of two may differ from ``lr * k / w`` in the last bit.
 * The learning rate a log line shows is the one in the optimizer after the iteration's scheduler
   step, as Megatron-LM's ``training_log`` shows it (the rate of the next iteration).
 """
@@ -130,15 +140,20 @@ def make_optimizer(model, layouts: dict, settings: OptimizerSettings):
         weight_decay=settings.weight_decay)
 
 
-def make_lr_scheduler(optimizer, settings: OptimizerSettings, train_iters: int):
-    """megatron-core's OptimizerParamScheduler for ``train_iters`` iterations of ``settings``;
-    sets the first iteration's learning rate now, ``step(1)`` after each optimizer step."""
+def make_lr_scheduler(optimizer, settings: OptimizerSettings, train_iters: int,
+                      global_batch_size: int):
+    """megatron-core's OptimizerParamScheduler for ``train_iters`` iterations of
+    ``global_batch_size`` samples, counting samples (module docstring); sets the first
+    iteration's learning rate now, ``step(global_batch_size)`` after each optimizer step."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     settings.validate(train_iters)
+    if global_batch_size < 1:
+        raise ValueError(f"global_batch_size must be >= 1, got {global_batch_size}")
     return OptimizerParamScheduler(
         optimizer, init_lr=LR_WARMUP_INIT, max_lr=settings.lr, min_lr=settings.min_lr,
-        lr_warmup_steps=settings.lr_warmup_iters,
-        lr_decay_steps=settings.decay_iters(train_iters), lr_decay_style=settings.lr_decay_style,
-        start_wd=settings.weight_decay, end_wd=settings.weight_decay, wd_incr_steps=train_iters,
+        lr_warmup_steps=settings.lr_warmup_iters * global_batch_size,
+        lr_decay_steps=settings.decay_iters(train_iters) * global_batch_size,
+        lr_decay_style=settings.lr_decay_style, start_wd=settings.weight_decay,
+        end_wd=settings.weight_decay, wd_incr_steps=train_iters * global_batch_size,
         wd_incr_style="constant")

@@ -127,7 +127,7 @@ def _train(model_spec, global_batches, micro_batch_size, seed, settings, padded_
     params = list(model.parameters())
     layouts = param_layouts(model, state)
     optimizer = make_optimizer(model, layouts, settings)
-    scheduler = make_lr_scheduler(optimizer, settings, len(global_batches))
+    scheduler = make_lr_scheduler(optimizer, settings, len(global_batches), global_size)
     steps = []
     for global_batch in global_batches:
         for param in params:
@@ -145,7 +145,7 @@ def _train(model_spec, global_batches, micro_batch_size, seed, settings, padded_
             clip_grad_by_total_norm_fp32(params, settings.clip_grad, grad_norm)
         learning_rate = optimizer.param_groups[0]["lr"]
         optimizer.step()
-        scheduler.step(1)
+        scheduler.step(global_size)            # megatron counts samples
         steps.append(ReferenceStep(loss=total / num_microbatches, grad_norm=grad_norm,
                                    learning_rate=learning_rate))
     if final_params is not None:

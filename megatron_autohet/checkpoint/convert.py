@@ -1,0 +1,173 @@
+"""Adopting a stock Megatron-LM torch_dist step (``autohet checkpoint convert STOCK_DIR OUT_DIR``).
+
+Stock Megatron-LM (core_v0.16.1, ``--ckpt-format torch_dist``) and our plans write the same
+files - DCP data files and ``.metadata``, megatron's ``common.pt`` (the same layout,
+checkpoint/state.py) and ``metadata.json`` - so the bytes load as they are. What a stock step lacks
+is our manifest (checkpoint/manifest.py), and a step without one does not exist for recovery.
+:func:`convert_step` writes it, once, into a copy:
+
+1. Find the step: ``STOCK_DIR`` is Megatron-LM's ``--save`` directory; the step is the one its
+   ``latest_checkpointed_iteration.txt`` names, or ``--iteration N``.
+2. Check it is a complete torch_dist step before anything is copied: ``metadata.json`` says
+   ``torch_dist``; ``.metadata`` (DCP's index) and ``common.pt`` are there; ``common.pt`` loads
+   with ``weights_only=True`` and holds Megatron-LM's ``iteration`` (the directory's),
+   ``args``, ``opt_param_scheduler`` and ``optimizer``; every data file the index names exists
+   and holds every byte range the index gives it. Stock writes a step in place and has no commit
+   marker, so this is how a half-written step (an interrupted save) is refused.
+3. Copy the step's files into ``OUT_DIR/iter_N.partial``, hash every chunk of the COPIES (SHA-256
+   per DCP item, the function a save uses: checkpoint/writer.py) and the small files, write the
+   manifest and commit as a save does (rename to ``iter_N``, ``latest_checkpointed_iteration.txt``).
+   The stock directory is left untouched; from then on ``autohet checkpoint ls/verify``, the S3
+   tier and ``autohet train --load OUT_DIR`` treat the step as one of ours.
+
+Why a conversion step rather than loading a stock step directly: recovery never deserializes a
+byte it has not checked against the manifest's SHA-256, and plans its reads, the peer exchange
+and S3 downloads from the manifest's chunk index. A direct load would have to give up both for
+stock steps (no checksums exist to check against, nothing says the step is complete). A one-time
+conversion keeps every load verified, and does its completeness checks where a person sees them.
+
+The manifest's ``plan`` describes the stock job (``cluster`` "megatron-lm (TP.. x PP.. x DP..)",
+its ranks, its sizes also in ``extra``): it never equals a plan of ours, so recovery leaves our
+RNG restore out (stock's ``rng_state`` objects are not ours), and the resume maps stock's
+``common.pt`` like ours (checkpoint/state.py ``apply_loaded``: iteration, ``common_step``,
+the scheduler in samples, ``args.consumed_train_samples``).
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+
+from megatron_autohet.errors import ConfigError
+
+STOCK_NODE = "megatron-lm"          # the manifest's node of every file: one shared --save dir
+_WRITER = re.compile(r"^__(\d+)_\d+\.distcp$")
+
+
+def _bad(field: str, problem: str, allowed: str | None = None) -> ConfigError:
+    return ConfigError("<command line>", field, problem, allowed)
+
+
+def _step_dir(stock_root: Path, iteration: int | None) -> tuple[Path, int]:
+    from megatron_autohet.checkpoint.manifest import LATEST_FILE, step_dir_name
+
+    if not stock_root.is_dir():
+        raise _bad("STOCK_DIR", f"{stock_root}: no such directory")
+    field = "STOCK_DIR" if iteration is None else "--iteration"
+    if iteration is None:
+        latest = stock_root / LATEST_FILE
+        text = latest.read_text().strip() if latest.is_file() else ""
+        if not text.isdigit():
+            raise _bad("STOCK_DIR", f"{latest}: missing or not an iteration (a 'release' "
+                       "checkpoint has no training state to resume)",
+                       "Megatron-LM's --save directory, or --iteration N")
+        iteration = int(text)
+    step = stock_root / step_dir_name(iteration)
+    if not step.is_dir():
+        raise _bad(field, f"{step}: no such step directory")
+    return step, iteration
+
+
+def _check_common(step: Path, iteration: int) -> dict:
+    """common.pt as Megatron-LM reads it (weights_only, megatron's safe globals)."""
+    import torch
+
+    import megatron.core  # noqa: F401  registers megatron's safe globals (argparse.Namespace...)
+
+    try:
+        common = torch.load(step / "common.pt", map_location="cpu", weights_only=True)
+    except Exception as err:                  # unpickling refused or a torn file: say which
+        raise _bad("STOCK_DIR", f"{step / 'common.pt'}: not readable with "
+                   f"weights_only=True ({type(err).__name__}: {err})") from err
+    missing = [k for k in ("iteration", "args", "opt_param_scheduler", "optimizer")
+               if k not in common]
+    if missing:
+        raise _bad("STOCK_DIR", f"{step / 'common.pt'} lacks {', '.join(missing)}",
+                   "a training checkpoint of Megatron-LM (not --no-save-optim, not a release)")
+    if common["iteration"] != iteration:
+        raise _bad("STOCK_DIR", f"{step / 'common.pt'} is of iteration {common['iteration']}, "
+                   f"its directory says {iteration}")
+    return common
+
+
+def _check_files(step: Path) -> object:
+    """The step's DCP index; every byte range it names must be in its data file."""
+    import json
+
+    from torch.distributed.checkpoint import FileSystemReader
+
+    for name in (".metadata", "common.pt", "metadata.json"):
+        if not (step / name).is_file():
+            raise _bad("STOCK_DIR", f"{step / name}: missing (an interrupted or non-torch_dist "
+                       "save)", "a complete --ckpt-format torch_dist step")
+    backend = json.loads((step / "metadata.json").read_text()).get("sharded_backend")
+    if backend != "torch_dist":
+        raise _bad("STOCK_DIR", f"{step / 'metadata.json'}: sharded_backend {backend!r}",
+                   "torch_dist")
+    metadata = FileSystemReader(str(step)).read_metadata()
+    ends: dict[str, int] = {}
+    for info in metadata.storage_data.values():
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    for name, end in sorted(ends.items()):
+        path = step / name
+        if not _WRITER.match(name):
+            raise _bad("STOCK_DIR", f"{path}: a data file name this command does not know",
+                       "DCP's __<rank>_<n>.distcp files")
+        if not path.is_file() or path.stat().st_size < end:
+            raise _bad("STOCK_DIR", f"{path}: missing or shorter than its {end} indexed bytes "
+                       "(an interrupted save)")
+    return metadata
+
+
+def _stock_layout(common: dict) -> dict:
+    args = common["args"]
+    return {key: getattr(args, key, None) for key in (
+        "tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size",
+        "world_size")}
+
+
+def convert_step(stock_dir, out_dir, *, iteration: int | None = None):
+    """Check, copy, hash and commit one stock step (module docstring); returns our Manifest."""
+    from megatron_autohet.checkpoint.manifest import (MANIFEST_FILE, FileRecord, Manifest,
+                                                      commit_step_dir, partial_dir, sha256_file,
+                                                      write_atomic)
+    from megatron_autohet.checkpoint.writer import SMALL_FILES, own_items
+
+    stock_root, out_root = Path(stock_dir), Path(out_dir)
+    if out_root.resolve() == stock_root.resolve():
+        raise _bad("OUT_DIR", f"{out_root} is STOCK_DIR", "another directory (the stock step "
+                   "stays as Megatron-LM wrote it)")
+    step, iteration = _step_dir(stock_root, iteration)
+    metadata = _check_files(step)
+    common = _check_common(step, iteration)
+    data_files = sorted({info.relative_path for info in metadata.storage_data.values()})
+
+    staged = partial_dir(out_root, iteration)
+    if staged.exists():
+        shutil.rmtree(staged)
+    staged.mkdir(parents=True)
+    for name in [*SMALL_FILES, *data_files]:
+        shutil.copyfile(step / name, staged / name)
+    writers = sorted({int(_WRITER.match(name).group(1)) for name in data_files})
+    items, files = [], {}
+    for rank in writers:
+        rank_items, rank_files = own_items(metadata, staged, rank, STOCK_NODE)
+        items += rank_items
+        files.update({f.name: f for f in rank_files})
+    for name in SMALL_FILES:
+        files[name] = FileRecord(name=name, size=(staged / name).stat().st_size, rank=0,
+                                 node=STOCK_NODE, sha256=sha256_file(staged / name))
+    layout = _stock_layout(common)
+    world = max(layout["world_size"] or 0, writers[-1] + 1 if writers else 1)
+    tp, pp, dp = (layout[k] or 1 for k in ("tensor_model_parallel_size",
+                                           "pipeline_model_parallel_size", "data_parallel_size"))
+    # Plan-shaped for `autohet checkpoint ls` (ranks, one pipeline per data-parallel replica);
+    # never equal to a plan of ours, so recovery does not restore RNG states from it.
+    plan = {"cluster": f"{STOCK_NODE} (TP{tp} x PP{pp} x DP{dp})", "pipelines": [{}] * dp,
+            "ranks": [{"rank": r, "node": STOCK_NODE} for r in range(world)]}
+    manifest = Manifest(iteration=iteration, files=files, items=items, plan=plan,
+                        extra={"converted_from": str(step.resolve()), "megatron_lm": layout})
+    write_atomic(staged / MANIFEST_FILE, manifest.to_json())
+    commit_step_dir(out_root, iteration)
+    return manifest
