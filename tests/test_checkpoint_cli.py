@@ -323,3 +323,28 @@ def test_s3_unreachable_endpoint_is_one_line_and_exit_2(capsys, s3_endpoint, s3_
         f"autohet checkpoint: error: <command line>: field 'DIR_OR_S3URI': S3 get "
         f"{s3_uri}/{LATEST_FILE} failed: Could not connect to the endpoint URL: "
         f"\"{url}/{s3_uri.removeprefix('s3://')}/{LATEST_FILE}\""]
+
+
+# ---- convert --------------------------------------------------------------------------------------
+
+def test_convert_adopts_a_torch_dist_step_and_keeps_its_bytes(capsys, shared, tmp_path):
+    """Our own steps are torch_dist steps in stock Megatron-LM's layout, so `convert` must take
+    one as it takes stock's (tests/test_megatron_interop.py runs a real stock one): every chunk
+    of the copy hashes as the original manifest says, and `verify` passes on the result."""
+    out = tmp_path / "adopted"
+    step = shared / step_dir_name(HALF)
+    original = {item.region: item.sha256 for item in read_manifest(step).items}
+    (step / MANIFEST_FILE).unlink()                     # as stock writes a step: no manifest
+    rc, stdout, _ = run_cli(capsys, "checkpoint", "convert", shared, out)
+    assert rc == 0 and stdout.startswith(f"converted iteration {HALF} of {shared}")
+    converted = read_manifest(out / step_dir_name(HALF))
+    assert {item.region: item.sha256 for item in converted.items} == original
+    assert run_cli(capsys, "checkpoint", "verify", out)[0] == 0
+    assert (out / LATEST_FILE).read_text() == str(HALF)
+
+
+def test_convert_bad_input_is_one_line_and_exit_2(capsys, tmp_path):
+    missing = tmp_path / "nothing"
+    expect_usage_error(capsys, ["checkpoint", "convert", missing, tmp_path / "out"],
+                       f"autohet checkpoint: error: <command line>: field 'STOCK_DIR': {missing}: "
+                       "no such directory")
