@@ -548,6 +548,20 @@ def _counters(devices: dict[str, str]) -> dict:
     return out
 
 
+def _time_calls(owner, name: str, record: dict, key: str) -> None:
+    """Wrap ``owner.name`` so that ``record[key]`` sums the seconds its calls take (the product's
+    own timings do not split these phases out)."""
+    original = getattr(owner, name)
+
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        result = original(*args, **kwargs)
+        record[key] = record.get(key, 0.0) + time.perf_counter() - start
+        return result
+
+    setattr(owner, name, timed)
+
+
 def worker(args) -> None:
     silence_known_megatron_warnings()
     from datetime import timedelta
@@ -604,24 +618,8 @@ def worker(args) -> None:
 
     trainer.train_step = timed_step
     saves, current = [], {}
-    original_snapshot = ckpt_module.snapshot
-
-    def timed_snapshot(state_dict):
-        start = time.perf_counter()
-        result = original_snapshot(state_dict)
-        current["copy_s"] = time.perf_counter() - start
-        return result
-
-    ckpt_module.snapshot = timed_snapshot
-    original_build = ckpt_module.rank_sharded_state_dict
-
-    def timed_build(*a, **k):
-        start = time.perf_counter()
-        result = original_build(*a, **k)
-        current["build_s"] = current.get("build_s", 0.0) + time.perf_counter() - start
-        return result
-
-    ckpt_module.rank_sharded_state_dict = timed_build
+    _time_calls(ckpt_module, "snapshot", current, "copy_s")
+    _time_calls(ckpt_module, "rank_sharded_state_dict", current, "build_s")
     original_wait, original_save = Checkpointer.wait, Checkpointer.save
 
     def timed_wait(self):
@@ -669,15 +667,7 @@ def worker(args) -> None:
         return result
 
     recovery_module._exchange = counted_exchange
-    original_verify = recovery_module._verify_local_files
-
-    def timed_verify(*a, **k):
-        start = time.perf_counter()
-        result = original_verify(*a, **k)
-        out["verify_local_s"] = time.perf_counter() - start
-        return result
-
-    recovery_module._verify_local_files = timed_verify
+    _time_calls(recovery_module, "_verify_local_files", out, "verify_local_s")
     original_resume = checkpointer.resume
 
     def timed_resume():
