@@ -348,3 +348,29 @@ def test_convert_bad_input_is_one_line_and_exit_2(capsys, tmp_path):
     expect_usage_error(capsys, ["checkpoint", "convert", missing, tmp_path / "out"],
                        f"autohet checkpoint: error: <command line>: field 'STOCK_DIR': {missing}: "
                        "no such directory")
+
+
+# ---- autohet train --load: the resume is checked before any process starts --------------------
+
+def test_resume_with_another_schedule_or_global_batch_is_refused(capsys, shared):
+    """megatron-core's scheduler would take the checkpoint's values and ignore the flags."""
+    from megatron_autohet.cli.train import check_resume
+    from megatron_autohet.plan import load_plan
+    from test_checkpoint import OPTIMIZER, PLANS
+
+    step = shared / step_dir_name(HALF)
+    train = ["train", "--plan", PLANS / "tiny-two-pipelines.yaml",
+             "--model", PLANS.parents[0] / "models" / "tiny.yaml", "--iters", TOTAL,
+             "--load", shared]
+    expect_usage_error(capsys, train + ["--lr", "1e-3"],
+                       "autohet train: error: <command line>: field '--lr': this run's "
+                       f"learning-rate schedule has max_lr 0.001, {step} was trained with 0.003 "
+                       "(allowed: the checkpoint's flags (the schedule continues where it "
+                       "stopped))")
+    other_batch = PLANS / "tiny-three-pipelines.yaml"
+    expect_usage_error(capsys, train[:2] + [other_batch] + train[3:],
+                       "autohet train: error: <command line>: field '--plan': global batch 12, "
+                       f"but {step} was trained with 8 (allowed: a plan with the checkpoint's "
+                       "global batch (a resume continues the same sequence of global batches))")
+    same = CheckpointOptions(load=str(shared))
+    check_resume(same, load_plan(PLANS / "tiny-homogeneous.yaml"), OPTIMIZER, TOTAL)  # accepted

@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from megatron_autohet.checkpoint.manifest import (LATEST_FILE, MANIFEST_FILE, PARTIAL_SUFFIX,
-                                                  ItemRecord, Manifest, parse_step_dir_name,
+                                                  ItemRecord, Manifest, committed_steps,
+                                                  parse_step_dir_name, read_manifest,
                                                   sha256_bytes, step_dir_name)
 
 MISMATCH = "sha256 mismatch"
@@ -114,6 +115,27 @@ def _uncommitted(where: str, iteration: int, sizes: dict[str, int], reason: str)
 def _latest(raw: bytes | None) -> int | None:
     text = raw.decode(errors="replace").strip() if raw is not None else ""
     return int(text) if text.isdigit() else None
+
+
+def existing_dirs(location: str) -> list[Path]:
+    """The directory if it exists, or every existing directory a ``{node}`` template matches."""
+    import glob
+
+    if "{node}" not in location:
+        return [Path(location)] if Path(location).is_dir() else []
+    pattern = "*".join(glob.escape(part) for part in location.split("{node}"))
+    return sorted(Path(p) for p in glob.glob(pattern) if Path(p).is_dir())
+
+
+def newest_manifest(location: str) -> tuple[Path, Manifest] | None:
+    """The newest committed step under ``location`` (``{node}`` allowed) and its manifest."""
+    found = [(iteration, root) for root in existing_dirs(location)
+             for iteration in committed_steps(root)]
+    if not found:
+        return None
+    iteration, root = max(found)
+    step = root / step_dir_name(iteration)
+    return step, read_manifest(step)
 
 
 def list_local(root: str | Path) -> list[StepInfo]:

@@ -275,8 +275,10 @@ def write_step(state_dict: dict, common: dict, *, iteration: int, plan, rank: in
         group, "writing replicas")
     replicas = [item for items, _ in written for item in items]
     all_files.update({f.name: f for _, files in written for f in files})
+    # The schedule is in the manifest too, so a resume can be checked without torch.
     manifest = Manifest(iteration=iteration, files=all_files, items=all_items,
-                        plan=plan.to_dict(), replicas=replicas)
+                        plan=plan.to_dict(), replicas=replicas,
+                        extra={"opt_param_scheduler": common.get("opt_param_scheduler")})
 
     def commit():
         if dirs.is_leader(rank):

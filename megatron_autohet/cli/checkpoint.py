@@ -6,7 +6,6 @@ Torch-free (checkpoint/inspect.py; boto3 only for an s3:// location), so both an
 
 from __future__ import annotations
 
-import glob
 import json
 from dataclasses import asdict
 from functools import partial
@@ -72,16 +71,13 @@ def register(subparsers) -> None:
 
 def local_roots(location: str) -> list[Path]:
     """The directory, or every existing directory the ``{node}`` template matches."""
-    if "{node}" not in location:
-        if not Path(location).is_dir():
-            raise ConfigError("<command line>", LOCATION, f"{location}: no such directory",
-                              LOCATION_ALLOWED)
-        return [Path(location)]
-    pattern = "*".join(glob.escape(part) for part in location.split("{node}"))
-    roots = sorted(Path(p) for p in glob.glob(pattern) if Path(p).is_dir())
+    from megatron_autohet.checkpoint.inspect import existing_dirs
+
+    roots = existing_dirs(location)
     if not roots:
-        raise ConfigError("<command line>", LOCATION, f"no directory matches {location}",
-                          LOCATION_ALLOWED)
+        problem = (f"{location}: no such directory" if "{node}" not in location
+                   else f"no directory matches {location}")
+        raise ConfigError("<command line>", LOCATION, problem, LOCATION_ALLOWED)
     return roots
 
 

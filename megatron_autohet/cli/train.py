@@ -14,6 +14,7 @@ import argparse
 
 from megatron_autohet.checkpoint.options import DEFAULT_KEEP, CheckpointOptions
 from megatron_autohet.cli._common import check_output_path, positive
+from megatron_autohet.errors import ConfigError
 from megatron_autohet.runtime.optimizer import LR_DECAY_STYLES, OptimizerSettings
 
 _WORKER_FLAGS: list[tuple[str, str]] = []     # (dest, option string) forwarded to each rank
@@ -120,6 +121,7 @@ def run(args: argparse.Namespace) -> int:
     checkpoint = checkpoint_options(args)
     positive(args.exit_interval, "--exit-interval")
     plan, model = load_job(args.plan, args.model)
+    check_resume(checkpoint, plan, optimizer, args.iters)
     env = DistEnv.from_environ()
     if env is None:
         return launch_local(plan, worker_argv(args), gpus_available=_gpu_count())
@@ -143,6 +145,34 @@ def checkpoint_options(args: argparse.Namespace) -> CheckpointOptions:
                              local_dir=args.autohet_local_ckpt_dir, keep=args.autohet_keep_ckpts,
                              async_save=args.async_save, s3_uri=args.autohet_s3_uri,
                              s3_endpoint_url=args.autohet_s3_endpoint_url).validate()
+
+
+def check_resume(checkpoint: CheckpointOptions, plan, optimizer: OptimizerSettings,
+                 iters: int) -> None:
+    """Before any process starts: the newest step ``--load`` holds on this machine continues
+    only with the same global batch and learning-rate schedule (megatron-core's scheduler would
+    otherwise take the checkpoint's values and silently ignore the flags)."""
+    from megatron_autohet.checkpoint.inspect import newest_manifest
+    from megatron_autohet.runtime.optimizer import SCHEDULE_FLAGS, schedule_fields
+
+    found = newest_manifest(checkpoint.load) if checkpoint.load else None
+    if found is None:
+        return
+    step, manifest = found
+    saved_batch = manifest.plan.get("global_batch_size")
+    if saved_batch is not None and saved_batch != plan.global_batch_size:
+        raise ConfigError("<command line>", "--plan", f"global batch {plan.global_batch_size}, "
+                          f"but {step} was trained with {saved_batch}",
+                          "a plan with the checkpoint's global batch (a resume continues the "
+                          "same sequence of global batches)")
+    saved = manifest.extra.get("opt_param_scheduler") or {}
+    wanted = schedule_fields(optimizer, iters, plan.global_batch_size)
+    for field, value in wanted.items():
+        if field in saved and saved[field] != value:
+            raise ConfigError("<command line>", SCHEDULE_FLAGS[field],
+                              f"this run's learning-rate schedule has {field} {value}, "
+                              f"{step} was trained with {saved[field]}",
+                              "the checkpoint's flags (the schedule continues where it stopped)")
 
 
 def _gpu_count() -> int:

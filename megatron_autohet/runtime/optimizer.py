@@ -12,6 +12,8 @@ Public API
 ``make_optimizer(model, layouts, settings) -> torch.optim.AdamW``
     The optimizer of the single-process reference, of ``HeteroTrainer`` and of the Megatron-LM
     path: two parameter groups, ``wd_mult`` 1.0 (decayed) and 0.0 (not decayed).
+``schedule_fields(settings, train_iters, global_batch_size) -> dict``, ``SCHEDULE_FLAGS``
+    The scheduler's fields (counted in samples) and the flag that sets each (torch-free).
 ``make_lr_scheduler(optimizer, settings, train_iters, global_batch_size)``
     megatron-core's ``OptimizerParamScheduler`` driving that optimizer, counting SAMPLES as
     Megatron-LM's ``get_optimizer_param_scheduler`` does: ``scheduler.step(global_batch_size)``
@@ -140,6 +142,29 @@ def make_optimizer(model, layouts: dict, settings: OptimizerSettings):
         weight_decay=settings.weight_decay)
 
 
+def schedule_fields(settings: OptimizerSettings, train_iters: int,
+                    global_batch_size: int) -> dict:
+    """The fields of megatron-core's OptimizerParamScheduler for ``train_iters`` iterations of
+    ``global_batch_size`` samples, counted in samples (module docstring): what
+    :func:`make_lr_scheduler` builds and what its ``load_state_dict`` insists a checkpoint
+    agrees with (torch-free, so ``autohet train`` checks a resume before starting processes)."""
+    if global_batch_size < 1:
+        raise ValueError(f"global_batch_size must be >= 1, got {global_batch_size}")
+    return {"max_lr": settings.lr, "min_lr": settings.min_lr,
+            "lr_warmup_steps": settings.lr_warmup_iters * global_batch_size,
+            "lr_decay_steps": settings.decay_iters(train_iters) * global_batch_size,
+            "lr_decay_style": settings.lr_decay_style, "start_wd": settings.weight_decay,
+            "end_wd": settings.weight_decay, "wd_incr_steps": train_iters * global_batch_size,
+            "wd_incr_style": "constant"}
+
+
+# The flag that sets each scheduler field (what a mismatch on resume names).
+SCHEDULE_FLAGS = {"max_lr": "--lr", "min_lr": "--min-lr", "lr_warmup_steps": "--lr-warmup-iters",
+                  "lr_decay_steps": "--lr-decay-iters", "lr_decay_style": "--lr-decay-style",
+                  "start_wd": "--weight-decay", "end_wd": "--weight-decay",
+                  "wd_incr_steps": "--iters", "wd_incr_style": "--weight-decay"}
+
+
 def make_lr_scheduler(optimizer, settings: OptimizerSettings, train_iters: int,
                       global_batch_size: int):
     """megatron-core's OptimizerParamScheduler for ``train_iters`` iterations of
@@ -148,12 +173,5 @@ def make_lr_scheduler(optimizer, settings: OptimizerSettings, train_iters: int,
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     settings.validate(train_iters)
-    if global_batch_size < 1:
-        raise ValueError(f"global_batch_size must be >= 1, got {global_batch_size}")
-    return OptimizerParamScheduler(
-        optimizer, init_lr=LR_WARMUP_INIT, max_lr=settings.lr, min_lr=settings.min_lr,
-        lr_warmup_steps=settings.lr_warmup_iters * global_batch_size,
-        lr_decay_steps=settings.decay_iters(train_iters) * global_batch_size,
-        lr_decay_style=settings.lr_decay_style, start_wd=settings.weight_decay,
-        end_wd=settings.weight_decay, wd_incr_steps=train_iters * global_batch_size,
-        wd_incr_style="constant")
+    return OptimizerParamScheduler(optimizer, init_lr=LR_WARMUP_INIT,
+                                   **schedule_fields(settings, train_iters, global_batch_size))
