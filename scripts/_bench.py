@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import warnings
+from pathlib import Path
 
 # megatron-core's warnings that are known and say nothing about a benchmark: Apex / Transformer
 # Engine missing (on CPU it falls back to torch) and the deprecation its own TransformerConfig
@@ -15,3 +17,10 @@ def silence_known_megatron_warnings() -> None:
     benchmarks' processes drop them, the product keeps them."""
     for message in KNOWN_MEGATRON_WARNINGS:
         warnings.filterwarnings("ignore", message=message, category=UserWarning)
+
+
+def write_json(result: dict, path: str) -> None:
+    """The benchmark's figures as JSON (bench-out/<name>.json by default)."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(result, indent=1))
+    print(f"wrote {path}")

@@ -43,7 +43,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _bench import silence_known_megatron_warnings
+from _bench import silence_known_megatron_warnings, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 NAMESPACES = ("autohet-hapt0", "autohet-hapt1")
@@ -320,9 +320,7 @@ def main() -> None:
         raise SystemExit("needs root and iproute2 (ip, tc) to build the shaped link")
     result = run(args)
     print_table(result)
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(result, indent=1))
-    print(f"wrote {args.json}")
+    write_json(result, args.json)
 
 
 if __name__ == "__main__":

@@ -109,7 +109,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _bench import silence_known_megatron_warnings
+from _bench import silence_known_megatron_warnings, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 PREFIX = "ahrec-"
@@ -990,9 +990,7 @@ def main() -> None:
     signal.signal(signal.SIGINT, signal.default_int_handler)   # even if started with it ignored
     result = run(args)
     print_table(result)
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(result, indent=1))
-    print(f"wrote {args.json}")
+    write_json(result, args.json)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ longest pipeline plus the gradient sync and optimizer step of the busiest stages
 depends on the number of pipelines D. The search fixes everything that couples pipelines
 non-linearly in an outer enumeration, and leaves an exact integer program to SCIP:
 
-1. **Configs**: a TP degree (symmetric TP, the default, DESIGN.md: one degree for every TP group,
+1. **Configs**: a TP degree (symmetric TP, the default: one degree for every TP group,
    so every layer has the same degree in every replica; nodes it does not divide stay idle; with
    ``allow_asymmetric_tp`` one degree per GPU type, by coordinate descent from the best symmetric
    choice) and the recompute mode (on only where memory limits a split, unless fixed). A config

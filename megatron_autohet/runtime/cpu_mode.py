@@ -17,7 +17,7 @@ Public API
 
 Design (why it looks like this)
 -------------------------------
-megatron-core assumes a CUDA device in three ways (DESIGN.md section 4 lists every file:line):
+megatron-core 0.16.1 assumes a CUDA device in three ways (file:line sites below):
 
 1. *Device arguments*: ``torch.empty(..., device=torch.cuda.current_device())``,
    ``torch.zeros(..., device="cuda")``, ``tensor.cuda()``, ``tensor.to("cuda")``. Many of these are
