@@ -229,3 +229,46 @@ def test_two_savers_racing_for_one_step_commit_it_once(s3_endpoint, s3_uri, tmp_
     results, stored_plan = run_on_ranks(1, race)[0]
     assert results == [True, False]
     assert stored_plan == {"saver": "first"}
+
+
+def test_job_killed_while_writing_a_step_resumes_from_the_previous_one(tmp_path):
+    """A real kill: `autohet train` (every rank) gets SIGKILL while step 8 is being written.
+    Nothing of step 8 is loaded; the restarted job resumes at step 4 and trains iterations 5-8
+    exactly as the killed job had (the same plan: bit-identical)."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    root = Path(__file__).resolve().parents[1]
+    local = tmp_path / "local" / "{node}"
+    metrics = tmp_path / "metrics.jsonl"
+    command = [sys.executable, "-m", "megatron_autohet.cli.main", "train",
+               "--plan", str(root / "configs/plans/tiny-two-pipelines.yaml"),
+               "--model", str(root / "configs/models/tiny.yaml"), "--iters", str(TOTAL),
+               "--autohet-local-ckpt-dir", str(local), "--save-interval", str(HALF),
+               "--load", str(local), "--metrics-jsonl", str(metrics),
+               "--data-dir", str(tmp_path / "data")]
+    writing = Path(str(local).replace("{node}", "a100")) / f"{step_dir_name(TOTAL)}.partial"
+    job = subprocess.Popen(command, cwd=root, start_new_session=True,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        while not writing.exists() and job.poll() is None:
+            time.sleep(0.002)
+        os.killpg(job.pid, signal.SIGKILL)                 # the launcher and every rank
+    finally:
+        job.wait()
+    killed = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["iteration"] for r in killed] == list(range(1, TOTAL + 1))
+    for node in ("a100", "h800", "h20"):
+        assert committed_steps(Path(str(local).replace("{node}", node))) == [HALF]
+
+    resumed = subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"successfully loaded checkpoint: recovered iteration {HALF}" in resumed.stdout
+    after = [json.loads(line) for line in metrics.read_text().splitlines()][TOTAL:]
+    assert [r["iteration"] for r in after] == list(range(HALF + 1, TOTAL + 1))
+    assert [(r["lm_loss"], r["grad_norm"], r["learning_rate"]) for r in after] == \
+        [(r["lm_loss"], r["grad_norm"], r["learning_rate"]) for r in killed[HALF:]]
