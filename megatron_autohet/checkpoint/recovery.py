@@ -11,7 +11,7 @@ can read (its node's local-tier directory, ``--load``); ``s3`` the S3 tier, if c
 3. Plan: each rank computes the chunks its NEW shards need (recovery_plan.needed_items); one
    all-gather of those needs, then recovery_plan.assign_sources gives every rank the same plan of
    who reads what from where.
-4. Fetch: S3 chunks first (ranged GETs, each missing chunk downloaded once), then one exchange
+4. Fetch: S3 chunks first (parallel ranged GETs, each missing chunk downloaded once), then one exchange
    over ``group`` (torch.distributed send/recv of the chunk bytes, one message per pair of
    ranks), and local reads. Every chunk is checked against the SHA-256 of the copy it came from
    before it is used; a peer's bad copy falls back to S3, a bad local copy is dropped before
@@ -29,6 +29,7 @@ from __future__ import annotations
 import shutil
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,6 +47,9 @@ from megatron_autohet.checkpoint.recovery_plan import (OWN, PEER, S3, ChunkUnava
 from megatron_autohet.checkpoint.state import RNG_KEY, rank_sharded_state_dict, rng_sharded_object
 from megatron_autohet.checkpoint.upload import byte_progress
 from megatron_autohet.checkpoint.writer import SMALL_FILES
+
+
+S3_DOWNLOAD_CONCURRENCY = 8       # ranged GETs in flight per rank (the S3 client's pool has 10)
 
 
 @dataclass
@@ -197,9 +201,12 @@ def recover(trainer, scheduler, *, roots: list[Path], s3=None, group=None,
     chunks: dict[int, bytes] = {}
     downloads = [f for f in fetches if f.source == S3 and f.rank == rank and f.peer is None]
     with byte_progress(sum(f.copy.length for f in downloads), f"download {step_dir_name(iteration)}"
-                       f" (rank {rank})", show=rank == 0) as bar:
-        for f in downloads:
-            chunks[f.index] = _download(s3, iteration, f.copy)
+                       f" (rank {rank})", show=rank == 0) as bar, \
+            ThreadPoolExecutor(S3_DOWNLOAD_CONCURRENCY) as pool:
+        # Ranged GETs in parallel: one at a time, S3's first-byte latency would dominate.
+        for f, raw in zip(downloads, pool.map(lambda f: _download(s3, iteration, f.copy),
+                                              downloads)):
+            chunks[f.index] = raw
             report.bytes[S3] += f.copy.length
             bar.update(f.copy.length)
     report.seconds["s3"] = time.perf_counter() - t
