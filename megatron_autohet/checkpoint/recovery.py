@@ -11,9 +11,9 @@ can read (its node's local-tier directory, ``--load``); ``s3`` the S3 tier, if c
 3. Plan: each rank computes the chunks its NEW shards need (recovery_plan.needed_items); one
    all-gather of those needs, then recovery_plan.assign_sources gives every rank the same plan of
    who reads what from where.
-4. Fetch: S3 chunks first (parallel ranged GETs, each missing chunk downloaded once), then one exchange
-   over ``group`` (torch.distributed send/recv of the chunk bytes, one message per pair of
-   ranks), and local reads. Every chunk is checked against the SHA-256 of the copy it came from
+4. Fetch: S3 chunks first (parallel ranged GETs, each missing chunk downloaded once), then one
+   exchange over ``group`` (torch.distributed send/recv of the chunk bytes, one message per pair
+   of ranks), and local reads. Every chunk is checked against the SHA-256 of the copy it came from
    before it is used; a peer's bad copy falls back to S3, a bad local copy is dropped before
    planning (so a peer or S3 serves it), and a bad S3 copy is an error naming the object.
 5. Stage: a per-rank directory shaped like the step (``.metadata``, ``common.pt``,
