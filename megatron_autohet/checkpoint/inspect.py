@@ -1,8 +1,8 @@
 """What is in a checkpoint directory or S3 prefix, and whether its bytes still match (no torch).
 
-``autohet checkpoint ls`` and ``verify`` run here, and the loader checks chunks with
-:func:`check_local_items` before deserializing anything, so a chunk is judged by one piece of
-code. Nothing here imports torch, megatron-core or boto3 (an :class:`~.s3_store.S3Store` comes in
+``autohet checkpoint ls`` and ``verify`` run here, and recovery (checkpoint/recovery.py) judges
+every chunk and small file it fetches with :func:`item_problem` / :func:`file_problem` before
+deserializing anything, so bytes are judged by one piece of code. Nothing here imports torch, megatron-core or boto3 (an :class:`~.s3_store.S3Store` comes in
 from the caller): the commands answer in well under a second.
 
 Which files a directory should hold
@@ -240,7 +240,8 @@ def item_problem(item: ItemRecord, raw: bytes | memoryview) -> str | None:
     return MISMATCH if sha256_bytes(raw) != item.sha256 else None
 
 
-def _whole_file_problem(raw: bytes, size: int, sha256: str) -> str | None:
+def file_problem(raw: bytes, size: int, sha256: str) -> str | None:
+    """None when ``raw`` is the whole file the manifest describes, else what is wrong."""
     if len(raw) < size:
         return TRUNCATED
     return MISMATCH if sha256_bytes(raw) != sha256 else None
@@ -312,7 +313,7 @@ def verify_local(step_dir: str | Path, progress=None) -> VerifyReport:
         report.bytes_checked += len(raw)
         if progress is not None:
             progress.update(record.size)
-        problem = _whole_file_problem(raw, record.size, record.sha256)
+        problem = file_problem(raw, record.size, record.sha256)
         if problem:
             report.problems.append(BadItem(str(path), problem))
     report.files_checked = len(present.intersection(due))
@@ -379,7 +380,7 @@ def verify_s3(store, iteration: int, progress=None) -> VerifyReport:
             report.files_checked += 1
             raw = store.get_bytes(key)
             report.bytes_checked += len(raw)
-            problem = _whole_file_problem(raw, record.size, record.sha256)
+            problem = file_problem(raw, record.size, record.sha256)
             if problem:
                 report.problems.append(BadItem(uri, problem))
         if progress is not None:

@@ -37,10 +37,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_autohet.checkpoint.inspect import item_problem
+from megatron_autohet.checkpoint.inspect import file_problem, item_problem
 from megatron_autohet.checkpoint.loader import CorruptCheckpoint, load_staged, wanted_regions
 from megatron_autohet.checkpoint.manifest import (MANIFEST_FILE, ItemRecord, Manifest,
-                                                  committed_steps, read_manifest, sha256_bytes,
+                                                  committed_steps, read_manifest,
                                                   step_dir_name)
 from megatron_autohet.checkpoint.recovery_plan import (OWN, PEER, S3, ChunkUnavailable,
                                                        assign_sources, copies_of, needed_items)
@@ -358,7 +358,8 @@ def _small_files(manifest: Manifest, local_paths: dict[str, Path], iteration: in
         dist.broadcast_object_list(box, src=source, group=group)
         small = box[0]
     for name, raw in small.items():
-        if raw is None or sha256_bytes(raw) != manifest.files[name].sha256:
+        record = manifest.files[name]
+        if raw is None or file_problem(raw, record.size, record.sha256):
             raise CorruptCheckpoint(f"{name} of iteration {iteration} does not match its "
                                     "SHA-256 in the manifest")
     return small
