@@ -129,7 +129,8 @@ class FakeAws(FakeServer):
 class FakeGcp(FakeServer):
     """GCE metadata ``instance/preempted``: ``TRUE``/``FALSE`` with an ETag; with
     ``wait_for_change=true`` the request hangs until the value's ETag differs from ``last_etag``
-    (or from the current one when none is given), or ``timeout_sec`` passes. ``waiting`` counts requests hanging right now."""
+    (or from the current one when none is given), or ``timeout_sec`` passes. ``waiting`` counts
+    the requests hanging right now."""
 
     PATH = "/computeMetadata/v1/instance/preempted"
 

@@ -393,3 +393,15 @@ def test_cli_watch_bad_flags(capsys, tmp_path, argv, message):
     assert len(err.splitlines()) == 1
     assert err.startswith("autohet watch: error: <command line>: ")
     assert message.replace("{tmp}", str(tmp_path)) in err
+
+
+def test_cli_watch_help(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["watch", "--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    for text in ("--notice-file", "--source", "--metadata-url", "--azure-vm-name",
+                 "--poll-interval", "--signal-grace", "--events-jsonl", "(default: 30)"):
+        assert text in out
+    main([])
+    assert "watch" in capsys.readouterr().out

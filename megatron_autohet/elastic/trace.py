@@ -1,9 +1,10 @@
 """Preemption traces in the format of the public Bamboo/Oobleck spot traces.
 
 One event per line, ``ms,add|remove,node``: milliseconds since the start of the trace, whether
-the node joins or leaves the fleet, and its name (``0,add,node0``). An optional header line of
-column names (``ms,action,node``), blank lines and ``#`` comments are allowed. Traces replay a real fleet's
-preemptions against an emulated one: :func:`fleet_over_time` says which nodes are up when.
+the node joins or leaves the fleet, and its name (``0,add,node0``). An optional first line of
+column names (``ms,action,node``), blank lines and ``#`` comments are allowed. Traces replay a
+real fleet's preemptions against an emulated one: :func:`fleet_over_time` says which nodes are
+up when.
 """
 
 from __future__ import annotations
