@@ -133,6 +133,14 @@ def test_losing_a_node_gives_a_valid_plan_on_the_survivors():
     assert not result.unchanged and result.candidates >= 1
     assert result.cost.iteration_time_s <= result.best_iteration_time_s * 1.02
     assert result.recovery_bytes == recovery_bytes(previous, result.plan, TINY)
+    # The derived candidate: the two pipelines without h20, all 6 micro-batches between them.
+    problem = Problem(survivors, TINY, resolve_profile(survivors, TINY, None, 2, 64), 12, 2, 64)
+    derived = derived_plan(previous, problem)
+    derived.plan.validate()
+    assert [[s.layers for s in p.stages] for p in derived.plan.pipelines] == \
+        [[(0, 2), (2, 6)], [(0, 6)]]
+    assert derived.plan.num_microbatches_total == 6
+    assert recovery_bytes(previous, derived.plan, TINY) == 0
 
 
 def test_a_joined_node_replaces_a_lost_one_of_its_type():
