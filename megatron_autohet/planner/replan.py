@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 from megatron_autohet.cost_model import PlanCost, evaluate_plan
 from megatron_autohet.errors import ConfigError
-from megatron_autohet.plan import Pipeline, Plan, RankInfo, Stage
+from megatron_autohet.plan import Pipeline, Plan, RankInfo
 from megatron_autohet.planner.search import Candidate, resolve_profile, search
 from megatron_autohet.planner.space import Problem, evaluate
 from megatron_autohet.planner.state_moves import StateMap
