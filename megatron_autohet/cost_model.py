@@ -77,6 +77,7 @@ real either way.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 from megatron_autohet.errors import ConfigError
@@ -250,9 +251,14 @@ class PlanCost:
 
 
 def _slowest_link_gbs(cluster: Cluster, ranks_nodes: list[str]) -> float:
-    nodes = sorted(set(ranks_nodes))
-    speeds = [cluster.node(n).intra_node_bandwidth_gbs for n in nodes if ranks_nodes.count(n) > 1]
-    speeds += [cluster.link_bandwidth_gbs(a, b) for i, a in enumerate(nodes) for b in nodes[i + 1:]]
+    """Slowest link between two members: a shared node's intra-node link, or a NIC. A pair of
+    nodes crosses the slower of their two NICs, so with 2+ nodes the slowest pair is simply the
+    slowest NIC among them (linear in the group, where comparing pairs was quadratic)."""
+    counts = Counter(ranks_nodes)
+    nodes = [cluster.node(n) for n in counts]
+    speeds = [n.intra_node_bandwidth_gbs for n in nodes if counts[n.name] > 1]
+    if len(nodes) > 1:
+        speeds.append(min(n.inter_node_bandwidth_gbs for n in nodes))
     return min(speeds) if speeds else float("inf")
 
 

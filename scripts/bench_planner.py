@@ -3,11 +3,13 @@
 
     python scripts/bench_planner.py [--json bench-out/bench_planner.json] [--quick]
 
-Three tables, all predictions from the same cost model (megatron_autohet/cost_model.py):
+Four tables, all predictions from the same cost model (megatron_autohet/cost_model.py):
 1. solve time of make_plan on generated fleets of 8-1024 GPUs over three GPU types (8-GPU nodes;
    the 8-GPU fleet uses 4/2/2-GPU nodes) for GPT-3 1.3B and LLaMA-2 7B;
-2. predicted iteration time and speedup over the baselines on the bundled 3-type fleets;
-3. gap to the exhaustive optimum on small clusters (<= 16 GPUs, 8-layer GPT-3 1.3B).
+2. re-plan time (planner/replan.py) of the 1024-GPU plans: fleet unchanged, and one node lost
+   (the first A100 node, or the last H20 node), with the bytes the recovery would move;
+3. predicted iteration time and speedup over the baselines on the bundled 3-type fleets;
+4. gap to the exhaustive optimum on small clusters (<= 16 GPUs, 8-layer GPT-3 1.3B).
 Writes JSON to --json (default bench-out/, gitignored by the repository's bench-out/ rule).
 """
 
@@ -22,6 +24,7 @@ from pathlib import Path
 
 from megatron_autohet.planner import compare, search
 from megatron_autohet.planner.exhaustive import exhaustive_search
+from megatron_autohet.planner.replan import replan
 from megatron_autohet.spec import load_cluster, load_model
 from megatron_autohet.spec.cluster import Cluster, cluster_from_dict
 
@@ -53,7 +56,7 @@ def main() -> None:
                         help="where to write the results (default bench-out/, gitignored)")
     parser.add_argument("--quick", action="store_true", help="fewer sizes and cases")
     args = parser.parse_args()
-    result = {"scaling": [], "baselines": [], "exhaustive": []}
+    result = {"scaling": [], "replan": [], "baselines": [], "exhaustive": []}
     models = {n: load_model(ROOT / f"configs/models/{n}.yaml")
               for n in ("gpt3-1.3b", "gpt3-2.7b", "llama2-7b")}
 
@@ -62,6 +65,7 @@ def main() -> None:
     print(f"{'GPUs':>6} {'model':>10} {'wall_s':>8} {'cpu_s':>7} {'pipelines':>9} {'idle':>5} "
           f"{'iter_s':>8} {'tokens/s':>10}")
     sizes = (8, 64, 1024) if args.quick else (8, 32, 64, 128, 512, 1024)
+    plans = {}
     for gpus in sizes:
         for name in ("gpt3-1.3b", "llama2-7b"):
             cluster = fleet(gpus)
@@ -76,8 +80,28 @@ def main() -> None:
                    "tokens_per_s": cand.cost.tokens_per_s, "tp": cand.tp_of_gpu,
                    "recompute": cand.recompute}
             result["scaling"].append(row)
+            plans[gpus, name] = cand.plan
             print(f"{gpus:>6} {name:>10} {elapsed:>8.2f} {cpu:>7.2f} {row['pipelines']:>9} {idle:>5} "
                   f"{row['iteration_time_s']:>8.3f} {row['tokens_per_s']:>10.0f}")
+
+    print("\n== re-plan of the 1024-GPU plans (default tolerance 2%, search budget 0.5 s)")
+    print(f"{'model':>10} {'fleet now':>16} {'wall_s':>7} {'cpu_s':>6} {'judged':>6} "
+          f"{'iter_s':>8} {'fastest_s':>9} {'moves GiB':>9}")
+    cluster = fleet(1024)
+    names = [n.name for n in cluster.nodes]
+    for name in ("gpt3-1.3b", "llama2-7b"):
+        for label, now in (("unchanged", cluster), (f"lost {names[0]}", cluster.subset(names[1:])),
+                           (f"lost {names[-1]}", cluster.subset(names[:-1]))):
+            start, cpu = time.perf_counter(), time.process_time()
+            new = replan(plans[1024, name], now, models[name])
+            elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
+            row = {"model": name, "fleet": label, "replan_s": elapsed, "cpu_s": cpu,
+                   "candidates": new.candidates, "iteration_time_s": new.cost.iteration_time_s,
+                   "fastest_s": new.best_iteration_time_s, "recovery_bytes": new.recovery_bytes}
+            result["replan"].append(row)
+            print(f"{name:>10} {label:>16} {elapsed:>7.2f} {cpu:>6.2f} {new.candidates:>6} "
+                  f"{new.cost.iteration_time_s:>8.4f} {new.best_iteration_time_s:>9.4f} "
+                  f"{new.recovery_bytes / 2**30:>9.2f}")
 
     print("\n== speedup over baselines on the bundled 3-type fleets")
     print(f"{'cluster':>14} {'model':>10} {'gbs':>4} {'mbs':>3} {'ours_s':>8} "

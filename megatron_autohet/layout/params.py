@@ -7,11 +7,18 @@ Public API
     indices (``decoder.layers.7.mlp.linear_fc1.weight``; a stage numbers its layers from 0 and
     holds global layers from ``first_layer`` on). A tied output layer is named
     ``embedding.word_embeddings.weight``: it is the same logical tensor as the embedding.
+``layer_param_layouts(model, layer) -> list[ParamLayout]``, ``non_layer_param_layouts(model,
+padded_vocab) -> dict[str, list[ParamLayout]]``
+    The parameters megatron-core's GPTModel builds (local layer spec, as runtime/stage_model.py
+    builds stages), as full-tensor (TP1) layouts computed from the model's dimensions alone:
+    what a plan change has to move can be counted without building a model. Non-layer
+    parameters are grouped by the holders that keep them (layout/topology.py kinds).
 ``ParamLayout(global_name, full_shape, partition_dim, tp_rank, tp_size, num_chunks=1)``
     Where a local parameter sits in the full tensor. ``partition_dim`` is None for TP-replicated
     parameters. ``num_chunks`` > 1 marks fused tensors whose full form is ``num_chunks`` stacked
     blocks each split over TP separately (the gate/up halves of a SwiGLU ``linear_fc1``).
-    Methods: ``local_shape``, ``shard(full)`` (this rank's shard of a full tensor),
+    Methods: ``local_shape``, ``shard_ranges()`` (the index ranges of the partition dimension
+    the shard covers), ``shard(full)`` (this rank's shard of a full tensor),
     ``write_shard(full, shard)`` (its inverse, in place), ``merge(shards)`` (the full tensor from
     every TP rank's shard, in TP-rank order) - initialisation, grad sync and checkpoints re-shard
     with these.
@@ -37,6 +44,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from megatron_autohet.spec.model import ModelSpec
 
 if TYPE_CHECKING:
     import torch
@@ -75,6 +84,16 @@ class ParamLayout:
         shape[self.partition_dim] //= self.tp_size
         return tuple(shape)
 
+    def shard_ranges(self) -> list[tuple[int, int]]:
+        """The [start, end) index ranges along ``partition_dim`` of the full tensor that this
+        rank's shard covers, one per fused block (what :meth:`shard` takes)."""
+        if self.partition_dim is None:
+            raise ValueError(f"{self.global_name} is TP-replicated: it has no shard ranges")
+        block = self.full_shape[self.partition_dim] // self.num_chunks
+        step = block // self.tp_size
+        return [(c * block + self.tp_rank * step, c * block + (self.tp_rank + 1) * step)
+                for c in range(self.num_chunks)]
+
     def _pieces(self, full: torch.Tensor, tp_rank: int) -> list[torch.Tensor]:
         chunks = full.chunk(self.num_chunks, dim=self.partition_dim)
         return [c.chunk(self.tp_size, dim=self.partition_dim)[tp_rank] for c in chunks]
@@ -108,3 +127,47 @@ class ParamLayout:
         per_rank = [s.chunk(self.num_chunks, dim=dim) for s in shards]
         return _cat([_cat([per_rank[r][c] for r in range(self.tp_size)], dim=dim)
                      for c in range(self.num_chunks)], dim=dim)
+
+
+def layer_param_layouts(model: ModelSpec, layer: int) -> list[ParamLayout]:
+    """Full-tensor layouts of global layer ``layer``'s parameters: column-parallel QKV and fc1
+    (dim 0; fc1 two fused blocks when gated), row-parallel proj and fc2 (dim 1, bias
+    replicated), two norms (replicated); biases only when ``model.linear_biases``."""
+    h, f = model.hidden_size, model.ffn_hidden_size
+    qkv = h + 2 * h * model.num_query_groups // model.num_attention_heads
+    chunks = 2 if model.gated_linear_unit else 1
+    prefix = f"decoder.layers.{layer}."
+    shapes = [("input_layernorm.weight", (h,), None, 1),
+              ("self_attention.linear_qkv.weight", (qkv, h), 0, 1),
+              ("self_attention.linear_proj.weight", (h, h), 1, 1),
+              ("pre_mlp_layernorm.weight", (h,), None, 1),
+              ("mlp.linear_fc1.weight", (chunks * f, h), 0, chunks),
+              ("mlp.linear_fc2.weight", (h, f), 1, 1)]
+    if model.normalization == "LayerNorm":
+        shapes += [("input_layernorm.bias", (h,), None, 1),
+                   ("pre_mlp_layernorm.bias", (h,), None, 1)]
+    if model.linear_biases:
+        shapes += [("self_attention.linear_qkv.bias", (qkv,), 0, 1),
+                   ("self_attention.linear_proj.bias", (h,), None, 1),
+                   ("mlp.linear_fc1.bias", (chunks * f,), 0, chunks),
+                   ("mlp.linear_fc2.bias", (h,), None, 1)]
+    return [ParamLayout(prefix + name, shape, dim, 0, 1, n) for name, shape, dim, n in shapes]
+
+
+def non_layer_param_layouts(model: ModelSpec, padded_vocab: int) -> dict[str, list[ParamLayout]]:
+    """Full-tensor layouts of the parameters outside the layers, by holder kind (topology's
+    sync group kinds): the vocab-parallel word embedding (which is also the tied output layer),
+    the learned position table (replicated; GPTModel sizes it by the model's seq_length), and
+    the last stages' final norm and untied output layer."""
+    h = model.hidden_size
+    out = {"word_embeddings": [ParamLayout("embedding.word_embeddings.weight",
+                                           (padded_vocab, h), 0, 0, 1)],
+           "post_process": [ParamLayout("decoder.final_layernorm.weight", (h,), None, 0, 1)]}
+    if model.normalization == "LayerNorm":
+        out["post_process"].append(ParamLayout("decoder.final_layernorm.bias", (h,), None, 0, 1))
+    if not model.tie_embeddings:
+        out["post_process"].append(ParamLayout("output_layer.weight", (padded_vocab, h), 0, 0, 1))
+    if model.position_embedding_type == "learned_absolute":
+        out["position_embeddings"] = [ParamLayout("embedding.position_embeddings.weight",
+                                                  (model.seq_length, h), None, 0, 1)]
+    return out

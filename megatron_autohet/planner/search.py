@@ -59,6 +59,7 @@ import heapq
 import itertools
 import math
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -303,8 +304,10 @@ class BranchAndBound:
     """Best-first search over the branches of several configs (module doc, steps 3-4)."""
 
     def __init__(self, problem: Problem, deadline: float, max_stages: int | None,
-                 skip_needless_recompute: bool):
+                 skip_needless_recompute: bool,
+                 on_candidate: Callable[[Candidate], None] | None = None):
         self.problem = problem
+        self.on_candidate = on_candidate
         self.deadline = deadline
         self.max_stages = max_stages
         self.skip_needless_recompute = skip_needless_recompute
@@ -313,8 +316,11 @@ class BranchAndBound:
         self.solves = 0
 
     def offer(self, cand: Candidate | None) -> None:
-        if cand is not None and cand.cost.fits_memory and (
-                self.best is None or cand.cost.iteration_time_s < self.best.cost.iteration_time_s):
+        if cand is None or not cand.cost.fits_memory:
+            return
+        if self.on_candidate is not None:
+            self.on_candidate(cand)
+        if self.best is None or cand.cost.iteration_time_s < self.best.cost.iteration_time_s:
             self.best = cand
 
     def _build(self, config: Config) -> bool:
@@ -511,8 +517,17 @@ def search(cluster: Cluster, model: ModelSpec, profile: Profile | None, global_b
            micro_batch_size: int, seq_length: int | None = None, *,
            allow_asymmetric_tp: bool = False, activation_recompute: bool | None = None,
            time_limit_s: float = 60.0, progress: bool = True, tp_degrees: list[int] | None = None,
-           max_stages: int | None = None) -> Candidate:
-    """make_plan, returning the plan with its cost and the TP/recompute choice."""
+           max_stages: int | None = None, seeds: Sequence[Candidate] = (),
+           baselines: bool = True,
+           on_candidate: Callable[[Candidate], None] | None = None) -> Candidate:
+    """make_plan, returning the plan with its cost and the TP/recompute choice.
+
+    For the re-planner (planner/replan.py): ``seeds`` are extra incumbents (plans of this
+    cluster and batch, evaluated), ``baselines`` False skips the baseline plans (they cost
+    seconds on large fleets; the seeds take their place), and ``on_candidate`` sees every plan
+    the search judges that fits in memory (the warm-up post-pass then still changes the best
+    one's plan in place).
+    """
     from megatron_autohet.planner.baselines import all_baselines
 
     seq_length = seq_length or model.seq_length
@@ -525,9 +540,12 @@ def search(cluster: Cluster, model: ModelSpec, profile: Profile | None, global_b
                if tp_degrees is None or t in tp_degrees]
     recompute_modes = [False, True] if activation_recompute is None else [activation_recompute]
     search_bb = BranchAndBound(problem, time.monotonic() + time_limit_s, max_stages,
-                               skip_needless_recompute=activation_recompute is None)
+                               skip_needless_recompute=activation_recompute is None,
+                               on_candidate=on_candidate)
+    for seed in seeds:
+        search_bb.offer(seed)
     for baseline in all_baselines(problem, recompute_modes, tp_degrees=degrees,
-                                  max_stages=max_stages):
+                                  max_stages=max_stages) if baselines else ():
         if baseline.plan is not None:
             plan = baseline.plan
             tp = {plan.ranks[s.ranks[0]].gpu: s.tp for p in plan.pipelines for s in p.stages}

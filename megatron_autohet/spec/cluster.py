@@ -19,6 +19,7 @@ plan and the launcher rely on that numbering.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -64,10 +65,13 @@ class Cluster:
         return out
 
     def node(self, name: str) -> Node:
-        for n in self.nodes:
-            if n.name == name:
-                return n
-        raise KeyError(name)
+        return self._by_name[name]
+
+    @functools.cached_property
+    def _by_name(self) -> dict[str, Node]:
+        # The cost model looks nodes up per stage and per sync group: a scan would make
+        # evaluating a plan quadratic in the fleet size.
+        return {n.name: n for n in self.nodes}
 
     def link_bandwidth_gbs(self, node_a: str, node_b: str) -> float:
         """Bandwidth of the link between two GPUs on these nodes (GB/s per direction)."""

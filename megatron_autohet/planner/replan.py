@@ -1,0 +1,219 @@
+"""Re-planning after the fleet changed (a preemption, a node joining): fast, and aware of where
+the training state is.
+
+``replan(previous, cluster, model, profile=None, *, tolerance=0.02, time_limit_s=0.5, ...)``
+returns a :class:`Replan`: the plan to restart with, its cost, the bytes of training state its
+recovery moves across nodes (planner/state_moves.py), the fastest iteration time found and how
+many plans were compared. The model, global batch, micro-batch and sequence length are the
+previous plan's (training continues with the same batch); the cluster is the fleet present now,
+and a node keeps its name across the change (same name, same machine, same local checkpoint).
+
+1. **Unchanged fleet**: every GPU the previous plan used is present with its type, and the GPUs
+   it left idle are exactly those it recorded as idle (``predicted.idle_gpus``; a plan without
+   that record had none): the previous plan is returned as it is (the same object), nothing
+   moves, nothing is searched.
+2. **Derived plan**: the previous plan on the fleet now present: each lost node replaced by a
+   node that joined with the same GPU type and enough GPUs, where there is one (a spot fleet
+   usually gets a replacement of the same kind), and the pipelines that touched an unreplaced
+   lost node dropped, their micro-batches re-split over the rest (each next micro-batch to the
+   pipeline that finishes it earliest, as the planner splits them).
+3. **Search**: planner/search.py seeded with the derived plan as incumbent and WITHOUT the
+   baselines (on 1024 GPUs the baselines alone cost seconds; the derived plan, itself
+   descended from a plan at least as fast as the baselines on the old fleet, takes their place
+   in pruning). The search's wall-clock budget is ``time_limit_s`` (default 0.5 s, so that a
+   re-plan at 1024 GPUs takes under a second): there the full search takes seconds (2.5-3 s on
+   2 cores for 1016 GPUs), a cut search depends on machine load, and the plan may be slower
+   than a longer search would give (LLaMA-2 7B, 1024 GPUs, the last H20 node lost: 2.52 s per
+   iteration with 0.5 s of search, 2.39 s with the full 3 s); the derived plan bounds what a
+   cut can cost. When no derived plan exists (every pipeline lost), the search runs with the
+   baselines as incumbents.
+4. **Choice**: of every plan judged (the derived plan, every plan the search built), those
+   within ``tolerance`` of the fastest iteration time; among them the one whose recovery moves
+   the fewest bytes across nodes, then the fastest. The HAPT warm-up post-pass then runs on it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+from collections import Counter
+from dataclasses import dataclass
+
+from megatron_autohet.cost_model import PlanCost, evaluate_plan
+from megatron_autohet.errors import ConfigError
+from megatron_autohet.plan import Pipeline, Plan, RankInfo
+from megatron_autohet.planner.search import Candidate, resolve_profile, search
+from megatron_autohet.planner.space import Problem, evaluate
+from megatron_autohet.planner.state_moves import StateMap
+from megatron_autohet.planner.warmup import choose_warmups
+from megatron_autohet.profiling.profile import Profile
+from megatron_autohet.spec.cluster import Cluster
+from megatron_autohet.spec.model import ModelSpec
+
+
+@dataclass
+class Replan:
+    plan: Plan
+    cost: PlanCost
+    recovery_bytes: int              # state crossing nodes to load ``plan`` (0: unchanged)
+    best_iteration_time_s: float     # the fastest plan judged; ``plan`` is within tolerance
+    candidates: int                  # plans judged (0: fleet unchanged, nothing searched)
+    unchanged: bool                  # the previous plan, returned as it was
+
+
+def fleet_unchanged(previous: Plan, cluster: Cluster) -> bool:
+    """Whether ``cluster`` is the fleet ``previous`` was made for (module doc, step 1)."""
+    devices = {(d.node, d.local_rank): d.gpu for d in cluster.devices()}
+    used = {(r.node, r.local_rank) for r in previous.ranks}
+    if any(devices.get((r.node, r.local_rank)) != r.gpu for r in previous.ranks):
+        return False
+    idle = Counter(gpu for key, gpu in devices.items() if key not in used)
+    return idle == Counter(previous.predicted.get("idle_gpus") or {})
+
+
+def node_mapping(previous: Plan, cluster: Cluster) -> dict[str, str]:
+    """Previous node -> node now: itself when present with the GPUs the plan used, else a node
+    that joined (a name the previous plan did not use) with the same GPU type and enough GPUs;
+    lost nodes without a replacement are left out."""
+    needed: dict[str, tuple[str, int]] = {}
+    for r in previous.ranks:
+        gpu, count = needed.get(r.node, (r.gpu, 0))
+        needed[r.node] = (gpu, max(count, r.local_rank + 1))
+    now = {n.name: n for n in cluster.nodes}
+    joined = [n for n in cluster.nodes if n.name not in needed]
+    mapping = {}
+    for name, (gpu, count) in needed.items():
+        node = now.get(name)
+        if node is not None and node.gpu == gpu and node.num_gpus >= count:
+            mapping[name] = name
+            continue
+        spare = next((n for n in joined if n.gpu == gpu and n.num_gpus >= count), None)
+        if spare is not None:
+            joined.remove(spare)
+            mapping[name] = spare.name
+    return mapping
+
+
+def _split_microbatches(cost: PlanCost, total: int) -> list[int]:
+    """Micro-batches per pipeline minimising the longest pipeline (1F1B: fill + (m - 1) period),
+    each at least one: the next one always goes where it finishes earliest."""
+    periods = [[s.time_s + s.p2p_s for s in p.stages] for p in cost.pipelines]
+    fill, period = [sum(p) for p in periods], [max(p) for p in periods]
+    counts = [1] * len(periods)
+    heap = [(fill[i] + period[i], i) for i in range(len(periods))]
+    heapq.heapify(heap)
+    for _ in range(total - len(counts)):
+        _, i = heapq.heappop(heap)
+        counts[i] += 1
+        heapq.heappush(heap, (fill[i] + counts[i] * period[i], i))
+    return counts
+
+
+def _with_microbatches(plan: Plan, counts: list[int]) -> Plan:
+    """The plan with these micro-batch counts; a pipeline whose count changes gets the standard
+    warm-up depths back (its previous depths were chosen for its previous count)."""
+    pipelines = [pipe if pipe.num_microbatches == m else Pipeline(
+        [dataclasses.replace(s, warmup_microbatches=None) for s in pipe.stages], m)
+        for pipe, m in zip(plan.pipelines, counts)]
+    return dataclasses.replace(plan, pipelines=pipelines, predicted={})
+
+
+def derived_plan(previous: Plan, problem: Problem) -> Candidate | None:
+    """The previous plan on the fleet now present (module doc, step 2), evaluated; None when
+    no pipeline survives or it does not fit in memory."""
+    cluster = problem.cluster
+    mapping = node_mapping(previous, cluster)
+    kept = [pipe for pipe in previous.pipelines
+            if all(previous.ranks[r].node in mapping for r in pipe.ranks)]
+    if not kept:
+        return None
+    rank_now = {(d.node, d.local_rank): d for d in cluster.devices()}
+    device = {r.rank: rank_now[(mapping[r.node], r.local_rank)]
+              for r in previous.ranks if r.node in mapping}
+    used = sorted((device[r] for pipe in kept for r in pipe.ranks), key=lambda d: d.rank)
+    new_rank = {d.rank: i for i, d in enumerate(used)}
+    pipelines = [Pipeline([dataclasses.replace(s, ranks=[new_rank[device[r].rank] for r in s.ranks])
+                           for s in pipe.stages], pipe.num_microbatches) for pipe in kept]
+    total = problem.num_microbatches
+    if len(kept) < len(previous.pipelines):
+        # Any valid split will do to cost the stages (their times do not depend on it); the
+        # real split follows from those times.
+        share = [1] * (len(kept) - 1) + [total - len(kept) + 1]
+        pipelines = [Pipeline([dataclasses.replace(s, warmup_microbatches=None)
+                               for s in p.stages], m) for p, m in zip(pipelines, share)]
+    plan = Plan(cluster=cluster.name, model=previous.model,
+                micro_batch_size=previous.micro_batch_size,
+                global_batch_size=previous.global_batch_size, seq_length=previous.seq_length,
+                ranks=[RankInfo(i, d.node, d.local_rank, d.gpu) for i, d in enumerate(used)],
+                pipelines=pipelines, activation_recompute=previous.activation_recompute)
+    cost = evaluate(problem, plan)
+    counts = _split_microbatches(cost, total)
+    if counts != [p.num_microbatches for p in plan.pipelines]:
+        plan = _with_microbatches(plan, counts)
+        cost = evaluate(problem, plan)
+    if not cost.fits_memory:
+        return None
+    tp_of_gpu = {plan.ranks[s.ranks[0]].gpu: s.tp for p in plan.pipelines for s in p.stages}
+    return Candidate(plan, cost, tp_of_gpu, plan.activation_recompute)
+
+
+def least_moving(candidates: list[Candidate], state: StateMap, tolerance: float
+                 ) -> tuple[Candidate, int]:
+    """Of the candidates within ``tolerance`` of the fastest iteration time, the one whose
+    recovery moves the fewest bytes from where ``state`` says the state is (then the fastest,
+    then the first), with those bytes."""
+    fastest = min(c.cost.iteration_time_s for c in candidates)
+    near = [(sum(state.bytes_by_node(c.plan).values()), c.cost.iteration_time_s, i)
+            for i, c in enumerate(candidates)
+            if c.cost.iteration_time_s <= fastest * (1 + tolerance)]
+    moved, _, index = min(near)
+    return candidates[index], moved
+
+
+def _check_inputs(previous: Plan, model: ModelSpec, tolerance: float) -> None:
+    if model != previous.model:
+        fields = [f.name for f in dataclasses.fields(model)
+                  if getattr(model, f.name) != getattr(previous.model, f.name)]
+        raise ConfigError("<arguments>", f"model.{fields[0]}",
+                          f"{getattr(model, fields[0])!r}, the previous plan's model has "
+                          f"{getattr(previous.model, fields[0])!r}",
+                          "the previous plan's model (training continues the same model)")
+    if not tolerance >= 0:
+        raise ConfigError("<arguments>", "tolerance", f"got {tolerance}", "a fraction >= 0")
+
+
+def replan(previous: Plan, cluster: Cluster, model: ModelSpec, profile: Profile | None = None,
+           *, tolerance: float = 0.02, time_limit_s: float = 0.5, progress: bool = False,
+           allow_asymmetric_tp: bool = False, activation_recompute: bool | None = None,
+           tp_degrees: list[int] | None = None, max_stages: int | None = None) -> Replan:
+    """The plan to restart with on ``cluster`` after ``previous`` (module doc).
+
+    ``model`` must be ``previous.model``; ``profile`` None plans on analytic estimates;
+    ``tolerance`` is the fraction of iteration time traded for less state moved;
+    ``time_limit_s`` the search's wall-clock budget; the other options are
+    :func:`~megatron_autohet.planner.search.search`'s. Raises ConfigError on a model
+    mismatch, a negative tolerance, or when no plan fits in memory.
+    """
+    _check_inputs(previous, model, tolerance)
+    mbs, seq = previous.micro_batch_size, previous.seq_length
+    resolved = resolve_profile(cluster, model, profile, mbs, seq)
+    if fleet_unchanged(previous, cluster):
+        cost = evaluate_plan(previous, cluster, resolved, with_timeline=False)
+        return Replan(previous, cost, 0, cost.iteration_time_s, 0, True)
+    problem = Problem(cluster, model, resolved, previous.global_batch_size, mbs, seq)
+    derived = derived_plan(previous, problem)
+    judged: list[Candidate] = []
+    best = search(cluster, model, profile, previous.global_batch_size, mbs, seq,
+                  allow_asymmetric_tp=allow_asymmetric_tp,
+                  activation_recompute=activation_recompute, time_limit_s=time_limit_s,
+                  progress=progress, tp_degrees=tp_degrees, max_stages=max_stages,
+                  seeds=[derived] if derived else [], baselines=derived is None,
+                  on_candidate=judged.append)
+    # The warm-up post-pass changed the best plan in place: its cost is the returned one.
+    judged = [best if c.plan is best.plan else c for c in judged]
+    chosen, moved = least_moving(judged, StateMap(previous, model), tolerance)
+    fastest = min(c.cost.iteration_time_s for c in judged)
+    if chosen is not best:
+        plan, cost = choose_warmups(chosen.plan, chosen.cost, cluster, resolved)
+        chosen = dataclasses.replace(chosen, plan=plan, cost=cost)
+    return Replan(chosen.plan, chosen.cost, moved, fastest, len(judged), False)
