@@ -35,6 +35,7 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, fields
+from datetime import timedelta
 from pathlib import Path
 
 from megatron_autohet.checkpoint.options import CheckpointOptions
@@ -54,6 +55,11 @@ class TrainOptions:
     data_dir: str | None = None
     checkpoint: CheckpointOptions = CheckpointOptions()
     exit_interval: int | None = None
+    distributed_timeout_minutes: float = 10.0
+
+    @property
+    def timeout(self) -> timedelta:
+        return timedelta(minutes=self.distributed_timeout_minutes)
 
 
 @dataclass(frozen=True)
@@ -179,44 +185,58 @@ def train_args(options: TrainOptions) -> dict:
 
 def run_worker(plan: Plan, plan_path: str | Path, model: ModelSpec, options: TrainOptions,
                env: DistEnv) -> int:
+    """One rank of a job whose ranks are the plan's (torchrun's RANK = the plan rank)."""
     import torch
     import torch.distributed as dist
 
-    from megatron_autohet.data.batches import DataOptions, open_global_batches
-    from megatron_autohet.runtime.cpu_mode import cpu_mode_required, enable_cpu_mode
+    from megatron_autohet.runtime.cpu_mode import cpu_mode_required
 
     on_cpu = cpu_mode_required()
     check_env(plan, plan_path, env, uses_gpus=not on_cpu)
-    if on_cpu:
-        enable_cpu_mode()
-        backend = "gloo"
-    else:
+    if not on_cpu:
         torch.cuda.set_device(env.local_rank)
-        backend = "nccl"
-    dist.init_process_group(backend, rank=env.rank, world_size=env.world_size)
+    init_backend(on_cpu)
+    dist.init_process_group("gloo" if on_cpu else "nccl", rank=env.rank,
+                            world_size=env.world_size, timeout=options.timeout)
     try:
-        data = DataOptions(seq_length=plan.seq_length, global_batch_size=plan.global_batch_size,
-                           num_iterations=options.iters, seed=options.seed,
-                           data_path=options.data_path, data_dir=options.data_dir)
-        batches = open_global_batches(data, model.vocab_size, env.local_rank)
-
-        from megatron_autohet.runtime.trainer import HeteroTrainer, train_iterations
-
-        trainer = HeteroTrainer(plan, model, rank=env.rank, seed=options.seed,
-                                optimizer=options.optimizer, plan_file=str(plan_path))
-        # Counting samples, as Megatron-LM does (runtime/optimizer.py): checkpoints of this job
-        # load into the pretrain_gpt.py path and stock Megatron-LM, and theirs into this job.
-        scheduler = make_lr_scheduler(trainer.optimizer, options.optimizer, options.iters,
-                                      plan.global_batch_size)
-        checkpointer = None
-        if options.checkpoint.saving or options.checkpoint.load is not None:
-            from megatron_autohet.checkpoint.checkpointer import Checkpointer
-            checkpointer = Checkpointer(options.checkpoint, trainer, scheduler, seed=options.seed,
-                                        train_args=train_args(options))
-        train_iterations(trainer, batches, scheduler, train_iters=options.iters,
-                         scheduler_increment=plan.global_batch_size, log=env.rank == 0,
-                         metrics_jsonl=options.metrics_jsonl, checkpointer=checkpointer,
-                         exit_interval=options.exit_interval)
+        train_job(plan, str(plan_path), model, options, rank=env.rank, local_rank=env.local_rank)
     finally:
         dist.destroy_process_group()
     return 0
+
+
+def init_backend(on_cpu: bool) -> None:
+    """Before the process group: megatron-core's CPU mode when this process has no GPU."""
+    if on_cpu:
+        from megatron_autohet.runtime.cpu_mode import enable_cpu_mode
+        enable_cpu_mode()
+
+
+def train_job(plan: Plan, plan_label: str, model: ModelSpec, options: TrainOptions, *, rank: int,
+              local_rank: int, make_stop_check=None) -> int:
+    """Train on an initialised default process group whose ranks are the plan's; returns the last
+    iteration trained. ``make_stop_check(checkpointer)`` (the checkpointer or None) returns the
+    ``stop_check`` of runtime/trainer.train_iterations."""
+    from megatron_autohet.data.batches import DataOptions, open_global_batches
+    from megatron_autohet.runtime.trainer import HeteroTrainer, train_iterations
+
+    data = DataOptions(seq_length=plan.seq_length, global_batch_size=plan.global_batch_size,
+                       num_iterations=options.iters, seed=options.seed,
+                       data_path=options.data_path, data_dir=options.data_dir)
+    batches = open_global_batches(data, model.vocab_size, local_rank)
+    trainer = HeteroTrainer(plan, model, rank=rank, seed=options.seed,
+                            optimizer=options.optimizer, plan_file=plan_label)
+    # Counting samples, as Megatron-LM does (runtime/optimizer.py): checkpoints of this job
+    # load into the pretrain_gpt.py path and stock Megatron-LM, and theirs into this job.
+    scheduler = make_lr_scheduler(trainer.optimizer, options.optimizer, options.iters,
+                                  plan.global_batch_size)
+    checkpointer = None
+    if options.checkpoint.saving or options.checkpoint.load is not None:
+        from megatron_autohet.checkpoint.checkpointer import Checkpointer
+        checkpointer = Checkpointer(options.checkpoint, trainer, scheduler, seed=options.seed,
+                                    train_args=train_args(options))
+    stop_check = make_stop_check(checkpointer) if make_stop_check else None
+    return train_iterations(trainer, batches, scheduler, train_iters=options.iters,
+                            scheduler_increment=plan.global_batch_size, log=rank == 0,
+                            metrics_jsonl=options.metrics_jsonl, checkpointer=checkpointer,
+                            exit_interval=options.exit_interval, stop_check=stop_check)

@@ -15,7 +15,8 @@ import sys
 from megatron_autohet import __version__
 from megatron_autohet.errors import ConfigError
 
-COMMANDS = ("checkpoint", "compare", "plan", "profile", "replan", "show", "train", "watch")
+COMMANDS = ("checkpoint", "compare", "node", "plan", "profile", "rendezvous", "replan", "show",
+            "train", "watch")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -11,6 +11,7 @@ GPU per rank). Started by torchrun (RANK and WORLD_SIZE already set), it is one 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 from megatron_autohet.checkpoint.options import DEFAULT_KEEP, CheckpointOptions
 from megatron_autohet.cli._common import check_output_path, positive
@@ -92,6 +93,26 @@ def register(subparsers) -> None:
         (("--exit-interval",), dict(type=int, default=None,
                                     help="stop after an iteration that is a multiple of N "
                                          "(saving first), as Megatron-LM's --exit-interval")),
+        (("--distributed-timeout-minutes",), dict(
+            type=float, default=None,
+            help="how long a collective waits for a peer before failing (default 10, as "
+                 "Megatron-LM; 1 with --elastic, so survivors of a lost node restart quickly)")),
+        # Elastic jobs on a spot fleet (elastic/worker.py).
+        (("--elastic",), dict(action="store_true",
+                              help="run as one worker of an elastic job started by `autohet "
+                                   "node` (torchrun): discover the fleet present, keep --plan "
+                                   "or re-plan for it, recover from the checkpoint tiers, stop "
+                                   "cleanly on a signal or a preemption notice")),
+        (("--cluster",), dict(default=None,
+                              help="with --elastic: the cluster file whose entries describe "
+                                   "the nodes the job may get (matched by node name, else by "
+                                   "GPU type: bandwidths, prices)")),
+        (("--autohet-notice-file",), dict(
+            default=None, help="with --elastic: the preemption-notice file `autohet watch` "
+                               "writes on this node ('{node}' becomes the node name)")),
+        (("--autohet-events-jsonl",), dict(
+            default=None, help="with --elastic: append the job's events (fleet, plan, "
+                               "recovery, stop, ...) to this file as JSON lines")),
     ]
     _WORKER_FLAGS.clear()
     for flags, kwargs in opts:
@@ -120,16 +141,55 @@ def run(args: argparse.Namespace) -> int:
     optimizer = optimizer_settings(args).validate(train_iters=args.iters, source="<command line>")
     checkpoint = checkpoint_options(args)
     positive(args.exit_interval, "--exit-interval")
+    if args.distributed_timeout_minutes is not None and args.distributed_timeout_minutes <= 0:
+        raise ConfigError("<command line>", "--distributed-timeout-minutes",
+                          f"got {args.distributed_timeout_minutes}", "minutes > 0")
+    check_elastic(args, checkpoint)
     plan, model = load_job(args.plan, args.model)
-    check_resume(checkpoint, plan, optimizer, args.iters)
-    env = DistEnv.from_environ()
-    if env is None:
-        return launch_local(plan, worker_argv(args), gpus_available=_gpu_count())
+    if args.elastic:
+        checkpoint = dataclasses.replace(checkpoint, load=checkpoint.load or checkpoint.local_dir)
+    else:
+        check_resume(checkpoint, plan, optimizer, args.iters)
+    timeout = args.distributed_timeout_minutes or (1.0 if args.elastic else 10.0)
     options = TrainOptions(iters=args.iters, seed=args.seed, optimizer=optimizer,
                            metrics_jsonl=args.metrics_jsonl, data_path=args.data_path,
                            data_dir=args.data_dir, checkpoint=checkpoint,
-                           exit_interval=args.exit_interval)
+                           exit_interval=args.exit_interval,
+                           distributed_timeout_minutes=timeout)
+    if args.elastic:
+        from megatron_autohet.elastic.worker import ElasticWorker
+        from megatron_autohet.spec.cluster import load_cluster
+
+        return ElasticWorker(initial_plan=plan, template=load_cluster(args.cluster), model=model,
+                             options=options, notice_file=args.autohet_notice_file,
+                             events_jsonl=args.autohet_events_jsonl).run()
+    env = DistEnv.from_environ()
+    if env is None:
+        return launch_local(plan, worker_argv(args), gpus_available=_gpu_count())
     return run_worker(plan, args.plan, model, options, env)
+
+
+def check_elastic(args: argparse.Namespace, checkpoint: CheckpointOptions) -> None:
+    """--elastic needs torchrun, a cluster file and a node-local checkpoint tier; the elastic
+    flags need --elastic."""
+    import os
+
+    if not args.elastic:
+        for flag in ("cluster", "autohet_notice_file", "autohet_events_jsonl"):
+            if getattr(args, flag) is not None:
+                raise ConfigError("<command line>", "--" + flag.replace("_", "-"),
+                                  "given without --elastic", "only with --elastic")
+        return
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        raise ConfigError("<command line>", "--elastic", "not started by torchrun",
+                          "start elastic jobs with `autohet node` on each node")
+    if args.cluster is None:
+        raise ConfigError("<command line>", "--cluster", "missing with --elastic",
+                          "the cluster file describing the nodes the job may get")
+    if checkpoint.local_dir is None:
+        raise ConfigError("<command line>", "--autohet-local-ckpt-dir", "missing with --elastic",
+                          "a node-local checkpoint directory (with --save-interval; add "
+                          "--autohet-s3-uri for what no surviving node holds)")
 
 
 def optimizer_settings(args: argparse.Namespace) -> OptimizerSettings:

@@ -149,7 +149,8 @@ class HeteroTrainer:
 
 def train_iterations(trainer: HeteroTrainer, batches, scheduler, *, train_iters: int,
                      scheduler_increment: int, log: bool, metrics_jsonl: str | None = None,
-                     checkpointer=None, exit_interval: int | None = None) -> int:
+                     checkpointer=None, exit_interval: int | None = None,
+                     stop_check=None) -> int:
     """The iteration loop of a job (``autohet train`` and the Megatron-LM path): a train step on
     each global batch, the learning-rate scheduler stepped by ``scheduler_increment`` after it
     (1 for iteration-based schedules, the global batch size for Megatron's sample-based one),
@@ -161,7 +162,9 @@ def train_iterations(trainer: HeteroTrainer, batches, scheduler, *, train_iters:
     (global batch ``i`` is the same whatever plan runs it, so a resumed job sees exactly the
     batches an uninterrupted one would), it saves after iterations its interval names and at
     the end. ``exit_interval``: stop after an iteration that is a multiple of it (Megatron's
-    ``--exit-interval``), saving first. Returns the last iteration trained."""
+    ``--exit-interval``), saving first. ``stop_check(iteration)`` (elastic/stop.py), called after
+    every iteration on every rank, returns "stop" (save this iteration and return), "save" (save
+    it and go on) or None. Returns the last iteration trained."""
     from megatron_autohet.runtime.train_log import IterationLogger, IterationRecord
 
     plan = trainer.plan
@@ -187,6 +190,11 @@ def train_iterations(trainer: HeteroTrainer, batches, scheduler, *, train_iters:
                 checkpointer.after_iteration(iteration)
             if exit_interval and iteration % exit_interval == 0:
                 break
+            action = stop_check(iteration) if stop_check else None
+            if action == "stop":
+                break
+            if action == "save" and checkpointer and checkpointer.last_saved != iteration:
+                checkpointer.save(iteration)
         if checkpointer:
             checkpointer.finish(iteration)
     finally:

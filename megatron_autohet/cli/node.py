@@ -1,0 +1,106 @@
+"""`autohet node`: run this node's part of an elastic job (a torchrun agent with tuned settings).
+
+Every node of a spot fleet runs this (scripts/launch_node.sh does, at boot). It starts
+torch.distributed.elastic's agent - the same engine as ``torchrun`` - with one worker per GPU
+running ``autohet train --elastic`` and the arguments after ``--``. Settings that differ from
+torchrun's defaults, and why:
+
+* the rendezvous store is hosted by ``autohet rendezvous``, not by an agent (``is_host=false``):
+  an agent that hosts it takes the whole job down when its node is preempted;
+* ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: with the agents' store shared with the workers, the
+  first restart after a node loss fails to connect its process groups;
+* ``last_call_timeout=1, keep_alive_interval=1, keep_alive_max_attempt=3`` and a 0.1 s monitor
+  interval: a lost node is out of the rendezvous in about 3 s, not 30 (2 attempts is unsafe:
+  live nodes get declared dead);
+* many restarts: every preemption uses one on every surviving node.
+
+The node's name and GPU type reach the workers as ``AUTOHET_NODE`` / ``AUTOHET_GPU``. When this
+node got a preemption notice (``--notice-file`` exists when the agent ends), the command exits 0
+so a launcher loop knows not to start it again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+from pathlib import Path
+
+from megatron_autohet.errors import ConfigError
+
+RDZV_CONF = "is_host=false,last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3"
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "node", help="run this node's torchrun agent of an elastic job",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rendezvous", required=True, metavar="HOST:PORT",
+                   help="where `autohet rendezvous` runs")
+    p.add_argument("--job-id", required=True, help="the job's name: one per job")
+    p.add_argument("--nnodes", required=True, metavar="MIN:MAX",
+                   help="nodes the job needs to start, and at most uses (torchrun's --nnodes)")
+    p.add_argument("--nproc-per-node", type=int, default=1, metavar="G",
+                   help="GPUs (workers) on this node (default 1)")
+    p.add_argument("--node-name", default=None,
+                   help="this node's name, stable across restarts (default: the hostname)")
+    p.add_argument("--gpu", default=None,
+                   help="GPU type (a catalog key; default: detected from the CUDA device name)")
+    p.add_argument("--local-addr", default=None,
+                   help="address other nodes reach this one at (default: the hostname's)")
+    p.add_argument("--notice-file", default=None,
+                   help="the preemption-notice file of this node (as given to `autohet watch` "
+                        "and `autohet train --autohet-notice-file`)")
+    p.add_argument("--max-restarts", type=int, default=1000,
+                   help="restarts of this node's workers before the agent gives up "
+                        "(default 1000: each preemption uses one)")
+    p.add_argument("train_args", nargs=argparse.REMAINDER,
+                   help="-- then the `autohet train` arguments (--elastic is added)")
+    p.set_defaults(func=run)
+
+
+def torchrun_argv(args: argparse.Namespace) -> list[str]:
+    train_args = list(args.train_args)
+    if train_args[:1] == ["--"]:
+        train_args = train_args[1:]
+    if not train_args:
+        raise ConfigError("<command line>", "--", "no training arguments",
+                          "-- followed by `autohet train` arguments (--plan, --model, ...)")
+    if "--elastic" not in train_args:
+        train_args.append("--elastic")
+    argv = ["--nnodes", args.nnodes, "--nproc-per-node", str(args.nproc_per_node),
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", args.rendezvous,
+            "--rdzv-id", args.job_id, "--rdzv-conf", RDZV_CONF,
+            "--max-restarts", str(args.max_restarts), "--monitor-interval", "0.1",
+            "--signals-to-handle", "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"]
+    if args.local_addr:
+        argv += ["--local-addr", args.local_addr]
+    return argv + ["-m", "megatron_autohet.cli.main", "train", *train_args]
+
+
+def run(args: argparse.Namespace) -> int:
+    from torch.distributed.run import get_args_parser
+    from torch.distributed.run import run as torchrun
+
+    if args.nproc_per_node < 1:
+        raise ConfigError("<command line>", "--nproc-per-node", f"got {args.nproc_per_node}",
+                          "GPUs on this node, >= 1")
+    os.environ["AUTOHET_NODE"] = args.node_name or socket.gethostname()
+    if args.gpu is not None:
+        os.environ["AUTOHET_GPU"] = args.gpu
+    os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    status = 0
+    try:
+        torchrun(get_args_parser().parse_args(torchrun_argv(args)))
+    except SystemExit as exit_:
+        status = exit_.code if isinstance(exit_.code, int) else 1
+    except Exception as err:            # noqa: BLE001 - the agent's failure, already logged
+        print(f"autohet node: the torchrun agent ended: {type(err).__name__}: {err}",
+              file=sys.stderr)
+        status = 1
+    if args.notice_file and Path(args.notice_file).exists():
+        print(f"autohet node: {os.environ['AUTOHET_NODE']} left the job after its preemption "
+              "notice", file=sys.stderr)
+        return 0
+    return status

@@ -1,0 +1,75 @@
+"""Stopping a job cleanly between iterations: on a signal or a preemption notice.
+
+Megatron-LM's ``--exit-signal-handler`` semantics, extended to spot notices. A rank that
+receives SIGTERM (torchrun stopping its workers for a restart, Kubernetes, Slurm's ``--signal``)
+or finds its node's notice file (written by ``autohet watch``) does not stop on its own: after
+every iteration all ranks reduce their flags, so they stop after the same iteration, save it, and
+exit. A rebalance notice (an early warning) only asks for a checkpoint of the current iteration;
+training goes on.
+
+``StopRequests.check()`` is one small all-reduce on the given process group per iteration.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megatron_autohet.elastic.notices import read_notice
+
+SAVE, STOP = "save", "stop"
+
+
+@dataclass
+class StopDecision:
+    action: str               # SAVE or STOP
+    iteration: int
+    signalled: bool           # some rank got a signal
+    leaving: bool             # THIS rank's node has a preemption notice
+
+
+class StopRequests:
+    def __init__(self, group, *, notice_file: str | Path | None,
+                 signals: tuple[int, ...] = (signal.SIGTERM,)):
+        self.group = group
+        self.notice_file = Path(notice_file) if notice_file else None
+        self.signal_received: int | None = None
+        self.decision: StopDecision | None = None
+        self._rebalance_seen: float | None = None
+        for sig in signals:
+            signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum, frame) -> None:
+        self.signal_received = signum
+
+    def _notice(self) -> tuple[bool, bool]:
+        """(preempt notice on this node, rebalance notice not yet acted on)."""
+        if self.notice_file is None or not self.notice_file.exists():
+            return False, False
+        notice = read_notice(self.notice_file)
+        if notice is None:
+            return False, False
+        if notice.kind == "preempt":
+            return True, False
+        fresh = notice.received_unix != self._rebalance_seen
+        self._rebalance_seen = notice.received_unix
+        return False, fresh
+
+    def check(self, iteration: int) -> str | None:
+        """After ``iteration``: STOP, SAVE or None, the same on every rank of the group."""
+        preempt, rebalance = self._notice()
+        flags = torch.tensor([self.signal_received is not None, preempt, rebalance],
+                             dtype=torch.int32)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
+        signalled, any_preempt, any_rebalance = (bool(v) for v in flags.tolist())
+        if signalled or any_preempt:
+            self.decision = StopDecision(STOP, iteration, signalled, preempt)
+            return STOP
+        if any_rebalance:
+            return SAVE
+        return None

@@ -1,0 +1,345 @@
+"""One worker of an elastic job: ``autohet train --elastic`` started by torchrun's agents.
+
+torchrun (torch.distributed.elastic) owns membership: its agents rendezvous, start one worker per
+GPU, and on any failure or membership change stop every worker and start them again with new
+ranks. It cannot see GPU types and its ranks are not stable, so on every (re)start the workers:
+
+1. **Say who they are**: each worker puts its :class:`~megatron_autohet.elastic.fleet.Member`
+   (node name, GPU type, GPU index) and, on a node's first GPU, the newest checkpoint step that
+   node's disk holds (with the plan it was saved under) in the store torchrun gives the workers.
+2. **Agree on a plan**: torchrun's rank 0 builds the cluster present from the members and the
+   job's cluster file, takes the plan of the newest checkpoint (where the state is) or the
+   job's ``--plan`` when there is none, keeps it when the fleet still fits it and re-plans
+   otherwise, and publishes the plan. Every worker finds its plan rank by (node, GPU).
+3. **Train**: a process group whose ranks are the plan's (same store, its own key prefix, a
+   short timeout so a dead peer fails a collective instead of hanging it), recovery from the
+   checkpoint tiers (own disk, surviving peers, S3), then the iteration loop with
+   :class:`~megatron_autohet.elastic.stop.StopRequests`.
+4. **Stop**: on a signal or a node's preemption notice every rank stops after the same
+   iteration and saves it (and uploads it, with an S3 tier) before anyone exits. A leaving
+   node's workers then stop their own agent (SIGTERM: torchrun keeps the rendezvous open for the
+   others) and exit 0; the others exit with :data:`EXIT_REPLAN`, which makes their agents start
+   a new round without the leaving node. So a preemption with notice loses no iteration; a
+   node lost without notice loses the iterations since the last save.
+
+A GPU the plan leaves idle keeps its worker waiting until the job ends (its agent stays in the
+rendezvous, so the GPU is used at the next re-plan).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import time
+from datetime import timedelta
+from pathlib import Path
+
+from megatron_autohet.elastic.events import EventLog
+from megatron_autohet.elastic.fleet import Member, fleet_cluster, plan_ranks
+from megatron_autohet.errors import ConfigError
+from megatron_autohet.plan import Plan, plan_from_dict
+from megatron_autohet.planner.replan import replan
+from megatron_autohet.spec.cluster import Cluster
+from megatron_autohet.spec.model import ModelSpec
+
+# Exit status of a worker that stopped for a re-plan (torchrun restarts it in a new round).
+EXIT_REPLAN = 75
+_PREFIX = "autohet/"
+_STORE_TIMEOUT = timedelta(minutes=5)   # waiting for every worker to say who it is
+
+
+def node_identity(local_rank: int) -> tuple[str, str]:
+    """(node name, GPU type): ``AUTOHET_NODE`` / ``AUTOHET_GPU`` where set (launch_node.sh sets
+    them; emulated nodes must), else the hostname and the CUDA device name matched to the
+    catalog."""
+    from megatron_autohet.elastic.fleet import gpu_type_of_device
+    from megatron_autohet.spec.gpus import load_gpu_catalog
+
+    node = os.environ.get("AUTOHET_NODE") or socket.gethostname()
+    gpu = os.environ.get("AUTOHET_GPU")
+    catalog = sorted(load_gpu_catalog())
+    if gpu is None:
+        import torch
+        if not torch.cuda.is_available():
+            raise ConfigError("<environment>", "AUTOHET_GPU", "not set and this process has no "
+                              "GPU to detect", f"a GPU type of the catalog: {', '.join(catalog)}")
+        name = torch.cuda.get_device_name(local_rank)
+        gpu = gpu_type_of_device(name, catalog)
+        if gpu is None:
+            raise ConfigError("<environment>", "AUTOHET_GPU", f"device {name!r} matches no "
+                              "catalog type", f"set AUTOHET_GPU to one of {', '.join(catalog)}")
+    elif gpu not in catalog:
+        raise ConfigError("<environment>", "AUTOHET_GPU", f"unknown GPU type {gpu!r}",
+                          ", ".join(catalog))
+    return node, gpu
+
+
+def _worker_store(rank: int):
+    """The store torchrun names for the workers (MASTER_ADDR/MASTER_PORT): hosted by worker 0
+    unless the agent shares its own (TORCHELASTIC_USE_AGENT_STORE)."""
+    import torch.distributed as dist
+
+    host_here = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                         is_master=host_here, timeout=_STORE_TIMEOUT, wait_for_workers=False)
+
+
+def _local_step(local_dir: str | None, node: str) -> dict | None:
+    """The newest committed step on this node's disk: {"iteration", "plan"}, or None."""
+    from megatron_autohet.checkpoint.inspect import newest_manifest
+
+    if local_dir is None:
+        return None
+    found = newest_manifest(local_dir.replace("{node}", node))
+    if found is None:
+        return None
+    step, manifest = found
+    return {"iteration": manifest.iteration, "plan": manifest.plan}
+
+
+def _s3_step(options) -> dict | None:
+    """The newest step committed in S3 (its plan), when no disk has one."""
+    from megatron_autohet.checkpoint.inspect import committed_s3
+    from megatron_autohet.checkpoint.manifest import MANIFEST_FILE, Manifest, step_dir_name
+    from megatron_autohet.checkpoint.s3_store import S3Error, S3Store
+
+    if options.s3_uri is None:
+        return None
+    try:
+        store = S3Store(options.s3_uri, endpoint_url=options.s3_endpoint_url)
+        steps = committed_s3(store)
+        if not steps:
+            return None
+        raw = store.get_bytes(f"{step_dir_name(steps[-1])}/{MANIFEST_FILE}")
+    except S3Error:
+        return None
+    manifest = Manifest.from_json(raw)
+    return {"iteration": manifest.iteration, "plan": manifest.plan}
+
+
+class ElasticWorker:
+    def __init__(self, *, initial_plan: Plan, template: Cluster, model: ModelSpec, options,
+                 notice_file: str | None, events_jsonl: str | None):
+        self.started = time.monotonic()
+        self.initial_plan = initial_plan
+        self.template = template
+        self.model = model
+        self.options = options
+        self.notice_template = notice_file
+        self.rank = int(os.environ["RANK"])
+        self.world_size = int(os.environ["WORLD_SIZE"])
+        self.local_rank = int(os.environ["LOCAL_RANK"])
+        self.round = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        node, gpu = node_identity(self.local_rank)
+        self.me = Member(node, gpu, self.local_rank)
+        self.events_jsonl = events_jsonl
+        self.events = EventLog(events_jsonl, enabled=self.rank == 0)
+
+    # ---- 1-2: who is here, which plan ----------------------------------------------------
+
+    def agree(self, store) -> tuple[Plan, list[Member], list[int | None]]:
+        ckpt = self.options.checkpoint
+        said = {"member": self.me.to_dict(),
+                "step": _local_step(ckpt.local_dir, self.me.node) if self.local_rank == 0
+                else None}
+        store.set(f"{_PREFIX}member/{self.rank}", json.dumps(said))
+        if self.rank == 0:
+            start = time.monotonic()
+            keys = [f"{_PREFIX}member/{r}" for r in range(self.world_size)]
+            store.wait(keys)
+            told = [json.loads(store.get(k)) for k in keys]
+            members = [Member.from_dict(t["member"]) for t in told]
+            plan, decision = self._decide(members, [t["step"] for t in told if t["step"]])
+            store.set(f"{_PREFIX}plan", json.dumps(plan.to_dict()))
+            idle = [f"{m.node}:{m.local_rank}" for m, r in zip(members, plan_ranks(plan, members))
+                    if r is None]
+            seconds = time.monotonic() - start
+            self.events.emit(
+                "plan", f"{decision} for {len(members)} GPUs on "
+                f"{len({m.node for m in members})} nodes: {plan.world_size} ranks in "
+                f"{len(plan.pipelines)} pipeline(s)"
+                + (f", idle: {', '.join(idle)}" if idle else "") + f" ({seconds:.2f} s)",
+                decision=decision, seconds=round(seconds, 3),
+                nodes=sorted({m.node for m in members}), world_size=plan.world_size,
+                pipelines=len(plan.pipelines), idle=idle, restart=int(self.round))
+        else:
+            store.wait([f"{_PREFIX}plan"])
+        plan = plan_from_dict(json.loads(store.get(f"{_PREFIX}plan")), "<elastic plan>")
+        members = [Member.from_dict(json.loads(store.get(f"{_PREFIX}member/{r}"))["member"])
+                   for r in range(self.world_size)]
+        return plan, members, plan_ranks(plan, members)
+
+    def _decide(self, members: list[Member], steps: list[dict]) -> tuple[Plan, str]:
+        cluster = fleet_cluster(members, self.template)
+        self.events.emit("fleet", ", ".join(f"{n.name} ({n.num_gpus} x {n.gpu})"
+                                            for n in cluster.nodes),
+                         nodes={n.name: {"gpu": n.gpu, "gpus": n.num_gpus}
+                                for n in cluster.nodes})
+        newest = max(steps, key=lambda s: s["iteration"], default=None) or \
+            _s3_step(self.options.checkpoint)
+        previous = (plan_from_dict(newest["plan"], f"<plan of step {newest['iteration']}>")
+                    if newest else self.initial_plan)
+        found = replan(previous, cluster, self.model)
+        source = f"step {newest['iteration']}'s plan" if newest else "the initial plan"
+        if found.unchanged:
+            return found.plan, f"kept {source}"
+        return found.plan, (f"re-planned from {source} (predicted iteration "
+                            f"{found.cost.iteration_time_s:.3g} s, recovery moves "
+                            f"{found.recovery_bytes / 2**20:.1f} MiB across nodes)")
+
+    # ---- 3-4: train, stop -------------------------------------------------------------------
+
+    def run(self) -> int:
+        import torch.distributed as dist
+
+        from megatron_autohet.launch import init_backend, train_job
+        from megatron_autohet.runtime.cpu_mode import cpu_mode_required
+
+        store = _worker_store(self.rank)
+        plan, members, ranks = self.agree(store)
+        plan_rank = ranks[self.rank]
+        # From here on the plan's rank 0 reports (torchrun's rank 0 may be idle).
+        self.events = EventLog(self.events_jsonl, enabled=plan_rank == 0)
+        if None in ranks:
+            self._hand_over(store, plan, members)
+        if plan_rank is None:
+            return self._idle(store)
+        on_cpu = cpu_mode_required()
+        if not on_cpu:
+            import torch
+            torch.cuda.set_device(self.local_rank)
+        init_backend(on_cpu)
+        dist.init_process_group("gloo" if on_cpu else "nccl", rank=plan_rank,
+                                world_size=plan.world_size, timeout=self.options.timeout,
+                                store=dist.PrefixStore(f"{_PREFIX}train/", store))
+        stop = None
+        try:
+            def make_stop_check(checkpointer):
+                nonlocal stop
+                stop = _Observed(self, checkpointer, plan, plan_rank)
+                return stop
+            last = train_job(plan, "<elastic plan>", self.model, self.options, rank=plan_rank,
+                             local_rank=self.local_rank, make_stop_check=make_stop_check)
+            decision = stop.requests.decision if stop is not None else None
+            if decision is not None and stop.leaving_nodes:
+                self._evacuate(plan, plan_rank, decision.leaving)
+        finally:
+            dist.destroy_process_group()
+        if decision is None:
+            self._finish(store, last if plan_rank == 0 else None)
+            return 0
+        if decision.leaving:
+            # Leave the job: our agent stops its workers and exits without closing the
+            # rendezvous, and the launcher sees the notice and does not start it again.
+            if self.local_rank == 0:
+                os.kill(os.getppid(), signal.SIGTERM)
+            return 0
+        return EXIT_REPLAN
+
+    def _evacuate(self, plan: Plan, plan_rank: int, leaving: bool) -> None:
+        """After the emergency save: files of the step that only leaving nodes hold go to the
+        nodes that stay."""
+        from megatron_autohet.elastic.handover import move_files
+
+        start = time.monotonic()
+        first_of_node = min(i.rank for i in plan.ranks if i.node == self.me.node) == plan_rank
+        local_dir = self.options.checkpoint.local_dir
+        moved = move_files(Path(local_dir.replace("{node}", self.me.node)), rank=plan_rank,
+                           speaks_for_node=first_of_node, receives=not leaving)
+        self.events.emit("evacuate", f"{moved / 2**20:.1f} MiB that only leaving nodes held "
+                         f"copied to the nodes that stay in {time.monotonic() - start:.2f} s",
+                         bytes=moved, seconds=round(time.monotonic() - start, 3))
+
+    def _hand_over(self, store, plan: Plan, members: list[Member]) -> None:
+        """Some GPUs are idle in this plan: their nodes' files go to training nodes first."""
+        from megatron_autohet.elastic.handover import hand_over
+
+        start = time.monotonic()
+        training_nodes = {info.node for info in plan.ranks}
+        local_dir = self.options.checkpoint.local_dir
+        moved = hand_over(store, rank=self.rank, world_size=self.world_size,
+                             speaks_for_node=self.local_rank == 0,
+                             training=self.me.node in training_nodes,
+                             root=Path(local_dir.replace("{node}", self.me.node)),
+                             timeout=self.options.timeout)
+        idle = sorted({m.node for m in members} - training_nodes)
+        if idle:
+            self.events.emit("handover", f"{moved / 2**20:.1f} MiB of checkpoint files that "
+                             f"only idle node(s) {', '.join(idle)} held sent to training nodes "
+                             f"in {time.monotonic() - start:.2f} s", idle_nodes=idle,
+                             bytes=moved, seconds=round(time.monotonic() - start, 3))
+
+    def _idle(self, store) -> int:
+        while True:
+            try:
+                store.wait([f"{_PREFIX}finished"], timedelta(minutes=1))
+                break
+            except Exception as err:      # noqa: BLE001 - timeout: keep waiting; a lost store:
+                if "timeout" not in str(err).lower():   # the job restarts, and so do we
+                    raise
+        self._finish(store, None)
+        return 0
+
+    def _finish(self, store, last: int | None) -> None:
+        """The job trained to its end: plan rank 0 says so (``last``), idle workers heard it;
+        every worker counts itself done and worker 0, which hosts the store, waits for all."""
+        if last is not None:
+            store.set(f"{_PREFIX}finished", "1")
+            self.events.emit("finished", f"trained to iteration {last}", iteration=last)
+        store.add(f"{_PREFIX}done", 1)
+        if self.rank == 0:
+            while store.add(f"{_PREFIX}done", 0) < self.world_size:
+                time.sleep(0.05)
+
+
+class _Observed:
+    """The stop check of an elastic job, also reporting recovery and the first iteration."""
+
+    def __init__(self, worker: ElasticWorker, checkpointer, plan: Plan, plan_rank: int):
+        import torch.distributed as dist
+
+        from megatron_autohet.elastic.stop import StopRequests
+
+        self.worker = worker
+        self.checkpointer = checkpointer
+        self.plan = plan
+        notice = worker.notice_template
+        self.requests = StopRequests(
+            checkpointer.group if checkpointer else dist.group.WORLD,
+            notice_file=notice.replace("{node}", worker.me.node) if notice else None)
+        self.first = True
+        self.leaving_nodes: list[str] = []
+
+    def __call__(self, iteration: int) -> str | None:
+        events = self.worker.events
+        if self.first:
+            self.first = False
+            report = self.checkpointer.last_report if self.checkpointer else None
+            if report is not None:
+                events.emit("recovery", report.line(), iteration=report.iteration,
+                            bytes=report.job_bytes, seconds=report.seconds)
+            seconds = time.monotonic() - self.worker.started
+            events.emit("first_iteration", f"iteration {iteration} done {seconds:.2f} s after "
+                        "the workers started", iteration=iteration, seconds=round(seconds, 3))
+        action = self.requests.check(iteration)
+        if action == "stop":
+            self._report_stop(iteration)
+        return action
+
+    def _report_stop(self, iteration: int) -> None:
+        import torch.distributed as dist
+
+        decision = self.requests.decision
+        leaving = [None] * dist.get_world_size()
+        dist.all_gather_object(leaving, self.worker.me.node if decision.leaving else None,
+                               group=self.requests.group)
+        nodes = sorted({n for n in leaving if n})
+        self.leaving_nodes = nodes
+        why = (f"preemption notice on {', '.join(nodes)}: saving iteration {iteration}, then "
+               f"{', '.join(nodes)} leave(s)" if nodes else
+               f"signal: saving iteration {iteration} before the restart")
+        self.worker.events.emit("stop", why,
+                                iteration=iteration, reason="notice" if nodes else "signal",
+                                leaving=nodes)
