@@ -289,8 +289,10 @@ class ElasticWorker:
             store.set(f"{_PREFIX}finished", "1")
             self.events.emit("finished", f"trained to iteration {last}", iteration=last)
         store.add(f"{_PREFIX}done", 1)
-        if self.rank == 0:
-            while store.add(f"{_PREFIX}done", 0) < self.world_size:
+        if self.rank == 0:      # bounded: an idle node that died meanwhile never counts itself
+            deadline = time.monotonic() + _STORE_TIMEOUT.total_seconds()
+            while store.add(f"{_PREFIX}done", 0) < self.world_size and \
+                    time.monotonic() < deadline:
                 time.sleep(0.05)
 
 
