@@ -1,0 +1,228 @@
+"""A spot fleet emulated on one machine: each node a real `autohet node` (torchrun agent) process.
+
+Used by the elastic tests, ``scripts/bench_spot.py`` and the quick start. Everything runs as it
+would on a fleet - `autohet rendezvous`, one `autohet node` and one `autohet watch` per node,
+node-local checkpoint directories - only the nodes share this machine: each gets its own
+loopback address (``127.0.0.N``), its own directory (``WORKDIR/<node>/``) and CPU workers.
+
+* :meth:`EmulatedFleet.add` starts a node (a node joining the job);
+* :meth:`EmulatedFleet.preempt` sends its watcher SIGTERM, as Kubernetes would (the watcher
+  writes the notice; the job saves, moves the node's files and lets it go), then waits for the
+  node to leave;
+* :meth:`EmulatedFleet.kill` kills the node's whole process tree with SIGKILL, as a lost
+  machine (no notice).
+
+The job's events and metrics (JSON lines) are in ``WORKDIR/events.jsonl`` and
+``WORKDIR/metrics.jsonl``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+def _children() -> dict[int, list[int]]:
+    tree: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        tree.setdefault(ppid, []).append(int(entry.name))
+    return tree
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL ``pid`` and all its descendants (torchrun's workers run in their own session, so
+    a process group kill would miss them). Stops them first so none can respawn meanwhile."""
+    tree = _children()
+    doomed, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        doomed.append(p)
+        todo += tree.get(p, [])
+    for p in doomed:
+        try:
+            os.kill(p, signal.SIGSTOP)
+        except ProcessLookupError:
+            pass
+    for p in doomed:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+@dataclass
+class _Node:
+    name: str
+    process: subprocess.Popen
+    watcher: subprocess.Popen
+    log: Path
+
+
+@dataclass
+class EmulatedFleet:
+    workdir: Path
+    train_args: list[str]              # `autohet train` arguments (plan, model, cluster, iters...)
+    nnodes: str = "2:8"
+    job_id: str = "emulated"
+    port: int = 0
+    omp_threads: int = 1
+    nodes: dict[str, _Node] = field(default_factory=dict)
+    _rendezvous: subprocess.Popen | None = None
+    _next_addr: int = 1
+
+    def __post_init__(self):
+        self.workdir = Path(self.workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+
+    # ---- files ----------------------------------------------------------------------------
+    @property
+    def events_path(self) -> Path:
+        return self.workdir / "events.jsonl"
+
+    @property
+    def metrics_path(self) -> Path:
+        return self.workdir / "metrics.jsonl"
+
+    def events(self, kind: str | None = None) -> list[dict]:
+        return [e for e in read_jsonl(self.events_path) if kind is None or e["event"] == kind]
+
+    def metrics(self) -> list[dict]:
+        return read_jsonl(self.metrics_path)
+
+    def notice_file(self, node: str) -> Path:
+        return self.workdir / node / "notice.json"
+
+    # ---- processes ----------------------------------------------------------------------------
+    def _autohet(self, *args: str) -> list[str]:
+        return [sys.executable, "-m", "megatron_autohet.cli.main", *args]
+
+    def start(self) -> None:
+        from megatron_autohet.launch import free_port
+
+        self.port = self.port or free_port()
+        self._rendezvous = subprocess.Popen(
+            self._autohet("rendezvous", "--host", "127.0.0.1", "--port", str(self.port)),
+            stdout=open(self.workdir / "rendezvous.log", "w"), stderr=subprocess.STDOUT)
+
+    def add(self, node: str, gpu: str) -> None:
+        """Start a node: its watcher (signal source) and its `autohet node` agent."""
+        (self.workdir / node).mkdir(parents=True, exist_ok=True)
+        log = self.workdir / f"{node}.log"
+        out = open(log, "a")
+        notice = self.workdir / "{node}" / "notice.json"
+        watcher = subprocess.Popen(
+            self._autohet("watch", "--source", "signal", "--notice-file",
+                          str(self.notice_file(node)), "--signal-grace", "30",
+                          "--events-jsonl", str(self.workdir / node / "notices.jsonl")),
+            stdout=out, stderr=subprocess.STDOUT)
+        env = dict(os.environ, OMP_NUM_THREADS=str(self.omp_threads), CUDA_VISIBLE_DEVICES="")
+        addr = f"127.0.0.{self._next_addr}"
+        self._next_addr += 1
+        process = subprocess.Popen(
+            self._autohet("node", "--rendezvous", f"127.0.0.1:{self.port}", "--job-id",
+                          self.job_id, "--nnodes", self.nnodes, "--node-name", node,
+                          "--gpu", gpu, "--local-addr", addr, "--notice-file",
+                          str(self.notice_file(node)), "--", *self.train_args,
+                          "--autohet-local-ckpt-dir", str(self.workdir / "{node}" / "ckpt"),
+                          "--autohet-notice-file", str(notice),
+                          "--autohet-events-jsonl", str(self.events_path),
+                          "--metrics-jsonl", str(self.metrics_path)),
+            stdout=out, stderr=subprocess.STDOUT, env=env)
+        self.nodes[node] = _Node(node, process, watcher, log)
+
+    def preempt(self, node: str, *, deadline_s: float = 120.0) -> int:
+        """A preemption with notice: SIGTERM to the node's watcher (as Kubernetes sends it), then
+        the node leaves on its own; killed at the deadline if it has not. Returns its status."""
+        entry = self.nodes[node]
+        entry.watcher.send_signal(signal.SIGTERM)
+        try:
+            code = entry.process.wait(timeout=deadline_s)
+        except subprocess.TimeoutExpired:
+            self.kill(node)
+            return -signal.SIGKILL
+        entry.watcher.wait(timeout=10)
+        del self.nodes[node]
+        return code
+
+    def kill(self, node: str) -> None:
+        """A node lost without notice: its whole process tree gets SIGKILL."""
+        entry = self.nodes.pop(node)
+        kill_tree(entry.process.pid)
+        entry.process.wait()
+        entry.watcher.kill()
+        entry.watcher.wait()
+
+    def wait_for(self, predicate, *, timeout: float, what: str, poll: float = 0.1) -> None:
+        """Until ``predicate()`` holds; a node that exits with an error or the timeout (a safety
+        net, not a measurement) raises with the logs' tails."""
+        deadline = time.monotonic() + timeout
+        while not predicate():
+            for entry in self.nodes.values():
+                code = entry.process.poll()
+                if code not in (None, 0):
+                    raise RuntimeError(f"{entry.name} exited with {code} while waiting for "
+                                       f"{what}:\n{self.tail(entry.name)}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no {what} after {timeout:.0f} s:\n" +
+                                   "\n".join(self.tail(n) for n in self.nodes))
+            time.sleep(poll)
+
+    def iteration(self) -> int:
+        """The newest iteration the job has logged."""
+        records = self.metrics()
+        return records[-1]["iteration"] if records else 0
+
+    def wait_all(self, *, timeout: float) -> dict[str, int]:
+        """Until every node's agent has exited; their statuses."""
+        deadline = time.monotonic() + timeout
+        codes = {}
+        for name, entry in list(self.nodes.items()):
+            try:
+                codes[name] = entry.process.wait(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                raise TimeoutError(f"{name} still running after {timeout:.0f} s:\n"
+                                   + self.tail(name)) from None
+            entry.watcher.kill()           # SIGTERM would make it write a notice
+            entry.watcher.wait(timeout=10)
+            del self.nodes[name]
+        return codes
+
+    def tail(self, node: str, lines: int = 30) -> str:
+        log = self.workdir / f"{node}.log"
+        text = log.read_text(errors="replace").splitlines() if log.exists() else []
+        keep = [t for t in text if "warn" not in t.lower()]
+        return f"--- {node} ---\n" + "\n".join(keep[-lines:])
+
+    def close(self) -> None:
+        for name in list(self.nodes):
+            self.kill(name)
+        if self._rendezvous is not None:
+            self._rendezvous.terminate()
+            self._rendezvous.wait(timeout=10)
+            self._rendezvous = None
+
+    def __enter__(self) -> "EmulatedFleet":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
