@@ -6,11 +6,10 @@ Three pieces, used by ``autohet train`` (cli/train.py):
   loads and validates (ranks, stages, layer cover, TP dividing heads/groups/FFN), and the plan was
   made for the ``--model`` given (every dimension equal; a layer-count mismatch names
   ``model.num_layers``). Errors are :class:`ConfigError` naming the file and field.
-* :func:`launch_local` - a minimal torchrun for one machine: starts ``plan.world_size`` copies of
-  the same ``autohet train`` command with ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``MASTER_*`` set,
-  on a free port, and stops the others when one fails. Local ranks are numbered as the plan
-  numbers GPUs within their node (``ranks[i].local_rank``) when the plan has one node; a
-  multi-node plan run on one machine (the CPU quick start) gets local rank = global rank.
+* :func:`launch_local` - torchrun on one machine: torch.distributed.elastic's agent starts
+  ``plan.world_size`` copies of the same ``autohet train`` command with ``RANK``/``WORLD_SIZE``/
+  ``LOCAL_RANK``/``MASTER_*`` set and stops the others when one fails. Local rank = global rank
+  (one node); a multi-node plan run on one machine is the CPU quick start.
 * :func:`run_worker` - what each rank runs, whether started by :func:`launch_local` or by
   ``torchrun`` on a GPU cluster (multi-node command: see README "Training from a plan"). It checks
   the environment against the plan (``WORLD_SIZE`` = plan ranks; on GPUs ``LOCAL_RANK`` = the plan's
@@ -23,17 +22,15 @@ Three pieces, used by ``autohet train`` (cli/train.py):
   the same on every rank), with the checkpoint hook (checkpoint/checkpointer.py) when the job
   saves or loads.
 
-It sits above runtime/ and checkpoint/ (it wires the two together), not inside either.
+It sits above runtime/ and checkpoint/ (it wires the two together), not inside either; elastic
+jobs (elastic/worker.py) use its :func:`train_job` too.
 """
 
 from __future__ import annotations
 
 import os
-import signal
 import socket
-import subprocess
 import sys
-import time
 from dataclasses import asdict, dataclass, fields
 from datetime import timedelta
 from pathlib import Path
@@ -119,60 +116,37 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def local_ranks(plan: Plan) -> list[int]:
-    if len({info.node for info in plan.ranks}) == 1:
-        return [info.local_rank for info in plan.ranks]
-    return list(range(plan.world_size))
-
-
 def launch_local(plan: Plan, worker_argv: list[str], *, gpus_available: int = 0) -> int:
-    """Run ``python -m megatron_autohet.cli.main *worker_argv`` once per planned rank.
+    """Run ``python -m megatron_autohet.cli.main *worker_argv`` once per planned rank, under
+    torch.distributed.elastic's agent on this machine (``torchrun --standalone``: the launcher
+    elastic jobs use on every node, here with one node and no restarts).
 
-    Returns 0 when every rank exits 0, else the first failing rank's status (the others are
-    terminated). With fewer GPUs than ranks every process runs on the CPU.
+    Returns 0 when every rank exits 0, else the first failing rank's status (the agent stops
+    the others). With fewer GPUs than ranks every process runs on the CPU.
     """
+    import uuid
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
     world = plan.world_size
-    port = free_port()
-    threads = max(1, (os.cpu_count() or 1) // world) if gpus_available < world else None
-    procs: list[subprocess.Popen] = []
-    for rank, local_rank in enumerate(local_ranks(plan)):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(local_rank),
-                   LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        if threads is not None:
-            # N processes share the cores: oversubscribed intra-op threads slow small runs a lot.
-            env["OMP_NUM_THREADS"] = str(threads)
-        if gpus_available < world:
-            env["CUDA_VISIBLE_DEVICES"] = ""      # not enough GPUs: every rank on the CPU
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "megatron_autohet.cli.main", *worker_argv], env=env))
-    status = 0
+    if gpus_available < world:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""     # not enough GPUs: every rank on the CPU
+        # N processes share the cores: oversubscribed intra-op threads slow small runs a lot.
+        os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world)))
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=world,
+                          run_id=f"autohet-{uuid.uuid4().hex[:8]}", rdzv_backend="c10d",
+                          rdzv_endpoint="127.0.0.1:0", max_restarts=0, monitor_interval=0.1,
+                          local_addr="127.0.0.1")
     try:
-        running = list(procs)
-        while running:
-            for proc in list(running):
-                code = proc.poll()
-                if code is None:
-                    continue
-                running.remove(proc)
-                if code != 0 and status == 0:
-                    status = code
-                    _terminate(running)
-            time.sleep(0.05)
+        elastic_launch(config, entrypoint=sys.executable)(
+            "-m", "megatron_autohet.cli.main", *worker_argv)
+    except ChildFailedError as failed:
+        first = min(failed.failures.values(), key=lambda f: f.timestamp)
+        return first.exitcode if first.exitcode > 0 else 1
     except KeyboardInterrupt:
-        _terminate(procs)
-        status = 130
-    return status
-
-
-def _terminate(procs: list[subprocess.Popen]) -> None:
-    for proc in procs:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-    for proc in procs:
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        return 130
+    return 0
 
 
 def train_args(options: TrainOptions) -> dict:

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Quick start on a fresh machine: create .venv, install, plan the bundled 3-type fleet
 # (A100 + H800 + H20) for GPT-3 1.3B, print and draw the plan (quickstart-out/plan.png) and
-# compare it with the baselines (Megatron-LM grid, Whale-style, fastest GPU type alone).
+# compare it with the baselines (Megatron-LM grid, Whale-style, fastest GPU type alone), train the
+# tiny GPT from a plan, then preempt a node of an emulated spot fleet and watch the job go on.
 set -euo pipefail
 source "$(dirname "$0")/_venv.sh"
 OUT="${OUT:-quickstart-out}"
@@ -25,3 +26,9 @@ records = [json.loads(line) for line in open(sys.argv[1])]
 print(f"lm loss: {records[0]['lm_loss']:.4f} (iteration 1) -> {records[-1]['lm_loss']:.4f} "
       f"(iteration {records[-1]['iteration']})")
 PY
+
+# The spot user's job: four emulated one-GPU nodes of three types (configs/clusters/spot-4.yaml),
+# each its own torchrun agent (`autohet node`), notice watcher and checkpoint directory, train the
+# tiny GPT; node2 gets a preemption notice; the job saves, re-plans for the three nodes left,
+# recovers and goes on. Prints the events, the bytes each tier served and the losses.
+python scripts/spot_demo.py --out "$OUT/spot"

@@ -237,10 +237,11 @@ def test_job_killed_while_writing_a_step_resumes_from_the_previous_one(tmp_path)
     exactly as the killed job had (the same plan: bit-identical)."""
     import json
     import os
-    import signal
     import subprocess
     import sys
     import time
+
+    from megatron_autohet.elastic.emulate import kill_tree
 
     root = Path(__file__).resolve().parents[1]
     local = tmp_path / "local" / "{node}"
@@ -252,12 +253,12 @@ def test_job_killed_while_writing_a_step_resumes_from_the_previous_one(tmp_path)
                "--load", str(local), "--metrics-jsonl", str(metrics),
                "--data-dir", str(tmp_path / "data")]
     writing = Path(str(local).replace("{node}", "a100")) / f"{step_dir_name(TOTAL)}.partial"
-    job = subprocess.Popen(command, cwd=root, start_new_session=True,
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    job = subprocess.Popen(command, cwd=root, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL)
     try:
         while not writing.exists() and job.poll() is None:
             time.sleep(0.002)
-        os.killpg(job.pid, signal.SIGKILL)                 # the launcher and every rank
+        kill_tree(job.pid)                                 # the launcher and every rank
     finally:
         job.wait()
     killed = [json.loads(line) for line in metrics.read_text().splitlines()]

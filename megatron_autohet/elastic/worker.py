@@ -218,7 +218,7 @@ class ElasticWorker:
         try:
             def make_stop_check(checkpointer):
                 nonlocal stop
-                stop = _Observed(self, checkpointer, plan, plan_rank)
+                stop = _StopCheck(self, checkpointer, plan, plan_rank)
                 return stop
             last = train_job(plan, "<elastic plan>", self.model, self.options, rank=plan_rank,
                              local_rank=self.local_rank, make_stop_check=make_stop_check)
@@ -272,12 +272,14 @@ class ElasticWorker:
                              bytes=moved, seconds=round(time.monotonic() - start, 3))
 
     def _idle(self, store) -> int:
+        import torch.distributed as dist
+
         while True:
             try:
                 store.wait([f"{_PREFIX}finished"], timedelta(minutes=1))
                 break
-            except Exception as err:      # noqa: BLE001 - timeout: keep waiting; a lost store:
-                if "timeout" not in str(err).lower():   # the job restarts, and so do we
+            except dist.DistStoreError as err:  # a timeout: keep waiting (a lost store is a
+                if "timeout" not in str(err).lower():   # DistNetworkError: we restart with it)
                     raise
         self._finish(store, None)
         return 0
@@ -296,7 +298,7 @@ class ElasticWorker:
                 time.sleep(0.05)
 
 
-class _Observed:
+class _StopCheck:
     """The stop check of an elastic job, also reporting recovery and the first iteration."""
 
     def __init__(self, worker: ElasticWorker, checkpointer, plan: Plan, plan_rank: int):
