@@ -151,7 +151,8 @@ done
 [ "${#TRAIN_ARGS[@]}" -gt 0 ] || die "no training arguments: -- then the \`autohet train\` arguments (--plan, --model, ...)"
 
 [[ "$RENDEZVOUS" =~ ^[^:[:space:]]+:[0-9]+$ ]] || die "--rendezvous: got '$RENDEZVOUS', want HOST:PORT"
-[[ "$NNODES" =~ ^[0-9]+(:[0-9]+)?$ ]] || die "--nnodes: got '$NNODES', want MIN:MAX (or N)"
+[[ "$NNODES" =~ ^[0-9]+(:[0-9]+)?$ ]] && [ "${NNODES%%:*}" -ge 1 ] && [ "${NNODES%%:*}" -le "${NNODES##*:}" ] \
+  || die "--nnodes: got '$NNODES', want MIN:MAX with 1 <= MIN <= MAX (or N)"
 is_number() { [[ "$1" =~ ^[0-9]+([.][0-9]+)?$ ]]; }
 is_number "$SIGNAL_GRACE" || die "--signal-grace: got '$SIGNAL_GRACE', want seconds"
 is_number "$RESTART_DELAY" || die "--restart-delay: got '$RESTART_DELAY', want seconds"
