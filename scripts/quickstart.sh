@@ -3,6 +3,7 @@
 # (A100 + H800 + H20) for GPT-3 1.3B, print and draw the plan (quickstart-out/plan.png) and
 # compare it with the baselines (Megatron-LM grid, Whale-style, fastest GPU type alone).
 set -euo pipefail
+# shellcheck source=scripts/_venv.sh
 source "$(dirname "$0")/_venv.sh"
 OUT="${OUT:-quickstart-out}"
 mkdir -p "$OUT"
