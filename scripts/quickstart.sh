@@ -4,6 +4,7 @@
 # compare it with the baselines (Megatron-LM grid, Whale-style, fastest GPU type alone), train the
 # tiny GPT from a plan, then preempt a node of an emulated spot fleet and watch the job go on.
 set -euo pipefail
+# shellcheck source=scripts/_venv.sh
 source "$(dirname "$0")/_venv.sh"
 OUT="${OUT:-quickstart-out}"
 mkdir -p "$OUT"
