@@ -52,6 +52,7 @@ class TrainOptions:
     data_dir: str | None = None
     checkpoint: CheckpointOptions = CheckpointOptions()
     exit_interval: int | None = None
+    exit_signal_handler: bool = False
     distributed_timeout_minutes: float = 10.0
 
     @property
@@ -126,6 +127,7 @@ def launch_local(plan: Plan, worker_argv: list[str], *, gpus_available: int = 0)
     """
     import uuid
 
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -144,6 +146,10 @@ def launch_local(plan: Plan, worker_argv: list[str], *, gpus_available: int = 0)
     except ChildFailedError as failed:
         first = min(failed.failures.values(), key=lambda f: f.timestamp)
         return first.exitcode if first.exitcode > 0 else 1
+    except SignalException as stopped:
+        # The agent passed the signal on to the ranks and waited for them (with
+        # --exit-signal-handler they saved the iteration they finished first).
+        return 128 + int(stopped.sigval)
     except KeyboardInterrupt:
         return 130
     return 0
@@ -209,6 +215,12 @@ def train_job(plan: Plan, plan_label: str, model: ModelSpec, options: TrainOptio
         from megatron_autohet.checkpoint.checkpointer import Checkpointer
         checkpointer = Checkpointer(options.checkpoint, trainer, scheduler, seed=options.seed,
                                     train_args=train_args(options))
+    if make_stop_check is None and options.exit_signal_handler:
+        from megatron_autohet.elastic.stop import StopRequests
+
+        def make_stop_check(checkpointer):
+            return StopRequests(checkpointer.group if checkpointer else None,
+                                notice_file=None).check
     stop_check = make_stop_check(checkpointer) if make_stop_check else None
     return train_iterations(trainer, batches, scheduler, train_iters=options.iters,
                             scheduler_increment=plan.global_batch_size, log=rank == 0,

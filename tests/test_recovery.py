@@ -273,3 +273,53 @@ def test_job_killed_while_writing_a_step_resumes_from_the_previous_one(tmp_path)
     assert [r["iteration"] for r in after] == list(range(HALF + 1, TOTAL + 1))
     assert [(r["lm_loss"], r["grad_norm"], r["learning_rate"]) for r in after] == \
         [(r["lm_loss"], r["grad_norm"], r["learning_rate"]) for r in killed[HALF:]]
+
+
+def test_sigterm_with_exit_signal_handler_saves_the_iteration_in_flight(tmp_path):
+    """`autohet train --exit-signal-handler` (Megatron-LM's flag): SIGTERM to the launcher
+    reaches every rank through torchrun's agent; they stop after the same iteration, save it (no
+    periodic save is due) and exit. The restarted job resumes exactly there and logs what an
+    uninterrupted run logs (same plan: bit-identical)."""
+    import json
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    root = Path(__file__).resolve().parents[1]
+    iters = 16
+    base = [sys.executable, "-m", "megatron_autohet.cli.main", "train",
+            "--plan", str(root / "configs/plans/tiny-two-pipelines.yaml"),
+            "--model", str(root / "configs/models/tiny.yaml"), "--iters", str(iters),
+            "--data-dir", str(tmp_path / "data")]
+    reference = tmp_path / "reference.jsonl"
+    done = subprocess.run(base + ["--metrics-jsonl", str(reference)], cwd=root,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    local = tmp_path / "local" / "{node}"
+    metrics = tmp_path / "metrics.jsonl"
+    command = base + ["--autohet-local-ckpt-dir", str(local), "--save-interval", "1000",
+                      "--load", str(local), "--metrics-jsonl", str(metrics),
+                      "--exit-signal-handler"]
+    job = subprocess.Popen(command, cwd=root, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL)
+    while job.poll() is None and (not metrics.exists() or
+                                  len(metrics.read_text().splitlines()) < 3):
+        time.sleep(0.01)
+    job.send_signal(signal.SIGTERM)
+    assert job.wait(timeout=120) == 128 + signal.SIGTERM
+    stopped = [json.loads(line) for line in metrics.read_text().splitlines()]
+    last = stopped[-1]["iteration"]
+    assert 3 <= last < iters
+    for node in ("a100", "h800", "h20"):
+        assert committed_steps(Path(str(local).replace("{node}", node))) == [last]
+
+    resumed = subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"successfully loaded checkpoint: recovered iteration {last}" in resumed.stdout
+    logged = [json.loads(line) for line in metrics.read_text().splitlines()]
+    expected = [json.loads(line) for line in reference.read_text().splitlines()]
+    assert [r["iteration"] for r in logged] == list(range(1, iters + 1))
+    assert [(r["lm_loss"], r["grad_norm"], r["learning_rate"]) for r in logged] == \
+        [(r["lm_loss"], r["grad_norm"], r["learning_rate"]) for r in expected]

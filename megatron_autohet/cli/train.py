@@ -93,6 +93,11 @@ def register(subparsers) -> None:
         (("--exit-interval",), dict(type=int, default=None,
                                     help="stop after an iteration that is a multiple of N "
                                          "(saving first), as Megatron-LM's --exit-interval")),
+        (("--exit-signal-handler",), dict(
+            action="store_true",
+            help="on SIGTERM (to the launcher or any rank), stop after the iteration in flight, "
+                 "on every rank alike, and save it first, as Megatron-LM's flag (always on with "
+                 "--elastic)")),
         (("--distributed-timeout-minutes",), dict(
             type=float, default=None,
             help="how long a collective waits for a peer before failing (default 10, as "
@@ -155,6 +160,7 @@ def run(args: argparse.Namespace) -> int:
                            metrics_jsonl=args.metrics_jsonl, data_path=args.data_path,
                            data_dir=args.data_dir, checkpoint=checkpoint,
                            exit_interval=args.exit_interval,
+                           exit_signal_handler=args.exit_signal_handler,
                            distributed_timeout_minutes=timeout)
     if args.elastic:
         from megatron_autohet.elastic.worker import ElasticWorker

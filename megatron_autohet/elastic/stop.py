@@ -7,7 +7,8 @@ every iteration all ranks reduce their flags, so they stop after the same iterat
 exit. A rebalance notice (an early warning) only asks for a checkpoint of the current iteration;
 training goes on.
 
-``StopRequests.check()`` is one small all-reduce on the given process group per iteration.
+``StopRequests.check()`` is one small all-reduce on the given process group (None: the default
+group) per iteration.
 """
 
 from __future__ import annotations

@@ -227,7 +227,6 @@ UNSUPPORTED_FLAGS = (
     Unsupported("--replication-jump", None, _LOCAL_TIER),
     Unsupported("--replication-factor", 2, _LOCAL_TIER),
     Unsupported("--exit-duration-in-mins", None, "not set (--exit-interval N)"),
-    Unsupported("--exit-signal-handler", False, "not set (--exit-interval N)"),
 )
 
 
@@ -336,9 +335,14 @@ def pretrain_from_plan(args) -> None:
     # the samples of each iteration, as Megatron's train_step does; its state (in samples) is
     # what a checkpoint saves and a resume loads back.
     scheduler = get_optimizer_param_scheduler(trainer.optimizer)
+    checkpointer = make_checkpointer(args, checkpoint, trainer, scheduler, plan_path)
+    stop_check = None
+    if args.exit_signal_handler:
+        # Megatron's flag: SIGTERM -> every rank stops after the same iteration and saves it.
+        from megatron_autohet.elastic.stop import StopRequests
+        stop_check = StopRequests(checkpointer.group if checkpointer else None,
+                                  notice_file=None).check
     train_iterations(trainer, batches, scheduler, train_iters=args.train_iters,
                      scheduler_increment=plan.global_batch_size, log=rank == 0,
-                     metrics_jsonl=args.autohet_metrics_jsonl,
-                     checkpointer=make_checkpointer(args, checkpoint, trainer, scheduler,
-                                                    plan_path),
-                     exit_interval=args.exit_interval)
+                     metrics_jsonl=args.autohet_metrics_jsonl, checkpointer=checkpointer,
+                     exit_interval=args.exit_interval, stop_check=stop_check)
