@@ -60,6 +60,25 @@ def reference(tmp_path_factory):
     return plan, tmp / "data", {r["iteration"]: r for r in read_jsonl(metrics)}
 
 
+def test_s3_step_reads_the_newest_committed_manifest(s3_uri, s3_endpoint):
+    """A restart with no step on any disk takes the plan of the newest step in S3 (a whole fleet
+    replaced, or the local tier wiped as in scripts/bench_spot.py's baseline)."""
+    from types import SimpleNamespace
+
+    from megatron_autohet.checkpoint.manifest import MANIFEST_FILE, Manifest, step_dir_name
+    from megatron_autohet.checkpoint.s3_store import S3Store
+    from megatron_autohet.elastic.worker import _s3_step
+
+    options = SimpleNamespace(s3_uri=s3_uri, s3_endpoint_url=s3_endpoint[0])
+    assert _s3_step(options) is None
+    store = S3Store(s3_uri, endpoint_url=s3_endpoint[0])
+    for iteration in (4, 8):
+        manifest = Manifest(iteration=iteration, files={}, items=[], plan={"saved_at": iteration})
+        store.put_bytes(f"{step_dir_name(iteration)}/{MANIFEST_FILE}", manifest.to_json())
+    store.put_bytes(f"{step_dir_name(12)}/some-file", b"an upload that never committed")
+    assert _s3_step(options) == {"iteration": 8, "plan": {"saved_at": 8}}
+
+
 def test_preemption_loss_and_join_match_an_uninterrupted_run(reference, tmp_path, s3_endpoint,
                                                              s3_uri):
     plan, data_dir, ref = reference

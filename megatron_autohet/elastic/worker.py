@@ -115,7 +115,8 @@ def _s3_step(options) -> dict | None:
         raw = store.get_bytes(f"{step_dir_name(steps[-1])}/{MANIFEST_FILE}")
     except S3Error:
         return None
-    manifest = Manifest.from_json(raw)
+    manifest = Manifest.from_json(raw, store.location.uri(f"{step_dir_name(steps[-1])}/"
+                                                          f"{MANIFEST_FILE}"))
     return {"iteration": manifest.iteration, "plan": manifest.plan}
 
 
