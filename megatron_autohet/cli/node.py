@@ -87,6 +87,8 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("<command line>", "--nproc-per-node", f"got {args.nproc_per_node}",
                           "GPUs on this node, >= 1")
     os.environ["AUTOHET_NODE"] = args.node_name or socket.gethostname()
+    # Where the others reach this node's workers (a store after an in-process re-plan).
+    os.environ["AUTOHET_LOCAL_ADDR"] = args.local_addr or socket.gethostname()
     if args.gpu is not None:
         os.environ["AUTOHET_GPU"] = args.gpu
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"

@@ -212,32 +212,101 @@ class ElasticWorker:
             import torch
             torch.cuda.set_device(self.local_rank)
         init_backend(on_cpu)
-        dist.init_process_group("gloo" if on_cpu else "nccl", rank=plan_rank,
-                                world_size=plan.world_size, timeout=self.options.timeout,
-                                store=dist.PrefixStore(f"{_PREFIX}train/", store))
-        stop = None
-        try:
-            def make_stop_check(checkpointer):
-                nonlocal stop
-                stop = _StopCheck(self, checkpointer, plan, plan_rank)
-                return stop
-            last = train_job(plan, "<elastic plan>", self.model, self.options, rank=plan_rank,
-                             local_rank=self.local_rank, make_stop_check=make_stop_check)
-            decision = stop.requests.decision if stop is not None else None
-            if decision is not None and stop.leaving_nodes:
-                self._evacuate(plan, plan_rank, decision.leaving)
-        finally:
-            dist.destroy_process_group()
-        if decision is None:
-            self._finish(store, last if plan_rank == 0 else None)
-            return 0
-        if decision.leaving:
-            # Leave the job: our agent stops its workers and exits without closing the
-            # rendezvous, and the launcher sees the notice and does not start it again.
-            if self.local_rank == 0:
-                os.kill(os.getppid(), signal.SIGTERM)
-            return 0
-        return EXIT_REPLAN
+        # The workers that finish the job, and who hosts the store they finish on.
+        finishers, store_host = self.world_size, self.rank == 0
+        generation = 0
+        while True:
+            dist.init_process_group("gloo" if on_cpu else "nccl", rank=plan_rank,
+                                    world_size=plan.world_size, timeout=self.options.timeout,
+                                    store=dist.PrefixStore(f"{_PREFIX}train/{generation}/",
+                                                           store))
+            stop = None
+            try:
+                def make_stop_check(checkpointer):
+                    nonlocal stop
+                    stop = _StopCheck(self, checkpointer, plan, plan_rank)
+                    return stop
+                last = train_job(plan, "<elastic plan>", self.model, self.options,
+                                 rank=plan_rank, local_rank=self.local_rank,
+                                 make_stop_check=make_stop_check)
+                decision = stop.requests.decision if stop is not None else None
+                warm = None
+                if decision is not None and stop.leaving_nodes:
+                    self._evacuate(plan, plan_rank, decision.leaving)
+                    if not decision.signalled and len(members) == plan.world_size:
+                        warm = self._replan_in_process(plan, plan_rank, members,
+                                                       stop.leaving_nodes)
+            finally:
+                dist.destroy_process_group()
+            if decision is None:
+                self._finish(store, last if plan_rank == 0 else None, host=store_host,
+                             expected=finishers)
+                return 0
+            if decision.leaving:
+                # Leave the job: our agent stops its workers and exits without closing the
+                # rendezvous, and the launcher sees the notice and does not start it again.
+                if self.local_rank == 0:
+                    os.kill(os.getppid(), signal.SIGTERM)
+                return 0
+            if warm is None:
+                return EXIT_REPLAN
+            plan, members, store, store_host = warm
+            plan_rank = plan_ranks(plan, members)[members.index(self.me)]
+            finishers = len(members)
+            generation += 1
+            self.events = EventLog(self.events_jsonl, enabled=plan_rank == 0)
+
+    def _replan_in_process(self, plan: Plan, plan_rank: int, members: list[Member],
+                           leaving: list[str]):
+        """After a notice, on the old process group: the nodes that stay go on in this process
+        - no new workers, no new rendezvous. The first staying rank re-plans for them and hosts
+        a new store; everyone learns both by one broadcast. Returns (plan, members, store,
+        hosting) for the staying ranks, or None when the re-plan leaves GPUs idle (then the
+        job restarts through torchrun, whose round puts idle GPUs on hold)."""
+        import torch.distributed as dist
+
+        start = time.monotonic()
+        by_rank = {r: m for r, m in zip(plan_ranks(plan, members), members)}
+        staying = [by_rank[r] for r in sorted(by_rank) if by_rank[r].node not in leaving]
+        if not staying:
+            return None
+        host = next(r for r in sorted(by_rank) if by_rank[r].node not in leaving)
+        message = [None]
+        server = None
+        if plan_rank == host:
+            found = replan(plan, fleet_cluster(staying, self.template), self.model)
+            idle = [m for m, r in zip(staying, plan_ranks(found.plan, staying)) if r is None]
+            if not idle:
+                from megatron_autohet.launch import free_port
+
+                addr = os.environ.get("AUTOHET_LOCAL_ADDR") or socket.gethostname()
+                port = free_port()
+                server = dist.TCPStore(addr, port, is_master=True, wait_for_workers=False,
+                                       timeout=_STORE_TIMEOUT)
+                message = [{"plan": found.plan.to_dict(), "addr": addr, "port": port,
+                            "recovery_bytes": found.recovery_bytes,
+                            "iteration_time_s": found.cost.iteration_time_s}]
+        dist.broadcast_object_list(message, src=host)
+        if message[0] is None:
+            return None
+        if self.me.node in leaving:
+            return None
+        new = plan_from_dict(message[0]["plan"], "<elastic plan>")
+        store = server or dist.TCPStore(message[0]["addr"], message[0]["port"],
+                                        is_master=False, timeout=_STORE_TIMEOUT)
+        seconds = time.monotonic() - start
+        self.started = time.monotonic()
+        if plan_rank == host:
+            self.events.emit(
+                "plan", f"re-planned in-process for {len(staying)} GPUs on "
+                f"{len({m.node for m in staying})} nodes: {new.world_size} ranks in "
+                f"{len(new.pipelines)} pipeline(s), predicted iteration "
+                f"{message[0]['iteration_time_s']:.3g} s, recovery moves "
+                f"{message[0]['recovery_bytes'] / 2**20:.1f} MiB across nodes ({seconds:.2f} s)",
+                decision="re-planned in-process", seconds=round(seconds, 3),
+                nodes=sorted({m.node for m in staying}), world_size=new.world_size,
+                pipelines=len(new.pipelines), idle=[], restart=int(self.round), warm=True)
+        return new, staying, store, server is not None
 
     def _evacuate(self, plan: Plan, plan_rank: int, leaving: bool) -> None:
         """After the emergency save: files of the step that only leaving nodes hold go to the
@@ -282,20 +351,20 @@ class ElasticWorker:
             except dist.DistStoreError as err:  # a timeout: keep waiting (a lost store is a
                 if "timeout" not in str(err).lower():   # DistNetworkError: we restart with it)
                     raise
-        self._finish(store, None)
+        self._finish(store, None, host=self.rank == 0, expected=self.world_size)
         return 0
 
-    def _finish(self, store, last: int | None) -> None:
+    def _finish(self, store, last: int | None, *, host: bool, expected: int) -> None:
         """The job trained to its end: plan rank 0 says so (``last``), idle workers heard it;
-        every worker counts itself done and worker 0, which hosts the store, waits for all."""
+        every worker counts itself done and the worker hosting the store waits for all
+        ``expected`` (bounded: an idle node that died meanwhile never counts itself)."""
         if last is not None:
             store.set(f"{_PREFIX}finished", "1")
             self.events.emit("finished", f"trained to iteration {last}", iteration=last)
         store.add(f"{_PREFIX}done", 1)
-        if self.rank == 0:      # bounded: an idle node that died meanwhile never counts itself
+        if host:
             deadline = time.monotonic() + _STORE_TIMEOUT.total_seconds()
-            while store.add(f"{_PREFIX}done", 0) < self.world_size and \
-                    time.monotonic() < deadline:
+            while store.add(f"{_PREFIX}done", 0) < expected and time.monotonic() < deadline:
                 time.sleep(0.05)
 
 
