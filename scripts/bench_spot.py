@@ -208,7 +208,7 @@ def replay(mode: str, workdir: Path, trace, initial: list[str], args, s3: tuple[
                     up.remove(ev.node)
                 else:
                     kind = "notice"
-                    record["exit_code"] = fleet.preempt(ev.node)
+                    record["left_before_deadline"] = fleet.preempt(ev.node)
                     up.remove(ev.node)
             else:
                 kind = "restart-all"

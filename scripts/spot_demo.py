@@ -60,8 +60,9 @@ def main() -> int:
         fleet.wait_for(lambda: fleet.iteration() >= args.preempt_at, timeout=600,
                        what=f"iteration {args.preempt_at}")
         print(f"> iteration {fleet.iteration()}: preemption notice for node2")
-        status = fleet.preempt("node2")
-        print(f"> node2 left (status {status}); the others re-plan, recover and go on")
+        left = fleet.preempt("node2")
+        print("> node2 " + ("left" if left else "did not leave before its deadline")
+              + "; the others re-plan, recover and go on")
         codes = fleet.wait_all(timeout=900)
     if any(codes.values()):
         print(f"! a node failed: {codes}; see {fleet.workdir}/<node>.log")

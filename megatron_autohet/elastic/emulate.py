@@ -149,19 +149,22 @@ class EmulatedFleet:
             stdout=out, stderr=subprocess.STDOUT, env=env)
         self.nodes[node] = _Node(node, process, watcher, log)
 
-    def preempt(self, node: str, *, deadline_s: float = 120.0) -> int:
-        """A preemption with notice: SIGTERM to the node's watcher (as Kubernetes sends it), then
-        the node leaves on its own; killed at the deadline if it has not. Returns its status."""
+    def preempt(self, node: str, *, deadline_s: float = 120.0) -> bool:
+        """A preemption with notice: SIGTERM to the node's watcher (as Kubernetes sends it); the
+        job saves and the node's workers leave; then the machine is reclaimed (its process tree
+        killed), at the latest at the deadline. True when the workers had left by then."""
         entry = self.nodes[node]
         entry.watcher.send_signal(signal.SIGTERM)
-        try:
-            code = entry.process.wait(timeout=deadline_s)
-        except subprocess.TimeoutExpired:
-            self.kill(node)
-            return -signal.SIGKILL
-        entry.watcher.wait(timeout=10)
-        del self.nodes[node]
-        return code
+        deadline = time.monotonic() + deadline_s
+        left = False
+        while time.monotonic() < deadline:
+            # The agent waits in torchrun's exit barrier once its workers are gone.
+            if entry.process.poll() is not None or not _children().get(entry.process.pid):
+                left = True
+                break
+            time.sleep(0.05)
+        self.kill(node)
+        return left
 
     def kill(self, node: str) -> None:
         """A node lost without notice: its whole process tree gets SIGKILL."""

@@ -16,11 +16,24 @@ ranks. It cannot see GPU types and its ranks are not stable, so on every (re)sta
    checkpoint tiers (own disk, surviving peers, S3), then the iteration loop with
    :class:`~megatron_autohet.elastic.stop.StopRequests`.
 4. **Stop**: on a signal or a node's preemption notice every rank stops after the same
-   iteration and saves it (and uploads it, with an S3 tier) before anyone exits. A leaving
-   node's workers then stop their own agent (SIGTERM: torchrun keeps the rendezvous open for the
-   others) and exit 0; the others exit with :data:`EXIT_REPLAN`, which makes their agents start
-   a new round without the leaving node. So a preemption with notice loses no iteration; a
-   node lost without notice loses the iterations since the last save.
+   iteration and saves it (and uploads it, with an S3 tier) before anyone exits.
+
+   * A notice: the leaving node's files of that step go to the nodes that stay, and the staying
+     ranks **re-plan in-process**: on the old process group the first staying rank re-plans
+     (warm-started from the current plan) and opens a new store, one broadcast tells everyone,
+     the leaving node's workers exit 0 (their agent waits in torchrun's exit barrier until the
+     machine goes, and joins no new round), and the others build the new plan's process group and
+     model in the same processes and recover the saved iteration from their disks. No worker
+     restarts and no rendezvous round runs (the agents see nothing), so the job is down for
+     about the save, the re-plan and the recovery, not for a restart. Should the new plan
+     leave GPUs idle, the staying workers exit with :data:`EXIT_REPLAN` instead.
+   * A signal (torchrun stopping the workers because a node joins, or a failure elsewhere):
+     every worker exits with :data:`EXIT_REPLAN`, and the agents start a new round (steps 1-3
+     again, with new processes).
+
+   So a preemption with notice or a join loses no iteration; a node lost without notice (its
+   peers' collectives fail, the survivors exit, torchrun starts a new round) loses the
+   iterations since the last save.
 
 A GPU the plan leaves idle keeps its worker waiting until the job ends (its agent stays in the
 rendezvous, so the GPU is used at the next re-plan).
@@ -30,7 +43,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import time
 from datetime import timedelta
@@ -174,14 +186,20 @@ class ElasticWorker:
 
     def _decide(self, members: list[Member], steps: list[dict]) -> tuple[Plan, str]:
         cluster = fleet_cluster(members, self.template)
-        self.events.emit("fleet", ", ".join(f"{n.name} ({n.num_gpus} x {n.gpu})"
-                                            for n in cluster.nodes),
-                         nodes={n.name: {"gpu": n.gpu, "gpus": n.num_gpus}
-                                for n in cluster.nodes})
         newest = max(steps, key=lambda s: s["iteration"], default=None) or \
             _s3_step(self.options.checkpoint)
         previous = (plan_from_dict(newest["plan"], f"<plan of step {newest['iteration']}>")
                     if newest else self.initial_plan)
+        # Against the plan the state was saved under: which nodes are gone, which are new.
+        before = {info.node for info in previous.ranks}
+        present = {n.name for n in cluster.nodes}
+        gone, joined = sorted(before - present), sorted(present - before)
+        self.events.emit("fleet", ", ".join(f"{n.name} ({n.num_gpus} x {n.gpu})"
+                                            for n in cluster.nodes)
+                         + (f"; gone: {', '.join(gone)}" if gone else "")
+                         + (f"; new: {', '.join(joined)}" if joined else ""),
+                         nodes={n.name: {"gpu": n.gpu, "gpus": n.num_gpus}
+                                for n in cluster.nodes}, gone=gone, joined=joined)
         found = replan(previous, cluster, self.model)
         source = f"step {newest['iteration']}'s plan" if newest else "the initial plan"
         if found.unchanged:
@@ -243,10 +261,9 @@ class ElasticWorker:
                              expected=finishers)
                 return 0
             if decision.leaving:
-                # Leave the job: our agent stops its workers and exits without closing the
-                # rendezvous, and the launcher sees the notice and does not start it again.
-                if self.local_rank == 0:
-                    os.kill(os.getppid(), signal.SIGTERM)
+                # Leave the job: with all its workers done, our agent waits in torchrun's exit
+                # barrier (counted there, so the others' barrier at the job's end completes)
+                # until the machine goes; it takes part in no further rendezvous round.
                 return 0
             if warm is None:
                 return EXIT_REPLAN
