@@ -1,10 +1,13 @@
 """The events of an elastic job, each one Megatron-style console line and one JSON line.
 
-Events: ``fleet`` (who is present after a (re)start), ``plan`` (kept or re-planned, and how long
-that took), ``recovery`` (bytes per tier, seconds), ``first_iteration`` (seconds from the worker's
-start to the end of its first iteration), ``stop`` (why, which nodes leave, the save's seconds),
-``finished``. One rank writes (rank 0 of the job); the JSONL file is appended to, so the events
-of every restart of a job end up in one file.
+Events: ``fleet`` (who is present after a (re)start, which nodes are gone or new since the saved
+plan), ``plan`` (kept or re-planned, how long that took, idle GPUs), ``handover`` (idle nodes'
+files sent to training nodes), ``recovery`` (bytes per tier, seconds per phase),
+``first_iteration`` (seconds from the (re)start to the end of its first iteration), ``stop``
+(why, which nodes leave), ``saved`` (seconds from the stop until its checkpoint was written, and
+uploaded with an S3 tier), ``evacuate`` (a leaving node's files copied to the nodes that stay),
+``finished``. One rank writes (the plan's rank 0); the JSONL file is appended to, so the events of
+every restart of a job end up in one file.
 """
 
 from __future__ import annotations

@@ -242,13 +242,18 @@ class ElasticWorker:
             try:
                 def make_stop_check(checkpointer):
                     nonlocal stop
-                    stop = _StopCheck(self, checkpointer, plan, plan_rank)
+                    stop = _StopCheck(self, checkpointer)
                     return stop
                 last = train_job(plan, "<elastic plan>", self.model, self.options,
                                  rank=plan_rank, local_rank=self.local_rank,
                                  make_stop_check=make_stop_check)
                 decision = stop.requests.decision if stop is not None else None
                 warm = None
+                if decision is not None:
+                    seconds = time.monotonic() - stop.stopped_at
+                    self.events.emit("saved", f"iteration {last} saved on every node "
+                                     f"{seconds:.2f} s after the stop", iteration=last,
+                                     seconds=round(seconds, 3))
                 if decision is not None and stop.leaving_nodes:
                     self._evacuate(plan, plan_rank, decision.leaving)
                     if not decision.signalled and len(members) == plan.world_size:
@@ -388,20 +393,20 @@ class ElasticWorker:
 class _StopCheck:
     """The stop check of an elastic job, also reporting recovery and the first iteration."""
 
-    def __init__(self, worker: ElasticWorker, checkpointer, plan: Plan, plan_rank: int):
+    def __init__(self, worker: ElasticWorker, checkpointer):
         import torch.distributed as dist
 
         from megatron_autohet.elastic.stop import StopRequests
 
         self.worker = worker
         self.checkpointer = checkpointer
-        self.plan = plan
         notice = worker.notice_template
         self.requests = StopRequests(
             checkpointer.group if checkpointer else dist.group.WORLD,
             notice_file=notice.replace("{node}", worker.me.node) if notice else None)
         self.first = True
         self.leaving_nodes: list[str] = []
+        self.stopped_at: float | None = None      # time.monotonic() of the stop decision
 
     def __call__(self, iteration: int) -> str | None:
         events = self.worker.events
@@ -413,9 +418,10 @@ class _StopCheck:
                             bytes=report.job_bytes, seconds=report.seconds)
             seconds = time.monotonic() - self.worker.started
             events.emit("first_iteration", f"iteration {iteration} done {seconds:.2f} s after "
-                        "the workers started", iteration=iteration, seconds=round(seconds, 3))
+                        "this (re)start began", iteration=iteration, seconds=round(seconds, 3))
         action = self.requests.check(iteration)
         if action == "stop":
+            self.stopped_at = time.monotonic()
             self._report_stop(iteration)
         return action
 
