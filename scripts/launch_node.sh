@@ -330,6 +330,9 @@ cleanup() {
   fi
   if [ -n "$WATCHER_PID" ] && kill -0 "$WATCHER_PID" 2>/dev/null; then
     kill -s HUP "$WATCHER_PID" 2>/dev/null || true     # HUP: stops it without writing a notice
+    # A watcher that inherited SIGHUP ignored (nohup) cannot take it: KILL after 2 s.
+    for _ in $(seq 20); do kill -0 "$WATCHER_PID" 2>/dev/null || break; sleep 0.1; done
+    kill -s KILL "$WATCHER_PID" 2>/dev/null || true
   fi
   [ -n "$SLEEP_PID" ] && kill "$SLEEP_PID" 2>/dev/null
   rm -f "$PID_FILE"

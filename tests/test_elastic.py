@@ -5,7 +5,8 @@ Four nodes (each its own `autohet node` torchrun agent, `autohet watch` and loca
 directory; megatron_autohet/elastic/emulate.py) train the tiny GPT with checkpoints every
 ``SAVE`` iterations to their disks and to S3 (moto). Then:
 
-1. node2 gets a notice (SIGTERM to its watcher, as Kubernetes sends): the job saves the iteration
+1. node2 gets an AWS spot interruption notice (its watcher polls a fake IMDSv2 server with the
+   paths, token and body EC2 uses): the job saves the iteration
    it just finished, node2's files go to the survivors, node2 leaves, the survivors re-plan in
    their running processes and recover that very iteration - nothing lost;
 2. node1 is killed with SIGKILL: the survivors restart from the last periodic save - at most
@@ -22,10 +23,12 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
+from fake_metadata import FakeAws
 from megatron_autohet.elastic.emulate import EmulatedFleet
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -86,13 +89,15 @@ def test_preemption_loss_and_join_match_an_uninterrupted_run(reference, tmp_path
         "--plan", str(plan), "--model", str(MODEL), "--cluster", str(CLUSTER),
         "--iters", str(ITERS), "--save-interval", str(SAVE), "--data-dir", str(data_dir),
         "--autohet-s3-uri", s3_uri, "--autohet-s3-endpoint-url", s3_endpoint[0]])
-    with fleet:
+    with fleet, FakeAws() as imds:
         for node, gpu in GPUS.items():
-            fleet.add(node, gpu)
+            fleet.add(node, gpu, cloud=("aws", imds.url) if node == "node2" else None)
         fleet.wait_for(lambda: fleet.iteration() >= 3, timeout=300, what="iteration 3")
 
-        # 1. a notice
-        assert fleet.preempt("node2")
+        # 1. a notice (AWS gives two minutes)
+        imds.schedule_preemption("terminate", time.strftime("%Y-%m-%dT%H:%M:%SZ",
+                                                            time.gmtime(time.time() + 120)))
+        assert fleet.reclaim_when_left("node2", deadline_s=120)
         notice_stop = fleet.events("stop")[-1]
         assert notice_stop["leaving"] == ["node2"]
         fleet.wait_for(lambda: len(fleet.events("recovery")) >= 1 and

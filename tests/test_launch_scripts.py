@@ -117,8 +117,16 @@ BASE = ["--rendezvous", "head:29400", "--job-id", "job1", "--nnodes", "1:4",
 TRAIN = ["--", "--plan", "plan.yaml", "--model", "model.yaml", "--iters", "5"]
 
 
+def _default_signals() -> None:
+    """In the child: the signals the script and the stubs trap at their default disposition, so
+    a test run under nohup (SIGHUP ignored, which bash cannot trap again) behaves as any other."""
+    for sig in (signal.SIGHUP, signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_DFL)
+
+
 def _run(env, *args, **kwargs) -> subprocess.CompletedProcess:
     return subprocess.run(["bash", str(LAUNCH), *args], env=env, capture_output=True, text=True,
+                          preexec_fn=_default_signals,
                           timeout=TIMEOUT_S, **kwargs)
 
 
@@ -283,7 +291,7 @@ def test_notice_then_failure_is_not_restarted(stub, tmp_path):
 
 def _start(env, *args) -> subprocess.Popen:
     return subprocess.Popen(["bash", str(LAUNCH), *args], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+                            stderr=subprocess.STDOUT, text=True, preexec_fn=_default_signals)
 
 
 def _wait_for(path: Path, proc: subprocess.Popen) -> None:
@@ -429,7 +437,8 @@ def test_slurm_usr1_reaches_the_watcher_and_requeues(stub, tmp_path):
                SLURM_JOB_ID="4242", SLURM_JOB_NAME="autohet-gpt", SLURM_JOB_NUM_NODES="1",
                SLURM_JOB_NODELIST="localhost", S3_URI="s3://bucket/prefix")
     proc = subprocess.Popen(["bash", str(EXAMPLES / "slurm.sbatch")], env=env, cwd=tmp_path,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=_default_signals)
     _wait_for(stub_dir / "watch.ready", proc)
     _wait_for(stub_dir / "node.ready", proc)
     proc.send_signal(signal.SIGUSR1)

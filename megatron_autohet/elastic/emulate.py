@@ -7,8 +7,9 @@ loopback address (``127.0.0.N``), its own directory (``WORKDIR/<node>/``) and CP
 
 * :meth:`EmulatedFleet.add` starts a node (a node joining the job);
 * :meth:`EmulatedFleet.preempt` sends its watcher SIGTERM, as Kubernetes would (the watcher
-  writes the notice; the job saves, moves the node's files and lets it go), then waits for the
-  node to leave;
+  writes the notice; the job saves, moves the node's files and lets it go), then reclaims the
+  machine once its workers left (:meth:`EmulatedFleet.reclaim_when_left`, also for a notice from
+  a cloud's fake metadata server);
 * :meth:`EmulatedFleet.kill` kills the node's whole process tree with SIGKILL, as a lost
   machine (no notice).
 
@@ -123,15 +124,21 @@ class EmulatedFleet:
             self._autohet("rendezvous", "--host", "127.0.0.1", "--port", str(self.port)),
             stdout=open(self.workdir / "rendezvous.log", "w"), stderr=subprocess.STDOUT)
 
-    def add(self, node: str, gpu: str) -> None:
-        """Start a node: its watcher (signal source) and its `autohet node` agent."""
+    def add(self, node: str, gpu: str, *, cloud: tuple[str, str] | None = None) -> None:
+        """Start a node: its watcher and its `autohet node` agent. The watcher always takes
+        signals; ``cloud`` = (source, metadata URL) adds a cloud's notices (a test's fake
+        metadata server, polled every 0.2 s)."""
         (self.workdir / node).mkdir(parents=True, exist_ok=True)
         log = self.workdir / f"{node}.log"
         out = open(log, "a")
         notice = self.workdir / "{node}" / "notice.json"
+        sources = ["--source", "signal"]
+        if cloud is not None:
+            sources += ["--source", cloud[0], "--metadata-url", cloud[1], "--poll-interval",
+                        "0.2"]
         watcher = subprocess.Popen(
-            self._autohet("watch", "--source", "signal", "--notice-file",
-                          str(self.notice_file(node)), "--signal-grace", "30",
+            self._autohet("watch", *sources, "--notice-file", str(self.notice_file(node)),
+                          "--signal-grace", "30",
                           "--events-jsonl", str(self.workdir / node / "notices.jsonl")),
             stdout=out, stderr=subprocess.STDOUT)
         env = dict(os.environ, OMP_NUM_THREADS=str(self.omp_threads), CUDA_VISIBLE_DEVICES="")
@@ -150,11 +157,16 @@ class EmulatedFleet:
         self.nodes[node] = _Node(node, process, watcher, log)
 
     def preempt(self, node: str, *, deadline_s: float = 120.0) -> bool:
-        """A preemption with notice: SIGTERM to the node's watcher (as Kubernetes sends it); the
-        job saves and the node's workers leave; then the machine is reclaimed (its process tree
-        killed), at the latest at the deadline. True when the workers had left by then."""
+        """A preemption with notice: SIGTERM to the node's watcher (as Kubernetes sends it), then
+        :meth:`reclaim_when_left`."""
+        self.nodes[node].watcher.send_signal(signal.SIGTERM)
+        return self.reclaim_when_left(node, deadline_s=deadline_s)
+
+    def reclaim_when_left(self, node: str, *, deadline_s: float = 120.0) -> bool:
+        """After a notice: once the job has saved and the node's workers have left, the machine
+        is reclaimed (its process tree killed), at the latest at the deadline. True when the
+        workers had left by then."""
         entry = self.nodes[node]
-        entry.watcher.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + deadline_s
         left = False
         while time.monotonic() < deadline:
