@@ -366,7 +366,9 @@ def test_resume_with_another_schedule_or_global_batch_is_refused(capsys, shared)
                        "autohet train: error: <command line>: field '--lr': this run's "
                        f"learning-rate schedule has max_lr 0.001, {step} was trained with 0.003 "
                        "(allowed: the checkpoint's flags (the schedule continues where it "
-                       "stopped))")
+                       "stopped), or --override-opt-param-scheduler (this run's schedule, from "
+                       "the checkpoint's sample count on) or --use-checkpoint-opt-param-scheduler "
+                       "(the checkpoint's schedule))")
     other_batch = PLANS / "tiny-three-pipelines.yaml"
     expect_usage_error(capsys, train[:2] + [other_batch] + train[3:],
                        "autohet train: error: <command line>: field '--plan': global batch 12, "

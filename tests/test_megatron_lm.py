@@ -184,23 +184,34 @@ def test_pretrain_gpt_trains_the_plan_like_autohet_train(uninterrupted, data_dir
         assert norm == pytest.approx(ref_norm, rel=1e-5)
 
 
-def test_pretrain_gpt_resumes_on_another_plan_like_an_uninterrupted_run(tree, data_dir,
-                                                                        uninterrupted, tmp_path):
-    """--save/--save-interval/--exit-interval stop PLAN after 2 iterations; --load resumes on
-    HOMOGENEOUS (other layer split, no TP): the weights, Adam state, Megatron's sample-counting
-    scheduler and the data position all have to come back for the numbers to match."""
+@pytest.fixture(scope="module")
+def saved_half(tree, data_dir, uninterrupted, tmp_path_factory) -> Path:
+    """--save/--save-interval/--exit-interval stop PLAN after TRAIN_ITERS // 2 iterations: the
+    --save directory (tests resume from copies of it)."""
     half = TRAIN_ITERS // 2
-    ckpt, first, rest = tmp_path / "ckpt", tmp_path / "first.jsonl", tmp_path / "rest.jsonl"
-    data = ["--autohet-data-dir", data_dir]
+    root = tmp_path_factory.mktemp("saved_half")
+    ckpt, first = root / "ckpt", root / "first.jsonl"
     saved = _torchrun(tree, PLAN, ["--save", ckpt, "--save-interval", half,
                                    "--exit-interval", half, "--autohet-metrics-jsonl", first,
-                                   *data])
+                                   "--autohet-data-dir", data_dir])
     assert saved.returncode == 0, _tail(saved)
     assert _metrics(first) == uninterrupted[:half]                    # bit-identical
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == str(half)
+    return ckpt
 
+
+def test_pretrain_gpt_resumes_on_another_plan_like_an_uninterrupted_run(tree, data_dir,
+                                                                        uninterrupted, saved_half,
+                                                                        tmp_path):
+    """--load resumes the half-way step on HOMOGENEOUS (other layer split, no TP): the weights,
+    Adam state, Megatron's sample-counting scheduler and the data position all have to come
+    back for the numbers to match."""
+    half = TRAIN_ITERS // 2
+    ckpt, rest = tmp_path / "ckpt", tmp_path / "rest.jsonl"
+    shutil.copytree(saved_half, ckpt)
     resumed = _torchrun(tree, HOMOGENEOUS, ["--load", ckpt, "--exit-on-missing-checkpoint",
-                                            "--autohet-metrics-jsonl", rest, *data])
+                                            "--autohet-metrics-jsonl", rest,
+                                            "--autohet-data-dir", data_dir])
     assert resumed.returncode == 0, _tail(resumed)
     after = _metrics(rest)
     assert [m[0] for m in after] == list(range(half + 1, TRAIN_ITERS + 1))
@@ -208,6 +219,52 @@ def test_pretrain_gpt_resumes_on_another_plan_like_an_uninterrupted_run(tree, da
         assert lr == ref_lr
         assert loss == pytest.approx(ref_loss, rel=1e-6)
         assert norm == pytest.approx(ref_norm, rel=1e-6)
+
+
+def test_pretrain_gpt_changed_schedule_is_refused_or_overridden(tree, data_dir, saved_half,
+                                                                 tmp_path):
+    """--train-iters 4 -> 6 on resume: without a flag one error line (not megatron-core's
+    AssertionError on every rank); with --override-opt-param-scheduler Megatron's scheduler
+    takes the new flags from the checkpoint's 16 samples on (expected rates: a fresh
+    megatron-core scheduler built from hand-written sample counts)."""
+    import torch
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    half, longer = TRAIN_ITERS // 2, 6
+    ckpt, rest = tmp_path / "ckpt", tmp_path / "rest.jsonl"
+    shutil.copytree(saved_half, ckpt)
+    common = ["--load", ckpt, "--train-iters", longer, "--autohet-data-dir", data_dir]
+    refused = _torchrun(tree, HOMOGENEOUS, common)
+    assert refused.returncode != 0
+    line = ("pretrain_gpt.py: error: <command line>: field '--lr-decay-iters': this run's "
+            "learning-rate schedule has lr_decay_steps 48, the checkpoint's iteration 2 was "
+            "trained with 32 (allowed: the checkpoint's flags (the schedule continues where it "
+            "stopped), or --override-opt-param-scheduler (this run's schedule, from the "
+            "checkpoint's sample count on) or --use-checkpoint-opt-param-scheduler (the "
+            "checkpoint's schedule))\n")
+    assert refused.stderr.count(line) == 1, _tail(refused)
+    # no traceback of a rank (torchrun's own ChildFailedError summary follows any failed job)
+    assert "AssertionError" not in refused.stderr, _tail(refused)
+    assert "ConfigError" not in refused.stderr, _tail(refused)
+    codes = re.findall(r"exitcode\s*:\s*(-?\d+)", refused.stderr)
+    assert codes and set(codes) <= {"2", "-15"} and "2" in codes, _tail(refused)
+
+    overridden = _torchrun(tree, HOMOGENEOUS, [*common, "--override-opt-param-scheduler",
+                                               "--autohet-metrics-jsonl", rest])
+    assert overridden.returncode == 0, _tail(overridden)
+    after = _metrics(rest)
+    assert [m[0] for m in after] == list(range(half + 1, longer + 1))
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.0)
+    fresh = OptimizerParamScheduler(optimizer, init_lr=0.0, max_lr=2e-3, min_lr=2e-4,
+                                    lr_warmup_steps=8, lr_decay_steps=longer * 8,
+                                    lr_decay_style="cosine", start_wd=0.01, end_wd=0.01,
+                                    wd_incr_steps=longer * 8, wd_incr_style="constant")
+    fresh.step(half * 8)
+    expected = []
+    for _ in after:                      # the logged rate is the one after the iteration's step
+        fresh.step(8)
+        expected.append(optimizer.param_groups[0]["lr"])
+    assert [m[3] for m in after] == expected
 
 
 @pytest.mark.parametrize("case", ["refused flag", "missing checkpoint"])
@@ -235,7 +292,8 @@ def test_pretrain_gpt_stops_with_one_error_line(case, tree, data_dir, tmp_path):
 # hooks.UNSUPPORTED_FLAGS. --use-dist-ckpt, --dist-ckpt-format and --ckpt-fully-parallel-save
 # are deprecated flags Megatron itself ignores.
 HONOURED = {"--save", "--save-interval", "--load", "--exit-on-missing-checkpoint",
-            "--async-save", "--use-persistent-ckpt-worker",
+            "--async-save", "--use-persistent-ckpt-worker", "--ckpt-step", "--no-load-optim",
+            "--no-load-rng", "--finetune",
             "--use-dist-ckpt", "--dist-ckpt-format", "--ckpt-fully-parallel-save"}
 
 
@@ -244,7 +302,10 @@ def test_flags_on_megatron_lm_parser(tree, tmp_path):
     patched tree: seconds instead of a four-process launch per flag."""
     code = ("from test_megatron_lm import _flag_checks_in_tree; "
             f"_flag_checks_in_tree({str(tmp_path)!r})")
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).parent), RANK="0", WORLD_SIZE="4")
+    # tests/ first, and whatever PYTHONPATH already names (a worktree shadowing the install)
+    pythonpath = os.pathsep.join(p for p in (str(Path(__file__).parent),
+                                             os.environ.get("PYTHONPATH")) if p)
+    env = dict(os.environ, PYTHONPATH=pythonpath, RANK="0", WORLD_SIZE="4")
     result = subprocess.run([sys.executable, "-c", code], cwd=tree, capture_output=True,
                             text=True, timeout=600, env=env)
     assert result.returncode == 0, _tail(result)
@@ -294,6 +355,18 @@ def _flag_checks_in_tree(tmp: str) -> None:
     hooks.check_megatron_args(honoured, plan, PLAN)
     assert hooks.checkpoint_options(honoured, PLAN) == CheckpointOptions(
         save=tmp, save_interval=2, load=tmp, keep=3)
+    resume = megatron_args("--load", tmp, "--ckpt-step", "2", "--no-load-optim", "--no-load-rng",
+                           "--finetune")
+    assert hooks.checkpoint_options(resume, PLAN) == CheckpointOptions(
+        load=tmp, ckpt_step=2, no_load_optim=True, no_load_rng=True, finetune=True)
+    assert error("--finetune") == (f"{PLAN}: field '--finetune': given without --load "
+                                   "(allowed: with --load DIR (it says what a resume takes from "
+                                   "the step))")
+    assert error("--load", tmp, "--override-opt-param-scheduler",
+                 "--use-checkpoint-opt-param-scheduler") == (
+        f"{PLAN}: field '--override-opt-param-scheduler': given with "
+        "--use-checkpoint-opt-param-scheduler (allowed: one of them: this run's schedule "
+        "(override) or the checkpoint's)")
     local = megatron_args("--autohet-local-ckpt-dir", f"{tmp}/{{node}}", "--save-interval", "2")
     assert hooks.checkpoint_options(local, PLAN) == CheckpointOptions(
         local_dir=f"{tmp}/{{node}}", save_interval=2)

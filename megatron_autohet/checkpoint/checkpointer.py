@@ -39,6 +39,7 @@ from megatron_autohet.checkpoint.state import (RNG_KEY, TrainingProgress, common
                                                rank_sharded_state_dict, rng_sharded_object,
                                                snapshot)
 from megatron_autohet.checkpoint.writer import StepDirs, write_step
+from megatron_autohet.errors import ConfigError
 
 # Collectives of a save wait at most this long for a peer (a dead peer fails the save instead of
 # hanging the background writer forever).
@@ -51,12 +52,13 @@ def _log(message: str) -> None:
 
 class Checkpointer:
     def __init__(self, options: CheckpointOptions, trainer, scheduler, *, seed: int,
-                 train_args: dict):
+                 train_args: dict, schedule_flags: dict | None = None):
         self.options = options
         self.trainer = trainer
         self.scheduler = scheduler
         self.seed = seed
         self.train_args = train_args
+        self.schedule_flags = schedule_flags       # scheduler field -> the flag that sets it
         self.plan = trainer.plan
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
@@ -95,14 +97,25 @@ class Checkpointer:
     # ---- resume ---------------------------------------------------------------------------
 
     def resume(self) -> TrainingProgress:
-        """Load the newest complete step (checkpoint/recovery.py), or start at iteration 0."""
+        """Load the newest complete step (checkpoint/recovery.py; ``--ckpt-step``: that one),
+        or start at iteration 0. A step this job cannot take as the flags say (``--ckpt-step``
+        committed nowhere, another schedule without --override-/--use-checkpoint-opt-param-
+        scheduler) is a :class:`ConfigError` naming the flag, the same on every rank."""
         from megatron_autohet.checkpoint.recovery import recover
+        from megatron_autohet.checkpoint.state import ScheduleMismatch
+        from megatron_autohet.runtime.optimizer import SCHEDULE_CHOICE, SCHEDULE_FLAGS
 
         start = TrainingProgress(iteration=0, consumed_train_samples=0)
         if self.options.load is None:
             return start
-        result = recover(self.trainer, self.scheduler, roots=self._readable_roots(),
-                         s3=self.s3, group=self.group, log=self._log0)
+        try:
+            result = recover(self.trainer, self.scheduler, roots=self._readable_roots(),
+                             s3=self.s3, group=self.group, log=self._log0,
+                             options=self.options)
+        except ScheduleMismatch as err:
+            flags = self.schedule_flags or SCHEDULE_FLAGS
+            raise ConfigError("<command line>", flags[err.field], str(err),
+                              SCHEDULE_CHOICE) from None
         if result is None:
             self._log0(f"WARNING: no complete checkpoint in {self.options.load}"
                        + (f" or {self.options.s3_uri}" if self.s3 else "")
@@ -111,6 +124,15 @@ class Checkpointer:
         progress, report = result
         self.last_report = report
         self._log0(f"successfully loaded checkpoint: {report.line()}")
+        skipped = [what for what, flag in (
+            ("iteration, consumed samples, Adam state, schedule and RNG states "
+             "(--finetune: training starts at iteration 1)", self.options.finetune),
+            ("Adam state and learning-rate schedule (--no-load-optim)",
+             self.options.no_load_optim and not self.options.finetune),
+            ("RNG states (--no-load-rng)", self.options.no_load_rng and not self.options.finetune))
+            if flag]
+        if skipped:
+            self._log0("not loaded: " + "; ".join(skipped))
         self.last_saved = progress.iteration
         return progress
 

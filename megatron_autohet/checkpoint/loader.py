@@ -3,7 +3,7 @@
 ``wanted_regions(state_dict)``: the tensor regions and objects this rank's NEW shards ask for
 (what recovery intersects with the saved chunks, checkpoint/recovery_plan.py).
 
-``load_staged(trainer, scheduler, state_dict, step_dir) -> TrainingProgress``: megatron-core's
+``load_staged(trainer, scheduler, state_dict, step_dir, *, load_optim, finetune) -> TrainingProgress``: megatron-core's
 ``dist_checkpointing.load`` from a directory whose needed chunks were verified
 (checkpoint/recovery.py stages it): the torch_dist strategy has torch DCP read the chunks and
 reshard them into this rank's shards, ``common.pt`` is read with torch's default
@@ -42,7 +42,8 @@ def wanted_regions(sharded_state_dict: dict) -> list[Wanted]:
     return wanted
 
 
-def load_staged(trainer, scheduler, state_dict: dict, step_dir: str | Path) -> TrainingProgress:
+def load_staged(trainer, scheduler, state_dict: dict, step_dir: str | Path, *,
+                load_optim: bool = True, finetune: bool = False) -> TrainingProgress:
     """megatron-core's ``dist_checkpointing.load`` of ``state_dict`` (this rank's
     :func:`~megatron_autohet.checkpoint.state.rank_sharded_state_dict` for loading) from a
     directory whose chunks were verified, then copy it into the live model, optimizer and
@@ -54,4 +55,4 @@ def load_staged(trainer, scheduler, state_dict: dict, step_dir: str | Path) -> T
         warnings.filterwarnings("ignore", category=FutureWarning)
         loaded = dist_checkpointing.load(state_dict, str(step_dir),
                                          validate_access_integrity=False)
-    return apply_loaded(trainer, scheduler, loaded)
+    return apply_loaded(trainer, scheduler, loaded, load_optim=load_optim, finetune=finetune)

@@ -22,6 +22,19 @@ Megatron-LM's names where Megatron has the concept, ``--autohet-*`` for what it 
                                   each chunk), and recovery reads from it what no disk holds.
 ``--autohet-s3-endpoint-url URL`` an S3-compatible endpoint (MinIO, Ceph, a test server);
                                   credentials come from boto3's standard chain, never flags.
+
+What a resume takes from the step, Megatron-LM's flags and meaning (core_v0.16.1
+``load_checkpoint``); each needs ``--load``:
+
+``--ckpt-step N``                 load step N instead of the newest (committed somewhere: a disk
+                                  of the job or S3; no fallback to an older one).
+``--no-load-optim``               weights only from the optimizer's side: fresh Adam moments and
+                                  step, and a fresh learning-rate schedule (Megatron loads the
+                                  scheduler with the optimizer); iteration, data position and RNG
+                                  states continue.
+``--no-load-rng``                 keep this run's RNG states (seeded from ``--seed``).
+``--finetune``                    the weights alone: iteration 0 and consumed samples 0, fresh
+                                  Adam state and schedule, this run's RNG states.
 """
 
 from __future__ import annotations
@@ -43,6 +56,19 @@ class CheckpointOptions:
     async_save: bool = False
     s3_uri: str | None = None
     s3_endpoint_url: str | None = None
+    ckpt_step: int | None = None
+    no_load_optim: bool = False
+    no_load_rng: bool = False
+    finetune: bool = False
+
+    @property
+    def load_optim(self) -> bool:
+        """Adam state and learning-rate schedule come from the step."""
+        return not (self.finetune or self.no_load_optim)
+
+    @property
+    def load_rng(self) -> bool:
+        return not (self.finetune or self.no_load_rng)
 
     @property
     def saving(self) -> bool:
@@ -77,7 +103,40 @@ class CheckpointOptions:
                 raise ConfigError(source, "--autohet-s3-uri", "given without saving or loading",
                                   "with --save/--autohet-local-ckpt-dir (upload) and/or --load "
                                   "(recovery)")
+        for flag, given in (("--ckpt-step", self.ckpt_step is not None),
+                            ("--finetune", self.finetune), ("--no-load-optim", self.no_load_optim),
+                            ("--no-load-rng", self.no_load_rng)):
+            if given and self.load is None:
+                raise ConfigError(source, flag, "given without --load",
+                                  "with --load DIR (it says what a resume takes from the step)")
+        if self.ckpt_step is not None and self.ckpt_step <= 0:
+            raise ConfigError(source, "--ckpt-step", f"got {self.ckpt_step}",
+                              "the iteration of a saved step (> 0)")
         if self.s3_endpoint_url is not None and self.s3_uri is None:
             raise ConfigError(source, "--autohet-s3-endpoint-url", "given without --autohet-s3-uri",
                               "an endpoint for the S3 tier named by --autohet-s3-uri")
         return self
+
+
+SCHEDULER_FLAGS = ("--override-opt-param-scheduler", "--use-checkpoint-opt-param-scheduler")
+
+
+def check_scheduler_flags(options: CheckpointOptions, *, override: bool, use_checkpoint: bool,
+                          source: str = "<command line>") -> None:
+    """Megatron-LM's two answers to a step whose learning-rate schedule differs from the flags'
+    are about the schedule a resume loads: refused (ConfigError naming the flag) where nothing
+    loads one, and together (megatron-core's scheduler asserts on that)."""
+    if override and use_checkpoint:
+        raise ConfigError(source, SCHEDULER_FLAGS[0], f"given with {SCHEDULER_FLAGS[1]}",
+                          "one of them: this run's schedule (override) or the checkpoint's")
+    for flag, given in zip(SCHEDULER_FLAGS, (override, use_checkpoint)):
+        if not given:
+            continue
+        if options.load is None:
+            raise ConfigError(source, flag, "given without --load",
+                              "with --load DIR (it says which schedule a resume continues)")
+        if not options.load_optim:
+            raise ConfigError(source, flag, "given with "
+                              + ("--finetune" if options.finetune else "--no-load-optim"),
+                              "not with them: the checkpoint's schedule is not loaded, the "
+                              "schedule starts fresh from this run's flags")

@@ -39,6 +39,7 @@ import torch.distributed as dist
 
 from megatron_autohet.checkpoint.inspect import file_problem, item_problem
 from megatron_autohet.checkpoint.loader import CorruptCheckpoint, load_staged, wanted_regions
+from megatron_autohet.checkpoint.options import CheckpointOptions
 from megatron_autohet.checkpoint.manifest import (MANIFEST_FILE, ItemRecord, Manifest,
                                                   committed_steps, read_manifest,
                                                   step_dir_name)
@@ -47,6 +48,7 @@ from megatron_autohet.checkpoint.recovery_plan import (OWN, PEER, S3, ChunkUnava
 from megatron_autohet.checkpoint.state import RNG_KEY, rank_sharded_state_dict, rng_sharded_object
 from megatron_autohet.checkpoint.upload import byte_progress
 from megatron_autohet.checkpoint.writer import SMALL_FILES
+from megatron_autohet.errors import ConfigError
 
 
 S3_DOWNLOAD_CONCURRENCY = 8       # ranged GETs in flight per rank (the S3 client's pool has 10)
@@ -134,9 +136,12 @@ def _good(raw: bytes, record: ItemRecord) -> bool:
 
 
 def recover(trainer, scheduler, *, roots: list[Path], s3=None, group=None,
-            log=print):
+            log=print, options: CheckpointOptions = CheckpointOptions()):
     """Load the newest complete step into this rank's model (module docstring); None when no
-    step is complete anywhere."""
+    step is complete anywhere. ``options`` says what to take from it (checkpoint/options.py):
+    ``ckpt_step`` that step instead of the newest (a :class:`ConfigError` naming --ckpt-step when
+    it is committed nowhere), without the Adam state and schedule (``load_optim``: none of
+    their chunks is fetched), without RNG states (``load_rng``), ``finetune``."""
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     start = time.perf_counter()
 
@@ -152,8 +157,19 @@ def recover(trainer, scheduler, *, roots: list[Path], s3=None, group=None,
     # 2.+3. the newest step complete somewhere, planned for this rank's new shards; a step
     # whose chunks turn out corrupt everywhere falls back to the next older one.
     state_dict = rank_sharded_state_dict(trainer, for_load=True)
+    if not options.load_optim:
+        del state_dict["optimizer"]
     failures = []
-    for iteration in sorted({it for v in views for it in v} | set(s3_steps), reverse=True):
+    candidates = sorted({it for v in views for it in v} | set(s3_steps), reverse=True)
+    if options.ckpt_step is not None:
+        if options.ckpt_step not in candidates:
+            raise ConfigError("<command line>", "--ckpt-step",
+                              f"no committed step {options.ckpt_step} in "
+                              f"{options.load}" + (f" or {s3.location.uri()}" if s3 else ""),
+                              "one of the committed steps: "
+                              + (", ".join(map(str, sorted(candidates))) or "none"))
+        candidates = [options.ckpt_step]
+    for iteration in candidates:
         raw = s3_steps.get(iteration) or next(v[iteration][1] for v in views if iteration in v)
         manifest = Manifest.from_json(raw, f"manifest of iteration {iteration}")
         present = {r: set(v[iteration][0]) if iteration in v else set()
@@ -163,7 +179,7 @@ def recover(trainer, scheduler, *, roots: list[Path], s3=None, group=None,
             failures.append(f"iteration {iteration}: files missing or of the wrong size on every "
                             f"surviving node: {', '.join(missing)}")
             continue
-        if manifest.plan == trainer.plan.to_dict():
+        if manifest.plan == trainer.plan.to_dict() and options.load_rng:
             state_dict[RNG_KEY] = rng_sharded_object(trainer, world_size)
         else:
             state_dict.pop(RNG_KEY, None)
@@ -236,7 +252,8 @@ def recover(trainer, scheduler, *, roots: list[Path], s3=None, group=None,
                                     chunks, s3, s3_steps, group)
         report.seconds["stage"] = time.perf_counter() - t
         t = time.perf_counter()
-        progress = load_staged(trainer, scheduler, state_dict, staging)
+        progress = load_staged(trainer, scheduler, state_dict, staging,
+                               load_optim=options.load_optim, finetune=options.finetune)
         report.seconds["load"] = time.perf_counter() - t
     finally:
         shutil.rmtree(staging, ignore_errors=True)

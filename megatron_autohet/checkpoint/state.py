@@ -24,9 +24,10 @@ Public API
     training changes the live tensors.
 ``rng_sharded_object(trainer, world_size) -> ShardedObject``
     This rank's RNG states (torch's and megatron's model-parallel streams), one per rank.
-``apply_loaded(trainer, scheduler, loaded) -> TrainingProgress``
+``apply_loaded(trainer, scheduler, loaded, *, load_optim, finetune) -> TrainingProgress``
     Copy a loaded state dict into the live model, optimizer and scheduler; reads our steps and
-    stock Megatron-LM's alike (the same ``common.pt`` layout).
+    stock Megatron-LM's alike (the same ``common.pt`` layout). A schedule that differs from the
+    job's without --override-/--use-checkpoint-opt-param-scheduler is :class:`ScheduleMismatch`.
 
 Design (why)
 ------------
@@ -233,27 +234,68 @@ def loaded_optimizer_step(optimizer_common: dict) -> int:
     return steps.pop() if steps else 0
 
 
+class ScheduleMismatch(ValueError):
+    """A step's learning-rate schedule differs from the job's and neither
+    ``--override-opt-param-scheduler`` nor ``--use-checkpoint-opt-param-scheduler`` says what to
+    do (megatron-core's ``_check_and_set`` would raise an AssertionError on every rank): the
+    checkpointer turns it into one error line naming the flag."""
+
+    def __init__(self, iteration: int, field: str, ours, saved):
+        self.iteration, self.field, self.ours, self.saved = iteration, field, ours, saved
+        super().__init__(f"this run's learning-rate schedule has {field} {ours}, the "
+                         f"checkpoint's iteration {iteration} was trained with {saved}")
+
+
+def check_schedule(scheduler, saved: dict, iteration: int) -> None:
+    """Raise :class:`ScheduleMismatch` where megatron-core's scheduler would assert on
+    ``saved`` (a step's ``opt_param_scheduler``): a differing field without either flag."""
+    from megatron_autohet.runtime.optimizer import SCHEDULE_FLAGS, schedule_mismatch
+
+    if getattr(scheduler, "override_opt_param_scheduler", False) or \
+            getattr(scheduler, "use_checkpoint_opt_param_scheduler", False):
+        return
+    wanted = {field: getattr(scheduler, field) for field in SCHEDULE_FLAGS
+              if hasattr(scheduler, field)}
+    mismatch = schedule_mismatch(wanted, saved)
+    if mismatch is not None:
+        raise ScheduleMismatch(iteration, *mismatch)
+
+
 @torch.no_grad()
-def apply_loaded(trainer, scheduler, loaded: dict) -> TrainingProgress:
+def apply_loaded(trainer, scheduler, loaded: dict, *, load_optim: bool = True,
+                 finetune: bool = False) -> TrainingProgress:
     """Copy ``loaded`` (the result of a load of :func:`rank_sharded_state_dict` plus the common
     state, ours or stock Megatron-LM's) into the live model, optimizer and scheduler. The
-    hyper-parameters stay the job's: the scheduler's own check refuses a different schedule."""
+    hyper-parameters stay the job's unless ``--use-checkpoint-opt-param-scheduler`` (the
+    scheduler's own flags; a difference without either is :class:`ScheduleMismatch`).
+
+    As Megatron-LM's ``load_checkpoint``: ``load_optim`` False (``--no-load-optim``, and
+    ``--finetune``) leaves the Adam state and the scheduler as they are (fresh); ``finetune``
+    starts at iteration 0 with no consumed samples. RNG states are applied when the load asked
+    for them (``RNG_KEY`` in ``loaded``)."""
     from megatron.core import tensor_parallel
 
+    iteration = int(loaded["iteration"])
+    if load_optim:
+        check_schedule(scheduler, loaded["opt_param_scheduler"], iteration)
     named = dict(trainer.model.named_parameters())
     for name, param in named.items():
         param.copy_(loaded["model"][name])
-    step = torch.tensor(float(loaded_optimizer_step(loaded["optimizer"])), dtype=torch.float32)
-    for name, param in named.items():
-        trainer.optimizer.state[param] = {
-            "step": step.clone(),
-            **{key: loaded["optimizer"][f"{key}.{name}"].to(param.device).clone()
-               for key in ADAM_STATE_KEYS}}
-    scheduler.load_state_dict(loaded["opt_param_scheduler"])
+    if load_optim:
+        step = torch.tensor(float(loaded_optimizer_step(loaded["optimizer"])),
+                            dtype=torch.float32)
+        for name, param in named.items():
+            trainer.optimizer.state[param] = {
+                "step": step.clone(),
+                **{key: loaded["optimizer"][f"{key}.{name}"].to(param.device).clone()
+                   for key in ADAM_STATE_KEYS}}
+        scheduler.load_state_dict(loaded["opt_param_scheduler"])
     rng = loaded.get(RNG_KEY)
     if rng is not None:
         torch.set_rng_state(rng["torch"])
         tensor_parallel.get_cuda_rng_tracker().set_states(rng["model_parallel"])
+    if finetune:
+        return TrainingProgress(iteration=0, consumed_train_samples=0)
     return TrainingProgress(
-        iteration=int(loaded["iteration"]),
+        iteration=iteration,
         consumed_train_samples=int(getattr(loaded.get("args"), "consumed_train_samples", 0)))

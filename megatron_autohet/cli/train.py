@@ -11,9 +11,9 @@ GPU per rank). Started by torchrun (RANK and WORLD_SIZE already set), it is one 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 
-from megatron_autohet.checkpoint.options import DEFAULT_KEEP, CheckpointOptions
+from megatron_autohet.checkpoint.options import (DEFAULT_KEEP, CheckpointOptions,
+                                                 check_scheduler_flags)
 from megatron_autohet.cli._common import check_output_path, positive
 from megatron_autohet.errors import ConfigError
 from megatron_autohet.runtime.optimizer import LR_DECAY_STYLES, OptimizerSettings
@@ -90,6 +90,26 @@ def register(subparsers) -> None:
         (("--autohet-s3-endpoint-url",), dict(default=None,
                                               help="endpoint of an S3-compatible store "
                                                    "(default: AWS)")),
+        (("--ckpt-step",), dict(type=int, default=None,
+                                help="with --load: resume from this step (iteration) instead "
+                                     "of the newest")),
+        (("--no-load-optim",), dict(action="store_true",
+                                    help="with --load: do not load the Adam state and the "
+                                         "learning-rate schedule (both start fresh; iteration "
+                                         "and data position continue)")),
+        (("--no-load-rng",), dict(action="store_true",
+                                  help="with --load: keep this run's RNG states")),
+        (("--finetune",), dict(action="store_true",
+                               help="with --load: load the weights only and start at iteration 0 "
+                                    "(fresh Adam state, schedule, data position and RNG)")),
+        (("--override-opt-param-scheduler",), dict(
+            action="store_true",
+            help="with --load: a checkpoint whose learning-rate schedule differs continues with "
+                 "this run's schedule flags, from its sample count on")),
+        (("--use-checkpoint-opt-param-scheduler",), dict(
+            action="store_true",
+            help="with --load: continue the checkpoint's learning-rate schedule, whatever this "
+                 "run's schedule flags say")),
         (("--exit-interval",), dict(type=int, default=None,
                                     help="stop after an iteration that is a multiple of N "
                                          "(saving first), as Megatron-LM's --exit-interval")),
@@ -145,15 +165,15 @@ def run(args: argparse.Namespace) -> int:
     check_output_path(args.metrics_jsonl, "--metrics-jsonl")
     optimizer = optimizer_settings(args).validate(train_iters=args.iters, source="<command line>")
     checkpoint = checkpoint_options(args)
+    check_scheduler_flags(checkpoint, override=args.override_opt_param_scheduler,
+                          use_checkpoint=args.use_checkpoint_opt_param_scheduler)
     positive(args.exit_interval, "--exit-interval")
     if args.distributed_timeout_minutes is not None and args.distributed_timeout_minutes <= 0:
         raise ConfigError("<command line>", "--distributed-timeout-minutes",
                           f"got {args.distributed_timeout_minutes}", "minutes > 0")
     check_elastic(args, checkpoint)
     plan, model = load_job(args.plan, args.model)
-    if args.elastic:
-        checkpoint = dataclasses.replace(checkpoint, load=checkpoint.load or checkpoint.local_dir)
-    else:
+    if not args.elastic:
         check_resume(checkpoint, plan, optimizer, args.iters)
     timeout = args.distributed_timeout_minutes or (1.0 if args.elastic else 10.0)
     options = TrainOptions(iters=args.iters, seed=args.seed, optimizer=optimizer,
@@ -186,6 +206,12 @@ def check_elastic(args: argparse.Namespace, checkpoint: CheckpointOptions) -> No
                 raise ConfigError("<command line>", "--" + flag.replace("_", "-"),
                                   "given without --elastic", "only with --elastic")
         return
+    for flag in ("ckpt_step", "finetune", "no_load_optim", "no_load_rng"):
+        if getattr(args, flag) not in (None, False):
+            raise ConfigError("<command line>", "--" + flag.replace("_", "-"),
+                              "given with --elastic",
+                              "not with --elastic (every restart resumes the newest step with "
+                              "all its state)")
     if "TORCHELASTIC_RUN_ID" not in os.environ:
         raise ConfigError("<command line>", "--elastic", "not started by torchrun",
                           "start elastic jobs with `autohet node` on each node")
@@ -203,42 +229,73 @@ def optimizer_settings(args: argparse.Namespace) -> OptimizerSettings:
         lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
         adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
         clip_grad=args.clip_grad, lr_warmup_iters=args.lr_warmup_iters,
-        lr_decay_iters=args.lr_decay_iters, lr_decay_style=args.lr_decay_style)
+        lr_decay_iters=args.lr_decay_iters, lr_decay_style=args.lr_decay_style,
+        override_opt_param_scheduler=args.override_opt_param_scheduler,
+        use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler)
 
 
 def checkpoint_options(args: argparse.Namespace) -> CheckpointOptions:
-    return CheckpointOptions(save=args.save, save_interval=args.save_interval, load=args.load,
+    """The checkpoint flags, validated; an elastic worker always resumes from its local tier."""
+    load = args.load or (args.autohet_local_ckpt_dir if args.elastic else None)
+    return CheckpointOptions(save=args.save, save_interval=args.save_interval, load=load,
                              local_dir=args.autohet_local_ckpt_dir, keep=args.autohet_keep_ckpts,
                              async_save=args.async_save, s3_uri=args.autohet_s3_uri,
-                             s3_endpoint_url=args.autohet_s3_endpoint_url).validate()
+                             s3_endpoint_url=args.autohet_s3_endpoint_url,
+                             ckpt_step=args.ckpt_step, no_load_optim=args.no_load_optim,
+                             no_load_rng=args.no_load_rng, finetune=args.finetune).validate()
 
 
 def check_resume(checkpoint: CheckpointOptions, plan, optimizer: OptimizerSettings,
                  iters: int) -> None:
-    """Before any process starts: the newest step ``--load`` holds on this machine continues
-    only with the same global batch and learning-rate schedule (megatron-core's scheduler would
-    otherwise take the checkpoint's values and silently ignore the flags)."""
-    from megatron_autohet.checkpoint.inspect import newest_manifest
-    from megatron_autohet.runtime.optimizer import SCHEDULE_FLAGS, schedule_fields
+    """Before any process starts, the step ``--load`` resumes (the newest on this machine, or
+    ``--ckpt-step``): the same global batch, and the same learning-rate schedule unless the flags
+    say which one wins (megatron-core's scheduler asserts otherwise, on every rank) or the
+    schedule is not loaded (--finetune, --no-load-optim). A ``--ckpt-step`` not committed here
+    is refused unless the S3 tier may hold it (the ranks check that again)."""
+    from megatron_autohet.checkpoint.inspect import existing_dirs, newest_manifest
+    from megatron_autohet.checkpoint.manifest import (committed_steps, read_manifest,
+                                                      step_dir_name)
+    from megatron_autohet.runtime.optimizer import (SCHEDULE_CHOICE, SCHEDULE_FLAGS,
+                                                    schedule_fields, schedule_mismatch)
 
-    found = newest_manifest(checkpoint.load) if checkpoint.load else None
+    if not checkpoint.load:
+        return
+    if checkpoint.ckpt_step is None:
+        found = newest_manifest(checkpoint.load)
+    else:
+        roots = [root for root in existing_dirs(checkpoint.load)
+                 if checkpoint.ckpt_step in committed_steps(root)]
+        if not roots:
+            if checkpoint.s3_uri is not None:
+                return
+            steps = sorted({s for root in existing_dirs(checkpoint.load)
+                            for s in committed_steps(root)})
+            raise ConfigError("<command line>", "--ckpt-step",
+                              f"no committed step {checkpoint.ckpt_step} in {checkpoint.load}",
+                              "one of the committed steps: "
+                              + (", ".join(map(str, steps)) or "none"))
+        step = roots[0] / step_dir_name(checkpoint.ckpt_step)
+        found = step, read_manifest(step)
     if found is None:
         return
     step, manifest = found
     saved_batch = manifest.plan.get("global_batch_size")
-    if saved_batch is not None and saved_batch != plan.global_batch_size:
+    if saved_batch is not None and saved_batch != plan.global_batch_size \
+            and not checkpoint.finetune:
         raise ConfigError("<command line>", "--plan", f"global batch {plan.global_batch_size}, "
                           f"but {step} was trained with {saved_batch}",
                           "a plan with the checkpoint's global batch (a resume continues the "
                           "same sequence of global batches)")
-    saved = manifest.extra.get("opt_param_scheduler") or {}
-    wanted = schedule_fields(optimizer, iters, plan.global_batch_size)
-    for field, value in wanted.items():
-        if field in saved and saved[field] != value:
-            raise ConfigError("<command line>", SCHEDULE_FLAGS[field],
-                              f"this run's learning-rate schedule has {field} {value}, "
-                              f"{step} was trained with {saved[field]}",
-                              "the checkpoint's flags (the schedule continues where it stopped)")
+    if not checkpoint.load_optim or optimizer.override_opt_param_scheduler \
+            or optimizer.use_checkpoint_opt_param_scheduler:
+        return
+    mismatch = schedule_mismatch(schedule_fields(optimizer, iters, plan.global_batch_size),
+                                 manifest.extra.get("opt_param_scheduler") or {})
+    if mismatch is not None:
+        field, value, saved = mismatch
+        raise ConfigError("<command line>", SCHEDULE_FLAGS[field],
+                          f"this run's learning-rate schedule has {field} {value}, "
+                          f"{step} was trained with {saved}", SCHEDULE_CHOICE)
 
 
 def _gpu_count() -> int:

@@ -25,7 +25,9 @@ Megatron's own flags: ``--save``, ``--save-interval``, ``--load``, ``--exit-inte
 ``--async-save`` (Megatron keeps it only with ``--use-persistent-ckpt-worker``; the background
 writer of checkpoint/checkpointer.py is that worker), ``--use-checkpoint-opt-param-scheduler`` /
 ``--override-opt-param-scheduler`` (Megatron's scheduler applies them itself when it loads its
-state), plus ``--autohet-local-ckpt-dir``, ``--autohet-keep-ckpts``, ``--autohet-s3-uri`` and
+state; a different schedule without either is refused in one line before it asserts on every
+rank), ``--ckpt-step``, ``--no-load-optim``, ``--no-load-rng``, ``--finetune``
+(checkpoint/options.py), plus ``--autohet-local-ckpt-dir``, ``--autohet-keep-ckpts``, ``--autohet-s3-uri`` and
 ``--autohet-s3-endpoint-url`` (megatron/args.py). Every other checkpoint flag of Megatron-LM
 core_v0.16.1 is refused by :data:`UNSUPPORTED_FLAGS` unless it has its default.
 
@@ -41,10 +43,10 @@ import sys
 from pathlib import Path
 from typing import NamedTuple, NoReturn
 
-from megatron_autohet.checkpoint.options import CheckpointOptions
+from megatron_autohet.checkpoint.options import CheckpointOptions, check_scheduler_flags
 from megatron_autohet.errors import ConfigError
 from megatron_autohet.plan import Plan, load_plan
-from megatron_autohet.runtime.optimizer import OptimizerSettings
+from megatron_autohet.runtime.optimizer import MEGATRON_SCHEDULE_FLAGS, OptimizerSettings
 
 
 def prepare_process(argv: list[str] | None = None) -> None:
@@ -200,15 +202,10 @@ UNSUPPORTED_FLAGS = (
     Unsupported("--ckpt-convert-format", None, _NOT_SET),
     Unsupported("--ckpt-convert-save", None, _NOT_SET),
     Unsupported("--ckpt-convert-update-legacy-dist-opt-format", False, _NOT_SET),
-    Unsupported("--no-load-optim", None, _RESUME),
-    Unsupported("--no-load-rng", None, "not set (RNG states are restored when the plan that "
-                "saved them resumes, and ignored on another plan)"),
     Unsupported("--no-save-optim", None, "not set (every step holds the Adam state)"),
     Unsupported("--no-save-rng", None, "not set (every step holds the RNG states)"),
     Unsupported("--load-main-params-from-ckpt", False, _RESUME),
-    Unsupported("--finetune", False, _RESUME),
     Unsupported("--pretrained-checkpoint", None, _RESUME),
-    Unsupported("--ckpt-step", None, _RESUME),
     Unsupported("--use-checkpoint-args", False,
                 "not set (the plan and the flags describe the job)"),
     Unsupported("--use-mp-args-from-checkpoint-args", False, "not set (the plan sets the layout)"),
@@ -242,12 +239,21 @@ def refuse_unsupported_flags(args, plan_path: str | Path) -> None:
 
 
 def checkpoint_options(args, plan_path: str | Path) -> CheckpointOptions:
-    """The job's checkpoint flags, validated as ``autohet train`` validates them."""
-    return CheckpointOptions(save=args.save, save_interval=args.save_interval, load=args.load,
-                             local_dir=args.autohet_local_ckpt_dir, keep=args.autohet_keep_ckpts,
-                             async_save=bool(args.async_save), s3_uri=args.autohet_s3_uri,
-                             s3_endpoint_url=args.autohet_s3_endpoint_url
-                             ).validate(str(plan_path))
+    """The job's checkpoint flags, validated as ``autohet train`` validates them (the resume
+    flags and --override-/--use-checkpoint-opt-param-scheduler included)."""
+    options = CheckpointOptions(save=args.save, save_interval=args.save_interval, load=args.load,
+                                local_dir=args.autohet_local_ckpt_dir,
+                                keep=args.autohet_keep_ckpts, async_save=bool(args.async_save),
+                                s3_uri=args.autohet_s3_uri,
+                                s3_endpoint_url=args.autohet_s3_endpoint_url,
+                                ckpt_step=args.ckpt_step, no_load_optim=bool(args.no_load_optim),
+                                no_load_rng=bool(args.no_load_rng),
+                                finetune=bool(args.finetune)).validate(str(plan_path))
+    # Before Megatron's scheduler exists: it asserts (a traceback per rank) on both flags.
+    check_scheduler_flags(options, override=bool(args.override_opt_param_scheduler),
+                          use_checkpoint=bool(args.use_checkpoint_opt_param_scheduler),
+                          source=str(plan_path))
+    return options
 
 
 def _data_path(args) -> str | None:
@@ -276,8 +282,12 @@ def make_checkpointer(args, options: CheckpointOptions, trainer, scheduler,
 
     class MegatronLMCheckpointer(Checkpointer):
         def resume(self):
-            progress = super().resume()
-            if progress.iteration == 0 and options.load and args.exit_on_missing_checkpoint:
+            try:
+                progress = super().resume()
+            except ConfigError as err:
+                # The same on every rank (one step, one common.pt, the same flags): one line.
+                stop_job(err)
+            if self.last_report is None and options.load and args.exit_on_missing_checkpoint:
                 stop_job(ConfigError(plan_path, "--load",
                                      f"no complete checkpoint in {options.load}",
                                      "a directory holding one, as --exit-on-missing-checkpoint "
@@ -285,7 +295,8 @@ def make_checkpointer(args, options: CheckpointOptions, trainer, scheduler,
             return progress
 
     return MegatronLMCheckpointer(options, trainer, scheduler, seed=args.seed,
-                                  train_args=train_args(args))
+                                  train_args=train_args(args),
+                                  schedule_flags=MEGATRON_SCHEDULE_FLAGS)
 
 
 def stop_job(err: ConfigError) -> NoReturn:

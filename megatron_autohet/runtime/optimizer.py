@@ -14,6 +14,9 @@ Public API
     path: two parameter groups, ``wd_mult`` 1.0 (decayed) and 0.0 (not decayed).
 ``schedule_fields(settings, train_iters, global_batch_size) -> dict``, ``SCHEDULE_FLAGS``
     The scheduler's fields (counted in samples) and the flag that sets each (torch-free).
+``schedule_mismatch(wanted, saved)``, ``SCHEDULE_CHOICE``
+    The first field where a checkpoint's schedule differs from this run's (what a resume refuses
+    unless ``--override-opt-param-scheduler`` or ``--use-checkpoint-opt-param-scheduler``).
 ``make_lr_scheduler(optimizer, settings, train_iters, global_batch_size)``
     megatron-core's ``OptimizerParamScheduler`` driving that optimizer, counting SAMPLES as
     Megatron-LM's ``get_optimizer_param_scheduler`` does: ``scheduler.step(global_batch_size)``
@@ -82,6 +85,11 @@ class OptimizerSettings:
     lr_warmup_iters: int = 0
     lr_decay_iters: int | None = None         # None: decay over the whole run (train_iters)
     lr_decay_style: str = "linear"
+    # What a resume does with a checkpoint whose schedule differs (Megatron-LM's flags, the
+    # arguments of megatron-core's OptimizerParamScheduler): neither -> refused; override -> this
+    # run's values from the checkpoint's sample count on; use-checkpoint -> the checkpoint's.
+    override_opt_param_scheduler: bool = False
+    use_checkpoint_opt_param_scheduler: bool = False
 
     def decay_iters(self, train_iters: int) -> int:
         return train_iters if self.lr_decay_iters is None else self.lr_decay_iters
@@ -106,6 +114,11 @@ class OptimizerSettings:
                 bad(flag, beta, "0 <= beta < 1")
         if not self.adam_eps > 0:
             bad("--adam-eps", self.adam_eps, "> 0")
+        if self.override_opt_param_scheduler and self.use_checkpoint_opt_param_scheduler:
+            # megatron-core's OptimizerParamScheduler asserts the same
+            raise ConfigError(source, "--override-opt-param-scheduler",
+                              "given with --use-checkpoint-opt-param-scheduler",
+                              "one of them: this run's schedule (override) or the checkpoint's")
         if self.lr_decay_style not in LR_DECAY_STYLES:
             bad("--lr-decay-style", self.lr_decay_style, ", ".join(LR_DECAY_STYLES))
         if self.lr_warmup_iters < 0:
@@ -158,11 +171,49 @@ def schedule_fields(settings: OptimizerSettings, train_iters: int,
             "wd_incr_style": "constant"}
 
 
-# The flag that sets each scheduler field (what a mismatch on resume names).
+# The flag that sets each scheduler field (what a mismatch on resume names), in the order
+# megatron-core's OptimizerParamScheduler.load_state_dict checks them.
 SCHEDULE_FLAGS = {"max_lr": "--lr", "min_lr": "--min-lr", "lr_warmup_steps": "--lr-warmup-iters",
                   "lr_decay_steps": "--lr-decay-iters", "lr_decay_style": "--lr-decay-style",
                   "start_wd": "--weight-decay", "end_wd": "--weight-decay",
                   "wd_incr_steps": "--iters", "wd_incr_style": "--weight-decay"}
+# The same for Megatron-LM's command line (pretrain_gpt.py --autohet-plan).
+MEGATRON_SCHEDULE_FLAGS = {**SCHEDULE_FLAGS, "start_wd": "--start-weight-decay",
+                           "end_wd": "--end-weight-decay", "wd_incr_steps": "--train-iters",
+                           "wd_incr_style": "--weight-decay-incr-style"}
+SCHEDULE_CHOICE = ("the checkpoint's flags (the schedule continues where it stopped), or "
+                   "--override-opt-param-scheduler (this run's schedule, from the checkpoint's "
+                   "sample count on) or --use-checkpoint-opt-param-scheduler (the checkpoint's "
+                   "schedule)")
+
+
+def saved_schedule_fields(saved: dict) -> dict:
+    """A checkpoint's ``opt_param_scheduler`` entry under the current field names (megatron-core
+    reads older names too: ``start_lr``, ``warmup_iter``/``warmup_steps``, ``end_iter``/
+    ``decay_steps``, ``decay_style``)."""
+    aliases = {"max_lr": ("start_lr", "max_lr"),
+               "lr_warmup_steps": ("warmup_iter", "warmup_steps", "lr_warmup_steps"),
+               "lr_decay_steps": ("end_iter", "decay_steps", "lr_decay_steps"),
+               "lr_decay_style": ("decay_style", "lr_decay_style")}
+    fields = {}
+    for field in SCHEDULE_FLAGS:
+        for name in aliases.get(field, (field,)):
+            if name in saved:
+                fields[field] = saved[name]
+                break
+    return fields
+
+
+def schedule_mismatch(wanted: dict, saved: dict) -> tuple[str, object, object] | None:
+    """The first field (megatron-core's order) where this run's schedule ``wanted`` differs from
+    a checkpoint's ``opt_param_scheduler`` entry: ``(field, this run's, the checkpoint's)``;
+    None when they agree (what megatron-core's ``_check_and_set`` asserts without
+    --override-/--use-checkpoint-opt-param-scheduler)."""
+    saved = saved_schedule_fields(saved)
+    for field in SCHEDULE_FLAGS:
+        if field in saved and field in wanted and saved[field] != wanted[field]:
+            return field, wanted[field], saved[field]
+    return None
 
 
 def make_lr_scheduler(optimizer, settings: OptimizerSettings, train_iters: int,
@@ -173,5 +224,8 @@ def make_lr_scheduler(optimizer, settings: OptimizerSettings, train_iters: int,
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     settings.validate(train_iters)
-    return OptimizerParamScheduler(optimizer, init_lr=LR_WARMUP_INIT,
-                                   **schedule_fields(settings, train_iters, global_batch_size))
+    return OptimizerParamScheduler(
+        optimizer, init_lr=LR_WARMUP_INIT,
+        use_checkpoint_opt_param_scheduler=settings.use_checkpoint_opt_param_scheduler,
+        override_opt_param_scheduler=settings.override_opt_param_scheduler,
+        **schedule_fields(settings, train_iters, global_batch_size))
