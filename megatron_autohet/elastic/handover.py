@@ -70,16 +70,13 @@ def transfers(disks: list[NodeDisk]) -> list[Transfer]:
     for name, size in sorted(names.items()):
         if any(name in d.steps.get(iteration, {}) for d in trainers):
             continue
+        if with_step and not name.endswith(".distcp"):
+            continue                # the small files and manifest are on every receiver
         src = next(d for d in holders if name in d.steps[iteration])
-        if not with_step or name not in (MANIFEST_FILE,) and _is_data(name):
-            dst = min(received, key=lambda r: (received[r], r))
-            received[dst] += size
-            out.append(Transfer(src.rank, dst, iteration, name, size))
+        dst = min(received, key=lambda r: (received[r], r))
+        received[dst] += size
+        out.append(Transfer(src.rank, dst, iteration, name, size))
     return out
-
-
-def _is_data(name: str) -> bool:
-    return name.endswith(".distcp")
 
 
 def node_disk(root: Path | None, rank: int, receives: bool, newest: int = 2) -> NodeDisk:
