@@ -91,7 +91,9 @@ def stub(tmp_path):
     stub_dir.mkdir()
     env = {k: v for k, v in os.environ.items()
            if not k.startswith("AUTOHET_") and k != "CUDA_VISIBLE_DEVICES"}
-    env.update(PATH=f"{bin_dir}{os.pathsep}{env['PATH']}", STUB_DIR=str(stub_dir),
+    # Only the stub is `autohet` (scripts/test.sh runs the tests with the venv's bin on PATH).
+    path = [d for d in env["PATH"].split(os.pathsep) if d and not (Path(d) / "autohet").exists()]
+    env.update(PATH=os.pathsep.join([str(bin_dir), *path]), STUB_DIR=str(stub_dir),
                TMPDIR=str(tmp_path))
     return env, stub_dir
 
