@@ -449,7 +449,9 @@ def test_slurm_usr1_reaches_the_watcher_and_requeues(stub, tmp_path):
     signals = _signals(stub_dir)
     assert "watch USR1" in signals and not [s for s in signals if s.startswith("node ")], out
     assert "requeue 4242" in (stub_dir / "scontrol.log").read_text().splitlines()
-    rendezvous, watch, node = _calls(stub_dir)
+    # The watcher and the agent start side by side: find each call by its command.
+    (rendezvous,), (watch,), (node,) = (_calls(stub_dir, command)
+                                        for command in ("rendezvous", "watch", "node"))
     assert rendezvous[:3] == ["rendezvous", "--port", "29400"]
     assert _value(node, "--rendezvous") == "localhost:29400"
     assert _value(node, "--job-id") == "slurm-4242-0"
