@@ -13,7 +13,6 @@ group) per iteration.
 
 from __future__ import annotations
 
-import os
 import signal
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +27,6 @@ SAVE, STOP = "save", "stop"
 
 @dataclass
 class StopDecision:
-    action: str               # SAVE or STOP
     iteration: int
     signalled: bool           # some rank got a signal
     leaving: bool             # THIS rank's node has a preemption notice
@@ -69,7 +67,7 @@ class StopRequests:
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
         signalled, any_preempt, any_rebalance = (bool(v) for v in flags.tolist())
         if signalled or any_preempt:
-            self.decision = StopDecision(STOP, iteration, signalled, preempt)
+            self.decision = StopDecision(iteration, signalled, preempt)
             return STOP
         if any_rebalance:
             return SAVE

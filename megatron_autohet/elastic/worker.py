@@ -168,21 +168,24 @@ class ElasticWorker:
             store.set(f"{_PREFIX}plan", json.dumps(plan.to_dict()))
             idle = [f"{m.node}:{m.local_rank}" for m, r in zip(members, plan_ranks(plan, members))
                     if r is None]
-            seconds = time.monotonic() - start
-            self.events.emit(
-                "plan", f"{decision} for {len(members)} GPUs on "
-                f"{len({m.node for m in members})} nodes: {plan.world_size} ranks in "
-                f"{len(plan.pipelines)} pipeline(s)"
-                + (f", idle: {', '.join(idle)}" if idle else "") + f" ({seconds:.2f} s)",
-                decision=decision, seconds=round(seconds, 3),
-                nodes=sorted({m.node for m in members}), world_size=plan.world_size,
-                pipelines=len(plan.pipelines), idle=idle, restart=int(self.round))
+            self._emit_plan(decision, members, plan, time.monotonic() - start, idle=idle)
         else:
             store.wait([f"{_PREFIX}plan"])
         plan = plan_from_dict(json.loads(store.get(f"{_PREFIX}plan")), "<elastic plan>")
         members = [Member.from_dict(json.loads(store.get(f"{_PREFIX}member/{r}"))["member"])
                    for r in range(self.world_size)]
         return plan, members, plan_ranks(plan, members)
+
+    def _emit_plan(self, decision: str, members: list[Member], plan: Plan, seconds: float, *,
+                   idle: list[str] = (), warm: bool = False, detail: str = "") -> None:
+        nodes = sorted({m.node for m in members})
+        self.events.emit(
+            "plan", f"{decision} for {len(members)} GPUs on {len(nodes)} nodes: "
+            f"{plan.world_size} ranks in {len(plan.pipelines)} pipeline(s)" + detail
+            + (f", idle: {', '.join(idle)}" if idle else "") + f" ({seconds:.2f} s)",
+            decision=decision, seconds=round(seconds, 3), nodes=nodes,
+            world_size=plan.world_size, pipelines=len(plan.pipelines), idle=list(idle),
+            restart=int(self.round), **({"warm": True} if warm else {}))
 
     def _decide(self, members: list[Member], steps: list[dict]) -> tuple[Plan, str]:
         cluster = fleet_cluster(members, self.template)
@@ -319,15 +322,10 @@ class ElasticWorker:
         seconds = time.monotonic() - start
         self.started = time.monotonic()
         if plan_rank == host:
-            self.events.emit(
-                "plan", f"re-planned in-process for {len(staying)} GPUs on "
-                f"{len({m.node for m in staying})} nodes: {new.world_size} ranks in "
-                f"{len(new.pipelines)} pipeline(s), predicted iteration "
-                f"{message[0]['iteration_time_s']:.3g} s, recovery moves "
-                f"{message[0]['recovery_bytes'] / 2**20:.1f} MiB across nodes ({seconds:.2f} s)",
-                decision="re-planned in-process", seconds=round(seconds, 3),
-                nodes=sorted({m.node for m in staying}), world_size=new.world_size,
-                pipelines=len(new.pipelines), idle=[], restart=int(self.round), warm=True)
+            self._emit_plan("re-planned in-process", staying, new, seconds, warm=True,
+                            detail=f", predicted iteration {message[0]['iteration_time_s']:.3g}"
+                            f" s, recovery moves {message[0]['recovery_bytes'] / 2**20:.1f} "
+                            "MiB across nodes")
         return new, staying, store, server is not None
 
     def _evacuate(self, plan: Plan, plan_rank: int, leaving: bool) -> None:
