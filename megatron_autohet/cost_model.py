@@ -88,14 +88,14 @@ from megatron_autohet.profiling.estimate import (ACTIVATION_DTYPE_BYTES, MEMORY_
 from megatron_autohet.profiling.profile import Profile, ProfileEntry
 from megatron_autohet.spec.cluster import Cluster
 from megatron_autohet.spec.model import ModelSpec
+from megatron_autohet.spec.precision import MAIN_GRAD_BYTES, PLANNING_PRECISION
 
 GIB = 1024 ** 3
-# bf16 weight (2) + fp32 main gradient (4) + fp32 master weight (4) + Adam exp_avg, exp_avg_sq (8).
-STATE_BYTES_PER_PARAM = 18
-# Megatron accumulates and all-reduces gradients in fp32 when training in bf16.
-GRAD_BYTES_PER_PARAM = 4
-# Adam step traffic: read grad 4, read+write master 8, read+write two moments 16, write weight 2.
-OPTIMIZER_TRAFFIC_BYTES_PER_PARAM = 30
+# Plans are priced for Megatron's bf16 mixed precision (spec/precision.py, which the runtime
+# allocates from too): 18 bytes of state per parameter, fp32 gradients, a 30-byte Adam step.
+STATE_BYTES_PER_PARAM = PLANNING_PRECISION.state_bytes_per_param()
+GRAD_BYTES_PER_PARAM = MAIN_GRAD_BYTES
+OPTIMIZER_TRAFFIC_BYTES_PER_PARAM = PLANNING_PRECISION.optimizer_traffic_bytes_per_param
 # CUDA context, NCCL buffers, allocator fragmentation: memory a GPU cannot give to the model.
 MEMORY_RESERVED_GIB = 1.5
 

@@ -44,6 +44,7 @@ from megatron_autohet.profiling.profile import OpCost, Profile, ProfileEntry
 from megatron_autohet.spec.cluster import Cluster
 from megatron_autohet.spec.gpus import GPUType
 from megatron_autohet.spec.model import ModelSpec
+from megatron_autohet.spec.precision import PLANNING_PRECISION
 
 # Fraction of the datasheet tensor-core peak a transformer layer's matmuls reach in Megatron.
 # Well-tuned Megatron runs report 40-55% model FLOPs utilisation on A100/H100; the layer alone
@@ -55,8 +56,8 @@ MEMORY_EFFICIENCY = 0.8
 # Fraction of the link bandwidth NCCL ring all-reduces sustain for the message sizes a layer
 # produces (a few MB to a few hundred MB).
 LINK_EFFICIENCY = 0.8
-# Bytes of one activation element: layers run in bf16 (fp16 on GPUs without bf16).
-ACTIVATION_DTYPE_BYTES = 2
+# Bytes of one activation element in the precision plans are priced for (bf16).
+ACTIVATION_DTYPE_BYTES = PLANNING_PRECISION.element_bytes
 
 
 def ring_allreduce_s(num_bytes: float, ranks: int, bandwidth_gbs: float) -> float:
