@@ -68,7 +68,11 @@ def _run_chain(rank, world_size, tps, sequence_parallel):
     import torch.distributed as dist
     role = chain_roles(tps)[rank]
     links = chain_links(tps, rank)
-    default_before = group_ops(dist.group.WORLD)
+    groups = {f"{side}.{direction}": getattr(boundary, direction, None)
+              for side, boundary in (("prev", links.prev), ("next", links.next))
+              for direction in ("activations", "gradients")}
+    groups["default"] = dist.group.WORLD
+    before = {name: group_ops(group) for name, group in groups.items()}
     stage = role.stage
     layout = StageLayout(stage.ranks, sequence_parallel)
     config = ModelParallelConfig(tensor_model_parallel_size=stage.tp_size,
@@ -119,10 +123,8 @@ def _run_chain(rank, world_size, tps, sequence_parallel):
         # single-tensor form (megatron unwraps when given a single shape / tensor)
         comm.send_backward(mine(activation(s - 1, 1, grad=True)), first)
     comm.finish_sends()
-    ops = {f"{side}.{direction}": group_ops(getattr(boundary, direction, None))
-           for side, boundary in (("prev", links.prev), ("next", links.next))
-           for direction in ("activations", "gradients")}
-    ops["default"] = group_ops(dist.group.WORLD) - default_before
+    ops = {name: None if group is None else group_ops(group) - before[name]
+           for name, group in groups.items()}
     return checked, ops
 
 
@@ -247,10 +249,13 @@ def _links_of_plan_stages(rank, world_size):
     boundaries = [b for b in (links.prev, links.next) if b is not None]
     return [(sorted(torch.distributed.get_process_group_ranks(b.activations)),
              sorted(torch.distributed.get_process_group_ranks(b.gradients)),
-             b.activations is not b.gradients) for b in boundaries]
+             b.activations is not b.gradients,
+             group_ops(b.activations), group_ops(b.gradients)) for b in boundaries]
 
 
 def test_boundary_groups_span_both_stages_of_the_boundary():
+    """Two groups per boundary over both stages' ranks, each opened by exactly one collective of
+    all its ranks (NCCL allows P2P batches of only some ranks of a group after that)."""
     out = run_on_ranks(5, _links_of_plan_stages, timeout=60)
-    first, second = ([0, 1, 2], [0, 1, 2], True), ([2, 3, 4], [2, 3, 4], True)
+    first, second = ([0, 1, 2], [0, 1, 2], True, 1, 1), ([2, 3, 4], [2, 3, 4], True, 1, 1)
     assert out == [[first], [first], [first, second], [second], [second]]

@@ -89,25 +89,39 @@ object only through ``rank()``/``size()`` (first stage: ``rank() == 0``; last st
 ``rank() = stage`` and ``size() = stage + warmup + 1``: with the default depth that is exactly the
 pipeline's real rank and size, and with a plan's depth megatron runs that depth, unpatched.
 
-One group per direction (gloo). Peers are global ranks; the group is the boundary's group of
-the direction (``links``): activations to the next stage and from the previous one on that
+One group per direction. Peers are global ranks; the group is the boundary's group of the
+direction (``links``): activations to the next stage and from the previous one on that
 boundary's ``activations`` group, gradients on its ``gradients`` group. A gloo group has one
 TCP connection per rank pair, and on the default group the two directions of a boundary shared
 it and moved one after the other: on a rate-limited link (scripts/bench_hapt.py) 8 x 256 KiB
 each way took 1.82 s where one way took 0.87 s (1.01 s with a group per direction): a
-boundary's activations and gradients were never on the wire at the same time. Each group carries one direction, so the FIFO
-matching above holds per group. Sends and receives of one call are on different groups and
-are posted separately (a batch must use one group; on gloo a batch is a loop anyway).
+boundary's activations and gradients were never on the wire at the same time. Each group
+carries one direction, so the FIFO matching above holds per group. Sends and receives of one
+call are on different groups and are posted separately (a batch must use one group).
 
-On NCCL (untested here: no multi-GPU machine) the communicator keeps the default group (no
-``links``) and ``batch_isend_irecv`` coalesces a call's ops, sends and receive, into one
-handle, whose wait is stream-side, so nothing blocks the host there either; torch requires the
-default group's communicator to exist before a batch involving only some of its ranks, i.e.
-one collective over the whole world before the first schedule. Receives are posted ahead on gloo
-only: NCCL runs the ops of one rank pair on one stream in posting order, so a receive posted
-ahead would hold up the next send to the same peer (stage s's gradient k behind its pre-posted
-activation k+1, while stage s-1's activation k+1 can sit behind its pre-posted gradient k: a
-deadlock); there each receive is posted with the call's sends in one coalesced batch, as before.
+gloo and NCCL run this same code; what NCCL adds is said where it matters:
+
+* Groups: ``torch.distributed.new_group`` is collective over the world on both backends, and on
+  NCCL the first collective call on a group must involve all its ranks before a
+  ``batch_isend_irecv`` of only some of them is allowed (torch's ``batch_isend_irecv``
+  documentation): a boundary batch involves one or a few rank pairs, so
+  ``parallel_state.create_p2p_links`` runs one all-reduce over each new group's ranks right
+  away (on gloo it only costs a message; it is done there too so both run one sequence).
+* Pre-posted receives: NCCL runs the operations of one communicator in posting order on one
+  stream, so on a group carrying both directions a receive posted ahead would hold up the next
+  send behind it (stage s's gradient k behind its pre-posted activation k+1, while stage s-1's
+  activation k+1 sits behind its pre-posted gradient k: a deadlock). With one group per
+  direction a rank only sends or only receives on each group, so a receive posted ahead can only
+  wait in front of later receives of the same direction, never in front of a send. This is
+  megatron-core's own arrangement for overlapping the two directions
+  (``p2p_communication._p2p_ops`` puts one of them on a second group).
+* Coalescing and streams: on NCCL ``batch_isend_irecv`` coalesces a batch (one micro-batch's
+  receives, or one call's sends) into one handle, on gloo it gives one handle per op; either
+  way a batch's tensors are kept until all its handles complete. ``Work.wait`` on NCCL makes
+  the current stream wait, not the host, so taking a receive does not block the host there
+  either. Megatron-core's ``config.batch_p2p_sync`` (a ``torch.cuda.synchronize()`` after each
+  batch, its workaround for a race in old torch releases) is not applied: it would block the
+  host on every call and undo the overlap above.
 """
 
 from __future__ import annotations
@@ -119,6 +133,13 @@ import torch
 import torch.distributed as dist
 
 from megatron_autohet.layout.topology import RankRole
+
+
+def p2p_device() -> torch.device:
+    """Where P2P buffers live: the current CUDA device where there is one (NCCL needs it), else
+    the CPU (gloo)."""
+    return (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
+            else torch.device("cpu"))
 
 
 @dataclass(frozen=True)
@@ -220,8 +241,7 @@ class StageLinks:
 
 @dataclass(frozen=True)
 class _Link:
-    """One direction to one neighbour: its layout and the group its messages use (None: the
-    default group)."""
+    """One direction to one neighbour: its layout and the boundary group of that direction."""
 
     peer: StageLayout
     group: object | None
@@ -230,7 +250,7 @@ class _Link:
 class HeteroP2PCommunicator:
     """Sends and receives stage activations/gradients between TP groups of any size."""
 
-    def __init__(self, role: RankRole, config, *, links: StageLinks | None,
+    def __init__(self, role: RankRole, config, *, links: StageLinks,
                  sequence_parallel: bool, forward_only: bool = False):
         stage = role.stage
         self.config = config
@@ -248,27 +268,25 @@ class HeteroP2PCommunicator:
             raise ValueError(f"stage {stage.stage} of {stage.num_stages}: warm-up depth {warmup} "
                              "(the last stage needs 0, the others >= 1)")
         self.pp_group = SchedulePosition(stage.stage, warmup)
-        self._device = (torch.device("cuda", torch.cuda.current_device())
-                        if torch.cuda.is_available() else torch.device("cpu"))
-        # gloo: every direction of every boundary on its own group, receives posted one
-        # micro-batch ahead; NCCL: the default group, one coalesced batch per call (module doc).
-        self._post_ahead = dist.get_backend() == "gloo"
-        if self._post_ahead and links is None:
-            raise ValueError("on gloo the communicator needs the boundary groups "
-                             "(HeteroParallelState.p2p_links)")
-        prev_groups = links.prev if self._post_ahead else None
-        next_groups = links.next if self._post_ahead else None
+        self._device = p2p_device()
         to_prev = from_prev = to_next = from_next = None
         if stage.prev_ranks is not None:
+            if links is None or links.prev is None:
+                raise ValueError(f"stage {stage.stage} needs the groups of its boundary to the "
+                                 "previous stage (HeteroParallelState.p2p_links)")
             prev_layout = StageLayout(stage.prev_ranks, sequence_parallel)
-            from_prev = _Link(prev_layout, prev_groups.activations if prev_groups else None)
-            to_prev = _Link(prev_layout, prev_groups.gradients if prev_groups else None)
+            from_prev = _Link(prev_layout, links.prev.activations)
+            to_prev = _Link(prev_layout, links.prev.gradients)
         if stage.next_ranks is not None:
+            if links is None or links.next is None:
+                raise ValueError(f"stage {stage.stage} needs the groups of its boundary to the "
+                                 "next stage (HeteroParallelState.p2p_links)")
             next_layout = StageLayout(stage.next_ranks, sequence_parallel)
-            to_next = _Link(next_layout, next_groups.activations if next_groups else None)
-            from_next = _Link(next_layout, next_groups.gradients if next_groups else None)
+            to_next = _Link(next_layout, links.next.activations)
+            from_next = _Link(next_layout, links.next.gradients)
         self._to_prev, self._to_next = to_prev, to_next
-        self._pending_sends: list[tuple[dist.Work, torch.Tensor]] = []
+        # Each posted batch of sends: its handles and the tensors they read (module doc).
+        self._pending_sends: list[tuple[list, list[torch.Tensor]]] = []
         m = stage.num_microbatches
         # Activations come from the previous stage, gradients from the next one, each in
         # micro-batch order; a forward-only run receives no gradients.
@@ -305,8 +323,9 @@ class HeteroP2PCommunicator:
     def finish_sends(self) -> None:
         """End of the schedule: wait for every send still in flight (call before the sent tensors
         may change) and make sure no receive is left posted for a later schedule to fall into."""
-        for work, _ in self._pending_sends:
-            work.wait()
+        for works, _ in self._pending_sends:
+            for work in works:
+                work.wait()
         self._pending_sends.clear()
         for queue in (self._activations, self._gradients):
             if queue is not None and queue.ahead is not None:
@@ -329,31 +348,19 @@ class HeteroP2PCommunicator:
                   [tuple(tensor_shapes)] if single else [tuple(x) for x in tensor_shapes])
         send_ops = [op for tensor in (sends if isinstance(sends, list) else [sends])
                     for op in self._send_ops(tensor, send_to)] if sends is not None else []
-        if self._post_ahead:
-            # Sends and receives are on different groups (one per direction), so never batched
-            # together; gloo gives every op its own handle: the sends complete in the background.
-            if shapes:
-                self._keep_posted(shapes)
-            if send_ops:
-                self._pending_sends.extend(
-                    (work, op.tensor) for work, op in zip(dist.batch_isend_irecv(send_ops),
-                                                          send_ops))
-        else:
-            # One coalesced batch (NCCL) whose handle's wait is stream-side.
-            ops = send_ops
-            if queue is not None:
-                buffers, recv_ops = self._recv_ops(queue, shapes)
-                ops = recv_ops + send_ops
-                queue.ahead = (buffers, [])
-            for work in dist.batch_isend_irecv(ops) if ops else []:
-                work.wait()
-        self._pending_sends = [(w, t) for w, t in self._pending_sends if not w.is_completed()]
+        # Sends and receives are on different groups (one per direction), so never batched
+        # together; the sends complete in the background.
+        if shapes:
+            self._keep_posted(shapes)
+        if send_ops:
+            self._pending_sends.append((dist.batch_isend_irecv(send_ops),
+                                        [op.tensor for op in send_ops]))
+        self._pending_sends = [(works, tensors) for works, tensors in self._pending_sends
+                               if not all(work.is_completed() for work in works)]
         if queue is None:
-            received = [None] * len(shapes)
-        else:
-            received = self._take(queue, shapes)
-            if self._post_ahead:
-                self._keep_posted(shapes)
+            return None if single else [None] * len(shapes)
+        received = self._take(queue, shapes)
+        self._keep_posted(shapes)
         return received[0] if single else received
 
     def _keep_posted(self, shapes: list[tuple[int, ...]]) -> None:

@@ -17,7 +17,7 @@ Public API
     ``tp_group``, ``pp_group`` (:class:`StagePosition`), ``pipeline_group``, ``cp_group``,
     ``dp_group``, ``sync_groups`` (list of :class:`SyncGroup`, one per
     ``topology.sync_group_specs(plan)`` entry, same order), ``p2p_links``
-    (:class:`~megatron_autohet.runtime.p2p.StageLinks` on gloo, None on NCCL), ``pg_collection`` (megatron's
+    (:class:`~megatron_autohet.runtime.p2p.StageLinks`), ``pg_collection`` (megatron's
     ``ProcessGroupCollection`` for ``GPTModel(pg_collection=)`` and the schedules); properties
     ``tp_size``, ``tp_rank``, ``stage`` (StageRole), ``is_first_stage``, ``is_last_stage``,
     ``word_embedding_sync`` / ``position_embedding_sync`` / ``post_process_sync`` (the SyncGroup
@@ -40,7 +40,7 @@ Design
   (``get_pg_rank``/``get_pg_size``/``is_pp_first_stage`` in transformer_block.py, gpt_model.py,
   language_module.py and schedules.py via ``p2p_communicator.pp_group``); activations travel
   through ``runtime/p2p.py`` with global ranks.
-* P2P groups (gloo only): every pipeline boundary (the TP groups of stages s and s+1, which hold
+* P2P groups: every pipeline boundary (the TP groups of stages s and s+1, which hold
   every rank pair the communicator's ``transfer_plan`` uses there) gets two groups over both
   stages' ranks, one for the activations going forward and one for the gradients coming back.
   A gloo group has one TCP connection per rank pair, and one connection carried the two
@@ -50,8 +50,10 @@ Design
   boundary is the fewest that give each direction its own connections (a group per rank pair
   and direction would be more groups for the same connections); each ``new_group`` is
   collective over the world, so they number 2 x (stages - pipelines), all created after the
-  groups above and never shared with a collective (not de-duplicated by rank set). NCCL keeps
-  the default group (runtime/p2p.py explains why), so none are created there.
+  groups above and never shared with a collective (not de-duplicated by rank set). Each is
+  opened with one all-reduce over its ranks, which NCCL requires before P2P batches of only some
+  of them (runtime/p2p.py); every rank does it for its own groups in creation order, so the
+  earliest group not yet opened always has all its ranks at it (no deadlock).
 * ``pg_collection.embd`` and ``pos_embd`` are None on purpose: megatron's
   ``LanguageModule.setup_embeddings_and_output_layer`` would all-reduce the output layer into the
   embedding (zero + sum), which assumes exactly two equally sharded copies; here tied copies live
@@ -76,13 +78,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 from megatron_autohet.errors import ConfigError
 from megatron_autohet.layout.topology import (RankRole, StageRole, SyncGroupSpec, rank_role,
                                               stage_roles, sync_group_specs)
 from megatron_autohet.plan import Plan, validate_plan
-from megatron_autohet.runtime.p2p import BoundaryGroups, StageLinks
+from megatron_autohet.runtime.p2p import BoundaryGroups, StageLinks, p2p_device
 from megatron_autohet.spec.model import ModelSpec
 
 
@@ -120,7 +123,7 @@ class HeteroParallelState:
     cp_group: object
     dp_group: object
     sync_groups: list[SyncGroup]
-    p2p_links: StageLinks | None    # None on NCCL (the communicator uses the default group)
+    p2p_links: StageLinks
     pg_collection: object           # megatron.core.process_groups_config.ProcessGroupCollection
 
     @property
@@ -200,6 +203,7 @@ def create_p2p_links(stages, rank: int) -> StageLinks:
     Collective over the world: every rank passes all stages of the job in the same order
     (``topology.stage_roles``)."""
     prev = nxt = None
+    mine = []
     for stage in stages:
         if stage.next_ranks is None:
             continue
@@ -210,6 +214,10 @@ def create_p2p_links(stages, rank: int) -> StageLinks:
             nxt = groups
         elif rank in stage.next_ranks:
             prev = groups
+        if rank in ranks:
+            mine += [groups.activations, groups.gradients]
+    for group in mine:      # the first call on each group involves all its ranks (module doc)
+        dist.all_reduce(torch.zeros(1, device=p2p_device()), group=group)
     return StageLinks(prev=prev, next=nxt)
 
 
@@ -251,8 +259,7 @@ def build_parallel_state(plan: Plan, rank: int | None = None, *, model: ModelSpe
             if group is not None:
                 mine = SyncGroup(spec, tuple(ranks), group)
         sync_groups.append(mine or SyncGroup(spec, None, None))
-    p2p_links = (create_p2p_links(stage_roles(plan), rank) if dist.get_backend() == "gloo"
-                 else None)
+    p2p_links = create_p2p_links(stage_roles(plan), rank)
 
     tp_group = factory.get(role.stage.ranks)
     pipeline_group = factory.get(plan.pipelines[role.stage.pipeline].ranks)
