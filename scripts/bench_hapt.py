@@ -132,7 +132,7 @@ def worker(args) -> None:
     data = build_global_batches(DataOptions(
         seq_length=MODEL["seq_length"], global_batch_size=plans[0].global_batch_size,
         num_iterations=args.iters, seed=SEED, data_dir=args.data_dir), MODEL["vocab_size"])
-    batches = [data.batch(i) for i in range(args.iters)]
+    batches = [data.batch(i).tensors() for i in range(args.iters)]
     settings = OptimizerSettings(lr=1e-4, clip_grad=1.0, lr_decay_style="constant")
     trainers = [HeteroTrainer(p, rank=rank, seed=SEED, optimizer=settings) for p in plans]
     wall = [[] for _ in warmups]

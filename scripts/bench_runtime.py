@@ -109,7 +109,7 @@ def _rank_main(rank, world, port, plan_path, with_stock, iters, data_dir, result
         data = build_global_batches(DataOptions(
             seq_length=plan.seq_length, global_batch_size=plan.global_batch_size,
             num_iterations=iters, seed=SEED, data_dir=data_dir), plan.model.vocab_size)
-        batches = [data.batch(i) for i in range(iters)]
+        batches = [data.batch(i).tensors() for i in range(iters)]
         trainers = _trainers(plan, plan_path, rank, with_stock)
         kinds = list(trainers)
         out = {kind: {"wall": [], "cpu": [], "grad_norm": []} for kind in kinds}

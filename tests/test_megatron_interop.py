@@ -309,7 +309,7 @@ def test_stock_megatron_lm_continues_from_our_checkpoint(stock, ours, data, reco
     micro = [json.loads(line) for line in (record / "tokens.jsonl").read_text().splitlines()]
     used = torch.tensor(micro).reshape(STOCK_UNTIL - HANDOVER, 8, 64)
     for i, iteration in enumerate(range(HANDOVER, STOCK_UNTIL)):
-        assert torch.equal(used[i], batches.batch(iteration)["tokens"]), iteration
+        assert torch.equal(used[i], batches.batch(iteration).tensors()["tokens"]), iteration
 
 
 def test_our_plan_resumes_from_a_stock_megatron_lm_checkpoint(stock, ours, data, tmp_path,

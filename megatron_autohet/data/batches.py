@@ -1,14 +1,16 @@
 """Global batches for the runtime, read through megatron-core's own GPTDataset.
 
-The heterogeneous runtime gives every rank the WHOLE global batch (the global-batch contract of
-the runtime and the single-process reference: a dict of :data:`BATCH_KEYS` - ``tokens``,
-``labels``, ``loss_mask``, ``position_ids`` - each ``[global_batch_size, seq]``, identical on all
-ranks) and each pipeline takes its own micro-batches from it (``RankRole.microbatch_offset``).
-So instead of Megatron's per-DP-rank data loader, every rank opens the same GPTDataset - same
-files, same seed, hence the same shuffle - and iteration ``i`` is the samples
-``[i * global_batch_size, (i + 1) * global_batch_size)``. No rank depends on another for data,
-and the batches do not depend on the plan: any plan of the same model sees the same sequence of
-global batches as the single-process reference.
+The global-batch contract of the runtime and the single-process reference: global batch ``i`` is
+the rows of :data:`BATCH_KEYS` - ``tokens``, ``labels``, ``loss_mask``, ``position_ids`` - each
+``[global_batch_size, seq]``, and each pipeline trains its own micro-batches of it
+(``RankRole.microbatch_offset``). Instead of Megatron's per-DP-rank data loader, every rank opens
+the same GPTDataset - same files, same seed, hence the same shuffle - and global batch ``i`` is
+the samples ``[i * global_batch_size, (i + 1) * global_batch_size)``. ``GlobalBatches.batch(i)``
+is a :class:`GlobalBatch` that reads samples only when asked: a rank reads the rows of its own
+micro-batches (:func:`batch_rows`), the reference and checks read all of it (``tensors()``). No
+rank depends on another for data, and the batches do not depend on the plan: any plan of the same
+model sees the same sequence of global batches (and a resumed job the same batch ``i``) as the
+single-process reference.
 
 The dataset is built with ``BlendedMegatronDatasetBuilder`` + ``GPTDatasetConfig`` exactly as
 Megatron-LM's ``pretrain_gpt.py`` does; its sample/shuffle indices use megatron-core's compiled
@@ -40,13 +42,13 @@ class DataOptions:
 
 
 class GlobalBatches:
-    """Deterministic global batches: ``batch(i)`` is the same on every rank and every call.
+    """Deterministic global batches: ``batch(i)`` reads the same samples on every rank and call.
 
-    Token ids are checked against the model's vocabulary in each batch as it is read: every rank
-    reads the whole global batch anyway, so the check costs a max over it, where scanning a large
-    dataset's ``.bin`` up front would be a full read of it on every rank at start-up. A bad id is
-    a ConfigError naming the data path, the id and the vocabulary (the same on every rank, since
-    all ranks read the same batch), instead of an index error inside the embedding.
+    Token ids are checked against the model's vocabulary in the rows as they are read: the check
+    costs a max over them, where scanning a large dataset's ``.bin`` up front would be a full read
+    of it on every rank at start-up. A bad id is a ConfigError naming the data path, the id and
+    the vocabulary, raised by the ranks that read it (the others stop with the job), instead of
+    an index error inside the embedding.
     """
 
     def __init__(self, dataset, global_batch_size: int, vocab_size: int, data_path: Path):
@@ -58,22 +60,52 @@ class GlobalBatches:
     def __len__(self) -> int:
         return len(self.dataset) // self.global_batch_size
 
-    def batch(self, iteration: int) -> dict:
-        import torch
-
+    def batch(self, iteration: int) -> GlobalBatch:
         if not 0 <= iteration < len(self):
             raise IndexError(f"iteration {iteration} outside the {len(self)} built batches")
-        start = iteration * self.global_batch_size
-        samples = [self.dataset[i] for i in range(start, start + self.global_batch_size)]
-        batch = {key: torch.stack([s[key] for s in samples]) for key in BATCH_KEYS}
+        return GlobalBatch(self, iteration)
+
+    def read(self, iteration: int, start: int, end: int) -> dict:
+        """Rows ``[start, end)`` of global batch ``iteration``, read from the dataset."""
+        import torch
+
+        first = iteration * self.global_batch_size
+        samples = [self.dataset[i] for i in range(first + start, first + end)]
+        rows = {key: torch.stack([s[key] for s in samples]) for key in BATCH_KEYS}
         # labels hold the one token past the last of tokens; GPTDataset maps padding to id 0
-        largest = int(torch.maximum(batch["tokens"].max(), batch["labels"].max()))
+        largest = int(torch.maximum(rows["tokens"].max(), rows["labels"].max()))
         if largest >= self.vocab_size:
             raise ConfigError(None, "--data-path", f"{self.data_path} holds token id {largest} "
                               f"(read by global batch {iteration}), beyond the model's "
                               f"vocab_size {self.vocab_size}",
                               "a dataset tokenized for this model's vocabulary")
-        return batch
+        return rows
+
+
+@dataclass(frozen=True)
+class GlobalBatch:
+    """Global batch ``iteration`` of ``source``, read when asked for: ``rows(start, end)`` reads
+    those rows only (what a rank trains), ``tensors()`` the whole batch."""
+
+    source: GlobalBatches
+    iteration: int
+
+    def rows(self, start: int, end: int) -> dict:
+        if not 0 <= start < end <= self.source.global_batch_size:
+            raise IndexError(f"rows [{start}, {end}) outside the global batch of "
+                             f"{self.source.global_batch_size}")
+        return self.source.read(self.iteration, start, end)
+
+    def tensors(self) -> dict:
+        return self.rows(0, self.source.global_batch_size)
+
+
+def batch_rows(global_batch, start: int, end: int) -> dict:
+    """Rows ``[start, end)`` of a global batch: a :class:`GlobalBatch` reads only them from its
+    dataset; a dict of ``[global_batch_size, seq]`` tensors (a batch made in memory) is sliced."""
+    if isinstance(global_batch, GlobalBatch):
+        return global_batch.rows(start, end)
+    return {key: global_batch[key][start:end] for key in BATCH_KEYS}
 
 
 def resolve_data_path(options: DataOptions) -> Path:

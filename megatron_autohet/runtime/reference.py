@@ -16,9 +16,11 @@ Public API
 first, count)``
     The loss definition and the micro-batch split of the global-batch contract, shared with the
     runtime. Global batch: dict of ``data.batches.BATCH_KEYS`` (``tokens``, ``labels``,
-    ``loss_mask``, ``position_ids``) tensors, each ``[global_batch_size, seq]``; micro-batch i =
+    ``loss_mask``, ``position_ids``) tensors, each ``[global_batch_size, seq]``, or a
+    ``data.batches.GlobalBatch`` that reads rows from the dataset on demand; micro-batch i =
     rows [i*mbs, (i+1)*mbs). The keys are defined in data/batches.py, where the batches are made;
-    the reference and the runtime read them through ``microbatches``.
+    the reference and the runtime read them through ``microbatches``, so a rank materialises only
+    its own micro-batches. The reference trains on whole batches: dicts (``GlobalBatch.tensors()``).
 
 Design (why)
 ------------
@@ -48,7 +50,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megatron_autohet.data.batches import BATCH_KEYS
+from megatron_autohet.data.batches import batch_rows
 from megatron_autohet.plan import Pipeline, Plan, RankInfo, Stage
 from megatron_autohet.runtime.optimizer import (OptimizerSettings, make_lr_scheduler,
                                                 make_optimizer)
@@ -61,10 +63,11 @@ def masked_token_mean(per_token_loss: torch.Tensor, loss_mask: torch.Tensor) -> 
     return torch.sum(per_token_loss.float().reshape(-1) * mask) / mask.sum().clamp(min=1.0)
 
 
-def microbatches(global_batch: dict, micro_batch_size: int, first: int, count: int) -> list[dict]:
-    """Micro-batches ``[first, first + count)`` of a global batch (dicts of row slices)."""
-    return [{key: global_batch[key][i * micro_batch_size:(i + 1) * micro_batch_size]
-             for key in BATCH_KEYS} for i in range(first, first + count)]
+def microbatches(global_batch, micro_batch_size: int, first: int, count: int) -> list[dict]:
+    """Micro-batches ``[first, first + count)`` of a global batch (dicts of its rows); only
+    those rows are materialised (``data.batches.batch_rows``)."""
+    return [batch_rows(global_batch, i * micro_batch_size, (i + 1) * micro_batch_size)
+            for i in range(first, first + count)]
 
 
 @dataclass(frozen=True)

@@ -8,9 +8,11 @@ over it (scheduler step and Megatron's log line per iteration), for ``autohet tr
 Megatron-LM path alike.
 
 Global batch contract: a dict of tensors ``tokens``, ``labels``, ``loss_mask``, ``position_ids``,
-each ``[global_batch_size, seq]`` and identical on all ranks. Micro-batch ``i`` is rows
+each ``[global_batch_size, seq]`` and identical on all ranks, or a ``data.batches.GlobalBatch``
+(the same rows, read from the dataset on demand). Micro-batch ``i`` is rows
 ``[i * micro_batch_size, (i + 1) * micro_batch_size)``; pipeline ``p`` runs micro-batches
-``[offset_p, offset_p + m_p)`` (``RankRole.microbatch_offset``, the plan's ``num_microbatches``).
+``[offset_p, offset_p + m_p)`` (``RankRole.microbatch_offset``, the plan's ``num_microbatches``),
+and a rank materialises only those (``reference.microbatches``).
 
 Loss and scaling. The loss of an iteration is the mean over ALL ``M`` micro-batches of the global
 batch of each micro-batch's masked-token-mean cross-entropy, and the gradient is the gradient of
@@ -106,7 +108,7 @@ class HeteroTrainer:
         # The global-batch scaling of every micro-batch loss (module doc): m_p / M.
         self.loss_scale = role.stage.num_microbatches / plan.num_microbatches_total
 
-    def train_step(self, global_batch: dict) -> StepMetrics:
+    def train_step(self, global_batch) -> StepMetrics:
         role, plan = self.state.role, self.plan
         self.model.train()
         self.grad_sync.zero_grad()
