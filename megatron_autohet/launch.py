@@ -54,6 +54,9 @@ class TrainOptions:
     exit_interval: int | None = None
     exit_signal_handler: bool = False
     distributed_timeout_minutes: float = 10.0
+    eval_interval: int | None = None       # Megatron-LM's --eval-interval (None: no evaluation)
+    eval_iters: int = 100                  # validation global batches per evaluation
+    split: str | None = None               # Megatron-LM's --split (data/batches.default_split)
 
     @property
     def timeout(self) -> timedelta:
@@ -197,13 +200,20 @@ def train_job(plan: Plan, plan_label: str, model: ModelSpec, options: TrainOptio
     """Train on an initialised default process group whose ranks are the plan's; returns the last
     iteration trained. ``make_stop_check(checkpointer)`` (the checkpointer or None) returns the
     ``stop_check`` of runtime/trainer.train_iterations."""
-    from megatron_autohet.data.batches import DataOptions, open_global_batches
-    from megatron_autohet.runtime.trainer import HeteroTrainer, train_iterations
+    from megatron_autohet.data.batches import DataOptions, default_split, open_global_batches
+    from megatron_autohet.runtime.trainer import (Evaluation, HeteroTrainer, train_iterations,
+                                                  validation_batches_needed)
 
+    valid_batches = validation_batches_needed(options.iters, options.eval_interval,
+                                              options.eval_iters)
     data = DataOptions(seq_length=plan.seq_length, global_batch_size=plan.global_batch_size,
                        num_iterations=options.iters, seed=options.seed,
-                       data_path=options.data_path, data_dir=options.data_dir)
-    batches = open_global_batches(data, model.vocab_size, local_rank)
+                       data_path=options.data_path, data_dir=options.data_dir,
+                       split=default_split(options.split, valid_batches > 0),
+                       valid_batches=valid_batches)
+    batches, valid = open_global_batches(data, model.vocab_size, local_rank)
+    evaluation = (Evaluation(options.eval_interval, options.eval_iters, valid)
+                  if valid is not None else None)
     trainer = HeteroTrainer(plan, model, rank=rank, seed=options.seed,
                             optimizer=options.optimizer, plan_file=plan_label)
     # Counting samples, as Megatron-LM does (runtime/optimizer.py): checkpoints of this job
@@ -225,4 +235,5 @@ def train_job(plan: Plan, plan_label: str, model: ModelSpec, options: TrainOptio
     return train_iterations(trainer, batches, scheduler, train_iters=options.iters,
                             scheduler_increment=plan.global_batch_size, log=rank == 0,
                             metrics_jsonl=options.metrics_jsonl, checkpointer=checkpointer,
-                            exit_interval=options.exit_interval, stop_check=stop_check)
+                            exit_interval=options.exit_interval, stop_check=stop_check,
+                            evaluation=evaluation)

@@ -85,6 +85,38 @@ def test_apply_refuses_other_versions_and_local_edits(tmp_path):
     assert "megatron-autohet" not in (edited / "pretrain_gpt.py").read_text()
 
 
+SETUP = ROOT / "scripts/setup_megatron_lm.sh"
+
+
+def test_setup_script_builds_the_helpers_for_this_python(tmp_path):
+    """scripts/setup_megatron_lm.sh on a pristine copy whose `.python-version` names another
+    Python and which holds that Python's helper: patched, the other helper gone, this
+    interpreter's built and importable."""
+    assert "--python PYTHON" in subprocess.run(["bash", str(SETUP), "--help"], capture_output=True,
+                                               text=True, check=True).stdout
+    copy = _pristine_copy(tmp_path / "mlm")
+    datasets = copy / "megatron/core/datasets"
+    shutil.copytree(Path(MLM) / "megatron/core/datasets", datasets, dirs_exist_ok=True,
+                    ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+    (copy / ".python-version").write_text("3.12\n")
+    stale = datasets / "helpers_cpp.cpython-312-x86_64-linux-gnu.so"
+    stale.write_bytes(b"built by another Python")
+    result = subprocess.run(["bash", str(SETUP), "--python", sys.executable, str(copy)],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "megatron-autohet" in (copy / "pretrain_gpt.py").read_text()
+    import sysconfig
+    built = datasets / f"helpers_cpp{sysconfig.get_config_var('EXT_SUFFIX')}"
+    assert sorted(p.name for p in datasets.glob("helpers_cpp*")) == [built.name]
+    assert f"dataset helpers: {built}" in result.stdout
+    probe = subprocess.run([sys.executable, "-c", "import importlib.util as u, sys; "
+                            "s = u.spec_from_file_location('helpers_cpp', sys.argv[1]); "
+                            "m = u.module_from_spec(s); s.loader.exec_module(m); "
+                            "print(m.build_sample_idx_int64.__name__)", str(built)],
+                           capture_output=True, text=True)
+    assert probe.stdout.strip() == "build_sample_idx_int64", probe.stderr
+
+
 def _megatron_lm_runnable() -> str | None:
     for module, why in (("triton", "Megatron-LM's training package imports triton"),
                         ("pybind11", "Megatron-LM compiles the dataset helpers with pybind11")):
@@ -130,17 +162,24 @@ TINY_ARGS = ["--num-layers", "6", "--hidden-size", "64", "--num-attention-heads"
              "--ffn-hidden-size", "256", "--seq-length", "64", "--max-position-embeddings", "64",
              "--micro-batch-size", "2", "--global-batch-size", "8",
              "--train-iters", str(TRAIN_ITERS), *SCHEDULE_ARGS, "--tokenizer-type",
-             "NullTokenizer", "--vocab-size", "511", "--distributed-backend", "gloo"]
+             "NullTokenizer", "--vocab-size", "511", "--distributed-backend", "gloo",
+             "--hidden-dropout", "0", "--attention-dropout", "0"]
 
 
-def _torchrun(tree: Path, plan: Path, args: list[str]):
+def _venv_env(**extra) -> dict:
+    """This interpreter's bin first on PATH: Megatron's dataset-helper Makefile runs `python3 -m
+    pybind11`, and `autohet` is the one of the venv under test."""
+    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
+    return dict(os.environ, OMP_NUM_THREADS="1", CUDA_DEVICE_MAX_CONNECTIONS="1", PATH=path,
+                **extra)
+
+
+def _torchrun(tree: Path, plan: Path, args: list[str], tiny_args=TINY_ARGS):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
            "--master-port", str(free_port()), "pretrain_gpt.py", "--autohet-plan", str(plan),
-           *TINY_ARGS, *map(str, args)]
-    # Megatron's dataset-helper Makefile runs `python3 -m pybind11`: this interpreter's.
-    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
-    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_DEVICE_MAX_CONNECTIONS="1", PATH=path)
-    return subprocess.run(cmd, cwd=tree, capture_output=True, text=True, timeout=600, env=env)
+           *tiny_args, *map(str, args)]
+    return subprocess.run(cmd, cwd=tree, capture_output=True, text=True, timeout=600,
+                          env=_venv_env())
 
 
 def _tail(result) -> str:
@@ -171,7 +210,7 @@ def test_pretrain_gpt_trains_the_plan_like_autohet_train(uninterrupted, data_dir
         [sys.executable, "-m", "megatron_autohet.cli.main", "train", "--plan", str(PLAN),
          "--model", str(ROOT / "configs/models/tiny.yaml"), "--iters", str(TRAIN_ITERS),
          *SCHEDULE_ARGS, "--metrics-jsonl", str(ours), "--data-dir", str(data_dir)],
-        capture_output=True, text=True, timeout=600)
+        capture_output=True, text=True, timeout=600, env=_venv_env())
     assert plain.returncode == 0, plain.stderr[-3000:]
     reference = _metrics(ours)
     # Same runtime, batches, seed, AdamW with weight decay; Megatron-LM's scheduler and ours
@@ -267,13 +306,19 @@ def test_pretrain_gpt_changed_schedule_is_refused_or_overridden(tree, data_dir, 
     assert [m[3] for m in after] == expected
 
 
-@pytest.mark.parametrize("case", ["refused flag", "missing checkpoint"])
+@pytest.mark.parametrize("case", ["refused flag", "vocabulary", "missing checkpoint"])
 def test_pretrain_gpt_stops_with_one_error_line(case, tree, data_dir, tmp_path):
-    """Every rank raises the same ConfigError: one line on stderr, every rank exits 2."""
+    """Every rank raises the same ConfigError: one line on stderr, every rank exits 2. A flag
+    outside the allow-list stops the job before Megatron-LM initialises; the vocabulary is
+    checked on Megatron's tokenizer, after it."""
     flags, problem = {
         "refused flag": (["--ckpt-format", "torch"],
                          "field '--ckpt-format': 'torch' is not supported with --autohet-plan "
                          "(allowed: torch_dist, the format megatron-autohet writes)"),
+        "vocabulary": (["--vocab-size", "1000"],
+                       "field '--vocab-size': Megatron-LM's NullTokenizer has 1001 tokens but the "
+                       "plan's model has vocab_size 512 (allowed: a tokenizer of 512 tokens "
+                       "(NullTokenizer: --vocab-size 511, the EOD token is added))"),
         "missing checkpoint": (["--load", tmp_path, "--exit-on-missing-checkpoint"],
                                f"field '--load': no complete checkpoint in {tmp_path} (allowed: "
                                "a directory holding one, as --exit-on-missing-checkpoint is set)"),
@@ -288,13 +333,70 @@ def test_pretrain_gpt_stops_with_one_error_line(case, tree, data_dir, tmp_path):
     assert codes and set(codes) <= {"2", "-15"} and "2" in codes, _tail(result)
 
 
-# Megatron-LM's checkpointing flags that the plan path honours; every other one must be in
-# hooks.UNSUPPORTED_FLAGS. --use-dist-ckpt, --dist-ckpt-format and --ckpt-fully-parallel-save
-# are deprecated flags Megatron itself ignores.
-HONOURED = {"--save", "--save-interval", "--load", "--exit-on-missing-checkpoint",
-            "--async-save", "--use-persistent-ckpt-worker", "--ckpt-step", "--no-load-optim",
-            "--no-load-rng", "--finetune",
-            "--use-dist-ckpt", "--dist-ckpt-format", "--ckpt-fully-parallel-save"}
+# A plan `autohet train` runs that Megatron-LM's own batch arithmetic would refuse: global
+# batch 4 of micro-batches of 2 on 4 ranks (Megatron's grid: data-parallel 4, 4 % (2 * 4) != 0).
+# Two pipelines of one micro-batch each, with full activation recompute.
+SMALL_BATCH_PLAN = """\
+format_version: 1
+cluster: local-4
+model: {name: tiny, num_layers: 6, hidden_size: 64, num_attention_heads: 4, ffn_hidden_size: 256,
+        vocab_size: 512, seq_length: 64, num_query_groups: 4, gated_linear_unit: false,
+        position_embedding_type: learned_absolute, tie_embeddings: true}
+micro_batch_size: 2
+global_batch_size: 4
+seq_length: 64
+activation_recompute: true
+ranks:
+  - {rank: 0, node: a100, local_rank: 0, gpu: A100-80GB}
+  - {rank: 1, node: a100, local_rank: 1, gpu: A100-80GB}
+  - {rank: 2, node: h800, local_rank: 0, gpu: H800}
+  - {rank: 3, node: h20, local_rank: 0, gpu: H20}
+pipelines:
+  - num_microbatches: 1
+    stages:
+      - {ranks: [0, 1], layers: [0, 4]}
+      - {ranks: [2], layers: [4, 6]}
+  - num_microbatches: 1
+    stages:
+      - {ranks: [3], layers: [0, 6]}
+"""
+EVAL_ARGS = ["--eval-interval", "2", "--eval-iters", "2"]
+
+
+def test_pretrain_gpt_small_batch_recompute_and_evaluation_like_autohet_train(tree, data_dir,
+                                                                            tmp_path):
+    """Global batch 4 on 4 ranks is not refused; the plan's recompute and Megatron's
+    --eval-interval/--eval-iters run on both paths with the same numbers: training and
+    validation losses (validation on the built-in corpus's 969,30,1 split after iterations 2
+    and 4), and Megatron's validation line on the console."""
+    plan = tmp_path / "small-batch.yaml"
+    plan.write_text(SMALL_BATCH_PLAN)
+    tiny = list(TINY_ARGS)
+    tiny[tiny.index("--global-batch-size") + 1] = "4"
+    ours, theirs = tmp_path / "autohet.jsonl", tmp_path / "megatron.jsonl"
+    megatron = _torchrun(tree, plan, [*EVAL_ARGS, "--recompute-granularity", "full",
+                                      "--recompute-method", "uniform", "--recompute-num-layers",
+                                      "1", "--log-interval", "1", "--autohet-metrics-jsonl",
+                                      theirs, "--autohet-data-dir", data_dir], tiny_args=tiny)
+    assert megatron.returncode == 0, _tail(megatron)
+    plain = subprocess.run(
+        [sys.executable, "-m", "megatron_autohet.cli.main", "train", "--plan", str(plan),
+         "--model", str(ROOT / "configs/models/tiny.yaml"), "--iters", str(TRAIN_ITERS),
+         *SCHEDULE_ARGS, *EVAL_ARGS, "--metrics-jsonl", str(ours), "--data-dir", str(data_dir)],
+        capture_output=True, text=True, timeout=600, env=_venv_env())
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    records = [json.loads(line) for line in theirs.read_text().splitlines()]
+    reference = [json.loads(line) for line in ours.read_text().splitlines()]
+    assert [sorted(r) for r in records] == [sorted(r) for r in reference]
+    validation = [r for r in records if "validation_lm_loss" in r]
+    assert [r["iteration"] for r in validation] == [2, 4]
+    for got, want in zip(records, reference):
+        key = "validation_lm_loss" if "validation_lm_loss" in got else "lm_loss"
+        assert got[key] == pytest.approx(want[key], rel=1e-5)
+    for r in validation:
+        line = f" validation loss at iteration {r['iteration']} | lm loss value: "
+        assert megatron.stdout.count(line + f"{r['validation_lm_loss']:.6E} |") == 1, \
+            _tail(megatron)
 
 
 def test_flags_on_megatron_lm_parser(tree, tmp_path):
@@ -322,7 +424,7 @@ def _flag_checks_in_tree(tmp: str) -> None:
     """Runs where ``megatron`` is Megatron-LM's package (the patched tree is the working directory,
     WORLD_SIZE=4): Megatron's parser, validated as ``pretrain()`` does, against check_megatron_args,
     and every unsupported flag's name, attribute and default against Megatron's parser."""
-    from megatron.training.arguments import add_megatron_arguments, parse_args, validate_args
+    from megatron.training.arguments import parse_args, validate_args
 
     from megatron_autohet.checkpoint.options import CheckpointOptions
     from megatron_autohet.errors import ConfigError
@@ -386,18 +488,8 @@ def _flag_checks_in_tree(tmp: str) -> None:
         save=tmp, save_interval=2, async_save=True, s3_uri="s3://bucket/run",
         s3_endpoint_url="http://127.0.0.1:9")
 
-    parser = add_autohet_args(add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False)))
-    refused = {entry.flag: entry for entry in hooks.UNSUPPORTED_FLAGS}
-    checkpointing = next(g for g in parser._action_groups if g.title == "checkpointing")
-    flags = {action.option_strings[0] for action in checkpointing._group_actions}
-    assert flags - HONOURED - set(refused) == set(), "neither honoured nor refused"
-    for flag, entry in refused.items():
-        action = parser._option_string_actions[flag]
-        assert (action.dest, action.default) == (entry.attr, entry.off), flag
-        value = [] if action.nargs == 0 else [_other_value(action, entry.off)]
-        args = parser.parse_args(["--autohet-plan", str(PLAN), *TINY_ARGS, flag, *value])
-        with pytest.raises(ConfigError, match="^" + re.escape(f"{PLAN}: field '{flag}': ")):
-            hooks.refuse_unsupported_flags(args, PLAN)
+    _allow_list_checks(tmp)
+    _model_flag_checks(megatron_args, error)
 
     help_text = io.StringIO()
     with contextlib.redirect_stdout(help_text), pytest.raises(SystemExit) as done:
@@ -405,3 +497,88 @@ def _flag_checks_in_tree(tmp: str) -> None:
     assert done.value.code == 0
     assert "--autohet-plan" in help_text.getvalue()
     assert "--autohet-keep-ckpts" in help_text.getvalue()
+
+
+def _allow_list_checks(tmp: str) -> None:
+    """megatron/flags.py: every flag of the table is Megatron-LM's; the job's flags pass; a
+    flag set to something other than Megatron's default is refused unless the table honours
+    it, with the table's alternative for the refused ones, before Megatron-LM starts."""
+    from megatron_autohet.errors import ConfigError
+    from megatron_autohet.megatron.flags import FLAGS, REFUSED, check_flags, megatron_parser
+
+    parser = megatron_parser()
+    assert set(FLAGS) - set(parser._option_string_actions) == set(), "not Megatron-LM's"
+    job = ["--autohet-plan", str(PLAN), *TINY_ARGS]
+    check_flags(job, parser)
+    check_flags([*job, "--save", tmp, "--save-interval", "2", "--use-dist-ckpt",
+                 "--no-bias-gelu-fusion", "--eval-interval", "2", "--eval-iters", "1",
+                 "--recompute-granularity", "full", "--log-interval", "1"], parser)
+
+    def refusal(*flags) -> str:
+        with pytest.raises(ConfigError) as refused:
+            check_flags([*job, *flags], parser)
+        return str(refused.value)
+
+    assert refusal("--tensorboard-dir", tmp) == (
+        f"{PLAN}: field '--tensorboard-dir': {tmp!r} is not supported with --autohet-plan "
+        "(allowed: its default (README, 'Megatron-LM flags with --autohet-plan', lists the flags "
+        "the plan path honours))")
+    for flag in ("--bf16", "--fp16", "--use-distributed-optimizer"):       # other helpers' work
+        assert refusal(flag) == (f"{PLAN}: field '{flag}': not yet supported with --autohet-plan "
+                                 "(allowed: not set (the plan runtime trains in fp32 with its own "
+                                 "optimizer))")
+    assert refusal("--recompute-activations").startswith(
+        f"{PLAN}: field '--recompute-activations': not yet supported")
+    for flag, rule in FLAGS.items():
+        if rule.how != REFUSED:
+            continue
+        action = parser._option_string_actions[flag]
+        value = [] if action.nargs == 0 else [_other_value(action, action.default)]
+        assert refusal(flag, *value).endswith(f"(allowed: {rule.detail})"), flag
+
+
+def _model_flag_checks(megatron_args, error) -> None:
+    """hooks.check_megatron_args: the model-shape, dropout and recompute flags against the plan
+    (after Megatron's validate_args, as pretrain_from_plan runs it)."""
+    from dataclasses import replace
+
+    from megatron_autohet.errors import ConfigError
+    from megatron_autohet.megatron import hooks
+    from megatron_autohet.plan import load_plan
+
+    plan = load_plan(PLAN)
+    with pytest.raises(ConfigError) as vocab:
+        hooks.check_megatron_args(megatron_args("--vocab-size", "1000"), plan, PLAN,
+                                  tokenizer_vocab_size=1001)
+    assert str(vocab.value) == (
+        f"{PLAN}: field '--vocab-size': Megatron-LM's NullTokenizer has 1001 tokens but the "
+        "plan's model has vocab_size 512 (allowed: a tokenizer of 512 tokens (NullTokenizer: "
+        "--vocab-size 511, the EOD token is added))")
+    hooks.check_megatron_args(megatron_args(), plan, PLAN, tokenizer_vocab_size=512)
+    assert error("--normalization", "RMSNorm") == (
+        f"{PLAN}: field '--normalization': Megatron-LM was given 'RMSNorm' but the plan has "
+        "'LayerNorm' (allowed: 'LayerNorm' (the plan's model: RMSNorm with SwiGLU, LayerNorm "
+        "without))")
+    assert error("--disable-bias-linear") == (
+        f"{PLAN}: field '--disable-bias-linear': Megatron-LM was given True but the plan has "
+        "False (allowed: False (the plan's model: no linear biases with SwiGLU, biases without))")
+    assert error("--hidden-dropout", "0.1") == (
+        f"{PLAN}: field '--hidden-dropout': 0.1 (Megatron-LM's default is 0.1) (allowed: 0 (the "
+        "plan runtime trains without dropout))")
+    assert error("--attention-dropout", "0.2") == (
+        f"{PLAN}: field '--attention-dropout': 0.2 (Megatron-LM's default is 0.1) (allowed: 0 "
+        "(the plan runtime trains without dropout))")
+    assert error("--recompute-granularity", "full") == (
+        f"{PLAN}: field '--recompute-granularity': 'full', but the plan has activation_recompute "
+        "false (allowed: not set (the plan decides recompute: autohet plan --recompute on))")
+    recompute = replace(plan, activation_recompute=True)
+    full = ["--recompute-granularity", "full", "--recompute-method", "uniform",
+            "--recompute-num-layers", "1"]
+    hooks.check_megatron_args(megatron_args(*full), recompute, PLAN)
+    hooks.check_megatron_args(megatron_args(), recompute, PLAN)       # the plan decides
+    with pytest.raises(ConfigError) as block:
+        hooks.check_megatron_args(megatron_args(*full[:2], "--recompute-method", "block",
+                                                "--recompute-num-layers", "1"), recompute, PLAN)
+    assert str(block.value) == (
+        f"{PLAN}: field '--recompute-method': 'block', but the plan's activation_recompute is "
+        "megatron-core's full recompute of every layer (allowed: 'uniform' or not set)")

@@ -60,6 +60,15 @@ def register(subparsers) -> None:
                                      "token ids < the model's vocab_size, EOD = 0); default: the "
                                      "built-in corpus (Python standard-library docstrings, "
                                      "byte-level tokens)")),
+        (("--split",), dict(default=None,
+                             help="Megatron-LM's --split: train,valid,test proportions of the "
+                                  "documents (default 100,0,0; 969,30,1 with --eval-interval)")),
+        (("--eval-interval",), dict(type=int, default=None,
+                                    help="evaluate on the validation split after every N "
+                                         "iterations, as Megatron-LM (default: never)")),
+        (("--eval-iters",), dict(type=int, default=100,
+                                 help="validation global batches per evaluation (default 100, "
+                                      "as Megatron-LM)")),
         (("--data-dir",), dict(default=None,
                                help="cache of the built-in corpus and the dataset indices "
                                     "(default $AUTOHET_DATA_DIR or ~/.cache/megatron-autohet)")),
@@ -168,6 +177,8 @@ def run(args: argparse.Namespace) -> int:
     check_scheduler_flags(checkpoint, override=args.override_opt_param_scheduler,
                           use_checkpoint=args.use_checkpoint_opt_param_scheduler)
     positive(args.exit_interval, "--exit-interval")
+    positive(args.eval_interval, "--eval-interval")
+    positive(args.eval_iters, "--eval-iters")
     if args.distributed_timeout_minutes is not None and args.distributed_timeout_minutes <= 0:
         raise ConfigError("<command line>", "--distributed-timeout-minutes",
                           f"got {args.distributed_timeout_minutes}", "minutes > 0")
@@ -181,7 +192,9 @@ def run(args: argparse.Namespace) -> int:
                            data_dir=args.data_dir, checkpoint=checkpoint,
                            exit_interval=args.exit_interval,
                            exit_signal_handler=args.exit_signal_handler,
-                           distributed_timeout_minutes=timeout)
+                           distributed_timeout_minutes=timeout,
+                           eval_interval=args.eval_interval, eval_iters=args.eval_iters,
+                           split=args.split)
     if args.elastic:
         from megatron_autohet.elastic.worker import ElasticWorker
         from megatron_autohet.spec.cluster import load_cluster

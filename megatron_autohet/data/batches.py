@@ -17,6 +17,14 @@ Megatron-LM's ``pretrain_gpt.py`` does; its sample/shuffle indices use megatron-
 ``helpers_cpp`` extension, which the megatron-core wheel ships prebuilt (nothing to compile), and
 are cached next to the data. When torch.distributed is initialised the builder creates them on
 rank 0 first, then the other ranks load them (it must be called on every rank).
+
+Validation (``--eval-interval``/``--eval-iters``): the builder's ``split`` (Megatron-LM's
+``--split`` string, "train,valid,test" proportions of the documents) carves a validation dataset
+out of the same files, read in global batches like the training one (:func:`build_splits`).
+Without evaluation every document trains (:data:`TRAIN_ONLY_SPLIT`); with evaluation and no
+``--split`` the built-in corpus takes Megatron-LM's legacy default (:data:`EVAL_SPLIT`), so a
+job's training batches change when evaluation is switched on without a ``--split``, as in
+Megatron-LM, whose ``--data-path`` default is that split whether it evaluates or not.
 """
 
 from __future__ import annotations
@@ -29,6 +37,16 @@ from megatron_autohet.errors import ConfigError
 # The global-batch contract's keys, defined here where the batches are made (data is upstream of
 # the runtime and the reference, which read them).
 BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
+TRAIN_ONLY_SPLIT = "100,0,0"
+EVAL_SPLIT = "969,30,1"            # Megatron-LM's default --split with --data-path
+
+
+def default_split(split: str | None, evaluating: bool) -> str:
+    """The ``--split`` a job uses: the one given, else every document for training, or
+    Megatron-LM's default when the job evaluates (a validation split must exist)."""
+    if split is not None:
+        return split
+    return EVAL_SPLIT if evaluating else TRAIN_ONLY_SPLIT
 
 
 @dataclass(frozen=True)
@@ -39,6 +57,8 @@ class DataOptions:
     seed: int = 1234
     data_path: str | None = None          # indexed dataset prefix; None = the built-in corpus
     data_dir: str | None = None           # cache of the built-in corpus and the sample indices
+    split: str = TRAIN_ONLY_SPLIT         # Megatron-LM's --split: train,valid,test proportions
+    valid_batches: int = 0                # validation global batches to build (0: none)
 
 
 class GlobalBatches:
@@ -122,19 +142,28 @@ def resolve_data_path(options: DataOptions) -> Path:
     return prefix
 
 
-def open_global_batches(options: DataOptions, vocab_size: int, local_rank: int) -> GlobalBatches:
-    """:func:`build_global_batches` for a job (``torch.distributed`` initialised, every rank
-    calls it): local rank 0 of each node builds the built-in corpus first, once per node."""
+def open_global_batches(options: DataOptions, vocab_size: int,
+                        local_rank: int) -> tuple[GlobalBatches, GlobalBatches | None]:
+    """:func:`build_splits` for a job (``torch.distributed`` initialised, every rank calls it):
+    local rank 0 of each node builds the built-in corpus first, once per node."""
     import torch.distributed as dist
 
     if local_rank == 0:
         resolve_data_path(options)
     dist.barrier()
-    return build_global_batches(options, vocab_size)
+    return build_splits(options, vocab_size)
 
 
 def build_global_batches(options: DataOptions, vocab_size: int) -> GlobalBatches:
     """Open the GPTDataset for ``num_iterations`` global batches (call on every rank)."""
+    return build_splits(options, vocab_size)[0]
+
+
+def build_splits(options: DataOptions,
+                 vocab_size: int) -> tuple[GlobalBatches, GlobalBatches | None]:
+    """The training batches (``num_iterations`` global batches) and, when
+    ``options.valid_batches``, the validation ones from the split's validation documents (a
+    ConfigError naming --split when the split leaves none). Call on every rank."""
     from megatron.core.datasets.blended_megatron_dataset_builder import (
         BlendedMegatronDatasetBuilder)
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
@@ -146,7 +175,7 @@ def build_global_batches(options: DataOptions, vocab_size: int) -> GlobalBatches
         random_seed=options.seed,
         sequence_length=options.seq_length,
         blend=([str(prefix)], None),
-        split="100,0,0",
+        split=options.split,
         path_to_cache=str(Path(options.data_dir or default_data_dir()) / "index-cache"),
         tokenizer=byte_tokenizer(vocab_size),
         reset_position_ids=False,
@@ -155,6 +184,21 @@ def build_global_batches(options: DataOptions, vocab_size: int) -> GlobalBatches
         create_attention_mask=False,    # GPTModel applies the causal mask itself
     )
     num_samples = options.num_iterations * options.global_batch_size
-    train, _, _ = BlendedMegatronDatasetBuilder(
-        GPTDataset, [num_samples, None, None], lambda: True, config).build()
-    return GlobalBatches(train, options.global_batch_size, vocab_size, prefix)
+    valid_samples = options.valid_batches * options.global_batch_size or None
+    try:
+        train, valid, _ = BlendedMegatronDatasetBuilder(
+            GPTDataset, [num_samples, valid_samples, None], lambda: True, config).build()
+    except (AssertionError, ValueError) as err:     # megatron's checks of the split string
+        raise ConfigError(None, "--split", f"{options.split!r}: {err}",
+                          "three comma-separated proportions train,valid,test") from None
+    if train is None:
+        raise ConfigError(None, "--split", f"{options.split!r} leaves no training documents",
+                          "a split with a non-zero training share")
+    if not options.valid_batches:
+        return GlobalBatches(train, options.global_batch_size, vocab_size, prefix), None
+    if valid is None:
+        raise ConfigError(None, "--split", f"{options.split!r} leaves no validation documents "
+                          "for --eval-iters", "a split with a non-zero validation share, e.g. "
+                          f"{EVAL_SPLIT}")
+    return (GlobalBatches(train, options.global_batch_size, vocab_size, prefix),
+            GlobalBatches(valid, options.global_batch_size, vocab_size, prefix))

@@ -28,20 +28,30 @@ writer of checkpoint/checkpointer.py is that worker), ``--use-checkpoint-opt-par
 state; a different schedule without either is refused in one line before it asserts on every
 rank), ``--ckpt-step``, ``--no-load-optim``, ``--no-load-rng``, ``--finetune``
 (checkpoint/options.py), plus ``--autohet-local-ckpt-dir``, ``--autohet-keep-ckpts``, ``--autohet-s3-uri`` and
-``--autohet-s3-endpoint-url`` (megatron/args.py). Every other checkpoint flag of Megatron-LM
-core_v0.16.1 is refused by :data:`UNSUPPORTED_FLAGS` unless it has its default.
+``--autohet-s3-endpoint-url`` (megatron/args.py).
 
-Before anything runs, :func:`check_megatron_args` checks Megatron's flags against the plan (model
-dimensions, batch sizes, sequence length, world size, trivial Megatron grid) and the runtime
-(optimizer, unsupported checkpoint flags) and raises :class:`ConfigError` naming the flag; every
-rank raises the same one, so :func:`stop_job` prints it once and every rank exits with status 2.
+Flags are checked twice. Before Megatron-LM initialises anything, :func:`prepare_process` refuses
+every flag set to a value other than Megatron's default that the plan path does not honour
+(megatron/flags.py: the one table of honoured flags and how). After ``initialize_megatron``,
+:func:`check_megatron_args` checks the honoured model, batch and runtime flags against the plan
+(model dimensions, vocabulary, normalization, biases, dropout, recompute, batch sizes, sequence
+length, world size, trivial Megatron grid, optimizer) and raises :class:`ConfigError` naming the
+flag; every rank raises the same one, so :func:`stop_job` prints it once and every rank exits
+with status 2.
+
+Evaluation: ``--eval-interval`` / ``--eval-iters`` run the runtime's forward-only evaluation
+(runtime/trainer.py) on the validation documents of ``--split`` (data/batches.py), logged in
+Megatron's format.
+
+Warnings megatron-core gives (Apex or Transformer Engine missing, deprecations) come from every
+process; once :func:`prepare_process` runs, ranks other than the first ignore Python warnings.
 """
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import NamedTuple, NoReturn
+from typing import NoReturn
 
 from megatron_autohet.checkpoint.options import CheckpointOptions, check_scheduler_flags
 from megatron_autohet.errors import ConfigError
@@ -58,26 +68,62 @@ def prepare_process(argv: list[str] | None = None) -> None:
         _print_help_with_autohet_flags(Path(argv[0]).name)
     if not any(a == "--autohet-plan" or a.startswith("--autohet-plan=") for a in argv):
         return
+    from megatron_autohet.megatron.flags import check_flags, stop_before_start
     from megatron_autohet.runtime.cpu_mode import cpu_mode_required, enable_cpu_mode
 
+    _warn_on_first_rank_only()
+    try:
+        check_flags(argv[1:])
+    except ConfigError as err:
+        stop_before_start(err, argv[0])
+    _size_megatron_batch_calculator_for_plans()
     if cpu_mode_required():
         enable_cpu_mode()
         _adapt_megatron_lm_initialization_to_cpu()
+
+
+def _warn_on_first_rank_only() -> None:
+    """Every process of a job runs the same megatron-core code, which warns (Python ``warnings``)
+    about a missing Apex or Transformer Engine and deprecated options: from here on the first
+    rank shows them and the others ignore Python warnings, so each appears once per job. The
+    warnings megatron-core gives while ``pretrain_gpt.py`` imports it come before this hook
+    runs; ``PYTHONWARNINGS=ignore`` on the launch line silences those (README)."""
+    import os
+    import warnings
+
+    if int(os.environ.get("RANK", "0")) > 0:
+        warnings.simplefilter("ignore")
+
+
+def _size_megatron_batch_calculator_for_plans() -> None:
+    """Megatron-LM's micro-batch calculator (``set_global_variables``) assumes its own grid:
+    data-parallel size = world size / (TP x PP), and asserts ``global batch % (micro batch x
+    data-parallel size) == 0``. With a plan the pipelines share the global batch by their
+    ``num_microbatches`` (plan validation: global batch = micro batch x all micro-batches), so a
+    plan ``autohet train`` runs - global batch 4, micro-batch 2 on 4 ranks - would be refused.
+    The calculator is used only by Megatron's own loop, which the plan path replaces: it is given
+    a data-parallel size of 1, and counts the plan's micro-batches of all pipelines together."""
+    import megatron.training.global_vars as global_vars
+
+    original = global_vars.init_num_microbatches_calculator
+
+    def init_for_plan(rank, rampup_batch_size, global_batch_size, micro_batch_size,
+                      data_parallel_size, decrease_batch_size_if_needed):
+        original(rank, rampup_batch_size, global_batch_size, micro_batch_size, 1,
+                 decrease_batch_size_if_needed)
+
+    global_vars.init_num_microbatches_calculator = init_for_plan
 
 
 def _print_help_with_autohet_flags(prog: str) -> None:
     """``pretrain_gpt.py --help`` is answered by the first parse of the command line, the one
     ``maybe_wrap_for_inprocess_restart`` makes without ``extra_args_provider``, so it would not
     list ``--autohet-*``: print Megatron's help with them instead, and exit as argparse does."""
-    import argparse
+    from megatron_autohet.megatron.flags import megatron_parser
 
-    from megatron.training.arguments import add_megatron_arguments
-
-    from megatron_autohet.megatron.args import add_autohet_args
-
-    parser = argparse.ArgumentParser(prog=prog, description="Megatron-LM Arguments",
-                                     allow_abbrev=False)
-    add_autohet_args(add_megatron_arguments(parser)).print_help()
+    parser = megatron_parser()
+    parser.prog = prog
+    parser.print_help()
     sys.exit(0)
 
 
@@ -119,8 +165,11 @@ def cpu_mode_on() -> bool:
     return cpu_mode_enabled()
 
 
-def check_megatron_args(args, plan: Plan, plan_path: str | Path) -> None:
-    """Megatron's flags must describe the plan's model and batch (ConfigError naming the flag)."""
+def check_megatron_args(args, plan: Plan, plan_path: str | Path,
+                        tokenizer_vocab_size: int | None = None) -> None:
+    """Megatron's validated flags must describe the plan's model and batch, and ask the runtime
+    only for what it does (ConfigError naming the flag). ``tokenizer_vocab_size``: the size of
+    the tokenizer Megatron built from ``--tokenizer-type``/``--vocab-size`` (None: not checked)."""
     model = plan.model
 
     def expect(flag: str, got, want, why: str = "the plan's value") -> None:
@@ -140,11 +189,32 @@ def check_megatron_args(args, plan: Plan, plan_path: str | Path) -> None:
     query_groups = args.num_query_groups if args.group_query_attention else args.num_attention_heads
     expect("--num-query-groups", query_groups, model.num_query_groups)
     expect("--swiglu", bool(args.swiglu), model.gated_linear_unit)
+    expect("--normalization", args.normalization, model.normalization,
+           "the plan's model: RMSNorm with SwiGLU, LayerNorm without")
+    expect("--disable-bias-linear", not args.add_bias_linear, not model.linear_biases,
+           "the plan's model: no linear biases with SwiGLU, biases without")
     expect("--position-embedding-type", args.position_embedding_type,
            model.position_embedding_type)
     expect("--untie-embeddings-and-output-weights", bool(args.untie_embeddings_and_output_weights),
            not model.tie_embeddings)
     expect("--seq-length", args.seq_length, plan.seq_length)
+    expect("--max-position-embeddings", args.max_position_embeddings, model.seq_length,
+           "the plan's model's seq_length, the rows of its position embedding")
+    if tokenizer_vocab_size is not None and tokenizer_vocab_size != model.vocab_size:
+        flag = "--vocab-size" if args.vocab_size is not None else "--tokenizer-type"
+        raise ConfigError(plan_path, flag, f"Megatron-LM's {args.tokenizer_type} has "
+                          f"{tokenizer_vocab_size} tokens but the plan's model has "
+                          f"vocab_size {model.vocab_size}",
+                          f"a tokenizer of {model.vocab_size} tokens (NullTokenizer: --vocab-size "
+                          f"{model.vocab_size - 1}, the EOD token is added)")
+    # The runtime trains without dropout (its numbers are compared with a single-process
+    # reference); Megatron's default is 0.1, so both flags must be given as 0.
+    for flag, value in (("--hidden-dropout", args.hidden_dropout),
+                        ("--attention-dropout", args.attention_dropout)):
+        if value != 0:
+            raise ConfigError(plan_path, flag, f"{value} (Megatron-LM's default is 0.1)",
+                              "0 (the plan runtime trains without dropout)")
+    check_recompute_args(args, plan, plan_path)
     expect("--micro-batch-size", args.micro_batch_size, plan.micro_batch_size)
     expect("--global-batch-size", args.global_batch_size, plan.global_batch_size)
     expect("--optimizer", args.optimizer, "adam", "the plan runtime trains with AdamW")
@@ -161,81 +231,35 @@ def check_megatron_args(args, plan: Plan, plan_path: str | Path) -> None:
     if args.data_path and len(args.data_path) != 1:
         raise ConfigError(plan_path, "--data-path", f"got {args.data_path}",
                           "one indexed-dataset prefix (blends are not supported with a plan)")
-    refuse_unsupported_flags(args, plan_path)
+    if args.eval_interval is not None and args.eval_iters <= 0:
+        raise ConfigError(plan_path, "--eval-iters", f"got {args.eval_iters} with "
+                          "--eval-interval", "a number > 0 of validation batches")
 
 
-class Unsupported(NamedTuple):
-    """A Megatron-LM flag the plan path does not implement: refused unless it has ``off``, its
-    Megatron default (the value that means "not used")."""
-    flag: str
-    off: object
-    allowed: str
-    dest: str | None = None             # the attribute on ``args``, where not the flag's name
-
-    @property
-    def attr(self) -> str:
-        return self.dest or self.flag.removeprefix("--").replace("-", "_")
+# What the plan's activation_recompute means in megatron-core's TransformerConfig
+# (runtime/stage_model.py recompute_config): full recompute of every layer.
+_FULL_RECOMPUTE = {"--recompute-granularity": ("recompute_granularity", "full"),
+                   "--recompute-method": ("recompute_method", "uniform"),
+                   "--recompute-num-layers": ("recompute_num_layers", 1)}
 
 
-_NOT_SET = "not set"
-_LOCAL_TIER = "not set (--autohet-local-ckpt-dir DIR is the node-local tier)"
-_RESUME = "not set (--load DIR resumes weights, Adam state and schedule from the newest step)"
-# Megatron-LM core_v0.16.1's checkpoint flags (its "checkpointing" group) and exit flags that
-# megatron-autohet's checkpoints or loop do not implement. Deprecated flags that Megatron itself
-# ignores (--use-dist-ckpt, --dist-ckpt-format, --ckpt-fully-parallel-save) are not listed.
-UNSUPPORTED_FLAGS = (
-    Unsupported("--ckpt-format", "torch_dist", "torch_dist, the format megatron-autohet writes"),
-    Unsupported("--auto-detect-ckpt-format", False, "not set (checkpoints are always torch_dist)"),
-    Unsupported("--no-ckpt-fully-parallel-save", True, "not set (the plan's owner map spreads "
-                "the writes: each chunk once, by its owner)", dest="ckpt_fully_parallel_save"),
-    Unsupported("--ckpt-fully-parallel-load", False,
-                "not set (each rank reads only the chunks its shards need)"),
-    Unsupported("--ckpt-assume-constant-structure", False, _NOT_SET),
-    Unsupported("--dist-ckpt-strictness", "assume_ok_unexpected",
-                "assume_ok_unexpected (a load checks every chunk against the step's manifest)"),
-    Unsupported("--dist-ckpt-save-pre-mcore-014", False, _NOT_SET),
-    Unsupported("--dist-ckpt-optim-fully-reshardable", False,
-                "not set (the Adam state reshards to any plan anyway)"),
-    Unsupported("--distrib-optim-fully-reshardable-mem-efficient", False, _NOT_SET),
-    Unsupported("--no-strict-fsdp-dtensor-load", True, _NOT_SET,
-                dest="strict_fsdp_dtensor_load"),
-    Unsupported("--ckpt-convert-format", None, _NOT_SET),
-    Unsupported("--ckpt-convert-save", None, _NOT_SET),
-    Unsupported("--ckpt-convert-update-legacy-dist-opt-format", False, _NOT_SET),
-    Unsupported("--no-save-optim", None, "not set (every step holds the Adam state)"),
-    Unsupported("--no-save-rng", None, "not set (every step holds the RNG states)"),
-    Unsupported("--load-main-params-from-ckpt", False, _RESUME),
-    Unsupported("--pretrained-checkpoint", None, _RESUME),
-    Unsupported("--use-checkpoint-args", False,
-                "not set (the plan and the flags describe the job)"),
-    Unsupported("--use-mp-args-from-checkpoint-args", False, "not set (the plan sets the layout)"),
-    Unsupported("--no-use-tokenizer-model-from-checkpoint-args", True, _NOT_SET,
-                dest="use_tokenizer_model_from_checkpoint_args"),
-    Unsupported("--save-retain-interval", None,
-                "not set (--autohet-keep-ckpts K keeps the K newest steps)"),
-    Unsupported("--save-wgrads-interval", None, _NOT_SET),
-    Unsupported("--save-dgrads-interval", None, _NOT_SET),
-    Unsupported("--non-persistent-save-interval", None, _LOCAL_TIER),
-    Unsupported("--non-persistent-ckpt-type", None, _LOCAL_TIER),
-    Unsupported("--non-persistent-global-ckpt-dir", None, _LOCAL_TIER),
-    Unsupported("--non-persistent-local-ckpt-dir", None, _LOCAL_TIER),
-    Unsupported("--non-persistent-local-ckpt-algo", "fully_parallel", _LOCAL_TIER),
-    Unsupported("--replication", False, _LOCAL_TIER),
-    Unsupported("--replication-jump", None, _LOCAL_TIER),
-    Unsupported("--replication-factor", 2, _LOCAL_TIER),
-    Unsupported("--exit-duration-in-mins", None, "not set (--exit-interval N)"),
-)
-
-
-def refuse_unsupported_flags(args, plan_path: str | Path) -> None:
-    """The first flag of :data:`UNSUPPORTED_FLAGS` that is not at its default: a ConfigError, so
-    a job never runs with a flag silently ignored."""
-    for entry in UNSUPPORTED_FLAGS:
-        value = getattr(args, entry.attr)
-        if value != entry.off:
-            problem = ("not yet supported with --autohet-plan" if isinstance(value, bool)
-                       else f"{value!r} is not supported with --autohet-plan")
-            raise ConfigError(plan_path, entry.flag, problem, entry.allowed)
+def check_recompute_args(args, plan: Plan, plan_path: str | Path) -> None:
+    """Megatron's recompute flags either say nothing (the plan decides) or say what the plan's
+    ``activation_recompute`` does; selective recompute (``--recompute-activations``) is not
+    priced by the planner and is refused."""
+    given = {flag: getattr(args, attr) for flag, (attr, _) in _FULL_RECOMPUTE.items()}
+    if all(value is None for value in given.values()):
+        return
+    for flag, (_, want) in _FULL_RECOMPUTE.items():
+        if not plan.activation_recompute:
+            if given[flag] is not None:
+                raise ConfigError(plan_path, flag, f"{given[flag]!r}, but the plan has "
+                                  "activation_recompute false", "not set (the plan decides "
+                                  "recompute: autohet plan --recompute on)")
+        elif given[flag] not in (None, want):
+            raise ConfigError(plan_path, flag, f"{given[flag]!r}, but the plan's "
+                              "activation_recompute is megatron-core's full recompute of every "
+                              f"layer", f"{want!r} or not set")
 
 
 def checkpoint_options(args, plan_path: str | Path) -> CheckpointOptions:
@@ -318,21 +342,34 @@ def pretrain_from_plan(args) -> None:
     from megatron.core import parallel_state as mpu
     from megatron.training.training import get_optimizer_param_scheduler
 
-    from megatron_autohet.data.batches import DataOptions, open_global_batches
-    from megatron_autohet.runtime.trainer import HeteroTrainer, train_iterations
+    from megatron.training import get_tokenizer
+
+    from megatron_autohet.data.batches import DataOptions, default_split, open_global_batches
+    from megatron_autohet.runtime.trainer import (Evaluation, HeteroTrainer, train_iterations,
+                                                  validation_batches_needed)
 
     plan_path = args.autohet_plan
     try:
         plan = load_plan(plan_path)
-        check_megatron_args(args, plan, plan_path)
+        check_megatron_args(args, plan, plan_path, tokenizer_vocab_size=get_tokenizer().vocab_size)
         checkpoint = checkpoint_options(args, plan_path)
     except ConfigError as err:
         stop_job(err)
     rank = dist.get_rank()
+    valid_batches = validation_batches_needed(args.train_iters, args.eval_interval,
+                                              args.eval_iters)
+    # With --data-path, Megatron's validate_args has already set its default --split.
     data = DataOptions(seq_length=plan.seq_length, global_batch_size=plan.global_batch_size,
                        num_iterations=args.train_iters, seed=args.seed,
-                       data_path=_data_path(args), data_dir=args.autohet_data_dir)
-    batches = open_global_batches(data, plan.model.vocab_size, args.local_rank or 0)
+                       data_path=_data_path(args), data_dir=args.autohet_data_dir,
+                       split=default_split(args.split, valid_batches > 0),
+                       valid_batches=valid_batches)
+    try:
+        batches, valid = open_global_batches(data, plan.model.vocab_size, args.local_rank or 0)
+    except ConfigError as err:          # a --split without the documents it needs, on all ranks
+        stop_job(err)
+    evaluation = (Evaluation(args.eval_interval, args.eval_iters, valid)
+                  if valid is not None else None)
     # Megatron's homogeneous groups are replaced by the plan's (build_parallel_state installs
     # this rank's heterogeneous values in megatron.core.parallel_state).
     mpu.destroy_model_parallel()
@@ -356,4 +393,5 @@ def pretrain_from_plan(args) -> None:
     train_iterations(trainer, batches, scheduler, train_iters=args.train_iters,
                      scheduler_increment=plan.global_batch_size, log=rank == 0,
                      metrics_jsonl=args.autohet_metrics_jsonl, checkpointer=checkpointer,
-                     exit_interval=args.exit_interval, stop_check=stop_check)
+                     exit_interval=args.exit_interval, stop_check=stop_check,
+                     evaluation=evaluation, log_interval=args.log_interval)

@@ -3,13 +3,16 @@
 Public API
 ----------
 ``run_reference(model_spec, global_batches, *, micro_batch_size, seed, optimizer,
-                padded_vocab, sequence_parallel=False, final_params=None) -> list[ReferenceStep]``
+                padded_vocab, sequence_parallel=False, final_params=None,
+                eval_batches=None) -> list[ReferenceStep]``
     Trains the whole model (TP1, PP1) in this process for one iteration per global batch with
     ``optimizer`` (an ``OptimizerSettings``: AdamW, weight decay, clipping and the learning-rate
     schedule over ``len(global_batches)`` iterations) and returns each iteration's
     ``ReferenceStep(loss, grad_norm, learning_rate)``; the grad norm is taken before clipping, as
     the runtime reports it, the learning rate is the one the iteration used. ``final_params``: a dict to fill with the trained
     parameters, full tensors keyed by global name (tests compare every layout's final weights).
+    ``eval_batches``: {iteration: validation global batches}; after that (1-based) iteration the
+    step's ``eval_loss`` is the forward-only mean loss over their micro-batches.
 ``reference_plan(model_spec, *, micro_batch_size, num_microbatches, seq_length) -> Plan``
     The one-rank plan the reference trains.
 ``masked_token_mean(per_token_loss, loss_mask)``, ``microbatches(global_batch, micro_batch_size,
@@ -75,6 +78,7 @@ class ReferenceStep:
     loss: float
     grad_norm: float
     learning_rate: float        # the rate this iteration's optimizer step used
+    eval_loss: float | None = None  # validation loss after the iteration, where asked
 
 
 def reference_plan(model_spec: ModelSpec, *, micro_batch_size: int, num_microbatches: int,
@@ -89,7 +93,8 @@ def reference_plan(model_spec: ModelSpec, *, micro_batch_size: int, num_microbat
 def run_reference(model_spec: ModelSpec, global_batches, *, micro_batch_size: int, seed: int,
                   optimizer: OptimizerSettings, padded_vocab: int,
                   sequence_parallel: bool = False,
-                  final_params: dict | None = None) -> list[ReferenceStep]:
+                  final_params: dict | None = None,
+                  eval_batches: dict[int, list[dict]] | None = None) -> list[ReferenceStep]:
     own_world = not dist.is_initialized()
     if own_world:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -98,7 +103,7 @@ def run_reference(model_spec: ModelSpec, global_batches, *, micro_batch_size: in
                            f"size {dist.get_world_size()}")
     try:
         return _train(model_spec, list(global_batches), micro_batch_size, seed, optimizer,
-                      padded_vocab, sequence_parallel, final_params)
+                      padded_vocab, sequence_parallel, final_params, eval_batches or {})
     finally:
         if own_world:
             from megatron.core import parallel_state
@@ -107,7 +112,7 @@ def run_reference(model_spec: ModelSpec, global_batches, *, micro_batch_size: in
 
 
 def _train(model_spec, global_batches, micro_batch_size, seed, settings, padded_vocab,
-           sequence_parallel, final_params) -> list[ReferenceStep]:
+           sequence_parallel, final_params, eval_batches) -> list[ReferenceStep]:
     from megatron.core.optimizer.clip_grads import (clip_grad_by_total_norm_fp32,
                                                     get_grad_norm_fp32)
 
@@ -149,9 +154,26 @@ def _train(model_spec, global_batches, micro_batch_size, seed, settings, padded_
         learning_rate = optimizer.param_groups[0]["lr"]
         optimizer.step()
         scheduler.step(global_size)            # megatron counts samples
+        eval_loss = None
+        if len(steps) + 1 in eval_batches:
+            eval_loss = _forward_loss(model, eval_batches[len(steps) + 1], micro_batch_size)
         steps.append(ReferenceStep(loss=total / num_microbatches, grad_norm=grad_norm,
-                                   learning_rate=learning_rate))
+                                   learning_rate=learning_rate, eval_loss=eval_loss))
     if final_params is not None:
         final_params.update({layouts[name].global_name: param.detach().clone()
                              for name, param in model.named_parameters()})
     return steps
+
+
+def _forward_loss(model, global_batches: list[dict], micro_batch_size: int) -> float:
+    model.eval()
+    losses = []
+    with torch.no_grad():
+        for global_batch in global_batches:
+            count = global_batch["tokens"].shape[0] // micro_batch_size
+            for batch in microbatches(global_batch, micro_batch_size, 0, count):
+                per_token = model(batch["tokens"], batch["position_ids"], None,
+                                  labels=batch["labels"])
+                losses.append(masked_token_mean(per_token, batch["loss_mask"]).item())
+    model.train()
+    return sum(losses) / len(losses)

@@ -12,6 +12,11 @@ Public API
                     dropout=0.0, **config_overrides) -> GPTModel``
     ``state``: runtime.parallel_state.HeteroParallelState. Layout-independent initial weights;
     also seeds megatron's dropout RNG streams (``model_parallel_cuda_manual_seed``) from ``seed``.
+``recompute_config(activation_recompute) -> dict``
+    The TransformerConfig fields of a plan's ``activation_recompute``: megatron-core's full
+    recompute of every layer (``recompute_granularity="full"``, ``recompute_method="uniform"``,
+    ``recompute_num_layers=1``), the mode the cost model prices (profiling/estimate.py: only the
+    layer input stays alive); ``{}`` when off. Pass it to ``build_stage_model``.
 ``param_layouts(model, state) -> dict[str, ParamLayout]``
     For every local parameter name (``model.named_parameters()``): its global name and where the
     local tensor sits in the full one (layout/params.py).
@@ -106,6 +111,12 @@ def transformer_config(model_spec: ModelSpec, tp_size: int, *, sequence_parallel
     )
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
+
+
+def recompute_config(activation_recompute: bool) -> dict:
+    if not activation_recompute:
+        return {}
+    return dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
 
 
 class TorchNorm:

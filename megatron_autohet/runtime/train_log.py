@@ -5,6 +5,10 @@ training.py) so tools and eyes used to Megatron read it unchanged, plus tokens p
 
      [2026-11-21 10:00:00] iteration        3/      10 | consumed samples:           24 | ...
 
+A validation loss (``--eval-interval``) is Megatron's evaluation line between dashes, ``
+validation loss at iteration N | lm loss value: ... | lm loss PPL: ... |``, and a JSON line
+``{"iteration": N, "validation_lm_loss": ..., "validation_ppl": ...}``.
+
 One :class:`IterationRecord` feeds both outputs, so the console and the JSONL file can never
 disagree. Only one rank writes (the trainer's metrics are identical on every rank).
 """
@@ -12,6 +16,7 @@ disagree. Only one rank writes (the trainer's metrics are identical on every ran
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -56,7 +61,7 @@ def megatron_line(rec: IterationRecord) -> str:
 
 
 class IterationLogger:
-    """Prints the Megatron line; appends the record to ``metrics_jsonl`` when given (a new file,
+    """Prints the Megatron line (where ``console``); appends the record to ``metrics_jsonl`` when given (a new file,
     or the end of an existing one with ``append``)."""
 
     def __init__(self, metrics_jsonl: str | Path | None = None, stream: TextIO | None = None,
@@ -64,10 +69,22 @@ class IterationLogger:
         self._stream = stream
         self._jsonl = open(metrics_jsonl, "a" if append else "w") if metrics_jsonl else None
 
-    def log(self, rec: IterationRecord) -> None:
-        print(megatron_line(rec), file=self._stream, flush=True)
+    def log(self, rec: IterationRecord, console: bool = True) -> None:
+        if console:
+            print(megatron_line(rec), file=self._stream, flush=True)
         if self._jsonl:
             self._jsonl.write(json.dumps(asdict(rec)) + "\n")
+            self._jsonl.flush()
+
+    def log_validation(self, iteration: int, lm_loss: float) -> None:
+        ppl = math.exp(min(20.0, lm_loss))          # Megatron caps the exponent the same way
+        line = (f" validation loss at iteration {iteration} | lm loss value: {lm_loss:.6E} |"
+                f" lm loss PPL: {ppl:.6E} | ")
+        rule = "-" * (len(line) + 1)
+        print(f"{rule}\n{line}\n{rule}", file=self._stream, flush=True)
+        if self._jsonl:
+            self._jsonl.write(json.dumps({"iteration": iteration, "validation_lm_loss": lm_loss,
+                                          "validation_ppl": ppl}) + "\n")
             self._jsonl.flush()
 
     def close(self) -> None:

@@ -4,8 +4,19 @@
 megatron-core's ``GPTModel``, the layer-wise :class:`~megatron_autohet.runtime.grad_sync.GradSync`,
 the optimizer) and :meth:`HeteroTrainer.train_step` runs one iteration on a global batch, returning
 :class:`StepMetrics` that are identical on every rank. :func:`train_iterations` is a job's loop
-over it (scheduler step and Megatron's log line per iteration), for ``autohet train`` and the
-Megatron-LM path alike.
+over it (scheduler step and Megatron's log line per iteration, evaluation every
+``Evaluation.interval`` iterations), for ``autohet train`` and the Megatron-LM path alike.
+
+Evaluation (:meth:`HeteroTrainer.evaluate`, Megatron-LM's ``--eval-interval``/``--eval-iters``):
+megatron-core's schedule with ``forward_only=True`` over the same pipelines and communicator, no
+gradients; the validation loss is the training objective's mean over every micro-batch of the
+validation global batches. The evaluation after iteration ``i`` reads validation batches
+``[(i // interval - 1) * iters, (i // interval) * iters)``: fresh batches each time, as
+Megatron's validation iterator gives, and the same after a resume. Megatron-LM also evaluates once
+after the last iteration ("on validation set"); this loop does not.
+
+Activation recompute: a plan with ``activation_recompute`` builds every stage with megatron-core's
+full recompute (runtime/stage_model.py ``recompute_config``); the numbers do not change.
 
 Global batch contract: a dict of tensors ``tokens``, ``labels``, ``loss_mask``, ``position_ids``,
 each ``[global_batch_size, seq]`` and identical on all ranks, or a ``data.batches.GlobalBatch``
@@ -59,7 +70,8 @@ from megatron_autohet.runtime.parallel_state import build_parallel_state
 from megatron_autohet.runtime.optimizer import OptimizerSettings, make_optimizer
 from megatron_autohet.runtime.reference import masked_token_mean, microbatches
 from megatron_autohet.runtime.schedule import run_schedule
-from megatron_autohet.runtime.stage_model import build_stage_model, param_layouts
+from megatron_autohet.runtime.stage_model import (build_stage_model, param_layouts,
+                                                  recompute_config)
 from megatron_autohet.spec.model import ModelSpec
 
 
@@ -95,7 +107,8 @@ class HeteroTrainer:
         self.state = build_parallel_state(plan, rank, model=model_spec, plan_file=plan_file)
         role = self.state.role
         self.model = build_stage_model(plan.model, self.state, seed=seed,
-                                       sequence_parallel=sequence_parallel)
+                                       sequence_parallel=sequence_parallel,
+                                       **recompute_config(plan.activation_recompute))
         self.sequence_parallel = sequence_parallel
         self.device = next(self.model.parameters()).device
         self.layouts = param_layouts(self.model, self.state)   # local name -> ParamLayout
@@ -125,6 +138,26 @@ class HeteroTrainer:
                            num_microbatches=plan.num_microbatches_total,
                            tokens=plan.global_batch_size * plan.seq_length)
 
+    def evaluate(self, global_batches) -> float:
+        """Forward-only over ``global_batches`` (each as in :meth:`train_step`): the mean loss
+        over all their micro-batches, the same on every rank."""
+        role, plan = self.state.role, self.plan
+        self.model.eval()
+        total = 0.0
+        with torch.no_grad():
+            for global_batch in global_batches:
+                local = microbatches(global_batch, plan.micro_batch_size, role.microbatch_offset,
+                                     role.stage.num_microbatches)
+                reported = run_schedule(self._forward_step, iter(local), self.model, self.state,
+                                        sequence_parallel=self.sequence_parallel,
+                                        forward_only=True)
+                if role.stage.is_last and role.tp_rank == 0:
+                    total += sum(float(r["lm loss"]) for r in reported)
+        self.model.train()
+        sums = torch.tensor([total], dtype=torch.float64, device=self.device)
+        dist.all_reduce(sums)
+        return float(sums[0]) / (plan.num_microbatches_total * len(global_batches))
+
     def _forward_step(self, data_iterator, model):
         batch = {key: value.to(self.device, non_blocking=True)
                  for key, value in next(data_iterator).items()}
@@ -149,16 +182,38 @@ class HeteroTrainer:
         return float(sums[0]) / self.plan.num_microbatches_total, float(sums[1]) ** 0.5
 
 
+@dataclass(frozen=True)
+class Evaluation:
+    """Megatron-LM's ``--eval-interval`` / ``--eval-iters`` with the validation batches
+    (data/batches.py ``build_splits``: at least ``train_iters // interval * iters`` of them)."""
+    interval: int
+    iters: int
+    batches: object
+
+    def batches_after(self, iteration: int) -> list:
+        first = (iteration // self.interval - 1) * self.iters
+        return [self.batches.batch(i) for i in range(first, first + self.iters)]
+
+
+def validation_batches_needed(train_iters: int, eval_interval: int | None, eval_iters: int) -> int:
+    """Validation global batches a job evaluating every ``eval_interval`` iterations reads."""
+    if not eval_interval or eval_iters <= 0:
+        return 0
+    return train_iters // eval_interval * eval_iters
+
+
 def train_iterations(trainer: HeteroTrainer, batches, scheduler, *, train_iters: int,
                      scheduler_increment: int, log: bool, metrics_jsonl: str | None = None,
                      checkpointer=None, exit_interval: int | None = None,
-                     stop_check=None) -> int:
+                     stop_check=None, evaluation: Evaluation | None = None,
+                     log_interval: int = 1) -> int:
     """The iteration loop of a job (``autohet train`` and the Megatron-LM path): a train step on
     each global batch, the learning-rate scheduler stepped by ``scheduler_increment`` after it
     (1 for iteration-based schedules, the global batch size for Megatron's sample-based one),
     and, where ``log`` (one rank: the metrics are the same on all), Megatron's iteration line.
     The logged learning rate is read after the scheduler step, as Megatron-LM's training_log
-    reads it.
+    reads it. ``log_interval``: the line only after every N-th iteration (Megatron's
+    ``--log-interval``); ``metrics_jsonl`` gets every iteration.
 
     ``checkpointer`` (checkpoint/checkpointer.py): training starts where its ``resume()`` says
     (global batch ``i`` is the same whatever plan runs it, so a resumed job sees exactly the
@@ -166,7 +221,9 @@ def train_iterations(trainer: HeteroTrainer, batches, scheduler, *, train_iters:
     the end. ``exit_interval``: stop after an iteration that is a multiple of it (Megatron's
     ``--exit-interval``), saving first. ``stop_check(iteration)`` (elastic/stop.py), called after
     every iteration on every rank, returns "stop" (save this iteration and return), "save" (save
-    it and go on) or None. Returns the last iteration trained."""
+    it and go on) or None. ``evaluation``: the validation loss after every ``interval``-th
+    iteration (before that iteration's checkpoint), logged in Megatron's format. Returns the last
+    iteration trained."""
     from megatron_autohet.runtime.train_log import IterationLogger, IterationRecord
 
     plan = trainer.plan
@@ -187,7 +244,12 @@ def train_iterations(trainer: HeteroTrainer, batches, scheduler, *, train_iters:
                     iteration=iteration, train_iters=train_iters,
                     global_batch_size=plan.global_batch_size, seq_length=plan.seq_length,
                     elapsed_s=elapsed, learning_rate=trainer.optimizer.param_groups[0]["lr"],
-                    lm_loss=metrics.loss, grad_norm=metrics.grad_norm))
+                    lm_loss=metrics.loss, grad_norm=metrics.grad_norm),
+                    console=iteration % log_interval == 0)
+            if evaluation and iteration % evaluation.interval == 0:
+                loss = trainer.evaluate(evaluation.batches_after(iteration))
+                if logger:
+                    logger.log_validation(iteration, loss)
             if checkpointer:
                 checkpointer.after_iteration(iteration)
             if exit_interval and iteration % exit_interval == 0:
