@@ -79,11 +79,12 @@ def _scheduled_steps(trainer, batches) -> tuple[list, list[float]]:
     return steps, rates
 
 
-def _hetero(rank, world, plan, batches, sequence_parallel=False):
+def _hetero(rank, world, plan, batches, sequence_parallel=False, distributed_optimizer=False):
     from megatron_autohet.runtime.trainer import HeteroTrainer
 
     trainer = HeteroTrainer(plan, plan.model, rank=rank, seed=SEED, optimizer=OPTIMIZER,
-                            sequence_parallel=sequence_parallel)
+                            sequence_parallel=sequence_parallel,
+                            distributed_optimizer=distributed_optimizer)
     start = time.perf_counter()
     metrics, rates = _scheduled_steps(trainer, batches)
     elapsed = time.perf_counter() - start
@@ -176,11 +177,12 @@ def test_llama_style_model_on_asymmetric_plan(record_property):
                                        "tiny-two-pipelines.yaml with a LLaMA-style model")
 
 
-def check_plan_trains_like_one_process(plan, sequence_parallel, record_property, label):
+def check_plan_trains_like_one_process(plan, sequence_parallel, record_property, label,
+                                       distributed_optimizer=False):
     batches = global_batches(plan, ITERS)
     reference, reference_params, reference_rates = run_on_ranks(1, _reference, plan, batches)[0]
     results = run_on_ranks(plan.world_size, _hetero, plan, batches, sequence_parallel,
-                           timeout=180)
+                           distributed_optimizer, timeout=180)
     ours = results[0][0]
     for rank, (metrics, *_, rates) in enumerate(results):
         assert metrics == ours, f"rank {rank} reports other metrics than rank 0"
@@ -240,3 +242,21 @@ def test_homogeneous_plan_matches_stock_megatron_core():
     whole, worst = check_final_params(plan, stock_results, reference_params)
     print(f"stock megatron-core vs reference: final params rel diff {whole:.2e} "
           f"(worst tensor {worst:.2e})")
+
+
+# ---- the distributed optimizer (--use-distributed-optimizer) ---------------------------------
+
+DISTRIBUTED_OPTIMIZER_PLANS = [
+    "tiny-two-pipelines.yaml",   # symmetric and TP2 buckets, groups of two holders
+    "tiny-tp-change.yaml",       # asymmetric buckets: shards of the full-size staging buffer
+]
+
+
+@pytest.mark.parametrize("plan_file", DISTRIBUTED_OPTIMIZER_PLANS)
+def test_distributed_optimizer_trains_like_one_process(plan_file, record_property):
+    """Master weights and Adam moments sharded over each bucket's holders (reduce-scatter,
+    AdamW on the shard, all-gather): the same losses, grad norms and final weights."""
+    plan = load_plan(PLANS / plan_file)
+    check_plan_trains_like_one_process(plan, False, record_property,
+                                       f"{plan_file} --use-distributed-optimizer",
+                                       distributed_optimizer=True)
