@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from megatron_autohet.layout.topology import rank_role
-from megatron_autohet.plan import load_plan
+from megatron_autohet.plan import load_plan, plan_from_dict
 from megatron_autohet.runtime.optimizer import OptimizerSettings
 from dist_utils import run_on_ranks
 
@@ -259,4 +259,20 @@ def test_distributed_optimizer_trains_like_one_process(plan_file, record_propert
     plan = load_plan(PLANS / plan_file)
     check_plan_trains_like_one_process(plan, False, record_property,
                                        f"{plan_file} --use-distributed-optimizer",
+                                       distributed_optimizer=True)
+
+
+def test_distributed_optimizer_on_symmetric_tp2_replicas(record_property):
+    """Two one-stage TP2 pipelines with sequence parallelism: symmetric TP2 buckets, where every
+    TP rank's group holds the TP-replicated layernorms (the norm counts them once) and the
+    sequence-parallel partial gradients are summed over TP before the reduce-scatter."""
+    data = load_plan(PLANS / "tiny-two-pipelines.yaml").to_dict()
+    data["cluster"] = "local-8"
+    data["ranks"] = [{"rank": r, "node": "a100", "local_rank": r, "gpu": "A100-80GB"}
+                     for r in range(4)]
+    data["pipelines"] = [{"num_microbatches": 2, "stages": [{"ranks": [0, 1], "layers": [0, 6]}]},
+                         {"num_microbatches": 2, "stages": [{"ranks": [2, 3], "layers": [0, 6]}]}]
+    plan = plan_from_dict(data, "two TP2 replicas")
+    check_plan_trains_like_one_process(plan, True, record_property,
+                                       "two TP2 replicas --use-distributed-optimizer",
                                        distributed_optimizer=True)

@@ -175,8 +175,8 @@ class DistributedOptimizer:
              for wd_mult, views in groups.items()],
             lr=settings.lr, betas=(settings.adam_beta1, settings.adam_beta2),
             eps=settings.adam_eps, weight_decay=settings.weight_decay)
-        self.steps = 0
-        self.load(None, 0)
+        self._set_step(0)
+        self.load()
 
     @property
     def param_groups(self) -> list[dict]:
@@ -241,18 +241,25 @@ class DistributedOptimizer:
         return out
 
     @torch.no_grad()
-    def load(self, param_states: dict[str, dict[str, torch.Tensor]] | None, step: int) -> None:
-        """Refill the master shards from the live parameters and, if ``param_states`` is given
-        (local name -> ``exp_avg``/``exp_avg_sq`` in local shapes, as :meth:`param_states`
-        returns), the moment shards and the step count; None: fresh moments, step ``step``.
-        A collective: every rank calls it."""
+    def load(self, param_states: dict[str, dict[str, torch.Tensor]] | None = None,
+             step: int = 0) -> None:
+        """Refill the master shards from the live parameters (after they were loaded) and, if
+        ``param_states`` is given (local name -> ``exp_avg``/``exp_avg_sq`` in local shapes, as
+        :meth:`param_states` returns), the moment shards and the step count; without it the
+        moments and step stay as they are. A collective: every rank calls it."""
         for sharded in self.buckets:
             params = sharded.bucket.params
             sharded.master.copy_(sharded.assemble([p.detach() for p in params]))
-            for key in ADAM_STATE_KEYS:
-                sharded.moments[key].copy_(
-                    sharded.assemble([param_states[self.names[p]][key] for p in params])
-                    if param_states is not None else 0.0)
+            if param_states is not None:
+                for key in ADAM_STATE_KEYS:
+                    sharded.moments[key].copy_(sharded.assemble(
+                        [param_states[self.names[p]][key] for p in params]))
+        if param_states is not None:
+            self._set_step(step)
+
+    def _set_step(self, step: int) -> None:
+        """Adam state of every shard view: the step, and its windows of the moment shards."""
+        for sharded in self.buckets:
             for segment in sharded.segments:
                 window = slice(segment.shard_start, segment.shard_start + segment.numel)
                 self.optimizer.state[segment.view] = {
