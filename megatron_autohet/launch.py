@@ -54,6 +54,7 @@ class TrainOptions:
     exit_interval: int | None = None
     exit_signal_handler: bool = False
     distributed_timeout_minutes: float = 10.0
+    distributed_optimizer: bool = False        # --use-distributed-optimizer
 
     @property
     def timeout(self) -> timedelta:
@@ -204,8 +205,11 @@ def train_job(plan: Plan, plan_label: str, model: ModelSpec, options: TrainOptio
                        num_iterations=options.iters, seed=options.seed,
                        data_path=options.data_path, data_dir=options.data_dir)
     batches = open_global_batches(data, model.vocab_size, local_rank)
+    # A plan made for the distributed optimizer was sized for it: it trains with it, flag or not.
     trainer = HeteroTrainer(plan, model, rank=rank, seed=options.seed,
-                            optimizer=options.optimizer, plan_file=plan_label)
+                            optimizer=options.optimizer, plan_file=plan_label,
+                            distributed_optimizer=(options.distributed_optimizer
+                                                   or plan.use_distributed_optimizer))
     # Counting samples, as Megatron-LM does (runtime/optimizer.py): checkpoints of this job
     # load into the pretrain_gpt.py path and stock Megatron-LM, and theirs into this job.
     scheduler = make_lr_scheduler(trainer.optimizer, options.optimizer, options.iters,
