@@ -182,6 +182,11 @@ class DistributedOptimizer:
     def param_groups(self) -> list[dict]:
         return self.optimizer.param_groups
 
+    @property
+    def state_numel(self) -> int:
+        """Elements this rank keeps master weights and moments for (its shards, padding too)."""
+        return sum(sharded.shard_numel for sharded in self.buckets)
+
     # ---- per iteration -----------------------------------------------------------------------
     def sync(self) -> None:
         """Reduce-scatter every bucket: each rank gets the global-batch gradient of its shards."""
