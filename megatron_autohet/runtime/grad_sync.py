@@ -30,6 +30,10 @@ zero full-size staging buffer; every holder writes its shard at its slice of the
 holder ranks gives the full gradient everywhere, and each rank copies back its slice. That is exact
 (it is the same sum) and only asymmetric specs pay for the full-size buffer.
 
+With ``shard_padding`` the buckets are padded to a multiple of their group size, and the
+distributed optimizer (runtime/distributed_optimizer.py) reduce-scatters them instead of
+:meth:`GradSync.sync` (it calls :meth:`GradSync.prepare` and each bucket's ``stage``).
+
 Sequence parallelism: Megatron's TP layers already all-reduce the *activation* gradients inside the
 TP group, so TP-partitioned weights and, without sequence parallelism, TP-replicated weights
 (layernorms) have complete gradients. With sequence parallelism each TP rank sees only its
