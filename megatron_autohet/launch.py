@@ -211,10 +211,7 @@ def train_job(plan: Plan, plan_label: str, model: ModelSpec, options: TrainOptio
                             distributed_optimizer=(options.distributed_optimizer
                                                    or plan.use_distributed_optimizer))
     if trainer.distributed_optimizer and rank == 0:
-        local = sum(p.numel() for p in trainer.model.parameters())
-        print(f"> distributed optimizer: rank 0 keeps master weights and Adam moments of "
-              f"{trainer.optimizer.state_numel:,} of its {local:,} parameter elements",
-              flush=True)
+        print(trainer.optimizer.summary(), flush=True)
     # Counting samples, as Megatron-LM does (runtime/optimizer.py): checkpoints of this job
     # load into the pretrain_gpt.py path and stock Megatron-LM, and theirs into this job.
     scheduler = make_lr_scheduler(trainer.optimizer, options.optimizer, options.iters,

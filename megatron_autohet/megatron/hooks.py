@@ -344,6 +344,8 @@ def pretrain_from_plan(args) -> None:
                             plan_file=str(plan_path),
                             distributed_optimizer=(args.use_distributed_optimizer
                                                    or plan.use_distributed_optimizer))
+    if trainer.distributed_optimizer and rank == 0:
+        print(trainer.optimizer.summary(), flush=True)
     # Megatron-LM's own warm-up/decay and weight-decay schedule, stepping our param_groups by
     # the samples of each iteration, as Megatron's train_step does; its state (in samples) is
     # what a checkpoint saves and a resume loads back.

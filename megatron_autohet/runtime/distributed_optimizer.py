@@ -182,10 +182,12 @@ class DistributedOptimizer:
     def param_groups(self) -> list[dict]:
         return self.optimizer.param_groups
 
-    @property
-    def state_numel(self) -> int:
-        """Elements this rank keeps master weights and moments for (its shards, padding too)."""
-        return sum(sharded.shard_numel for sharded in self.buckets)
+    def summary(self) -> str:
+        """The log line of a job's rank 0: how much of the optimizer state this rank keeps."""
+        kept = sum(sharded.shard_numel for sharded in self.buckets)   # padding included
+        local = sum(p.numel() for p in self.grad_sync.params)
+        return (f"> distributed optimizer: rank {dist.get_rank()} keeps master weights and Adam "
+                f"moments of {kept:,} of its {local:,} parameter elements")
 
     # ---- per iteration -----------------------------------------------------------------------
     def sync(self) -> None:
