@@ -248,6 +248,7 @@ def test_homogeneous_plan_matches_stock_megatron_core():
 
 DISTRIBUTED_OPTIMIZER_PLANS = [
     "tiny-two-pipelines.yaml",   # symmetric and TP2 buckets, groups of two holders
+    "tiny-three-pipelines.yaml", # groups of 2, 3 and 5 (the tied embedding): padded shards
     "tiny-tp-change.yaml",       # asymmetric buckets: shards of the full-size staging buffer
 ]
 

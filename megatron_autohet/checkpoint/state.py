@@ -84,11 +84,11 @@ import torch
 
 from megatron_autohet.layout.owners import is_main_replica
 from megatron_autohet.layout.params import ParamLayout, global_param_name
+from megatron_autohet.runtime.optimizer import ADAM_STATE_KEYS
 from megatron_autohet.spec.model import VOCAB_PAD_UNIT
 
 MAIN_REPLICA = (0, 0, 0)
 OTHER_REPLICA = (1, 0, 0)
-ADAM_STATE_KEYS = ("exp_avg", "exp_avg_sq")
 RNG_KEY = "autohet.rng_state"
 CHECKPOINT_VERSION = 3.0            # Megatron-LM's current checkpoint_version
 # Megatron-LM's _build_sharded_state_dict_metadata without a distributed optimizer.

@@ -47,9 +47,8 @@ import torch.distributed as dist
 from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 
 from megatron_autohet.runtime.grad_sync import GradSync, _Bucket
-from megatron_autohet.runtime.optimizer import (OptimizerSettings, applies_weight_decay)
-
-ADAM_STATE_KEYS = ("exp_avg", "exp_avg_sq")
+from megatron_autohet.runtime.optimizer import (ADAM_STATE_KEYS, OptimizerSettings,
+                                                applies_weight_decay)
 
 
 @dataclass
