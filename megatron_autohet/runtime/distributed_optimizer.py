@@ -66,12 +66,12 @@ class _ShardedBucket:
         self.main = main                      # whether this rank holds each param's main replica
         group = bucket.group
         self.size = dist.get_world_size(group) if bucket.reduces else 1
-        self.index = dist.get_rank(group) if bucket.reduces else 0
+        self.rank_in_group = dist.get_rank(group) if bucket.reduces else 0
         total = bucket.reduced.numel()        # GradSync padded it to a multiple of size
         if total % self.size:
             raise ValueError(f"bucket of {total} elements does not split over {self.size} ranks")
         self.shard_numel = total // self.size
-        lo = self.index * self.shard_numel
+        lo = self.rank_in_group * self.shard_numel
         hi = lo + self.shard_numel
         self.lo = lo
         device = bucket.grad_data.device
@@ -123,7 +123,7 @@ class _ShardedBucket:
         if self.size == 1:
             return shard.to(dtype), None
         flat = torch.empty(self.shard_numel * self.size, dtype=dtype, device=shard.device)
-        work = dist.all_gather_into_tensor(flat, shard.to(dtype), group=self.bucket.group,
+        work = dist.all_gather_single(flat, shard.to(dtype), group=self.bucket.group,
                                            async_op=async_op)
         return flat, work
 
@@ -196,7 +196,7 @@ class DistributedOptimizer:
         for sharded in self.buckets:
             if sharded.size > 1:
                 sharded.bucket.stage()
-                pending.append(dist.reduce_scatter_tensor(
+                pending.append(dist.reduce_scatter_single(
                     sharded.grad_shard, sharded.bucket.reduced, group=sharded.bucket.group,
                     async_op=True))
         for work in pending:
