@@ -25,6 +25,15 @@ one more forward of the layers; ``t_s = f_s + b_s``.
   unsharded gradients (the re-sharding moves at least that much). A GPU runs its groups one after
   the other, groups of disjoint GPUs run concurrently: ``T_sync = max over GPUs of the sum of its
   groups' times``.
+* **Distributed optimizer** (a plan's ``use_distributed_optimizer``, Megatron-LM's
+  ``--use-distributed-optimizer``; runtime/distributed_optimizer.py): each sync group of D ranks
+  shards its parameters' master weights and Adam moments D ways. Its sync is a reduce-scatter of
+  the fp32 gradients plus an all-gather of the weights in their dtype, ``(D-1)/D * (4 + 2) *
+  params / bw_min`` in bf16 instead of the all-reduce's ``2 (D-1)/D * 4 * params / bw_min``; a
+  GPU's Adam step and optimizer state cover its shards only (``Precision.
+  state_bytes_per_param(shards)``, with ``shards`` the stage's parameters over the elements it
+  keeps state for: D per symmetric group; an asymmetric group shards the full tensors over all
+  its ranks, as the runtime does).
 * **Optimizer**: Adam on fp32 master weights is memory-bound. Per parameter it reads the fp32
   gradient (4 B), reads and writes the master weight (8 B) and both moments (16 B) and writes the
   bf16 weight (2 B): 30 B / (memory bandwidth * MEMORY_EFFICIENCY); ``T_opt`` = max over GPUs.
@@ -92,8 +101,8 @@ from megatron_autohet.spec.precision import MAIN_GRAD_BYTES, PLANNING_PRECISION
 
 GIB = 1024 ** 3
 # Plans are priced for Megatron's bf16 mixed precision (spec/precision.py, which the runtime
-# allocates from too): 18 bytes of state per parameter, fp32 gradients, a 30-byte Adam step.
-STATE_BYTES_PER_PARAM = PLANNING_PRECISION.state_bytes_per_param()
+# allocates from too): 18 bytes of state per parameter (without the distributed optimizer),
+# fp32 gradients, a 30-byte Adam step.
 GRAD_BYTES_PER_PARAM = MAIN_GRAD_BYTES
 OPTIMIZER_TRAFFIC_BYTES_PER_PARAM = PLANNING_PRECISION.optimizer_traffic_bytes_per_param
 # CUDA context, NCCL buffers, allocator fragmentation: memory a GPU cannot give to the model.
@@ -139,8 +148,11 @@ def stage_param_count(entry: ProfileEntry, model: ModelSpec, num_layers: int, fi
 
 
 def stage_memory_bytes(entry: ProfileEntry, model: ModelSpec, num_layers: int, first: bool,
-                       last: bool, recompute: bool, in_flight: int) -> float:
-    """Peak bytes on one GPU of the stage with ``in_flight`` micro-batches' activations alive."""
+                       last: bool, recompute: bool, in_flight: int,
+                       optimizer_shards: float = 1.0) -> float:
+    """Peak bytes on one GPU of the stage with ``in_flight`` micro-batches' activations alive;
+    ``optimizer_shards``: over how many ranks the distributed optimizer spreads the stage's
+    master weights and Adam moments (1: not distributed)."""
     params = stage_param_count(entry, model, num_layers, first, last)
     if recompute:
         per_mb = num_layers * entry.layer.activation_bytes_recompute
@@ -154,7 +166,8 @@ def stage_memory_bytes(entry: ProfileEntry, model: ModelSpec, num_layers: int, f
     if last:
         per_mb += (entry.output.activation_bytes_recompute if recompute
                    else entry.output.activation_bytes)
-    return params * STATE_BYTES_PER_PARAM + in_flight * per_mb + working + MEMORY_RESERVED_GIB * GIB
+    state_bytes = PLANNING_PRECISION.state_bytes_per_param(optimizer_shards)
+    return params * state_bytes + in_flight * per_mb + working + MEMORY_RESERVED_GIB * GIB
 
 
 def optimizer_step_s(param_count: float, memory_bandwidth_gbs: float) -> float:
@@ -169,6 +182,15 @@ def pipeline_time_s(stage_periods: list[float], num_microbatches: int) -> float:
 
 def grad_allreduce_s(param_count: float, holders: int, bandwidth_gbs: float) -> float:
     return ring_allreduce_s(param_count * GRAD_BYTES_PER_PARAM, holders, bandwidth_gbs)
+
+
+def grad_reduce_scatter_all_gather_s(param_count: float, holders: int,
+                                     bandwidth_gbs: float) -> float:
+    """The distributed optimizer's sync: reduce-scatter of the fp32 gradients, all-gather of the
+    weights in their dtype (each half of a ring all-reduce of those bytes)."""
+    return (ring_allreduce_s(param_count * GRAD_BYTES_PER_PARAM, holders, bandwidth_gbs)
+            + ring_allreduce_s(param_count * PLANNING_PRECISION.element_bytes, holders,
+                               bandwidth_gbs)) / 2
 
 
 # ---- whole-plan evaluation ------------------------------------------------------------------------
@@ -262,11 +284,59 @@ def _slowest_link_gbs(cluster: Cluster, ranks_nodes: list[str]) -> float:
     return min(speeds) if speeds else float("inf")
 
 
+def _sync_group_params(plan: Plan, profile: Profile) -> list[tuple]:
+    """``(spec, group ranks, parameters)`` of every sync group of 2+ ranks: the elements one
+    member reduces (one TP shard when symmetric, the full tensors when asymmetric)."""
+    model = plan.model
+    stage_of_rank = {r: stage for pipe in plan.pipelines for stage in pipe.stages
+                     for r in stage.ranks}
+    out = []
+    for spec in sync_group_specs(plan):
+        for group in spec.groups():
+            if len(group) < 2:
+                continue
+            holder_stage = stage_of_rank[group[0]]
+            if spec.kind == "layers":
+                entry = profile.get(plan.ranks[group[0]].gpu, holder_stage.tp,
+                                    plan.micro_batch_size, plan.seq_length)
+                n_layers = spec.layers[1] - spec.layers[0]
+                shard = n_layers * entry.layer.param_count
+                params = shard if spec.symmetric else shard * holder_stage.tp
+            elif spec.kind == "word_embeddings":
+                vocab = model.padded_vocab_size([holder_stage.tp]) * model.hidden_size
+                params = vocab // holder_stage.tp if spec.symmetric else vocab
+            elif spec.kind == "position_embeddings":
+                # replicated on every TP rank; GPTModel sizes it by the model's seq_length
+                params = model.seq_length * model.hidden_size
+            else:  # "post_process": final norm (replicated), untied output layer (vocab-parallel)
+                params = 2 * model.hidden_size
+                if not model.tie_embeddings:
+                    vocab = model.padded_vocab_size([holder_stage.tp]) * model.hidden_size
+                    params += vocab // holder_stage.tp if spec.symmetric else vocab
+            out.append((spec, group, params))
+    return out
+
+
+def _unsharded_state_params(plan: Plan, groups: list[tuple]) -> dict[int, float]:
+    """Per rank, the parameters whose optimizer state the distributed optimizer moves to other
+    ranks: of each group it keeps ``1/D`` of what it reduces (module doc)."""
+    tp_of_rank = {r: stage.tp for pipe in plan.pipelines for stage in pipe.stages
+                  for r in stage.ranks}
+    away: dict[int, float] = {}
+    for spec, group, params in groups:
+        for r in group:
+            local = params if spec.symmetric else params / tp_of_rank[r]
+            away[r] = away.get(r, 0.0) + local - params / len(group)
+    return away
+
+
 def evaluate_plan(plan: Plan, cluster: Cluster, profile: Profile, with_timeline: bool = True
                   ) -> PlanCost:
     """Predicted iteration time, throughput, per-stage time and memory of a plan (see module doc)."""
     model = plan.model
     node_of = [r.node for r in plan.ranks]
+    groups = _sync_group_params(plan, profile)
+    unsharded = _unsharded_state_params(plan, groups) if plan.use_distributed_optimizer else {}
     pipelines: list[PipelineCost] = []
     stage_of_rank: dict[int, StageCost] = {}
     for p, pipe in enumerate(plan.pipelines):
@@ -287,12 +357,15 @@ def evaluate_plan(plan: Plan, cluster: Cluster, profile: Profile, with_timeline:
                 comm = p2p_s(model, plan.micro_batch_size, plan.seq_length, bw)
             in_flight = min(depths[s] + 1, m)
             params = stage_param_count(entry, model, stage.num_layers, first, last)
+            # the elements whose master weight and moments this GPU keeps (all without sharding)
+            state_params = params - unsharded.get(stage.ranks[0], 0.0)
             memory = stage_memory_bytes(entry, model, stage.num_layers, first, last,
-                                        plan.activation_recompute, in_flight)
+                                        plan.activation_recompute, in_flight,
+                                        optimizer_shards=params / state_params)
             gpu_type = cluster.gpu_types[gpu]
             cost = StageCost(p, s, gpu, stage.tp, stage.layers, fwd, bwd, comm, bw, in_flight,
                              params, memory / GIB, gpu_type.memory_gib, 0.0,
-                             optimizer_step_s(params, gpu_type.memory_bandwidth_gbs))
+                             optimizer_step_s(state_params, gpu_type.memory_bandwidth_gbs))
             stages.append(cost)
             for r in stage.ranks:
                 stage_of_rank[r] = cost
@@ -305,36 +378,16 @@ def evaluate_plan(plan: Plan, cluster: Cluster, profile: Profile, with_timeline:
             simulate_1f1b(stages, m, depths)
         pipelines.append(PipelineCost(m, time, stages))
 
-    # Layer-wise gradient sync: charge each group's all-reduce to every GPU in it (the TP ranks
+    # Layer-wise gradient sync: charge each group's collectives to every GPU in it (the TP ranks
     # of a stage sync their shards in separate, concurrent groups); a stage reports its busiest GPU.
     sync_of_rank = {r: 0.0 for r in stage_of_rank}
-    for spec in sync_group_specs(plan):
-        for group in spec.groups():
-            if len(group) < 2:
-                continue
-            holder_stage = stage_of_rank[group[0]]
-            if spec.kind == "layers":
-                entry = profile.get(holder_stage.gpu, holder_stage.tp, plan.micro_batch_size,
-                                    plan.seq_length)
-                n_layers = spec.layers[1] - spec.layers[0]
-                shard = n_layers * entry.layer.param_count
-                params = shard if spec.symmetric else shard * holder_stage.tp
-            elif spec.kind == "word_embeddings":
-                vocab = model.padded_vocab_size([holder_stage.tp]) * model.hidden_size
-                params = vocab // holder_stage.tp if spec.symmetric else vocab
-            elif spec.kind == "position_embeddings":
-                # replicated on every TP rank; GPTModel sizes it by the model's seq_length
-                params = model.seq_length * model.hidden_size
-            else:  # "post_process": final norm (replicated), untied output layer (vocab-parallel)
-                params = 2 * model.hidden_size
-                if not model.tie_embeddings:
-                    vocab = model.padded_vocab_size([holder_stage.tp]) * model.hidden_size
-                    params += vocab // holder_stage.tp if spec.symmetric else vocab
-            holders = len(spec.holders)
-            bw = _slowest_link_gbs(cluster, [node_of[r] for r in group])
-            t = grad_allreduce_s(params, holders, bw)
-            for r in group:
-                sync_of_rank[r] += t
+    for spec, group, params in groups:
+        holders = len(spec.holders)
+        bw = _slowest_link_gbs(cluster, [node_of[r] for r in group])
+        t = (grad_reduce_scatter_all_gather_s if plan.use_distributed_optimizer
+             else grad_allreduce_s)(params, holders, bw)
+        for r in group:
+            sync_of_rank[r] += t
     for r, t in sync_of_rank.items():
         stage_of_rank[r].sync_s = max(stage_of_rank[r].sync_s, t)
 

@@ -57,6 +57,7 @@ class TrainOptions:
     eval_interval: int | None = None       # Megatron-LM's --eval-interval (None: no evaluation)
     eval_iters: int = 100                  # validation global batches per evaluation
     split: str | None = None               # Megatron-LM's --split (data/batches.default_split)
+    distributed_optimizer: bool = False        # --use-distributed-optimizer
 
     @property
     def timeout(self) -> timedelta:
@@ -215,7 +216,11 @@ def train_job(plan: Plan, plan_label: str, model: ModelSpec, options: TrainOptio
     evaluation = (Evaluation(options.eval_interval, options.eval_iters, valid)
                   if valid is not None else None)
     trainer = HeteroTrainer(plan, model, rank=rank, seed=options.seed,
-                            optimizer=options.optimizer, plan_file=plan_label)
+                            optimizer=options.optimizer, plan_file=plan_label,
+                            distributed_optimizer=(options.distributed_optimizer
+                                                   or plan.use_distributed_optimizer))
+    if trainer.distributed_optimizer and rank == 0:
+        print(trainer.optimizer.summary(), flush=True)
     # Counting samples, as Megatron-LM does (runtime/optimizer.py): checkpoints of this job
     # load into the pretrain_gpt.py path and stock Megatron-LM, and theirs into this job.
     scheduler = make_lr_scheduler(trainer.optimizer, options.optimizer, options.iters,

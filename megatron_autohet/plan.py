@@ -13,6 +13,8 @@ File form (``plan.yaml``)::
     global_batch_size: 64          # = micro_batch_size * sum(num_microbatches)
     seq_length: 2048
     activation_recompute: false
+    use_distributed_optimizer: true   # optional (default false): planned for, and trained with,
+                                      # Adam state sharded over each parameter's holders
     ranks:                         # index i describes global rank i
       - {rank: 0, node: a100, local_rank: 0, gpu: A100-80GB}
     pipelines:
@@ -102,6 +104,9 @@ class Plan:
     ranks: list[RankInfo]
     pipelines: list[Pipeline]
     activation_recompute: bool = False
+    # Planned for Megatron-LM's --use-distributed-optimizer (Adam state sharded over each
+    # parameter's holders): the cost model prices it, the runtime trains with it.
+    use_distributed_optimizer: bool = False
     predicted: dict = field(default_factory=dict)
 
     @property
@@ -133,6 +138,8 @@ class Plan:
             "global_batch_size": self.global_batch_size,
             "seq_length": self.seq_length,
             "activation_recompute": self.activation_recompute,
+            # written only when set: a plan without it keeps its old file (and checkpoint) form
+            **({"use_distributed_optimizer": True} if self.use_distributed_optimizer else {}),
             "ranks": [asdict(r) for r in self.ranks],
             "pipelines": [{"num_microbatches": p.num_microbatches,
                            "stages": [stage_dict(s) for s in p.stages]} for p in self.pipelines],
@@ -152,7 +159,8 @@ def load_plan(path: str | Path) -> Plan:
 
 
 _PLAN_FIELDS = {"format_version", "cluster", "model", "micro_batch_size", "global_batch_size",
-                "seq_length", "activation_recompute", "ranks", "pipelines", "predicted"}
+                "seq_length", "activation_recompute", "use_distributed_optimizer", "ranks",
+                "pipelines", "predicted"}
 _STAGE_FIELDS = {"ranks", "layers", "warmup_microbatches", "predicted_time_s",
                  "predicted_memory_gib"}
 
@@ -218,6 +226,8 @@ def plan_from_dict(data: dict, file: str | Path = "<plan>") -> Plan:
         ranks=ranks,
         pipelines=pipelines,
         activation_recompute=get_field(data, "activation_recompute", bool, file, default=False),
+        use_distributed_optimizer=get_field(data, "use_distributed_optimizer", bool, file,
+                                            default=False),
         predicted=get_field(data, "predicted", dict, file, default={}),
     )
     return plan.validate(file)

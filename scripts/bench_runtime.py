@@ -16,6 +16,12 @@
    Besides wall time, the CPU time of every rank is summed per iteration: with more processes than
    cores, the work each iteration costs is what competes for the CPU.
 2. Per-iteration time of every proof plan (configs/plans/tiny-*.yaml) with our runtime.
+3. The distributed optimizer (``--use-distributed-optimizer``): on the homogeneous plan stock
+   megatron-core's DistributedOptimizer (it runs on gloo) and ours (runtime/
+   distributed_optimizer.py) take turns with the two non-distributed trainers of 1., all four in
+   the same processes; on tiny-two-pipelines ours with and without it. Same fairness check: the
+   grad norms of stock and ours with it, and of ours with and without it, must agree as in 1.
+   Reported: paired ratios ours/stock with the distributed optimizer, and ours with/without.
 
 Timed: an iteration's time is the slowest rank's wall time of ``train_step``, each rank timing
 from the barrier before it (the next iteration cannot start before the slowest rank is done);
@@ -25,6 +31,7 @@ The 1-minute load average before and after the run is recorded (other jobs on th
 up there).
 
     python scripts/bench_runtime.py [--iters 150] [--plan-iters 20] [--homogeneous-only]
+                                    [--no-distributed-optimizer]
                                     [--json bench-out/bench_runtime.json]
 """
 
@@ -75,22 +82,36 @@ class _MegatronGlobals:
             setattr(mps, name, value)
 
 
-def _trainers(plan, plan_path, rank, with_stock):
+# The trainers a run can hold; "-distopt": with the distributed optimizer.
+STOCK_KINDS = ("stock", "stock-distopt")
+# (kind, baseline) pairs whose paired time ratios are reported, when a run holds both.
+RATIOS = (("ours", "stock"), ("ours-distopt", "stock-distopt"), ("ours-distopt", "ours"))
+DISTOPT_PLANS = (HOMOGENEOUS, "tiny-two-pipelines.yaml")
+
+
+def _trainers(plan, plan_path, rank, kinds):
     """{kind: (step(batch) -> grad norm, megatron globals)}, stock first (it resets megatron's)."""
     from megatron_autohet.runtime.trainer import HeteroTrainer
 
     trainers = {}
-    if with_stock:
-        from megatron_autohet.runtime.stock import StockMegatronTrainer
-        stock = StockMegatronTrainer(plan, rank=rank, seed=SEED, optimizer=OPTIMIZER)
-        trainers["stock"] = (lambda batch: stock.train_step(batch).grad_norm, _MegatronGlobals())
-    ours = HeteroTrainer(plan, plan.model, rank=rank, seed=SEED, optimizer=OPTIMIZER,
-                         plan_file=str(plan_path))
-    trainers["ours"] = (lambda batch: ours.train_step(batch).grad_norm, _MegatronGlobals())
+    for kind in sorted(kinds, key=lambda k: k not in STOCK_KINDS):
+        distributed = kind.endswith("-distopt")
+        if kind in STOCK_KINDS:
+            from megatron_autohet.runtime.stock import StockMegatronTrainer
+            trainer = StockMegatronTrainer(plan, rank=rank, seed=SEED, optimizer=OPTIMIZER,
+                                           distributed_optimizer=distributed)
+            inner = getattr(trainer.optimizer, "chained_optimizers", [trainer.optimizer])
+            if distributed != all(type(o).__name__ == "DistributedOptimizer" for o in inner):
+                raise RuntimeError(f"{kind}: megatron built {[type(o).__name__ for o in inner]}")
+        else:
+            trainer = HeteroTrainer(plan, plan.model, rank=rank, seed=SEED, optimizer=OPTIMIZER,
+                                    plan_file=str(plan_path), distributed_optimizer=distributed)
+        trainers[kind] = (lambda batch, t=trainer: t.train_step(batch).grad_norm,
+                          _MegatronGlobals())
     return trainers
 
 
-def _rank_main(rank, world, port, plan_path, with_stock, iters, data_dir, results):
+def _rank_main(rank, world, port, plan_path, kinds, iters, data_dir, results):
     silence_known_megatron_warnings()
     try:
         import torch
@@ -110,7 +131,7 @@ def _rank_main(rank, world, port, plan_path, with_stock, iters, data_dir, result
             seq_length=plan.seq_length, global_batch_size=plan.global_batch_size,
             num_iterations=iters, seed=SEED, data_dir=data_dir), plan.model.vocab_size)
         batches = [data.batch(i).tensors() for i in range(iters)]
-        trainers = _trainers(plan, plan_path, rank, with_stock)
+        trainers = _trainers(plan, plan_path, rank, kinds)
         kinds = list(trainers)
         out = {kind: {"wall": [], "cpu": [], "grad_norm": []} for kind in kinds}
         for i in range(iters):
@@ -133,7 +154,8 @@ def _rank_main(rank, world, port, plan_path, with_stock, iters, data_dir, result
         os._exit(0)
 
 
-def run_plan(plan_path: Path, *, with_stock: bool, iters: int, data_dir: str) -> list[dict]:
+def run_plan(plan_path: Path, *, kinds: tuple[str, ...], iters: int,
+             data_dir: str) -> list[dict]:
     """Every rank's {kind: {"wall", "cpu", "grad_norm": per-iteration lists}}, in rank order."""
     from megatron_autohet.plan import load_plan
     from megatron_autohet.launch import free_port
@@ -142,7 +164,7 @@ def run_plan(plan_path: Path, *, with_stock: bool, iters: int, data_dir: str) ->
     ctx = mp.get_context("fork")
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, world, port, plan_path, with_stock, iters,
+    procs = [ctx.Process(target=_rank_main, args=(r, world, port, plan_path, kinds, iters,
                                                   data_dir, results))
              for r in range(world)]
     for p in procs:
@@ -183,28 +205,36 @@ def summarize(per_rank: list[dict], plan_name: str) -> dict:
         cpu = [1000 * sum(c) for c in zip(*(r[kind]["cpu"] for r in per_rank))][kept]
         entry[kind] = {"wall_ms": wall, "wall_quartiles_ms": _quartiles(wall),
                        "cpu_all_ranks_ms": cpu, "cpu_quartiles_ms": _quartiles(cpu)}
-    if "stock" in entry:
-        worst = [0.0, 0.0]                  # the proof's first iterations, the rest
-        for rank, result in enumerate(per_rank):
-            for i, (ours, stock) in enumerate(zip(result["ours"]["grad_norm"],
-                                                  result["stock"]["grad_norm"])):
-                diff, strict = abs(ours - stock) / abs(stock), i < SAME_NORM_ITERS
-                worst[not strict] = max(worst[not strict], diff)
-                if diff > (SAME_NORM_REL if strict else DRIFT_NORM_REL):
-                    raise RuntimeError(f"{plan_name}: unfair comparison - iteration {i} on rank "
-                                       f"{rank}: grad norm {ours} (ours) vs {stock} (stock)")
-        entry["grad_norm_rel_diff_first"], entry["grad_norm_rel_diff_later"] = worst
-        paired = [o / s for o, s in zip(entry["ours"]["wall_ms"], entry["stock"]["wall_ms"])]
-        paired_cpu = [o / s for o, s in zip(entry["ours"]["cpu_all_ranks_ms"],
-                                            entry["stock"]["cpu_all_ranks_ms"])]
-        entry["paired_ratios"] = paired
-        entry["ratio_quartiles"] = _quartiles(paired)
-        entry["ratio"] = entry["ratio_quartiles"][1]
-        entry["ratio_ci95"] = _median_ci95(paired)
-        entry["ratio_of_medians"] = (entry["ours"]["wall_quartiles_ms"][1]
-                                     / entry["stock"]["wall_quartiles_ms"][1])
-        entry["cpu_ratio"] = _quartiles(paired_cpu)[1]
+    for kind, base in RATIOS:
+        if kind in entry and base in entry:
+            entry.update(_ratio_fields(per_rank, entry, kind, base, plan_name,
+                                       prefix="" if base == "stock" else f"{kind}/{base} "))
     return entry
+
+
+def _ratio_fields(per_rank, entry, kind, base, plan_name, prefix) -> dict:
+    """Fairness check (same grad norms) and the paired time ratios of ``kind`` over ``base``;
+    the keys start with ``prefix`` (empty for the main ours/stock comparison)."""
+    worst = [0.0, 0.0]                  # the proof's first iterations, the rest
+    for rank, result in enumerate(per_rank):
+        for i, (ours, other) in enumerate(zip(result[kind]["grad_norm"],
+                                              result[base]["grad_norm"])):
+            diff, strict = abs(ours - other) / abs(other), i < SAME_NORM_ITERS
+            worst[not strict] = max(worst[not strict], diff)
+            if diff > (SAME_NORM_REL if strict else DRIFT_NORM_REL):
+                raise RuntimeError(f"{plan_name}: unfair comparison - iteration {i} on rank "
+                                   f"{rank}: grad norm {ours} ({kind}) vs {other} ({base})")
+    paired = [o / s for o, s in zip(entry[kind]["wall_ms"], entry[base]["wall_ms"])]
+    paired_cpu = [o / s for o, s in zip(entry[kind]["cpu_all_ranks_ms"],
+                                        entry[base]["cpu_all_ranks_ms"])]
+    quartiles = _quartiles(paired)
+    return {f"{prefix}grad_norm_rel_diff_first": worst[0],
+            f"{prefix}grad_norm_rel_diff_later": worst[1],
+            f"{prefix}paired_ratios": paired, f"{prefix}ratio_quartiles": quartiles,
+            f"{prefix}ratio": quartiles[1], f"{prefix}ratio_ci95": _median_ci95(paired),
+            f"{prefix}ratio_of_medians": (entry[kind]["wall_quartiles_ms"][1]
+                                          / entry[base]["wall_quartiles_ms"][1]),
+            f"{prefix}cpu_ratio": _quartiles(paired_cpu)[1]}
 
 
 def main(argv=None) -> int:
@@ -216,6 +246,8 @@ def main(argv=None) -> int:
                         help="iterations of each other proof plan")
     parser.add_argument("--homogeneous-only", action="store_true",
                         help="only the ours-vs-stock comparison, not the other proof plans")
+    parser.add_argument("--no-distributed-optimizer", action="store_true",
+                        help="without the distributed-optimizer trainers (part 3)")
     parser.add_argument("--json", default=str(ROOT / "bench-out" / "bench_runtime.json"),
                         help="where to write the results (default bench-out/, gitignored)")
     parser.add_argument("--data-dir", default=None, help="corpus cache (see autohet train)")
@@ -237,19 +269,22 @@ def main(argv=None) -> int:
               "cpu_count": os.cpu_count(), "load_average_1min_before": os.getloadavg()[0],
               "plans": {}}
     for plan_path in tqdm(plans, desc="plans", file=sys.stderr):
-        per_rank = run_plan(plan_path, with_stock=plan_path.name == HOMOGENEOUS,
+        kinds = ("stock", "ours") if plan_path.name == HOMOGENEOUS else ("ours",)
+        if plan_path.name in DISTOPT_PLANS and not args.no_distributed_optimizer:
+            kinds += tuple(f"{kind}-distopt" for kind in kinds)
+        per_rank = run_plan(plan_path, kinds=kinds,
                             iters=args.iters if plan_path.name == HOMOGENEOUS
                             else args.plan_iters, data_dir=args.data_dir)
         report["plans"][plan_path.name] = summarize(per_rank, plan_path.name)
     report["load_average_1min_after"] = os.getloadavg()[0]
 
-    print(f"{'plan':27s} {'runtime':8s} {'wall ms/iter: q1  median   q3':>31s} "
+    print(f"{'plan':27s} {'runtime':13s} {'wall ms/iter: q1  median   q3':>31s} "
           f"{'CPU ms/iter, all ranks: median':>31s}")
     for name, entry in report["plans"].items():
-        for kind in ("stock", "ours"):
+        for kind in ("stock", "ours", "stock-distopt", "ours-distopt"):
             if kind in entry:
                 q1, med, q3 = entry[kind]["wall_quartiles_ms"]
-                print(f"{name:27s} {kind:8s} {q1:13.1f} {med:8.1f} {q3:8.1f} "
+                print(f"{name:27s} {kind:13s} {q1:13.1f} {med:8.1f} {q3:8.1f} "
                       f"{entry[kind]['cpu_quartiles_ms'][1]:31.1f}")
     homogeneous = report["plans"].get(HOMOGENEOUS, {})
     if "ratio" in homogeneous:
@@ -263,6 +298,16 @@ def main(argv=None) -> int:
         print(f"same model and data: grad norm rel diff ours vs stock "
               f"{homogeneous['grad_norm_rel_diff_first']:.1e} (first {SAME_NORM_ITERS} "
               f"iterations), {homogeneous['grad_norm_rel_diff_later']:.1e} (later)")
+    for name, entry in report["plans"].items():
+        for kind, base in RATIOS[1:]:
+            prefix = f"{kind}/{base} "
+            if f"{prefix}ratio" in entry:
+                q1, ratio, q3 = entry[f"{prefix}ratio_quartiles"]
+                print(f"{name}: {kind}/{base} wall time (median of paired iterations) = "
+                      f"{ratio:.3f} [IQR {q1:.3f}-{q3:.3f}], CPU {entry[f'{prefix}cpu_ratio']:.3f};"
+                      f" grad norm rel diff {entry[f'{prefix}grad_norm_rel_diff_first']:.1e} "
+                      f"(first {SAME_NORM_ITERS}), "
+                      f"{entry[f'{prefix}grad_norm_rel_diff_later']:.1e} (later)")
     print(f"load average (1 min) before/after: {report['load_average_1min_before']:.2f} / "
           f"{report['load_average_1min_after']:.2f} on {os.cpu_count()} CPUs")
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -50,13 +50,15 @@ class Batches:
         return self.batches[iteration]
 
 
-def _train(rank, world, the_plan, batches, options, exit_interval=None):
+def _train(rank, world, the_plan, batches, options, exit_interval=None,
+           distributed_optimizer=False):
     """One job: resume per ``options``, train to TOTAL (or the exit interval); the metrics."""
     from megatron_autohet.checkpoint.checkpointer import Checkpointer
     from megatron_autohet.runtime.optimizer import make_lr_scheduler
     from megatron_autohet.runtime.trainer import HeteroTrainer, train_iterations
 
-    trainer = HeteroTrainer(the_plan, the_plan.model, rank=rank, seed=SEED, optimizer=OPTIMIZER)
+    trainer = HeteroTrainer(the_plan, the_plan.model, rank=rank, seed=SEED, optimizer=OPTIMIZER,
+                            distributed_optimizer=distributed_optimizer)
     scheduler = make_lr_scheduler(trainer.optimizer, OPTIMIZER, TOTAL, the_plan.global_batch_size)
     checkpointer = Checkpointer(options, trainer, scheduler, seed=SEED, train_args={})
     metrics = []
@@ -137,6 +139,31 @@ def test_llama_style_model_resumes_from_asymmetric_to_homogeneous(tmp_path):
     rest = run_on_ranks(b.world_size, _train, b, batches, CheckpointOptions(load=str(tmp_path)))[0]
     diffs = [max(rel(x[0], y[0]), rel(x[1], y[1])) for x, y in zip(full[:HALF] + rest, full)]
     assert max(diffs) <= REL, diffs
+
+
+def test_distributed_optimizer_checkpoints_load_either_way(uninterrupted_and_saved, tmp_path):
+    """--use-distributed-optimizer saves the same per-parameter checkpoint: (1) a step saved
+    without it resumes with it, on a plan with asymmetric buckets; (2) a step saved with it
+    resumes without it on another plan. Both equal the uninterrupted run without it."""
+    full, batches, saved = uninterrupted_and_saved
+    a, b = plan("tiny-two-pipelines"), plan("tiny-tp-change")
+    load = tmp_path / "plain"
+    shutil.copytree(saved, load)
+    with_it = run_on_ranks(b.world_size, _train, b, batches, CheckpointOptions(load=str(load)),
+                           distributed_optimizer=True)[0]
+    sharded = tmp_path / "sharded"
+    first = run_on_ranks(a.world_size, _train, a, batches,
+                         CheckpointOptions(save=str(sharded), save_interval=HALF),
+                         exit_interval=HALF, distributed_optimizer=True)[0]
+    without_it = run_on_ranks(b.world_size, _train, b, batches,
+                              CheckpointOptions(load=str(sharded)))[0]
+    for label, resumed in (("saved without, resumed with", full[:HALF] + with_it),
+                           ("saved with, resumed without", first + without_it)):
+        assert len(resumed) == TOTAL, label
+        diffs = [max(rel(x[0], y[0]), rel(x[1], y[1])) for x, y in zip(resumed, full)]
+        assert [x[2] for x in resumed] == [y[2] for y in full], label
+        assert max(diffs) <= REL, (label, diffs)
+        print(f"--use-distributed-optimizer {label}: max relative difference {max(diffs):.2e}")
 
 
 # ---- nothing corrupt or partial is loaded ----------------------------------------------------

@@ -190,6 +190,31 @@ def test_show_recomputes_a_planned_file(capsys, tmp_path):
     assert rc == 0 and f"{stored:,.0f} tokens/s" in out
 
 
+def test_plan_for_the_distributed_optimizer(capsys, tmp_path):
+    """--use-distributed-optimizer is recorded in the plan, priced by the cost model (less
+    memory per GPU than the same plan without it) and shown."""
+    import dataclasses
+
+    from megatron_autohet.cost_model import evaluate_plan
+    from megatron_autohet.planner.search import resolve_profile
+
+    plan_file = tmp_path / "plan.yaml"
+    assert run_cli(capsys, "plan", "--cluster", H3, "--model", GPT, "--global-batch-size", 64,
+                   "--time-limit", 5, "--use-distributed-optimizer", "-o", plan_file)[0] == 0
+    plan = load_plan(plan_file)
+    assert plan.use_distributed_optimizer
+    assert yaml.safe_load(plan_file.read_text())["use_distributed_optimizer"] is True
+    cluster = load_cluster(H3)
+    profile = resolve_profile(cluster, plan.model, None, plan.micro_batch_size, plan.seq_length)
+    sharded = evaluate_plan(plan, cluster, profile)
+    assert plan.predicted["peak_memory_gib"] == round(sharded.peak_memory_gib, 3)
+    whole = evaluate_plan(dataclasses.replace(plan, use_distributed_optimizer=False), cluster,
+                          profile)
+    assert sharded.peak_memory_gib < whole.peak_memory_gib
+    rc, out, _ = run_cli(capsys, "show", plan_file)
+    assert rc == 0 and "distributed optimizer" in out
+
+
 # ---- bad input: exit 2, one clear line --------------------------------------------------------
 
 def test_unknown_gpu_type_in_cluster(capsys, tmp_path):

@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from megatron_autohet.layout.topology import rank_role
-from megatron_autohet.plan import load_plan
+from megatron_autohet.plan import load_plan, plan_from_dict
 from megatron_autohet.runtime.optimizer import OptimizerSettings
 from dist_utils import run_on_ranks
 
@@ -79,11 +79,12 @@ def _scheduled_steps(trainer, batches) -> tuple[list, list[float]]:
     return steps, rates
 
 
-def _hetero(rank, world, plan, batches, sequence_parallel=False):
+def _hetero(rank, world, plan, batches, sequence_parallel=False, distributed_optimizer=False):
     from megatron_autohet.runtime.trainer import HeteroTrainer
 
     trainer = HeteroTrainer(plan, plan.model, rank=rank, seed=SEED, optimizer=OPTIMIZER,
-                            sequence_parallel=sequence_parallel)
+                            sequence_parallel=sequence_parallel,
+                            distributed_optimizer=distributed_optimizer)
     start = time.perf_counter()
     metrics, rates = _scheduled_steps(trainer, batches)
     elapsed = time.perf_counter() - start
@@ -176,11 +177,12 @@ def test_llama_style_model_on_asymmetric_plan(record_property):
                                        "tiny-two-pipelines.yaml with a LLaMA-style model")
 
 
-def check_plan_trains_like_one_process(plan, sequence_parallel, record_property, label):
+def check_plan_trains_like_one_process(plan, sequence_parallel, record_property, label,
+                                       distributed_optimizer=False):
     batches = global_batches(plan, ITERS)
     reference, reference_params, reference_rates = run_on_ranks(1, _reference, plan, batches)[0]
     results = run_on_ranks(plan.world_size, _hetero, plan, batches, sequence_parallel,
-                           timeout=180)
+                           distributed_optimizer, timeout=180)
     ours = results[0][0]
     for rank, (metrics, *_, rates) in enumerate(results):
         assert metrics == ours, f"rank {rank} reports other metrics than rank 0"
@@ -315,3 +317,38 @@ def test_recompute_and_evaluation_match_one_process():
     assert ours[1][2] != ours[3][2]                             # fresh batches, moved weights
     # two forward calls per layer and micro-batch while training: the recompute ran
     assert {forwards for _, forwards in results} == {2.0}
+
+
+# ---- the distributed optimizer (--use-distributed-optimizer) ---------------------------------
+
+DISTRIBUTED_OPTIMIZER_PLANS = [
+    "tiny-two-pipelines.yaml",   # symmetric and TP2 buckets, groups of two holders
+    "tiny-three-pipelines.yaml", # groups of 2, 3 and 5 (the tied embedding): padded shards
+    "tiny-tp-change.yaml",       # asymmetric buckets: shards of the full-size staging buffer
+]
+
+
+@pytest.mark.parametrize("plan_file", DISTRIBUTED_OPTIMIZER_PLANS)
+def test_distributed_optimizer_trains_like_one_process(plan_file, record_property):
+    """Master weights and Adam moments sharded over each bucket's holders (reduce-scatter,
+    AdamW on the shard, all-gather): the same losses, grad norms and final weights."""
+    plan = load_plan(PLANS / plan_file)
+    check_plan_trains_like_one_process(plan, False, record_property,
+                                       f"{plan_file} --use-distributed-optimizer",
+                                       distributed_optimizer=True)
+
+
+def test_distributed_optimizer_on_symmetric_tp2_replicas(record_property):
+    """Two one-stage TP2 pipelines with sequence parallelism: symmetric TP2 buckets, where every
+    TP rank's group holds the TP-replicated layernorms (the norm counts them once) and the
+    sequence-parallel partial gradients are summed over TP before the reduce-scatter."""
+    data = load_plan(PLANS / "tiny-two-pipelines.yaml").to_dict()
+    data["cluster"] = "local-8"
+    data["ranks"] = [{"rank": r, "node": "a100", "local_rank": r, "gpu": "A100-80GB"}
+                     for r in range(4)]
+    data["pipelines"] = [{"num_microbatches": 2, "stages": [{"ranks": [0, 1], "layers": [0, 6]}]},
+                         {"num_microbatches": 2, "stages": [{"ranks": [2, 3], "layers": [0, 6]}]}]
+    plan = plan_from_dict(data, "two TP2 replicas")
+    check_plan_trains_like_one_process(plan, True, record_property,
+                                       "two TP2 replicas --use-distributed-optimizer",
+                                       distributed_optimizer=True)

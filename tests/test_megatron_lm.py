@@ -223,6 +223,21 @@ def test_pretrain_gpt_trains_the_plan_like_autohet_train(uninterrupted, data_dir
         assert norm == pytest.approx(ref_norm, rel=1e-5)
 
 
+def test_pretrain_gpt_use_distributed_optimizer(uninterrupted, tree, data_dir, tmp_path):
+    """Megatron-LM's --use-distributed-optimizer reaches the plan runtime: the Adam state is
+    sharded, the training the same."""
+    metrics = tmp_path / "metrics.jsonl"
+    result = _torchrun(tree, PLAN, ["--use-distributed-optimizer", "--autohet-metrics-jsonl",
+                                    metrics, "--autohet-data-dir", data_dir])
+    assert result.returncode == 0, _tail(result)
+    assert "> distributed optimizer: rank 0 keeps" in result.stdout
+    for (_, loss, norm, lr), (_, ref_loss, ref_norm, ref_lr) in zip(_metrics(metrics),
+                                                                    uninterrupted):
+        assert lr == ref_lr
+        assert loss == pytest.approx(ref_loss, rel=1e-5)
+        assert norm == pytest.approx(ref_norm, rel=1e-5)
+
+
 @pytest.fixture(scope="module")
 def saved_half(tree, data_dir, uninterrupted, tmp_path_factory) -> Path:
     """--save/--save-interval/--exit-interval stop PLAN after TRAIN_ITERS // 2 iterations: the

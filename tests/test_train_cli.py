@@ -87,10 +87,18 @@ def test_megatron_log_line_format():
             " grad norm: 1.234 | tokens per second: 1638.9 |") in line
 
 
-def test_train_two_pipelines_three_iterations(tmp_path):
+@pytest.mark.parametrize("distributed_optimizer", ["", "flag", "plan"])
+def test_train_two_pipelines_three_iterations(tmp_path, distributed_optimizer):
+    """Also with the distributed optimizer, from the flag or from a plan made for it."""
     metrics = tmp_path / "metrics.jsonl"
     peak, floor = 2e-3, 2e-4
-    result = _autohet("train", "--plan", str(PLAN), "--model", str(MODEL), "--iters", "3",
+    plan, flags = PLAN, []
+    if distributed_optimizer == "flag":
+        flags = ["--use-distributed-optimizer"]
+    elif distributed_optimizer == "plan":
+        plan = tmp_path / "plan.yaml"
+        plan.write_text(PLAN.read_text() + "use_distributed_optimizer: true\n")
+    result = _autohet("train", "--plan", str(plan), "--model", str(MODEL), "--iters", "3", *flags,
                       "--lr", str(peak), "--min-lr", str(floor), "--lr-warmup-iters", "1",
                       "--lr-decay-style", "cosine", "--weight-decay", "0.1",
                       "--metrics-jsonl", str(metrics), "--data-dir", str(tmp_path / "data"))
@@ -110,3 +118,7 @@ def test_train_two_pipelines_three_iterations(tmp_path):
     assert [r["learning_rate"] for r in records] == pytest.approx(expected, rel=1e-12)
     lines = [line for line in result.stdout.splitlines() if " iteration " in line]
     assert len(lines) == 3 and "lm loss:" in lines[-1] and "tokens per second:" in lines[-1]
+    # rank 0 (stage 0 of the TP2 pipeline: layers 0-4 + embeddings, asymmetric with the TP1
+    # pipeline) keeps the state of about half of its elements
+    assert ("> distributed optimizer: rank 0 keeps" in result.stdout) == bool(
+        distributed_optimizer)

@@ -44,6 +44,9 @@ Design (why)
   ``(1, 0, 0)`` elsewhere. megatron's per-rank ``validate_access_integrity`` assumes one local
   shape per key, which mixed TP degrees break, so it is off and the owner map is what guarantees
   exactly one writer per chunk (tests/test_layout.py checks it for every proof plan).
+* The distributed optimizer (runtime/distributed_optimizer.py) writes and reads the same
+  entries: a save all-gathers its moment shards into per-parameter tensors, a load scatters the
+  per-parameter tensors back into its shards, so one checkpoint serves both optimizers.
 * Adam moments reuse the parameter's sharding (megatron-core's ``make_sharded_optimizer_tensor``,
   keys ``optimizer.state.exp_avg.<param key>``, the keys Megatron-LM's optimizer writes). AdamW is
   elementwise, so moments reshard exactly like the weights. The step count is one integer for all
@@ -81,11 +84,11 @@ import torch
 
 from megatron_autohet.layout.owners import is_main_replica
 from megatron_autohet.layout.params import ParamLayout, global_param_name
+from megatron_autohet.runtime.optimizer import ADAM_STATE_KEYS
 from megatron_autohet.spec.model import VOCAB_PAD_UNIT
 
 MAIN_REPLICA = (0, 0, 0)
 OTHER_REPLICA = (1, 0, 0)
-ADAM_STATE_KEYS = ("exp_avg", "exp_avg_sq")
 RNG_KEY = "autohet.rng_state"
 CHECKPOINT_VERSION = 3.0            # Megatron-LM's current checkpoint_version
 # Megatron-LM's _build_sharded_state_dict_metadata without a distributed optimizer.
@@ -127,17 +130,29 @@ def rank_sharded_state_dict(trainer, *, for_load: bool = False) -> dict:
     from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
 
     model = model_sharded_state_dict(trainer)
+    states = {} if for_load else _adam_states(trainer)
     optimizer = {}
     for name, param in trainer.model.named_parameters():
-        state = trainer.optimizer.state.get(param, {})
+        state = states.get(name, {})
         for key in ADAM_STATE_KEYS:
-            tensor = torch.zeros_like(param) if for_load or key not in state else state[key]
+            tensor = state[key] if key in state else torch.zeros_like(param)
             optimizer[f"{key}.{name}"] = make_sharded_optimizer_tensor(
                 model[name], tensor, prefix=f"optimizer.state.{key}")
     return {"model": model, "optimizer": optimizer}
 
 
+def _adam_states(trainer) -> dict:
+    """Local parameter name -> its Adam moments in the parameter's local shape. The distributed
+    optimizer all-gathers them from its shards (a collective of every rank)."""
+    if trainer.distributed_optimizer:
+        return trainer.optimizer.param_states()
+    return {name: trainer.optimizer.state.get(param, {})
+            for name, param in trainer.model.named_parameters()}
+
+
 def optimizer_step(trainer) -> int:
+    if trainer.distributed_optimizer:
+        return trainer.optimizer.steps
     steps = {int(s["step"]) for s in trainer.optimizer.state.values() if "step" in s}
     if len(steps) > 1:
         raise RuntimeError(f"parameters are at different optimizer steps {sorted(steps)}")
@@ -281,7 +296,13 @@ def apply_loaded(trainer, scheduler, loaded: dict, *, load_optim: bool = True,
     named = dict(trainer.model.named_parameters())
     for name, param in named.items():
         param.copy_(loaded["model"][name])
-    if load_optim:
+    if trainer.distributed_optimizer:
+        # The shards' master weights follow the loaded weights; the moments if loaded.
+        trainer.optimizer.load(
+            {name: {key: loaded["optimizer"][f"{key}.{name}"] for key in ADAM_STATE_KEYS}
+             for name in named} if load_optim else None,
+            loaded_optimizer_step(loaded["optimizer"]) if load_optim else 0)
+    elif load_optim:
         step = torch.tensor(float(loaded_optimizer_step(loaded["optimizer"])),
                             dtype=torch.float32)
         for name, param in named.items():
@@ -289,6 +310,7 @@ def apply_loaded(trainer, scheduler, loaded: dict, *, load_optim: bool = True,
                 "step": step.clone(),
                 **{key: loaded["optimizer"][f"{key}.{name}"].to(param.device).clone()
                    for key in ADAM_STATE_KEYS}}
+    if load_optim:
         scheduler.load_state_dict(loaded["opt_param_scheduler"])
     rng = loaded.get(RNG_KEY)
     if rng is not None:

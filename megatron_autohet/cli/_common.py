@@ -186,7 +186,8 @@ def format_prediction(plan, cost=None) -> str:
              f"{predicted['tokens_per_s']:,.0f} tokens/s "
              f"(global batch {plan.global_batch_size} x seq {plan.seq_length}, micro-batch "
              f"{plan.micro_batch_size}, activation recompute "
-             f"{'on' if plan.activation_recompute else 'off'})"]
+             f"{'on' if plan.activation_recompute else 'off'}"
+             + (", distributed optimizer" if plan.use_distributed_optimizer else "") + ")"]
     if "pipeline_time_s" in predicted:
         lines.append(f"  = pipelines {predicted['pipeline_time_s']:.4g} s + gradient sync "
                      f"{predicted['grad_sync_s']:.4g} s + optimizer {predicted['optimizer_s']:.4g} s; "

@@ -21,6 +21,11 @@ def register(subparsers) -> None:
     p.add_argument("--tp", type=int, nargs="+", default=None, metavar="T",
                    help="only search these TP degrees (default: every degree that divides the "
                         "model's heads and every node's GPU count)")
+    p.add_argument("--use-distributed-optimizer", action="store_true",
+                   help="plan for Megatron-LM's distributed optimizer: Adam state sharded over "
+                        "each parameter's holders (less memory, a reduce-scatter + all-gather "
+                        "instead of the all-reduce); recorded in the plan, which then trains "
+                        "with it")
     p.add_argument("-o", "--output", required=True, metavar="plan.yaml",
                    help="where to write the plan")
     p.set_defaults(func=run)
@@ -35,7 +40,8 @@ def run(args) -> int:
           f"global batch {args.global_batch_size}, micro-batch {args.micro_batch_size}")
     started = time.perf_counter()
     best = search(cluster, model, profile, args.global_batch_size, args.micro_batch_size,
-                  args.seq_length, tp_degrees=args.tp, **planning_options(args))
+                  args.seq_length, tp_degrees=args.tp,
+                  distributed_optimizer=args.use_distributed_optimizer, **planning_options(args))
     elapsed = time.perf_counter() - started
     best.plan.save(args.output)
     print(format_plan_table(best.plan, best.cost))

@@ -53,6 +53,12 @@ def register(subparsers) -> None:
         (("--adam-beta1",), dict(type=float, default=0.9, help="AdamW beta1 (default 0.9)")),
         (("--adam-beta2",), dict(type=float, default=0.999, help="AdamW beta2 (default 0.999)")),
         (("--adam-eps",), dict(type=float, default=1e-8, help="AdamW epsilon (default 1e-8)")),
+        (("--use-distributed-optimizer",), dict(
+            action="store_true",
+            help="shard the fp32 master weights and Adam moments over the replicas holding each "
+                 "parameter (reduce-scatter of gradients, all-gather of weights), as "
+                 "Megatron-LM's flag; a plan made with it (`autohet plan "
+                 "--use-distributed-optimizer`) always trains with it")),
         (("--metrics-jsonl",), dict(default=None,
                                     help="also write one JSON object per iteration to this file")),
         (("--data-path",), dict(default=None,
@@ -194,7 +200,8 @@ def run(args: argparse.Namespace) -> int:
                            exit_signal_handler=args.exit_signal_handler,
                            distributed_timeout_minutes=timeout,
                            eval_interval=args.eval_interval, eval_iters=args.eval_iters,
-                           split=args.split)
+                           split=args.split,
+                           distributed_optimizer=args.use_distributed_optimizer)
     if args.elastic:
         from megatron_autohet.elastic.worker import ElasticWorker
         from megatron_autohet.spec.cluster import load_cluster

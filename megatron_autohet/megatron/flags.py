@@ -104,6 +104,8 @@ FLAGS: dict[str, FlagRule] = {
     "--adam-beta2": FlagRule(RUNTIME, "AdamW beta2"),
     "--adam-eps": FlagRule(RUNTIME, "AdamW epsilon"),
     "--clip-grad": FlagRule(RUNTIME, "global grad-norm clipping"),
+    "--use-distributed-optimizer": FlagRule(RUNTIME, "master weights and Adam state sharded "
+                                                     "over each parameter's holders"),
     "--seed": FlagRule(RUNTIME, "initial weights, data shuffle, dropout streams"),
     "--data-path": FlagRule(RUNTIME, "one indexed-dataset prefix read by every rank"),
     "--split": FlagRule(RUNTIME, "train/validation documents of --data-path or the built-in "
@@ -149,7 +151,6 @@ FLAGS: dict[str, FlagRule] = {
     # Being implemented; flipped to honoured when they land.
     "--bf16": FlagRule(REFUSED, _NOT_YET),
     "--fp16": FlagRule(REFUSED, _NOT_YET),
-    "--use-distributed-optimizer": FlagRule(REFUSED, _NOT_YET),
     "--recompute-activations": FlagRule(REFUSED, "not set (selective recompute: the planner "
                                                  "does not price it; the plan's "
                                                  "activation_recompute turns full recompute on)"),

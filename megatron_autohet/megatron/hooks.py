@@ -378,7 +378,11 @@ def pretrain_from_plan(args) -> None:
                                   adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2,
                                   adam_eps=args.adam_eps, clip_grad=args.clip_grad)
     trainer = HeteroTrainer(plan, plan.model, rank=rank, seed=args.seed, optimizer=optimizer,
-                            plan_file=str(plan_path))
+                            plan_file=str(plan_path),
+                            distributed_optimizer=(args.use_distributed_optimizer
+                                                   or plan.use_distributed_optimizer))
+    if trainer.distributed_optimizer and rank == 0:
+        print(trainer.optimizer.summary(), flush=True)
     # Megatron-LM's own warm-up/decay and weight-decay schedule, stepping our param_groups by
     # the samples of each iteration, as Megatron's train_step does; its state (in samples) is
     # what a checkpoint saves and a resume loads back.

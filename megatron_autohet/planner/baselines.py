@@ -58,7 +58,8 @@ def grid_plan(problem: Problem, tp: int, pp: int, dp: int, microbatches: list[in
     return Plan(cluster=problem.cluster.name, model=problem.model,
                 micro_batch_size=problem.micro_batch_size,
                 global_batch_size=problem.global_batch_size, seq_length=problem.seq_length,
-                ranks=ranks, pipelines=pipelines, activation_recompute=recompute)
+                ranks=ranks, pipelines=pipelines, activation_recompute=recompute,
+                use_distributed_optimizer=problem.distributed_optimizer)
 
 
 def _proportional(weights: list[float], total: int) -> list[int]:
@@ -108,7 +109,8 @@ def fastest_type_only(problem: Problem, recompute_modes: list[bool], **space) ->
     fastest = max(cluster.gpu_types.values(), key=lambda g: g.dense_tflops).name
     sub = cluster.subset([n.name for n in cluster.nodes if n.gpu == fastest])
     sub_problem = Problem(sub, problem.model, problem.profile, problem.global_batch_size,
-                          problem.micro_batch_size, problem.seq_length)
+                          problem.micro_batch_size, problem.seq_length,
+                          problem.distributed_optimizer)
     return _best(sub_problem, f"megatron-lm ({fastest} only)", False, recompute_modes, **space)
 
 

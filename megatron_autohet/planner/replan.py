@@ -145,7 +145,8 @@ def derived_plan(previous: Plan, problem: Problem) -> Candidate | None:
                 micro_batch_size=previous.micro_batch_size,
                 global_batch_size=previous.global_batch_size, seq_length=previous.seq_length,
                 ranks=[RankInfo(i, d.node, d.local_rank, d.gpu) for i, d in enumerate(used)],
-                pipelines=pipelines, activation_recompute=previous.activation_recompute)
+                pipelines=pipelines, activation_recompute=previous.activation_recompute,
+                use_distributed_optimizer=previous.use_distributed_optimizer)
     cost = evaluate(problem, plan)
     counts = _split_microbatches(cost, total)
     if counts != [p.num_microbatches for p in plan.pipelines]:
@@ -200,7 +201,9 @@ def replan(previous: Plan, cluster: Cluster, model: ModelSpec, profile: Profile 
     if fleet_unchanged(previous, cluster):
         cost = evaluate_plan(previous, cluster, resolved, with_timeline=False)
         return Replan(previous, cost, 0, cost.iteration_time_s, 0, True)
-    problem = Problem(cluster, model, resolved, previous.global_batch_size, mbs, seq)
+    # The new plan keeps the previous one's optimizer (the job's flags do not change)
+    problem = Problem(cluster, model, resolved, previous.global_batch_size, mbs, seq,
+                      previous.use_distributed_optimizer)
     derived = derived_plan(previous, problem)
     judged: list[Candidate] = []
     best = search(cluster, model, profile, previous.global_batch_size, mbs, seq,
@@ -208,6 +211,7 @@ def replan(previous: Plan, cluster: Cluster, model: ModelSpec, profile: Profile 
                   activation_recompute=activation_recompute, time_limit_s=time_limit_s,
                   progress=progress, tp_degrees=tp_degrees, max_stages=max_stages,
                   seeds=[derived] if derived else [], baselines=derived is None,
+                  distributed_optimizer=previous.use_distributed_optimizer,
                   on_candidate=judged.append)
     # The warm-up post-pass changed the best plan in place: its cost is the returned one.
     judged = [best if c.plan is best.plan else c for c in judged]

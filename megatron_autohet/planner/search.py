@@ -158,10 +158,11 @@ def stage_sequences(pools: list[Pool], max_stages: int) -> list[tuple[int, ...]]
     return list(out)
 
 
-def _keep_best(options: list[PipelineOption], total: int) -> list[PipelineOption]:
+def _keep_best(options: list[PipelineOption], total: int,
+               distributed_optimizer: bool) -> list[PipelineOption]:
     """Of the options with one GPU-count vector, those that are best for a pipeline running its
     share of the batch for some pipeline count (KEEP_FOR_COUNTS), or best in period alone."""
-    table = OptionTable(options)
+    table = OptionTable(options, distributed_optimizer)
     keep = {int(np.lexsort((table.fill_s, table.period_s))[0])}
     for d in KEEP_FOR_COUNTS:
         share = math.ceil(total / d)
@@ -249,9 +250,11 @@ def build_options(problem: Problem, config: Config, max_stages: int | None) -> N
             option_for_split(seq, coeffs, layers)
             for layers in layer_splits(problem, coeffs))
     config.options = [o for group in by_counts.values() if group
-                      for o in _keep_best(group, problem.num_microbatches)]
+                      for o in _keep_best(group, problem.num_microbatches,
+                                          problem.distributed_optimizer)]
     config.memory_bound = memory_bound
-    config.table = OptionTable(config.options) if config.options else None
+    config.table = (OptionTable(config.options, problem.distributed_optimizer)
+                    if config.options else None)
 
 
 @dataclass(order=True)
@@ -499,18 +502,23 @@ def make_plan(cluster: Cluster, model: ModelSpec, profile: Profile | None,
               global_batch_size: int, micro_batch_size: int, seq_length: int | None = None, *,
               allow_asymmetric_tp: bool = False, activation_recompute: bool | None = None,
               time_limit_s: float = 60.0, progress: bool = True,
-              tp_degrees: list[int] | None = None, max_stages: int | None = None) -> Plan:
+              tp_degrees: list[int] | None = None, max_stages: int | None = None,
+              distributed_optimizer: bool = False) -> Plan:
     """The fastest plan the search finds (see module doc), annotated with its predictions.
 
     ``profile`` None plans on analytic estimates; a given profile (measured or estimated) wins
     over the estimates where it has entries. ``activation_recompute`` None decides per plan.
     ``tp_degrees`` restricts the TP degrees searched; ``max_stages`` the pipeline depth.
+    ``distributed_optimizer``: plans for Megatron-LM's --use-distributed-optimizer, priced so
+    and recorded in the plan (the options' memory limits stay those of unsharded Adam state:
+    the search does not look for splits that fit only thanks to the sharding).
     Raises ConfigError when the batch cannot be split or no plan fits in memory.
     """
     return search(cluster, model, profile, global_batch_size, micro_batch_size, seq_length,
                   allow_asymmetric_tp=allow_asymmetric_tp,
                   activation_recompute=activation_recompute, time_limit_s=time_limit_s,
-                  progress=progress, tp_degrees=tp_degrees, max_stages=max_stages).plan
+                  progress=progress, tp_degrees=tp_degrees, max_stages=max_stages,
+                  distributed_optimizer=distributed_optimizer).plan
 
 
 def search(cluster: Cluster, model: ModelSpec, profile: Profile | None, global_batch_size: int,
@@ -519,7 +527,8 @@ def search(cluster: Cluster, model: ModelSpec, profile: Profile | None, global_b
            time_limit_s: float = 60.0, progress: bool = True, tp_degrees: list[int] | None = None,
            max_stages: int | None = None, seeds: Sequence[Candidate] = (),
            baselines: bool = True,
-           on_candidate: Callable[[Candidate], None] | None = None) -> Candidate:
+           on_candidate: Callable[[Candidate], None] | None = None,
+           distributed_optimizer: bool = False) -> Candidate:
     """make_plan, returning the plan with its cost and the TP/recompute choice.
 
     For the re-planner (planner/replan.py): ``seeds`` are extra incumbents (plans of this
@@ -532,7 +541,8 @@ def search(cluster: Cluster, model: ModelSpec, profile: Profile | None, global_b
 
     seq_length = seq_length or model.seq_length
     profile = resolve_profile(cluster, model, profile, micro_batch_size, seq_length)
-    problem = Problem(cluster, model, profile, global_batch_size, micro_batch_size, seq_length)
+    problem = Problem(cluster, model, profile, global_batch_size, micro_batch_size, seq_length,
+                      distributed_optimizer)
     check_batch(problem)
     gpus = list(dict.fromkeys(n.gpu for n in cluster.nodes))
     max_node = max(n.num_gpus for n in cluster.nodes)

@@ -29,14 +29,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from megatron_autohet.cost_model import (GIB, PlanCost, annotate_plan, evaluate_plan,
-                                         grad_allreduce_s, optimizer_step_s, p2p_s,
+from megatron_autohet.cost_model import (GIB, GRAD_BYTES_PER_PARAM, PlanCost, annotate_plan,
+                                         evaluate_plan, grad_allreduce_s, optimizer_step_s, p2p_s,
                                          stage_compute_s, stage_memory_bytes, stage_param_count)
 from megatron_autohet.errors import ConfigError
 from megatron_autohet.plan import Pipeline, Plan, RankInfo, Stage
 from megatron_autohet.profiling.profile import Profile, ProfileEntry
 from megatron_autohet.spec.cluster import Cluster
 from megatron_autohet.spec.model import ModelSpec
+from megatron_autohet.spec.precision import PLANNING_PRECISION
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,8 @@ class Problem:
     global_batch_size: int
     micro_batch_size: int
     seq_length: int
+    # Plans for --use-distributed-optimizer: priced with sharded Adam state (cost_model.py)
+    distributed_optimizer: bool = False
 
     @property
     def num_microbatches(self) -> int:
@@ -94,6 +97,12 @@ def make_pools(cluster: Cluster, tp_of_gpu: dict[str, int]) -> list[Pool]:
                               min(n.inter_node_bandwidth_gbs for n in nodes),
                               min(n.intra_node_bandwidth_gbs for n in nodes)))
     return pools
+
+
+# The distributed optimizer's sync bytes over the all-reduce's: (fp32 gradients reduce-scattered
+# + bf16 weights all-gathered) / (2 x fp32 gradients), per member of a ring.
+DISTRIBUTED_SYNC_FRACTION = (GRAD_BYTES_PER_PARAM + PLANNING_PRECISION.element_bytes) / (
+    2 * GRAD_BYTES_PER_PARAM)
 
 
 def ring_factor(holders: int) -> float:
@@ -139,7 +148,8 @@ class OptionTable:
     padded with zeros, which never win the maximum.
     """
 
-    def __init__(self, options: list[PipelineOption]):
+    def __init__(self, options: list[PipelineOption], distributed_optimizer: bool = False):
+        self.distributed_optimizer = distributed_optimizer
         width = max(len(o.layers) for o in options)
 
         def padded(values: tuple[float, ...]) -> list[float]:
@@ -158,7 +168,12 @@ class OptionTable:
                                ring_factor(pipelines))
         tied = self.tied_own if pipelines == 1 else self.tied
         sync = (ring_factor(pipelines) * self.shared + tied_factor[:, None] * tied).max(axis=1)
-        return sync + self.optimizer_s
+        if not self.distributed_optimizer:
+            return sync + self.optimizer_s
+        # reduce-scatter of fp32 gradients + all-gather of bf16 weights: (4 + 2) / 8 of the
+        # all-reduce's bytes; Adam steps 1/D of the parameters (1/D or less: the tied
+        # embedding has more holders), cost_model.py
+        return DISTRIBUTED_SYNC_FRACTION * sync + self.optimizer_s / pipelines
 
 
 @dataclass(frozen=True)
@@ -428,7 +443,8 @@ def build_plan(problem: Problem, pools: list[Pool], options: list[PipelineOption
                 micro_batch_size=problem.micro_batch_size,
                 global_batch_size=problem.global_batch_size, seq_length=problem.seq_length,
                 ranks=[RankInfo(i, d.node, d.local_rank, d.gpu) for i, d in enumerate(used)],
-                pipelines=pipelines, activation_recompute=recompute)
+                pipelines=pipelines, activation_recompute=recompute,
+                use_distributed_optimizer=problem.distributed_optimizer)
 
 
 def evaluate(problem: Problem, plan: Plan) -> PlanCost:

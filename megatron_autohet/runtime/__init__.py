@@ -11,6 +11,7 @@ p2p             activations and gradients between stages of different TP degrees
 schedule        one iteration's forward/backward on megatron-core's pipeline schedules
 grad_sync       layer-wise data-parallel gradient sync across pipelines of different shapes
 optimizer       AdamW with megatron's no-decay rule + megatron-core's LR scheduler (shared)
+distributed_optimizer  --use-distributed-optimizer: Adam state sharded over each bucket's group
 trainer         HeteroTrainer: schedule, grad sync and optimizer step of one iteration
 train_log       Megatron-LM's per-iteration console line and the same fields as JSON lines
 reference       single-process ground truth: the loss and micro-batch split definitions

@@ -30,6 +30,10 @@ zero full-size staging buffer; every holder writes its shard at its slice of the
 holder ranks gives the full gradient everywhere, and each rank copies back its slice. That is exact
 (it is the same sum) and only asymmetric specs pay for the full-size buffer.
 
+With ``shard_padding`` the buckets are padded to a multiple of their group size, and the
+distributed optimizer (runtime/distributed_optimizer.py) reduce-scatters them instead of
+:meth:`GradSync.sync` (it calls :meth:`GradSync.prepare` and each bucket's ``stage``).
+
 Sequence parallelism: Megatron's TP layers already all-reduce the *activation* gradients inside the
 TP group, so TP-partitioned weights and, without sequence parallelism, TP-replicated weights
 (layernorms) have complete gradients. With sequence parallelism each TP rank sees only its
@@ -68,6 +72,7 @@ class _Bucket:
     grad_data: torch.Tensor             # flat local grads; each param's .grad is a view into it
     full_data: torch.Tensor | None      # asymmetric only: flat full-size staging buffer
     full_offsets: list[int]             # of each param in full_data
+    grad_offsets: list[int]             # of each param in grad_data
 
     @property
     def reduces(self) -> bool:
@@ -86,14 +91,28 @@ class _Bucket:
                 raise RuntimeError("a parameter's .grad was replaced; zero gradients with "
                                    "GradSync.zero_grad(), not optimizer.zero_grad()")
 
-    def start(self) -> dist.Work:
+    @property
+    def reduced(self) -> torch.Tensor:
+        """The flat buffer the group sums: ``grad_data``, or ``full_data`` when asymmetric."""
+        return self.grad_data if self.full_data is None else self.full_data
+
+    @property
+    def reduced_offsets(self) -> list[int]:
+        """Where each parameter starts in :attr:`reduced`."""
+        return self.grad_offsets if self.full_data is None else self.full_offsets
+
+    def stage(self) -> None:
+        """Asymmetric only: write this rank's gradients at their slices of ``full_data``."""
         if self.full_data is None:
-            return dist.all_reduce(self.grad_data, group=self.group, async_op=True)
+            return
         self.full_data.zero_()
         for i, (param, layout) in enumerate(zip(self.params, self.layouts)):
             if layout.partition_dim is not None or layout.tp_rank == 0:
                 layout.write_shard(self.full_view(i), param.grad)
-        return dist.all_reduce(self.full_data, group=self.group, async_op=True)
+
+    def start(self) -> dist.Work:
+        self.stage()
+        return dist.all_reduce(self.reduced, group=self.group, async_op=True)
 
     def finish(self) -> None:
         if self.full_data is None:
@@ -114,14 +133,19 @@ class GradSync:
         tp_group: this rank's stage TP group as a torch group.
         sequence_parallel: whether the stage runs with Megatron sequence parallelism.
         bucket_numel: the most elements per bucket (a parameter is never split).
+        shard_padding: pad each bucket's reduced buffer with zeros to a multiple of its group
+            size, so that it splits into equal contiguous shards (the distributed optimizer's
+            reduce-scatter, runtime/distributed_optimizer.py).
     """
 
     def __init__(self, model: torch.nn.Module, layouts: dict, specs: list[SyncGroupSpec],
                  groups: list, *, holder: tuple[int, ...], tp_group: dist.ProcessGroup | None,
-                 sequence_parallel: bool, bucket_numel: int = DEFAULT_BUCKET_NUMEL):
+                 sequence_parallel: bool, bucket_numel: int = DEFAULT_BUCKET_NUMEL,
+                 shard_padding: bool = False):
         if len(specs) != len(groups):
             raise ValueError(f"{len(specs)} sync group specs but {len(groups)} groups")
         holder = tuple(holder)
+        self.shard_padding = shard_padding
         self.tp_group = tp_group
         self.params: list[torch.nn.Parameter] = []
         self.sequence_parallel_params: list[torch.nn.Parameter] = []
@@ -172,8 +196,11 @@ class GradSync:
             self._make_bucket(group, params[start:], layouts[start:], symmetric)
 
     def _make_bucket(self, group, params, layouts, symmetric):
+        multiple = (dist.get_world_size(group) if self.shard_padding and group is not None
+                    else 1)
         offsets = _offsets([p.numel() for p in params])
-        grad_data = torch.zeros(offsets[-1], dtype=params[0].dtype, device=params[0].device)
+        grad_data = torch.zeros(_round_up(offsets[-1], multiple if symmetric else 1),
+                                dtype=params[0].dtype, device=params[0].device)
         grads = [grad_data[off:off + param.numel()].view_as(param)
                  for param, off in zip(params, offsets)]
         for param, grad in zip(params, grads):
@@ -181,10 +208,10 @@ class GradSync:
         full_data, full_offsets = None, []
         if not symmetric:
             full_offsets = _offsets([torch.Size(layout.full_shape).numel() for layout in layouts])
-            full_data = torch.zeros(full_offsets[-1], dtype=grad_data.dtype,
-                                    device=grad_data.device)
+            full_data = torch.zeros(_round_up(full_offsets[-1], multiple),
+                                    dtype=grad_data.dtype, device=grad_data.device)
         self.buckets.append(_Bucket(params, layouts, grads, group, grad_data, full_data,
-                                    full_offsets[:-1]))
+                                    full_offsets[:-1], offsets[:-1]))
 
     def _verify_bucket_extents(self) -> None:
         """Every member of a group must bucket the same number of elements; a plan whose ranks
@@ -192,7 +219,7 @@ class GradSync:
         for bucket in self.buckets:
             if not bucket.reduces:
                 continue
-            numel = (bucket.grad_data if bucket.full_data is None else bucket.full_data).numel()
+            numel = bucket.reduced.numel()
             extent = torch.tensor([numel, -numel], dtype=torch.int64,
                                   device=bucket.grad_data.device)   # NCCL needs device tensors
             dist.all_reduce(extent, op=dist.ReduceOp.MAX, group=bucket.group)
@@ -210,9 +237,9 @@ class GradSync:
         for bucket in self.buckets:
             bucket.grad_data.zero_()
 
-    def sync(self) -> None:
-        """Sum every gradient over its holders; afterwards each replica holds the global-batch
-        gradient of its parameters."""
+    def prepare(self) -> None:
+        """Before any bucket collective: check the gradient views and sum the sequence-parallel
+        partial gradients over the TP group (module doc)."""
         for bucket in self.buckets:
             bucket.check_grad_views()
         if self.sequence_parallel_params and dist.get_world_size(self.tp_group) > 1:
@@ -221,6 +248,11 @@ class GradSync:
             dist.all_reduce(flat, group=self.tp_group)
             for grad, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
                 grad.copy_(synced)
+
+    def sync(self) -> None:
+        """Sum every gradient over its holders; afterwards each replica holds the global-batch
+        gradient of its parameters."""
+        self.prepare()
         pending = [(bucket, bucket.start()) for bucket in self.buckets if bucket.reduces]
         for bucket, work in pending:
             work.wait()
@@ -240,6 +272,10 @@ class GradSync:
     def clip(self, max_norm: float, total_norm: float) -> None:
         """Scale every local gradient by max_norm / (total_norm + 1e-6) if that is below one."""
         clip_grad_by_total_norm_fp32(self.params, max_norm, total_norm)
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
 
 
 def _offsets(sizes: list[int]) -> list[int]:

@@ -70,6 +70,8 @@ from dataclasses import dataclass
 from megatron_autohet.errors import ConfigError
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
+# AdamW's per-parameter moments (torch's state keys, Megatron-LM's checkpoint keys).
+ADAM_STATE_KEYS = ("exp_avg", "exp_avg_sq")
 LR_WARMUP_INIT = 0.0          # Megatron-LM's --lr-warmup-init default: warm-up starts at 0
 
 

@@ -6,14 +6,15 @@ own when the plan is one regular TP x PP x DP grid. This module is that baseline
 
 Public API
 ----------
-``StockMegatronTrainer(plan, *, rank, seed, optimizer)``
+``StockMegatronTrainer(plan, *, rank, seed, optimizer, distributed_optimizer=False)``
     ``torch.distributed`` must be initialised with the plan's world size. Builds, with
     megatron-core's own machinery only: ``parallel_state.initialize_model_parallel``, a
     ``GPTModel`` of this rank's stage (local layer spec), ``DistributedDataParallel`` with its
     contiguous grad buffers, ``finalize_model_grads`` (DP all-reduce, tied-embedding all-reduce)
     as the schedule's finalize hook, ``get_megatron_optimizer`` (AdamW with megatron's own
     parameter groups and no-decay rule, megatron's grad-norm clipping; hyper-parameters from the
-    ``OptimizerSettings``) and ``get_forward_backward_func`` (megatron's own P2P and 1F1B).
+    ``OptimizerSettings``; with ``distributed_optimizer`` megatron-core's DistributedOptimizer,
+    which runs on gloo too) and ``get_forward_backward_func`` (megatron's own P2P and 1F1B).
     ``.optimizer`` is megatron's optimizer: a learning-rate scheduler
     (``optimizer.make_lr_scheduler``) drives its ``param_groups`` exactly as it drives ours.
     ``train_step(global_batch) -> StockStep`` runs one iteration; ``close()`` destroys megatron's
@@ -83,7 +84,8 @@ def check_homogeneous(plan: Plan) -> None:
 class StockMegatronTrainer:
     """One rank of stock megatron-core training a homogeneous plan (see module doc)."""
 
-    def __init__(self, plan: Plan, *, rank: int, seed: int, optimizer: OptimizerSettings):
+    def __init__(self, plan: Plan, *, rank: int, seed: int, optimizer: OptimizerSettings,
+                 distributed_optimizer: bool = False):
         from megatron.core import parallel_state as mps
         from megatron.core import tensor_parallel
         from megatron.core.distributed import (DistributedDataParallel,
@@ -123,14 +125,19 @@ class StockMegatronTrainer:
         self.layouts = layouts = param_layouts(model, SimpleNamespace(plan=plan, role=role))
         initialize_parameters(((p, layouts[n]) for n, p in model.named_parameters()),
                               plan.model, seed)
-        self.model = DistributedDataParallel(config, DistributedDataParallelConfig(), model)
+        # distributed_optimizer: megatron-core's own DistributedOptimizer (--use-distributed-
+        # optimizer) over its one DP group, for comparisons with ours
+        self.model = DistributedDataParallel(
+            config, DistributedDataParallelConfig(use_distributed_optimizer=distributed_optimizer),
+            model)
         config.finalize_model_grads_func = finalize_model_grads
         optimizer.validate()
         self.optimizer = get_megatron_optimizer(
             OptimizerConfig(optimizer="adam", lr=optimizer.lr, min_lr=optimizer.min_lr,
                             weight_decay=optimizer.weight_decay, decoupled_weight_decay=True,
                             adam_beta1=optimizer.adam_beta1, adam_beta2=optimizer.adam_beta2,
-                            adam_eps=optimizer.adam_eps, clip_grad=optimizer.clip_grad),
+                            adam_eps=optimizer.adam_eps, clip_grad=optimizer.clip_grad,
+                            use_distributed_optimizer=distributed_optimizer),
             [self.model])
         # Megatron builds every group with weight_decay = config.weight_decay and leaves applying
         # the group's wd_mult to its scheduler's first step; do it now so the optimizer is right

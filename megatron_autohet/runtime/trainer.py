@@ -46,7 +46,10 @@ biases and 1-D parameters, decided on global names so every rank agrees) on each
 shards, with the global grad norm and clipping of :class:`GradSync` (megatron-core's
 ``get_grad_norm_fp32`` / ``clip_grad_by_total_norm_fp32`` over the world, each parameter counted
 once). AdamW is elementwise, so AdamW on shards equals AdamW on the full tensors; only the norm
-needs the whole model, and that is what GradSync provides. The learning-rate schedule is the
+needs the whole model, and that is what GradSync provides. With ``distributed_optimizer``
+(``--use-distributed-optimizer``) runtime/distributed_optimizer.py replaces both: it
+reduce-scatters the gradient buckets, steps AdamW on each rank's shards of them and all-gathers
+the weights; ``.optimizer`` is then that object and ``.grads`` (sync, norm, clip) too. The learning-rate schedule is the
 caller's, between iterations: megatron-core's ``OptimizerParamScheduler`` on ``.optimizer``
 (``make_lr_scheduler`` for ``autohet train``, Megatron-LM's own ``get_optimizer_param_scheduler``
 on the ``pretrain_gpt.py`` path), stepped after each :meth:`HeteroTrainer.train_step`. megatron-core's ``MegatronOptimizer`` was not used because it computes the
@@ -65,6 +68,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_autohet.plan import Plan
+from megatron_autohet.runtime.distributed_optimizer import DistributedOptimizer
 from megatron_autohet.runtime.grad_sync import DEFAULT_BUCKET_NUMEL, GradSync
 from megatron_autohet.runtime.parallel_state import build_parallel_state
 from megatron_autohet.runtime.optimizer import OptimizerSettings, make_optimizer
@@ -96,11 +100,15 @@ class HeteroTrainer:
             rate is the initial one; a scheduler on ``.optimizer`` changes it between steps.
         sequence_parallel: Megatron sequence parallelism on every stage with TP > 1.
         bucket_numel: gradient bucket size in elements (runtime/grad_sync.py).
+        distributed_optimizer: shard the master weights and Adam moments over each bucket's
+            holders, reduce-scatter / all-gather instead of the all-reduce
+            (runtime/distributed_optimizer.py; Megatron-LM's --use-distributed-optimizer).
     """
 
     def __init__(self, plan: Plan, model_spec: ModelSpec | None = None, *, rank: int, seed: int,
                  optimizer: OptimizerSettings, sequence_parallel: bool = False,
-                 bucket_numel: int = DEFAULT_BUCKET_NUMEL, plan_file: str = "<plan>"):
+                 bucket_numel: int = DEFAULT_BUCKET_NUMEL, plan_file: str = "<plan>",
+                 distributed_optimizer: bool = False):
         optimizer.validate(source=plan_file)
         self.plan = plan
         self.clip_grad = optimizer.clip_grad
@@ -116,8 +124,15 @@ class HeteroTrainer:
             self.model, self.layouts,
             [g.spec for g in self.state.sync_groups], [g.group for g in self.state.sync_groups],
             holder=role.stage.ranks, tp_group=self.state.tp_group,
-            sequence_parallel=sequence_parallel, bucket_numel=bucket_numel)
-        self.optimizer = make_optimizer(self.model, self.layouts, optimizer)
+            sequence_parallel=sequence_parallel, bucket_numel=bucket_numel,
+            shard_padding=distributed_optimizer)
+        self.distributed_optimizer = distributed_optimizer
+        if distributed_optimizer:
+            self.optimizer = DistributedOptimizer(self.grad_sync, self.model, optimizer)
+            self.grads = self.optimizer       # reduce-scatter, norm and clip of the shards
+        else:
+            self.optimizer = make_optimizer(self.model, self.layouts, optimizer)
+            self.grads = self.grad_sync
         # The global-batch scaling of every micro-batch loss (module doc): m_p / M.
         self.loss_scale = role.stage.num_microbatches / plan.num_microbatches_total
 
@@ -129,10 +144,10 @@ class HeteroTrainer:
                              role.stage.num_microbatches)
         reported = run_schedule(self._forward_step, iter(local), self.model, self.state,
                                 sequence_parallel=self.sequence_parallel)
-        self.grad_sync.sync()
+        self.grads.sync()
         loss, grad_norm = self._global_loss_and_grad_norm(reported)
         if self.clip_grad > 0:
-            self.grad_sync.clip(self.clip_grad, grad_norm)
+            self.grads.clip(self.clip_grad, grad_norm)
         self.optimizer.step()
         return StepMetrics(loss=loss, grad_norm=grad_norm,
                            num_microbatches=plan.num_microbatches_total,
@@ -177,7 +192,7 @@ class HeteroTrainer:
         sums = torch.zeros(2, dtype=torch.float64, device=self.device)
         if role.stage.is_last and role.tp_rank == 0:
             sums[0] = sum(float(r["lm loss"]) for r in reported)
-        sums[1] = self.grad_sync.owned_sum_of_squares()
+        sums[1] = self.grads.owned_sum_of_squares()
         dist.all_reduce(sums)
         return float(sums[0]) / self.plan.num_microbatches_total, float(sums[1]) ** 0.5
 

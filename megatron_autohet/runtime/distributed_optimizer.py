@@ -1,0 +1,274 @@
+"""The distributed optimizer (Megatron-LM's ``--use-distributed-optimizer``) on layer-wise sync groups.
+
+Megatron's ``DistributedOptimizer`` shards the master weights and Adam moments over the one
+data-parallel group of a homogeneous model. Here every gradient bucket of
+:class:`~megatron_autohet.runtime.grad_sync.GradSync` has its own group (the holders of its
+parameters, runtime/grad_sync.py), so every bucket is sharded over ITS group: the ``D`` members
+each own one contiguous ``1/D`` of the bucket's flat reduced buffer (``grad_data``, or the
+full-size ``full_data`` of an asymmetric-TP bucket; GradSync pads it to a multiple of ``D``).
+Per iteration, instead of the all-reduce:
+
+1. reduce-scatter of the fp32 gradient bucket: each member receives the global-batch gradient of
+   its shard (the sum over holders, as the all-reduce; runtime/grad_sync.py explains why a sum);
+2. grad norm: every element of the world is in exactly one shard of exactly one group, except a
+   TP-replicated parameter of a symmetric bucket, which each TP rank's group holds; it is counted
+   by TP rank 0's group only. :meth:`DistributedOptimizer.owned_sum_of_squares` is this rank's
+   share, which the trainer sums over the world as it does GradSync's; clipping scales the shard;
+3. ``torch.optim.AdamW`` steps the shard: its parameters are views into an fp32 master copy of
+   the shard (``master``), one per parameter segment the shard contains, with the gradient
+   views into the reduce-scattered shard and Adam moments that are views into flat shard buffers.
+   The views sit in the two parameter groups of runtime/optimizer.py by the parameter's global
+   identity (``applies_weight_decay``), with ``wd_mult``, so megatron-core's
+   ``OptimizerParamScheduler`` drives their learning rate and weight decay exactly as it drives
+   the non-distributed optimizer. AdamW is elementwise, so stepping a segment equals stepping the
+   whole tensor and slicing;
+4. all-gather of the updated shards in the weights' dtype, then each parameter is written back
+   with ``param.data.copy_`` (an asymmetric bucket's parameter takes its TP slice of the full
+   tensor): a 16-bit weight is written by a cast of the fp32 master.
+
+The master copy is fp32 whatever the weights' dtype; it is (re)filled from the live parameters at
+construction and after a checkpoint load (:meth:`DistributedOptimizer.load`): a symmetric bucket's
+values are the concatenated local parameters (every member holds the same replica); an
+asymmetric bucket's full tensors are assembled by one sum-all-reduce in which only the main
+replica (layout/owners.py) writes its chunks.
+
+Checkpoints stay layout-independent (checkpoint/state.py): :meth:`DistributedOptimizer.param_states`
+all-gathers the moment shards and returns per-parameter tensors in the local shapes, the keys of
+the non-distributed optimizer; :meth:`DistributedOptimizer.load` takes the same per-parameter
+tensors back, so a checkpoint saved with or without the distributed optimizer loads into either.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+from megatron_autohet.runtime.grad_sync import GradSync, _Bucket
+from megatron_autohet.runtime.optimizer import (ADAM_STATE_KEYS, OptimizerSettings,
+                                                applies_weight_decay)
+
+
+@dataclass
+class _Segment:
+    """The part of one bucket parameter inside this rank's shard."""
+    index: int              # the parameter's index in the bucket
+    shard_start: int        # where it starts in the shard
+    numel: int
+    view: torch.Tensor      # master[shard_start:shard_start + numel]: what AdamW steps
+
+
+class _ShardedBucket:
+    def __init__(self, bucket: _Bucket, main: list[bool]):
+        self.bucket = bucket
+        self.main = main                      # whether this rank holds each param's main replica
+        group = bucket.group
+        self.size = dist.get_world_size(group) if bucket.reduces else 1
+        self.rank_in_group = dist.get_rank(group) if bucket.reduces else 0
+        total = bucket.reduced.numel()        # GradSync padded it to a multiple of size
+        if total % self.size:
+            raise ValueError(f"bucket of {total} elements does not split over {self.size} ranks")
+        self.shard_numel = total // self.size
+        lo = self.rank_in_group * self.shard_numel
+        hi = lo + self.shard_numel
+        self.lo = lo
+        device = bucket.grad_data.device
+        # D == 1: the shard is the whole buffer, no collective and no copy.
+        self.grad_shard = (bucket.reduced if self.size == 1 else
+                           torch.zeros(self.shard_numel, dtype=torch.float32, device=device))
+        self.master = torch.zeros(self.shard_numel, dtype=torch.float32, device=device)
+        self.moments = {key: torch.zeros_like(self.master) for key in ADAM_STATE_KEYS}
+        self.segments: list[_Segment] = []
+        for i, offset in enumerate(bucket.reduced_offsets):
+            start, end = max(offset, lo), min(offset + self._numel(i), hi)
+            if start < end:
+                view = self.master[start - lo:end - lo]
+                view.grad = self.grad_shard[start - lo:end - lo]
+                self.segments.append(_Segment(i, start - lo, end - start, view))
+
+    def _numel(self, i: int) -> int:
+        """What parameter ``i`` takes in the reduced buffer (the full tensor if asymmetric)."""
+        if self.bucket.full_data is None:
+            return self.bucket.params[i].numel()
+        return torch.Size(self.bucket.layouts[i].full_shape).numel()
+
+    def counted(self, segment: _Segment) -> bool:
+        """Whether the grad norm counts this segment (module doc, step 2)."""
+        layout = self.bucket.layouts[segment.index]
+        return (self.bucket.full_data is not None or layout.partition_dim is not None
+                or layout.tp_rank == 0)
+
+    # ---- flat buffer <-> parameters ----------------------------------------------------------
+    def assemble(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+        """This rank's shard of the flat buffer whose parameter ``i`` holds ``tensors[i]``
+        (local shapes; the same values on every replica)."""
+        bucket = self.bucket
+        flat = torch.zeros(bucket.reduced.numel(), dtype=torch.float32,
+                           device=bucket.grad_data.device)
+        for i, (tensor, offset) in enumerate(zip(tensors, bucket.reduced_offsets)):
+            if bucket.full_data is None:
+                flat[offset:offset + tensor.numel()].copy_(tensor.reshape(-1))
+            elif self.main[i]:
+                layout = bucket.layouts[i]
+                full = flat[offset:offset + self._numel(i)].view(layout.full_shape)
+                layout.write_shard(full, tensor.to(torch.float32))
+        if bucket.full_data is not None and bucket.reduces:
+            dist.all_reduce(flat, group=bucket.group)    # one writer per chunk: the sum is exact
+        return flat[self.lo:self.lo + self.shard_numel]
+
+    def gather(self, shard: torch.Tensor, dtype: torch.dtype, async_op: bool = False):
+        """All-gather ``shard`` (cast to ``dtype``) into a flat buffer; (buffer, work)."""
+        if self.size == 1:
+            return shard.to(dtype), None
+        flat = torch.empty(self.shard_numel * self.size, dtype=dtype, device=shard.device)
+        work = dist.all_gather_single(flat, shard.to(dtype), group=self.bucket.group,
+                                           async_op=async_op)
+        return flat, work
+
+    def local_values(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Each parameter's local tensor out of a gathered flat buffer."""
+        bucket = self.bucket
+        out = []
+        for i, (param, offset) in enumerate(zip(bucket.params, bucket.reduced_offsets)):
+            values = flat[offset:offset + self._numel(i)]
+            if bucket.full_data is None:
+                out.append(values.view_as(param))
+            else:
+                out.append(bucket.layouts[i].shard(values.view(bucket.layouts[i].full_shape)))
+        return out
+
+
+class DistributedOptimizer:
+    """AdamW with master weights and moments sharded over each bucket's sync group.
+
+    The trainer uses it in place of both GradSync's all-reduce and ``make_optimizer``'s AdamW:
+    :meth:`sync`, :meth:`owned_sum_of_squares` and :meth:`clip` as GradSync's, then :meth:`step`;
+    ``param_groups`` are the shard AdamW's (the scheduler's handle).
+
+    Args:
+        grad_sync: the stage's GradSync, built with ``shard_padding=True``.
+        model: the stage model (parameter names for the checkpoint's per-parameter states).
+        settings: AdamW hyper-parameters (runtime/optimizer.py).
+    """
+
+    def __init__(self, grad_sync: GradSync, model: torch.nn.Module, settings: OptimizerSettings):
+        if not grad_sync.shard_padding:
+            raise ValueError("the distributed optimizer needs GradSync(shard_padding=True)")
+        settings.validate()
+        self.grad_sync = grad_sync
+        self.names = {param: name for name, param in model.named_parameters()}
+        main = set(grad_sync.norm_params)
+        self.buckets = [_ShardedBucket(bucket, [p in main for p in bucket.params])
+                        for bucket in grad_sync.buckets]
+        groups = {1.0: [], 0.0: []}
+        for sharded in self.buckets:
+            for segment in sharded.segments:
+                layout = sharded.bucket.layouts[segment.index]
+                groups[1.0 if applies_weight_decay(layout) else 0.0].append(segment.view)
+        # The same two groups as make_optimizer (group 0 decayed), each a list of shard views.
+        self.optimizer = torch.optim.AdamW(
+            [{"params": views, "wd_mult": wd_mult,
+              "weight_decay": settings.weight_decay * wd_mult}
+             for wd_mult, views in groups.items()],
+            lr=settings.lr, betas=(settings.adam_beta1, settings.adam_beta2),
+            eps=settings.adam_eps, weight_decay=settings.weight_decay)
+        self._set_step(0)
+        self.load()
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.optimizer.param_groups
+
+    def summary(self) -> str:
+        """The log line of a job's rank 0: how much of the optimizer state this rank keeps."""
+        kept = sum(sharded.shard_numel for sharded in self.buckets)   # padding included
+        local = sum(p.numel() for p in self.grad_sync.params)
+        return (f"> distributed optimizer: rank {dist.get_rank()} keeps master weights and Adam "
+                f"moments of {kept:,} of its {local:,} parameter elements")
+
+    # ---- per iteration -----------------------------------------------------------------------
+    def sync(self) -> None:
+        """Reduce-scatter every bucket: each rank gets the global-batch gradient of its shards."""
+        self.grad_sync.prepare()
+        pending = []
+        for sharded in self.buckets:
+            if sharded.size > 1:
+                sharded.bucket.stage()
+                pending.append(dist.reduce_scatter_single(
+                    sharded.grad_shard, sharded.bucket.reduced, group=sharded.bucket.group,
+                    async_op=True))
+        for work in pending:
+            work.wait()
+
+    def owned_sum_of_squares(self) -> torch.Tensor:
+        """This rank's share of the squared global grad norm (module doc, step 2), float64."""
+        grads = [segment.view.grad for sharded in self.buckets
+                 for segment in sharded.segments if sharded.counted(segment)]
+        total = torch.zeros((), dtype=torch.float64, device=self.grad_sync.params[0].device)
+        if grads:
+            total += torch.stack(torch._foreach_norm(grads)).double().square().sum()
+        return total
+
+    def clip(self, max_norm: float, total_norm: float) -> None:
+        clip_grad_by_total_norm_fp32(self._views(), max_norm, total_norm)
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """AdamW on the shards, then every member's updated shards written into its weights."""
+        self.optimizer.step()
+        self.steps += 1
+        self._write_params()
+
+    def _views(self) -> list[torch.Tensor]:
+        return [segment.view for sharded in self.buckets for segment in sharded.segments]
+
+    def _write_params(self) -> None:
+        gathered = [(sharded, *sharded.gather(sharded.master, sharded.bucket.params[0].dtype,
+                                              async_op=True)) for sharded in self.buckets]
+        for sharded, flat, work in gathered:
+            if work is not None:
+                work.wait()
+            for param, value in zip(sharded.bucket.params, sharded.local_values(flat)):
+                param.data.copy_(value)
+
+    # ---- checkpoints -------------------------------------------------------------------------
+    @torch.no_grad()
+    def param_states(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Adam moments per local parameter name, in the parameter's local shape (fp32): the
+        non-distributed optimizer's per-parameter state. A collective: every rank calls it."""
+        out: dict[str, dict[str, torch.Tensor]] = {}
+        for sharded in self.buckets:
+            for key in ADAM_STATE_KEYS:
+                flat, _ = sharded.gather(sharded.moments[key], torch.float32)
+                for param, value in zip(sharded.bucket.params, sharded.local_values(flat)):
+                    out.setdefault(self.names[param], {})[key] = value.clone()
+        return out
+
+    @torch.no_grad()
+    def load(self, param_states: dict[str, dict[str, torch.Tensor]] | None = None,
+             step: int = 0) -> None:
+        """Refill the master shards from the live parameters (after they were loaded) and, if
+        ``param_states`` is given (local name -> ``exp_avg``/``exp_avg_sq`` in local shapes, as
+        :meth:`param_states` returns), the moment shards and the step count; without it the
+        moments and step stay as they are. A collective: every rank calls it."""
+        for sharded in self.buckets:
+            params = sharded.bucket.params
+            sharded.master.copy_(sharded.assemble([p.detach() for p in params]))
+            if param_states is not None:
+                for key in ADAM_STATE_KEYS:
+                    sharded.moments[key].copy_(sharded.assemble(
+                        [param_states[self.names[p]][key] for p in params]))
+        if param_states is not None:
+            self._set_step(step)
+
+    def _set_step(self, step: int) -> None:
+        """Adam state of every shard view: the step, and its windows of the moment shards."""
+        for sharded in self.buckets:
+            for segment in sharded.segments:
+                window = slice(segment.shard_start, segment.shard_start + segment.numel)
+                self.optimizer.state[segment.view] = {
+                    "step": torch.tensor(float(step), dtype=torch.float32),
+                    **{key: sharded.moments[key][window] for key in ADAM_STATE_KEYS}}
+        self.steps = step
