@@ -538,7 +538,7 @@ def _allow_list_checks(tmp: str) -> None:
         f"{PLAN}: field '--tensorboard-dir': {tmp!r} is not supported with --autohet-plan "
         "(allowed: its default (README, 'Megatron-LM flags with --autohet-plan', lists the flags "
         "the plan path honours))")
-    for flag in ("--bf16", "--fp16", "--use-distributed-optimizer"):       # other helpers' work
+    for flag in ("--bf16", "--fp16"):
         assert refusal(flag) == (f"{PLAN}: field '{flag}': not yet supported with --autohet-plan "
                                  "(allowed: not set (the plan runtime trains in fp32 with its own "
                                  "optimizer))")
