@@ -99,12 +99,22 @@ def test_memory_by_hand_with_and_without_recompute():
     assert s0.in_flight_microbatches == 2
     reserved = MEMORY_RESERVED_GIB * GIB
     assert s0.memory_gib * GIB == pytest.approx((200 + WORD + POS) * 18 + 2 * (2 * 10 + 5) + reserved)
+    # the last stage: the output layer's kept 7 B, and its bf16 logits (1 x 32 tokens x 512
+    # vocabulary x 2 B) beside the fp32 copy while the loss runs
+    logits = 32 * 512 * 2
     last = cost.pipelines[1].stages[0]
     assert last.memory_gib * GIB == pytest.approx(
-        (400 + WORD + POS + NORM) * 18 + (4 * 10 + 5 + 7) + reserved)
+        (400 + WORD + POS + NORM) * 18 + (4 * 10 + 5 + 7) + logits + reserved)
+    s1 = cost.pipelines[0].stages[1]
+    assert s1.memory_gib * GIB == pytest.approx((200 + WORD + NORM) * 18 + (2 * 10 + 7) + logits
+                                                + reserved)
     rc = evaluate_plan(_plan(recompute=True), CLUSTER, _profile())
     s0 = rc.pipelines[0].stages[0]
     assert s0.memory_gib * GIB == pytest.approx((200 + WORD + POS) * 18 + 2 * (2 * 1 + 5) + 10 + reserved)
+    # recompute's one-layer working set (10 B) and the logits never coincide: the larger counts
+    s1 = rc.pipelines[0].stages[1]
+    assert s1.memory_gib * GIB == pytest.approx((200 + WORD + NORM) * 18 + (2 * 1 + 7) + logits
+                                                + reserved)
     assert s0.backward_s == pytest.approx(4.5 + 2 * 1.0)   # recompute adds the layers' forward
 
 

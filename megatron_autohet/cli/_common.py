@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from megatron_autohet.cli._table import format_table
+from megatron_autohet.cost_model import DEFAULT_MEMORY_HEADROOM, check_memory_headroom
 from megatron_autohet.errors import ConfigError
 from megatron_autohet.spec.gpus import CONFIG_DIR
 
@@ -42,6 +43,11 @@ def add_planning_arguments(parser) -> None:
                              "needs it (default: auto)")
     parser.add_argument("--time-limit", type=float, default=60.0, metavar="SECONDS",
                         help="wall-clock budget of the search (default: 60)")
+    parser.add_argument("--memory-headroom", type=float, default=DEFAULT_MEMORY_HEADROOM,
+                        metavar="FRACTION",
+                        help="fraction of every GPU's memory a plan leaves free for the "
+                             "allocator's fragmentation (default: "
+                             f"{DEFAULT_MEMORY_HEADROOM})")
 
 
 def positive(value: int | float | None, flag: str) -> None:
@@ -97,7 +103,8 @@ def planning_options(args) -> dict:
     """Keyword arguments of planner.search / compare from the shared arguments."""
     return {"allow_asymmetric_tp": args.allow_asymmetric_tp,
             "activation_recompute": RECOMPUTE_CHOICES[args.recompute],
-            "time_limit_s": args.time_limit}
+            "time_limit_s": args.time_limit,
+            "memory_headroom": check_memory_headroom(args.memory_headroom)}
 
 
 # ---- plans against clusters ------------------------------------------------------------------------

@@ -108,7 +108,7 @@ def fastest_type_only(problem: Problem, recompute_modes: list[bool], **space) ->
     fastest = max(cluster.gpu_types.values(), key=lambda g: g.dense_tflops).name
     sub = cluster.subset([n.name for n in cluster.nodes if n.gpu == fastest])
     sub_problem = Problem(sub, problem.model, problem.profile, problem.global_batch_size,
-                          problem.micro_batch_size, problem.seq_length)
+                          problem.micro_batch_size, problem.seq_length, problem.memory_headroom)
     return _best(sub_problem, f"megatron-lm ({fastest} only)", False, recompute_modes, **space)
 
 

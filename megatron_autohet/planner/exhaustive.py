@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import itertools
 
-from megatron_autohet.cost_model import evaluate_plan, annotate_plan
+from megatron_autohet.cost_model import DEFAULT_MEMORY_HEADROOM, annotate_plan, evaluate_plan
 from megatron_autohet.errors import ConfigError
 from megatron_autohet.plan import Pipeline, Plan, RankInfo, Stage
 from megatron_autohet.planner.search import Candidate, resolve_profile
@@ -114,7 +114,8 @@ def exhaustive_search(cluster: Cluster, model: ModelSpec, profile: Profile | Non
                       seq_length: int | None = None, *, tp_degrees: list[int] | None = None,
                       max_stages: int = 4, activation_recompute: bool | None = None,
                       allow_asymmetric_tp: bool = False,
-                      max_evaluations: int = 200_000) -> Candidate:
+                      max_evaluations: int = 200_000,
+                      memory_headroom: float = DEFAULT_MEMORY_HEADROOM) -> Candidate:
     """The cost model's optimum over the space in the module doc (ConfigError when too big)."""
     seq_length = seq_length or model.seq_length
     if global_batch_size % micro_batch_size:
@@ -159,12 +160,14 @@ def exhaustive_search(cluster: Cluster, model: ModelSpec, profile: Profile | Non
                     probe = _plan(cluster, model, groups, arrangement, splits,
                                   [1] * len(arrangement), *args)
                     probe.global_batch_size = micro_batch_size * len(arrangement)
-                    cost = evaluate_plan(probe, cluster, profile, with_timeline=False)
+                    cost = evaluate_plan(probe, cluster, profile, with_timeline=False,
+                                         memory_headroom=memory_headroom)
                     fills = [sum(s.time_s + s.p2p_s for s in p.stages) for p in cost.pipelines]
                     periods = [max(s.time_s + s.p2p_s for s in p.stages) for p in cost.pipelines]
                     counts = best_microbatch_split(fills, periods, M)
                     plan = _plan(cluster, model, groups, arrangement, splits, counts, *args)
-                    cost = evaluate_plan(plan, cluster, profile, with_timeline=False)
+                    cost = evaluate_plan(plan, cluster, profile, with_timeline=False,
+                                         memory_headroom=memory_headroom)
                     if not cost.fits_memory:
                         continue
                     if best is None or cost.iteration_time_s < best.cost.iteration_time_s:
@@ -174,5 +177,6 @@ def exhaustive_search(cluster: Cluster, model: ModelSpec, profile: Profile | Non
     if best is None:
         raise ConfigError(cluster.name, "nodes", f"no plan for {model.name} fits in memory",
                           "more or larger GPUs, activation recompute, a smaller micro-batch")
-    plan, cost = choose_warmups(best.plan, best.cost, cluster, profile)   # the same post-pass
+    plan, cost = choose_warmups(best.plan, best.cost, cluster, profile,   # the same post-pass
+                                memory_headroom)
     return Candidate(plan, cost, best.tp_of_gpu, best.recompute)

@@ -65,7 +65,8 @@ from dataclasses import dataclass
 import numpy as np
 from tqdm import tqdm
 
-from megatron_autohet.cost_model import GIB, PlanCost, stage_compute_s, stage_memory_bytes
+from megatron_autohet.cost_model import (DEFAULT_MEMORY_HEADROOM, PlanCost, check_memory_headroom,
+                                         stage_compute_s, stage_memory_bytes)
 from megatron_autohet.errors import ConfigError
 from megatron_autohet.plan import Plan
 from megatron_autohet.planner.scip_model import BOUND_TOLERANCE, Composition, CompositionModel
@@ -125,7 +126,7 @@ def default_max_stages(problem: Problem, pools: list[Pool]) -> int:
     needed = 1
     for pool in pools:
         entry = problem.entry(pool)
-        limit = problem.cluster.gpu_types[pool.gpu].memory_gib * GIB
+        limit = problem.memory_limit_bytes(pool)
         m1 = stage_memory_bytes(entry, problem.model, 1, False, False, False, 1)
         m2 = stage_memory_bytes(entry, problem.model, 2, False, False, False, 1)
         per_stage = max(1, int((limit - m1) // (m2 - m1)) + 1) if limit > m1 else 1
@@ -211,7 +212,7 @@ def fluid_bound_s(problem: Problem, pools: list[Pool], recompute: bool) -> float
     rate, embed, output = 0.0, math.inf, math.inf
     for pool in pools:
         entry = problem.entry(pool)
-        limit = problem.cluster.gpu_types[pool.gpu].memory_gib * GIB
+        limit = problem.memory_limit_bytes(pool)
         if stage_memory_bytes(entry, model, 1, False, False, recompute, 1) > limit:
             continue
         per_layer = sum(stage_compute_s(entry, 1, False, False, recompute))
@@ -410,11 +411,12 @@ class BranchAndBound:
                                 and d <= config.pools[k].groups_per_node for k in set(o.pools))]
             if not stackable or d > M:
                 continue
-            nic = self.problem.sync_bandwidth_gbs
-            intra = min(p.intra_gbs for p in config.pools)
 
             def estimate(o: PipelineOption) -> float:
-                shared = ring_factor(d) * max(a for a in o.sync_shared_s) * nic / intra
+                # each stage's sync moves from its pool's sync link to its nodes' own link
+                shared = ring_factor(d) * max(
+                    a * self.problem.sync_bandwidth_gbs(config.pools[k])
+                    / config.pools[k].intra_gbs for a, k in zip(o.sync_shared_s, o.pools))
                 return o.time_s(math.ceil(M / d)) + shared + o.optimizer_s
 
             best = min(stackable, key=estimate)
@@ -431,9 +433,9 @@ class BranchAndBound:
         slower optimizer step; the PAIRS_TRIED best are judged by the cost model."""
         problem, options, pools = self.problem, config.options, config.pools
         M, L, n = problem.num_microbatches, problem.model.num_layers, len(config.options)
-        nic = problem.sync_bandwidth_gbs
-        saving = np.array([layer_sync_s(problem, p) * (1 - nic / max(nic, p.intra_gbs))
-                           if p.groups_per_node >= 2 else 0.0 for p in pools])
+        saving = np.array([layer_sync_s(problem, p) * (
+            1 - problem.sync_bandwidth_gbs(p) / max(problem.sync_bandwidth_gbs(p), p.intra_gbs))
+            if p.groups_per_node >= 2 else 0.0 for p in pools])
         table = config.table
         best_s = self.best.cost.iteration_time_s if self.best else math.inf
         if M < 2 or n < 2 or not saving.any() or (
@@ -499,18 +501,21 @@ def make_plan(cluster: Cluster, model: ModelSpec, profile: Profile | None,
               global_batch_size: int, micro_batch_size: int, seq_length: int | None = None, *,
               allow_asymmetric_tp: bool = False, activation_recompute: bool | None = None,
               time_limit_s: float = 60.0, progress: bool = True,
-              tp_degrees: list[int] | None = None, max_stages: int | None = None) -> Plan:
+              tp_degrees: list[int] | None = None, max_stages: int | None = None,
+              memory_headroom: float = DEFAULT_MEMORY_HEADROOM) -> Plan:
     """The fastest plan the search finds (see module doc), annotated with its predictions.
 
     ``profile`` None plans on analytic estimates; a given profile (measured or estimated) wins
     over the estimates where it has entries. ``activation_recompute`` None decides per plan.
-    ``tp_degrees`` restricts the TP degrees searched; ``max_stages`` the pipeline depth.
+    ``tp_degrees`` restricts the TP degrees searched; ``max_stages`` the pipeline depth;
+    ``memory_headroom`` is the fraction of every GPU's memory the plan leaves free.
     Raises ConfigError when the batch cannot be split or no plan fits in memory.
     """
     return search(cluster, model, profile, global_batch_size, micro_batch_size, seq_length,
                   allow_asymmetric_tp=allow_asymmetric_tp,
                   activation_recompute=activation_recompute, time_limit_s=time_limit_s,
-                  progress=progress, tp_degrees=tp_degrees, max_stages=max_stages).plan
+                  progress=progress, tp_degrees=tp_degrees, max_stages=max_stages,
+                  memory_headroom=memory_headroom).plan
 
 
 def search(cluster: Cluster, model: ModelSpec, profile: Profile | None, global_batch_size: int,
@@ -519,7 +524,8 @@ def search(cluster: Cluster, model: ModelSpec, profile: Profile | None, global_b
            time_limit_s: float = 60.0, progress: bool = True, tp_degrees: list[int] | None = None,
            max_stages: int | None = None, seeds: Sequence[Candidate] = (),
            baselines: bool = True,
-           on_candidate: Callable[[Candidate], None] | None = None) -> Candidate:
+           on_candidate: Callable[[Candidate], None] | None = None,
+           memory_headroom: float = DEFAULT_MEMORY_HEADROOM) -> Candidate:
     """make_plan, returning the plan with its cost and the TP/recompute choice.
 
     For the re-planner (planner/replan.py): ``seeds`` are extra incumbents (plans of this
@@ -532,7 +538,8 @@ def search(cluster: Cluster, model: ModelSpec, profile: Profile | None, global_b
 
     seq_length = seq_length or model.seq_length
     profile = resolve_profile(cluster, model, profile, micro_batch_size, seq_length)
-    problem = Problem(cluster, model, profile, global_batch_size, micro_batch_size, seq_length)
+    problem = Problem(cluster, model, profile, global_batch_size, micro_batch_size, seq_length,
+                      check_memory_headroom(memory_headroom))
     check_batch(problem)
     gpus = list(dict.fromkeys(n.gpu for n in cluster.nodes))
     max_node = max(n.num_gpus for n in cluster.nodes)
@@ -583,5 +590,5 @@ def search(cluster: Cluster, model: ModelSpec, profile: Profile | None, global_b
                           "more or larger GPUs, activation recompute, a smaller micro-batch or "
                           "sequence length, or a global batch with a micro-batch per pipeline")
     best = search_bb.best
-    plan, cost = choose_warmups(best.plan, best.cost, cluster, problem.profile)
+    plan, cost = choose_warmups(best.plan, best.cost, cluster, problem.profile, memory_headroom)
     return dataclasses.replace(best, plan=plan, cost=cost)

@@ -1,9 +1,10 @@
 """The planner's plan space and its building blocks (shared by the SCIP search and the baselines).
 
-* A :class:`Pool` is the set of TP groups of one GPU type at one TP degree: a node of ``n`` GPUs
-  gives ``n // tp`` groups of consecutive local ranks (TP groups never leave a node and never mix
-  GPU types). A node whose GPU count the degree does not divide contributes no group: under that
-  degree it stays idle. Any TP group may stay idle: a plan lists only the GPUs it uses (ranks
+* A :class:`Pool` is the set of TP groups of one kind of node (GPU type, GPU count, intra-node
+  link and NIC) at its type's TP degree: a node of ``n`` GPUs gives ``n // tp`` groups of
+  consecutive local ranks (TP groups never leave a node and never mix GPU types; GPUs left over
+  stay idle, as does a node smaller than the degree). Nodes of one type with different links are
+  different pools, so an option's link estimates are the links its stages get. Any TP group may stay idle: a plan lists only the GPUs it uses (ranks
   0..W-1), so leaving slow GPUs out is a point of the space, not a special case.
 * A pipeline is a sequence of pools (one TP group per stage) with a layer count per stage. Its
   :class:`PipelineOption` carries what the cost model says about it independent of the
@@ -29,9 +30,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from megatron_autohet.cost_model import (GIB, PlanCost, annotate_plan, evaluate_plan,
-                                         grad_allreduce_s, optimizer_step_s, p2p_s,
-                                         stage_compute_s, stage_memory_bytes, stage_param_count)
+from megatron_autohet.cost_model import (DEFAULT_MEMORY_HEADROOM, GIB, PlanCost, annotate_plan,
+                                         evaluate_plan, grad_allreduce_s, optimizer_step_s, p2p_s,
+                                         stage_compute_s, stage_memory_bytes, stage_param_count,
+                                         usable_memory_gib)
 from megatron_autohet.errors import ConfigError
 from megatron_autohet.plan import Pipeline, Plan, RankInfo, Stage
 from megatron_autohet.profiling.profile import Profile, ProfileEntry
@@ -44,9 +46,10 @@ class Pool:
     gpu: str
     tp: int
     count: int               # TP groups in the cluster
-    groups_per_node: int     # fewest groups any node of this type holds
-    nic_gbs: float           # slowest NIC among the nodes of this type
-    intra_gbs: float         # slowest intra-node link among them
+    groups_per_node: int     # TP groups one of its nodes holds
+    nic_gbs: float           # its nodes' NIC
+    intra_gbs: float         # its nodes' intra-node link
+    node_gpus: int           # GPUs per node (a few may be left over by the degree)
 
 
 @dataclass(frozen=True, eq=False)
@@ -59,6 +62,7 @@ class Problem:
     global_batch_size: int
     micro_batch_size: int
     seq_length: int
+    memory_headroom: float = DEFAULT_MEMORY_HEADROOM
 
     @property
     def num_microbatches(self) -> int:
@@ -67,13 +71,15 @@ class Problem:
     def entry(self, pool: Pool) -> ProfileEntry:
         return self.profile.get(pool.gpu, pool.tp, self.micro_batch_size, self.seq_length)
 
-    @functools.cached_property
-    def sync_bandwidth_gbs(self) -> float:
-        """Link a data-parallel group crosses: the slowest NIC, or NVLink on a one-node cluster."""
-        nodes = self.cluster.nodes
-        if len(nodes) == 1:
-            return nodes[0].intra_node_bandwidth_gbs
-        return min(n.inter_node_bandwidth_gbs for n in nodes)
+    def memory_limit_bytes(self, pool: Pool) -> float:
+        return usable_memory_gib(self.cluster.gpu_types[pool.gpu], self.memory_headroom) * GIB
+
+    def sync_bandwidth_gbs(self, pool: Pool) -> float:
+        """The link a data-parallel group of this pool's stages crosses: its NIC, or the
+        intra-node link on a one-node cluster."""
+        if len(self.cluster.nodes) == 1:
+            return pool.intra_gbs
+        return pool.nic_gbs
 
 
 def check_batch(problem: Problem) -> None:
@@ -84,16 +90,21 @@ def check_batch(problem: Problem) -> None:
 
 
 def make_pools(cluster: Cluster, tp_of_gpu: dict[str, int]) -> list[Pool]:
-    """One pool per GPU type with at least one node its TP degree divides (others stay idle)."""
-    pools = []
-    for gpu, tp in tp_of_gpu.items():
-        nodes = [n for n in cluster.nodes if n.gpu == gpu and n.num_gpus % tp == 0]
-        if nodes:
-            pools.append(Pool(gpu, tp, sum(n.num_gpus // tp for n in nodes),
-                              min(n.num_gpus // tp for n in nodes),
-                              min(n.inter_node_bandwidth_gbs for n in nodes),
-                              min(n.intra_node_bandwidth_gbs for n in nodes)))
-    return pools
+    """One pool per kind of node that holds a TP group of its type's degree: nodes of one GPU
+    type, size and links (intra-node and NIC) form a pool, so every link an option's stages use
+    is the one placement gives them (nodes too small for the degree stay idle)."""
+    kinds: dict[tuple, list] = {}
+    for node in cluster.nodes:
+        tp = tp_of_gpu.get(node.gpu)
+        if tp is not None and node.num_gpus >= tp:
+            kinds.setdefault(_node_kind(node, tp), []).append(node)
+    return [Pool(gpu, tp, len(nodes) * (size // tp), size // tp, nic, intra, size)
+            for (gpu, tp, size, intra, nic), nodes in kinds.items()]
+
+
+def _node_kind(node, tp: int) -> tuple:
+    return (node.gpu, tp, node.num_gpus, node.intra_node_bandwidth_gbs,
+            node.inter_node_bandwidth_gbs)
 
 
 def ring_factor(holders: int) -> float:
@@ -236,11 +247,11 @@ def _stage_coefficients(problem: Problem, pool: Pool, first: bool, last: bool, r
     m1 = stage_memory_bytes(entry, model, 1, first, last, recompute, in_flight)
     m2 = stage_memory_bytes(entry, model, 2, first, last, recompute, in_flight)
     gpu = problem.cluster.gpu_types[pool.gpu]
-    limit = gpu.memory_gib * GIB
+    limit = problem.memory_limit_bytes(pool)
     if m1 > limit:
         return None
     max_layers = int((limit - m1) // (m2 - m1)) + 1 if m2 > m1 else model.num_layers
-    sync = _sync_terms(problem, entry, first, last, tied_bw)
+    sync = _sync_terms(problem, pool, first, last, tied_bw)
     opt1 = optimizer_step_s(stage_param_count(entry, model, 1, first, last),
                             gpu.memory_bandwidth_gbs)
     opt2 = optimizer_step_s(stage_param_count(entry, model, 2, first, last),
@@ -253,14 +264,14 @@ def _stage_coefficients(problem: Problem, pool: Pool, first: bool, last: bool, r
 def layer_sync_s(problem: Problem, pool: Pool) -> float:
     """One layer's gradient all-reduce seconds at ring factor 1 over the sync link (one TP
     shard of a GPU of this pool)."""
-    return _sync_terms(problem, problem.entry(pool), False, False, 1.0)[0]
+    return _sync_terms(problem, pool, False, False, 1.0)[0]
 
 
-def _sync_terms(problem: Problem, entry: ProfileEntry, first: bool, last: bool,
+def _sync_terms(problem: Problem, pool: Pool, first: bool, last: bool,
                 tied_bandwidth_gbs: float) -> tuple[float, float, float, float]:
     """(per layer, fixed shared, tied over the sync link, tied over the pipeline's own link):
     a stage's gradient all-reduce seconds at ring factor 1 (cost_model's sync formulas)."""
-    model, bw = problem.model, problem.sync_bandwidth_gbs
+    model, bw, entry = problem.model, problem.sync_bandwidth_gbs(pool), problem.entry(pool)
     unit = grad_allreduce_s(1.0, 2, 1.0)          # seconds per parameter at 1 GB/s, factor 1
     vocab = model.padded_vocab_size([entry.tp]) * model.hidden_size // entry.tp
     fixed = 0.0
@@ -373,13 +384,15 @@ def place_pipelines(cluster: Cluster, pools: list[Pool],
     consecutive stages of one pool; a pipeline that starts and ends on one pool places its first
     and last runs as one block. Longest blocks first, each best-fit into a node of its pool."""
     free: dict[int, list[list[list]]] = {k: [] for k in range(len(pools))}
-    pool_of_gpu = {p.gpu: k for k, p in enumerate(pools)}
+    pool_of_kind = {(p.gpu, p.tp, p.node_gpus, p.intra_gbs, p.nic_gbs): k
+                    for k, p in enumerate(pools)}
+    tp_of_gpu = {p.gpu: p.tp for p in pools}
     devices = cluster.devices()
     for node in cluster.nodes:
-        k = pool_of_gpu.get(node.gpu)
-        if k is None or node.num_gpus % pools[k].tp:
+        tp = tp_of_gpu.get(node.gpu)
+        k = None if tp is None else pool_of_kind.get(_node_kind(node, tp))
+        if k is None:
             continue
-        tp = pools[k].tp
         mine = [d for d in devices if d.node == node.name]
         free[k].append([mine[g * tp:(g + 1) * tp] for g in range(node.num_gpus // tp)])
     blocks = []   # (stage indices, pipeline, pool)
@@ -434,6 +447,7 @@ def build_plan(problem: Problem, pools: list[Pool], options: list[PipelineOption
 def evaluate(problem: Problem, plan: Plan) -> PlanCost:
     """Validate, cost and annotate a plan built in this space."""
     plan.validate()
-    cost = evaluate_plan(plan, problem.cluster, problem.profile, with_timeline=False)
+    cost = evaluate_plan(plan, problem.cluster, problem.profile, with_timeline=False,
+                         memory_headroom=problem.memory_headroom)
     annotate_plan(plan, cost)
     return cost
