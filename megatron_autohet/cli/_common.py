@@ -181,6 +181,11 @@ def format_plan_table(plan, cost=None) -> str:
     return format_table(header, rows)
 
 
+def format_idle(idle_gpus: dict[str, int]) -> str:
+    """GPUs a plan leaves unused, per type ("none" when it uses all)."""
+    return ", ".join(f"{n} x {gpu}" for gpu, n in idle_gpus.items()) or "none"
+
+
 def format_prediction(plan, cost=None) -> str:
     """One paragraph: iteration time, tokens/s and their parts."""
     if cost is not None:
@@ -200,6 +205,5 @@ def format_prediction(plan, cost=None) -> str:
                      f"peak memory {predicted['peak_memory_gib']:.1f} GiB"
                      + ("" if predicted.get("fits_memory", True) else " (DOES NOT FIT)"))
     if predicted.get("idle_gpus"):
-        lines.append("  idle GPUs (faster without them): " + ", ".join(
-            f"{n} x {gpu}" for gpu, n in predicted["idle_gpus"].items()))
+        lines.append(f"  idle GPUs (no rank in this plan): {format_idle(predicted['idle_gpus'])}")
     return "\n".join(lines)

@@ -26,7 +26,8 @@ class BaselineResult:
         return {"name": self.name, "note": self.note,
                 "iteration_time_s": self.cost.iteration_time_s if self.cost else None,
                 "tokens_per_s": self.cost.tokens_per_s if self.cost else None,
-                "speedup": self.speedup}
+                "speedup": self.speedup,
+                "idle_gpus": dict(self.cost.idle_gpus) if self.cost else None}
 
 
 @dataclass
@@ -42,7 +43,8 @@ class Comparison:
         return {"autohet": {"iteration_time_s": self.cost.iteration_time_s,
                             "tokens_per_s": self.cost.tokens_per_s,
                             "pipelines": len(self.plan.pipelines),
-                            "activation_recompute": self.plan.activation_recompute},
+                            "activation_recompute": self.plan.activation_recompute,
+                            "idle_gpus": dict(self.cost.idle_gpus)},
                 "baselines": [b.to_dict() for b in self.baselines]}
 
 
