@@ -464,6 +464,21 @@ def simulate_1f1b(stages: list[StageCost], num_microbatches: int,
     return max(free)
 
 
+def fleet_ideal_tokens_per_s(cluster: Cluster, profile: Profile, model: ModelSpec,
+                             micro_batch_size: int, seq_length: int) -> float:
+    """The yardstick of plan efficiency: the sum over the fleet's GPUs of each GPU's lone
+    token rate, one micro-batch's forward and backward through the whole model (embedding,
+    every layer, output layer) at TP 1 with nothing else charged: no pipeline bubble, no
+    communication, no gradient sync or optimizer step, no memory limit. A plan's tokens/s over
+    this is the fraction of the fleet's raw compute it turns into training."""
+    rate_of_type: dict[str, float] = {}
+    for gpu in cluster.gpu_types:
+        entry = profile.get(gpu, 1, micro_batch_size, seq_length)
+        fwd, bwd = stage_compute_s(entry, model.num_layers, True, True, False)
+        rate_of_type[gpu] = micro_batch_size * seq_length / (fwd + bwd)
+    return sum(rate_of_type[n.gpu] * n.num_gpus for n in cluster.nodes)
+
+
 def annotate_plan(plan: Plan, cost: PlanCost) -> Plan:
     """Write the predictions into the plan (per-stage time and memory, plan-level figures)."""
     for pipe, pcost in zip(plan.pipelines, cost.pipelines):

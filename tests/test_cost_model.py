@@ -5,6 +5,7 @@ import random
 import pytest
 
 from megatron_autohet.cost_model import (GIB, MEMORY_RESERVED_GIB, StageCost, evaluate_plan,
+                                         fleet_ideal_tokens_per_s,
                                          pipeline_time_s, simulate_1f1b)
 from megatron_autohet.plan import Pipeline, Plan, RankInfo, Stage
 from megatron_autohet.profiling.estimate import LINK_EFFICIENCY, MEMORY_EFFICIENCY
@@ -186,3 +187,12 @@ def test_hapt_depths_charge_the_closed_form_minus_the_simulated_saving():
     saving = simulate_1f1b(stages, m) - simulate_1f1b(stages, m, [2, 0])
     assert deep.pipelines[0].time_s == pytest.approx(std.pipelines[0].time_s - saving)
     assert deep.pipelines[1].time_s == std.pipelines[1].time_s       # one stage: unchanged
+
+
+def test_fleet_ideal_is_every_gpus_lone_rate_for_the_whole_model():
+    # per micro-batch of 32 tokens: 4 layers x (1 + 2) s + embedding 1 s + output 2 s = 15 s,
+    # on each of the 3 GPUs (the hand profile has the same figures for both types)
+    ideal = fleet_ideal_tokens_per_s(CLUSTER, _profile(), MODEL, 1, 32)
+    assert ideal == pytest.approx(3 * 32 / 15)
+    cost = evaluate_plan(_plan(), CLUSTER, _profile())
+    assert 0 < cost.tokens_per_s < ideal        # bubbles, links, sync and optimizer cost time

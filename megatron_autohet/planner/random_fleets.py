@@ -17,6 +17,7 @@ import math
 import random
 from dataclasses import dataclass
 
+from megatron_autohet.cost_model import DEFAULT_MEMORY_HEADROOM
 from megatron_autohet.spec.cluster import Cluster, cluster_from_dict
 from megatron_autohet.spec.gpus import GPUType
 from megatron_autohet.spec.model import ModelSpec
@@ -36,6 +37,12 @@ class Case:
     micro_batch_size: int
     tp_degrees: list[int]
     max_stages: int
+    activation_recompute: bool | None = None      # None: both searches decide
+
+    def space(self) -> dict:
+        """The search space both searches get (keyword arguments)."""
+        return {"tp_degrees": self.tp_degrees, "max_stages": self.max_stages,
+                "activation_recompute": self.activation_recompute}
 
     def describe(self) -> str:
         nodes = ", ".join(f"{n.name}:{n.gpu}x{n.num_gpus}(intra {n.intra_node_bandwidth_gbs:.0f}, "
@@ -115,3 +122,26 @@ def random_case(seed: int) -> Case:
     return Case(seed, cluster, dataclasses.replace(model, name=f"gpt-random-{seed}"),
                 microbatches * micro_batch, micro_batch, sorted(degrees),
                 min(4, model.num_layers))
+
+
+def memory_bound_case(seed: int) -> Case:
+    """A case where memory decides the plan: small GPUs (3-4.5 GiB usable) hold a layer or
+    two of a 4-layer GPT at micro-batch 4 but never its output layer (the fp32 cross entropy of
+    a 50k vocabulary), larger ones (5.5-8 GiB usable) hold the output layer with a few layers
+    or, just, the whole model; 2-3 micro-batches, so pipelines run fewer micro-batches than
+    stages and keep fewer in flight. TP 1, no recompute: every choice the search has left is
+    one memory decides."""
+    rng = random.Random(seed)
+    usable = 1.0 - DEFAULT_MEMORY_HEADROOM
+    small = GPUType("small", rng.uniform(100, 900), rng.uniform(3.0, 4.5) / usable, 2000, 200)
+    large = GPUType("large", rng.uniform(100, 900), rng.uniform(5.5, 8.0) / usable, 2000, 200)
+    cluster = cluster_from_dict({"name": f"memory-{seed}", "inter_node_bandwidth_gbs": 25,
+                                 "nodes": [{"name": "s", "gpu": "small",
+                                            "gpus": rng.choice((2, 3, 4))},
+                                           {"name": "l", "gpu": "large",
+                                            "gpus": rng.choice((1, 2))}]},
+                                catalog={"small": small, "large": large})
+    model = ModelSpec(name=f"gpt-memory-{seed}", num_layers=4, hidden_size=1024,
+                      num_attention_heads=16, ffn_hidden_size=4096, vocab_size=50257,
+                      seq_length=2048, num_query_groups=16)
+    return Case(seed, cluster, model, 4 * rng.choice((2, 3)), 4, [1], 4, False)

@@ -18,7 +18,12 @@ non-linearly in an outer enumeration, and leaves an exact integer program to SCI
    sit at both ends, which carry the embedding and the output layer, and share a node for the
    tied-embedding sync), contiguous runs (plus that wrap-around) for longer ones; each with its
    layer splits (all of them for small models, else min-period splits), and per GPU-count vector
-   only the options that are best for some pipeline count (space.py, :func:`_keep_best`).
+   only the options that are best for some pipeline count (space.py, :func:`_keep_best`). A
+   pool is one kind of node (GPU type, size, intra-node link, NIC), so the links an option is
+   priced with are the ones its stages get. Where memory limits a split, the splits that fit
+   only when the pipeline runs m < S micro-batches (1F1B then keeps m in flight on its first
+   stages) are options of their own, capped at m micro-batches in the SCIP model and the
+   micro-batch split.
 3. **Branches** (config, D range, level E): D in a bin of pipeline counts (exact for D <= 4,
    bins of a few percent of sync error above), E a level on sync(D) + optimizer of the options
    allowed (a geometric grid LEVEL_RATIO apart). A branch's iteration time is at least
@@ -36,12 +41,15 @@ non-linearly in an outer enumeration, and leaves an exact integer program to SCI
    (planner/baselines.py) are points of this space (uniform grids, a subset of the GPUs); they
    seed the incumbent, as a MIP start does, so the result is never slower than any of them and
    their bound prunes branches from the start.
-6. **Node-local sync**: the branches price every layer's gradient sync over the NIC, but with
-   few pipelines the holders of a layer can share a node. Two closed-form families cover that
-   and are judged by the cost model when a config is built: stacks of D <= MAX_STACK identical
-   pipelines (:meth:`BranchAndBound._stacks`) and every pair of options that fits the pools, with
-   the layers both hold on one pool synced at the intra-node rate
-   (:meth:`BranchAndBound._pairs`).
+6. **Node-local sync**: the branches price every layer's gradient sync over its pool's NIC,
+   but with few pipelines the holders of a layer can share a node. Two closed-form families
+   cover that and are judged by the cost model when a config is built: stacks of D <=
+   MAX_STACK identical pipelines, each stage's sync at its own nodes' intra-node link (the tied
+   embedding too when the pipelines have one stage), the STACKS_TRIED best per D
+   (:meth:`BranchAndBound._stacks`), and every pair of options that fits the pools, with the
+   layers both hold on one pool synced at the intra-node rate (:meth:`BranchAndBound._pairs`).
+   tests/test_planner_optimality.py checks the result against the exhaustive search on random
+   small fleets: within 1% on every one.
 7. **HAPT warm-up post-pass** (planner/warmup.py): the best plan's pipelines that set the
    iteration time get deeper 1F1B warm-ups where the event-level simulation says they overlap
    a slow boundary with compute, within memory; the exhaustive search's best gets the same
@@ -101,8 +109,10 @@ PRUNE_TOLERANCE = 1e-3
 KEEP_FOR_COUNTS = (1, 2, 4, 8, 32, 1024)
 # Two-pipeline plans with node-local layer sync judged by the cost model per config.
 PAIRS_TRIED = 3
-# Stacks of up to this many identical pipelines are tried with their stages sharing nodes.
+# Stacks of up to this many identical pipelines are tried with their stages sharing nodes,
+# the best few options per stack height judged by the cost model.
 MAX_STACK = 4
+STACKS_TRIED = 3
 
 
 @dataclass
@@ -160,14 +170,16 @@ def stage_sequences(pools: list[Pool], max_stages: int) -> list[tuple[int, ...]]
 
 
 def _keep_best(options: list[PipelineOption], total: int) -> list[PipelineOption]:
-    """Of the options with one GPU-count vector, those that are best for a pipeline running its
-    share of the batch for some pipeline count (KEEP_FOR_COUNTS), or best in period alone."""
+    """Of the options with one GPU-count vector and micro-batch cap, those that are best for a
+    pipeline running its share of the batch (at most the cap) for some pipeline count
+    (KEEP_FOR_COUNTS), or best in period alone."""
     table = OptionTable(options)
     keep = {int(np.lexsort((table.fill_s, table.period_s))[0])}
     for d in KEEP_FOR_COUNTS:
         share = math.ceil(total / d)
         extras = table.extras_s(d)
-        for m in {max(1, share // 2), share, 2 * share}:   # pipelines get uneven shares
+        for m in {options[0].cap(x) for x in (max(1, share // 2), share, 2 * share)}:
+            # pipelines get uneven shares
             keep.add(int(np.argmin(table.fill_s + (m - 1) * table.period_s + extras)))
     return [options[j] for j in sorted(keep)]
 
@@ -237,16 +249,28 @@ def build_options(problem: Problem, config: Config, max_stages: int | None) -> N
     pools = config.pools
     stages = max_stages or default_max_stages(problem, pools)
     L = problem.model.num_layers
-    by_counts: dict[tuple[int, ...], list[PipelineOption]] = {}
+    by_counts: dict[tuple, list[PipelineOption]] = {}
     memory_bound = False
+    M = problem.num_microbatches
     for seq in stage_sequences(pools, min(stages, L)):
-        coeffs = stage_coefficients(problem, pools, seq, config.recompute)
-        if coeffs is None:
-            memory_bound = True
-            continue
-        memory_bound |= any(c.max_layers < L for c in coeffs)
         counts = tuple(seq.count(k) for k in range(len(pools)))
-        by_counts.setdefault(counts, []).extend(
+        coeffs = stage_coefficients(problem, pools, seq, config.recompute)
+        limits = None if coeffs is None else [c.max_layers for c in coeffs]
+        if coeffs is None or any(n < L for n in limits):
+            memory_bound = True
+            # With m < S micro-batches the first stages keep fewer in flight: splits memory
+            # allows only then are options capped at m.
+            for cap in range(min(len(seq), M) - 1, 0, -1):
+                capped = stage_coefficients(problem, pools, seq, config.recompute, cap)
+                if capped is None or (limits is not None and all(
+                        c.max_layers <= n for c, n in zip(capped, limits))):
+                    continue
+                by_counts.setdefault((counts, cap), []).extend(
+                    option_for_split(seq, capped, layers, cap)
+                    for layers in layer_splits(problem, capped))
+        if coeffs is None:
+            continue
+        by_counts.setdefault((counts, None), []).extend(
             option_for_split(seq, coeffs, layers)
             for layers in layer_splits(problem, coeffs))
     config.options = [o for group in by_counts.values() if group
@@ -402,26 +426,29 @@ class BranchAndBound:
     def _stacks(self, config: Config) -> None:
         """Plans of D <= MAX_STACK identical pipelines whose stage s all sit on one node, so
         every layer's gradients sync inside a node (the SCIP branches price the sync over the
-        NIC). Closed form: the best option per D by its makespan plus an intra-node sync
-        estimate; the exact plan is judged by the cost model like every other candidate."""
-        M = self.problem.num_microbatches
-        for d in range(2, MAX_STACK + 1):
+        NIC). Closed form: per D, the STACKS_TRIED options with the smallest makespan plus sync
+        (layers and tied embedding, each stage's at its nodes' intra-node rate) and optimizer
+        step; the exact plans are judged by the cost model like every other candidate."""
+        M, pools = self.problem.num_microbatches, config.pools
+        # seconds at the sync link -> at the intra-node link, per pool
+        to_intra = [self.problem.sync_bandwidth_gbs(p) / p.intra_gbs for p in pools]
+        for d in range(2, min(MAX_STACK, M) + 1):
             stackable = [o for o in config.options
-                         if all(d * o.pools.count(k) <= config.pools[k].count
-                                and d <= config.pools[k].groups_per_node for k in set(o.pools))]
-            if not stackable or d > M:
-                continue
+                         if all(d * o.pools.count(k) <= pools[k].count
+                                and d <= pools[k].groups_per_node for k in set(o.pools))]
 
             def estimate(o: PipelineOption) -> float:
-                # each stage's sync moves from its pool's sync link to its nodes' own link
-                shared = ring_factor(d) * max(
-                    a * self.problem.sync_bandwidth_gbs(config.pools[k])
-                    / config.pools[k].intra_gbs for a, k in zip(o.sync_shared_s, o.pools))
-                return o.time_s(math.ceil(M / d)) + shared + o.optimizer_s
+                # the tied embedding's 2D holders (D with one stage) share a node only then
+                single = len(o.pools) == 1
+                tied = ring_factor(d if single else 2 * d)
+                sync = max(ring_factor(d) * a * to_intra[k] + tied * t * (to_intra[k] if single
+                                                                          else 1.0)
+                           for a, t, k in zip(o.sync_shared_s, o.sync_tied_s, o.pools))
+                return o.time_s(math.ceil(M / d)) + sync + o.optimizer_s
 
-            best = min(stackable, key=estimate)
-            self.offer(self._candidate(config, Composition(
-                [d if o is best else 0 for o in config.options], 0.0)))
+            for best in sorted(stackable, key=estimate)[:STACKS_TRIED]:
+                self.offer(self._candidate(config, Composition(
+                    [d if o is best else 0 for o in config.options], 0.0)))
 
     def _pairs(self, config: Config) -> None:
         """Two-pipeline plans whose layer-wise sync may stay inside a node: a layer both
@@ -488,9 +515,13 @@ class BranchAndBound:
                                 (lo, min(hi, M, groups)),
                                 max(0.1, self.deadline - time.monotonic()))
 
-    def _candidate(self, config: Config, comp: Composition) -> Candidate:
+    def _candidate(self, config: Config, comp: Composition) -> Candidate | None:
+        """The plan of a composition, judged by the cost model (None: its pipelines' micro-batch
+        caps cannot take the batch)."""
         problem = self.problem
         pipelines = [o for o, x in zip(config.options, comp.multiplicities) for _ in range(x)]
+        if sum(o.cap(problem.num_microbatches) for o in pipelines) < problem.num_microbatches:
+            return None
         counts = assign_microbatches(pipelines, problem.num_microbatches)
         plan = build_plan(problem, config.pools, pipelines, counts, config.recompute)
         cost = evaluate(problem, plan)

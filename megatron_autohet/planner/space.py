@@ -126,6 +126,10 @@ class PipelineOption:
     sync_tied_s: tuple[float, ...]
     sync_tied_own_s: tuple[float, ...]
     optimizer_s: float          # the slowest stage's optimizer step
+    # Most micro-batches the pipeline may run: a pipeline of S stages running m < S of them
+    # keeps only m in flight on its first stages (1F1B), so a split that memory allows only
+    # then is an option of its own, capped at m (None: any number).
+    max_microbatches: int | None = None
 
     def time_s(self, num_microbatches: int) -> float:
         return self.fill_s + (num_microbatches - 1) * self.period_s
@@ -135,7 +139,12 @@ class PipelineOption:
         slack = time_limit_s - self.fill_s
         if slack < -1e-12:
             return 0
-        return int(math.floor(slack / self.period_s + 1e-9)) + 1
+        return self.cap(int(math.floor(slack / self.period_s + 1e-9)) + 1)
+
+    def cap(self, microbatches: int) -> int:
+        """``microbatches``, or fewer where memory caps this option."""
+        return microbatches if self.max_microbatches is None else min(microbatches,
+                                                                      self.max_microbatches)
 
 
 
@@ -207,8 +216,11 @@ def colocated_ends(pools: list[Pool], sequence: tuple[int, ...]) -> bool:
 
 
 def stage_coefficients(problem: Problem, pools: list[Pool], sequence: tuple[int, ...],
-                       recompute: bool) -> list[StageCoefficients] | None:
-    """Per-stage linear coefficients; None if some stage cannot hold even one layer."""
+                       recompute: bool, max_microbatches: int | None = None
+                       ) -> list[StageCoefficients] | None:
+    """Per-stage linear coefficients; None if some stage cannot hold even one layer. Stage s
+    keeps ``S - s`` micro-batches in flight, or the pipeline's most micro-batches when fewer
+    (``max_microbatches``, at most the batch's)."""
     S = len(sequence)
     out = []
     run_pos = 0
@@ -226,7 +238,9 @@ def stage_coefficients(problem: Problem, pools: list[Pool], sequence: tuple[int,
                 link = min(pool.nic_gbs, pools[nxt].nic_gbs)
         tied_bw = (pool.intra_gbs if ends_together
                    else min(pool.nic_gbs, pools[sequence[-1 if first else 0]].nic_gbs))
-        coeff = _stage_coefficients(problem, pool, first, last, recompute, S - s, link, tied_bw)
+        in_flight = min(S - s, max_microbatches or problem.num_microbatches)
+        coeff = _stage_coefficients(problem, pool, first, last, recompute, in_flight, link,
+                                    tied_bw)
         if coeff is None:
             return None
         out.append(coeff)
@@ -287,13 +301,15 @@ def _sync_terms(problem: Problem, pool: Pool, first: bool, last: bool,
 
 
 def option_for_split(sequence: tuple[int, ...], coeffs: list[StageCoefficients],
-                     layers: tuple[int, ...]) -> PipelineOption:
+                     layers: tuple[int, ...], max_microbatches: int | None = None
+                     ) -> PipelineOption:
     periods = [c.time_fixed + c.time_per_layer * n for c, n in zip(coeffs, layers)]
     return PipelineOption(
         sequence, layers, sum(periods), max(periods),
         tuple(c.sync_fixed_s + c.sync_per_layer_s * n for c, n in zip(coeffs, layers)),
         tuple(c.sync_tied_s for c in coeffs), tuple(c.sync_tied_own_s for c in coeffs),
-        max(c.optimizer_fixed_s + c.optimizer_per_layer_s * n for c, n in zip(coeffs, layers)))
+        max(c.optimizer_fixed_s + c.optimizer_per_layer_s * n for c, n in zip(coeffs, layers)),
+        max_microbatches)
 
 
 # Layer splits tried above the smallest feasible period: looser caps move layers to the faster
@@ -361,20 +377,23 @@ def _compositions(total: int, parts: int):
 def assign_microbatches(options: list[PipelineOption], total: int,
                         offsets: list[float] | None = None) -> list[int]:
     """Micro-batches per pipeline minimising max_p (T_pipe(m_p) + offsets[p]) with every
-    m_p >= 1: greedy, always giving the next micro-batch where it finishes earliest; optimal
-    because each pipeline's time increases with m_p (and the sync/optimizer terms do not depend
-    on it)."""
-    if total < len(options):
+    1 <= m_p <= its option's cap: greedy, always giving the next micro-batch where it finishes
+    earliest; optimal because each pipeline's time increases with m_p (and the sync/optimizer
+    terms do not depend on it)."""
+    if not len(options) <= total <= sum(o.cap(total) for o in options):
         raise ConfigError("<arguments>", "global_batch_size", f"{total} micro-batches for "
-                          f"{len(options)} pipelines", "at least one micro-batch per pipeline")
+                          f"{len(options)} pipelines", "at least one micro-batch per pipeline, "
+                          "at most what each pipeline's memory allows")
     offsets = offsets or [0.0] * len(options)
     counts = [1] * len(options)
-    heap = [(o.time_s(2) + d, i) for i, (o, d) in enumerate(zip(options, offsets))]
+    heap = [(o.time_s(2) + d, i) for i, (o, d) in enumerate(zip(options, offsets))
+            if o.cap(2) == 2]
     heapq.heapify(heap)
     for _ in range(total - len(options)):
         _, i = heapq.heappop(heap)
         counts[i] += 1
-        heapq.heappush(heap, (options[i].time_s(counts[i] + 1) + offsets[i], i))
+        if options[i].cap(counts[i] + 1) > counts[i]:
+            heapq.heappush(heap, (options[i].time_s(counts[i] + 1) + offsets[i], i))
     return counts
 
 
