@@ -97,7 +97,8 @@ def gap_distribution(make_case, seeds) -> dict:
     def quantile(q: float) -> float:
         return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
 
-    return {"cases": len(values), "no_plan_fits": infeasible, "feasibility_disagrees": disagreements,
+    return {"cases": len(values), "no_plan_fits": infeasible,
+            "feasibility_disagrees": disagreements,
             "max_gap": values[-1] if values else None, "worst_seed": gaps[-1][1] if gaps else None,
             "median_gap": quantile(0.5), "p90_gap": quantile(0.9), "p99_gap": quantile(0.99),
             "over_1_percent": sum(g > 0.01 for g in values),

@@ -4,8 +4,9 @@
   link and NIC) at its type's TP degree: a node of ``n`` GPUs gives ``n // tp`` groups of
   consecutive local ranks (TP groups never leave a node and never mix GPU types; GPUs left over
   stay idle, as does a node smaller than the degree). Nodes of one type with different links are
-  different pools, so an option's link estimates are the links its stages get. Any TP group may stay idle: a plan lists only the GPUs it uses (ranks
-  0..W-1), so leaving slow GPUs out is a point of the space, not a special case.
+  different pools, so an option's link estimates are the links its stages get. Any TP group may
+  stay idle: a plan lists only the GPUs it uses (ranks 0..W-1), so leaving slow GPUs out is a
+  point of the space, not a special case.
 * A pipeline is a sequence of pools (one TP group per stage) with a layer count per stage. Its
   :class:`PipelineOption` carries what the cost model says about it independent of the
   micro-batch count: ``fill_s`` = sum of stage periods and ``period_s`` = max stage period, so
