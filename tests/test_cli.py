@@ -151,8 +151,9 @@ def test_show_table_and_figure(capsys, tmp_path):
     assert lines[3].split()[:8] == ["0", "0", "0-1", "a100", "A100-80GB", "2", "0-3", "3"]
     assert lines[4].split()[:6] == ["1", "2", "h800", "H800", "1", "4-5"]
     assert lines[5].split()[:8] == ["1", "0", "3", "h20", "H20", "1", "0-5", "1"]
-    # bundled local-4 found by the plan's cluster name: predictions are computed, not "-"
-    assert "predicted iteration time" in out and " / 80" in lines[3]
+    # bundled local-4 found by the plan's cluster name: predictions are computed, not "-";
+    # the limit is what a plan may fill: 80 GiB less the default 10% headroom
+    assert "predicted iteration time" in out and " / 72" in lines[3]
     data = figure.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000
 
