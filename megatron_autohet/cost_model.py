@@ -44,9 +44,13 @@ one more forward of the layers; ``t_s = f_s + b_s``.
   weight 4, Adam moments 8) + ``n_s`` micro-batches of activations, where 1F1B keeps
   ``n_s = min(warm-up + 1, m)`` in flight and warm-up = S - s - 1 unless the plan sets it; with
   recompute a micro-batch keeps only each layer's input, plus one layer's full activations while
-  that layer is recomputed; + MEMORY_RESERVED_GIB for the CUDA context, NCCL buffers and
-  allocator fragmentation. With tied embeddings a stage that is both first and last holds the
-  shared matrix once.
+  that layer is recomputed; on the last stage the output layer's kept activations include the
+  fp32 cross-entropy buffer, and its 16-bit logits are alive beside it while the loss runs
+  (:func:`stage_memory_bytes`); + MEMORY_RESERVED_GIB for the CUDA context and NCCL buffers; +
+  on a member of an asymmetric sync group, the runtime's full-size fp32 staging buffer. With
+  tied embeddings a stage that is both first and last holds the shared matrix once. A stage
+  fits when this peak is within ``(1 - memory headroom)`` of its GPU's memory
+  (DEFAULT_MEMORY_HEADROOM: the allocator's fragmentation).
 
 Warm-up depth (HAPT-style 1F1B): modelled in the event-level simulation only
 --------------------------------------------------------------------------------
@@ -96,6 +100,7 @@ from megatron_autohet.profiling.estimate import (ACTIVATION_DTYPE_BYTES, MEMORY_
                                                  ring_allreduce_s)
 from megatron_autohet.profiling.profile import Profile, ProfileEntry
 from megatron_autohet.spec.cluster import Cluster
+from megatron_autohet.spec.gpus import GPUType
 from megatron_autohet.spec.model import ModelSpec
 from megatron_autohet.spec.precision import MAIN_GRAD_BYTES, PLANNING_PRECISION
 
@@ -105,8 +110,27 @@ GIB = 1024 ** 3
 # fp32 gradients, a 30-byte Adam step.
 GRAD_BYTES_PER_PARAM = MAIN_GRAD_BYTES
 OPTIMIZER_TRAFFIC_BYTES_PER_PARAM = PLANNING_PRECISION.optimizer_traffic_bytes_per_param
-# CUDA context, NCCL buffers, allocator fragmentation: memory a GPU cannot give to the model.
+# CUDA context and NCCL buffers: memory a GPU cannot give to the model.
 MEMORY_RESERVED_GIB = 1.5
+# Fraction of each GPU's memory a plan leaves free (``--memory-headroom``). PyTorch's caching
+# allocator holds more than the live tensors: blocks split for one activation size are reused
+# for others, and transformer training typically runs 5-10% above its live bytes in reserved
+# memory; the activation figures are estimates (or one measurement) and the runtime has
+# transients beside the ones counted here. 10% covers the fragmentation with some margin for
+# the estimates, so a plan that "fits" does not fill a GPU to its last byte.
+DEFAULT_MEMORY_HEADROOM = 0.1
+
+
+def usable_memory_gib(gpu: GPUType, memory_headroom: float = DEFAULT_MEMORY_HEADROOM) -> float:
+    """What a plan may fill of one GPU of this type."""
+    return gpu.memory_gib * (1.0 - memory_headroom)
+
+
+def check_memory_headroom(value: float, flag: str = "--memory-headroom") -> float:
+    if not 0.0 <= value < 1.0:
+        raise ConfigError("<arguments>", flag, f"got {value!r}",
+                          "a fraction of GPU memory in [0, 1), e.g. 0.1")
+    return value
 
 
 # ---- per-stage formulas (the planner calls these directly) ----------------------------------------
@@ -147,12 +171,24 @@ def stage_param_count(entry: ProfileEntry, model: ModelSpec, num_layers: int, fi
     return params
 
 
+def logits_bytes(model: ModelSpec, tp: int, micro_batch_size: int, seq_length: int) -> float:
+    """The output layer's 16-bit logits of one micro-batch on one GPU (its vocabulary shard)."""
+    return (micro_batch_size * seq_length * model.padded_vocab_size([tp]) // tp
+            * PLANNING_PRECISION.element_bytes)
+
+
 def stage_memory_bytes(entry: ProfileEntry, model: ModelSpec, num_layers: int, first: bool,
                        last: bool, recompute: bool, in_flight: int,
                        optimizer_shards: float = 1.0) -> float:
     """Peak bytes on one GPU of the stage with ``in_flight`` micro-batches' activations alive;
     ``optimizer_shards``: over how many ranks the distributed optimizer spreads the stage's
-    master weights and Adam moments (1: not distributed)."""
+    master weights and Adam moments (1: not distributed).
+
+    Besides the kept activations (the profile's per-micro-batch figures, the output layer's
+    fp32 cross-entropy buffer among them) one transient is alive at the peak: with recompute,
+    one layer's full activations while it is recomputed; on the last stage, the 16-bit logits
+    beside their fp32 copy while the cross entropy runs (and their 16-bit gradient beside the
+    fp32 one in its backward). They never coincide, so the larger one counts."""
     params = stage_param_count(entry, model, num_layers, first, last)
     if recompute:
         per_mb = num_layers * entry.layer.activation_bytes_recompute
@@ -166,6 +202,8 @@ def stage_memory_bytes(entry: ProfileEntry, model: ModelSpec, num_layers: int, f
     if last:
         per_mb += (entry.output.activation_bytes_recompute if recompute
                    else entry.output.activation_bytes)
+        working = max(working, logits_bytes(model, entry.tp, entry.micro_batch_size,
+                                            entry.seq_length))
     state_bytes = PLANNING_PRECISION.state_bytes_per_param(optimizer_shards)
     return params * state_bytes + in_flight * per_mb + working + MEMORY_RESERVED_GIB * GIB
 
@@ -330,9 +368,10 @@ def _unsharded_state_params(plan: Plan, groups: list[tuple]) -> dict[int, float]
     return away
 
 
-def evaluate_plan(plan: Plan, cluster: Cluster, profile: Profile, with_timeline: bool = True
-                  ) -> PlanCost:
-    """Predicted iteration time, throughput, per-stage time and memory of a plan (see module doc)."""
+def evaluate_plan(plan: Plan, cluster: Cluster, profile: Profile, with_timeline: bool = True,
+                  memory_headroom: float = DEFAULT_MEMORY_HEADROOM) -> PlanCost:
+    """Predicted iteration time, throughput, per-stage time and memory of a plan (see module
+    doc); a stage fits when its peak is within ``usable_memory_gib`` of its GPU."""
     model = plan.model
     node_of = [r.node for r in plan.ranks]
     groups = _sync_group_params(plan, profile)
@@ -364,7 +403,8 @@ def evaluate_plan(plan: Plan, cluster: Cluster, profile: Profile, with_timeline:
                                         optimizer_shards=params / state_params)
             gpu_type = cluster.gpu_types[gpu]
             cost = StageCost(p, s, gpu, stage.tp, stage.layers, fwd, bwd, comm, bw, in_flight,
-                             params, memory / GIB, gpu_type.memory_gib, 0.0,
+                             params, memory / GIB,
+                             usable_memory_gib(gpu_type, memory_headroom), 0.0,
                              optimizer_step_s(state_params, gpu_type.memory_bandwidth_gbs))
             stages.append(cost)
             for r in stage.ranks:
@@ -381,6 +421,10 @@ def evaluate_plan(plan: Plan, cluster: Cluster, profile: Profile, with_timeline:
     # Layer-wise gradient sync: charge each group's collectives to every GPU in it (the TP ranks
     # of a stage sync their shards in separate, concurrent groups); a stage reports its busiest GPU.
     sync_of_rank = {r: 0.0 for r in stage_of_rank}
+    # An asymmetric group also has a zero full-size fp32 staging buffer on every member
+    # (runtime/grad_sync.py): its bytes add to the stage's peak.
+    staging_of_rank = {r: 0.0 for r in stage_of_rank}
+    stage_bytes = {id(c): c.memory_gib * GIB for c in stage_of_rank.values()}
     for spec, group, params in groups:
         holders = len(spec.holders)
         bw = _slowest_link_gbs(cluster, [node_of[r] for r in group])
@@ -388,8 +432,13 @@ def evaluate_plan(plan: Plan, cluster: Cluster, profile: Profile, with_timeline:
              else grad_allreduce_s)(params, holders, bw)
         for r in group:
             sync_of_rank[r] += t
+            if not spec.symmetric:
+                staging_of_rank[r] += params * GRAD_BYTES_PER_PARAM
     for r, t in sync_of_rank.items():
         stage_of_rank[r].sync_s = max(stage_of_rank[r].sync_s, t)
+    for r, extra in staging_of_rank.items():
+        stage = stage_of_rank[r]
+        stage.memory_gib = max(stage.memory_gib, stage_bytes[id(stage)] / GIB + extra / GIB)
 
     pipeline_time = max(p.time_s for p in pipelines)
     all_stages = [s for p in pipelines for s in p.stages]
@@ -466,6 +515,21 @@ def simulate_1f1b(stages: list[StageCost], num_microbatches: int,
             raise ConfigError("<plan>", "warmup_microbatches", "the 1F1B order deadlocks",
                               "warm-up depths that let every stage make progress")
     return max(free)
+
+
+def fleet_ideal_tokens_per_s(cluster: Cluster, profile: Profile, model: ModelSpec,
+                             micro_batch_size: int, seq_length: int) -> float:
+    """The yardstick of plan efficiency: the sum over the fleet's GPUs of each GPU's lone
+    token rate, one micro-batch's forward and backward through the whole model (embedding,
+    every layer, output layer) at TP 1 with nothing else charged: no pipeline bubble, no
+    communication, no gradient sync or optimizer step, no memory limit. A plan's tokens/s over
+    this is the fraction of the fleet's raw compute it turns into training."""
+    rate_of_type: dict[str, float] = {}
+    for gpu in cluster.gpu_types:
+        entry = profile.get(gpu, 1, micro_batch_size, seq_length)
+        fwd, bwd = stage_compute_s(entry, model.num_layers, True, True, False)
+        rate_of_type[gpu] = micro_batch_size * seq_length / (fwd + bwd)
+    return sum(rate_of_type[n.gpu] * n.num_gpus for n in cluster.nodes)
 
 
 def annotate_plan(plan: Plan, cost: PlanCost) -> Plan:

@@ -3,13 +3,18 @@
 
     python scripts/bench_planner.py [--json bench-out/bench_planner.json] [--quick]
 
-Four tables, all predictions from the same cost model (megatron_autohet/cost_model.py):
+Five tables, all predictions from the same cost model (megatron_autohet/cost_model.py):
 1. solve time of make_plan on generated fleets of 8-1024 GPUs over three GPU types (8-GPU nodes;
-   the 8-GPU fleet uses 4/2/2-GPU nodes) for GPT-3 1.3B and LLaMA-2 7B;
+   the 8-GPU fleet uses 4/2/2-GPU nodes) for GPT-3 1.3B and LLaMA-2 7B, with the plan's
+   efficiency: its tokens/s over the fleet's ideal (cost_model.fleet_ideal_tokens_per_s, the
+   sum of every GPU's lone forward+backward token rate for the whole model);
 2. re-plan time (planner/replan.py) of the 1024-GPU plans: fleet unchanged, and one node lost
    (the first A100 node, or the last H20 node), with the bytes the recovery would move;
-3. predicted iteration time and speedup over the baselines on the bundled 3-type fleets;
-4. gap to the exhaustive optimum on small clusters (<= 16 GPUs, 8-layer GPT-3 1.3B).
+3. predicted iteration time, efficiency and speedup over the baselines on the bundled 3-type
+   fleets;
+4. gap to the exhaustive optimum on small clusters (<= 16 GPUs, 8-layer GPT-3 1.3B);
+5. the gap's distribution over seeded random small fleets (planner/random_fleets.py; more
+   seeds than tests/test_planner_optimality.py runs), general and memory-bound ones.
 Writes JSON to --json (default bench-out/, gitignored by the repository's bench-out/ rule).
 """
 
@@ -22,8 +27,12 @@ import os
 import time
 from pathlib import Path
 
+from megatron_autohet.cost_model import fleet_ideal_tokens_per_s
+from megatron_autohet.errors import ConfigError
 from megatron_autohet.planner import compare, search
 from megatron_autohet.planner.exhaustive import exhaustive_search
+from megatron_autohet.planner.random_fleets import memory_bound_case, random_case
+from megatron_autohet.planner.search import resolve_profile
 from megatron_autohet.planner.replan import replan
 from megatron_autohet.spec import load_cluster, load_model
 from megatron_autohet.spec.cluster import Cluster, cluster_from_dict
@@ -50,20 +59,68 @@ def small(name: str, nodes: list[tuple[str, int]]) -> Cluster:
         {"name": f"n{i}", "gpu": g, "gpus": n} for i, (g, n) in enumerate(nodes)]})
 
 
+def efficiency(cluster: Cluster, model, tokens_per_s: float, micro_batch_size: int) -> float:
+    """A plan's tokens/s over the fleet's ideal (module doc), on the analytic estimates."""
+    profile = resolve_profile(cluster, model, None, micro_batch_size, model.seq_length)
+    return tokens_per_s / fleet_ideal_tokens_per_s(cluster, profile, model, micro_batch_size,
+                                                   model.seq_length)
+
+
+def gap_distribution(make_case, seeds) -> dict:
+    """The planner's gap to the exhaustive optimum on each seed's case (the cases no plan fits
+    are counted apart: both searches must refuse them)."""
+    gaps, infeasible, disagreements, seconds = [], 0, [], [0.0, 0.0]
+    for seed in seeds:
+        case = make_case(seed)
+        args = (case.cluster, case.model, None, case.global_batch_size, case.micro_batch_size)
+        start = time.perf_counter()
+        try:
+            best = exhaustive_search(*args, **case.space())
+        except ConfigError:
+            best = None
+        seconds[1] += time.perf_counter() - start
+        start = time.perf_counter()
+        try:
+            ours = search(*args, progress=False, **case.space())
+        except ConfigError:
+            ours = None
+        seconds[0] += time.perf_counter() - start
+        if best is None or ours is None:
+            infeasible += 1
+            if (best is None) != (ours is None):
+                disagreements.append(seed)
+            continue
+        gaps.append((ours.cost.iteration_time_s / best.cost.iteration_time_s - 1, seed))
+    gaps.sort()
+    values = [g for g, _ in gaps]
+
+    def quantile(q: float) -> float:
+        return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
+
+    return {"cases": len(values), "no_plan_fits": infeasible,
+            "feasibility_disagrees": disagreements,
+            "max_gap": values[-1] if values else None, "worst_seed": gaps[-1][1] if gaps else None,
+            "median_gap": quantile(0.5), "p90_gap": quantile(0.9), "p99_gap": quantile(0.99),
+            "over_1_percent": sum(g > 0.01 for g in values),
+            "below_zero": sum(g < -1e-9 for g in values),
+            "planner_s": seconds[0], "exhaustive_s": seconds[1]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", default=str(ROOT / "bench-out" / "bench_planner.json"),
                         help="where to write the results (default bench-out/, gitignored)")
     parser.add_argument("--quick", action="store_true", help="fewer sizes and cases")
     args = parser.parse_args()
-    result = {"scaling": [], "replan": [], "baselines": [], "exhaustive": []}
+    result = {"scaling": [], "replan": [], "baselines": [], "exhaustive": [],
+              "random_gaps": []}
     models = {n: load_model(ROOT / f"configs/models/{n}.yaml")
               for n in ("gpt3-1.3b", "gpt3-2.7b", "llama2-7b")}
 
     print("== solve time vs cluster size (global batch = max(64, 2 x GPUs), micro-batch 1); "
           f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     print(f"{'GPUs':>6} {'model':>10} {'wall_s':>8} {'cpu_s':>7} {'pipelines':>9} {'idle':>5} "
-          f"{'iter_s':>8} {'tokens/s':>10}")
+          f"{'iter_s':>8} {'tokens/s':>10} {'effic':>6}")
     sizes = (8, 64, 1024) if args.quick else (8, 32, 64, 128, 512, 1024)
     plans = {}
     for gpus in sizes:
@@ -78,11 +135,13 @@ def main() -> None:
                    "pipelines": len(cand.plan.pipelines),
                    "iteration_time_s": cand.cost.iteration_time_s,
                    "tokens_per_s": cand.cost.tokens_per_s, "tp": cand.tp_of_gpu,
-                   "recompute": cand.recompute}
+                   "recompute": cand.recompute,
+                   "efficiency": efficiency(cluster, models[name], cand.cost.tokens_per_s, 1)}
             result["scaling"].append(row)
             plans[gpus, name] = cand.plan
             print(f"{gpus:>6} {name:>10} {elapsed:>8.2f} {cpu:>7.2f} {row['pipelines']:>9} {idle:>5} "
-                  f"{row['iteration_time_s']:>8.3f} {row['tokens_per_s']:>10.0f}")
+                  f"{row['iteration_time_s']:>8.3f} {row['tokens_per_s']:>10.0f} "
+                  f"{100 * row['efficiency']:>5.1f}%")
 
     print("\n== re-plan of the 1024-GPU plans (default tolerance 2%, search budget 0.5 s)")
     print(f"{'model':>10} {'fleet now':>16} {'wall_s':>7} {'cpu_s':>6} {'judged':>6} "
@@ -104,7 +163,7 @@ def main() -> None:
                   f"{new.recovery_bytes / 2**30:>9.2f}")
 
     print("\n== speedup over baselines on the bundled 3-type fleets")
-    print(f"{'cluster':>14} {'model':>10} {'gbs':>4} {'mbs':>3} {'ours_s':>8} "
+    print(f"{'cluster':>14} {'model':>10} {'gbs':>4} {'mbs':>3} {'ours_s':>8} {'effic':>6} "
           f"{'megatron':>9} {'whale':>7} {'fastest':>8}")
     cases = [("gpt3-1.3b", 64, 1), ("gpt3-2.7b", 128, 1), ("llama2-7b", 256, 1),
              ("gpt3-1.3b", 512, 2)]
@@ -113,12 +172,13 @@ def main() -> None:
         for name, gbs, mbs in cases[:2] if args.quick else cases:
             comp = compare(cluster, models[name], None, gbs, mbs, progress=False)
             row = {"cluster": cname, "model": name, "global_batch_size": gbs,
-                   "micro_batch_size": mbs, **comp.to_dict()}
+                   "micro_batch_size": mbs, **comp.to_dict(),
+                   "efficiency": efficiency(cluster, models[name], comp.cost.tokens_per_s, mbs)}
             result["baselines"].append(row)
             sp = [comp.baselines[i].speedup for i in range(3)]
             fmt = [f"{s:.2f}x" if s else "none" for s in sp]
             print(f"{cname:>14} {name:>10} {gbs:>4} {mbs:>3} {comp.cost.iteration_time_s:>8.3f} "
-                  f"{fmt[0]:>9} {fmt[1]:>7} {fmt[2]:>8}")
+                  f"{100 * row['efficiency']:>5.1f}% {fmt[0]:>9} {fmt[1]:>7} {fmt[2]:>8}")
 
     print("\n== gap to the exhaustive optimum (same cost model, same TP degrees and max stages)")
     print(f"{'case':>26} {'ours_s':>9} {'optimum_s':>9} {'gap':>7} {'ours_t':>7} {'brute_t':>7}")
@@ -147,6 +207,25 @@ def main() -> None:
                                      "planner_time_s": t_ours, "exhaustive_time_s": t_best})
         print(f"{label:>26} {ours.cost.iteration_time_s:>9.5f} {best.cost.iteration_time_s:>9.5f} "
               f"{100 * gap:>6.2f}% {t_ours:>7.2f} {t_best:>7.2f}")
+
+    print("\n== gap to the exhaustive optimum on seeded random small fleets "
+          "(planner/random_fleets.py)")
+    print(f"{'fleets':>16} {'cases':>5} {'no fit':>6} {'median':>7} {'p90':>7} {'p99':>7} "
+          f"{'max':>7} {'>1%':>4} {'<0':>3} {'worst':>5} {'ours_t':>7} {'brute_t':>7}")
+    for label, make_case, seeds in (
+            ("random", random_case, range(40 if args.quick else 300)),
+            ("memory-bound", memory_bound_case, range(40 if args.quick else 200))):
+        row = {"fleets": label, "seeds": [seeds.start, seeds.stop],
+               **gap_distribution(make_case, seeds)}
+        result["random_gaps"].append(row)
+        print(f"{label:>16} {row['cases']:>5} {row['no_plan_fits']:>6} "
+              f"{100 * row['median_gap']:>6.2f}% {100 * row['p90_gap']:>6.2f}% "
+              f"{100 * row['p99_gap']:>6.2f}% {100 * row['max_gap']:>6.2f}% "
+              f"{row['over_1_percent']:>4} {row['below_zero']:>3} {row['worst_seed']:>5} "
+              f"{row['planner_s']:>7.1f} {row['exhaustive_s']:>7.1f}")
+        if row["feasibility_disagrees"]:
+            print(f"{'':>16} seeds where only one search found a plan: "
+                  f"{row['feasibility_disagrees']}")
 
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -76,6 +76,32 @@ def test_plan_options_reach_the_planner(capsys, tmp_path):
     assert {s.tp for p in plan.pipelines for s in p.stages} == {4}
 
 
+def test_plan_prints_idle_gpus_and_honours_the_memory_headroom(capsys, tmp_path):
+    """A 1-GPU T4 node cannot hold a TP-2 group: the plan leaves it idle and says so. The
+    headroom reaches the planner: a plan with a 10% headroom fits 90% of every GPU; at 0.999 no
+    plan fits (exit 2, the usual one-line error)."""
+    cluster = tmp_path / "c.yaml"
+    cluster.write_text(yaml.safe_dump({"name": "c", "inter_node_bandwidth_gbs": 25, "nodes": [
+        {"name": "a", "gpu": "A100-80GB", "gpus": 2}, {"name": "t", "gpu": "T4", "gpus": 1}]}))
+    out_file = tmp_path / "plan.yaml"
+    rc, out, _ = run_cli(capsys, "plan", "--cluster", cluster, "--model", GPT,
+                         "--global-batch-size", 8, "--tp", 2, "-o", out_file)
+    assert rc == 0
+    assert "idle GPUs (no rank in this plan): 1 x T4" in out
+    plan = load_plan(out_file)
+    assert plan.predicted["idle_gpus"] == {"T4": 1}
+    assert all(s.predicted_memory_gib <= 0.9 * 80 for p in plan.pipelines for s in p.stages)
+    rc, _, err = run_cli(capsys, "plan", "--cluster", cluster, "--model", GPT,
+                         "--global-batch-size", 8, "--tp", 2, "--memory-headroom", 0.999,
+                         "-o", out_file)
+    assert rc == 2 and "fits in memory" in err.strip().splitlines()[-1]
+    expect_usage_error(capsys, ["plan", "--cluster", cluster, "--model", GPT,
+                                "--global-batch-size", 8, "--memory-headroom", 1.5, "-o",
+                                out_file],
+                       "autohet plan: error: <arguments>: field '--memory-headroom': got 1.5 "
+                       "(allowed: a fraction of GPU memory in [0, 1), e.g. 0.1)")
+
+
 # ---- compare --------------------------------------------------------------------------------
 
 def test_compare_json(capsys, tmp_path):
@@ -93,6 +119,10 @@ def test_compare_json(capsys, tmp_path):
         assert b["tokens_per_s"] == pytest.approx(64 * 2048 / b["iteration_time_s"])
     megatron = data["baselines"][names.index("megatron-lm")]
     assert megatron["speedup"] > 1.0               # a single grid cannot balance three types
+    # every plan reports the GPUs it leaves unused: the fastest type alone leaves the others
+    fastest = next(b for b in data["baselines"] if b["name"].endswith(" only)"))
+    assert fastest["idle_gpus"] == {"A100-80GB": 8, "H20": 8}
+    assert megatron["idle_gpus"] == {} and isinstance(data["autohet"]["idle_gpus"], dict)
     assert load_plan(tmp_path / "ours.yaml").predicted["iteration_time_s"] == pytest.approx(ours, rel=1e-5)
 
 
@@ -121,8 +151,9 @@ def test_show_table_and_figure(capsys, tmp_path):
     assert lines[3].split()[:8] == ["0", "0", "0-1", "a100", "A100-80GB", "2", "0-3", "3"]
     assert lines[4].split()[:6] == ["1", "2", "h800", "H800", "1", "4-5"]
     assert lines[5].split()[:8] == ["1", "0", "3", "h20", "H20", "1", "0-5", "1"]
-    # bundled local-4 found by the plan's cluster name: predictions are computed, not "-"
-    assert "predicted iteration time" in out and " / 80" in lines[3]
+    # bundled local-4 found by the plan's cluster name: predictions are computed, not "-";
+    # the limit is what a plan may fill: 80 GiB less the default 10% headroom
+    assert "predicted iteration time" in out and " / 72" in lines[3]
     data = figure.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000
 

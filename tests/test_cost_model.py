@@ -5,6 +5,7 @@ import random
 import pytest
 
 from megatron_autohet.cost_model import (GIB, MEMORY_RESERVED_GIB, StageCost, evaluate_plan,
+                                         fleet_ideal_tokens_per_s,
                                          pipeline_time_s, simulate_1f1b)
 from megatron_autohet.plan import Pipeline, Plan, RankInfo, Stage
 from megatron_autohet.profiling.estimate import LINK_EFFICIENCY, MEMORY_EFFICIENCY
@@ -99,12 +100,22 @@ def test_memory_by_hand_with_and_without_recompute():
     assert s0.in_flight_microbatches == 2
     reserved = MEMORY_RESERVED_GIB * GIB
     assert s0.memory_gib * GIB == pytest.approx((200 + WORD + POS) * 18 + 2 * (2 * 10 + 5) + reserved)
+    # the last stage: the output layer's kept 7 B, and its bf16 logits (1 x 32 tokens x 512
+    # vocabulary x 2 B) beside the fp32 copy while the loss runs
+    logits = 32 * 512 * 2
     last = cost.pipelines[1].stages[0]
     assert last.memory_gib * GIB == pytest.approx(
-        (400 + WORD + POS + NORM) * 18 + (4 * 10 + 5 + 7) + reserved)
+        (400 + WORD + POS + NORM) * 18 + (4 * 10 + 5 + 7) + logits + reserved)
+    s1 = cost.pipelines[0].stages[1]
+    assert s1.memory_gib * GIB == pytest.approx((200 + WORD + NORM) * 18 + (2 * 10 + 7) + logits
+                                                + reserved)
     rc = evaluate_plan(_plan(recompute=True), CLUSTER, _profile())
     s0 = rc.pipelines[0].stages[0]
     assert s0.memory_gib * GIB == pytest.approx((200 + WORD + POS) * 18 + 2 * (2 * 1 + 5) + 10 + reserved)
+    # recompute's one-layer working set (10 B) and the logits never coincide: the larger counts
+    s1 = rc.pipelines[0].stages[1]
+    assert s1.memory_gib * GIB == pytest.approx((200 + WORD + NORM) * 18 + (2 * 1 + 7) + logits
+                                                + reserved)
     assert s0.backward_s == pytest.approx(4.5 + 2 * 1.0)   # recompute adds the layers' forward
 
 
@@ -199,7 +210,8 @@ def test_distributed_optimizer_by_hand():
     assert s0.memory_gib * GIB == pytest.approx(
         (200 + WORD + POS) * 6 + kept[0] * 12 + 2 * (2 * 10 + 5) + reserved)
     assert only.memory_gib * GIB == pytest.approx(
-        (400 + WORD + POS + NORM) * 6 + kept[2] * 12 + (4 * 10 + 5 + 7) + reserved)
+        (400 + WORD + POS + NORM) * 6 + kept[2] * 12 + (4 * 10 + 5 + 7) + 32 * 512 * 2
+        + reserved)                                         # + the last stage's bf16 logits
     sync = (_reduce_scatter_all_gather(200, 2, NIC) * 2 + _reduce_scatter_all_gather(WORD, 3, NIC)
             + _reduce_scatter_all_gather(POS, 2, NIC) + _reduce_scatter_all_gather(NORM, 2, NIC))
     assert cost.grad_sync_s == pytest.approx(sync)
@@ -212,3 +224,12 @@ def test_distributed_optimizer_by_hand():
         assert sharded.memory_gib < whole.memory_gib
     assert cost.grad_sync_s == pytest.approx(0.75 * plain.grad_sync_s)
     assert cost.optimizer_s < plain.optimizer_s
+
+
+def test_fleet_ideal_is_every_gpus_lone_rate_for_the_whole_model():
+    # per micro-batch of 32 tokens: 4 layers x (1 + 2) s + embedding 1 s + output 2 s = 15 s,
+    # on each of the 3 GPUs (the hand profile has the same figures for both types)
+    ideal = fleet_ideal_tokens_per_s(CLUSTER, _profile(), MODEL, 1, 32)
+    assert ideal == pytest.approx(3 * 32 / 15)
+    cost = evaluate_plan(_plan(), CLUSTER, _profile())
+    assert 0 < cost.tokens_per_s < ideal        # bubbles, links, sync and optimizer cost time

@@ -192,3 +192,27 @@ def test_warmup_post_pass_gives_valid_depths_within_memory_and_a_shorter_iterati
     for b in result.baselines:                    # Megatron-LM has no such option
         assert b.plan is None or all(s.warmup_microbatches is None
                                      for p in b.plan.pipelines for s in p.stages)
+
+
+def test_measured_activation_bytes_decide_the_split():
+    """A measured profile's activation bytes replace the estimate's: 13 GiB per layer and
+    micro-batch on 80 GB GPUs (72 GiB usable) leave no room for the 6-layer model on one GPU,
+    and a first stage keeping 2 micro-batches in flight holds at most 2 layers; the estimate
+    alone needs a few GiB whatever the split. The exhaustive search agrees."""
+    from megatron_autohet.planner.search import resolve_profile
+    from megatron_autohet.profiling.profile import Profile
+
+    cluster = _cluster([("A100-80GB", 2)])
+    estimated = search(cluster, TINY, None, 8, 2, progress=False, tp_degrees=[1])
+    assert estimated.cost.peak_memory_gib < 5
+    entry = resolve_profile(cluster, TINY, None, 2, 64).get("A100-80GB", 1, 2, 64)
+    layer = dataclasses.replace(entry.layer, activation_bytes=13 * 1024 ** 3, source="measured")
+    measured = Profile(TINY.name)
+    measured.add(dataclasses.replace(entry, layer=layer))
+    ours = search(cluster, TINY, measured, 8, 2, progress=False, tp_degrees=[1])
+    (pipe,) = ours.plan.pipelines
+    assert len(pipe.stages) == 2 and pipe.stages[0].num_layers <= 2
+    assert all(s.memory_gib <= s.memory_limit_gib for s in ours.cost.stages)
+    assert ours.cost.stages[1].memory_gib > pipe.stages[1].num_layers * 13
+    best = exhaustive_search(cluster, TINY, measured, 8, 2, tp_degrees=[1])
+    assert ours.cost.iteration_time_s <= best.cost.iteration_time_s * 1.01

@@ -6,12 +6,14 @@ too: a user must be able to fix the input from the message alone.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 import yaml
 
 from megatron_autohet.errors import ConfigError
+from megatron_autohet.profiling.profile import Profile
 from megatron_autohet.spec import load_cluster, load_gpu_catalog, load_model
 from megatron_autohet.spec.gpus import DEFAULT_CATALOG
 
@@ -304,3 +306,41 @@ def test_tp_degree_check_names_the_dimension_it_does_not_divide(tmp_path, change
                                f"(allowed: a TP degree in {model.valid_tp_degrees(64)})")
     for good in model.valid_tp_degrees(64):
         model.check_tp_degree(good, "plan.yaml", "pipelines[0].stages[0].ranks")
+
+
+# ---- NaN and infinity -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("text, where", [(".nan", "nan"), (".inf", "inf"), ("-.inf", "-inf")])
+def test_non_finite_numbers_refused_in_every_file(tmp_path, text, where):
+    """NaN passes every comparison (``nan <= 0`` is False) and infinity makes every time and
+    memory figure meaningless: each loader refuses both with the file and the field."""
+    def yaml_with(data: dict, key_path: str) -> str:
+        return yaml.safe_dump(data).replace(f"{key_path}: 12345.5", f"{key_path}: {text}")
+
+    catalog = tmp_path / "gpus.yaml"
+    catalog.write_text(yaml_with({"gpus": {"X": {**GOOD_GPU, "memory_gib": 12345.5}}},
+                                 "memory_gib"))
+    expect_error(load_gpu_catalog, catalog, f"field 'gpus.X.memory_gib': got {where} "
+                 "(allowed: a finite number)")
+
+    cluster = tmp_path / "cluster.yaml"
+    cluster.write_text(yaml_with({"name": "c", "inter_node_bandwidth_gbs": 25, "nodes": [
+        {"name": "a", "gpu": "T4", "gpus": 2, "inter_node_bandwidth_gbs": 12345.5}]},
+        "inter_node_bandwidth_gbs"))
+    expect_error(load_cluster, cluster, f"field 'nodes[0].inter_node_bandwidth_gbs': got "
+                 f"{where} (allowed: a finite number)")
+
+    model = tmp_path / "model.yaml"
+    model.write_text(yaml_with({**GOOD_MODEL, "num_layers": 12345.5}, "num_layers"))
+    expect_error(load_model, model, f"field 'num_layers': got {where} (float) "
+                 "(allowed: an integer)")
+
+    op = {"forward_s": 0.1, "backward_s": 0.2, "activation_bytes": 12345.5,
+          "activation_bytes_recompute": 1.0, "param_count": 10}
+    profile = tmp_path / "profile.json"
+    json_text = {"nan": "NaN", "inf": "Infinity", "-inf": "-Infinity"}[where]
+    profile.write_text(json.dumps({"model": "m", "entries": [
+        {"gpu": "T4", "tp": 1, "micro_batch_size": 1, "seq_length": 64,
+         "layer": op, "embedding": op, "output": op}]}).replace("12345.5", json_text, 1))
+    expect_error(Profile.load, profile, f"field 'entries[0].layer.activation_bytes': got "
+                 f"{where} (allowed: a finite number)")

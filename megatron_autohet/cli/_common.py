@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from megatron_autohet.cli._table import format_table
+from megatron_autohet.cost_model import DEFAULT_MEMORY_HEADROOM, check_memory_headroom
 from megatron_autohet.errors import ConfigError
 from megatron_autohet.spec.gpus import CONFIG_DIR
 
@@ -42,6 +43,11 @@ def add_planning_arguments(parser) -> None:
                              "needs it (default: auto)")
     parser.add_argument("--time-limit", type=float, default=60.0, metavar="SECONDS",
                         help="wall-clock budget of the search (default: 60)")
+    parser.add_argument("--memory-headroom", type=float, default=DEFAULT_MEMORY_HEADROOM,
+                        metavar="FRACTION",
+                        help="fraction of every GPU's memory a plan leaves free for the "
+                             "allocator's fragmentation (default: "
+                             f"{DEFAULT_MEMORY_HEADROOM})")
 
 
 def positive(value: int | float | None, flag: str) -> None:
@@ -97,7 +103,8 @@ def planning_options(args) -> dict:
     """Keyword arguments of planner.search / compare from the shared arguments."""
     return {"allow_asymmetric_tp": args.allow_asymmetric_tp,
             "activation_recompute": RECOMPUTE_CHOICES[args.recompute],
-            "time_limit_s": args.time_limit}
+            "time_limit_s": args.time_limit,
+            "memory_headroom": check_memory_headroom(args.memory_headroom)}
 
 
 # ---- plans against clusters ------------------------------------------------------------------------
@@ -174,6 +181,11 @@ def format_plan_table(plan, cost=None) -> str:
     return format_table(header, rows)
 
 
+def format_idle(idle_gpus: dict[str, int]) -> str:
+    """GPUs a plan leaves unused, per type ("none" when it uses all)."""
+    return ", ".join(f"{n} x {gpu}" for gpu, n in idle_gpus.items()) or "none"
+
+
 def format_prediction(plan, cost=None) -> str:
     """One paragraph: iteration time, tokens/s and their parts."""
     if cost is not None:
@@ -194,6 +206,5 @@ def format_prediction(plan, cost=None) -> str:
                      f"peak memory {predicted['peak_memory_gib']:.1f} GiB"
                      + ("" if predicted.get("fits_memory", True) else " (DOES NOT FIT)"))
     if predicted.get("idle_gpus"):
-        lines.append("  idle GPUs (faster without them): " + ", ".join(
-            f"{n} x {gpu}" for gpu, n in predicted["idle_gpus"].items()))
+        lines.append(f"  idle GPUs (no rank in this plan): {format_idle(predicted['idle_gpus'])}")
     return "\n".join(lines)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
-from megatron_autohet.cli._common import (add_planning_arguments, load_planning_inputs,
-                                          planning_options)
+from megatron_autohet.cli._common import (add_planning_arguments, format_idle,
+                                          load_planning_inputs, planning_options)
 from megatron_autohet.cli._table import format_table
 
 
@@ -45,16 +45,17 @@ def run(args) -> int:
           f"{args.global_batch_size}, micro-batch {args.micro_batch_size}, seq "
           f"{result.plan.seq_length}")
     rows = [["autohet (ours)", f"{result.cost.iteration_time_s:.4g}",
-             f"{result.cost.tokens_per_s:,.0f}", "1.00x",
+             f"{result.cost.tokens_per_s:,.0f}", "1.00x", format_idle(result.cost.idle_gpus),
              f"{len(result.plan.pipelines)} pipelines, recompute "
              f"{'on' if result.plan.activation_recompute else 'off'}"]]
     for b in result.baselines:
         if b.cost is None:
-            rows.append([b.name, "-", "-", "-", b.note])
+            rows.append([b.name, "-", "-", "-", "-", b.note])
         else:
             rows.append([b.name, f"{b.cost.iteration_time_s:.4g}", f"{b.cost.tokens_per_s:,.0f}",
-                         f"{b.speedup:.2f}x", b.note])
-    print(format_table(["plan", "iteration s", "tokens/s", "our speedup", "layout"], rows))
+                         f"{b.speedup:.2f}x", format_idle(b.cost.idle_gpus), b.note])
+    print(format_table(["plan", "iteration s", "tokens/s", "our speedup", "idle GPUs", "layout"],
+                       rows))
     if args.output:
         print(f"> wrote {args.output}")
     return 0

@@ -110,8 +110,13 @@ def fastest_type_only(problem: Problem, recompute_modes: list[bool], **space) ->
     sub = cluster.subset([n.name for n in cluster.nodes if n.gpu == fastest])
     sub_problem = Problem(sub, problem.model, problem.profile, problem.global_batch_size,
                           problem.micro_batch_size, problem.seq_length,
-                          problem.distributed_optimizer)
-    return _best(sub_problem, f"megatron-lm ({fastest} only)", False, recompute_modes, **space)
+                          distributed_optimizer=problem.distributed_optimizer,
+                          memory_headroom=problem.memory_headroom)
+    best = _best(sub_problem, f"megatron-lm ({fastest} only)", False, recompute_modes, **space)
+    if best.plan is not None:
+        # judged on the whole fleet, so its cost (and the plan's record) counts the idle GPUs
+        best.cost = evaluate(problem, best.plan)
+    return best
 
 
 def all_baselines(problem: Problem, recompute_modes: list[bool], *,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_autohet.cost_model import PlanCost
+from megatron_autohet.cost_model import DEFAULT_MEMORY_HEADROOM, PlanCost
 from megatron_autohet.plan import Plan
 from megatron_autohet.planner.baselines import all_baselines
 from megatron_autohet.planner.search import resolve_profile, search
@@ -26,7 +26,8 @@ class BaselineResult:
         return {"name": self.name, "note": self.note,
                 "iteration_time_s": self.cost.iteration_time_s if self.cost else None,
                 "tokens_per_s": self.cost.tokens_per_s if self.cost else None,
-                "speedup": self.speedup}
+                "speedup": self.speedup,
+                "idle_gpus": dict(self.cost.idle_gpus) if self.cost else None}
 
 
 @dataclass
@@ -42,24 +43,27 @@ class Comparison:
         return {"autohet": {"iteration_time_s": self.cost.iteration_time_s,
                             "tokens_per_s": self.cost.tokens_per_s,
                             "pipelines": len(self.plan.pipelines),
-                            "activation_recompute": self.plan.activation_recompute},
+                            "activation_recompute": self.plan.activation_recompute,
+                            "idle_gpus": dict(self.cost.idle_gpus)},
                 "baselines": [b.to_dict() for b in self.baselines]}
 
 
 def compare(cluster: Cluster, model: ModelSpec, profile: Profile | None, global_batch_size: int,
             micro_batch_size: int, seq_length: int | None = None, *,
             allow_asymmetric_tp: bool = False, activation_recompute: bool | None = None,
-            time_limit_s: float = 60.0, progress: bool = True) -> Comparison:
+            time_limit_s: float = 60.0, progress: bool = True,
+            memory_headroom: float = DEFAULT_MEMORY_HEADROOM) -> Comparison:
     """Plan with make_plan's search and evaluate the baselines (planner/baselines.py) on the
     same cluster, model, profile and batch; speedup = baseline time / our time."""
     seq_length = seq_length or model.seq_length
     best = search(cluster, model, profile, global_batch_size, micro_batch_size, seq_length,
                   allow_asymmetric_tp=allow_asymmetric_tp,
                   activation_recompute=activation_recompute, time_limit_s=time_limit_s,
-                  progress=progress)
+                  progress=progress, memory_headroom=memory_headroom)
     problem = Problem(cluster, model, resolve_profile(cluster, model, profile, micro_batch_size,
                                                       seq_length),
-                      global_batch_size, micro_batch_size, seq_length)
+                      global_batch_size, micro_batch_size, seq_length,
+                      memory_headroom=memory_headroom)
     check_batch(problem)
     modes = [False, True] if activation_recompute is None else [activation_recompute]
     results = []

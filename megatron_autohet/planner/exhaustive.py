@@ -15,7 +15,9 @@ and recompute mode it enumerates:
 * **micro-batch split**: the split minimising the longest pipeline, computed exactly: the
   gradient sync and optimizer terms do not depend on it, and pipeline p finishes m micro-batches
   at ``fill_p + (m - 1) period_p`` (cost_model.pipeline_time_s), so the smallest feasible
-  makespan is one of those values and is found by trying them in order.
+  makespan is one of those values and is found by trying them in order. When that split does
+  not fit in memory, the split within each pipeline's most micro-batches: a pipeline running
+  m < S of them keeps fewer in flight on its first stages (1F1B), so fewer may fit.
 
 Every candidate is costed by the full cost model and kept only if it fits in memory, so the
 result is the optimum of the cost model over this space (plans that leave GPUs idle included).
@@ -26,7 +28,7 @@ from __future__ import annotations
 
 import itertools
 
-from megatron_autohet.cost_model import evaluate_plan, annotate_plan
+from megatron_autohet.cost_model import DEFAULT_MEMORY_HEADROOM, annotate_plan, evaluate_plan
 from megatron_autohet.errors import ConfigError
 from megatron_autohet.plan import Pipeline, Plan, RankInfo, Stage
 from megatron_autohet.planner.search import Candidate, resolve_profile
@@ -92,13 +94,19 @@ def _plan(cluster: Cluster, model: ModelSpec, groups, arrangement, splits, micro
                 pipelines=pipelines, activation_recompute=recompute)
 
 
-def best_microbatch_split(fills: list[float], periods: list[float], total: int) -> list[int]:
-    """Micro-batches per pipeline (each >= 1) minimising max_p fill_p + (m_p - 1) period_p."""
+def best_microbatch_split(fills: list[float], periods: list[float], total: int,
+                          most: list[int] | None = None) -> list[int] | None:
+    """Micro-batches per pipeline (each 1 <= m_p <= most[p]) minimising
+    max_p fill_p + (m_p - 1) period_p; None when the caps cannot take the batch."""
+    most = most or [total] * len(fills)
+    if sum(min(total, c) for c in most) < total:
+        return None
     candidates = sorted({f + k * p for f, p in zip(fills, periods) for k in range(total)})
     for limit in candidates:
         if limit < max(fills):
             continue
-        caps = [min(total, int((limit - f) / p + 1e-9) + 1) for f, p in zip(fills, periods)]
+        caps = [min(total, c, int((limit - f) / p + 1e-9) + 1)
+                for f, p, c in zip(fills, periods, most)]
         if sum(caps) >= total:
             excess = sum(caps) - total
             for i in range(len(caps)):      # fewer micro-batches never lengthen a pipeline
@@ -109,12 +117,30 @@ def best_microbatch_split(fills: list[float], periods: list[float], total: int) 
     raise AssertionError("unreachable: the largest candidate admits every micro-batch")
 
 
+def _most_microbatches(cluster, model, profile, groups, arrangement, splits, args,
+                       memory_headroom) -> list[int]:
+    """Per pipeline, the most micro-batches it may run within memory: a pipeline of S stages
+    that fits running S of them fits running any number (1F1B keeps at most S in flight)."""
+    deepest = max(len(p) for p in arrangement)
+    most = [0] * len(arrangement)
+    for k in range(1, deepest + 1):
+        probe = _plan(cluster, model, groups, arrangement, splits, [k] * len(arrangement), *args)
+        probe.global_batch_size = probe.micro_batch_size * k * len(arrangement)
+        cost = evaluate_plan(probe, cluster, profile, with_timeline=False,
+                             memory_headroom=memory_headroom)
+        for p, pipe in enumerate(cost.pipelines):
+            if most[p] == k - 1 and all(s.fits for s in pipe.stages):
+                most[p] = k if k < len(arrangement[p]) else args[0] // args[1]
+    return most
+
+
 def exhaustive_search(cluster: Cluster, model: ModelSpec, profile: Profile | None,
                       global_batch_size: int, micro_batch_size: int,
                       seq_length: int | None = None, *, tp_degrees: list[int] | None = None,
                       max_stages: int = 4, activation_recompute: bool | None = None,
                       allow_asymmetric_tp: bool = False,
-                      max_evaluations: int = 200_000) -> Candidate:
+                      max_evaluations: int = 200_000,
+                      memory_headroom: float = DEFAULT_MEMORY_HEADROOM) -> Candidate:
     """The cost model's optimum over the space in the module doc (ConfigError when too big)."""
     seq_length = seq_length or model.seq_length
     if global_batch_size % micro_batch_size:
@@ -159,14 +185,27 @@ def exhaustive_search(cluster: Cluster, model: ModelSpec, profile: Profile | Non
                     probe = _plan(cluster, model, groups, arrangement, splits,
                                   [1] * len(arrangement), *args)
                     probe.global_batch_size = micro_batch_size * len(arrangement)
-                    cost = evaluate_plan(probe, cluster, profile, with_timeline=False)
+                    cost = evaluate_plan(probe, cluster, profile, with_timeline=False,
+                                         memory_headroom=memory_headroom)
                     fills = [sum(s.time_s + s.p2p_s for s in p.stages) for p in cost.pipelines]
                     periods = [max(s.time_s + s.p2p_s for s in p.stages) for p in cost.pipelines]
                     counts = best_microbatch_split(fills, periods, M)
                     plan = _plan(cluster, model, groups, arrangement, splits, counts, *args)
-                    cost = evaluate_plan(plan, cluster, profile, with_timeline=False)
+                    cost = evaluate_plan(plan, cluster, profile, with_timeline=False,
+                                         memory_headroom=memory_headroom)
                     if not cost.fits_memory:
-                        continue
+                        # A pipeline running m < S micro-batches keeps fewer in flight: the
+                        # best split within what each pipeline's memory allows.
+                        most = _most_microbatches(cluster, model, profile, groups, arrangement,
+                                                  splits, args, memory_headroom)
+                        counts = best_microbatch_split(fills, periods, M, most)
+                        if counts is None:
+                            continue
+                        plan = _plan(cluster, model, groups, arrangement, splits, counts, *args)
+                        cost = evaluate_plan(plan, cluster, profile, with_timeline=False,
+                                             memory_headroom=memory_headroom)
+                        if not cost.fits_memory:
+                            continue
                     if best is None or cost.iteration_time_s < best.cost.iteration_time_s:
                         plan.validate()
                         annotate_plan(plan, cost)
@@ -174,5 +213,6 @@ def exhaustive_search(cluster: Cluster, model: ModelSpec, profile: Profile | Non
     if best is None:
         raise ConfigError(cluster.name, "nodes", f"no plan for {model.name} fits in memory",
                           "more or larger GPUs, activation recompute, a smaller micro-batch")
-    plan, cost = choose_warmups(best.plan, best.cost, cluster, profile)   # the same post-pass
+    plan, cost = choose_warmups(best.plan, best.cost, cluster, profile,   # the same post-pass
+                                memory_headroom)
     return Candidate(plan, cost, best.tp_of_gpu, best.recompute)

@@ -98,7 +98,7 @@ class CompositionModel:
         m = self.model
         m.freeTransform()
         offsets = offsets or [0.0] * len(self.options)
-        caps = [min(self.total, o.capacity(tau - d)) if tau is not None else self.total
+        caps = [min(self.total, o.capacity(tau - d)) if tau is not None else o.cap(self.total)
                 for o, d in zip(self.options, offsets)]
         for j, v in enumerate(self.x):
             m.chgVarUb(v, self.upper[j] if allowed[j] and caps[j] > 0 else 0)

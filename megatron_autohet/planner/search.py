@@ -18,7 +18,12 @@ non-linearly in an outer enumeration, and leaves an exact integer program to SCI
    sit at both ends, which carry the embedding and the output layer, and share a node for the
    tied-embedding sync), contiguous runs (plus that wrap-around) for longer ones; each with its
    layer splits (all of them for small models, else min-period splits), and per GPU-count vector
-   only the options that are best for some pipeline count (space.py, :func:`_keep_best`).
+   only the options that are best for some pipeline count (space.py, :func:`_keep_best`). A
+   pool is one kind of node (GPU type, size, intra-node link, NIC), so the links an option is
+   priced with are the ones its stages get. Where memory limits a split, the splits that fit
+   only when the pipeline runs m < S micro-batches (1F1B then keeps m in flight on its first
+   stages) are options of their own, capped at m micro-batches in the SCIP model and the
+   micro-batch split.
 3. **Branches** (config, D range, level E): D in a bin of pipeline counts (exact for D <= 4,
    bins of a few percent of sync error above), E a level on sync(D) + optimizer of the options
    allowed (a geometric grid LEVEL_RATIO apart). A branch's iteration time is at least
@@ -36,12 +41,15 @@ non-linearly in an outer enumeration, and leaves an exact integer program to SCI
    (planner/baselines.py) are points of this space (uniform grids, a subset of the GPUs); they
    seed the incumbent, as a MIP start does, so the result is never slower than any of them and
    their bound prunes branches from the start.
-6. **Node-local sync**: the branches price every layer's gradient sync over the NIC, but with
-   few pipelines the holders of a layer can share a node. Two closed-form families cover that
-   and are judged by the cost model when a config is built: stacks of D <= MAX_STACK identical
-   pipelines (:meth:`BranchAndBound._stacks`) and every pair of options that fits the pools, with
-   the layers both hold on one pool synced at the intra-node rate
-   (:meth:`BranchAndBound._pairs`).
+6. **Node-local sync**: the branches price every layer's gradient sync over its pool's NIC,
+   but with few pipelines the holders of a layer can share a node. Two closed-form families
+   cover that and are judged by the cost model when a config is built: stacks of D <=
+   MAX_STACK identical pipelines, each stage's sync at its own nodes' intra-node link (the tied
+   embedding too when the pipelines have one stage), the STACKS_TRIED best per D
+   (:meth:`BranchAndBound._stacks`), and every pair of options that fits the pools, with the
+   layers both hold on one pool synced at the intra-node rate (:meth:`BranchAndBound._pairs`).
+   tests/test_planner_optimality.py checks the result against the exhaustive search on random
+   small fleets: within 1% on every one.
 7. **HAPT warm-up post-pass** (planner/warmup.py): the best plan's pipelines that set the
    iteration time get deeper 1F1B warm-ups where the event-level simulation says they overlap
    a slow boundary with compute, within memory; the exhaustive search's best gets the same
@@ -65,7 +73,8 @@ from dataclasses import dataclass
 import numpy as np
 from tqdm import tqdm
 
-from megatron_autohet.cost_model import GIB, PlanCost, stage_compute_s, stage_memory_bytes
+from megatron_autohet.cost_model import (DEFAULT_MEMORY_HEADROOM, PlanCost, check_memory_headroom,
+                                         stage_compute_s, stage_memory_bytes)
 from megatron_autohet.errors import ConfigError
 from megatron_autohet.plan import Plan
 from megatron_autohet.planner.scip_model import BOUND_TOLERANCE, Composition, CompositionModel
@@ -100,8 +109,10 @@ PRUNE_TOLERANCE = 1e-3
 KEEP_FOR_COUNTS = (1, 2, 4, 8, 32, 1024)
 # Two-pipeline plans with node-local layer sync judged by the cost model per config.
 PAIRS_TRIED = 3
-# Stacks of up to this many identical pipelines are tried with their stages sharing nodes.
+# Stacks of up to this many identical pipelines are tried with their stages sharing nodes,
+# the best few options per stack height judged by the cost model.
 MAX_STACK = 4
+STACKS_TRIED = 3
 
 
 @dataclass
@@ -125,7 +136,7 @@ def default_max_stages(problem: Problem, pools: list[Pool]) -> int:
     needed = 1
     for pool in pools:
         entry = problem.entry(pool)
-        limit = problem.cluster.gpu_types[pool.gpu].memory_gib * GIB
+        limit = problem.memory_limit_bytes(pool)
         m1 = stage_memory_bytes(entry, problem.model, 1, False, False, False, 1)
         m2 = stage_memory_bytes(entry, problem.model, 2, False, False, False, 1)
         per_stage = max(1, int((limit - m1) // (m2 - m1)) + 1) if limit > m1 else 1
@@ -160,14 +171,16 @@ def stage_sequences(pools: list[Pool], max_stages: int) -> list[tuple[int, ...]]
 
 def _keep_best(options: list[PipelineOption], total: int,
                distributed_optimizer: bool) -> list[PipelineOption]:
-    """Of the options with one GPU-count vector, those that are best for a pipeline running its
-    share of the batch for some pipeline count (KEEP_FOR_COUNTS), or best in period alone."""
+    """Of the options with one GPU-count vector and micro-batch cap, those that are best for a
+    pipeline running its share of the batch (at most the cap) for some pipeline count
+    (KEEP_FOR_COUNTS), or best in period alone."""
     table = OptionTable(options, distributed_optimizer)
     keep = {int(np.lexsort((table.fill_s, table.period_s))[0])}
     for d in KEEP_FOR_COUNTS:
         share = math.ceil(total / d)
         extras = table.extras_s(d)
-        for m in {max(1, share // 2), share, 2 * share}:   # pipelines get uneven shares
+        for m in {options[0].cap(x) for x in (max(1, share // 2), share, 2 * share)}:
+            # pipelines get uneven shares
             keep.add(int(np.argmin(table.fill_s + (m - 1) * table.period_s + extras)))
     return [options[j] for j in sorted(keep)]
 
@@ -212,7 +225,7 @@ def fluid_bound_s(problem: Problem, pools: list[Pool], recompute: bool) -> float
     rate, embed, output = 0.0, math.inf, math.inf
     for pool in pools:
         entry = problem.entry(pool)
-        limit = problem.cluster.gpu_types[pool.gpu].memory_gib * GIB
+        limit = problem.memory_limit_bytes(pool)
         if stage_memory_bytes(entry, model, 1, False, False, recompute, 1) > limit:
             continue
         per_layer = sum(stage_compute_s(entry, 1, False, False, recompute))
@@ -237,16 +250,28 @@ def build_options(problem: Problem, config: Config, max_stages: int | None) -> N
     pools = config.pools
     stages = max_stages or default_max_stages(problem, pools)
     L = problem.model.num_layers
-    by_counts: dict[tuple[int, ...], list[PipelineOption]] = {}
+    by_counts: dict[tuple, list[PipelineOption]] = {}
     memory_bound = False
+    M = problem.num_microbatches
     for seq in stage_sequences(pools, min(stages, L)):
-        coeffs = stage_coefficients(problem, pools, seq, config.recompute)
-        if coeffs is None:
-            memory_bound = True
-            continue
-        memory_bound |= any(c.max_layers < L for c in coeffs)
         counts = tuple(seq.count(k) for k in range(len(pools)))
-        by_counts.setdefault(counts, []).extend(
+        coeffs = stage_coefficients(problem, pools, seq, config.recompute)
+        limits = None if coeffs is None else [c.max_layers for c in coeffs]
+        if coeffs is None or any(n < L for n in limits):
+            memory_bound = True
+            # With m < S micro-batches the first stages keep fewer in flight: splits memory
+            # allows only then are options capped at m.
+            for cap in range(min(len(seq), M) - 1, 0, -1):
+                capped = stage_coefficients(problem, pools, seq, config.recompute, cap)
+                if capped is None or (limits is not None and all(
+                        c.max_layers <= n for c, n in zip(capped, limits))):
+                    continue
+                by_counts.setdefault((counts, cap), []).extend(
+                    option_for_split(seq, capped, layers, cap)
+                    for layers in layer_splits(problem, capped))
+        if coeffs is None:
+            continue
+        by_counts.setdefault((counts, None), []).extend(
             option_for_split(seq, coeffs, layers)
             for layers in layer_splits(problem, coeffs))
     config.options = [o for group in by_counts.values() if group
@@ -404,25 +429,29 @@ class BranchAndBound:
     def _stacks(self, config: Config) -> None:
         """Plans of D <= MAX_STACK identical pipelines whose stage s all sit on one node, so
         every layer's gradients sync inside a node (the SCIP branches price the sync over the
-        NIC). Closed form: the best option per D by its makespan plus an intra-node sync
-        estimate; the exact plan is judged by the cost model like every other candidate."""
-        M = self.problem.num_microbatches
-        for d in range(2, MAX_STACK + 1):
+        NIC). Closed form: per D, the STACKS_TRIED options with the smallest makespan plus sync
+        (layers and tied embedding, each stage's at its nodes' intra-node rate) and optimizer
+        step; the exact plans are judged by the cost model like every other candidate."""
+        M, pools = self.problem.num_microbatches, config.pools
+        # seconds at the sync link -> at the intra-node link, per pool
+        to_intra = [self.problem.sync_bandwidth_gbs(p) / p.intra_gbs for p in pools]
+        for d in range(2, min(MAX_STACK, M) + 1):
             stackable = [o for o in config.options
-                         if all(d * o.pools.count(k) <= config.pools[k].count
-                                and d <= config.pools[k].groups_per_node for k in set(o.pools))]
-            if not stackable or d > M:
-                continue
-            nic = self.problem.sync_bandwidth_gbs
-            intra = min(p.intra_gbs for p in config.pools)
+                         if all(d * o.pools.count(k) <= pools[k].count
+                                and d <= pools[k].groups_per_node for k in set(o.pools))]
 
             def estimate(o: PipelineOption) -> float:
-                shared = ring_factor(d) * max(a for a in o.sync_shared_s) * nic / intra
-                return o.time_s(math.ceil(M / d)) + shared + o.optimizer_s
+                # the tied embedding's 2D holders (D with one stage) share a node only then
+                single = len(o.pools) == 1
+                tied = ring_factor(d if single else 2 * d)
+                sync = max(ring_factor(d) * a * to_intra[k] + tied * t * (to_intra[k] if single
+                                                                          else 1.0)
+                           for a, t, k in zip(o.sync_shared_s, o.sync_tied_s, o.pools))
+                return o.time_s(math.ceil(M / d)) + sync + o.optimizer_s
 
-            best = min(stackable, key=estimate)
-            self.offer(self._candidate(config, Composition(
-                [d if o is best else 0 for o in config.options], 0.0)))
+            for best in sorted(stackable, key=estimate)[:STACKS_TRIED]:
+                self.offer(self._candidate(config, Composition(
+                    [d if o is best else 0 for o in config.options], 0.0)))
 
     def _pairs(self, config: Config) -> None:
         """Two-pipeline plans whose layer-wise sync may stay inside a node: a layer both
@@ -434,9 +463,9 @@ class BranchAndBound:
         slower optimizer step; the PAIRS_TRIED best are judged by the cost model."""
         problem, options, pools = self.problem, config.options, config.pools
         M, L, n = problem.num_microbatches, problem.model.num_layers, len(config.options)
-        nic = problem.sync_bandwidth_gbs
-        saving = np.array([layer_sync_s(problem, p) * (1 - nic / max(nic, p.intra_gbs))
-                           if p.groups_per_node >= 2 else 0.0 for p in pools])
+        saving = np.array([layer_sync_s(problem, p) * (
+            1 - problem.sync_bandwidth_gbs(p) / max(problem.sync_bandwidth_gbs(p), p.intra_gbs))
+            if p.groups_per_node >= 2 else 0.0 for p in pools])
         table = config.table
         best_s = self.best.cost.iteration_time_s if self.best else math.inf
         if M < 2 or n < 2 or not saving.any() or (
@@ -489,9 +518,13 @@ class BranchAndBound:
                                 (lo, min(hi, M, groups)),
                                 max(0.1, self.deadline - time.monotonic()))
 
-    def _candidate(self, config: Config, comp: Composition) -> Candidate:
+    def _candidate(self, config: Config, comp: Composition) -> Candidate | None:
+        """The plan of a composition, judged by the cost model (None: its pipelines' micro-batch
+        caps cannot take the batch)."""
         problem = self.problem
         pipelines = [o for o, x in zip(config.options, comp.multiplicities) for _ in range(x)]
+        if sum(o.cap(problem.num_microbatches) for o in pipelines) < problem.num_microbatches:
+            return None
         counts = assign_microbatches(pipelines, problem.num_microbatches)
         plan = build_plan(problem, config.pools, pipelines, counts, config.recompute)
         cost = evaluate(problem, plan)
@@ -503,12 +536,14 @@ def make_plan(cluster: Cluster, model: ModelSpec, profile: Profile | None,
               allow_asymmetric_tp: bool = False, activation_recompute: bool | None = None,
               time_limit_s: float = 60.0, progress: bool = True,
               tp_degrees: list[int] | None = None, max_stages: int | None = None,
-              distributed_optimizer: bool = False) -> Plan:
+              distributed_optimizer: bool = False,
+              memory_headroom: float = DEFAULT_MEMORY_HEADROOM) -> Plan:
     """The fastest plan the search finds (see module doc), annotated with its predictions.
 
     ``profile`` None plans on analytic estimates; a given profile (measured or estimated) wins
     over the estimates where it has entries. ``activation_recompute`` None decides per plan.
-    ``tp_degrees`` restricts the TP degrees searched; ``max_stages`` the pipeline depth.
+    ``tp_degrees`` restricts the TP degrees searched; ``max_stages`` the pipeline depth;
+    ``memory_headroom`` is the fraction of every GPU's memory the plan leaves free.
     ``distributed_optimizer``: plans for Megatron-LM's --use-distributed-optimizer, priced so
     and recorded in the plan (the options' memory limits stay those of unsharded Adam state:
     the search does not look for splits that fit only thanks to the sharding).
@@ -518,7 +553,8 @@ def make_plan(cluster: Cluster, model: ModelSpec, profile: Profile | None,
                   allow_asymmetric_tp=allow_asymmetric_tp,
                   activation_recompute=activation_recompute, time_limit_s=time_limit_s,
                   progress=progress, tp_degrees=tp_degrees, max_stages=max_stages,
-                  distributed_optimizer=distributed_optimizer).plan
+                  distributed_optimizer=distributed_optimizer,
+                  memory_headroom=memory_headroom).plan
 
 
 def search(cluster: Cluster, model: ModelSpec, profile: Profile | None, global_batch_size: int,
@@ -528,7 +564,8 @@ def search(cluster: Cluster, model: ModelSpec, profile: Profile | None, global_b
            max_stages: int | None = None, seeds: Sequence[Candidate] = (),
            baselines: bool = True,
            on_candidate: Callable[[Candidate], None] | None = None,
-           distributed_optimizer: bool = False) -> Candidate:
+           distributed_optimizer: bool = False,
+           memory_headroom: float = DEFAULT_MEMORY_HEADROOM) -> Candidate:
     """make_plan, returning the plan with its cost and the TP/recompute choice.
 
     For the re-planner (planner/replan.py): ``seeds`` are extra incumbents (plans of this
@@ -542,7 +579,8 @@ def search(cluster: Cluster, model: ModelSpec, profile: Profile | None, global_b
     seq_length = seq_length or model.seq_length
     profile = resolve_profile(cluster, model, profile, micro_batch_size, seq_length)
     problem = Problem(cluster, model, profile, global_batch_size, micro_batch_size, seq_length,
-                      distributed_optimizer)
+                      distributed_optimizer=distributed_optimizer,
+                      memory_headroom=check_memory_headroom(memory_headroom))
     check_batch(problem)
     gpus = list(dict.fromkeys(n.gpu for n in cluster.nodes))
     max_node = max(n.num_gpus for n in cluster.nodes)
@@ -593,5 +631,5 @@ def search(cluster: Cluster, model: ModelSpec, profile: Profile | None, global_b
                           "more or larger GPUs, activation recompute, a smaller micro-batch or "
                           "sequence length, or a global batch with a micro-batch per pipeline")
     best = search_bb.best
-    plan, cost = choose_warmups(best.plan, best.cost, cluster, problem.profile)
+    plan, cost = choose_warmups(best.plan, best.cost, cluster, problem.profile, memory_headroom)
     return dataclasses.replace(best, plan=plan, cost=cost)

@@ -1,10 +1,12 @@
 """The planner's plan space and its building blocks (shared by the SCIP search and the baselines).
 
-* A :class:`Pool` is the set of TP groups of one GPU type at one TP degree: a node of ``n`` GPUs
-  gives ``n // tp`` groups of consecutive local ranks (TP groups never leave a node and never mix
-  GPU types). A node whose GPU count the degree does not divide contributes no group: under that
-  degree it stays idle. Any TP group may stay idle: a plan lists only the GPUs it uses (ranks
-  0..W-1), so leaving slow GPUs out is a point of the space, not a special case.
+* A :class:`Pool` is the set of TP groups of one kind of node (GPU type, GPU count, intra-node
+  link and NIC) at its type's TP degree: a node of ``n`` GPUs gives ``n // tp`` groups of
+  consecutive local ranks (TP groups never leave a node and never mix GPU types; GPUs left over
+  stay idle, as does a node smaller than the degree). Nodes of one type with different links are
+  different pools, so an option's link estimates are the links its stages get. Any TP group may
+  stay idle: a plan lists only the GPUs it uses (ranks 0..W-1), so leaving slow GPUs out is a
+  point of the space, not a special case.
 * A pipeline is a sequence of pools (one TP group per stage) with a layer count per stage. Its
   :class:`PipelineOption` carries what the cost model says about it independent of the
   micro-batch count: ``fill_s`` = sum of stage periods and ``period_s`` = max stage period, so
@@ -29,9 +31,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from megatron_autohet.cost_model import (GIB, GRAD_BYTES_PER_PARAM, PlanCost, annotate_plan,
-                                         evaluate_plan, grad_allreduce_s, optimizer_step_s, p2p_s,
-                                         stage_compute_s, stage_memory_bytes, stage_param_count)
+from megatron_autohet.cost_model import (DEFAULT_MEMORY_HEADROOM, GIB, GRAD_BYTES_PER_PARAM,
+                                         PlanCost, annotate_plan, evaluate_plan,
+                                         grad_allreduce_s, optimizer_step_s, p2p_s,
+                                         stage_compute_s, stage_memory_bytes, stage_param_count,
+                                         usable_memory_gib)
 from megatron_autohet.errors import ConfigError
 from megatron_autohet.plan import Pipeline, Plan, RankInfo, Stage
 from megatron_autohet.profiling.profile import Profile, ProfileEntry
@@ -45,9 +49,10 @@ class Pool:
     gpu: str
     tp: int
     count: int               # TP groups in the cluster
-    groups_per_node: int     # fewest groups any node of this type holds
-    nic_gbs: float           # slowest NIC among the nodes of this type
-    intra_gbs: float         # slowest intra-node link among them
+    groups_per_node: int     # TP groups one of its nodes holds
+    nic_gbs: float           # its nodes' NIC
+    intra_gbs: float         # its nodes' intra-node link
+    node_gpus: int           # GPUs per node (a few may be left over by the degree)
 
 
 @dataclass(frozen=True, eq=False)
@@ -62,6 +67,7 @@ class Problem:
     seq_length: int
     # Plans for --use-distributed-optimizer: priced with sharded Adam state (cost_model.py)
     distributed_optimizer: bool = False
+    memory_headroom: float = DEFAULT_MEMORY_HEADROOM
 
     @property
     def num_microbatches(self) -> int:
@@ -70,13 +76,15 @@ class Problem:
     def entry(self, pool: Pool) -> ProfileEntry:
         return self.profile.get(pool.gpu, pool.tp, self.micro_batch_size, self.seq_length)
 
-    @functools.cached_property
-    def sync_bandwidth_gbs(self) -> float:
-        """Link a data-parallel group crosses: the slowest NIC, or NVLink on a one-node cluster."""
-        nodes = self.cluster.nodes
-        if len(nodes) == 1:
-            return nodes[0].intra_node_bandwidth_gbs
-        return min(n.inter_node_bandwidth_gbs for n in nodes)
+    def memory_limit_bytes(self, pool: Pool) -> float:
+        return usable_memory_gib(self.cluster.gpu_types[pool.gpu], self.memory_headroom) * GIB
+
+    def sync_bandwidth_gbs(self, pool: Pool) -> float:
+        """The link a data-parallel group of this pool's stages crosses: its NIC, or the
+        intra-node link on a one-node cluster."""
+        if len(self.cluster.nodes) == 1:
+            return pool.intra_gbs
+        return pool.nic_gbs
 
 
 def check_batch(problem: Problem) -> None:
@@ -87,16 +95,21 @@ def check_batch(problem: Problem) -> None:
 
 
 def make_pools(cluster: Cluster, tp_of_gpu: dict[str, int]) -> list[Pool]:
-    """One pool per GPU type with at least one node its TP degree divides (others stay idle)."""
-    pools = []
-    for gpu, tp in tp_of_gpu.items():
-        nodes = [n for n in cluster.nodes if n.gpu == gpu and n.num_gpus % tp == 0]
-        if nodes:
-            pools.append(Pool(gpu, tp, sum(n.num_gpus // tp for n in nodes),
-                              min(n.num_gpus // tp for n in nodes),
-                              min(n.inter_node_bandwidth_gbs for n in nodes),
-                              min(n.intra_node_bandwidth_gbs for n in nodes)))
-    return pools
+    """One pool per kind of node that holds a TP group of its type's degree: nodes of one GPU
+    type, size and links (intra-node and NIC) form a pool, so every link an option's stages use
+    is the one placement gives them (nodes too small for the degree stay idle)."""
+    kinds: dict[tuple, list] = {}
+    for node in cluster.nodes:
+        tp = tp_of_gpu.get(node.gpu)
+        if tp is not None and node.num_gpus >= tp:
+            kinds.setdefault(_node_kind(node, tp), []).append(node)
+    return [Pool(gpu, tp, len(nodes) * (size // tp), size // tp, nic, intra, size)
+            for (gpu, tp, size, intra, nic), nodes in kinds.items()]
+
+
+def _node_kind(node, tp: int) -> tuple:
+    return (node.gpu, tp, node.num_gpus, node.intra_node_bandwidth_gbs,
+            node.inter_node_bandwidth_gbs)
 
 
 # The distributed optimizer's sync bytes over the all-reduce's: (fp32 gradients reduce-scattered
@@ -124,6 +137,10 @@ class PipelineOption:
     sync_tied_s: tuple[float, ...]
     sync_tied_own_s: tuple[float, ...]
     optimizer_s: float          # the slowest stage's optimizer step
+    # Most micro-batches the pipeline may run: a pipeline of S stages running m < S of them
+    # keeps only m in flight on its first stages (1F1B), so a split that memory allows only
+    # then is an option of its own, capped at m (None: any number).
+    max_microbatches: int | None = None
 
     def time_s(self, num_microbatches: int) -> float:
         return self.fill_s + (num_microbatches - 1) * self.period_s
@@ -133,7 +150,12 @@ class PipelineOption:
         slack = time_limit_s - self.fill_s
         if slack < -1e-12:
             return 0
-        return int(math.floor(slack / self.period_s + 1e-9)) + 1
+        return self.cap(int(math.floor(slack / self.period_s + 1e-9)) + 1)
+
+    def cap(self, microbatches: int) -> int:
+        """``microbatches``, or fewer where memory caps this option."""
+        return microbatches if self.max_microbatches is None else min(microbatches,
+                                                                      self.max_microbatches)
 
 
 
@@ -211,8 +233,11 @@ def colocated_ends(pools: list[Pool], sequence: tuple[int, ...]) -> bool:
 
 
 def stage_coefficients(problem: Problem, pools: list[Pool], sequence: tuple[int, ...],
-                       recompute: bool) -> list[StageCoefficients] | None:
-    """Per-stage linear coefficients; None if some stage cannot hold even one layer."""
+                       recompute: bool, max_microbatches: int | None = None
+                       ) -> list[StageCoefficients] | None:
+    """Per-stage linear coefficients; None if some stage cannot hold even one layer. Stage s
+    keeps ``S - s`` micro-batches in flight, or the pipeline's most micro-batches when fewer
+    (``max_microbatches``, at most the batch's)."""
     S = len(sequence)
     out = []
     run_pos = 0
@@ -230,7 +255,9 @@ def stage_coefficients(problem: Problem, pools: list[Pool], sequence: tuple[int,
                 link = min(pool.nic_gbs, pools[nxt].nic_gbs)
         tied_bw = (pool.intra_gbs if ends_together
                    else min(pool.nic_gbs, pools[sequence[-1 if first else 0]].nic_gbs))
-        coeff = _stage_coefficients(problem, pool, first, last, recompute, S - s, link, tied_bw)
+        in_flight = min(S - s, max_microbatches or problem.num_microbatches)
+        coeff = _stage_coefficients(problem, pool, first, last, recompute, in_flight, link,
+                                    tied_bw)
         if coeff is None:
             return None
         out.append(coeff)
@@ -251,11 +278,11 @@ def _stage_coefficients(problem: Problem, pool: Pool, first: bool, last: bool, r
     m1 = stage_memory_bytes(entry, model, 1, first, last, recompute, in_flight)
     m2 = stage_memory_bytes(entry, model, 2, first, last, recompute, in_flight)
     gpu = problem.cluster.gpu_types[pool.gpu]
-    limit = gpu.memory_gib * GIB
+    limit = problem.memory_limit_bytes(pool)
     if m1 > limit:
         return None
     max_layers = int((limit - m1) // (m2 - m1)) + 1 if m2 > m1 else model.num_layers
-    sync = _sync_terms(problem, entry, first, last, tied_bw)
+    sync = _sync_terms(problem, pool, first, last, tied_bw)
     opt1 = optimizer_step_s(stage_param_count(entry, model, 1, first, last),
                             gpu.memory_bandwidth_gbs)
     opt2 = optimizer_step_s(stage_param_count(entry, model, 2, first, last),
@@ -268,14 +295,14 @@ def _stage_coefficients(problem: Problem, pool: Pool, first: bool, last: bool, r
 def layer_sync_s(problem: Problem, pool: Pool) -> float:
     """One layer's gradient all-reduce seconds at ring factor 1 over the sync link (one TP
     shard of a GPU of this pool)."""
-    return _sync_terms(problem, problem.entry(pool), False, False, 1.0)[0]
+    return _sync_terms(problem, pool, False, False, 1.0)[0]
 
 
-def _sync_terms(problem: Problem, entry: ProfileEntry, first: bool, last: bool,
+def _sync_terms(problem: Problem, pool: Pool, first: bool, last: bool,
                 tied_bandwidth_gbs: float) -> tuple[float, float, float, float]:
     """(per layer, fixed shared, tied over the sync link, tied over the pipeline's own link):
     a stage's gradient all-reduce seconds at ring factor 1 (cost_model's sync formulas)."""
-    model, bw = problem.model, problem.sync_bandwidth_gbs
+    model, bw, entry = problem.model, problem.sync_bandwidth_gbs(pool), problem.entry(pool)
     unit = grad_allreduce_s(1.0, 2, 1.0)          # seconds per parameter at 1 GB/s, factor 1
     vocab = model.padded_vocab_size([entry.tp]) * model.hidden_size // entry.tp
     fixed = 0.0
@@ -291,13 +318,15 @@ def _sync_terms(problem: Problem, entry: ProfileEntry, first: bool, last: bool,
 
 
 def option_for_split(sequence: tuple[int, ...], coeffs: list[StageCoefficients],
-                     layers: tuple[int, ...]) -> PipelineOption:
+                     layers: tuple[int, ...], max_microbatches: int | None = None
+                     ) -> PipelineOption:
     periods = [c.time_fixed + c.time_per_layer * n for c, n in zip(coeffs, layers)]
     return PipelineOption(
         sequence, layers, sum(periods), max(periods),
         tuple(c.sync_fixed_s + c.sync_per_layer_s * n for c, n in zip(coeffs, layers)),
         tuple(c.sync_tied_s for c in coeffs), tuple(c.sync_tied_own_s for c in coeffs),
-        max(c.optimizer_fixed_s + c.optimizer_per_layer_s * n for c, n in zip(coeffs, layers)))
+        max(c.optimizer_fixed_s + c.optimizer_per_layer_s * n for c, n in zip(coeffs, layers)),
+        max_microbatches)
 
 
 # Layer splits tried above the smallest feasible period: looser caps move layers to the faster
@@ -365,20 +394,23 @@ def _compositions(total: int, parts: int):
 def assign_microbatches(options: list[PipelineOption], total: int,
                         offsets: list[float] | None = None) -> list[int]:
     """Micro-batches per pipeline minimising max_p (T_pipe(m_p) + offsets[p]) with every
-    m_p >= 1: greedy, always giving the next micro-batch where it finishes earliest; optimal
-    because each pipeline's time increases with m_p (and the sync/optimizer terms do not depend
-    on it)."""
-    if total < len(options):
+    1 <= m_p <= its option's cap: greedy, always giving the next micro-batch where it finishes
+    earliest; optimal because each pipeline's time increases with m_p (and the sync/optimizer
+    terms do not depend on it)."""
+    if not len(options) <= total <= sum(o.cap(total) for o in options):
         raise ConfigError("<arguments>", "global_batch_size", f"{total} micro-batches for "
-                          f"{len(options)} pipelines", "at least one micro-batch per pipeline")
+                          f"{len(options)} pipelines", "at least one micro-batch per pipeline, "
+                          "at most what each pipeline's memory allows")
     offsets = offsets or [0.0] * len(options)
     counts = [1] * len(options)
-    heap = [(o.time_s(2) + d, i) for i, (o, d) in enumerate(zip(options, offsets))]
+    heap = [(o.time_s(2) + d, i) for i, (o, d) in enumerate(zip(options, offsets))
+            if o.cap(2) == 2]
     heapq.heapify(heap)
     for _ in range(total - len(options)):
         _, i = heapq.heappop(heap)
         counts[i] += 1
-        heapq.heappush(heap, (options[i].time_s(counts[i] + 1) + offsets[i], i))
+        if options[i].cap(counts[i] + 1) > counts[i]:
+            heapq.heappush(heap, (options[i].time_s(counts[i] + 1) + offsets[i], i))
     return counts
 
 
@@ -388,13 +420,15 @@ def place_pipelines(cluster: Cluster, pools: list[Pool],
     consecutive stages of one pool; a pipeline that starts and ends on one pool places its first
     and last runs as one block. Longest blocks first, each best-fit into a node of its pool."""
     free: dict[int, list[list[list]]] = {k: [] for k in range(len(pools))}
-    pool_of_gpu = {p.gpu: k for k, p in enumerate(pools)}
+    pool_of_kind = {(p.gpu, p.tp, p.node_gpus, p.intra_gbs, p.nic_gbs): k
+                    for k, p in enumerate(pools)}
+    tp_of_gpu = {p.gpu: p.tp for p in pools}
     devices = cluster.devices()
     for node in cluster.nodes:
-        k = pool_of_gpu.get(node.gpu)
-        if k is None or node.num_gpus % pools[k].tp:
+        tp = tp_of_gpu.get(node.gpu)
+        k = None if tp is None else pool_of_kind.get(_node_kind(node, tp))
+        if k is None:
             continue
-        tp = pools[k].tp
         mine = [d for d in devices if d.node == node.name]
         free[k].append([mine[g * tp:(g + 1) * tp] for g in range(node.num_gpus // tp)])
     blocks = []   # (stage indices, pipeline, pool)
@@ -450,6 +484,7 @@ def build_plan(problem: Problem, pools: list[Pool], options: list[PipelineOption
 def evaluate(problem: Problem, plan: Plan) -> PlanCost:
     """Validate, cost and annotate a plan built in this space."""
     plan.validate()
-    cost = evaluate_plan(plan, problem.cluster, problem.profile, with_timeline=False)
+    cost = evaluate_plan(plan, problem.cluster, problem.profile, with_timeline=False,
+                         memory_headroom=problem.memory_headroom)
     annotate_plan(plan, cost)
     return cost

@@ -42,8 +42,8 @@ it with a measurement), so a step must beat the shallower ones by MIN_GAIN to be
 
 from __future__ import annotations
 
-from megatron_autohet.cost_model import (GIB, PlanCost, annotate_plan, evaluate_plan,
-                                         simulate_1f1b, stage_memory_bytes)
+from megatron_autohet.cost_model import (DEFAULT_MEMORY_HEADROOM, GIB, PlanCost, annotate_plan,
+                                         evaluate_plan, simulate_1f1b, stage_memory_bytes)
 from megatron_autohet.plan import Plan, standard_warmup_depths
 from megatron_autohet.profiling.profile import Profile
 from megatron_autohet.spec.cluster import Cluster
@@ -60,9 +60,15 @@ def _max_depths(plan: Plan, pipeline: int, cost: PlanCost, profile: Profile) -> 
     for s, (stage, scost) in enumerate(zip(pipe.stages, pcost.stages)):
         entry = profile.get(scost.gpu, scost.tp, plan.micro_batch_size, plan.seq_length)
         deepest = 0
+
+        def kept(in_flight: int) -> float:
+            return stage_memory_bytes(entry, plan.model, stage.num_layers, s == 0, s == S - 1,
+                                      plan.activation_recompute, in_flight)
+
         for w in range(1, m + 1) if s < S - 1 else ():
-            memory = stage_memory_bytes(entry, plan.model, stage.num_layers, s == 0, s == S - 1,
-                                        plan.activation_recompute, min(w + 1, m))
+            # the evaluated peak (every term the cost model counts) plus the added micro-batches
+            memory = scost.memory_gib * GIB + kept(min(w + 1, m)) - kept(
+                scost.in_flight_microbatches)
             if memory / GIB > scost.memory_limit_gib:
                 break
             deepest = w
@@ -93,8 +99,8 @@ def best_warmups(stages, num_microbatches: int, max_depths: list[int]) -> tuple[
                            key=lambda step: (sum(step[1]), step[0]))
 
 
-def choose_warmups(plan: Plan, cost: PlanCost, cluster: Cluster, profile: Profile
-                   ) -> tuple[Plan, PlanCost]:
+def choose_warmups(plan: Plan, cost: PlanCost, cluster: Cluster, profile: Profile,
+                   memory_headroom: float = DEFAULT_MEMORY_HEADROOM) -> tuple[Plan, PlanCost]:
     """The plan with HAPT depths where they shorten the iteration (module doc), and its cost;
     the plan and cost unchanged when they do not."""
     chosen: dict[int, tuple[list[int], float]] = {}       # pipeline -> depths, priced time
@@ -123,6 +129,7 @@ def choose_warmups(plan: Plan, cost: PlanCost, cluster: Cluster, profile: Profil
         for stage, w in zip(plan.pipelines[p].stages, depths):
             stage.warmup_microbatches = w
     plan.validate()
-    new_cost = evaluate_plan(plan, cluster, profile, with_timeline=False)
+    new_cost = evaluate_plan(plan, cluster, profile, with_timeline=False,
+                             memory_headroom=memory_headroom)
     annotate_plan(plan, new_cost)
     return plan, new_cost

@@ -5,6 +5,7 @@ Each helper raises :class:`ConfigError` naming the file and the dotted field pat
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +53,10 @@ def get_field(data: dict, key: str, kind: type | tuple, file, where: str = "",
         raise ConfigError(file, field, f"got {value!r}", _describe(kind))
     if not isinstance(value, kinds):
         raise ConfigError(file, field, f"got {value!r} ({type(value).__name__})", _describe(kind))
+    if isinstance(value, float) and not math.isfinite(value):
+        # YAML's .nan/.inf and JSON's NaN/Infinity parse as floats and pass every comparison
+        # below (NaN) or make every time and memory figure meaningless (infinity).
+        raise ConfigError(file, field, f"got {value!r}", "a finite number")
     if positive and value <= 0:
         raise ConfigError(file, field, f"got {value!r}", "a number > 0")
     if min_value is not None and value < min_value:
