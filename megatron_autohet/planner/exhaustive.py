@@ -29,7 +29,7 @@ import itertools
 from megatron_autohet.cost_model import evaluate_plan, annotate_plan
 from megatron_autohet.errors import ConfigError
 from megatron_autohet.plan import Pipeline, Plan, RankInfo, Stage
-from megatron_autohet.planner.search import Candidate, resolve_profile
+from megatron_autohet.planner.search import Candidate, check_prices, resolve_profile
 from megatron_autohet.planner.warmup import choose_warmups
 from megatron_autohet.profiling.profile import Profile
 from megatron_autohet.spec.cluster import Cluster, Device
@@ -114,8 +114,17 @@ def exhaustive_search(cluster: Cluster, model: ModelSpec, profile: Profile | Non
                       seq_length: int | None = None, *, tp_degrees: list[int] | None = None,
                       max_stages: int = 4, activation_recompute: bool | None = None,
                       allow_asymmetric_tp: bool = False,
-                      max_evaluations: int = 200_000) -> Candidate:
-    """The cost model's optimum over the space in the module doc (ConfigError when too big)."""
+                      max_evaluations: int = 200_000, objective: str = "throughput") -> Candidate:
+    """The cost model's optimum over the space in the module doc (ConfigError when too big):
+    the shortest iteration, or with ``objective`` "cost" the fewest USD per million tokens
+    (the micro-batch split that minimises the iteration time minimises the price too: the
+    arrangement fixes the GPUs paid for)."""
+    if objective == "cost":
+        check_prices(cluster)
+
+    def score(cost) -> float:
+        return cost.iteration_time_s if objective == "throughput" else cost.usd_per_million_tokens
+
     seq_length = seq_length or model.seq_length
     if global_batch_size % micro_batch_size:
         raise ConfigError("<arguments>", "global_batch_size", f"{global_batch_size} is not a "
@@ -167,7 +176,7 @@ def exhaustive_search(cluster: Cluster, model: ModelSpec, profile: Profile | Non
                     cost = evaluate_plan(plan, cluster, profile, with_timeline=False)
                     if not cost.fits_memory:
                         continue
-                    if best is None or cost.iteration_time_s < best.cost.iteration_time_s:
+                    if best is None or score(cost) < score(best.cost):
                         plan.validate()
                         annotate_plan(plan, cost)
                         best = Candidate(plan, cost, dict(tp_of_gpu), recompute)

@@ -50,6 +50,20 @@ non-linearly in an outer enumeration, and leaves an exact integer program to SCI
 Bounded work: options depend on the GPU types and ``max_stages``, the SCIP model has one
 integer per option and one row per GPU type, the bins grow logarithmically with the GPU count;
 the number of GPUs otherwise only changes right-hand sides.
+
+Objective ``cost`` (:func:`cheapest`): the plan with the fewest USD per million tokens, from the
+nodes' spot prices (cost_model.py, "Price"); leaving GPUs idle saves their price. The search
+above runs once per non-empty set of GPU types (the other types' nodes left out), every plan it
+judges is priced, and the cheapest is then thinned greedily: while dropping one pipeline (one
+of each shape is tried) lowers the price per token, it is dropped. A heuristic over the
+throughput search's plans, checked against the exhaustive search on small fleets (tests).
+
+Deterministic budget: the search's budget is counted in work, not wall time: SCIP
+branch-and-bound nodes summed over all solves (each solve at least one, and at most
+scip_model.SOLVE_NODE_LIMIT), checked between branches. The same input therefore gives the same
+plan on an idle or a loaded machine. The wall-clock ``time_limit_s`` is only a safety net; when
+it cuts the search (or a single SCIP solve), :attr:`Candidate.stopped_by` says so, since the
+plan then depends on the machine's speed.
 """
 
 from __future__ import annotations
@@ -67,7 +81,7 @@ from tqdm import tqdm
 
 from megatron_autohet.cost_model import GIB, PlanCost, stage_compute_s, stage_memory_bytes
 from megatron_autohet.errors import ConfigError
-from megatron_autohet.plan import Plan
+from megatron_autohet.plan import Pipeline, Plan, RankInfo, Stage
 from megatron_autohet.planner.scip_model import BOUND_TOLERANCE, Composition, CompositionModel
 from megatron_autohet.planner.space import (OptionTable, PipelineOption, Pool, Problem,
                                             assign_microbatches, build_plan, check_batch, evaluate,
@@ -102,6 +116,17 @@ KEEP_FOR_COUNTS = (1, 2, 4, 8, 32, 1024)
 PAIRS_TRIED = 3
 # Stacks of up to this many identical pipelines are tried with their stages sharing nodes.
 MAX_STACK = 4
+# Default work budget (SCIP branch-and-bound nodes over the whole search, module doc): well above
+# what the bundled fleets and the 8-4096-GPU benchmark fleets use to finish, so it binds only on
+# unusual inputs.
+WORK_BUDGET = 5000
+# Why a search stopped (Candidate.stopped_by).
+STOP_COMPLETE, STOP_WORK, STOP_TIME = "complete", "work budget", "time limit"
+# The wall clock of the safety net (a module attribute, so tests can play a loaded machine).
+clock = time.monotonic
+OBJECTIVES = ("throughput", "cost")
+# Rounds of the cost objective's pipeline thinning (module doc), each one pipeline dropped.
+MAX_DROP_ROUNDS = 32
 
 
 @dataclass
@@ -110,13 +135,19 @@ class Candidate:
     cost: PlanCost
     tp_of_gpu: dict[str, int]
     recompute: bool
+    # How the search that returned this candidate ended: STOP_COMPLETE (nothing left that could
+    # beat it), STOP_WORK (the work budget ran out: deterministic) or STOP_TIME (the wall-clock
+    # safety net cut it: the plan may differ on a faster or less loaded machine).
+    stopped_by: str = STOP_COMPLETE
+    work: int = 0               # SCIP branch-and-bound nodes the search used
 
 
 def resolve_profile(cluster: Cluster, model: ModelSpec, profile: Profile | None,
                     micro_batch_size: int, seq_length: int) -> Profile:
-    """The given profile, with analytic estimates for the entries it lacks."""
+    """The given profile, with analytic estimates for the entries it lacks, calibrated by its
+    measured entries (Profile.calibrated_over)."""
     estimate = estimate_profile(model, cluster, micro_batch_size, seq_length)
-    return estimate if profile is None else profile.merged_over(estimate)
+    return estimate if profile is None else profile.calibrated_over(estimate)
 
 
 def default_max_stages(problem: Problem, pools: list[Pool]) -> int:
@@ -303,17 +334,33 @@ def _level(value: float) -> float:
 class BranchAndBound:
     """Best-first search over the branches of several configs (module doc, steps 3-4)."""
 
-    def __init__(self, problem: Problem, deadline: float, max_stages: int | None,
-                 skip_needless_recompute: bool,
+    def __init__(self, problem: Problem, deadline: float, work_budget: int,
+                 max_stages: int | None, skip_needless_recompute: bool,
                  on_candidate: Callable[[Candidate], None] | None = None):
         self.problem = problem
         self.on_candidate = on_candidate
         self.deadline = deadline
+        self.work_budget = work_budget
+        self.work = 0               # SCIP nodes of the finished runs (module doc)
+        self.stopped_by = STOP_COMPLETE
         self.max_stages = max_stages
         self.skip_needless_recompute = skip_needless_recompute
         self.best: Candidate | None = None
         self.built: dict[tuple, Config] = {}
         self.solves = 0
+
+    def may_continue(self, models: dict | None = None) -> bool:
+        """False once the work budget or the wall-clock safety net is spent (and why, in
+        ``stopped_by``; the work budget is checked first, so it decides whenever both are)."""
+        live = sum(m.nodes for m in models.values()) if models else 0
+        if self.work + live >= self.work_budget:
+            self.stopped_by = STOP_WORK
+        elif clock() >= self.deadline or (models and any(m.timed_out
+                                                         for m in models.values())):
+            self.stopped_by = STOP_TIME
+        else:
+            return True
+        return False
 
     def offer(self, cand: Candidate | None) -> None:
         if cand is None or not cand.cost.fits_memory:
@@ -349,7 +396,7 @@ class BranchAndBound:
         # from below, and its composition is usually close to the best: it is solved first.
         floor: dict[tuple[int, int], float] = {}
         fastest: dict[tuple[int, int], float] = {}
-        while heap and time.monotonic() < self.deadline:
+        while heap and self.may_continue(models):
             br = heapq.heappop(heap)
             best_s = self.best.cost.iteration_time_s if self.best else math.inf
             if br.lower_bound_s >= best_s * (1 - PRUNE_TOLERANCE):
@@ -397,6 +444,7 @@ class BranchAndBound:
             if comp is not start:
                 self.offer(self._candidate(config, comp))
         self.solves += sum(m.solves for m in models.values())
+        self.work += sum(m.nodes for m in models.values())
 
     def _stacks(self, config: Config) -> None:
         """Plans of D <= MAX_STACK identical pipelines whose stage s all sit on one node, so
@@ -483,8 +531,7 @@ class BranchAndBound:
         groups = sum(p.count for p in config.pools)
         M = self.problem.num_microbatches
         return CompositionModel(config.options, [p.count for p in config.pools], M,
-                                (lo, min(hi, M, groups)),
-                                max(0.1, self.deadline - time.monotonic()))
+                                (lo, min(hi, M, groups)))
 
     def _candidate(self, config: Config, comp: Composition) -> Candidate:
         problem = self.problem
@@ -499,18 +546,22 @@ def make_plan(cluster: Cluster, model: ModelSpec, profile: Profile | None,
               global_batch_size: int, micro_batch_size: int, seq_length: int | None = None, *,
               allow_asymmetric_tp: bool = False, activation_recompute: bool | None = None,
               time_limit_s: float = 60.0, progress: bool = True,
-              tp_degrees: list[int] | None = None, max_stages: int | None = None) -> Plan:
+              tp_degrees: list[int] | None = None, max_stages: int | None = None,
+              work_budget: int = WORK_BUDGET, objective: str = "throughput") -> Plan:
     """The fastest plan the search finds (see module doc), annotated with its predictions.
 
     ``profile`` None plans on analytic estimates; a given profile (measured or estimated) wins
     over the estimates where it has entries. ``activation_recompute`` None decides per plan.
     ``tp_degrees`` restricts the TP degrees searched; ``max_stages`` the pipeline depth.
-    Raises ConfigError when the batch cannot be split or no plan fits in memory.
+    ``work_budget`` bounds the search deterministically (module doc); ``time_limit_s`` is the
+    wall-clock safety net. ``objective`` "cost" minimises USD per million tokens instead of
+    the iteration time (every node needs a spot price). Raises ConfigError when the batch cannot be split or no plan fits in memory.
     """
     return search(cluster, model, profile, global_batch_size, micro_batch_size, seq_length,
                   allow_asymmetric_tp=allow_asymmetric_tp,
                   activation_recompute=activation_recompute, time_limit_s=time_limit_s,
-                  progress=progress, tp_degrees=tp_degrees, max_stages=max_stages).plan
+                  progress=progress, tp_degrees=tp_degrees, max_stages=max_stages,
+                  work_budget=work_budget, objective=objective).plan
 
 
 def search(cluster: Cluster, model: ModelSpec, profile: Profile | None, global_batch_size: int,
@@ -518,7 +569,8 @@ def search(cluster: Cluster, model: ModelSpec, profile: Profile | None, global_b
            allow_asymmetric_tp: bool = False, activation_recompute: bool | None = None,
            time_limit_s: float = 60.0, progress: bool = True, tp_degrees: list[int] | None = None,
            max_stages: int | None = None, seeds: Sequence[Candidate] = (),
-           baselines: bool = True,
+           baselines: bool = True, work_budget: int = WORK_BUDGET,
+           objective: str = "throughput",
            on_candidate: Callable[[Candidate], None] | None = None) -> Candidate:
     """make_plan, returning the plan with its cost and the TP/recompute choice.
 
@@ -530,6 +582,15 @@ def search(cluster: Cluster, model: ModelSpec, profile: Profile | None, global_b
     """
     from megatron_autohet.planner.baselines import all_baselines
 
+    if objective not in OBJECTIVES:
+        raise ConfigError("<arguments>", "objective", f"got {objective!r}", ", ".join(OBJECTIVES))
+    if objective == "cost":
+        return cheapest(cluster, model, profile, global_batch_size, micro_batch_size, seq_length,
+                        allow_asymmetric_tp=allow_asymmetric_tp,
+                        activation_recompute=activation_recompute, time_limit_s=time_limit_s,
+                        progress=progress, tp_degrees=tp_degrees, max_stages=max_stages,
+                        seeds=seeds, baselines=baselines, work_budget=work_budget,
+                        on_candidate=on_candidate)
     seq_length = seq_length or model.seq_length
     profile = resolve_profile(cluster, model, profile, micro_batch_size, seq_length)
     problem = Problem(cluster, model, profile, global_batch_size, micro_batch_size, seq_length)
@@ -539,7 +600,7 @@ def search(cluster: Cluster, model: ModelSpec, profile: Profile | None, global_b
     degrees = [t for t in model.valid_tp_degrees(max_node)
                if tp_degrees is None or t in tp_degrees]
     recompute_modes = [False, True] if activation_recompute is None else [activation_recompute]
-    search_bb = BranchAndBound(problem, time.monotonic() + time_limit_s, max_stages,
+    search_bb = BranchAndBound(problem, clock() + time_limit_s, work_budget, max_stages,
                                skip_needless_recompute=activation_recompute is None,
                                on_candidate=on_candidate)
     for seed in seeds:
@@ -567,7 +628,7 @@ def search(cluster: Cluster, model: ModelSpec, profile: Profile | None, global_b
             for g in gpus:
                 current.setdefault(g, per_gpu[g][0])
             improved = True
-            while improved and time.monotonic() < search_bb.deadline:
+            while improved and search_bb.may_continue():
                 improved = False
                 for g in gpus:
                     before = search_bb.best
@@ -584,4 +645,104 @@ def search(cluster: Cluster, model: ModelSpec, profile: Profile | None, global_b
                           "sequence length, or a global batch with a micro-batch per pipeline")
     best = search_bb.best
     plan, cost = choose_warmups(best.plan, best.cost, cluster, problem.profile)
-    return dataclasses.replace(best, plan=plan, cost=cost)
+    return dataclasses.replace(best, plan=plan, cost=cost, stopped_by=search_bb.stopped_by,
+                               work=search_bb.work)
+
+
+def check_prices(cluster: Cluster, file=None) -> None:
+    """Every node has a spot price (the cost objective prices every plan); ``file`` names the
+    cluster file in the error (default: the cluster's name)."""
+    for i, node in enumerate(cluster.nodes):
+        if node.spot_price is None:
+            raise ConfigError(file or cluster.name, f"nodes[{i}].spot_price", f"node {node.name} has "
+                              "no price; --objective cost needs one on every node",
+                              "USD per GPU-hour, a number >= 0")
+
+
+def usd_per_million_tokens(cand: Candidate) -> float:
+    return cand.cost.usd_per_million_tokens
+
+
+def cheapest(cluster: Cluster, model: ModelSpec, profile: Profile | None,
+             global_batch_size: int, micro_batch_size: int, seq_length: int | None = None, *,
+             on_candidate: Callable[[Candidate], None] | None = None, time_limit_s: float = 60.0,
+             **options) -> Candidate:
+    """search() with objective "cost" (module doc): the judged plan with the fewest USD per
+    million tokens over one throughput search per set of GPU types, then thinned."""
+    check_prices(cluster)
+    seq_length = seq_length or model.seq_length
+    resolved = resolve_profile(cluster, model, profile, micro_batch_size, seq_length)
+    problem = Problem(cluster, model, resolved, global_batch_size, micro_batch_size, seq_length)
+    gpus = list(dict.fromkeys(n.gpu for n in cluster.nodes))
+    deadline = clock() + time_limit_s
+    judged: list[Candidate] = []
+    stops, work = [], 0
+    for size in range(len(gpus), 0, -1):
+        for kept in itertools.combinations(gpus, size):
+            sub = cluster.subset([n.name for n in cluster.nodes if n.gpu in kept])
+            try:
+                best = search(sub, model, resolved, global_batch_size, micro_batch_size,
+                              seq_length, time_limit_s=max(0.0, deadline - clock()),
+                              on_candidate=judged.append, **options)
+            except ConfigError:
+                continue            # these GPU types alone cannot hold the model
+            judged.append(best)
+            stops.append(best.stopped_by)
+            work += best.work
+    if not judged:
+        raise ConfigError(cluster.name, "nodes", f"no plan for {model.name} fits in memory",
+                          "more or larger GPUs, activation recompute, a smaller micro-batch")
+    # Plans were judged on sub-clusters: re-cost the cheapest on the whole fleet (idle GPUs).
+    best = min(judged, key=usd_per_million_tokens)
+    best = dataclasses.replace(best, cost=evaluate(problem, best.plan))
+    best = _thin(problem, best)
+    if on_candidate is not None:
+        on_candidate(best)
+    plan, cost = choose_warmups(best.plan, best.cost, cluster, problem.profile)
+    stopped = next((s for s in (STOP_TIME, STOP_WORK) if s in stops), STOP_COMPLETE)
+    return dataclasses.replace(best, plan=plan, cost=cost, stopped_by=stopped, work=work)
+
+
+def _thin(problem: Problem, cand: Candidate) -> Candidate:
+    """Drop pipelines while that lowers USD per million tokens (module doc): each round tries
+    dropping the last pipeline of each shape (GPU types and layers per stage)."""
+    for _ in range(MAX_DROP_ROUNDS):
+        plan = cand.plan
+        if len(plan.pipelines) < 2:
+            break
+        shapes = {}
+        for p, pipe in enumerate(plan.pipelines):
+            shapes[tuple((plan.ranks[s.ranks[0]].gpu, s.tp, s.layers) for s in pipe.stages)] = p
+        tries = [_without_pipeline(problem, cand, p) for p in sorted(shapes.values())]
+        tries = [t for t in tries if t.cost.fits_memory]
+        better = min(tries, key=usd_per_million_tokens, default=None)
+        if better is None or not (usd_per_million_tokens(better) < usd_per_million_tokens(cand)):
+            break
+        cand = better
+    return cand
+
+
+def _without_pipeline(problem: Problem, cand: Candidate, drop: int) -> Candidate:
+    """The plan without pipeline ``drop``: ranks renumbered in cluster order, micro-batches
+    re-split over the others (greedy on each pipeline's fill and period, as
+    space.assign_microbatches)."""
+    plan, cost = cand.plan, cand.cost
+    keep = [p for p in range(len(plan.pipelines)) if p != drop]
+    used = sorted(r for p in keep for r in plan.pipelines[p].ranks)
+    new_rank = {r: i for i, r in enumerate(used)}
+    fills = [sum(s.time_s + s.p2p_s for s in cost.pipelines[p].stages) for p in keep]
+    periods = [max(s.time_s + s.p2p_s for s in cost.pipelines[p].stages) for p in keep]
+    counts = [1] * len(keep)
+    heap = [(f + pd, i) for i, (f, pd) in enumerate(zip(fills, periods))]
+    heapq.heapify(heap)
+    for _ in range(problem.num_microbatches - len(keep)):
+        _, i = heapq.heappop(heap)
+        counts[i] += 1
+        heapq.heappush(heap, (fills[i] + counts[i] * periods[i], i))
+    pipelines = [Pipeline([Stage([new_rank[r] for r in s.ranks], s.layers)
+                           for s in plan.pipelines[p].stages], m)
+                 for p, m in zip(keep, counts)]
+    ranks = [RankInfo(i, plan.ranks[r].node, plan.ranks[r].local_rank, plan.ranks[r].gpu)
+             for i, r in enumerate(used)]
+    thinner = dataclasses.replace(plan, ranks=ranks, pipelines=pipelines, predicted={})
+    return dataclasses.replace(cand, plan=thinner, cost=evaluate(problem, thinner))

@@ -374,13 +374,15 @@ def place_pipelines(cluster: Cluster, pools: list[Pool],
     and last runs as one block. Longest blocks first, each best-fit into a node of its pool."""
     free: dict[int, list[list[list]]] = {k: [] for k in range(len(pools))}
     pool_of_gpu = {p.gpu: k for k, p in enumerate(pools)}
-    devices = cluster.devices()
+    devices_of: dict[str, list] = {}
+    for d in cluster.devices():
+        devices_of.setdefault(d.node, []).append(d)
     for node in cluster.nodes:
         k = pool_of_gpu.get(node.gpu)
         if k is None or node.num_gpus % pools[k].tp:
             continue
         tp = pools[k].tp
-        mine = [d for d in devices if d.node == node.name]
+        mine = devices_of[node.name]
         free[k].append([mine[g * tp:(g + 1) * tp] for g in range(node.num_gpus // tp)])
     blocks = []   # (stage indices, pipeline, pool)
     for p, seq in enumerate(sequences):
