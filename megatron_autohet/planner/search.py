@@ -53,9 +53,13 @@ the number of GPUs otherwise only changes right-hand sides.
 
 Objective ``cost`` (:func:`cheapest`): the plan with the fewest USD per million tokens, from the
 nodes' spot prices (cost_model.py, "Price"); leaving GPUs idle saves their price. The search
-above runs once per non-empty set of GPU types (the other types' nodes left out), every plan it
-judges is priced, and the cheapest is then thinned greedily: while dropping one pipeline (one
-of each shape is tried) lowers the price per token, it is dropped. A heuristic over the
+above runs once per non-empty set of GPU types (the other types' nodes left out) and TP degree
+(the fastest degree is often not the cheapest: wider TP buys speed with GPUs), every plan it
+judges is priced, and each run's cheapest plan is then thinned: first to its n fastest
+pipelines for the best n (every n up to THIN_ALL_COUNTS pipelines, else a geometric grid; the
+price per token is not monotone in n, uneven micro-batch shares make it jump), then greedily
+while dropping one pipeline (one of each shape is tried) lowers the price per token; the
+cheapest thinned plan wins. A heuristic over the
 throughput search's plans, checked against the exhaustive search on small fleets (tests).
 
 Deterministic budget: the search's budget is counted in work, not wall time: SCIP
@@ -127,6 +131,8 @@ clock = time.monotonic
 OBJECTIVES = ("throughput", "cost")
 # Rounds of the cost objective's pipeline thinning (module doc), each one pipeline dropped.
 MAX_DROP_ROUNDS = 32
+# Plans of up to this many pipelines try every pipeline count when thinned (module doc).
+THIN_ALL_COUNTS = 16
 
 
 @dataclass
@@ -666,7 +672,7 @@ def usd_per_million_tokens(cand: Candidate) -> float:
 def cheapest(cluster: Cluster, model: ModelSpec, profile: Profile | None,
              global_batch_size: int, micro_batch_size: int, seq_length: int | None = None, *,
              on_candidate: Callable[[Candidate], None] | None = None, time_limit_s: float = 60.0,
-             **options) -> Candidate:
+             tp_degrees: list[int] | None = None, **options) -> Candidate:
     """search() with objective "cost" (module doc): the judged plan with the fewest USD per
     million tokens over one throughput search per set of GPU types, then thinned."""
     check_prices(cluster)
@@ -674,28 +680,34 @@ def cheapest(cluster: Cluster, model: ModelSpec, profile: Profile | None,
     resolved = resolve_profile(cluster, model, profile, micro_batch_size, seq_length)
     problem = Problem(cluster, model, resolved, global_batch_size, micro_batch_size, seq_length)
     gpus = list(dict.fromkeys(n.gpu for n in cluster.nodes))
+    degrees = [t for t in model.valid_tp_degrees(max(n.num_gpus for n in cluster.nodes))
+               if tp_degrees is None or t in tp_degrees]
+    # With asymmetric TP the search mixes degrees itself: one search over all of them.
+    per_search = [degrees] if options.get("allow_asymmetric_tp") else [[t] for t in degrees]
     deadline = clock() + time_limit_s
-    judged: list[Candidate] = []
+    winners: list[Candidate] = []
     stops, work = [], 0
     for size in range(len(gpus), 0, -1):
-        for kept in itertools.combinations(gpus, size):
+        for kept, tps in itertools.product(itertools.combinations(gpus, size), per_search):
             sub = cluster.subset([n.name for n in cluster.nodes if n.gpu in kept])
+            judged: list[Candidate] = []
             try:
                 best = search(sub, model, resolved, global_batch_size, micro_batch_size,
                               seq_length, time_limit_s=max(0.0, deadline - clock()),
-                              on_candidate=judged.append, **options)
+                              on_candidate=judged.append, tp_degrees=tps, **options)
             except ConfigError:
-                continue            # these GPU types alone cannot hold the model
+                continue            # no plan of these GPU types and degrees fits in memory
             judged.append(best)
             stops.append(best.stopped_by)
             work += best.work
-    if not judged:
+            # Judged on the sub-cluster: re-costed on the whole fleet (idle GPUs), then thinned.
+            cheap = min(judged, key=usd_per_million_tokens)
+            winners.append(_thin(problem, dataclasses.replace(
+                cheap, cost=evaluate(problem, cheap.plan))))
+    if not winners:
         raise ConfigError(cluster.name, "nodes", f"no plan for {model.name} fits in memory",
                           "more or larger GPUs, activation recompute, a smaller micro-batch")
-    # Plans were judged on sub-clusters: re-cost the cheapest on the whole fleet (idle GPUs).
-    best = min(judged, key=usd_per_million_tokens)
-    best = dataclasses.replace(best, cost=evaluate(problem, best.plan))
-    best = _thin(problem, best)
+    best = min(winners, key=usd_per_million_tokens)
     if on_candidate is not None:
         on_candidate(best)
     plan, cost = choose_warmups(best.plan, best.cost, cluster, problem.profile)
@@ -704,8 +716,16 @@ def cheapest(cluster: Cluster, model: ModelSpec, profile: Profile | None,
 
 
 def _thin(problem: Problem, cand: Candidate) -> Candidate:
-    """Drop pipelines while that lowers USD per million tokens (module doc): each round tries
-    dropping the last pipeline of each shape (GPU types and layers per stage)."""
+    """Fewer pipelines while that lowers USD per million tokens (module doc): the n fastest
+    for the best n, then rounds that each try dropping the last pipeline of each shape (GPU
+    types and layers per stage)."""
+    D = len(cand.plan.pipelines)
+    periods = [max(s.time_s + s.p2p_s for s in p.stages) for p in cand.cost.pipelines]
+    by_speed = sorted(range(D), key=lambda p: (periods[p], p))
+    counts = (range(1, D) if D <= THIN_ALL_COUNTS
+              else sorted({max(1, int(D / 1.25 ** k)) for k in range(1, 64)} - {D}))
+    fewer = [_without_pipelines(problem, cand, set(by_speed[n:])) for n in counts]
+    cand = min([cand] + [f for f in fewer if f.cost.fits_memory], key=usd_per_million_tokens)
     for _ in range(MAX_DROP_ROUNDS):
         plan = cand.plan
         if len(plan.pipelines) < 2:
@@ -713,7 +733,7 @@ def _thin(problem: Problem, cand: Candidate) -> Candidate:
         shapes = {}
         for p, pipe in enumerate(plan.pipelines):
             shapes[tuple((plan.ranks[s.ranks[0]].gpu, s.tp, s.layers) for s in pipe.stages)] = p
-        tries = [_without_pipeline(problem, cand, p) for p in sorted(shapes.values())]
+        tries = [_without_pipelines(problem, cand, {p}) for p in sorted(shapes.values())]
         tries = [t for t in tries if t.cost.fits_memory]
         better = min(tries, key=usd_per_million_tokens, default=None)
         if better is None or not (usd_per_million_tokens(better) < usd_per_million_tokens(cand)):
@@ -722,12 +742,12 @@ def _thin(problem: Problem, cand: Candidate) -> Candidate:
     return cand
 
 
-def _without_pipeline(problem: Problem, cand: Candidate, drop: int) -> Candidate:
-    """The plan without pipeline ``drop``: ranks renumbered in cluster order, micro-batches
+def _without_pipelines(problem: Problem, cand: Candidate, drop: set[int]) -> Candidate:
+    """The plan without the pipelines ``drop``: ranks renumbered in cluster order, micro-batches
     re-split over the others (greedy on each pipeline's fill and period, as
     space.assign_microbatches)."""
     plan, cost = cand.plan, cand.cost
-    keep = [p for p in range(len(plan.pipelines)) if p != drop]
+    keep = [p for p in range(len(plan.pipelines)) if p not in drop]
     used = sorted(r for p in keep for r in plan.pipelines[p].ranks)
     new_rank = {r: i for i, r in enumerate(used)}
     fills = [sum(s.time_s + s.p2p_s for s in cost.pipelines[p].stages) for p in keep]
