@@ -14,7 +14,8 @@ import pytest
 
 from megatron_autohet.cli.main import main
 from megatron_autohet.errors import ConfigError
-from megatron_autohet.planner.baselines import _best, _grids, grid_plan, _proportional
+from megatron_autohet.planner.baselines import (_best, _grid_bound_s, _grids, _proportional,
+                                                grid_plan)
 from megatron_autohet.planner.exhaustive import exhaustive_search
 from megatron_autohet.planner.search import STOP_TIME, STOP_WORK, resolve_profile, search
 from megatron_autohet.planner.space import Problem, evaluate
@@ -76,8 +77,8 @@ def test_time_limit_is_a_safety_net_that_says_when_it_cuts(monkeypatch, capsys, 
 
 @pytest.mark.parametrize("proportional", [False, True])
 def test_baseline_bound_prunes_no_winner(proportional):
-    """The baselines evaluate only grids whose closed-form bound beats the best so far; the
-    result equals evaluating every grid."""
+    """The baselines evaluate only grids whose closed-form bound beats the best so far: the
+    bound is below every grid's iteration time, and the result equals evaluating every grid."""
     cluster = fleet([("A100-80GB", 8, None), ("V100-32GB", 8, None), ("T4", 4, None)])
     profile = resolve_profile(cluster, GPT, None, 1, GPT.seq_length)
     problem = Problem(cluster, GPT, profile, 96, 1, GPT.seq_length)
@@ -93,6 +94,8 @@ def test_baseline_bound_prunes_no_winner(proportional):
                 speeds = [1 / max(s.time_s + s.p2p_s for s in p.stages) for p in cost.pipelines]
                 cost = evaluate(problem, grid_plan(problem, tp, pp, dp,
                                                    _proportional(speeds, M), recompute))
+            assert _grid_bound_s(problem, tp, pp, dp, recompute, proportional) <= \
+                cost.iteration_time_s
             if cost.fits_memory:
                 best = min(best, cost.iteration_time_s)
     found = _best(problem, "b", proportional, [False, True])
