@@ -672,7 +672,8 @@ def usd_per_million_tokens(cand: Candidate) -> float:
 def cheapest(cluster: Cluster, model: ModelSpec, profile: Profile | None,
              global_batch_size: int, micro_batch_size: int, seq_length: int | None = None, *,
              on_candidate: Callable[[Candidate], None] | None = None, time_limit_s: float = 60.0,
-             tp_degrees: list[int] | None = None, **options) -> Candidate:
+             tp_degrees: list[int] | None = None, seeds: Sequence[Candidate] = (),
+             **options) -> Candidate:
     """search() with objective "cost" (module doc): the judged plan with the fewest USD per
     million tokens over one throughput search per set of GPU types, then thinned."""
     check_prices(cluster)
@@ -691,10 +692,15 @@ def cheapest(cluster: Cluster, model: ModelSpec, profile: Profile | None,
         for kept, tps in itertools.product(itertools.combinations(gpus, size), per_search):
             sub = cluster.subset([n.name for n in cluster.nodes if n.gpu in kept])
             judged: list[Candidate] = []
+            # Seeds are incumbents of the run whose GPUs they all use.
+            runs_on = {n.name for n in sub.nodes}
+            mine = [c for c in seeds if {r.node for r in c.plan.ranks} <= runs_on
+                    and set(c.tp_of_gpu.values()) <= set(tps)]
             try:
                 best = search(sub, model, resolved, global_batch_size, micro_batch_size,
                               seq_length, time_limit_s=max(0.0, deadline - clock()),
-                              on_candidate=judged.append, tp_degrees=tps, **options)
+                              on_candidate=judged.append, tp_degrees=tps, seeds=mine,
+                              **options)
             except ConfigError:
                 continue            # no plan of these GPU types and degrees fits in memory
             judged.append(best)
