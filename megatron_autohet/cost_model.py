@@ -40,6 +40,11 @@ one more forward of the layers; ``t_s = f_s + b_s``.
 * **Iteration**: ``T_iter = max_p T_pipe(p) + T_sync + T_opt``; tokens/s = global batch * seq / T_iter,
   where a pipeline whose plan sets non-standard warm-up depths saves what :func:`simulate_1f1b`
   saves at those depths over the standard ones (below).
+* **Price**: with a ``spot_price`` (USD per GPU-hour) on every node the plan uses, USD per
+  million tokens = sum of the used GPUs' prices / 3600 * T_iter / tokens per iteration * 1e6.
+  GPUs the plan leaves idle are not charged: a fleet can release them.
+* **Sources**: which figures of the profile the plan's GPU types and TP degrees were priced
+  from: measured, calibrated or estimated (profiling/profile.py).
 * **Memory** of a GPU of stage s: ``params * 18 B`` (bf16 weight 2, fp32 gradient 4, fp32 master
   weight 4, Adam moments 8) + ``n_s`` micro-batches of activations, where 1F1B keeps
   ``n_s = min(warm-up + 1, m)`` in flight and warm-up = S - s - 1 unless the plan sets it; with
@@ -98,7 +103,7 @@ from megatron_autohet.layout.topology import sync_group_specs
 from megatron_autohet.plan import Plan, standard_warmup_depths
 from megatron_autohet.profiling.estimate import (ACTIVATION_DTYPE_BYTES, MEMORY_EFFICIENCY,
                                                  ring_allreduce_s)
-from megatron_autohet.profiling.profile import Profile, ProfileEntry
+from megatron_autohet.profiling.profile import PARTS, Profile, ProfileEntry
 from megatron_autohet.spec.cluster import Cluster
 from megatron_autohet.spec.gpus import GPUType
 from megatron_autohet.spec.model import ModelSpec
@@ -285,6 +290,10 @@ class PlanCost:
     tokens_per_s: float
     pipelines: list[PipelineCost]
     idle_gpus: dict[str, int] = field(default_factory=dict)   # GPUs of the cluster the plan leaves out, per type
+    # USD per million tokens (module doc, "Price"); None when a used node has no spot price.
+    usd_per_million_tokens: float | None = None
+    # "<gpu> tp<t>" -> {part: source} for the profile entries the plan used (module doc).
+    sources: dict[str, dict[str, str]] = field(default_factory=dict)
 
     @property
     def stages(self) -> list[StageCost]:
@@ -307,7 +316,10 @@ class PlanCost:
                 "optimizer_s": round(self.optimizer_s, 6),
                 "peak_memory_gib": round(self.peak_memory_gib, 3),
                 "fits_memory": self.fits_memory,
-                "idle_gpus": dict(self.idle_gpus)}
+                "idle_gpus": dict(self.idle_gpus),
+                "usd_per_million_tokens": (None if self.usd_per_million_tokens is None
+                                           else round(self.usd_per_million_tokens, 6)),
+                "profile_sources": {k: dict(v) for k, v in self.sources.items()}}
 
 
 def _slowest_link_gbs(cluster: Cluster, ranks_nodes: list[str]) -> float:
@@ -378,6 +390,7 @@ def evaluate_plan(plan: Plan, cluster: Cluster, profile: Profile, with_timeline:
     unsharded = _unsharded_state_params(plan, groups) if plan.use_distributed_optimizer else {}
     pipelines: list[PipelineCost] = []
     stage_of_rank: dict[int, StageCost] = {}
+    sources: dict[str, dict[str, str]] = {}
     for p, pipe in enumerate(plan.pipelines):
         S, m = len(pipe.stages), pipe.num_microbatches
         depths = pipe.warmup_depths()
@@ -385,6 +398,8 @@ def evaluate_plan(plan: Plan, cluster: Cluster, profile: Profile, with_timeline:
         for s, stage in enumerate(pipe.stages):
             gpu = plan.ranks[stage.ranks[0]].gpu
             entry = profile.get(gpu, stage.tp, plan.micro_batch_size, plan.seq_length)
+            sources.setdefault(f"{gpu} tp{stage.tp}",
+                               {part: getattr(entry, part).source for part in PARTS})
             first, last = s == 0, s == S - 1
             fwd, bwd = stage_compute_s(entry, stage.num_layers, first, last,
                                        plan.activation_recompute)
@@ -451,7 +466,10 @@ def evaluate_plan(plan: Plan, cluster: Cluster, profile: Profile, with_timeline:
     for d in cluster.devices():
         if (d.node, d.local_rank) not in used:
             idle[d.gpu] = idle.get(d.gpu, 0) + 1
-    return PlanCost(iteration, pipeline_time, sync, opt, tokens, pipelines, idle)
+    prices = [cluster.node(r.node).spot_price for r in plan.ranks]
+    usd = (None if None in prices
+           else sum(prices) / 3600 * iteration / (plan.global_batch_size * plan.seq_length) * 1e6)
+    return PlanCost(iteration, pipeline_time, sync, opt, tokens, pipelines, idle, usd, sources)
 
 
 def simulate_1f1b(stages: list[StageCost], num_microbatches: int,

@@ -3,9 +3,11 @@
 
     python scripts/bench_planner.py [--json bench-out/bench_planner.json] [--quick]
 
-Five tables, all predictions from the same cost model (megatron_autohet/cost_model.py):
-1. solve time of make_plan on generated fleets of 8-1024 GPUs over three GPU types (8-GPU nodes;
-   the 8-GPU fleet uses 4/2/2-GPU nodes) for GPT-3 1.3B and LLaMA-2 7B, with the plan's
+Seven tables, all predictions from the same cost model (megatron_autohet/cost_model.py):
+1. solve time of make_plan on generated fleets of 8-4096 GPUs over three GPU types (8-GPU nodes;
+   the 8-GPU fleet uses 4/2/2-GPU nodes; 4096 GPUs also over four types) for GPT-3 1.3B and
+   LLaMA-2 7B, with the search's work (SCIP nodes) and how it ended (the work is the
+   deterministic figure, the times depend on the machine and its load), and the plan's
    efficiency: its tokens/s over the fleet's ideal (cost_model.fleet_ideal_tokens_per_s, the
    sum of every GPU's lone forward+backward token rate for the whole model);
 2. re-plan time (planner/replan.py) of the 1024-GPU plans: fleet unchanged, and one node lost
@@ -14,7 +16,10 @@ Five tables, all predictions from the same cost model (megatron_autohet/cost_mod
    fleets;
 4. gap to the exhaustive optimum on small clusters (<= 16 GPUs, 8-layer GPT-3 1.3B);
 5. the gap's distribution over seeded random small fleets (planner/random_fleets.py; more
-   seeds than tests/test_planner_optimality.py runs), general and memory-bound ones.
+   seeds than tests/test_planner_optimality.py runs), general and memory-bound ones;
+6. `autohet compare` (search + baselines) time on 2048 GPUs;
+7. the cost objective: USD per million tokens of the fastest and of the cheapest plan on priced
+   fleets (spot prices in PRICES), and the GPUs the cheapest leaves idle.
 Writes JSON to --json (default bench-out/, gitignored by the repository's bench-out/ rule).
 """
 
@@ -39,19 +44,30 @@ from megatron_autohet.spec.cluster import Cluster, cluster_from_dict
 
 ROOT = Path(__file__).resolve().parent.parent
 TYPES = ("A100-80GB", "H800", "H20")
+# USD per GPU-hour (spot-like figures) for the priced fleets of table 6.
+PRICES = {"A100-80GB": 1.60, "H800": 2.90, "H20": 1.20, "V100-32GB": 0.90}
 
 
-def fleet(gpus: int) -> Cluster:
-    """A 3-type fleet: 8-GPU nodes split ~40/30/30 over A100/H800/H20 (4/2/2-GPU nodes for 8)."""
+def fleet(gpus: int, types: tuple[str, ...] = TYPES, priced: bool = False) -> Cluster:
+    """A fleet of 8-GPU nodes: three types split ~40/30/30 (A100/H800/H20; 4/2/2-GPU nodes for
+    8 GPUs), or four types split evenly (the last type gets the remainder)."""
     if gpus == 8:
-        nodes = [{"name": t.lower(), "gpu": t, "gpus": n} for t, n in zip(TYPES, (4, 2, 2))]
+        sizes = list(zip(types, (4, 2, 2)))
+        nodes = [{"name": t.lower(), "gpu": t, "gpus": n} for t, n in sizes]
     else:
         count = gpus // 8
-        split = (count - 2 * (count * 3 // 10), count * 3 // 10, count * 3 // 10)
+        if len(types) == 3:
+            split = (count - 2 * (count * 3 // 10), count * 3 // 10, count * 3 // 10)
+        else:
+            split = tuple([count // len(types)] * (len(types) - 1)
+                          + [count - (len(types) - 1) * (count // len(types))])
         nodes = [{"name": t.lower(), "gpu": t, "gpus": 8, "count": c}
-                 for t, c in zip(TYPES, split) if c]
-    return cluster_from_dict({"name": f"fleet-{gpus}", "inter_node_bandwidth_gbs": 25,
-                              "nodes": nodes})
+                 for t, c in zip(types, split) if c]
+    if priced:
+        for node in nodes:
+            node["spot_price"] = PRICES[node["gpu"]]
+    return cluster_from_dict({"name": f"fleet-{gpus}-{len(types)}types",
+                              "inter_node_bandwidth_gbs": 25, "nodes": nodes})
 
 
 def small(name: str, nodes: list[tuple[str, int]]) -> Cluster:
@@ -113,24 +129,28 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer sizes and cases")
     args = parser.parse_args()
     result = {"scaling": [], "replan": [], "baselines": [], "exhaustive": [],
-              "random_gaps": []}
+              "random_gaps": [], "compare": [], "cost": []}
     models = {n: load_model(ROOT / f"configs/models/{n}.yaml")
               for n in ("gpt3-1.3b", "gpt3-2.7b", "llama2-7b")}
 
     print("== solve time vs cluster size (global batch = max(64, 2 x GPUs), micro-batch 1); "
           f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
-    print(f"{'GPUs':>6} {'model':>10} {'wall_s':>8} {'cpu_s':>7} {'pipelines':>9} {'idle':>5} "
-          f"{'iter_s':>8} {'tokens/s':>10} {'effic':>6}")
-    sizes = (8, 64, 1024) if args.quick else (8, 32, 64, 128, 512, 1024)
+    print(f"{'GPUs':>6} {'types':>5} {'model':>10} {'wall_s':>8} {'cpu_s':>7} {'work':>6} "
+          f"{'ended':>11} {'pipelines':>9} {'idle':>5} {'iter_s':>8} {'tokens/s':>10} "
+          f"{'effic':>6}")
+    sizes = ((8, 3), (64, 3), (1024, 3), (4096, 4)) if args.quick else (
+        (8, 3), (32, 3), (64, 3), (128, 3), (512, 3), (1024, 3), (2048, 3), (4096, 3), (4096, 4))
+    four = TYPES + ("V100-32GB",)
     plans = {}
-    for gpus in sizes:
+    for gpus, ntypes in sizes:
         for name in ("gpt3-1.3b", "llama2-7b"):
-            cluster = fleet(gpus)
+            cluster = fleet(gpus, TYPES if ntypes == 3 else four)
             start, cpu = time.perf_counter(), time.process_time()
             cand = search(cluster, models[name], None, max(64, 2 * gpus), 1, progress=False)
             elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
             idle = sum(cand.cost.idle_gpus.values())
-            row = {"gpus": gpus, "model": name, "solve_s": elapsed, "cpu_s": cpu,
+            row = {"gpus": gpus, "gpu_types": ntypes, "model": name, "solve_s": elapsed,
+                   "cpu_s": cpu, "work": cand.work, "stopped_by": cand.stopped_by,
                    "load_average": os.getloadavg()[0], "idle_gpus": idle,
                    "pipelines": len(cand.plan.pipelines),
                    "iteration_time_s": cand.cost.iteration_time_s,
@@ -138,8 +158,9 @@ def main() -> None:
                    "recompute": cand.recompute,
                    "efficiency": efficiency(cluster, models[name], cand.cost.tokens_per_s, 1)}
             result["scaling"].append(row)
-            plans[gpus, name] = cand.plan
-            print(f"{gpus:>6} {name:>10} {elapsed:>8.2f} {cpu:>7.2f} {row['pipelines']:>9} {idle:>5} "
+            plans[gpus, ntypes, name] = cand.plan
+            print(f"{gpus:>6} {ntypes:>5} {name:>10} {elapsed:>8.2f} {cpu:>7.2f} {cand.work:>6} "
+                  f"{cand.stopped_by:>11} {row['pipelines']:>9} {idle:>5} "
                   f"{row['iteration_time_s']:>8.3f} {row['tokens_per_s']:>10.0f} "
                   f"{100 * row['efficiency']:>5.1f}%")
 
@@ -152,7 +173,7 @@ def main() -> None:
         for label, now in (("unchanged", cluster), (f"lost {names[0]}", cluster.subset(names[1:])),
                            (f"lost {names[-1]}", cluster.subset(names[:-1]))):
             start, cpu = time.perf_counter(), time.process_time()
-            new = replan(plans[1024, name], now, models[name])
+            new = replan(plans[1024, 3, name], now, models[name])
             elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
             row = {"model": name, "fleet": label, "replan_s": elapsed, "cpu_s": cpu,
                    "candidates": new.candidates, "iteration_time_s": new.cost.iteration_time_s,
@@ -226,6 +247,44 @@ def main() -> None:
         if row["feasibility_disagrees"]:
             print(f"{'':>16} seeds where only one search found a plan: "
                   f"{row['feasibility_disagrees']}")
+
+    print("\n== autohet compare (search + baselines) on 2048 GPUs, three types")
+    print(f"{'model':>10} {'wall_s':>8} {'cpu_s':>7} {'ours_s':>8} {'megatron':>9} {'whale':>7} "
+          f"{'fastest':>8}")
+    for name in ("gpt3-1.3b",) if args.quick else ("gpt3-1.3b", "llama2-7b"):
+        start, cpu = time.perf_counter(), time.process_time()
+        comp = compare(fleet(2048), models[name], None, 4096, 1, progress=False)
+        elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
+        result["compare"].append({"gpus": 2048, "model": name, "compare_s": elapsed,
+                                  "cpu_s": cpu, **comp.to_dict()})
+        fmt = [f"{b.speedup:.2f}x" if b.speedup else "none" for b in comp.baselines]
+        print(f"{name:>10} {elapsed:>8.2f} {cpu:>7.2f} {comp.cost.iteration_time_s:>8.3f} "
+              f"{fmt[0]:>9} {fmt[1]:>7} {fmt[2]:>8}")
+
+    print("\n== cost objective: USD per million tokens, fastest plan vs cheapest plan "
+          f"(spot prices {PRICES})")
+    print(f"{'GPUs':>6} {'types':>5} {'model':>10} {'fast_$/1M':>9} {'cheap_$/1M':>10} "
+          f"{'fast_iter':>9} {'cheap_iter':>10} {'cheap_idle':>24} {'cpu_s':>7}")
+    cost_cases = ((64, 4), (512, 4)) if args.quick else ((64, 4), (512, 4), (1024, 4))
+    for gpus, ntypes in cost_cases:
+        cluster = fleet(gpus, four[:ntypes], priced=True)
+        for name in ("gpt3-1.3b",) if args.quick else ("gpt3-1.3b", "llama2-7b"):
+            gbs = max(64, 2 * gpus)
+            fast = search(cluster, models[name], None, gbs, 1, progress=False)
+            cpu = time.process_time()
+            cheap = search(cluster, models[name], None, gbs, 1, progress=False, objective="cost")
+            cpu = time.process_time() - cpu
+            idle = ", ".join(f"{n} {g}" for g, n in cheap.cost.idle_gpus.items()) or "-"
+            result["cost"].append({
+                "gpus": gpus, "gpu_types": ntypes, "model": name, "prices": PRICES,
+                "fastest_usd_per_million_tokens": fast.cost.usd_per_million_tokens,
+                "cheapest_usd_per_million_tokens": cheap.cost.usd_per_million_tokens,
+                "fastest_iteration_s": fast.cost.iteration_time_s,
+                "cheapest_iteration_s": cheap.cost.iteration_time_s,
+                "cheapest_idle_gpus": cheap.cost.idle_gpus, "cost_search_cpu_s": cpu})
+            print(f"{gpus:>6} {ntypes:>5} {name:>10} {fast.cost.usd_per_million_tokens:>9.4f} "
+                  f"{cheap.cost.usd_per_million_tokens:>10.4f} {fast.cost.iteration_time_s:>9.3f} "
+                  f"{cheap.cost.iteration_time_s:>10.3f} {idle:>24} {cpu:>7.2f}")
 
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)

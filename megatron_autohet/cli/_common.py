@@ -42,7 +42,15 @@ def add_planning_arguments(parser) -> None:
                         help="full activation recompute: 'auto' turns it on only where memory "
                              "needs it (default: auto)")
     parser.add_argument("--time-limit", type=float, default=60.0, metavar="SECONDS",
-                        help="wall-clock budget of the search (default: 60)")
+                        help="wall-clock safety net of the search (default: 60); the search's "
+                             "budget is counted in work (SCIP nodes), so the same input gives "
+                             "the same plan on any machine unless this limit cuts it, which "
+                             "the output then says")
+    parser.add_argument("--objective", choices=("throughput", "cost"), default="throughput",
+                        help="throughput: the shortest iteration; cost: the fewest USD per "
+                             "million tokens from the nodes' spot_price (USD per GPU-hour, "
+                             "needed on every node), possibly leaving expensive, slow nodes "
+                             "idle (default: throughput)")
     parser.add_argument("--memory-headroom", type=float, default=DEFAULT_MEMORY_HEADROOM,
                         metavar="FRACTION",
                         help="fraction of every GPU's memory a plan leaves free for the "
@@ -96,6 +104,10 @@ def load_planning_inputs(args):
     if args.seq_length is not None:
         model.check_seq_length(args.seq_length, "<command line>", "--seq-length")
     profile = load_profile(args.profile, model.name) if args.profile else None
+    if args.objective == "cost":
+        from megatron_autohet.planner.search import check_prices
+
+        check_prices(cluster, args.cluster)
     return cluster, model, profile
 
 
@@ -103,7 +115,7 @@ def planning_options(args) -> dict:
     """Keyword arguments of planner.search / compare from the shared arguments."""
     return {"allow_asymmetric_tp": args.allow_asymmetric_tp,
             "activation_recompute": RECOMPUTE_CHOICES[args.recompute],
-            "time_limit_s": args.time_limit,
+            "time_limit_s": args.time_limit, "objective": args.objective,
             "memory_headroom": check_memory_headroom(args.memory_headroom)}
 
 
@@ -207,4 +219,23 @@ def format_prediction(plan, cost=None) -> str:
                      + ("" if predicted.get("fits_memory", True) else " (DOES NOT FIT)"))
     if predicted.get("idle_gpus"):
         lines.append(f"  idle GPUs (no rank in this plan): {format_idle(predicted['idle_gpus'])}")
+    if predicted.get("usd_per_million_tokens") is not None:
+        lines.append(f"  price: ${predicted['usd_per_million_tokens']:.4g} per million tokens "
+                     "(spot prices of the GPUs used)")
+    if predicted.get("profile_sources"):
+        lines.append("  stage costs from: " + "; ".join(
+            f"{key} " + "/".join(dict.fromkeys(parts.values()))
+            for key, parts in predicted["profile_sources"].items()))
     return "\n".join(lines)
+
+
+def search_end(cand) -> str:
+    """How the search that found ``cand`` ended, in words."""
+    from megatron_autohet.planner.search import STOP_TIME, STOP_WORK
+
+    if cand.stopped_by == STOP_TIME:
+        return ("cut by --time-limit before its work budget: the plan may differ on a faster "
+                "or idle machine")
+    if cand.stopped_by == STOP_WORK:
+        return f"work budget of {cand.work} SCIP nodes spent"
+    return f"complete, {cand.work} SCIP nodes"

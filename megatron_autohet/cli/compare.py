@@ -44,18 +44,28 @@ def run(args) -> int:
     print(f"> {model.name} on {cluster.name} ({cluster.world_size} GPUs), global batch "
           f"{args.global_batch_size}, micro-batch {args.micro_batch_size}, seq "
           f"{result.plan.seq_length}")
+    priced = result.cost.usd_per_million_tokens is not None
+
+    def price(cost) -> list[str]:
+        if not priced:
+            return []
+        return ["-" if cost is None or cost.usd_per_million_tokens is None
+                else f"{cost.usd_per_million_tokens:.4g}"]
+
     rows = [["autohet (ours)", f"{result.cost.iteration_time_s:.4g}",
-             f"{result.cost.tokens_per_s:,.0f}", "1.00x", format_idle(result.cost.idle_gpus),
+             f"{result.cost.tokens_per_s:,.0f}", *price(result.cost), "1.00x",
+             format_idle(result.cost.idle_gpus),
              f"{len(result.plan.pipelines)} pipelines, recompute "
              f"{'on' if result.plan.activation_recompute else 'off'}"]]
     for b in result.baselines:
         if b.cost is None:
-            rows.append([b.name, "-", "-", "-", "-", b.note])
+            rows.append([b.name, "-", "-", *price(None), "-", "-", b.note])
         else:
             rows.append([b.name, f"{b.cost.iteration_time_s:.4g}", f"{b.cost.tokens_per_s:,.0f}",
-                         f"{b.speedup:.2f}x", format_idle(b.cost.idle_gpus), b.note])
-    print(format_table(["plan", "iteration s", "tokens/s", "our speedup", "idle GPUs", "layout"],
-                       rows))
+                         *price(b.cost), f"{b.speedup:.2f}x", format_idle(b.cost.idle_gpus),
+                         b.note])
+    print(format_table(["plan", "iteration s", "tokens/s", *(["$/1M tokens"] if priced else []),
+                        "our speedup", "idle GPUs", "layout"], rows))
     if args.output:
         print(f"> wrote {args.output}")
     return 0

@@ -6,7 +6,7 @@ import time
 
 from megatron_autohet.cli._common import (add_planning_arguments, format_plan_table,
                                           format_prediction, load_planning_inputs,
-                                          planning_options)
+                                          planning_options, search_end)
 
 
 def register(subparsers) -> None:
@@ -47,5 +47,5 @@ def run(args) -> int:
     print(format_plan_table(best.plan, best.cost))
     print(format_prediction(best.plan, best.cost))
     tp = ", ".join(f"{g} TP{t}" for g, t in best.tp_of_gpu.items())
-    print(f"> searched in {elapsed:.1f} s ({tp}); wrote {args.output}")
+    print(f"> searched in {elapsed:.1f} s ({tp}; {search_end(best)}); wrote {args.output}")
     return 0

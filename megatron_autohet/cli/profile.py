@@ -1,8 +1,9 @@
 """`autohet profile`: measure per-layer costs on this machine, optionally fill in the rest.
 
 Typical use: profile on one node of each GPU type you own (``--tp 1 2 4 8``), and pass
-``--cluster`` so GPU types you could not measure get analytic estimates; the planner then works
-from the merged file, in which every entry says whether it was measured or estimated.
+``--cluster`` so GPU types you could not measure get analytic estimates, calibrated by how far
+the estimates missed on the measured types; the planner then works from the merged file, in
+which every entry says whether it was measured, calibrated or estimated.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ def register(subparsers) -> None:
 
 def run(args) -> int:
     from megatron_autohet.profiling.measure import local_accelerator, measure_profile
-    from megatron_autohet.profiling.profile import Profile
+    from megatron_autohet.profiling.profile import SOURCES, Profile
     from megatron_autohet.spec import load_cluster, load_gpu_catalog, load_model
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -79,12 +80,12 @@ def run(args) -> int:
         for mbs in args.micro_batch_size:
             for seq in seq_lengths:
                 estimated = estimate_profile(model, cluster, mbs, seq, args.tp).merged_over(estimated)
-        profile = profile.merged_over(estimated)
+        profile = profile.calibrated_over(estimated)
     profile.save(args.output)
     print(format_profile(profile))
-    measured = sum(e.layer.source == "measured" for e in profile.entries.values())
-    print(f"> wrote {args.output}: {len(profile.entries)} entries "
-          f"({measured} measured, {len(profile.entries) - measured} estimated)")
+    sources = [e.layer.source for e in profile.entries.values()]
+    print(f"> wrote {args.output}: {len(profile.entries)} entries ("
+          + ", ".join(f"{sources.count(s)} {s}" for s in SOURCES if s in sources) + ")")
     return 0
 
 

@@ -115,11 +115,15 @@ def sync_group_specs(plan: Plan) -> list[SyncGroupSpec]:
     order. "post_process" covers what only last stages hold besides the tied word embedding: the
     final layernorm and, when embeddings are untied, the output layer."""
     specs: list[SyncGroupSpec] = []
-    holder_of_layer = []
-    for layer in range(plan.model.num_layers):
-        holder_of_layer.append(tuple(
-            tuple(next(s.ranks for s in pipe.stages if s.layers[0] <= layer < s.layers[1]))
-            for pipe in plan.pipelines))
+    # Each pipeline's holder per layer, then transposed: O(pipelines x layers), where searching
+    # the stages per layer was O(pipelines x layers x stages) (plans of thousands of GPUs).
+    owners = []
+    for pipe in plan.pipelines:
+        owner = [None] * plan.model.num_layers
+        for s in pipe.stages:
+            owner[s.layers[0]:s.layers[1]] = [tuple(s.ranks)] * (s.layers[1] - s.layers[0])
+        owners.append(owner)
+    holder_of_layer = list(zip(*owners))
     start = 0
     for layer in range(1, plan.model.num_layers + 1):
         if layer == plan.model.num_layers or holder_of_layer[layer] != holder_of_layer[start]:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_autohet.cost_model import PlanCost
+from megatron_autohet.cost_model import PlanCost, stage_compute_s
 from megatron_autohet.plan import Pipeline, Plan, RankInfo, Stage
 from megatron_autohet.planner.space import Problem, evaluate
 
@@ -74,25 +74,61 @@ def _proportional(weights: list[float], total: int) -> list[int]:
     return shares
 
 
+def _grid_bound_s(problem: Problem, tp: int, pp: int, dp: int, recompute: bool,
+                  proportional: bool) -> float:
+    """Lower bound on a grid's iteration time without building its plan: the longest pipeline's
+    compute alone (no P2P, sync or optimizer), under the grid's own micro-batch split, or under
+    the best split for the Whale-style grids (their split is proportional, never better). Costs
+    O(DP x PP), so the baselines evaluate only the grids that can still win."""
+    L, M = problem.model.num_layers, problem.num_microbatches
+    sizes = [L // pp + (1 if s >= pp - L % pp else 0) for s in range(pp)]
+    devices = problem.cluster.devices()
+    shapes: dict[tuple[str, ...], int] = {}
+    for i in range(dp):
+        key = tuple(devices[s * tp * dp + i * tp].gpu for s in range(pp))
+        shapes[key] = shapes.get(key, 0) + 1
+    times = []     # (fill, period) per distinct pipeline shape, with its count
+    for gpus, count in shapes.items():
+        periods = [sum(stage_compute_s(problem.profile.get(g, tp, problem.micro_batch_size,
+                                                           problem.seq_length),
+                                       n, s == 0, s == pp - 1, recompute))
+                   for s, (g, n) in enumerate(zip(gpus, sizes))]
+        times.append((sum(periods), max(periods), count))
+    if not proportional:
+        return max(fill + (M // dp - 1) * period for fill, period, _ in times)
+    # The best split: the smallest makespan tau whose per-shape capacities cover M.
+    def capacity(tau: float) -> int:
+        return sum(count * (int((tau - fill) / period) + 1) if tau >= fill else 0
+                   for fill, period, count in times)
+    lo, hi = 0.0, max(fill + (M - 1) * period for fill, period, _ in times)
+    for _ in range(60):
+        mid = 0.5 * (lo + hi)
+        lo, hi = (lo, mid) if capacity(mid) >= M else (mid, hi)
+    return lo
+
+
 def _best(problem: Problem, name: str, proportional: bool, recompute_modes: list[bool],
           tp_degrees: list[int] | None = None, max_stages: int | None = None) -> Baseline:
     M = problem.num_microbatches
     best: Baseline | None = None
-    for tp, pp, dp in _grids(problem, tp_degrees, max_stages):
-        if dp > M or (not proportional and M % dp):
-            continue
-        for recompute in recompute_modes:
-            plan = grid_plan(problem, tp, pp, dp, [M // dp] * dp if M % dp == 0
-                             else _proportional([1.0] * dp, M), recompute)
+    grids = sorted((_grid_bound_s(problem, tp, pp, dp, recompute, proportional), tp, pp, dp,
+                    recompute)
+                   for tp, pp, dp in _grids(problem, tp_degrees, max_stages)
+                   if dp <= M and (proportional or M % dp == 0)
+                   for recompute in recompute_modes)
+    for bound, tp, pp, dp, recompute in grids:
+        if best is not None and bound >= best.cost.iteration_time_s:
+            break       # sorted by bound: no later grid can win either
+        plan = grid_plan(problem, tp, pp, dp, [M // dp] * dp if M % dp == 0
+                         else _proportional([1.0] * dp, M), recompute)
+        cost = evaluate(problem, plan)
+        if proportional:
+            speeds = [1.0 / max(s.time_s + s.p2p_s for s in p.stages) for p in cost.pipelines]
+            plan = grid_plan(problem, tp, pp, dp, _proportional(speeds, M), recompute)
             cost = evaluate(problem, plan)
-            if proportional:
-                speeds = [1.0 / max(s.time_s + s.p2p_s for s in p.stages) for p in cost.pipelines]
-                plan = grid_plan(problem, tp, pp, dp, _proportional(speeds, M), recompute)
-                cost = evaluate(problem, plan)
-            if cost.fits_memory and (best is None or best.cost is None
-                                     or cost.iteration_time_s < best.cost.iteration_time_s):
-                best = Baseline(name, plan, cost, f"TP={tp} PP={pp} DP={dp}"
-                                + (" recompute" if recompute else ""))
+        if cost.fits_memory and (best is None or cost.iteration_time_s < best.cost.iteration_time_s):
+            best = Baseline(name, plan, cost, f"TP={tp} PP={pp} DP={dp}"
+                            + (" recompute" if recompute else ""))
     return best or Baseline(name, None, None, "no uniform grid fits in memory or divides the batch")
 
 

@@ -26,6 +26,8 @@ class BaselineResult:
         return {"name": self.name, "note": self.note,
                 "iteration_time_s": self.cost.iteration_time_s if self.cost else None,
                 "tokens_per_s": self.cost.tokens_per_s if self.cost else None,
+                "usd_per_million_tokens": (self.cost.usd_per_million_tokens if self.cost
+                                           else None),
                 "speedup": self.speedup,
                 "idle_gpus": dict(self.cost.idle_gpus) if self.cost else None}
 
@@ -42,6 +44,7 @@ class Comparison:
     def to_dict(self) -> dict:
         return {"autohet": {"iteration_time_s": self.cost.iteration_time_s,
                             "tokens_per_s": self.cost.tokens_per_s,
+                            "usd_per_million_tokens": self.cost.usd_per_million_tokens,
                             "pipelines": len(self.plan.pipelines),
                             "activation_recompute": self.plan.activation_recompute,
                             "idle_gpus": dict(self.cost.idle_gpus)},
@@ -52,14 +55,16 @@ def compare(cluster: Cluster, model: ModelSpec, profile: Profile | None, global_
             micro_batch_size: int, seq_length: int | None = None, *,
             allow_asymmetric_tp: bool = False, activation_recompute: bool | None = None,
             time_limit_s: float = 60.0, progress: bool = True,
-            memory_headroom: float = DEFAULT_MEMORY_HEADROOM) -> Comparison:
+            memory_headroom: float = DEFAULT_MEMORY_HEADROOM,
+            objective: str = "throughput") -> Comparison:
     """Plan with make_plan's search and evaluate the baselines (planner/baselines.py) on the
-    same cluster, model, profile and batch; speedup = baseline time / our time."""
+    same cluster, model, profile and batch; speedup = baseline time / our time. Every plan
+    carries its USD per million tokens when the nodes have prices."""
     seq_length = seq_length or model.seq_length
     best = search(cluster, model, profile, global_batch_size, micro_batch_size, seq_length,
                   allow_asymmetric_tp=allow_asymmetric_tp,
                   activation_recompute=activation_recompute, time_limit_s=time_limit_s,
-                  progress=progress, memory_headroom=memory_headroom)
+                  progress=progress, memory_headroom=memory_headroom, objective=objective)
     problem = Problem(cluster, model, resolve_profile(cluster, model, profile, micro_batch_size,
                                                       seq_length),
                       global_batch_size, micro_batch_size, seq_length,

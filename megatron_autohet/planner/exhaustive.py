@@ -31,7 +31,7 @@ import itertools
 from megatron_autohet.cost_model import DEFAULT_MEMORY_HEADROOM, annotate_plan, evaluate_plan
 from megatron_autohet.errors import ConfigError
 from megatron_autohet.plan import Pipeline, Plan, RankInfo, Stage
-from megatron_autohet.planner.search import Candidate, resolve_profile
+from megatron_autohet.planner.search import Candidate, check_prices, resolve_profile
 from megatron_autohet.planner.warmup import choose_warmups
 from megatron_autohet.profiling.profile import Profile
 from megatron_autohet.spec.cluster import Cluster, Device
@@ -140,8 +140,18 @@ def exhaustive_search(cluster: Cluster, model: ModelSpec, profile: Profile | Non
                       max_stages: int = 4, activation_recompute: bool | None = None,
                       allow_asymmetric_tp: bool = False,
                       max_evaluations: int = 200_000,
-                      memory_headroom: float = DEFAULT_MEMORY_HEADROOM) -> Candidate:
-    """The cost model's optimum over the space in the module doc (ConfigError when too big)."""
+                      memory_headroom: float = DEFAULT_MEMORY_HEADROOM,
+                      objective: str = "throughput") -> Candidate:
+    """The cost model's optimum over the space in the module doc (ConfigError when too big):
+    the shortest iteration, or with ``objective`` "cost" the fewest USD per million tokens
+    (the micro-batch split that minimises the iteration time minimises the price too: the
+    arrangement fixes the GPUs paid for)."""
+    if objective == "cost":
+        check_prices(cluster)
+
+    def score(cost) -> float:
+        return cost.iteration_time_s if objective == "throughput" else cost.usd_per_million_tokens
+
     seq_length = seq_length or model.seq_length
     if global_batch_size % micro_batch_size:
         raise ConfigError("<arguments>", "global_batch_size", f"{global_batch_size} is not a "
@@ -206,7 +216,7 @@ def exhaustive_search(cluster: Cluster, model: ModelSpec, profile: Profile | Non
                                              memory_headroom=memory_headroom)
                         if not cost.fits_memory:
                             continue
-                    if best is None or cost.iteration_time_s < best.cost.iteration_time_s:
+                    if best is None or score(cost) < score(best.cost):
                         plan.validate()
                         annotate_plan(plan, cost)
                         best = Candidate(plan, cost, dict(tp_of_gpu), recompute)

@@ -38,9 +38,13 @@ INF = float("inf")
 RELATIVE_TOLERANCE = 1e-3
 # ... and this tight when only a lower bound is wanted.
 BOUND_TOLERANCE = 2e-2
-# One feasibility solve may take this long; a solve that finds no composition in time counts as
-# infeasible (the bisection then only stops higher than it could).
-SOLVE_TIME_LIMIT_S = 2.0
+# One feasibility solve explores at most this many branch-and-bound nodes; a solve that finds no
+# composition within them counts as infeasible (the bisection then only stops higher than it
+# could). A node limit, not a time limit, so that a loaded machine gets the same answers.
+SOLVE_NODE_LIMIT = 2000
+# Safety net only (a solve that hangs): wall-clock seconds one solve may take. A solve cut by it
+# is reported (``timed_out``), since its answer then depends on the machine's speed.
+SOLVE_TIME_SAFETY_S = 30.0
 
 
 @dataclass
@@ -63,14 +67,19 @@ class CompositionModel:
     by which options are allowed."""
 
     def __init__(self, options: list[PipelineOption], pool_counts: list[int],
-                 total_microbatches: int, pipelines: tuple[int, int], time_limit_s: float):
+                 total_microbatches: int, pipelines: tuple[int, int]):
         self.options = options
         self.total = total_microbatches
         self.solves = 0
+        self.nodes = 0              # branch-and-bound nodes over all solves: the search's work
+        self.timed_out = False      # some solve was cut by the wall-clock safety net
         low, high = pipelines
         self.model = Model("autohet-composition")
         self.model.hideOutput()
-        self.model.setParam("limits/time", min(SOLVE_TIME_LIMIT_S, max(0.1, time_limit_s)))
+        # Deterministic limits: the same model gives the same answer on any machine and load
+        # (SCIP runs single-threaded with a fixed random seed by default).
+        self.model.setParam("limits/nodes", SOLVE_NODE_LIMIT)
+        self.model.setParam("limits/time", SOLVE_TIME_SAFETY_S)
         # Small model, re-solved many times: presolving and cutting planes cost more per solve
         # than they save.
         self.model.setPresolve(SCIP_PARAMSETTING.OFF)
@@ -107,6 +116,8 @@ class CompositionModel:
         m.setParam("limits/solutions", 1)
         self.solves += 1
         m.optimize()
+        self.nodes += max(1, m.getNNodes())
+        self.timed_out |= m.getStatus() == "timelimit"
         if m.getNSols() == 0:
             return None
         sol = m.getBestSol()

@@ -58,6 +58,24 @@ non-linearly in an outer enumeration, and leaves an exact integer program to SCI
 Bounded work: options depend on the GPU types and ``max_stages``, the SCIP model has one
 integer per option and one row per GPU type, the bins grow logarithmically with the GPU count;
 the number of GPUs otherwise only changes right-hand sides.
+
+Objective ``cost`` (:func:`cheapest`): the plan with the fewest USD per million tokens, from the
+nodes' spot prices (cost_model.py, "Price"); leaving GPUs idle saves their price. The search
+above runs once per non-empty set of GPU types (the other types' nodes left out) and TP degree
+(the fastest degree is often not the cheapest: wider TP buys speed with GPUs), every plan it
+judges is priced, and each run's cheapest plan is then thinned: first to its n fastest
+pipelines for the best n (every n up to THIN_ALL_COUNTS pipelines, else a geometric grid; the
+price per token is not monotone in n, uneven micro-batch shares make it jump), then greedily
+while dropping one pipeline (one of each shape is tried) lowers the price per token; the
+cheapest thinned plan wins. A heuristic over the
+throughput search's plans, checked against the exhaustive search on small fleets (tests).
+
+Deterministic budget: the search's budget is counted in work, not wall time: SCIP
+branch-and-bound nodes summed over all solves (each solve at least one, and at most
+scip_model.SOLVE_NODE_LIMIT), checked between branches. The same input therefore gives the same
+plan on an idle or a loaded machine. The wall-clock ``time_limit_s`` is only a safety net; when
+it cuts the search (or a single SCIP solve), :attr:`Candidate.stopped_by` says so, since the
+plan then depends on the machine's speed.
 """
 
 from __future__ import annotations
@@ -76,7 +94,7 @@ from tqdm import tqdm
 from megatron_autohet.cost_model import (DEFAULT_MEMORY_HEADROOM, PlanCost, check_memory_headroom,
                                          stage_compute_s, stage_memory_bytes)
 from megatron_autohet.errors import ConfigError
-from megatron_autohet.plan import Plan
+from megatron_autohet.plan import Pipeline, Plan, RankInfo, Stage
 from megatron_autohet.planner.scip_model import BOUND_TOLERANCE, Composition, CompositionModel
 from megatron_autohet.planner.space import (OptionTable, PipelineOption, Pool, Problem,
                                             assign_microbatches, build_plan, check_batch, evaluate,
@@ -113,6 +131,19 @@ PAIRS_TRIED = 3
 # the best few options per stack height judged by the cost model.
 MAX_STACK = 4
 STACKS_TRIED = 3
+# Default work budget (SCIP branch-and-bound nodes over the whole search, module doc): well above
+# what the bundled fleets and the 8-4096-GPU benchmark fleets use to finish, so it binds only on
+# unusual inputs.
+WORK_BUDGET = 5000
+# Why a search stopped (Candidate.stopped_by).
+STOP_COMPLETE, STOP_WORK, STOP_TIME = "complete", "work budget", "time limit"
+# The wall clock of the safety net (a module attribute, so tests can play a loaded machine).
+clock = time.monotonic
+OBJECTIVES = ("throughput", "cost")
+# Rounds of the cost objective's pipeline thinning (module doc), each one pipeline dropped.
+MAX_DROP_ROUNDS = 32
+# Plans of up to this many pipelines try every pipeline count when thinned (module doc).
+THIN_ALL_COUNTS = 16
 
 
 @dataclass
@@ -121,13 +152,19 @@ class Candidate:
     cost: PlanCost
     tp_of_gpu: dict[str, int]
     recompute: bool
+    # How the search that returned this candidate ended: STOP_COMPLETE (nothing left that could
+    # beat it), STOP_WORK (the work budget ran out: deterministic) or STOP_TIME (the wall-clock
+    # safety net cut it: the plan may differ on a faster or less loaded machine).
+    stopped_by: str = STOP_COMPLETE
+    work: int = 0               # SCIP branch-and-bound nodes the search used
 
 
 def resolve_profile(cluster: Cluster, model: ModelSpec, profile: Profile | None,
                     micro_batch_size: int, seq_length: int) -> Profile:
-    """The given profile, with analytic estimates for the entries it lacks."""
+    """The given profile, with analytic estimates for the entries it lacks, calibrated by its
+    measured entries (Profile.calibrated_over)."""
     estimate = estimate_profile(model, cluster, micro_batch_size, seq_length)
-    return estimate if profile is None else profile.merged_over(estimate)
+    return estimate if profile is None else profile.calibrated_over(estimate)
 
 
 def default_max_stages(problem: Problem, pools: list[Pool]) -> int:
@@ -331,17 +368,33 @@ def _level(value: float) -> float:
 class BranchAndBound:
     """Best-first search over the branches of several configs (module doc, steps 3-4)."""
 
-    def __init__(self, problem: Problem, deadline: float, max_stages: int | None,
-                 skip_needless_recompute: bool,
+    def __init__(self, problem: Problem, deadline: float, work_budget: int,
+                 max_stages: int | None, skip_needless_recompute: bool,
                  on_candidate: Callable[[Candidate], None] | None = None):
         self.problem = problem
         self.on_candidate = on_candidate
         self.deadline = deadline
+        self.work_budget = work_budget
+        self.work = 0               # SCIP nodes of the finished runs (module doc)
+        self.stopped_by = STOP_COMPLETE
         self.max_stages = max_stages
         self.skip_needless_recompute = skip_needless_recompute
         self.best: Candidate | None = None
         self.built: dict[tuple, Config] = {}
         self.solves = 0
+
+    def may_continue(self, models: dict | None = None) -> bool:
+        """False once the work budget or the wall-clock safety net is spent (and why, in
+        ``stopped_by``; the work budget is checked first, so it decides whenever both are)."""
+        live = sum(m.nodes for m in models.values()) if models else 0
+        if self.work + live >= self.work_budget:
+            self.stopped_by = STOP_WORK
+        elif clock() >= self.deadline or (models and any(m.timed_out
+                                                         for m in models.values())):
+            self.stopped_by = STOP_TIME
+        else:
+            return True
+        return False
 
     def offer(self, cand: Candidate | None) -> None:
         if cand is None or not cand.cost.fits_memory:
@@ -377,7 +430,7 @@ class BranchAndBound:
         # from below, and its composition is usually close to the best: it is solved first.
         floor: dict[tuple[int, int], float] = {}
         fastest: dict[tuple[int, int], float] = {}
-        while heap and time.monotonic() < self.deadline:
+        while heap and self.may_continue(models):
             br = heapq.heappop(heap)
             best_s = self.best.cost.iteration_time_s if self.best else math.inf
             if br.lower_bound_s >= best_s * (1 - PRUNE_TOLERANCE):
@@ -425,6 +478,7 @@ class BranchAndBound:
             if comp is not start:
                 self.offer(self._candidate(config, comp))
         self.solves += sum(m.solves for m in models.values())
+        self.work += sum(m.nodes for m in models.values())
 
     def _stacks(self, config: Config) -> None:
         """Plans of D <= MAX_STACK identical pipelines whose stage s all sit on one node, so
@@ -515,8 +569,7 @@ class BranchAndBound:
         groups = sum(p.count for p in config.pools)
         M = self.problem.num_microbatches
         return CompositionModel(config.options, [p.count for p in config.pools], M,
-                                (lo, min(hi, M, groups)),
-                                max(0.1, self.deadline - time.monotonic()))
+                                (lo, min(hi, M, groups)))
 
     def _candidate(self, config: Config, comp: Composition) -> Candidate | None:
         """The plan of a composition, judged by the cost model (None: its pipelines' micro-batch
@@ -537,7 +590,8 @@ def make_plan(cluster: Cluster, model: ModelSpec, profile: Profile | None,
               time_limit_s: float = 60.0, progress: bool = True,
               tp_degrees: list[int] | None = None, max_stages: int | None = None,
               distributed_optimizer: bool = False,
-              memory_headroom: float = DEFAULT_MEMORY_HEADROOM) -> Plan:
+              memory_headroom: float = DEFAULT_MEMORY_HEADROOM,
+              work_budget: int = WORK_BUDGET, objective: str = "throughput") -> Plan:
     """The fastest plan the search finds (see module doc), annotated with its predictions.
 
     ``profile`` None plans on analytic estimates; a given profile (measured or estimated) wins
@@ -547,6 +601,9 @@ def make_plan(cluster: Cluster, model: ModelSpec, profile: Profile | None,
     ``distributed_optimizer``: plans for Megatron-LM's --use-distributed-optimizer, priced so
     and recorded in the plan (the options' memory limits stay those of unsharded Adam state:
     the search does not look for splits that fit only thanks to the sharding).
+    ``work_budget`` bounds the search deterministically (module doc); ``time_limit_s`` is the
+    wall-clock safety net. ``objective`` "cost" minimises USD per million tokens instead of
+    the iteration time (every node needs a spot price).
     Raises ConfigError when the batch cannot be split or no plan fits in memory.
     """
     return search(cluster, model, profile, global_batch_size, micro_batch_size, seq_length,
@@ -554,7 +611,8 @@ def make_plan(cluster: Cluster, model: ModelSpec, profile: Profile | None,
                   activation_recompute=activation_recompute, time_limit_s=time_limit_s,
                   progress=progress, tp_degrees=tp_degrees, max_stages=max_stages,
                   distributed_optimizer=distributed_optimizer,
-                  memory_headroom=memory_headroom).plan
+                  memory_headroom=memory_headroom, work_budget=work_budget,
+                  objective=objective).plan
 
 
 def search(cluster: Cluster, model: ModelSpec, profile: Profile | None, global_batch_size: int,
@@ -562,7 +620,8 @@ def search(cluster: Cluster, model: ModelSpec, profile: Profile | None, global_b
            allow_asymmetric_tp: bool = False, activation_recompute: bool | None = None,
            time_limit_s: float = 60.0, progress: bool = True, tp_degrees: list[int] | None = None,
            max_stages: int | None = None, seeds: Sequence[Candidate] = (),
-           baselines: bool = True,
+           baselines: bool = True, work_budget: int = WORK_BUDGET,
+           objective: str = "throughput",
            on_candidate: Callable[[Candidate], None] | None = None,
            distributed_optimizer: bool = False,
            memory_headroom: float = DEFAULT_MEMORY_HEADROOM) -> Candidate:
@@ -576,6 +635,16 @@ def search(cluster: Cluster, model: ModelSpec, profile: Profile | None, global_b
     """
     from megatron_autohet.planner.baselines import all_baselines
 
+    if objective not in OBJECTIVES:
+        raise ConfigError("<arguments>", "objective", f"got {objective!r}", ", ".join(OBJECTIVES))
+    if objective == "cost":
+        return cheapest(cluster, model, profile, global_batch_size, micro_batch_size, seq_length,
+                        allow_asymmetric_tp=allow_asymmetric_tp,
+                        activation_recompute=activation_recompute, time_limit_s=time_limit_s,
+                        progress=progress, tp_degrees=tp_degrees, max_stages=max_stages,
+                        seeds=seeds, baselines=baselines, work_budget=work_budget,
+                        on_candidate=on_candidate, distributed_optimizer=distributed_optimizer,
+                        memory_headroom=memory_headroom)
     seq_length = seq_length or model.seq_length
     profile = resolve_profile(cluster, model, profile, micro_batch_size, seq_length)
     problem = Problem(cluster, model, profile, global_batch_size, micro_batch_size, seq_length,
@@ -587,7 +656,7 @@ def search(cluster: Cluster, model: ModelSpec, profile: Profile | None, global_b
     degrees = [t for t in model.valid_tp_degrees(max_node)
                if tp_degrees is None or t in tp_degrees]
     recompute_modes = [False, True] if activation_recompute is None else [activation_recompute]
-    search_bb = BranchAndBound(problem, time.monotonic() + time_limit_s, max_stages,
+    search_bb = BranchAndBound(problem, clock() + time_limit_s, work_budget, max_stages,
                                skip_needless_recompute=activation_recompute is None,
                                on_candidate=on_candidate)
     for seed in seeds:
@@ -615,7 +684,7 @@ def search(cluster: Cluster, model: ModelSpec, profile: Profile | None, global_b
             for g in gpus:
                 current.setdefault(g, per_gpu[g][0])
             improved = True
-            while improved and time.monotonic() < search_bb.deadline:
+            while improved and search_bb.may_continue():
                 improved = False
                 for g in gpus:
                     before = search_bb.best
@@ -631,5 +700,129 @@ def search(cluster: Cluster, model: ModelSpec, profile: Profile | None, global_b
                           "more or larger GPUs, activation recompute, a smaller micro-batch or "
                           "sequence length, or a global batch with a micro-batch per pipeline")
     best = search_bb.best
-    plan, cost = choose_warmups(best.plan, best.cost, cluster, problem.profile, memory_headroom)
-    return dataclasses.replace(best, plan=plan, cost=cost)
+    plan, cost = choose_warmups(best.plan, best.cost, cluster, problem.profile,
+                                problem.memory_headroom)
+    return dataclasses.replace(best, plan=plan, cost=cost, stopped_by=search_bb.stopped_by,
+                               work=search_bb.work)
+
+
+def check_prices(cluster: Cluster, file=None) -> None:
+    """Every node has a spot price (the cost objective prices every plan); ``file`` names the
+    cluster file in the error (default: the cluster's name)."""
+    for i, node in enumerate(cluster.nodes):
+        if node.spot_price is None:
+            raise ConfigError(file or cluster.name, f"nodes[{i}].spot_price", f"node {node.name} has "
+                              "no price; --objective cost needs one on every node",
+                              "USD per GPU-hour, a number >= 0")
+
+
+def usd_per_million_tokens(cand: Candidate) -> float:
+    return cand.cost.usd_per_million_tokens
+
+
+def cheapest(cluster: Cluster, model: ModelSpec, profile: Profile | None,
+             global_batch_size: int, micro_batch_size: int, seq_length: int | None = None, *,
+             on_candidate: Callable[[Candidate], None] | None = None, time_limit_s: float = 60.0,
+             tp_degrees: list[int] | None = None, seeds: Sequence[Candidate] = (),
+             **options) -> Candidate:
+    """search() with objective "cost" (module doc): the judged plan with the fewest USD per
+    million tokens over one throughput search per set of GPU types, then thinned."""
+    check_prices(cluster)
+    seq_length = seq_length or model.seq_length
+    resolved = resolve_profile(cluster, model, profile, micro_batch_size, seq_length)
+    problem = Problem(cluster, model, resolved, global_batch_size, micro_batch_size, seq_length,
+                      distributed_optimizer=options.get("distributed_optimizer", False),
+                      memory_headroom=options.get("memory_headroom", DEFAULT_MEMORY_HEADROOM))
+    gpus = list(dict.fromkeys(n.gpu for n in cluster.nodes))
+    degrees = [t for t in model.valid_tp_degrees(max(n.num_gpus for n in cluster.nodes))
+               if tp_degrees is None or t in tp_degrees]
+    # With asymmetric TP the search mixes degrees itself: one search over all of them.
+    per_search = [degrees] if options.get("allow_asymmetric_tp") else [[t] for t in degrees]
+    deadline = clock() + time_limit_s
+    winners: list[Candidate] = []
+    stops, work = [], 0
+    for size in range(len(gpus), 0, -1):
+        for kept, tps in itertools.product(itertools.combinations(gpus, size), per_search):
+            sub = cluster.subset([n.name for n in cluster.nodes if n.gpu in kept])
+            judged: list[Candidate] = []
+            # Seeds are incumbents of the run whose GPUs they all use.
+            runs_on = {n.name for n in sub.nodes}
+            mine = [c for c in seeds if {r.node for r in c.plan.ranks} <= runs_on
+                    and set(c.tp_of_gpu.values()) <= set(tps)]
+            try:
+                best = search(sub, model, resolved, global_batch_size, micro_batch_size,
+                              seq_length, time_limit_s=max(0.0, deadline - clock()),
+                              on_candidate=judged.append, tp_degrees=tps, seeds=mine,
+                              **options)
+            except ConfigError:
+                continue            # no plan of these GPU types and degrees fits in memory
+            judged.append(best)
+            stops.append(best.stopped_by)
+            work += best.work
+            # Judged on the sub-cluster: re-costed on the whole fleet (idle GPUs), then thinned.
+            cheap = min(judged, key=usd_per_million_tokens)
+            winners.append(_thin(problem, dataclasses.replace(
+                cheap, cost=evaluate(problem, cheap.plan))))
+    if not winners:
+        raise ConfigError(cluster.name, "nodes", f"no plan for {model.name} fits in memory",
+                          "more or larger GPUs, activation recompute, a smaller micro-batch")
+    best = min(winners, key=usd_per_million_tokens)
+    if on_candidate is not None:
+        on_candidate(best)
+    plan, cost = choose_warmups(best.plan, best.cost, cluster, problem.profile,
+                                problem.memory_headroom)
+    stopped = next((s for s in (STOP_TIME, STOP_WORK) if s in stops), STOP_COMPLETE)
+    return dataclasses.replace(best, plan=plan, cost=cost, stopped_by=stopped, work=work)
+
+
+def _thin(problem: Problem, cand: Candidate) -> Candidate:
+    """Fewer pipelines while that lowers USD per million tokens (module doc): the n fastest
+    for the best n, then rounds that each try dropping the last pipeline of each shape (GPU
+    types and layers per stage)."""
+    D = len(cand.plan.pipelines)
+    periods = [max(s.time_s + s.p2p_s for s in p.stages) for p in cand.cost.pipelines]
+    by_speed = sorted(range(D), key=lambda p: (periods[p], p))
+    counts = (range(1, D) if D <= THIN_ALL_COUNTS
+              else sorted({max(1, int(D / 1.25 ** k)) for k in range(1, 64)} - {D}))
+    fewer = [_without_pipelines(problem, cand, set(by_speed[n:])) for n in counts]
+    cand = min([cand] + [f for f in fewer if f.cost.fits_memory], key=usd_per_million_tokens)
+    for _ in range(MAX_DROP_ROUNDS):
+        plan = cand.plan
+        if len(plan.pipelines) < 2:
+            break
+        shapes = {}
+        for p, pipe in enumerate(plan.pipelines):
+            shapes[tuple((plan.ranks[s.ranks[0]].gpu, s.tp, s.layers) for s in pipe.stages)] = p
+        tries = [_without_pipelines(problem, cand, {p}) for p in sorted(shapes.values())]
+        tries = [t for t in tries if t.cost.fits_memory]
+        better = min(tries, key=usd_per_million_tokens, default=None)
+        if better is None or not (usd_per_million_tokens(better) < usd_per_million_tokens(cand)):
+            break
+        cand = better
+    return cand
+
+
+def _without_pipelines(problem: Problem, cand: Candidate, drop: set[int]) -> Candidate:
+    """The plan without the pipelines ``drop``: ranks renumbered in cluster order, micro-batches
+    re-split over the others (greedy on each pipeline's fill and period, as
+    space.assign_microbatches)."""
+    plan, cost = cand.plan, cand.cost
+    keep = [p for p in range(len(plan.pipelines)) if p not in drop]
+    used = sorted(r for p in keep for r in plan.pipelines[p].ranks)
+    new_rank = {r: i for i, r in enumerate(used)}
+    fills = [sum(s.time_s + s.p2p_s for s in cost.pipelines[p].stages) for p in keep]
+    periods = [max(s.time_s + s.p2p_s for s in cost.pipelines[p].stages) for p in keep]
+    counts = [1] * len(keep)
+    heap = [(f + pd, i) for i, (f, pd) in enumerate(zip(fills, periods))]
+    heapq.heapify(heap)
+    for _ in range(problem.num_microbatches - len(keep)):
+        _, i = heapq.heappop(heap)
+        counts[i] += 1
+        heapq.heappush(heap, (fills[i] + counts[i] * periods[i], i))
+    pipelines = [Pipeline([Stage([new_rank[r] for r in s.ranks], s.layers)
+                           for s in plan.pipelines[p].stages], m)
+                 for p, m in zip(keep, counts)]
+    ranks = [RankInfo(i, plan.ranks[r].node, plan.ranks[r].local_rank, plan.ranks[r].gpu)
+             for i, r in enumerate(used)]
+    thinner = dataclasses.replace(plan, ranks=ranks, pipelines=pipelines, predicted={})
+    return dataclasses.replace(cand, plan=thinner, cost=evaluate(problem, thinner))

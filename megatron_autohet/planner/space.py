@@ -423,13 +423,15 @@ def place_pipelines(cluster: Cluster, pools: list[Pool],
     pool_of_kind = {(p.gpu, p.tp, p.node_gpus, p.intra_gbs, p.nic_gbs): k
                     for k, p in enumerate(pools)}
     tp_of_gpu = {p.gpu: p.tp for p in pools}
-    devices = cluster.devices()
+    devices_of: dict[str, list] = {}
+    for d in cluster.devices():
+        devices_of.setdefault(d.node, []).append(d)
     for node in cluster.nodes:
         tp = tp_of_gpu.get(node.gpu)
         k = None if tp is None else pool_of_kind.get(_node_kind(node, tp))
         if k is None:
             continue
-        mine = [d for d in devices if d.node == node.name]
+        mine = devices_of[node.name]
         free[k].append([mine[g * tp:(g + 1) * tp] for g in range(node.num_gpus // tp)])
     blocks = []   # (stage indices, pipeline, pool)
     for p, seq in enumerate(sequences):

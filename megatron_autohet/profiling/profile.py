@@ -2,7 +2,8 @@
 
 An entry is keyed by (GPU type, TP degree, micro-batch size, sequence length) and holds an
 :class:`OpCost` for each of the three parts of a GPT. Every OpCost records whether it was
-measured on a real device or estimated from the GPU catalog. Profiles are plain YAML or JSON
+measured on a real device, estimated from the GPU catalog, or calibrated: estimated, then scaled
+by how far the estimates missed on the measured GPU types (:meth:`Profile.calibrated_over`). Profiles are plain YAML or JSON
 (chosen by file suffix) so users can keep, edit and reuse them.
 
 File form::
@@ -19,7 +20,8 @@ File form::
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+import math
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import yaml
@@ -27,7 +29,9 @@ import yaml
 from megatron_autohet.errors import ConfigError
 from megatron_autohet.spec._yaml import check_keys, get_field
 
-SOURCES = ("measured", "estimated")
+# measured: timed on a device; estimated: datasheet rates (profiling/estimate.py); calibrated: an
+# estimate scaled by the measured-to-estimated ratio of measured entries (Profile.calibrated_over).
+SOURCES = ("measured", "calibrated", "estimated")
 PARTS = ("layer", "embedding", "output")
 
 
@@ -40,7 +44,7 @@ class OpCost:
     activation_bytes: float            # kept from forward until backward (no recompute)
     activation_bytes_recompute: float  # kept under full activation recompute (the input only)
     param_count: int                   # parameters held by one GPU of the TP group
-    source: str = "estimated"          # "measured" or "estimated"
+    source: str = "estimated"          # one of SOURCES
 
 
 @dataclass(frozen=True)
@@ -85,6 +89,45 @@ class Profile:
         """This profile's entries, with ``base`` filling the keys this one lacks."""
         out = Profile(self.model, dict(base.entries))
         out.entries.update(self.entries)
+        return out
+
+    def calibrated_over(self, base: "Profile") -> "Profile":
+        """:meth:`merged_over`, with every estimated time scaled by how far the estimates miss
+        on measured hardware: per part (layer, embedding, output) and direction, the geometric
+        mean of measured / estimated time over the measured entries that ``base`` (the
+        datasheet estimate) also has. An entry of a GPU type with measurements uses that type's
+        own ratio (other TP degrees, micro-batch sizes), any other entry the ratio over all
+        measured types. Scaled parts get ``source="calibrated"``; memory and parameter counts
+        are computed, not measured, and stay as they are. Without measured parts nothing
+        changes."""
+        logs: dict[tuple[str | None, str, str], list[float]] = {}
+        for key, entry in self.entries.items():
+            estimate = base.entries.get(key)
+            if estimate is None:
+                continue
+            for part in PARTS:
+                mine, est = getattr(entry, part), getattr(estimate, part)
+                if mine.source != "measured":
+                    continue
+                for direction in ("forward_s", "backward_s"):
+                    a, b = getattr(mine, direction), getattr(est, direction)
+                    if a > 0 and b > 0:
+                        for gpu in (entry.gpu, None):
+                            logs.setdefault((gpu, part, direction), []).append(math.log(a / b))
+        ratio = {k: math.exp(sum(v) / len(v)) for k, v in logs.items()}
+        out = self.merged_over(base)
+        for key, entry in list(out.entries.items()):
+            parts = {}
+            for part in PARTS:
+                cost = getattr(entry, part)
+                scale = {d: ratio.get((entry.gpu, part, d), ratio.get((None, part, d)))
+                         for d in ("forward_s", "backward_s")}
+                if cost.source == "estimated" and None not in scale.values():
+                    cost = replace(cost, forward_s=cost.forward_s * scale["forward_s"],
+                                   backward_s=cost.backward_s * scale["backward_s"],
+                                   source="calibrated")
+                parts[part] = cost
+            out.entries[key] = replace(entry, **parts)
         return out
 
     # ---- files -------------------------------------------------------------------------------

@@ -57,12 +57,17 @@ class Cluster:
         return sum(n.num_gpus for n in self.nodes)
 
     def devices(self) -> list[Device]:
+        return list(self._devices)
+
+    @functools.cached_property
+    def _devices(self) -> tuple[Device, ...]:
+        # Plans and their evaluation list the devices many times per search: built once.
         out, rank = [], 0
         for node in self.nodes:
             for local in range(node.num_gpus):
                 out.append(Device(rank, node.name, local, node.gpu))
                 rank += 1
-        return out
+        return tuple(out)
 
     def node(self, name: str) -> Node:
         return self._by_name[name]

@@ -81,15 +81,16 @@ class ModelSpec:
     def check_tp_degree(self, tp: int, file, field: str) -> None:
         """Raise ConfigError (``file``, ``field``) unless TP degree ``tp`` splits the attention
         heads, the query groups and the FFN evenly, as megatron-core's TP layers require."""
-        allowed = f"a TP degree in {self.valid_tp_degrees(64)}"
         if tp < 1:
-            raise ConfigError(file, field, f"TP degree {tp}", allowed)
+            raise ConfigError(file, field, f"TP degree {tp}",
+                              f"a TP degree in {self.valid_tp_degrees(64)}")
         for what, value in (("num_attention_heads", self.num_attention_heads),
                             ("num_query_groups", self.num_query_groups),
                             ("ffn_hidden_size", self.ffn_hidden_size)):
             if value % tp:
                 raise ConfigError(file, field, f"TP degree {tp} does not divide the model's "
-                                  f"{what} ({value})", allowed)
+                                  f"{what} ({value})",
+                                  f"a TP degree in {self.valid_tp_degrees(64)}")
 
     def valid_tp_degrees(self, max_tp: int = 8) -> list[int]:
         """TP degrees (powers of two up to max_tp) that divide heads, query groups and FFN."""
