@@ -54,6 +54,7 @@ class TrainOptions:
     exit_interval: int | None = None
     exit_signal_handler: bool = False
     distributed_timeout_minutes: float = 10.0
+    precision: str | None = None        # "bf16" or "fp32"; None: bf16 on CUDA GPUs, fp32 on CPU
 
     @property
     def timeout(self) -> timedelta:
@@ -158,7 +159,22 @@ def launch_local(plan: Plan, worker_argv: list[str], *, gpus_available: int = 0)
 def train_args(options: TrainOptions) -> dict:
     """The arguments a checkpoint records (plain values; ``autohet checkpoint ls`` shows them)."""
     return {"iters": options.iters, "seed": options.seed, "data_path": options.data_path,
-            "optimizer": asdict(options.optimizer)}
+            "optimizer": asdict(options.optimizer), "precision": options.precision}
+
+
+def job_precision(options: TrainOptions):
+    """The precision the job trains in (spec/precision.py) and why: the flag's, else bf16 on
+    CUDA GPUs (what the planner priced the plan for) and fp32 on CPU (bit-comparable proofs)."""
+    import torch
+
+    from megatron_autohet.runtime.cpu_mode import cpu_mode_enabled
+    from megatron_autohet.spec.precision import PRECISIONS
+
+    if options.precision is not None:
+        return PRECISIONS[options.precision], f"--{options.precision}"
+    if torch.cuda.is_available() and not cpu_mode_enabled():
+        return PRECISIONS["bf16"], "the default on CUDA GPUs"
+    return PRECISIONS["fp32"], "the default on CPU"
 
 
 # ---- worker --------------------------------------------------------------------------------
@@ -204,8 +220,15 @@ def train_job(plan: Plan, plan_label: str, model: ModelSpec, options: TrainOptio
                        num_iterations=options.iters, seed=options.seed,
                        data_path=options.data_path, data_dir=options.data_dir)
     batches = open_global_batches(data, model.vocab_size, local_rank)
+    precision, why = job_precision(options)
+    if rank == 0:
+        print(f"training in {precision.name} ({why}): "
+              + ("bf16 weights and activations, fp32 main gradients, master weights and Adam "
+                 "state" if precision.master_bytes else "fp32 weights, gradients and Adam state"),
+              flush=True)
     trainer = HeteroTrainer(plan, model, rank=rank, seed=options.seed,
-                            optimizer=options.optimizer, plan_file=plan_label)
+                            optimizer=options.optimizer, plan_file=plan_label,
+                            precision=precision)
     # Counting samples, as Megatron-LM does (runtime/optimizer.py): checkpoints of this job
     # load into the pretrain_gpt.py path and stock Megatron-LM, and theirs into this job.
     scheduler = make_lr_scheduler(trainer.optimizer, options.optimizer, options.iters,

@@ -53,6 +53,16 @@ def register(subparsers) -> None:
         (("--adam-beta1",), dict(type=float, default=0.9, help="AdamW beta1 (default 0.9)")),
         (("--adam-beta2",), dict(type=float, default=0.999, help="AdamW beta2 (default 0.999)")),
         (("--adam-eps",), dict(type=float, default=1e-8, help="AdamW epsilon (default 1e-8)")),
+        # Megatron-LM's precision flags (spec/precision.py, runtime/mixed_precision.py).
+        (("--bf16",), dict(action="store_true",
+                           help="bf16 mixed precision as Megatron-LM's --bf16: bf16 weights and "
+                                "activations, fp32 main gradients (accumulated and all-reduced "
+                                "in fp32), fp32 master weights and Adam state. Default on CUDA "
+                                "GPUs (the planner prices plans for it); without a GPU the "
+                                "default is fp32 (exact comparisons with the reference)")),
+        (("--fp16",), dict(action="store_true",
+                           help="refused: fp16 needs a dynamic loss scaler, which this runtime "
+                                "does not have; use --bf16")),
         (("--metrics-jsonl",), dict(default=None,
                                     help="also write one JSON object per iteration to this file")),
         (("--data-path",), dict(default=None,
@@ -162,6 +172,7 @@ def run(args: argparse.Namespace) -> int:
                                                  run_worker)
 
     positive(args.iters, "--iters")
+    precision = check_precision(args)
     check_output_path(args.metrics_jsonl, "--metrics-jsonl")
     optimizer = optimizer_settings(args).validate(train_iters=args.iters, source="<command line>")
     checkpoint = checkpoint_options(args)
@@ -181,7 +192,7 @@ def run(args: argparse.Namespace) -> int:
                            data_dir=args.data_dir, checkpoint=checkpoint,
                            exit_interval=args.exit_interval,
                            exit_signal_handler=args.exit_signal_handler,
-                           distributed_timeout_minutes=timeout)
+                           distributed_timeout_minutes=timeout, precision=precision)
     if args.elastic:
         from megatron_autohet.elastic.worker import ElasticWorker
         from megatron_autohet.spec.cluster import load_cluster
@@ -193,6 +204,18 @@ def run(args: argparse.Namespace) -> int:
     if env is None:
         return launch_local(plan, worker_argv(args), gpus_available=_gpu_count())
     return run_worker(plan, args.plan, model, options, env)
+
+
+def check_precision(args: argparse.Namespace) -> str | None:
+    """The precision flag's name, None without one (the worker's default: bf16 on CUDA GPUs,
+    fp32 on CPU)."""
+    if args.bf16 and args.fp16:
+        raise ConfigError("<command line>", "--fp16", "given with --bf16", "one of them")
+    if args.fp16:
+        raise ConfigError("<command line>", "--fp16", "fp16 mixed precision needs a dynamic "
+                          "loss scaler, which this runtime does not have",
+                          "--bf16 (or no flag: bf16 on CUDA GPUs, fp32 on CPU)")
+    return "bf16" if args.bf16 else None
 
 
 def check_elastic(args: argparse.Namespace, checkpoint: CheckpointOptions) -> None:

@@ -312,6 +312,17 @@ def stop_job(err: ConfigError) -> NoReturn:
     sys.exit(2)
 
 
+def megatron_precision(args):
+    """Megatron-LM's ``--bf16`` / ``--fp16`` (spec/precision.py); neither is fp32, as in
+    Megatron-LM. fp16 is refused: it needs a dynamic loss scaler this runtime does not have."""
+    from megatron_autohet.spec.precision import PRECISIONS
+
+    if getattr(args, "fp16", False):
+        raise ConfigError("<command line>", "--fp16", "fp16 mixed precision needs a dynamic "
+                          "loss scaler, which this runtime does not have", "--bf16 or fp32")
+    return PRECISIONS["bf16" if getattr(args, "bf16", False) else "fp32"]
+
+
 def pretrain_from_plan(args) -> None:
     """Train ``args.train_iters`` iterations of the plan after ``initialize_megatron``."""
     import torch.distributed as dist
@@ -326,6 +337,7 @@ def pretrain_from_plan(args) -> None:
         plan = load_plan(plan_path)
         check_megatron_args(args, plan, plan_path)
         checkpoint = checkpoint_options(args, plan_path)
+        precision = megatron_precision(args)
     except ConfigError as err:
         stop_job(err)
     rank = dist.get_rank()
@@ -341,7 +353,7 @@ def pretrain_from_plan(args) -> None:
                                   adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2,
                                   adam_eps=args.adam_eps, clip_grad=args.clip_grad)
     trainer = HeteroTrainer(plan, plan.model, rank=rank, seed=args.seed, optimizer=optimizer,
-                            plan_file=str(plan_path))
+                            plan_file=str(plan_path), precision=precision)
     # Megatron-LM's own warm-up/decay and weight-decay schedule, stepping our param_groups by
     # the samples of each iteration, as Megatron's train_step does; its state (in samples) is
     # what a checkpoint saves and a resume loads back.
