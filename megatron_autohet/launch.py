@@ -168,13 +168,13 @@ def job_precision(options: TrainOptions):
     import torch
 
     from megatron_autohet.runtime.cpu_mode import cpu_mode_enabled
+    from megatron_autohet.runtime.mixed_precision import default_precision
     from megatron_autohet.spec.precision import PRECISIONS
 
     if options.precision is not None:
         return PRECISIONS[options.precision], f"--{options.precision}"
-    if torch.cuda.is_available() and not cpu_mode_enabled():
-        return PRECISIONS["bf16"], "the default on CUDA GPUs"
-    return PRECISIONS["fp32"], "the default on CPU"
+    on_gpu = torch.cuda.is_available() and not cpu_mode_enabled()
+    return default_precision(on_gpu), "the default on " + ("CUDA GPUs" if on_gpu else "CPU")
 
 
 # ---- worker --------------------------------------------------------------------------------
