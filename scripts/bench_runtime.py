@@ -16,6 +16,13 @@
    Besides wall time, the CPU time of every rank is summed per iteration: with more processes than
    cores, the work each iteration costs is what competes for the CPU.
 2. Per-iteration time of every proof plan (configs/plans/tiny-*.yaml) with our runtime.
+3. bf16 (Megatron's --bf16 mixed precision) on the homogeneous plan, ours only: runtime/stock.py
+   builds stock megatron-core in fp32 (its bf16 path needs megatron's Float16Module and
+   Float16OptimizerWithFloat16Params, not wired into the baseline), so there is no stock bf16
+   row. On a CPU without bf16 units bf16 matmuls are emulated and slower than fp32; the row is
+   there to show the cost, not a GPU speed-up. Every run also counts each rank's live state
+   bytes (weights, fp32 main-gradient buckets, masters, Adam moments) against the cost model's
+   ``Precision.state_bytes_per_param() * stage_param_count``.
 
 Timed: an iteration's time is the slowest rank's wall time of ``train_step``, each rank timing
 from the barrier before it (the next iteration cannot start before the slowest rank is done);
@@ -75,8 +82,9 @@ class _MegatronGlobals:
             setattr(mps, name, value)
 
 
-def _trainers(plan, plan_path, rank, with_stock):
-    """{kind: (step(batch) -> grad norm, megatron globals)}, stock first (it resets megatron's)."""
+def _trainers(plan, plan_path, rank, with_stock, precision):
+    """{kind: (step(batch) -> grad norm, megatron globals)}, stock first (it resets megatron's),
+    and our trainer."""
     from megatron_autohet.runtime.trainer import HeteroTrainer
 
     trainers = {}
@@ -85,12 +93,35 @@ def _trainers(plan, plan_path, rank, with_stock):
         stock = StockMegatronTrainer(plan, rank=rank, seed=SEED, optimizer=OPTIMIZER)
         trainers["stock"] = (lambda batch: stock.train_step(batch).grad_norm, _MegatronGlobals())
     ours = HeteroTrainer(plan, plan.model, rank=rank, seed=SEED, optimizer=OPTIMIZER,
-                         plan_file=str(plan_path))
+                         plan_file=str(plan_path), precision=precision)
     trainers["ours"] = (lambda batch: ours.train_step(batch).grad_norm, _MegatronGlobals())
-    return trainers
+    return trainers, ours
 
 
-def _rank_main(rank, world, port, plan_path, with_stock, iters, data_dir, results):
+def _state_bytes(trainer) -> dict:
+    """This rank's live state bytes and the cost model's prediction for its stage."""
+    from megatron_autohet.cost_model import stage_param_count
+    from megatron_autohet.profiling.estimate import estimate_entry
+    from megatron_autohet.spec.gpus import load_gpu_catalog
+
+    def size(tensors):
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    params = list(trainer.model.parameters())
+    stage, plan = trainer.state.role.stage, trainer.plan
+    entry = estimate_entry(plan.model, load_gpu_catalog()["A100-80GB"], stage.tp_size,
+                           plan.micro_batch_size, plan.seq_length, 300)
+    count = stage_param_count(entry, plan.model, stage.layers[1] - stage.layers[0],
+                              stage.is_first, stage.is_last)
+    measured = (size(params) + size(b.grad_data for b in trainer.grad_sync.buckets)
+                + size(m for m in trainer.masters.tensors if all(m is not p for p in params))
+                + size(s[k] for s in trainer.optimizer.state.values()
+                       for k in ("exp_avg", "exp_avg_sq")))
+    return {"measured": measured,
+            "predicted": trainer.precision.state_bytes_per_param() * count}
+
+
+def _rank_main(rank, world, port, plan_path, with_stock, iters, data_dir, results, precision):
     silence_known_megatron_warnings()
     try:
         import torch
@@ -110,7 +141,7 @@ def _rank_main(rank, world, port, plan_path, with_stock, iters, data_dir, result
             seq_length=plan.seq_length, global_batch_size=plan.global_batch_size,
             num_iterations=iters, seed=SEED, data_dir=data_dir), plan.model.vocab_size)
         batches = [data.batch(i) for i in range(iters)]
-        trainers = _trainers(plan, plan_path, rank, with_stock)
+        trainers, ours = _trainers(plan, plan_path, rank, with_stock, precision)
         kinds = list(trainers)
         out = {kind: {"wall": [], "cpu": [], "grad_norm": []} for kind in kinds}
         for i in range(iters):
@@ -123,6 +154,7 @@ def _rank_main(rank, world, port, plan_path, with_stock, iters, data_dir, result
                 out[kind]["wall"].append(time.perf_counter() - wall)
                 out[kind]["cpu"].append(time.process_time() - cpu)
                 out[kind]["grad_norm"].append(grad_norm)
+        out["ours"]["state_bytes"] = _state_bytes(ours)
         dist.destroy_process_group()
         results.put((rank, True, out))
     except BaseException:
@@ -133,17 +165,20 @@ def _rank_main(rank, world, port, plan_path, with_stock, iters, data_dir, result
         os._exit(0)
 
 
-def run_plan(plan_path: Path, *, with_stock: bool, iters: int, data_dir: str) -> list[dict]:
+def run_plan(plan_path: Path, *, with_stock: bool, iters: int, data_dir: str,
+             precision=None) -> list[dict]:
     """Every rank's {kind: {"wall", "cpu", "grad_norm": per-iteration lists}}, in rank order."""
     from megatron_autohet.plan import load_plan
     from megatron_autohet.launch import free_port
+
+    from megatron_autohet.spec.precision import FP32
 
     world = load_plan(plan_path).world_size
     ctx = mp.get_context("fork")
     results = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_rank_main, args=(r, world, port, plan_path, with_stock, iters,
-                                                  data_dir, results))
+                                                  data_dir, results, precision or FP32))
              for r in range(world)]
     for p in procs:
         p.start()
@@ -218,9 +253,11 @@ def main(argv=None) -> int:
                         help="only the ours-vs-stock comparison, not the other proof plans")
     parser.add_argument("--json", default=str(ROOT / "bench-out" / "bench_runtime.json"),
                         help="where to write the results (default bench-out/, gitignored)")
+    parser.add_argument("--bf16-iters", type=int, default=20,
+                        help="iterations of our runtime in bf16 on the homogeneous plan")
     parser.add_argument("--data-dir", default=None, help="corpus cache (see autohet train)")
     args = parser.parse_args(argv)
-    for name in ("iters", "plan_iters"):
+    for name in ("iters", "plan_iters", "bf16_iters"):
         if getattr(args, name) < WARMUP + 4:
             parser.error(f"--{name.replace('_', '-')} must be >= {WARMUP + 4} (the first "
                          f"{WARMUP} are warm-up)")
@@ -241,6 +278,13 @@ def main(argv=None) -> int:
                             iters=args.iters if plan_path.name == HOMOGENEOUS
                             else args.plan_iters, data_dir=args.data_dir)
         report["plans"][plan_path.name] = summarize(per_rank, plan_path.name)
+        report["plans"][plan_path.name]["state_bytes"] = [r["ours"]["state_bytes"]
+                                                          for r in per_rank]
+    from megatron_autohet.spec.precision import BF16
+    per_rank = run_plan(PLANS / HOMOGENEOUS, with_stock=False, iters=args.bf16_iters,
+                        data_dir=args.data_dir, precision=BF16)
+    report["bf16"] = summarize(per_rank, HOMOGENEOUS + " bf16")
+    report["bf16"]["state_bytes"] = [r["ours"]["state_bytes"] for r in per_rank]
     report["load_average_1min_after"] = os.getloadavg()[0]
 
     print(f"{'plan':27s} {'runtime':8s} {'wall ms/iter: q1  median   q3':>31s} "
@@ -251,6 +295,13 @@ def main(argv=None) -> int:
                 q1, med, q3 = entry[kind]["wall_quartiles_ms"]
                 print(f"{name:27s} {kind:8s} {q1:13.1f} {med:8.1f} {q3:8.1f} "
                       f"{entry[kind]['cpu_quartiles_ms'][1]:31.1f}")
+    q1, med, q3 = report["bf16"]["ours"]["wall_quartiles_ms"]
+    print(f"{HOMOGENEOUS + ' bf16':27s} {'ours':8s} {q1:13.1f} {med:8.1f} {q3:8.1f} "
+          f"{report['bf16']['ours']['cpu_quartiles_ms'][1]:31.1f}   (stock: no bf16 baseline)")
+    print("state bytes per rank, measured / cost model:")
+    for name, entry in [*report["plans"].items(), (HOMOGENEOUS + " bf16", report["bf16"])]:
+        print(f"  {name:27s} " + "  ".join(f"{s['measured']}/{s['predicted']:.0f}"
+                                           for s in entry["state_bytes"]))
     homogeneous = report["plans"].get(HOMOGENEOUS, {})
     if "ratio" in homogeneous:
         q1, ratio, q3 = homogeneous["ratio_quartiles"]
