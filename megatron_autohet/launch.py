@@ -58,6 +58,7 @@ class TrainOptions:
     eval_iters: int = 100                  # validation global batches per evaluation
     split: str | None = None               # Megatron-LM's --split (data/batches.default_split)
     distributed_optimizer: bool = False        # --use-distributed-optimizer
+    precision: str | None = None        # "bf16" or "fp32"; None: bf16 on CUDA GPUs, fp32 on CPU
 
     @property
     def timeout(self) -> timedelta:
@@ -162,7 +163,26 @@ def launch_local(plan: Plan, worker_argv: list[str], *, gpus_available: int = 0)
 def train_args(options: TrainOptions) -> dict:
     """The arguments a checkpoint records (plain values; ``autohet checkpoint ls`` shows them)."""
     return {"iters": options.iters, "seed": options.seed, "data_path": options.data_path,
-            "optimizer": asdict(options.optimizer)}
+            "optimizer": asdict(options.optimizer), "precision": options.precision}
+
+
+def job_precision(options: TrainOptions, distributed_optimizer: bool = False):
+    """The precision the job trains in (spec/precision.py) and why: the flag's, else bf16 on
+    CUDA GPUs (what the planner priced the plan for) and fp32 on CPU (bit-comparable proofs).
+    The distributed optimizer trains in fp32 for now (``autohet train`` refuses it with
+    ``--bf16``)."""
+    import torch
+
+    from megatron_autohet.runtime.cpu_mode import cpu_mode_enabled
+    from megatron_autohet.runtime.mixed_precision import default_precision
+    from megatron_autohet.spec.precision import FP32, PRECISIONS
+
+    if options.precision is not None:
+        return PRECISIONS[options.precision], f"--{options.precision}"
+    if distributed_optimizer:
+        return FP32, "the distributed optimizer trains in fp32 for now"
+    on_gpu = torch.cuda.is_available() and not cpu_mode_enabled()
+    return default_precision(on_gpu), "the default on " + ("CUDA GPUs" if on_gpu else "CPU")
 
 
 # ---- worker --------------------------------------------------------------------------------
@@ -215,10 +235,16 @@ def train_job(plan: Plan, plan_label: str, model: ModelSpec, options: TrainOptio
     batches, valid = open_global_batches(data, model.vocab_size, local_rank)
     evaluation = (Evaluation(options.eval_interval, options.eval_iters, valid)
                   if valid is not None else None)
+    distributed_optimizer = options.distributed_optimizer or plan.use_distributed_optimizer
+    precision, why = job_precision(options, distributed_optimizer)
+    if rank == 0:
+        print(f"training in {precision.name} ({why}): "
+              + ("bf16 weights and activations, fp32 main gradients, master weights and Adam "
+                 "state" if precision.master_bytes else "fp32 weights, gradients and Adam state"),
+              flush=True)
     trainer = HeteroTrainer(plan, model, rank=rank, seed=options.seed,
                             optimizer=options.optimizer, plan_file=plan_label,
-                            distributed_optimizer=(options.distributed_optimizer
-                                                   or plan.use_distributed_optimizer))
+                            distributed_optimizer=distributed_optimizer, precision=precision)
     if trainer.distributed_optimizer and rank == 0:
         print(trainer.optimizer.summary(), flush=True)
     # Counting samples, as Megatron-LM does (runtime/optimizer.py): checkpoints of this job

@@ -15,11 +15,13 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 
 from megatron_autohet.checkpoint.manifest import MANIFEST_FILE, read_manifest, step_dir_name
 from megatron_autohet.checkpoint.options import CheckpointOptions
 from megatron_autohet.plan import load_plan, plan_from_dict
 from megatron_autohet.runtime.optimizer import OptimizerSettings
+from megatron_autohet.spec.precision import BF16, FP32
 from dist_utils import RankFailed, run_on_ranks
 from test_equivalence import global_batches
 
@@ -50,16 +52,17 @@ class Batches:
         return self.batches[iteration]
 
 
-def _train(rank, world, the_plan, batches, options, exit_interval=None,
-           distributed_optimizer=False):
-    """One job: resume per ``options``, train to TOTAL (or the exit interval); the metrics."""
+def _train(rank, world, the_plan, batches, options, exit_interval=None, precision=FP32,
+           total=TOTAL, masters=None, stop=None, distributed_optimizer=False):
+    """One job: resume per ``options``, train to ``total`` (or the exit interval, or ``stop``);
+    the metrics, and with ``masters`` (any dict) this rank's master weights at the end."""
     from megatron_autohet.checkpoint.checkpointer import Checkpointer
     from megatron_autohet.runtime.optimizer import make_lr_scheduler
     from megatron_autohet.runtime.trainer import HeteroTrainer, train_iterations
 
     trainer = HeteroTrainer(the_plan, the_plan.model, rank=rank, seed=SEED, optimizer=OPTIMIZER,
-                            distributed_optimizer=distributed_optimizer)
-    scheduler = make_lr_scheduler(trainer.optimizer, OPTIMIZER, TOTAL, the_plan.global_batch_size)
+                            precision=precision, distributed_optimizer=distributed_optimizer)
+    scheduler = make_lr_scheduler(trainer.optimizer, OPTIMIZER, total, the_plan.global_batch_size)
     checkpointer = Checkpointer(options, trainer, scheduler, seed=SEED, train_args={})
     metrics = []
     original = trainer.train_step
@@ -70,10 +73,13 @@ def _train(rank, world, the_plan, batches, options, exit_interval=None,
         return step
 
     trainer.train_step = recording_step
-    train_iterations(trainer, Batches(batches), scheduler, train_iters=TOTAL,
+    train_iterations(trainer, Batches(batches), scheduler, train_iters=stop or total,
                      scheduler_increment=the_plan.global_batch_size, log=False,
                      checkpointer=checkpointer,
                      exit_interval=exit_interval)
+    if masters is not None:
+        return metrics, {trainer.layouts[name].global_name: (trainer.layouts[name], m.clone())
+                         for name, m in trainer.masters.by_name.items()}
     return metrics
 
 
@@ -122,6 +128,49 @@ def test_resume_on_another_plan_equals_uninterrupted(scenario, uninterrupted_and
     assert max(diffs) <= REL, diffs
     record_property("max_rel_diff", max(diffs))
     print(f"{scenario}: max relative difference {max(diffs):.2e}")
+
+
+BF16_TOTAL, BF16_HALF = 4, 2
+
+
+def _merged(results) -> dict:
+    """Full tensors by global name from every rank's (layout, shard) (replicas must agree)."""
+    shards: dict = {}
+    for _, held in results:
+        for name, (layout, tensor) in held.items():
+            shards.setdefault(name, {})[layout.tp_rank] = (layout, tensor)
+    return {name: by_tp[0][0].merge([by_tp[k][1] for k in range(by_tp[0][0].tp_size)])
+            for name, by_tp in shards.items()}
+
+
+def test_bf16_job_resumes_bit_exactly_and_its_masters_load_into_fp32(tmp_path):
+    """A bf16 job saves its fp32 masters and Adam state: resumed on the same plan it continues
+    bit for bit; an fp32 job on another plan resumes from exactly those fp32 masters (not from
+    the bf16-rounded weights)."""
+    a = plan("tiny-two-pipelines")
+    batches = global_batches(a, BF16_TOTAL)
+    full = run_on_ranks(a.world_size, _train, a, batches, CheckpointOptions(), precision=BF16,
+                        total=BF16_TOTAL)[0]
+    save = tmp_path / "ckpt"
+    first = run_on_ranks(a.world_size, _train, a, batches,
+                         CheckpointOptions(save=str(save), save_interval=BF16_HALF),
+                         exit_interval=BF16_HALF, precision=BF16, total=BF16_TOTAL,
+                         masters={})
+    assert first[0][0] == full[:BF16_HALF]
+    saved_masters = _merged(first)
+    rest = run_on_ranks(a.world_size, _train, a, batches, CheckpointOptions(load=str(save)),
+                        precision=BF16, total=BF16_TOTAL)[0]
+    assert full[:BF16_HALF] + rest == full                          # bit-identical
+    # an fp32 job on another plan, stopped right after loading: its weights are the masters
+    b = plan("tiny-homogeneous")
+    loaded = _merged(run_on_ranks(b.world_size, _train, b, batches,
+                                  CheckpointOptions(load=str(save)), precision=FP32,
+                                  total=BF16_TOTAL, stop=BF16_HALF, masters={}))
+    assert loaded.keys() == saved_masters.keys()
+    for name, master in saved_masters.items():
+        assert loaded[name].dtype == master.dtype == torch.float32
+        assert torch.equal(loaded[name], master), name
+        assert not torch.equal(master, master.bfloat16().float()), name  # not bf16 values
 
 
 def test_llama_style_model_resumes_from_asymmetric_to_homogeneous(tmp_path):

@@ -59,6 +59,8 @@ def test_world_size_mismatch_under_torchrun_env(capsys):
     (["--iters", "3", "--lr-warmup-iters", "3"], "--lr-warmup-iters",
      "got 3 (allowed: fewer than the decay iterations (3"),
     (["--adam-beta2", "1.0"], "--adam-beta2", "got 1.0 (allowed: 0 <= beta < 1)"),
+    (["--bf16", "--fp16"], "--fp16", "given with --bf16 (allowed: one of them)"),
+    (["--fp16"], "--fp16", "fp16 mixed precision needs a dynamic loss scaler"),
 ])
 def test_bad_optimizer_values_are_clear_errors_before_any_process(flags, field, message, capsys):
     start = time.perf_counter()
@@ -103,6 +105,7 @@ def test_train_two_pipelines_three_iterations(tmp_path, distributed_optimizer):
                       "--lr-decay-style", "cosine", "--weight-decay", "0.1",
                       "--metrics-jsonl", str(metrics), "--data-dir", str(tmp_path / "data"))
     assert result.returncode == 0, result.stderr[-3000:]
+    assert "training in fp32 (the default on CPU)" in result.stdout
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["iteration"] for r in records] == [1, 2, 3]
     losses = [r["lm_loss"] for r in records]

@@ -45,7 +45,8 @@ from megatron_autohet.checkpoint.manifest import (MANIFEST_FILE, ItemRecord, Man
                                                   step_dir_name)
 from megatron_autohet.checkpoint.recovery_plan import (OWN, PEER, S3, ChunkUnavailable,
                                                        assign_sources, copies_of, needed_items)
-from megatron_autohet.checkpoint.state import RNG_KEY, rank_sharded_state_dict, rng_sharded_object
+from megatron_autohet.checkpoint.state import (RNG_KEY, rank_sharded_state_dict,
+                                               rng_sharded_object, saved_master_weights)
 from megatron_autohet.checkpoint.upload import byte_progress
 from megatron_autohet.checkpoint.writer import SMALL_FILES
 from megatron_autohet.errors import ConfigError
@@ -156,9 +157,6 @@ def recover(trainer, scheduler, *, roots: list[Path], s3=None, group=None,
 
     # 2.+3. the newest step complete somewhere, planned for this rank's new shards; a step
     # whose chunks turn out corrupt everywhere falls back to the next older one.
-    state_dict = rank_sharded_state_dict(trainer, for_load=True)
-    if not options.load_optim:
-        del state_dict["optimizer"]
     failures = []
     candidates = sorted({it for v in views for it in v} | set(s3_steps), reverse=True)
     if options.ckpt_step is not None:
@@ -179,6 +177,12 @@ def recover(trainer, scheduler, *, roots: list[Path], s3=None, group=None,
             failures.append(f"iteration {iteration}: files missing or of the wrong size on every "
                             f"surviving node: {', '.join(missing)}")
             continue
+        # fp32 masters are asked for when this step has them (a 16-bit job saved it)
+        state_dict = rank_sharded_state_dict(
+            trainer, for_load=True,
+            masters=saved_master_weights(item.key for item in manifest.items))
+        if not options.load_optim:
+            del state_dict["optimizer"]
         if manifest.plan == trainer.plan.to_dict() and options.load_rng:
             state_dict[RNG_KEY] = rng_sharded_object(trainer, world_size)
         else:

@@ -5,11 +5,15 @@ Public API
 ``TrainingProgress(iteration, consumed_train_samples)``
     Where training stands; the data position is ``consumed_train_samples`` (global batches are
     deterministic in the sample index, so resuming at it repeats and skips nothing).
-``rank_sharded_state_dict(trainer, *, for_load=False) -> dict``
-    This rank's model weights and Adam moments as ``ShardedTensor``s keyed by global name with
-    global shapes and offsets (megatron-core's own ``GPTModel.sharded_state_dict``), each marked
-    main or replica by the plan's owner map; ``for_load`` builds the same entries over empty
-    targets for a load (the optimizer may have no state yet).
+``rank_sharded_state_dict(trainer, *, for_load=False, masters=None) -> dict``
+    This rank's model weights, Adam moments and (16-bit training) fp32 master weights as
+    ``ShardedTensor``s keyed by global name with global shapes and offsets (megatron-core's own
+    ``GPTModel.sharded_state_dict``), each marked main or replica by the plan's owner map;
+    ``for_load`` builds the same entries over empty fp32 targets for a load (the optimizer may
+    have no state yet), with master entries when ``masters`` (the checkpoint has them:
+    :func:`saved_master_weights`).
+``saved_master_weights(keys) -> bool``
+    Whether a checkpoint with these tensor keys was saved by a 16-bit job (holds fp32 masters).
 ``common_state(trainer, scheduler, progress, *, seed, train_args) -> dict``
     What is the same on every rank, laid out as Megatron-LM's ``save_checkpoint`` lays out
     ``common.pt`` (:func:`megatron_args`, ``checkpoint_version``, ``iteration``,
@@ -51,6 +55,15 @@ Design (why)
   keys ``optimizer.state.exp_avg.<param key>``, the keys Megatron-LM's optimizer writes). AdamW is
   elementwise, so moments reshard exactly like the weights. The step count is one integer for all
   parameters and lives in the common state.
+* Mixed precision: a 16-bit job saves what megatron-core's ``Float16OptimizerWithFloat16Params``
+  saves: the 16-bit weights under the model keys and the fp32 master weights as optimizer state
+  ``optimizer.state.fp32_param.<param key>``, the Adam moments keyed to the same parameters.
+  A load reads the weights into fp32 targets and takes the masters when the checkpoint has them
+  (else the weights: an fp32 checkpoint's weights are masters), then derives this job's 16-bit
+  weights from them (runtime/mixed_precision.py ``write_back``). So a bf16 job resumes bit for
+  bit, and any checkpoint loads into any plan in either precision: an fp32 job loading a bf16
+  checkpoint continues from its fp32 masters. ``--no-load-optim`` skips the optimizer state, the
+  masters included, and starts from the 16-bit weights, as Megatron-LM does.
 * RNG states are per rank and only meaningful for the same rank layout: they are restored when the
   checkpoint's plan equals the job's plan, else every rank keeps the streams seeded from the seed
   (the runtime trains with dropout 0, so no number of the loss depends on them).
@@ -89,6 +102,9 @@ from megatron_autohet.spec.model import VOCAB_PAD_UNIT
 
 MAIN_REPLICA = (0, 0, 0)
 OTHER_REPLICA = (1, 0, 0)
+# megatron-core's key of the fp32 master copy of a 16-bit parameter (optimizer/optimizer.py)
+MASTER_KEY = "fp32_param"
+MASTER_PREFIX = f"optimizer.state.{MASTER_KEY}"
 RNG_KEY = "autohet.rng_state"
 CHECKPOINT_VERSION = 3.0            # Megatron-LM's current checkpoint_version
 # Megatron-LM's _build_sharded_state_dict_metadata without a distributed optimizer.
@@ -125,19 +141,45 @@ def model_sharded_state_dict(trainer) -> dict:
     return state_dict
 
 
-def rank_sharded_state_dict(trainer, *, for_load: bool = False) -> dict:
-    """``{"model": ..., "optimizer": ...}``: weights and Adam moments of this rank."""
+def _load_target(entry, like: torch.Tensor):
+    """``entry`` over an empty tensor shaped and typed as ``like``."""
+    from dataclasses import replace
+
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    data = torch.empty_like(like)
+    if isinstance(entry, ShardedTensor):
+        return replace(entry, data=data, dtype=data.dtype)
+    return replace(entry, data=data)          # a ShardedTensorFactory builds from its data
+
+
+def saved_master_weights(keys) -> bool:
+    return any(key.startswith(MASTER_PREFIX + ".") for key in keys)
+
+
+def rank_sharded_state_dict(trainer, *, for_load: bool = False,
+                            masters: bool | None = None) -> dict:
+    """``{"model": ..., "optimizer": ...}``: weights, Adam moments and fp32 masters of this rank
+    (module doc); ``masters`` (loads only): whether to ask for master entries."""
     from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
 
     model = model_sharded_state_dict(trainer)
     states = {} if for_load else _adam_states(trainer)
     optimizer = {}
+    with_masters = masters if for_load else bool(trainer.precision.master_bytes)
     for name, param in trainer.model.named_parameters():
+        master = _master(trainer, name, param)
+        if for_load:        # fp32 targets: a checkpoint's fp32 weights arrive unrounded
+            model[name] = _load_target(model[name], master)
         state = states.get(name, {})
         for key in ADAM_STATE_KEYS:
-            tensor = state[key] if key in state else torch.zeros_like(param)
+            tensor = torch.zeros_like(master) if for_load or key not in state else state[key]
             optimizer[f"{key}.{name}"] = make_sharded_optimizer_tensor(
                 model[name], tensor, prefix=f"optimizer.state.{key}")
+        if with_masters:
+            optimizer[f"{MASTER_KEY}.{name}"] = make_sharded_optimizer_tensor(
+                model[name], torch.empty_like(master) if for_load else master,
+                prefix=MASTER_PREFIX)
     return {"model": model, "optimizer": optimizer}
 
 
@@ -146,8 +188,14 @@ def _adam_states(trainer) -> dict:
     optimizer all-gathers them from its shards (a collective of every rank)."""
     if trainer.distributed_optimizer:
         return trainer.optimizer.param_states()
-    return {name: trainer.optimizer.state.get(param, {})
-            for name, param in trainer.model.named_parameters()}
+    return {name: trainer.optimizer.state.get(trainer.masters.by_name[name], {})
+            for name, _ in trainer.model.named_parameters()}
+
+
+def _master(trainer, name: str, param):
+    """The fp32 tensor a checkpoint holds for a parameter: its master copy (the parameter itself
+    in fp32; the distributed optimizer, fp32 only, keeps its masters as shards of its own)."""
+    return param if trainer.masters is None else trainer.masters.by_name[name]
 
 
 def optimizer_step(trainer) -> int:
@@ -294,21 +342,27 @@ def apply_loaded(trainer, scheduler, loaded: dict, *, load_optim: bool = True,
     if load_optim:
         check_schedule(scheduler, loaded["opt_param_scheduler"], iteration)
     named = dict(trainer.model.named_parameters())
-    for name, param in named.items():
-        param.copy_(loaded["model"][name])
     if trainer.distributed_optimizer:
-        # The shards' master weights follow the loaded weights; the moments if loaded.
+        # fp32 only (its own master shards follow the loaded weights; the moments if loaded).
+        for name, param in named.items():
+            param.copy_(loaded["model"][name])
         trainer.optimizer.load(
             {name: {key: loaded["optimizer"][f"{key}.{name}"] for key in ADAM_STATE_KEYS}
              for name in named} if load_optim else None,
             loaded_optimizer_step(loaded["optimizer"]) if load_optim else 0)
-    elif load_optim:
+    else:
+        masters = trainer.masters.by_name
+        saved_masters = loaded.get("optimizer", {}) if load_optim else {}
+        for name, master in masters.items():
+            master.copy_(saved_masters.get(f"{MASTER_KEY}.{name}", loaded["model"][name]))
+        trainer.masters.write_back()
+    if load_optim and not trainer.distributed_optimizer:
         step = torch.tensor(float(loaded_optimizer_step(loaded["optimizer"])),
                             dtype=torch.float32)
-        for name, param in named.items():
-            trainer.optimizer.state[param] = {
+        for name, master in masters.items():
+            trainer.optimizer.state[master] = {
                 "step": step.clone(),
-                **{key: loaded["optimizer"][f"{key}.{name}"].to(param.device).clone()
+                **{key: loaded["optimizer"][f"{key}.{name}"].to(master.device).clone()
                    for key in ADAM_STATE_KEYS}}
     if load_optim:
         scheduler.load_state_dict(loaded["opt_param_scheduler"])

@@ -59,6 +59,16 @@ def register(subparsers) -> None:
                  "parameter (reduce-scatter of gradients, all-gather of weights), as "
                  "Megatron-LM's flag; a plan made with it (`autohet plan "
                  "--use-distributed-optimizer`) always trains with it")),
+        # Megatron-LM's precision flags (spec/precision.py, runtime/mixed_precision.py).
+        (("--bf16",), dict(action="store_true",
+                           help="bf16 mixed precision as Megatron-LM's --bf16: bf16 weights and "
+                                "activations, fp32 main gradients (accumulated and all-reduced "
+                                "in fp32), fp32 master weights and Adam state. Default on CUDA "
+                                "GPUs (the planner prices plans for it); without a GPU the "
+                                "default is fp32 (exact comparisons with the reference)")),
+        (("--fp16",), dict(action="store_true",
+                           help="refused: fp16 needs a dynamic loss scaler, which this runtime "
+                                "does not have; use --bf16")),
         (("--metrics-jsonl",), dict(default=None,
                                     help="also write one JSON object per iteration to this file")),
         (("--data-path",), dict(default=None,
@@ -177,6 +187,7 @@ def run(args: argparse.Namespace) -> int:
                                                  run_worker)
 
     positive(args.iters, "--iters")
+    precision = check_precision(args)
     check_output_path(args.metrics_jsonl, "--metrics-jsonl")
     optimizer = optimizer_settings(args).validate(train_iters=args.iters, source="<command line>")
     checkpoint = checkpoint_options(args)
@@ -190,6 +201,11 @@ def run(args: argparse.Namespace) -> int:
                           f"got {args.distributed_timeout_minutes}", "minutes > 0")
     check_elastic(args, checkpoint)
     plan, model = load_job(args.plan, args.model)
+    if precision == "bf16" and (args.use_distributed_optimizer or plan.use_distributed_optimizer):
+        raise ConfigError("<command line>", "--bf16", "given with the distributed optimizer ("
+                          + ("--use-distributed-optimizer" if args.use_distributed_optimizer
+                             else f"{args.plan} sets use_distributed_optimizer") + ")",
+                          "one of them: the distributed optimizer trains in fp32 for now")
     if not args.elastic:
         check_resume(checkpoint, plan, optimizer, args.iters)
     timeout = args.distributed_timeout_minutes or (1.0 if args.elastic else 10.0)
@@ -201,7 +217,8 @@ def run(args: argparse.Namespace) -> int:
                            distributed_timeout_minutes=timeout,
                            eval_interval=args.eval_interval, eval_iters=args.eval_iters,
                            split=args.split,
-                           distributed_optimizer=args.use_distributed_optimizer)
+                           distributed_optimizer=args.use_distributed_optimizer,
+                           precision=precision)
     if args.elastic:
         from megatron_autohet.elastic.worker import ElasticWorker
         from megatron_autohet.spec.cluster import load_cluster
@@ -213,6 +230,18 @@ def run(args: argparse.Namespace) -> int:
     if env is None:
         return launch_local(plan, worker_argv(args), gpus_available=_gpu_count())
     return run_worker(plan, args.plan, model, options, env)
+
+
+def check_precision(args: argparse.Namespace) -> str | None:
+    """The precision flag's name, None without one (the worker's default: bf16 on CUDA GPUs,
+    fp32 on CPU)."""
+    if args.bf16 and args.fp16:
+        raise ConfigError("<command line>", "--fp16", "given with --bf16", "one of them")
+    if args.fp16:
+        raise ConfigError("<command line>", "--fp16", "fp16 mixed precision needs a dynamic "
+                          "loss scaler, which this runtime does not have",
+                          "--bf16 (or no flag: bf16 on CUDA GPUs, fp32 on CPU)")
+    return "bf16" if args.bf16 else None
 
 
 def check_elastic(args: argparse.Namespace, checkpoint: CheckpointOptions) -> None:

@@ -42,7 +42,8 @@ class FlagRule(NamedTuple):
 
 
 _NOT_SET = "not set"
-_NOT_YET = "not set (the plan runtime trains in fp32 with its own optimizer)"
+_NO_FP16 = ("not set (fp16 needs a dynamic loss scaler, which the plan runtime does not have; "
+            "--bf16 trains in bf16 mixed precision)")
 _LOCAL_TIER = "not set (--autohet-local-ckpt-dir DIR is the node-local tier)"
 _RESUME = "not set (--load DIR resumes weights, Adam state and schedule from the newest step)"
 _UNFUSED = "the runtime runs megatron-core's unfused kernels anyway (runtime/stage_model.py)"
@@ -104,6 +105,8 @@ FLAGS: dict[str, FlagRule] = {
     "--adam-beta2": FlagRule(RUNTIME, "AdamW beta2"),
     "--adam-eps": FlagRule(RUNTIME, "AdamW epsilon"),
     "--clip-grad": FlagRule(RUNTIME, "global grad-norm clipping"),
+    "--bf16": FlagRule(RUNTIME, "bf16 mixed precision: bf16 weights and activations, fp32 main "
+                                "gradients, master weights and Adam state"),
     "--use-distributed-optimizer": FlagRule(RUNTIME, "master weights and Adam state sharded "
                                                      "over each parameter's holders"),
     "--seed": FlagRule(RUNTIME, "initial weights, data shuffle, dropout streams"),
@@ -149,8 +152,7 @@ FLAGS: dict[str, FlagRule] = {
                                      "(data/batches.py); no DataLoader workers exist"),
     # ---- refused, with what to use instead ----------------------------------------------------
     # Being implemented; flipped to honoured when they land.
-    "--bf16": FlagRule(REFUSED, _NOT_YET),
-    "--fp16": FlagRule(REFUSED, _NOT_YET),
+    "--fp16": FlagRule(REFUSED, _NO_FP16),
     "--recompute-activations": FlagRule(REFUSED, "not set (selective recompute: the planner "
                                                  "does not price it; the plan's "
                                                  "activation_recompute turns full recompute on)"),

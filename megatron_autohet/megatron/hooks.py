@@ -336,6 +336,22 @@ def stop_job(err: ConfigError) -> NoReturn:
     sys.exit(2)
 
 
+def megatron_precision(args, plan: Plan):
+    """Megatron-LM's ``--bf16`` / ``--fp16`` (spec/precision.py); neither is fp32, as in
+    Megatron-LM. fp16 is refused: it needs a dynamic loss scaler this runtime does not have;
+    bf16 with the distributed optimizer too (it trains in fp32 for now)."""
+    from megatron_autohet.spec.precision import PRECISIONS
+
+    if getattr(args, "fp16", False):
+        raise ConfigError("<command line>", "--fp16", "fp16 mixed precision needs a dynamic "
+                          "loss scaler, which this runtime does not have", "--bf16 or fp32")
+    if getattr(args, "bf16", False) and (args.use_distributed_optimizer
+                                         or plan.use_distributed_optimizer):
+        raise ConfigError("<command line>", "--bf16", "given with the distributed optimizer",
+                          "one of them: the distributed optimizer trains in fp32 for now")
+    return PRECISIONS["bf16" if getattr(args, "bf16", False) else "fp32"]
+
+
 def pretrain_from_plan(args) -> None:
     """Train ``args.train_iters`` iterations of the plan after ``initialize_megatron``."""
     import torch.distributed as dist
@@ -353,6 +369,7 @@ def pretrain_from_plan(args) -> None:
         plan = load_plan(plan_path)
         check_megatron_args(args, plan, plan_path, tokenizer_vocab_size=get_tokenizer().vocab_size)
         checkpoint = checkpoint_options(args, plan_path)
+        precision = megatron_precision(args, plan)
     except ConfigError as err:
         stop_job(err)
     rank = dist.get_rank()
@@ -378,7 +395,7 @@ def pretrain_from_plan(args) -> None:
                                   adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2,
                                   adam_eps=args.adam_eps, clip_grad=args.clip_grad)
     trainer = HeteroTrainer(plan, plan.model, rank=rank, seed=args.seed, optimizer=optimizer,
-                            plan_file=str(plan_path),
+                            plan_file=str(plan_path), precision=precision,
                             distributed_optimizer=(args.use_distributed_optimizer
                                                    or plan.use_distributed_optimizer))
     if trainer.distributed_optimizer and rank == 0:

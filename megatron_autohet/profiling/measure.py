@@ -2,7 +2,8 @@
 
 What is measured is megatron-core's own code, built as the runtime builds it for training:
 the config comes from ``runtime.stage_model.transformer_config`` (norm, biases, activation,
-dropout as trained; only the precision and, on a GPU, the fused kernels differ) and the layer spec
+dropout and precision as trained: bf16 on a GPU, fp32 on a CPU, runtime/mixed_precision.py's
+``default_precision``; on a GPU the fused kernels differ) and the layer spec
 and final norm from ``stage_model.stage_layer_spec`` (local spec, or Transformer Engine's when it
 imports and a GPU is present):
 
@@ -209,23 +210,19 @@ class _Bench:
         import torch
         from megatron.core.transformer.spec_utils import build_module
 
+        from megatron_autohet.runtime.mixed_precision import default_precision, param_dtype
         from megatron_autohet.runtime.stage_model import stage_layer_spec, transformer_config
 
         self.request, self.on_gpu = request, on_gpu
         self.device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
-        if on_gpu:
-            self.dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        else:
-            self.dtype = torch.float32
-        # The runtime's own config and layer spec (norm, biases, activation, dropout, init), so
-        # the measured layer is the trained one; only the precision and, on a GPU, the fused
-        # kernels (which compute the same thing) differ from the runtime's fp32 CPU-safe config.
+        # The precision the runtime trains in on this device (bf16 on a GPU, fp32 on CPU), and
+        # the runtime's own config and layer spec (norm, biases, activation, dropout, init), so
+        # the measured layer is the trained one; on a GPU only the fused kernels (which compute
+        # the same thing) differ from the runtime's CPU-safe config.
+        precision = default_precision(on_gpu)
+        self.dtype = param_dtype(precision)
         self.config = transformer_config(
-            request.model, request.tp,
-            params_dtype=self.dtype,
-            pipeline_dtype=self.dtype,
-            bf16=self.dtype == torch.bfloat16,
-            fp16=self.dtype == torch.float16,
+            request.model, request.tp, precision=precision,
             bias_activation_fusion=on_gpu and request.model.linear_biases,
             masked_softmax_fusion=on_gpu,
             bias_dropout_fusion=on_gpu,
@@ -234,7 +231,9 @@ class _Bench:
         self.layer = build_module(layer_spec, config=self.config, layer_number=1).to(self.device)
         self.layer_kind = (f"{type(self.layer.self_attention.linear_qkv).__name__} / "
                            f"{final_norm.__name__} ({self.config.normalization})")
-        self.embedding = self._build_embedding().to(self.device)
+        # In the model's dtype as the stage model casts it (the learned position embedding is a
+        # torch.nn.Embedding megatron builds in fp32).
+        self.embedding = self._build_embedding().to(self.device, self.dtype)
         # TransformerBlock's final norm, built as the block builds it.
         self.final_norm = build_module(final_norm, config=self.config,
                                        hidden_size=self.config.hidden_size,

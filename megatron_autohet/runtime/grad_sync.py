@@ -19,8 +19,17 @@ run and the final norm of the last stages) share buckets, so a rank pays one col
 distinct group and bucket, as Megatron's DP all-reduce does with one grad buffer. This is
 consistent across ranks because a spec's groups are a property of the spec: every member of a
 group maps the same specs to it, so all members build the same buckets (specs in plan order, each
-in global-name order). Each parameter's ``.grad`` is a view into its bucket (autograd
-accumulates into it in place), so a symmetric bucket is all-reduced with no copy at all. Buckets
+in global-name order). Each parameter's ``main_grad`` is a view into its bucket, so a symmetric bucket is all-reduced
+with no copy at all.
+
+Main gradients (Megatron's mixed precision, ``--accumulate-allreduce-grads-in-fp32``): the buckets
+are fp32 whatever the parameters' dtype, and every backward's gradient is added into the
+parameter's fp32 ``main_grad`` view, so gradients are accumulated over micro-batches, reduced,
+normed and clipped in fp32; the optimizer steps fp32 master weights whose ``.grad`` is that view
+(runtime/mixed_precision.py). A 16-bit parameter's ``.grad`` is added into it by a
+post-accumulate-grad hook and freed, as megatron-core's DDP does without
+``gradient_accumulation_fusion`` (``_make_backward_post_hook``). An fp32 parameter's ``.grad`` IS
+its ``main_grad`` view: autograd accumulates into it in place, the same sums with no copy. Buckets
 are launched asynchronously in that global order on every rank (a consistent order over groups
 cannot deadlock) and waited for together.
 
@@ -44,8 +53,9 @@ Grad norm: each logical parameter is counted exactly once in the whole world, by
 (layout/owners.py): only by the first holder TP group of its spec (pipeline order) and, if
 TP-replicated, only by TP rank 0 there.
 :meth:`GradSync.owned_sum_of_squares` is this rank's share; the trainer sums the shares over the
-world in the one all-reduce it also needs for the loss, so every rank gets the same norm; clipping
-uses megatron-core's ``clip_grad_by_total_norm_fp32`` (the reference's formula).
+world in the one all-reduce it also needs for the loss, so every rank gets the same norm; the
+trainer clips the main gradients through the master weights' ``.grad`` with megatron-core's
+``clip_grad_by_total_norm_fp32`` (the reference's formula).
 """
 
 from __future__ import annotations
@@ -54,10 +64,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 
 from megatron_autohet.layout.owners import holds_main_replica
 from megatron_autohet.layout.topology import SyncGroupSpec, spec_index_of
+from megatron_autohet.runtime.mixed_precision import MAIN_GRAD_DTYPE
 
 # Megatron's DDP default: 40M elements per bucket.
 DEFAULT_BUCKET_NUMEL = 40_000_000
@@ -67,9 +77,9 @@ DEFAULT_BUCKET_NUMEL = 40_000_000
 class _Bucket:
     params: list[torch.nn.Parameter]
     layouts: list                       # layout.params.ParamLayout of each param
-    grads: list[torch.Tensor]           # each param's .grad: its view into grad_data
+    grads: list[torch.Tensor]           # each param's main_grad: its view into grad_data
     group: dist.ProcessGroup | None     # None or one rank: nothing to reduce
-    grad_data: torch.Tensor             # flat local grads; each param's .grad is a view into it
+    grad_data: torch.Tensor             # flat fp32 local grads, each param's main_grad a view
     full_data: torch.Tensor | None      # asymmetric only: flat full-size staging buffer
     full_offsets: list[int]             # of each param in full_data
     grad_offsets: list[int]             # of each param in grad_data
@@ -87,7 +97,8 @@ class _Bucket:
         # Identity, not data pointers: one attribute read per parameter (each torch call costs
         # a trip through CPU mode's function mode, and this runs every iteration).
         for param, grad in zip(self.params, self.grads):
-            if param.grad is not grad:
+            # fp32: .grad is the main_grad view; 16-bit: the hook freed it after each backward
+            if param.grad is not (grad if param.dtype == grad.dtype else None):
                 raise RuntimeError("a parameter's .grad was replaced; zero gradients with "
                                    "GradSync.zero_grad(), not optimizer.zero_grad()")
 
@@ -108,7 +119,7 @@ class _Bucket:
         self.full_data.zero_()
         for i, (param, layout) in enumerate(zip(self.params, self.layouts)):
             if layout.partition_dim is not None or layout.tp_rank == 0:
-                layout.write_shard(self.full_view(i), param.grad)
+                layout.write_shard(self.full_view(i), self.grads[i])
 
     def start(self) -> dist.Work:
         self.stage()
@@ -117,12 +128,12 @@ class _Bucket:
     def finish(self) -> None:
         if self.full_data is None:
             return
-        for i, (param, layout) in enumerate(zip(self.params, self.layouts)):
-            param.grad.copy_(layout.shard(self.full_view(i)))
+        for i, layout in enumerate(self.layouts):
+            self.grads[i].copy_(layout.shard(self.full_view(i)))
 
 
 class GradSync:
-    """Owns the gradient buffers of one stage model and syncs them across replicas.
+    """Owns the fp32 main-gradient buffers of one stage model and syncs them across replicas.
 
     Args:
         model: this rank's stage model.
@@ -200,11 +211,15 @@ class GradSync:
                     else 1)
         offsets = _offsets([p.numel() for p in params])
         grad_data = torch.zeros(_round_up(offsets[-1], multiple if symmetric else 1),
-                                dtype=params[0].dtype, device=params[0].device)
+                                dtype=MAIN_GRAD_DTYPE, device=params[0].device)
         grads = [grad_data[off:off + param.numel()].view_as(param)
                  for param, off in zip(params, offsets)]
         for param, grad in zip(params, grads):
-            param.grad = grad
+            param.main_grad = grad
+            if param.dtype == MAIN_GRAD_DTYPE:
+                param.grad = grad
+            else:
+                param.register_post_accumulate_grad_hook(_add_to_main_grad)
         full_data, full_offsets = None, []
         if not symmetric:
             full_offsets = _offsets([torch.Size(layout.full_shape).numel() for layout in layouts])
@@ -243,7 +258,7 @@ class GradSync:
         for bucket in self.buckets:
             bucket.check_grad_views()
         if self.sequence_parallel_params and dist.get_world_size(self.tp_group) > 1:
-            grads = [p.grad for p in self.sequence_parallel_params]
+            grads = [p.main_grad for p in self.sequence_parallel_params]
             flat = torch._utils._flatten_dense_tensors(grads)
             dist.all_reduce(flat, group=self.tp_group)
             for grad, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
@@ -263,15 +278,18 @@ class GradSync:
         of squares of the gradients it owns (module doc), as a float64 scalar tensor. Summed over
         the world it is the squared norm of the global gradient; the trainer does that sum in the
         same all-reduce as the loss, so an iteration pays one world collective for both."""
-        grads = [p.grad for p in self.norm_params]
+        grads = [p.main_grad for p in self.norm_params]
         total = torch.zeros((), dtype=torch.float64, device=self.params[0].device)
         if grads:
             total += torch.stack(torch._foreach_norm(grads)).double().square().sum()
         return total
 
-    def clip(self, max_norm: float, total_norm: float) -> None:
-        """Scale every local gradient by max_norm / (total_norm + 1e-6) if that is below one."""
-        clip_grad_by_total_norm_fp32(self.params, max_norm, total_norm)
+
+def _add_to_main_grad(param: torch.Tensor) -> None:
+    """After autograd accumulated a backward's 16-bit gradient into ``param.grad``: add it into
+    the fp32 ``main_grad`` and free it, so the next backward starts from no ``.grad``."""
+    param.main_grad.add_(param.grad)
+    param.grad = None
 
 
 def _round_up(value: int, multiple: int) -> int:

@@ -9,9 +9,10 @@ Public API
     ``validate(train_iters=None, source=None)`` raises :class:`ConfigError` naming the flag.
 ``applies_weight_decay(layout) -> bool``
     Megatron-core's no-decay rule on a parameter's GLOBAL identity.
-``make_optimizer(model, layouts, settings) -> torch.optim.AdamW``
+``make_optimizer(model, layouts, settings, masters=None) -> torch.optim.AdamW``
     The optimizer of the single-process reference, of ``HeteroTrainer`` and of the Megatron-LM
-    path: two parameter groups, ``wd_mult`` 1.0 (decayed) and 0.0 (not decayed).
+    path: two parameter groups, ``wd_mult`` 1.0 (decayed) and 0.0 (not decayed). ``masters``
+    (runtime/mixed_precision.MasterWeights): it steps each parameter's fp32 master instead.
 ``schedule_fields(settings, train_iters, global_batch_size) -> dict``, ``SCHEDULE_FLAGS``
     The scheduler's fields (counted in samples) and the flag that sets each (torch-free).
 ``schedule_mismatch(wanted, saved)``, ``SCHEDULE_CHOICE``
@@ -140,15 +141,17 @@ def applies_weight_decay(layout) -> bool:
     return not (layout.global_name.endswith(".bias") or len(layout.full_shape) == 1)
 
 
-def make_optimizer(model, layouts: dict, settings: OptimizerSettings):
-    """AdamW over ``model``'s parameters; ``layouts``: local name -> ParamLayout."""
+def make_optimizer(model, layouts: dict, settings: OptimizerSettings, masters=None):
+    """AdamW over ``model``'s parameters (or their ``masters``); ``layouts``: local name ->
+    ParamLayout."""
     import torch
 
     settings.validate()
     groups = {1.0: [], 0.0: []}
     for name, param in model.named_parameters():
         if param.requires_grad:
-            groups[1.0 if applies_weight_decay(layouts[name]) else 0.0].append(param)
+            groups[1.0 if applies_weight_decay(layouts[name]) else 0.0].append(
+                masters.by_name[name] if masters is not None else param)
     # Both groups on every rank (an empty one is allowed): group 0 is the decayed one everywhere.
     return torch.optim.AdamW(
         [{"params": params, "wd_mult": wd_mult, "weight_decay": settings.weight_decay * wd_mult}

@@ -4,13 +4,15 @@ Public API
 ----------
 ``run_reference(model_spec, global_batches, *, micro_batch_size, seed, optimizer,
                 padded_vocab, sequence_parallel=False, final_params=None,
-                eval_batches=None) -> list[ReferenceStep]``
+                eval_batches=None, precision=FP32) -> list[ReferenceStep]``
     Trains the whole model (TP1, PP1) in this process for one iteration per global batch with
     ``optimizer`` (an ``OptimizerSettings``: AdamW, weight decay, clipping and the learning-rate
     schedule over ``len(global_batches)`` iterations) and returns each iteration's
     ``ReferenceStep(loss, grad_norm, learning_rate)``; the grad norm is taken before clipping, as
     the runtime reports it, the learning rate is the one the iteration used. ``final_params``: a dict to fill with the trained
-    parameters, full tensors keyed by global name (tests compare every layout's final weights).
+    parameters, full tensors keyed by global name (tests compare every layout's final weights;
+    in a 16-bit precision the fp32 master weights). ``precision`` (spec/precision.py): bf16 runs
+    Megatron's mixed precision as the runtime does (below).
     ``eval_batches``: {iteration: validation global batches}; after that (1-based) iteration the
     step's ``eval_loss`` is the forward-only mean loss over their micro-batches.
 ``reference_plan(model_spec, *, micro_batch_size, num_microbatches, seq_length) -> Plan``
@@ -41,6 +43,13 @@ Design (why)
   micro-batches of the global batch of the masked-token-mean cross-entropy; gradients = the
   gradient of that (each micro-batch's backward is scaled by 1/M and accumulated); grad norm and
   clipping with megatron-core's ``get_grad_norm_fp32`` / ``clip_grad_by_total_norm_fp32``.
+* Mixed precision, written out here and not taken from runtime/grad_sync.py: the model is built
+  in the precision's dtype; after each micro-batch's backward every gradient is added into an
+  fp32 main gradient and freed (Megatron's ``main_grad`` accumulation); norm and clipping are
+  taken on the fp32 main gradients; AdamW steps the fp32 master weights of
+  runtime/mixed_precision.py (whose ``.grad`` are the main gradients) and the 16-bit weights are
+  written back from them. In fp32 the same loop accumulates in fp32 into an fp32 buffer, exactly
+  the sums autograd's own accumulation would make.
 * It needs its own process (world size 1): if ``torch.distributed`` is not initialised it starts a
   one-rank gloo world on an in-memory store and tears it down afterwards; tests call it through
   ``tests/dist_utils.run_on_ranks(1, ...)``.
@@ -58,6 +67,7 @@ from megatron_autohet.plan import Pipeline, Plan, RankInfo, Stage
 from megatron_autohet.runtime.optimizer import (OptimizerSettings, make_lr_scheduler,
                                                 make_optimizer)
 from megatron_autohet.spec.model import ModelSpec
+from megatron_autohet.spec.precision import FP32, Precision
 
 
 def masked_token_mean(per_token_loss: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
@@ -94,7 +104,8 @@ def run_reference(model_spec: ModelSpec, global_batches, *, micro_batch_size: in
                   optimizer: OptimizerSettings, padded_vocab: int,
                   sequence_parallel: bool = False,
                   final_params: dict | None = None,
-                  eval_batches: dict[int, list[dict]] | None = None) -> list[ReferenceStep]:
+                  eval_batches: dict[int, list[dict]] | None = None,
+                  precision: Precision = FP32) -> list[ReferenceStep]:
     own_world = not dist.is_initialized()
     if own_world:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -103,7 +114,8 @@ def run_reference(model_spec: ModelSpec, global_batches, *, micro_batch_size: in
                            f"size {dist.get_world_size()}")
     try:
         return _train(model_spec, list(global_batches), micro_batch_size, seed, optimizer,
-                      padded_vocab, sequence_parallel, final_params, eval_batches or {})
+                      padded_vocab, sequence_parallel, final_params, eval_batches or {},
+                      precision)
     finally:
         if own_world:
             from megatron.core import parallel_state
@@ -112,10 +124,11 @@ def run_reference(model_spec: ModelSpec, global_batches, *, micro_batch_size: in
 
 
 def _train(model_spec, global_batches, micro_batch_size, seed, settings, padded_vocab,
-           sequence_parallel, final_params, eval_batches) -> list[ReferenceStep]:
+           sequence_parallel, final_params, eval_batches, precision) -> list[ReferenceStep]:
     from megatron.core.optimizer.clip_grads import (clip_grad_by_total_norm_fp32,
                                                     get_grad_norm_fp32)
 
+    from megatron_autohet.runtime.mixed_precision import MAIN_GRAD_DTYPE, MasterWeights
     from megatron_autohet.runtime.parallel_state import build_parallel_state
     from megatron_autohet.runtime.stage_model import build_stage_model, param_layouts
 
@@ -130,16 +143,20 @@ def _train(model_spec, global_batches, micro_batch_size, seed, settings, padded_
                           num_microbatches=num_microbatches, seq_length=seq_length)
     state = build_parallel_state(plan, 0)
     model = build_stage_model(model_spec, state, seed=seed, padded_vocab=padded_vocab,
-                              sequence_parallel=sequence_parallel)
+                              sequence_parallel=sequence_parallel, precision=precision)
     model.train()
     params = list(model.parameters())
+    for param in params:
+        param.main_grad = torch.zeros(param.shape, dtype=MAIN_GRAD_DTYPE)
     layouts = param_layouts(model, state)
-    optimizer = make_optimizer(model, layouts, settings)
+    masters = MasterWeights(model.named_parameters(), precision)
+    optimizer = make_optimizer(model, layouts, settings, masters)
     scheduler = make_lr_scheduler(optimizer, settings, len(global_batches), global_size)
     steps = []
     for global_batch in global_batches:
         for param in params:
-            param.grad = None
+            param.main_grad.zero_()
+            param.grad = None                  # fp32: the master's .grad, i.e. the main_grad
         total = 0.0
         for batch in microbatches(global_batch, micro_batch_size, 0, num_microbatches):
             per_token = model(batch["tokens"], batch["position_ids"], None,
@@ -147,12 +164,18 @@ def _train(model_spec, global_batches, micro_batch_size, seed, settings, padded_
             loss = masked_token_mean(per_token, batch["loss_mask"])
             (loss / num_microbatches).backward()
             total += loss.item()
-        grads = [p.grad for p in params if p.grad is not None]
-        grad_norm = float(get_grad_norm_fp32(grads))
+            with torch.no_grad():
+                for param in params:
+                    if param.grad is not None:
+                        param.main_grad.add_(param.grad)
+                        param.grad = None
+        masters.use_main_grads()           # an fp32 parameter is its master: its .grad was freed
+        grad_norm = float(get_grad_norm_fp32([p.main_grad for p in params]))
         if settings.clip_grad > 0:
-            clip_grad_by_total_norm_fp32(params, settings.clip_grad, grad_norm)
+            clip_grad_by_total_norm_fp32(masters.tensors, settings.clip_grad, grad_norm)
         learning_rate = optimizer.param_groups[0]["lr"]
         optimizer.step()
+        masters.write_back()
         scheduler.step(global_size)            # megatron counts samples
         eval_loss = None
         if len(steps) + 1 in eval_batches:
@@ -160,8 +183,8 @@ def _train(model_spec, global_batches, micro_batch_size, seed, settings, padded_
         steps.append(ReferenceStep(loss=total / num_microbatches, grad_norm=grad_norm,
                                    learning_rate=learning_rate, eval_loss=eval_loss))
     if final_params is not None:
-        final_params.update({layouts[name].global_name: param.detach().clone()
-                             for name, param in model.named_parameters()})
+        final_params.update({layouts[name].global_name: master.detach().clone()
+                             for name, master in masters.by_name.items()})
     return steps
 
 

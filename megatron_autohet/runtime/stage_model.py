@@ -5,11 +5,12 @@ Public API
 ``plan_padded_vocab_size(plan) -> int``
     The padded vocabulary of a plan: ``ModelSpec.padded_vocab_size`` over every TP degree in it.
 ``transformer_config(model_spec, tp_size, *, sequence_parallel=False, pipeline_layers=None,
-                     dropout=0.0, **overrides) -> TransformerConfig``
-    fp32, CPU-safe megatron config of one stage. ``pipeline_layers``: the [start, end) layer
+                     dropout=0.0, precision=FP32, **overrides) -> TransformerConfig``
+    CPU-safe megatron config of one stage whose weights, activations and P2P messages are in
+    ``precision``'s dtype (spec/precision.py; ``bf16``/``fp16`` set as Megatron-LM's flags do). ``pipeline_layers``: the [start, end) layer
     ranges of every stage of this rank's pipeline (None: the whole model in one stage).
 ``build_stage_model(model_spec, state, *, seed, sequence_parallel=False, padded_vocab=None,
-                    dropout=0.0, **config_overrides) -> GPTModel``
+                    dropout=0.0, precision=FP32, **config_overrides) -> GPTModel``
     ``state``: runtime.parallel_state.HeteroParallelState. Layout-independent initial weights;
     also seeds megatron's dropout RNG streams (``model_parallel_cuda_manual_seed``) from ``seed``.
 ``recompute_config(activation_recompute) -> dict``
@@ -57,6 +58,7 @@ from megatron_autohet.layout.params import ParamLayout, global_param_name
 from megatron_autohet.plan import Plan
 from megatron_autohet.runtime.init import INIT_METHOD_STD, initialize_parameters
 from megatron_autohet.spec.model import ModelSpec
+from megatron_autohet.spec.precision import FP32, Precision
 
 
 def plan_padded_vocab_size(plan: Plan) -> int:
@@ -65,8 +67,10 @@ def plan_padded_vocab_size(plan: Plan) -> int:
 
 def transformer_config(model_spec: ModelSpec, tp_size: int, *, sequence_parallel: bool = False,
                        pipeline_layers: list[tuple[int, int]] | None = None,
-                       dropout: float = 0.0, **overrides):
+                       dropout: float = 0.0, precision: Precision = FP32, **overrides):
     from megatron.core.transformer import TransformerConfig
+
+    from megatron_autohet.runtime.mixed_precision import param_dtype
 
     num_stages = len(pipeline_layers) if pipeline_layers else 1
     layout = None
@@ -84,8 +88,10 @@ def transformer_config(model_spec: ModelSpec, tp_size: int, *, sequence_parallel
         sequence_parallel=sequence_parallel and tp_size > 1,
         pipeline_model_parallel_size=num_stages,
         pipeline_model_parallel_layout=layout,
-        pipeline_dtype=torch.float32,
-        params_dtype=torch.float32,
+        pipeline_dtype=param_dtype(precision),
+        params_dtype=param_dtype(precision),
+        bf16=precision.name == "bf16",
+        fp16=precision.name == "fp16",
         hidden_dropout=dropout,
         attention_dropout=dropout,
         init_method_std=INIT_METHOD_STD,
@@ -166,7 +172,8 @@ def stage_layer_spec(config):
 
 
 def build_stage_model(model_spec: ModelSpec, state, *, seed: int, sequence_parallel: bool = False,
-                      padded_vocab: int | None = None, dropout: float = 0.0, **config_overrides):
+                      padded_vocab: int | None = None, dropout: float = 0.0,
+                      precision: Precision = FP32, **config_overrides):
     from megatron.core import tensor_parallel
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
@@ -180,7 +187,7 @@ def build_stage_model(model_spec: ModelSpec, state, *, seed: int, sequence_paral
     config = transformer_config(model_spec, role.stage.tp_size,
                                 sequence_parallel=sequence_parallel,
                                 pipeline_layers=[s.layers for s in pipeline.stages],
-                                dropout=dropout, **config_overrides)
+                                dropout=dropout, precision=precision, **config_overrides)
     layer_spec, final_norm = stage_layer_spec(config)
     block_spec = TransformerBlockSubmodules(
         layer_specs=[layer_spec] * (role.stage.layers[1] - role.stage.layers[0]),
@@ -195,6 +202,9 @@ def build_stage_model(model_spec: ModelSpec, state, *, seed: int, sequence_paral
         share_embeddings_and_output_weights=model_spec.tie_embeddings,
         position_embedding_type=model_spec.position_embedding_type,
         pg_collection=state.pg_collection)
+    # What megatron-LM's Float16Module does to a 16-bit model: some modules (the learned position
+    # embedding, a torch.nn.Embedding) are built in fp32 whatever params_dtype says.
+    model.to(config.params_dtype)
     from megatron_autohet.runtime.cpu_mode import cpu_mode_enabled
     if torch.cuda.is_available() and not cpu_mode_enabled():
         model.cuda(torch.cuda.current_device())

@@ -41,6 +41,13 @@ The objective (``masked_token_mean``) and the global-batch split (``microbatches
 runtime/reference.py, the ground truth, and imported here; the optimizer by runtime/optimizer.py,
 which the reference uses too.
 
+Precision (spec/precision.py, runtime/mixed_precision.py): Megatron-LM's ``--bf16`` mixed
+precision or fp32. In bf16 the stage model's weights, activations and P2P messages are bf16;
+GradSync accumulates every backward's gradient into fp32 ``main_grad`` buckets and reduces them in
+fp32; the norm and clipping are taken on those fp32 gradients; AdamW steps fp32 master weights
+whose ``.grad`` are the main-grad views, with fp32 moments, and the bf16 weights are written back
+from the masters after every step. In fp32 the weights are their own masters.
+
 Optimizer: torch's ``torch.optim.AdamW`` (``make_optimizer``: decoupled weight decay, none on
 biases and 1-D parameters, decided on global names so every rank agrees) on each rank's local
 shards, with the global grad norm and clipping of :class:`GradSync` (megatron-core's
@@ -66,10 +73,12 @@ from functools import partial
 
 import torch
 import torch.distributed as dist
+from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 
 from megatron_autohet.plan import Plan
 from megatron_autohet.runtime.distributed_optimizer import DistributedOptimizer
 from megatron_autohet.runtime.grad_sync import DEFAULT_BUCKET_NUMEL, GradSync
+from megatron_autohet.runtime.mixed_precision import MasterWeights
 from megatron_autohet.runtime.parallel_state import build_parallel_state
 from megatron_autohet.runtime.optimizer import OptimizerSettings, make_optimizer
 from megatron_autohet.runtime.reference import masked_token_mean, microbatches
@@ -77,6 +86,7 @@ from megatron_autohet.runtime.schedule import run_schedule
 from megatron_autohet.runtime.stage_model import (build_stage_model, param_layouts,
                                                   recompute_config)
 from megatron_autohet.spec.model import ModelSpec
+from megatron_autohet.spec.precision import FP32, Precision
 
 
 @dataclass(frozen=True)
@@ -103,19 +113,21 @@ class HeteroTrainer:
         distributed_optimizer: shard the master weights and Adam moments over each bucket's
             holders, reduce-scatter / all-gather instead of the all-reduce
             (runtime/distributed_optimizer.py; Megatron-LM's --use-distributed-optimizer).
+        precision: the numerics (spec/precision.py ``PRECISIONS``): bf16 mixed precision or fp32.
     """
 
     def __init__(self, plan: Plan, model_spec: ModelSpec | None = None, *, rank: int, seed: int,
                  optimizer: OptimizerSettings, sequence_parallel: bool = False,
                  bucket_numel: int = DEFAULT_BUCKET_NUMEL, plan_file: str = "<plan>",
-                 distributed_optimizer: bool = False):
+                 distributed_optimizer: bool = False, precision: Precision = FP32):
         optimizer.validate(source=plan_file)
         self.plan = plan
+        self.precision = precision
         self.clip_grad = optimizer.clip_grad
         self.state = build_parallel_state(plan, rank, model=model_spec, plan_file=plan_file)
         role = self.state.role
         self.model = build_stage_model(plan.model, self.state, seed=seed,
-                                       sequence_parallel=sequence_parallel,
+                                       sequence_parallel=sequence_parallel, precision=precision,
                                        **recompute_config(plan.activation_recompute))
         self.sequence_parallel = sequence_parallel
         self.device = next(self.model.parameters()).device
@@ -128,10 +140,15 @@ class HeteroTrainer:
             shard_padding=distributed_optimizer)
         self.distributed_optimizer = distributed_optimizer
         if distributed_optimizer:
+            # It keeps its own fp32 master shards and writes the weights back itself.
+            self.masters = None
             self.optimizer = DistributedOptimizer(self.grad_sync, self.model, optimizer)
             self.grads = self.optimizer       # reduce-scatter, norm and clip of the shards
         else:
-            self.optimizer = make_optimizer(self.model, self.layouts, optimizer)
+            self.masters = MasterWeights(
+                ((name, p) for name, p in self.model.named_parameters() if p.requires_grad),
+                precision)
+            self.optimizer = make_optimizer(self.model, self.layouts, optimizer, self.masters)
             self.grads = self.grad_sync
         # The global-batch scaling of every micro-batch loss (module doc): m_p / M.
         self.loss_scale = role.stage.num_microbatches / plan.num_microbatches_total
@@ -147,8 +164,13 @@ class HeteroTrainer:
         self.grads.sync()
         loss, grad_norm = self._global_loss_and_grad_norm(reported)
         if self.clip_grad > 0:
-            self.grads.clip(self.clip_grad, grad_norm)
+            if self.masters is None:
+                self.grads.clip(self.clip_grad, grad_norm)
+            else:
+                clip_grad_by_total_norm_fp32(self.masters.tensors, self.clip_grad, grad_norm)
         self.optimizer.step()
+        if self.masters is not None:
+            self.masters.write_back()
         return StepMetrics(loss=loss, grad_norm=grad_norm,
                            num_microbatches=plan.num_microbatches_total,
                            tokens=plan.global_batch_size * plan.seq_length)

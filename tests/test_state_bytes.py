@@ -1,0 +1,145 @@
+"""One truth for memory and dtype: what the cost model charges per stage is what the runtime holds.
+
+The cost model charges a stage ``Precision.state_bytes_per_param() * stage_param_count(...)``
+for its weights, fp32 main-gradient buffers, master weights and Adam moments
+(spec/precision.py, cost_model.py) and ``layer_activation_bytes`` per layer and micro-batch
+(profiling/estimate.py). Here every rank of the heterogeneous proof plans builds the runtime
+(fp32 and bf16), takes an optimizer step (torch's AdamW allocates its moments lazily), and the
+bytes of its live tensors are counted:
+
+* weights: the stage model's parameters;
+* main gradients: GradSync's flat fp32 buckets (the full-size staging buffers of asymmetric TP
+  specs are transient communication buffers, not state, and are not counted);
+* master weights: the fp32 copies of 16-bit weights (none in fp32: a weight is its own master);
+* Adam: ``exp_avg`` and ``exp_avg_sq`` of every optimizer tensor (torch's per-tensor ``step``
+  scalar is not per parameter and not counted).
+
+They must equal the cost model's figure EXACTLY. Activations: the tensors autograd saves for the
+backward of one transformer layer on one micro-batch (``saved_tensors_hooks``, storages counted
+once) against ``layer_activation_bytes(..., flash_attention=False)`` (the unfused attention that
+megatron's local layer runs on CPU), per layer so that changes to the output layer's or the
+stage's total memory model do not matter here.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_autohet.cost_model import stage_param_count
+from megatron_autohet.plan import load_plan
+from megatron_autohet.profiling.estimate import estimate_entry, layer_activation_bytes
+from megatron_autohet.runtime.mixed_precision import param_dtype
+from megatron_autohet.spec.gpus import load_gpu_catalog
+from megatron_autohet.spec.precision import PRECISIONS
+from dist_utils import run_on_ranks
+
+PLANS = Path(__file__).resolve().parents[1] / "configs" / "plans"
+SEED = 1234
+
+
+def _tensor_bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _state_bytes(rank, world, plan, precision_name):
+    from megatron_autohet.runtime.optimizer import OptimizerSettings
+    from megatron_autohet.runtime.trainer import HeteroTrainer
+
+    precision = PRECISIONS[precision_name]
+    trainer = HeteroTrainer(plan, plan.model, rank=rank, seed=SEED,
+                            optimizer=OptimizerSettings(lr=1e-3), precision=precision)
+    trainer.optimizer.step()                 # allocates the Adam moments
+    params = list(trainer.model.parameters())
+    masters = [m for m in trainer.masters.tensors if all(m is not p for p in params)]
+    adam = [state[key] for state in trainer.optimizer.state.values()
+            for key in ("exp_avg", "exp_avg_sq")]
+    role = trainer.state.role
+    return {"weights": _tensor_bytes(params),
+            "main_grads": _tensor_bytes(b.grad_data for b in trainer.grad_sync.buckets),
+            "masters": _tensor_bytes(masters), "adam": _tensor_bytes(adam),
+            "dtypes": sorted({str(p.dtype) for p in params}),
+            "stage": (role.stage.tp_size, role.stage.layers, role.stage.is_first,
+                      role.stage.is_last)}
+
+
+@pytest.mark.parametrize("plan_file", ["tiny-two-pipelines.yaml", "tiny-tp-change.yaml",
+                                       "tiny-three-pipelines.yaml"])
+@pytest.mark.parametrize("precision_name", ["fp32", "bf16"])
+def test_state_bytes_of_every_rank_equal_the_cost_model(plan_file, precision_name):
+    plan = load_plan(PLANS / plan_file)
+    precision = PRECISIONS[precision_name]
+    gpu = load_gpu_catalog()["A100-80GB"]           # parameter counts do not depend on the GPU
+    for rank, counted in enumerate(run_on_ranks(plan.world_size, _state_bytes, plan,
+                                                precision_name, timeout=240)):
+        tp, (start, end), first, last = counted["stage"]
+        entry = estimate_entry(plan.model, gpu, tp, plan.micro_batch_size, plan.seq_length, 300)
+        params = stage_param_count(entry, plan.model, end - start, first, last)
+        assert counted["dtypes"] == [str(param_dtype(precision))]
+        assert counted["weights"] == precision.element_bytes * params, (rank, counted, params)
+        total = counted["weights"] + counted["main_grads"] + counted["masters"] + counted["adam"]
+        assert total == precision.state_bytes_per_param() * params, (rank, counted, params)
+
+
+# Activations ---------------------------------------------------------------------------------
+
+def _saved_layer_bytes(rank, world, plan, precision_name):
+    """Bytes autograd keeps for the backward of one decoder layer, one micro-batch: every saved
+    tensor's storage once, except the weights (state, counted above)."""
+    from megatron_autohet.runtime.mixed_precision import param_dtype
+    from megatron_autohet.runtime.parallel_state import build_parallel_state
+    from megatron_autohet.runtime.stage_model import build_stage_model
+
+    precision = PRECISIONS[precision_name]
+    state = build_parallel_state(plan, rank)
+    model = build_stage_model(plan.model, state, seed=SEED, precision=precision)
+    layer = model.decoder.layers[0]
+    weights = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+    s, b, h = plan.seq_length, plan.micro_batch_size, plan.model.hidden_size
+    hidden = torch.randn(s, b, h, dtype=param_dtype(precision), requires_grad=True)
+    storages: dict[int, int] = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in weights:
+            storages[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        output, _ = layer(hidden, attention_mask=None)
+    output.float().sum().backward()
+    return sum(storages.values())
+
+
+# Where the runtime's layer and the estimate's (a GPU with megatron's fused softmax kernel)
+# legitimately differ, in bytes for one micro-batch:
+# * dropout: the runtime trains with dropout 0, so there are no masks (two 1-byte sbh masks
+#   after the row-parallel linears, a 1-byte a s^2 b attention mask) and no attention-dropout
+#   output (2 a s^2 b: the context matmul keeps the softmax output itself);
+# * softmax: without the fused kernel megatron's FusedScaleMaskSoftmax computes the softmax in
+#   fp32 (attention_softmax_in_fp32) and autograd keeps that fp32 output (4 a s^2 b) besides the
+#   bf16 probabilities the estimate counts.
+# What is left must agree within 2%: LayerNorm statistics (fp32-sized per row) and the causal
+# mask are not in the estimate (1.1% here).
+ACTIVATION_REL = 0.02
+
+
+def test_saved_activations_of_a_bf16_layer_match_the_estimate():
+    plan = load_plan(PLANS / "tiny-homogeneous.yaml")
+    model = plan.model
+    measured = run_on_ranks(1, _saved_layer_bytes, _one_rank(plan), "bf16")[0]
+    s, b, h, a = plan.seq_length, plan.micro_batch_size, model.hidden_size, \
+        model.num_attention_heads
+    no_dropout = 2 * s * b * h + a * s * s * b + 2 * a * s * s * b
+    unfused_softmax = 4 * a * s * s * b
+    estimate = layer_activation_bytes(model, 1, b, s, flash_attention=False)
+    expected = estimate - no_dropout + unfused_softmax
+    assert abs(measured - expected) <= ACTIVATION_REL * expected, (measured, expected, estimate)
+
+
+def _one_rank(plan):
+    from megatron_autohet.runtime.reference import reference_plan
+    return reference_plan(plan.model, micro_batch_size=plan.micro_batch_size,
+                          num_microbatches=1, seq_length=plan.seq_length)
