@@ -577,9 +577,10 @@ def worker(args) -> None:
     settings = OptimizerSettings(lr=3e-4, min_lr=3e-5, clip_grad=1.0, lr_warmup_iters=1,
                                  lr_decay_style="cosine")
     trainer = HeteroTrainer(plan, plan.model, rank=rank, seed=SEED, optimizer=settings)
-    # The schedule counts samples, as Megatron-LM's: stepped by the global batch size.
+    # The schedule counts samples, as Megatron-LM's: stepped by the global batch size. Both jobs
+    # have the schedule of the whole run (a resume checks that it continues the saved one).
     increment = plan.global_batch_size
-    scheduler = make_lr_scheduler(trainer.optimizer, settings, total, increment)
+    scheduler = make_lr_scheduler(trainer.optimizer, settings, SAVE_ITERS + 1, increment)
     endpoint = f"http://{S3_SERVER_IP[node]}:{S3_HTTP_PORT}"
     if resuming:
         options = CheckpointOptions(load=args.local, s3_uri=S3_URI, s3_endpoint_url=endpoint)

@@ -190,7 +190,7 @@ def recover(trainer, scheduler, *, roots: list[Path], s3=None, group=None,
         report.seconds["agree"] = time.perf_counter() - start
         try:
             sources, chunks = _fetch_step(manifest, iteration, needs, local_paths, s3,
-                                          iteration in s3_steps, group, report, log)
+                                          iteration in s3_steps, group, report)
             break
         except _Unrecoverable as err:
             failures.append(f"iteration {iteration}: {err}")
@@ -225,8 +225,8 @@ class _Unrecoverable(RuntimeError):
 
 
 def _fetch_step(manifest: Manifest, iteration: int, needs: list[int],
-                local_paths: dict[str, Path], s3, s3_available: bool, group, report,
-                log) -> tuple[dict[int, ItemRecord], dict[int, memoryview]]:
+                local_paths: dict[str, Path], s3, s3_available: bool, group,
+                report) -> tuple[dict[int, ItemRecord], dict[int, memoryview]]:
     """Fetch and verify every chunk this rank needs of one step, all tiers at once (module
     docstring, step 4). Returns where each needed chunk is: the record of the copy on this
     rank's own disk, or the received bytes. A copy that fails its checksum is dropped for every
