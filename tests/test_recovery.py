@@ -117,6 +117,30 @@ def test_one_node_lost_recovers_from_survivors_without_s3(lost, full_and_batches
         assert per_rank[0]["peer"] > 0 and per_rank[1]["peer"] > 0, per_rank   # the a100 ranks
 
 
+def test_corrupt_copy_on_a_peer_is_fetched_again_from_s3(full_and_batches, tmp_path,
+                                                         s3_endpoint, s3_uri, capfd):
+    """h800 lost: the a100 ranks receive layers 4-6 from h20's replicas. One of those chunks is
+    damaged on h20's disk: the receiver finds it, the copy is dropped for every rank, and that
+    chunk alone comes from S3 in a second round; training resumes exactly."""
+    full, batches = full_and_batches
+    endpoint, _ = s3_endpoint
+    local, first = _save_half(tmp_path, batches, s3_uri, endpoint)
+    shutil.rmtree(_node_dir(local, "h800"))
+    step = _node_dir(local, "h20") / step_dir_name(HALF)
+    manifest = read_manifest(step)
+    bad = max((r for r in manifest.replicas if r.file.startswith("replica_") and r.offsets
+               and r.key.startswith("optimizer.") and r.offsets[0] >= 4), key=lambda r: r.length)
+    raw = bytearray((step / bad.file).read_bytes())
+    raw[bad.offset + bad.length // 2] ^= 0x10
+    (step / bad.file).write_bytes(bytes(raw))
+    survivors = survivors_plan(*LOSSES["h800"])
+    rest, per_rank = _resume(local, survivors, batches, s3_uri, endpoint)
+    _check_equal(full, first, rest)
+    assert sum(b["s3"] for b in per_rank) == bad.length          # that chunk, downloaded once
+    assert (f"WARNING: chunk {bad.key} at {bad.offsets} received from rank 2 ({bad.file}) fails "
+            "its SHA-256 check; not loaded, fetching the chunk elsewhere") in capfd.readouterr().out
+
+
 def test_s3_serves_exactly_the_chunks_no_surviving_disk_holds(full_and_batches, tmp_path,
                                                               s3_endpoint, s3_uri):
     full, batches = full_and_batches
@@ -225,15 +249,18 @@ def test_job_killed_during_its_multipart_upload(tmp_path, s3_endpoint, s3_uri, m
     held: list[str] = []
     upload_part = S3Backend.upload_part
 
-    def hold_first_part_of_step8(self, bucket_name, multipart_id, part_id, value):
+    def hold_parts_of_one_step8_file(self, bucket_name, multipart_id, part_id, value):
+        # Every part of the first step-8 file a part arrives for, retries included (boto3
+        # retries a part whose answer does not come within its read timeout), is held until
+        # the job is dead (or the test failed).
         key = self.get_bucket(bucket_name).multiparts[multipart_id].key_name
-        if key.startswith(step8) and not held:
-            held.append(key)
+        if key.startswith(step8) and held in ([], [key]) and not dead.is_set():
+            held[:] = [key]
             in_flight.set()
-            dead.wait(timeout=300)       # released once the job is killed (or the test failed)
+            dead.wait(timeout=600)
         return upload_part(self, bucket_name, multipart_id, part_id, value)
 
-    monkeypatch.setattr(S3Backend, "upload_part", hold_first_part_of_step8)
+    monkeypatch.setattr(S3Backend, "upload_part", hold_parts_of_one_step8_file)
     model, plan_file = _bigger_tiny(tmp_path)
     root = Path(__file__).resolve().parents[1]
     local = tmp_path / "local" / "{node}"
