@@ -128,8 +128,9 @@ def test_corrupt_copy_on_a_peer_is_fetched_again_from_s3(full_and_batches, tmp_p
     shutil.rmtree(_node_dir(local, "h800"))
     step = _node_dir(local, "h20") / step_dir_name(HALF)
     manifest = read_manifest(step)
-    bad = max((r for r in manifest.replicas if r.file.startswith("replica_") and r.offsets
-               and r.key.startswith("optimizer.") and r.offsets[0] >= 4), key=lambda r: r.length)
+    bad = max((r for r in manifest.replicas if manifest.files[r.file].node == "h20"
+               and r.offsets and r.key.startswith("optimizer.") and r.offsets[0] >= 4),
+              key=lambda r: r.length)
     raw = bytearray((step / bad.file).read_bytes())
     raw[bad.offset + bad.length // 2] ^= 0x10
     (step / bad.file).write_bytes(bytes(raw))
@@ -273,11 +274,13 @@ def test_job_killed_during_its_multipart_upload(tmp_path, s3_endpoint, s3_uri, m
                "--autohet-s3-endpoint-url", endpoint]
     node_dir = lambda node: Path(str(local).replace("{node}", node))       # noqa: E731
     backend = s3_backends[DEFAULT_ACCOUNT_ID]["aws"]
-    job = subprocess.Popen(command, cwd=root, stdout=subprocess.DEVNULL,
-                           stderr=subprocess.DEVNULL)
+    output = tmp_path / "killed-job.log"
+    with open(output, "wb") as log:
+        job = subprocess.Popen(command, cwd=root, stdout=log, stderr=subprocess.STDOUT)
     try:
         while not in_flight.wait(timeout=0.05):
-            assert job.poll() is None, "the job ended before uploading step 8"
+            assert job.poll() is None, ("the job ended before uploading step 8:\n"
+                                        + output.read_text(errors="replace")[-3000:])
         # Step 8 is committed on the disks (the upload follows the local commit); the ranks
         # without a multipart file finish their uploads and wait for the held one.
         manifest = read_manifest(node_dir("h20") / step_dir_name(TOTAL))
