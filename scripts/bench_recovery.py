@@ -65,8 +65,9 @@ baseline), else the run fails.
 Reported:
 
 * recovery time: ``recover()`` = ``Checkpointer.resume`` timed on every rank from a barrier, the
-  slowest rank (discover and agree, S3 downloads, peer exchange, stage, load; per-rank phases
-  come from RecoveryReport.seconds and include waiting for other ranks at the collectives); and
+  slowest rank (discover and agree; fetch: own-disk reads, S3 downloads and the peer exchange at
+  once; stage; load). Per rank, the product's own RecoveryReport gives bytes and seconds per
+  tier and per phase (waiting for other ranks at the collectives included); and
   launch-to-loaded = from starting the processes to the slowest rank's end of the resume (imports,
   process group, model build: the same ~13 s for both, so that ratio is smaller).
 * floor: max over sources of the bytes that source must move over its measured bandwidth: each
@@ -74,14 +75,15 @@ Reported:
   peers; bytes sent to them, counted from the recovery plan), and the disk (bytes read from own
   disks; here ONE disk serves all emulated nodes, so its term is their sum - the floor with
   separate disks, as on real nodes, is reported next to it). It assumes all sources work at
-  once; recovery.py runs its phases one after the other, which the ratio shows.
+  once, as recovery.py's fetch does, and counts no CPU work (hashing, DCP deserializing and
+  copying into the model), which the ratio therefore includes.
 * bytes per tier: RecoveryReport.bytes summed over the ranks (own disk, peers, S3); the bytes
   that crossed each interface (kernel counters) are in the JSON.
 * save stall: the time ``Checkpointer.save`` blocks the training loop, less the time it waits for
   the PREVIOUS save's background write + upload (reported next to it: this job's interval, 2
   iterations, is shorter than one background write + upload, which a real interval is not),
-  against the snapshot-to-host time (the copy of every tensor, timed around state.snapshot;
-  building the sharded state dict on the training thread is shown separately). Also the
+  against the snapshot-to-host time (the copy of every tensor; building the sharded state dict
+  on the training thread is shown separately), all from the product's Checkpointer.save_times. Also the
   training step time while a background save runs vs. not (2 cores: the writer competes).
 
 Targets (from the issue): local-first recover() >= 5x faster than restart-from-S3; local-first
@@ -548,20 +550,6 @@ def _counters(devices: dict[str, str]) -> dict:
     return out
 
 
-def _time_calls(owner, name: str, record: dict, key: str) -> None:
-    """Wrap ``owner.name`` so that ``record[key]`` sums the seconds its calls take (the product's
-    own timings do not split these phases out)."""
-    original = getattr(owner, name)
-
-    def timed(*args, **kwargs):
-        start = time.perf_counter()
-        result = original(*args, **kwargs)
-        record[key] = record.get(key, 0.0) + time.perf_counter() - start
-        return result
-
-    setattr(owner, name, timed)
-
-
 def worker(args) -> None:
     silence_known_megatron_warnings()
     from datetime import timedelta
@@ -570,12 +558,9 @@ def worker(args) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    from megatron_autohet.checkpoint import checkpointer as ckpt_module
-    from megatron_autohet.checkpoint import recovery as recovery_module
-    from megatron_autohet.checkpoint import upload as upload_module
     from megatron_autohet.checkpoint.checkpointer import Checkpointer
     from megatron_autohet.checkpoint.options import CheckpointOptions
-    from megatron_autohet.checkpoint.recovery_plan import PEER, S3
+    from megatron_autohet.checkpoint.recovery_plan import OWN, PEER
     from megatron_autohet.plan import plan_from_dict
     from megatron_autohet.runtime.cpu_mode import cpu_mode_required, enable_cpu_mode
     from megatron_autohet.runtime.optimizer import OptimizerSettings, make_lr_scheduler
@@ -592,9 +577,10 @@ def worker(args) -> None:
     settings = OptimizerSettings(lr=3e-4, min_lr=3e-5, clip_grad=1.0, lr_warmup_iters=1,
                                  lr_decay_style="cosine")
     trainer = HeteroTrainer(plan, plan.model, rank=rank, seed=SEED, optimizer=settings)
-    # The schedule counts samples, as Megatron-LM's: stepped by the global batch size.
+    # The schedule counts samples, as Megatron-LM's: stepped by the global batch size. Both jobs
+    # have the schedule of the whole run (a resume checks that it continues the saved one).
     increment = plan.global_batch_size
-    scheduler = make_lr_scheduler(trainer.optimizer, settings, total, increment)
+    scheduler = make_lr_scheduler(trainer.optimizer, settings, SAVE_ITERS + 1, increment)
     endpoint = f"http://{S3_SERVER_IP[node]}:{S3_HTTP_PORT}"
     if resuming:
         options = CheckpointOptions(load=args.local, s3_uri=S3_URI, s3_endpoint_url=endpoint)
@@ -605,7 +591,9 @@ def worker(args) -> None:
     devices = {"peer": FABRIC_DEV[node], "s3": S3_DEV[node]}
     out: dict = {"rank": rank, "node": node, "steps": []}
 
-    # -- instruments (wrappers; the product's code is unchanged) --
+    # Timings of saves and of the resume are the product's own (Checkpointer.save_times,
+    # RecoveryReport); only the calls of this loop are wrapped: a training step (its time and
+    # loss) and the resume (a barrier first, the interfaces' byte counters around it).
     original_step = trainer.train_step
 
     def timed_step(batch):
@@ -617,57 +605,6 @@ def worker(args) -> None:
         return metrics
 
     trainer.train_step = timed_step
-    saves, current = [], {}
-    _time_calls(ckpt_module, "snapshot", current, "copy_s")
-    _time_calls(ckpt_module, "rank_sharded_state_dict", current, "build_s")
-    original_wait, original_save = Checkpointer.wait, Checkpointer.save
-
-    def timed_wait(self):
-        start = time.perf_counter()
-        original_wait(self)
-        current["wait_s"] = current.get("wait_s", 0.0) + time.perf_counter() - start
-
-    def timed_save(self, iteration):
-        current.clear()
-        start = time.perf_counter()
-        original_save(self, iteration)
-        saves.append({"iteration": iteration, "blocked_s": time.perf_counter() - start,
-                      "waited_previous_s": current.get("wait_s", 0.0),
-                      "copy_s": current.get("copy_s"), "build_s": current.get("build_s"),
-                      "last_snapshot_s": self.last_snapshot_s})
-        current.clear()
-
-    Checkpointer.wait, Checkpointer.save = timed_wait, timed_save
-    background = []
-    original_write_step, original_upload = ckpt_module.write_step, upload_module.upload_step
-
-    def timed_write_step(*a, **k):
-        start = time.perf_counter()
-        manifest = original_write_step(*a, **k)
-        background.append({"iteration": k.get("iteration"), "write_s":
-                           time.perf_counter() - start})
-        return manifest
-
-    def timed_upload(*a, **k):
-        start = time.perf_counter()
-        result = original_upload(*a, **k)
-        background[-1]["upload_s"] = time.perf_counter() - start
-        return result
-
-    ckpt_module.write_step, upload_module.upload_step = timed_write_step, timed_upload
-    original_exchange = recovery_module._exchange
-
-    def counted_exchange(fetches, rank_, *a, **k):
-        out["sent_peer_bytes"] = sum(
-            f.copy.length for f in fetches if f.peer == rank_ and f.rank != rank_
-            and (f.source == PEER or (f.source == S3 and f.peer is not None)))
-        start = time.perf_counter()
-        result = original_exchange(fetches, rank_, *a, **k)
-        out["exchange_s"] = time.perf_counter() - start
-        return result
-
-    recovery_module._exchange = counted_exchange
-    _time_calls(recovery_module, "_verify_local_files", out, "verify_local_s")
     original_resume = checkpointer.resume
 
     def timed_resume():
@@ -685,6 +622,10 @@ def worker(args) -> None:
         report = checkpointer.last_report
         out["report"] = ({"bytes": report.bytes, "seconds": report.seconds}
                          if report is not None else None)
+        if report is not None:
+            out["sent_peer_bytes"] = report.sent_bytes
+            out["exchange_s"] = report.seconds.get(PEER)
+            out["verify_local_s"] = report.seconds.get(OWN)
         return progress
 
     checkpointer.resume = timed_resume
@@ -697,7 +638,12 @@ def worker(args) -> None:
         after = _counters(devices)
         out["iface_bytes"] = {name: {k: after[name][k] - job_before[name][k]
                                      for k in ("rx", "tx")} for name in devices}
-    out["saves"], out["background"] = saves, background
+    checkpointer.wait()
+    out["saves"] = [{"iteration": t.iteration, "blocked_s": t.blocked_s,
+                     "waited_previous_s": t.waited_s, "copy_s": t.snapshot_s,
+                     "build_s": t.build_s} for t in checkpointer.save_times]
+    out["background"] = [{"iteration": t.iteration, "write_s": t.write_s,
+                          "upload_s": t.upload_s or 0.0} for t in checkpointer.save_times]
     out["failed_saves"] = checkpointer.failed_saves + checkpointer.failed_uploads
     dist.barrier()
     dist.destroy_process_group()

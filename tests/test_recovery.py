@@ -117,6 +117,31 @@ def test_one_node_lost_recovers_from_survivors_without_s3(lost, full_and_batches
         assert per_rank[0]["peer"] > 0 and per_rank[1]["peer"] > 0, per_rank   # the a100 ranks
 
 
+def test_corrupt_copy_on_a_peer_is_fetched_again_from_s3(full_and_batches, tmp_path,
+                                                         s3_endpoint, s3_uri, capfd):
+    """h800 lost: the a100 ranks receive layers 4-6 from h20's replicas. One of those chunks is
+    damaged on h20's disk: the receiver finds it, the copy is dropped for every rank, and that
+    chunk alone comes from S3 in a second round; training resumes exactly."""
+    full, batches = full_and_batches
+    endpoint, _ = s3_endpoint
+    local, first = _save_half(tmp_path, batches, s3_uri, endpoint)
+    shutil.rmtree(_node_dir(local, "h800"))
+    step = _node_dir(local, "h20") / step_dir_name(HALF)
+    manifest = read_manifest(step)
+    bad = max((r for r in manifest.replicas if manifest.files[r.file].node == "h20"
+               and ".decoder.layers." in r.key and r.offsets[0] >= 4),
+              key=lambda r: r.length)
+    raw = bytearray((step / bad.file).read_bytes())
+    raw[bad.offset + bad.length // 2] ^= 0x10
+    (step / bad.file).write_bytes(bytes(raw))
+    survivors = survivors_plan(*LOSSES["h800"])
+    rest, per_rank = _resume(local, survivors, batches, s3_uri, endpoint)
+    _check_equal(full, first, rest)
+    assert sum(b["s3"] for b in per_rank) == bad.length          # that chunk, downloaded once
+    assert (f"WARNING: chunk {bad.key} at {bad.offsets} received from rank 2 ({bad.file}) fails "
+            "its SHA-256 check; not loaded, fetching the chunk elsewhere") in capfd.readouterr().out
+
+
 def test_s3_serves_exactly_the_chunks_no_surviving_disk_holds(full_and_batches, tmp_path,
                                                               s3_endpoint, s3_uri):
     full, batches = full_and_batches
@@ -180,26 +205,122 @@ def test_failed_save_is_reported_and_the_next_interval_saves(full_and_batches, t
     assert committed_steps(save) == [TOTAL]
 
 
-def test_interrupted_save_and_upload_leave_nothing_loadable(full_and_batches, tmp_path,
-                                                            s3_endpoint, s3_uri):
-    """What a writer killed mid-save leaves - iter_8.partial with some files on disk, step 8's
-    data files in S3 without a manifest - is never loaded: recovery takes step 4."""
-    from megatron_autohet.checkpoint.s3_store import S3Store
+def _bigger_tiny(tmp_path: Path) -> tuple[Path, Path]:
+    """tiny-two-pipelines with hidden size 192: the data files of the main copies (the first
+    pipeline's ranks, about 12 MB each) are above S3Store's 8 MiB multipart threshold. Returns
+    the model and plan files."""
+    import yaml
 
-    full, batches = full_and_batches
-    endpoint, _ = s3_endpoint
-    local, first = _save_half(tmp_path, batches, s3_uri, endpoint)
+    root = Path(__file__).resolve().parents[1]
+    model = yaml.safe_load((root / "configs/models/tiny.yaml").read_text())
+    model.update(name="tiny-192", hidden_size=192, ffn_hidden_size=768)
+    data = yaml.safe_load((root / "configs/plans/tiny-two-pipelines.yaml").read_text())
+    data["model"].update(name="tiny-192", hidden_size=192, ffn_hidden_size=768)
+    (tmp_path / "model.yaml").write_text(yaml.safe_dump(model))
+    (tmp_path / "plan.yaml").write_text(yaml.safe_dump(data))
+    return tmp_path / "model.yaml", tmp_path / "plan.yaml"
+
+
+def test_job_killed_during_its_multipart_upload(tmp_path, s3_endpoint, s3_uri, monkeypatch,
+                                                capsys):
+    """A real kill during an upload: `autohet train` with the S3 tier gets SIGKILL (launcher and
+    every rank) while a multipart upload of step 8 is in flight - moto's server (in this
+    process) holds the first part it gets until the job is dead; every other file of the step is
+    in S3 by then. Step 8 has no manifest in S3, `autohet checkpoint ls` shows it incomplete,
+    step 4 loads from S3 alone (every node's disk lost) and the resumed job trains iterations
+    5-8 exactly as the killed one did and uploads step 8 completely."""
+    import json
+    import subprocess
+    import sys
+    import threading
+
+    from moto.core import DEFAULT_ACCOUNT_ID
+    from moto.s3.models import S3Backend, s3_backends
+
+    from megatron_autohet.checkpoint.s3_store import S3Store, parse_s3_uri
+    from megatron_autohet.checkpoint.upload import files_to_upload
+    from megatron_autohet.cli.main import main as cli
+    from megatron_autohet.elastic.emulate import kill_tree
+    from test_checkpoint_cli import table
+
+    endpoint, bucket = s3_endpoint
+    location = parse_s3_uri(s3_uri)
+    step8 = location.key(step_dir_name(TOTAL) + "/")
+    in_flight, dead = threading.Event(), threading.Event()
+    held: list[str] = []
+    upload_part = S3Backend.upload_part
+
+    def hold_parts_of_one_step8_file(self, bucket_name, multipart_id, part_id, value):
+        # Every part of the first step-8 file a part arrives for, retries included (boto3
+        # retries a part whose answer does not come within its read timeout), is held until
+        # the job is dead (or the test failed).
+        key = self.get_bucket(bucket_name).multiparts[multipart_id].key_name
+        if key.startswith(step8) and held in ([], [key]) and not dead.is_set():
+            held[:] = [key]
+            in_flight.set()
+            dead.wait(timeout=600)
+        return upload_part(self, bucket_name, multipart_id, part_id, value)
+
+    monkeypatch.setattr(S3Backend, "upload_part", hold_parts_of_one_step8_file)
+    model, plan_file = _bigger_tiny(tmp_path)
+    root = Path(__file__).resolve().parents[1]
+    local = tmp_path / "local" / "{node}"
+    metrics = tmp_path / "metrics.jsonl"
+    command = [sys.executable, "-m", "megatron_autohet.cli.main", "train",
+               "--plan", str(plan_file), "--model", str(model), "--iters", str(TOTAL),
+               "--autohet-local-ckpt-dir", str(local), "--save-interval", str(HALF),
+               "--load", str(local), "--metrics-jsonl", str(metrics),
+               "--data-dir", str(tmp_path / "data"), "--autohet-s3-uri", s3_uri,
+               "--autohet-s3-endpoint-url", endpoint]
+    node_dir = lambda node: Path(str(local).replace("{node}", node))       # noqa: E731
+    backend = s3_backends[DEFAULT_ACCOUNT_ID]["aws"]
+    output = tmp_path / "killed-job.log"
+    with open(output, "wb") as log:
+        job = subprocess.Popen(command, cwd=root, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        while not in_flight.wait(timeout=0.05):
+            assert job.poll() is None, ("the job ended before uploading step 8:\n"
+                                        + output.read_text(errors="replace")[-3000:])
+        # Step 8 is committed on the disks (the upload follows the local commit); the ranks
+        # without a multipart file finish their uploads and wait for the held one.
+        manifest = read_manifest(node_dir("h20") / step_dir_name(TOTAL))
+        others = {location.key(f"{step_dir_name(TOTAL)}/{name}") for rank in range(4)
+                  for name in files_to_upload(manifest, rank)} - set(held)
+        while not others <= set(backend.get_bucket(bucket).keys.keys()):
+            assert job.poll() is None
+            dead.wait(timeout=0.05)
+        kill_tree(job.pid)
+    finally:
+        job.wait()
+        dead.set()
+    assert len(held) == 1 and manifest.files[held[0].rsplit("/", 1)[1]].size > 8 * 2**20
+    killed = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["iteration"] for r in killed] == list(range(1, TOTAL + 1))
+
     store = S3Store(s3_uri, endpoint_url=endpoint)
-    for node in ("a100", "h800", "h20"):
-        done = _node_dir(local, node) / step_dir_name(HALF)
-        partial = _node_dir(local, node) / f"{step_dir_name(TOTAL)}.partial"
-        partial.mkdir()
-        for f in sorted(done.iterdir())[:2]:
-            if f.name != MANIFEST_FILE:
-                shutil.copy(f, partial / f.name)
-                store.upload_file(f, f"{step_dir_name(TOTAL)}/{f.name}")
-    rest, _ = _resume(local, plan(A), batches, s3_uri, endpoint)
-    _check_equal(full, first, rest)
+    assert store.get_bytes(f"{step_dir_name(TOTAL)}/{MANIFEST_FILE}") is None
+    assert store.list_steps() == [HALF, TOTAL]
+    flag = ("--autohet-s3-endpoint-url", endpoint)
+    assert cli(["checkpoint", "ls", s3_uri, *flag]) == 0
+    rows = table(capsys.readouterr().out)
+    assert [(r["iteration"], r["complete"], r["why incomplete"]) for r in rows] == [
+        (str(HALF), "yes", ""), (str(TOTAL), "no", "no manifest: the upload did not finish")]
+
+    for node in ("a100", "h800", "h20"):           # every disk lost: S3 alone
+        shutil.rmtree(node_dir(node))
+    resumed = subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"successfully loaded checkpoint: recovered iteration {HALF}" in resumed.stdout
+    assert f"uploaded iteration {TOTAL} to {s3_uri}" in resumed.stdout
+    after = [json.loads(line) for line in metrics.read_text().splitlines()][TOTAL:]
+    assert [r["iteration"] for r in after] == list(range(HALF + 1, TOTAL + 1))
+    assert [(r["lm_loss"], r["grad_norm"], r["learning_rate"]) for r in after] == \
+        [(r["lm_loss"], r["grad_norm"], r["learning_rate"]) for r in killed[HALF:]]
+    assert cli(["checkpoint", "ls", s3_uri, *flag]) == 0
+    rows = table(capsys.readouterr().out)
+    assert [(r["iteration"], r["complete"]) for r in rows] == [(str(HALF), "yes"),
+                                                               (str(TOTAL), "yes")]
+    assert cli(["checkpoint", "verify", s3_uri, *flag, "--iteration", str(TOTAL)]) == 0
 
 
 def test_two_savers_racing_for_one_step_commit_it_once(s3_endpoint, s3_uri, tmp_path):

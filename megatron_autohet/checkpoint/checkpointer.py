@@ -22,12 +22,17 @@ A save that fails - a full disk, S3 unreachable - is reported on every rank as a
 training goes on; the next interval tries again with a new step. Nothing partial is committed
 (checkpoint/manifest.py), so a failed save costs the progress since the last good one, never a
 corrupt resume.
+
+Each save's timings are kept in ``save_times`` (:class:`SaveTimes`, the background part filled
+in when it is done) and logged with it; a resume's bytes and seconds per tier are in
+``last_report`` (checkpoint/recovery.py) and logged.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
@@ -44,6 +49,22 @@ from megatron_autohet.errors import ConfigError
 # Collectives of a save wait at most this long for a peer (a dead peer fails the save instead of
 # hanging the background writer forever).
 CHECKPOINT_GROUP_TIMEOUT = timedelta(minutes=10)
+
+
+@dataclass
+class SaveTimes:
+    """Seconds one save took on this rank. On the training thread: ``waited_s`` for the previous
+    save's background work, ``build_s`` building the sharded state dict, ``snapshot_s`` copying
+    it to host memory, and ``blocked_s`` all that training waited (the three included). Then
+    ``write_s`` (write and commit in the local tier) and ``upload_s`` (S3), in the background
+    with --async-save; None until done, or when there was nothing to do."""
+    iteration: int
+    waited_s: float = 0.0
+    build_s: float = 0.0
+    snapshot_s: float = 0.0
+    blocked_s: float = 0.0
+    write_s: float | None = None
+    upload_s: float | None = None
 
 
 def _log(message: str) -> None:
@@ -70,7 +91,7 @@ class Checkpointer:
             self.s3 = S3Store(options.s3_uri, endpoint_url=options.s3_endpoint_url)
         self.last_saved: int | None = None
         self.last_report = None                 # RecoveryReport of resume(), if it loaded
-        self.last_snapshot_s: float | None = None
+        self.save_times: list[SaveTimes] = []
         self.failed_saves: list[int] = []
         self.failed_uploads: list[int] = []
         self._writer: threading.Thread | None = None
@@ -155,43 +176,54 @@ class Checkpointer:
             self._writer = None
 
     def save(self, iteration: int) -> None:
-        self.wait()
+        times = SaveTimes(iteration)
         start = time.perf_counter()
+        self.wait()
+        times.waited_s = time.perf_counter() - start
+        t = time.perf_counter()
         progress = TrainingProgress(iteration=iteration, consumed_train_samples=iteration
                                     * self.plan.global_batch_size)
         state_dict = rank_sharded_state_dict(self.trainer)
         state_dict[RNG_KEY] = rng_sharded_object(self.trainer, self.world_size)
+        times.build_s = time.perf_counter() - t
+        t = time.perf_counter()
         state_dict = snapshot(state_dict)
+        times.snapshot_s = time.perf_counter() - t
         common = common_state(self.trainer, self.scheduler, progress, seed=self.seed,
                               train_args=self.train_args)
         self.last_saved = iteration
-        self.last_snapshot_s = time.perf_counter() - start
+        self.save_times.append(times)
         self._log0(f"saving checkpoint at iteration {iteration:7d} to "
                    f"{self.dirs.root(self.rank)} in torch_dist format"
                    + (" (in the background)" if self.options.async_save else ""))
         if self.options.async_save:
             self._writer = threading.Thread(target=self._write, args=(state_dict, common,
-                                                                      iteration, start),
+                                                                      iteration, times),
                                             name=f"autohet-checkpoint-{iteration}", daemon=True)
             self._writer.start()
         else:
-            self._write(state_dict, common, iteration, start)
+            self._write(state_dict, common, iteration, times)
+        times.blocked_s = time.perf_counter() - start
 
-    def _write(self, state_dict: dict, common: dict, iteration: int, start: float) -> None:
+    def _write(self, state_dict: dict, common: dict, iteration: int, times: SaveTimes) -> None:
         from megatron_autohet.checkpoint.upload import upload_step
         from megatron_autohet.checkpoint.writer import SaveFailed
         from megatron_autohet.runtime.cpu_mode import cpu_mode_thread
 
         root = self.dirs.root(self.rank)
+        start = time.perf_counter()
         with cpu_mode_thread():
             try:
                 manifest = write_step(state_dict, common, iteration=iteration, plan=self.plan,
                                       rank=self.rank, dirs=self.dirs, group=self.group)
                 if self.dirs.is_leader(self.rank):
                     remove_old_steps(root, self.options.keep)
+                times.write_s = time.perf_counter() - start
                 self._log0(f"successfully saved checkpoint from iteration {iteration:7d} to "
-                           f"{root} ({manifest.total_bytes / 2**20:.1f} MiB, "
-                           f"{time.perf_counter() - start:.2f} s)")
+                           f"{root} ({manifest.total_bytes / 2**20:.1f} MiB; state dict "
+                           f"{times.build_s:.2f} s, copy to host memory {times.snapshot_s:.2f} "
+                           f"s, waiting for the previous save {times.waited_s:.2f} s; written "
+                           f"in {times.write_s:.2f} s)")
             except SaveFailed as err:
                 self.failed_saves.append(iteration)
                 self._log0(f"WARNING: checkpoint of iteration {iteration} failed, training "
@@ -201,10 +233,12 @@ class Checkpointer:
                 return
             t = time.perf_counter()
             try:
-                if upload_step(self.s3, manifest, root / step_dir_name(iteration),
-                               rank=self.rank, keep=self.options.keep, group=self.group):
+                committed = upload_step(self.s3, manifest, root / step_dir_name(iteration),
+                                        rank=self.rank, keep=self.options.keep, group=self.group)
+                times.upload_s = time.perf_counter() - t
+                if committed:
                     self._log0(f"uploaded iteration {iteration} to {self.s3.location.uri()} "
-                               f"({time.perf_counter() - t:.2f} s)")
+                               f"({times.upload_s:.2f} s)")
             except SaveFailed as err:
                 self.failed_uploads.append(iteration)
                 self._log0(f"WARNING: upload of iteration {iteration} failed (the local "

@@ -89,12 +89,19 @@ def expected_files(manifest: Manifest, nodes: set[str]) -> tuple[list[str], list
     return due, elsewhere
 
 
+def s3_files(manifest: Manifest) -> list[str]:
+    """The files the S3 tier holds of a step (checkpoint/upload.py): the data files of the main
+    copies and the small files; replicas stay on the disks (S3 keeps one copy)."""
+    main = {item.file for item in manifest.items}
+    return sorted(n for n in manifest.files if n in main or not is_data_file(manifest, n))
+
+
 def _step_info(where: str, iteration: int, manifest: Manifest, sizes: dict[str, int],
-               nodes: set[str]) -> StepInfo:
-    """A committed step from its manifest and the sizes of the files that are there."""
+               nodes: set[str], due: list[str]) -> StepInfo:
+    """A committed step from its manifest and the sizes of the files that are there (``due``:
+    those that must be)."""
     listed = manifest.files
     present = {name: size for name, size in sizes.items() if name in listed}
-    due, _ = expected_files(manifest, nodes)
     problems = [f"{name} missing" if name not in present else
                 f"{name} has {present[name]} bytes, the manifest lists {listed[name].size}"
                 for name in due if present.get(name) != listed[name].size]
@@ -163,8 +170,9 @@ def list_local(root: str | Path) -> list[StepInfo]:
             except ValueError as err:
                 info = _uncommitted(str(entry), iteration, sizes, str(err))
             else:
-                info = _step_info(str(entry), iteration, manifest, sizes,
-                                  nodes_served(manifest, set(sizes)))
+                nodes = nodes_served(manifest, set(sizes))
+                info = _step_info(str(entry), iteration, manifest, sizes, nodes,
+                                  expected_files(manifest, nodes)[0])
                 info.latest = iteration == latest
         steps.append((iteration, partial, info))
     return [info for _, _, info in sorted(steps, key=lambda s: s[:2])]
@@ -178,7 +186,7 @@ def committed_s3(store) -> list[int]:
 
 def list_s3(store) -> list[StepInfo]:
     """Steps under an :class:`~.s3_store.S3Store`'s prefix, oldest first. Complete: the manifest
-    object exists and so does every file it lists, with its size."""
+    object exists and so does every file the S3 tier holds (:func:`s3_files`), with its size."""
     latest = _latest(store.get_bytes(LATEST_FILE))
     steps = []
     for iteration in store.list_steps():
@@ -195,7 +203,8 @@ def list_s3(store) -> list[StepInfo]:
         except ValueError as err:
             steps.append(_uncommitted(where, iteration, sizes, str(err)))
             continue
-        info = _step_info(where, iteration, manifest, sizes, set(node_of_file(manifest).values()))
+        info = _step_info(where, iteration, manifest, sizes, set(node_of_file(manifest).values()),
+                          s3_files(manifest))
         info.latest = iteration == latest
         steps.append(info)
     return steps
@@ -366,7 +375,7 @@ def verify_s3(store, iteration: int, progress=None) -> VerifyReport:
         report.problems.append(bad)
         return report
     sizes = store.list_files(iteration)
-    due, _ = expected_files(manifest, set(node_of_file(manifest).values()))
+    due = s3_files(manifest)
     _start(progress, sum(manifest.files[n].size for n in due))
     for name in due:
         key, record = f"{step}/{name}", manifest.files[name]

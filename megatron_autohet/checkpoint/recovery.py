@@ -11,17 +11,21 @@ can read (its node's local-tier directory, ``--load``); ``s3`` the S3 tier, if c
 3. Plan: each rank computes the chunks its NEW shards need (recovery_plan.needed_items); one
    all-gather of those needs, then recovery_plan.assign_sources gives every rank the same plan of
    who reads what from where.
-4. Fetch: S3 chunks first (parallel ranged GETs, each missing chunk downloaded once), then one
-   exchange over ``group`` (torch.distributed send/recv of the chunk bytes, one message per pair
-   of ranks), and local reads. Every chunk is checked against the SHA-256 of the copy it came from
-   before it is used; a peer's bad copy falls back to S3, a bad local copy is dropped before
-   planning (so a peer or S3 serves it), and a bad S3 copy is an error naming the object.
-5. Stage: a per-rank directory shaped like the step (``.metadata``, ``common.pt``,
-   ``metadata.json``; main files present on this disk symlinked, others sparse files holding the
-   fetched chunks at their offsets), which megatron-core's ``dist_checkpointing.load`` reads
-   (checkpoint/loader.py). Then it is removed.
+4. Fetch, all tiers at once: this rank's own-disk chunks are read and verified in one thread,
+   its S3 chunks downloaded by parallel ranged GETs (each chunk no surviving disk holds is
+   downloaded once, by the lowest rank needing it, which forwards it to the others), and one
+   exchange over ``group`` (torch.distributed send/recv, one message per pair of ranks) runs
+   meanwhile. Every chunk is checked against the SHA-256 of the copy it came from before it is
+   used; a copy that fails (on this disk or a peer's) is dropped for every rank and its chunks
+   are planned again from what is left (another disk, S3); a bad S3 copy is an error naming the
+   object; when nothing is left the next older step is tried.
+5. Stage: a per-rank directory shaped like the step - ``common.pt``, ``metadata.json``, links to
+   the files (main or replica) this rank verified chunks in, one file of the received chunks, and
+   DCP's index ``.metadata`` rewritten to point each needed chunk at its verified copy - which
+   megatron-core's ``dist_checkpointing.load`` reads (checkpoint/loader.py). Then it is removed.
 
-The report says how many bytes and seconds each tier took.
+The report (:class:`RecoveryReport`) says how many bytes and seconds each tier took; the
+resume logs it.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -57,10 +61,15 @@ S3_DOWNLOAD_CONCURRENCY = 8       # ranged GETs in flight per rank (the S3 clien
 
 @dataclass
 class RecoveryReport:
-    """Bytes per tier this rank received, the job's totals, and this rank's seconds per phase
-    (``agree``: finding and planning the step, waiting for every rank included)."""
+    """What this rank's recovery moved and how long it took. ``bytes``: received per tier (own
+    disk, peers, S3); ``sent_bytes``: sent to peers; ``job_bytes``: ``bytes`` summed over the
+    ranks. ``seconds``: per tier (``own``, ``peer``, ``s3``: from the start of the fetch to the
+    end of that tier's work on this rank; the tiers run at the same time) and per phase
+    (``agree``: finding the step, waiting for every rank included; ``fetch``: all tiers, wall
+    time; ``stage``; ``load``: DCP reading the staged step into the model)."""
     iteration: int
     bytes: dict[str, int] = field(default_factory=lambda: {OWN: 0, PEER: 0, S3: 0})
+    sent_bytes: int = 0
     job_bytes: dict[str, int] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
 
@@ -126,16 +135,6 @@ def _missing_on_disks(manifest: Manifest, present: dict[int, set[str]]) -> list[
     return sorted(missing)
 
 
-def _read(path: Path, record: ItemRecord) -> bytes:
-    with open(path, "rb") as f:
-        f.seek(record.offset)
-        return f.read(record.length)
-
-
-def _good(raw: bytes, record: ItemRecord) -> bool:
-    return item_problem(record, raw) is None
-
-
 def recover(trainer, scheduler, *, roots: list[Path], s3=None, group=None,
             log=print, options: CheckpointOptions = CheckpointOptions()):
     """Load the newest complete step into this rank's model (module docstring); None when no
@@ -191,69 +190,27 @@ def recover(trainer, scheduler, *, roots: list[Path], s3=None, group=None,
         needs = [index_of[item.region]
                  for item in needed_items(manifest.items, wanted_regions(state_dict))]
         local_paths = mine[iteration].paths if iteration in mine else {}
-        corrupt = _verify_local_files(local_paths, manifest, needs)
-        # A corrupt file found by one rank is corrupt for every rank that reads the same path
-        # (a shared --load directory), so none of them offers it as a source.
-        paths = {name: str(path.resolve()) for name, path in local_paths.items()}
-        everyone: list = [None] * world_size
-        dist.all_gather_object(everyone, (needs, paths, corrupt), group=group)
-        bad_paths = {everyone[r][1][name] for r in range(world_size) for name in everyone[r][2]}
-        needed = {r: n for r, (n, _, _) in enumerate(everyone)}
-        present = {r: {name for name, path in p.items() if path not in bad_paths}
-                   for r, (_, p, _) in enumerate(everyone)}
+        report = RecoveryReport(iteration)
+        report.seconds["agree"] = time.perf_counter() - start
         try:
-            fetches = assign_sources(manifest.items, manifest.replicas, needed, present,
-                                     s3_available=iteration in s3_steps)
+            sources, chunks = _fetch_step(manifest, iteration, needs, local_paths, s3,
+                                          iteration in s3_steps, group, report)
             break
-        except ChunkUnavailable as err:
-            problems = dict.fromkeys(m for _, _, c in everyone for m in c.values())
-            failures.append(f"iteration {iteration}: " + "; ".join([*problems, str(err)]))
+        except _Unrecoverable as err:
+            failures.append(f"iteration {iteration}: {err}")
             log(f"WARNING: cannot recover {failures[-1]}")
     else:
         if failures:
             raise CorruptCheckpoint("no checkpoint step can be recovered: " + " | ".join(failures))
         return None
-    report = RecoveryReport(iteration)
-    report.seconds["agree"] = time.perf_counter() - start
-
-    # 4. fetch: S3 downloads (each chunk once), the peer exchange, then local reads
-    t = time.perf_counter()
-    chunks: dict[int, bytes] = {}
-    downloads = [f for f in fetches if f.source == S3 and f.rank == rank and f.peer is None]
-    with byte_progress(sum(f.copy.length for f in downloads), f"download {step_dir_name(iteration)}"
-                       f" (rank {rank})", show=rank == 0) as bar, \
-            ThreadPoolExecutor(S3_DOWNLOAD_CONCURRENCY) as pool:
-        # Ranged GETs in parallel: one at a time, S3's first-byte latency would dominate.
-        for f, raw in zip(downloads, pool.map(lambda f: _download(s3, iteration, f.copy),
-                                              downloads)):
-            chunks[f.index] = raw
-            report.bytes[S3] += f.copy.length
-            bar.update(f.copy.length)
-    report.seconds["s3"] = time.perf_counter() - t
-    t = time.perf_counter()
-    received = _exchange(fetches, rank, local_paths, chunks, group)
-    for index, (raw, copy) in received.items():
-        if not _good(raw, copy):
-            if s3 is None or iteration not in s3_steps:
-                raise CorruptCheckpoint(f"chunk {copy.key} at {copy.offsets} received from a "
-                                        f"peer ({copy.file}) fails its SHA-256 check and there "
-                                        "is no S3 copy to fall back to")
-            log(f"WARNING: a peer's copy of {copy.key} ({copy.file}) is corrupt; reading it "
-                "from S3")
-            raw = _download(s3, iteration, manifest.items[index])
-            report.bytes[S3] += len(raw)
-        else:
-            report.bytes[PEER] += len(raw)
-        chunks[index] = raw
-    report.seconds["peers"] = time.perf_counter() - t
 
     # 5. stage and load
     t = time.perf_counter()
     staging = Path(tempfile.mkdtemp(prefix=f"autohet-recovery-{rank}-",
                                     dir=roots[0] if roots and roots[0].is_dir() else None))
     try:
-        report.bytes[OWN] += _stage(staging, manifest, iteration, fetches, rank, local_paths,
-                                    chunks, s3, s3_steps, group)
+        small = _small_files(manifest, local_paths, iteration, s3, s3_steps, group)
+        _stage(staging, manifest, small, sources, local_paths, chunks)
         report.seconds["stage"] = time.perf_counter() - t
         t = time.perf_counter()
         progress = load_staged(trainer, scheduler, state_dict, staging,
@@ -267,22 +224,128 @@ def recover(trainer, scheduler, *, roots: list[Path], s3=None, group=None,
     return progress, report
 
 
-def _verify_local_files(paths: dict[str, Path], manifest: Manifest,
-                        needs: list[int]) -> dict[str, str]:
-    """Local files holding a needed chunk whose bytes fail their checksum -> what is wrong
-    (reported, then treated as absent so that a peer or S3 serves the chunk)."""
-    copies = copies_of(manifest.items, manifest.replicas)
-    corrupt: dict[str, str] = {}
-    for index in needs:
-        for copy in copies[index]:
-            if copy.file in paths and copy.file not in corrupt:
-                if not _good(_read(paths[copy.file], copy), copy):
-                    corrupt[copy.file] = (f"{paths[copy.file]}: bytes {copy.offset}-"
-                                          f"{copy.offset + copy.length} ({copy.key}) do not "
-                                          "match their SHA-256 in the manifest")
-                    print(f"WARNING: {corrupt[copy.file]}; not loaded, fetching the chunk "
-                          "elsewhere", flush=True)
-    return corrupt
+class _Unrecoverable(RuntimeError):
+    """A step that cannot be recovered (corrupt or missing chunks); the same on every rank."""
+
+
+def _fetch_step(manifest: Manifest, iteration: int, needs: list[int],
+                local_paths: dict[str, Path], s3, s3_available: bool, group,
+                report) -> tuple[dict[int, ItemRecord], dict[int, memoryview]]:
+    """Fetch and verify every chunk this rank needs of one step, all tiers at once (module
+    docstring, step 4). Returns where each needed chunk is: the record of the copy on this
+    rank's own disk, or the received bytes. A copy that fails its checksum is dropped for every
+    rank (a file found corrupt by one rank is corrupt for all that read the same path, as with
+    a shared --load directory) and its chunks are planned and fetched again, from what is left;
+    :class:`_Unrecoverable` (on every rank) when nothing is."""
+    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+    paths = {name: str(path.resolve()) for name, path in local_paths.items()}
+    everyone: list = [None] * world_size
+    dist.all_gather_object(everyone, (needs, paths), group=group)
+    all_paths = [p for _, p in everyone]
+    pending = {r: n for r, (n, _) in enumerate(everyone) if n}
+    bad_paths: set[str] = set()
+    problems: dict[str, None] = {}
+    sources: dict[int, ItemRecord] = {}
+    chunks: dict[int, memoryview] = {}
+    while pending:
+        present = {r: {name for name, path in p.items() if path not in bad_paths}
+                   for r, p in enumerate(all_paths)}
+        try:
+            fetches = assign_sources(manifest.items, manifest.replicas, pending, present,
+                                     s3_available=s3_available)
+        except ChunkUnavailable as err:
+            raise _Unrecoverable("; ".join([*problems, str(err)])) from None
+        result = _fetch_round(fetches, rank, iteration, local_paths, s3, group, report)
+        sources.update(result.own)
+        chunks.update(result.received)
+        gathered: list = [None] * world_size
+        dist.all_gather_object(gathered, (result.bad, result.failed), group=group)
+        for r, (bad, _) in enumerate(gathered):
+            for (holder, name), problem in bad.items():
+                bad_paths.add(all_paths[holder][name])
+                if r == rank and problem not in problems:   # told by the rank that found it
+                    print(f"WARNING: {problem}; not loaded, fetching the chunk elsewhere",
+                          flush=True)
+                problems[problem] = None
+        pending = {r: failed for r, (_, failed) in enumerate(gathered) if failed}
+    return sources, chunks
+
+
+@dataclass
+class _Round:
+    own: dict[int, ItemRecord] = field(default_factory=dict)        # verified on this disk
+    received: dict[int, memoryview] = field(default_factory=dict)   # verified, from peers/S3
+    bad: dict[tuple[int, str], str] = field(default_factory=dict)   # (holder, file) -> problem
+    failed: list[int] = field(default_factory=list)                 # still needed
+
+
+def _fetch_round(fetches, rank: int, iteration: int, local_paths: dict[str, Path], s3, group,
+                 report) -> _Round:
+    """One round of fetches, the tiers concurrently: this rank's own-disk chunks are read and
+    verified in one thread, its S3 chunks downloaded by a pool of ranged GETs, and the peer
+    exchange runs on this thread (an S3 chunk forwarded to peers is sent once downloaded).
+    Each tier's seconds and bytes go into ``report``."""
+    out = _Round()
+    start = time.perf_counter()
+    own = [f for f in fetches if f.rank == rank and f.source == OWN]
+    downloads = [f for f in fetches if f.rank == rank and f.source == S3 and f.peer is None]
+    tier_end: dict[str, float] = {}
+
+    def verify_own() -> None:
+        for f in own:
+            raw = _read(local_paths[f.copy.file], f.copy)
+            report.bytes[OWN] += len(raw)
+            if _good(raw, f.copy):
+                out.own[f.index] = f.copy
+            else:
+                out.bad[(rank, f.copy.file)] = (
+                    f"{local_paths[f.copy.file]}: bytes {f.copy.offset}-"
+                    f"{f.copy.offset + f.copy.length} ({f.copy.key}) do not match their "
+                    "SHA-256 in the manifest")
+                out.failed.append(f.index)
+        tier_end[OWN] = time.perf_counter()
+
+    def download(f) -> memoryview:
+        raw = memoryview(_download(s3, iteration, f.copy))
+        report.bytes[S3] += len(raw)
+        bar.update(len(raw))
+        tier_end[S3] = time.perf_counter()
+        return raw
+
+    with byte_progress(sum(f.copy.length for f in downloads), f"download "
+                       f"{step_dir_name(iteration)} (rank {rank})", show=rank == 0) as bar, \
+            ThreadPoolExecutor(1) as disk, ThreadPoolExecutor(S3_DOWNLOAD_CONCURRENCY) as pool:
+        verified = disk.submit(verify_own)
+        # Ranged GETs in parallel: one at a time, S3's first-byte latency would dominate.
+        downloaded = {f.index: pool.submit(download, f) for f in downloads}
+        received = _exchange(fetches, rank, local_paths, downloaded, group, report)
+        tier_end[PEER] = time.perf_counter()
+        verified.result()
+        for index, future in downloaded.items():
+            out.received[index] = future.result()
+    for tier, end in tier_end.items():
+        report.seconds[tier] = report.seconds.get(tier, 0.0) + end - start
+    report.seconds["fetch"] = report.seconds.get("fetch", 0.0) + time.perf_counter() - start
+    for f, raw in received:
+        if _good(raw, f.copy):
+            out.received[f.index] = raw
+            report.bytes[PEER] += len(raw)
+        else:
+            out.bad[(f.peer, f.copy.file)] = (f"chunk {f.copy.key} at {f.copy.offsets} received "
+                                              f"from rank {f.peer} ({f.copy.file}) fails its "
+                                              "SHA-256 check")
+            out.failed.append(f.index)
+    return out
+
+
+def _read(path: Path, record: ItemRecord) -> bytes:
+    with open(path, "rb") as f:
+        f.seek(record.offset)
+        return f.read(record.length)
+
+
+def _good(raw: bytes | memoryview, record: ItemRecord) -> bool:
+    return item_problem(record, raw) is None
 
 
 def _download(s3, iteration: int, record: ItemRecord) -> bytes:
@@ -294,10 +357,12 @@ def _download(s3, iteration: int, record: ItemRecord) -> bytes:
     return raw
 
 
-def _exchange(fetches, rank: int, local_paths: dict[str, Path], downloaded: dict[int, bytes],
-              group) -> dict[int, tuple[bytes, ItemRecord]]:
+def _exchange(fetches, rank: int, local_paths: dict[str, Path], downloaded: dict, group,
+              report) -> list[tuple[object, memoryview]]:
     """Send what peers need from this rank, receive what this rank needs from peers: one
-    message per (sender, receiver) pair, all posted at once (gloo pairs them in order)."""
+    message per (sender, receiver) pair, all posted at once (gloo pairs them in order). The
+    bytes are read (or copied from a download) straight into the message buffer, and received
+    chunks are views of the receive buffer: no other copy on either side."""
     outgoing: dict[int, list] = defaultdict(list)
     incoming: dict[int, list] = defaultdict(list)
     for f in fetches:
@@ -307,58 +372,77 @@ def _exchange(fetches, rank: int, local_paths: dict[str, Path], downloaded: dict
             elif f.rank == rank:
                 incoming[f.peer].append(f)
     requests, buffers = [], {}
-    for peer in sorted(outgoing):
-        parts = [downloaded[f.index] if f.source == S3 else _read(local_paths[f.copy.file],
-                                                                  f.copy)
-                 for f in outgoing[peer]]
-        payload = torch.frombuffer(bytearray(b"".join(parts)), dtype=torch.uint8)
-        requests.append(dist.isend(payload, dst=peer, group=group))
-    for peer in sorted(incoming):
-        size = sum(f.copy.length for f in incoming[peer])
-        buffers[peer] = torch.empty(size, dtype=torch.uint8)
+    for peer in sorted(incoming):              # receives first: senders never wait for them
+        buffers[peer] = torch.empty(sum(f.copy.length for f in incoming[peer]), dtype=torch.uint8)
         requests.append(dist.irecv(buffers[peer], src=peer, group=group))
+    files = {}
+    try:
+        for peer in sorted(outgoing):
+            payload = torch.empty(sum(f.copy.length for f in outgoing[peer]), dtype=torch.uint8)
+            view, offset = memoryview(payload.numpy()), 0
+            for f in outgoing[peer]:
+                part = view[offset:offset + f.copy.length]
+                if f.source == S3:
+                    part[:] = downloaded[f.index].result()
+                else:
+                    if f.copy.file not in files:
+                        files[f.copy.file] = open(local_paths[f.copy.file], "rb")
+                    files[f.copy.file].seek(f.copy.offset)
+                    if files[f.copy.file].readinto(part) != f.copy.length:
+                        raise CorruptCheckpoint(f"{local_paths[f.copy.file]}: shorter than "
+                                                "its manifest says")
+                offset += f.copy.length
+            report.sent_bytes += offset
+            requests.append(dist.isend(payload, dst=peer, group=group))
+    finally:
+        for handle in files.values():
+            handle.close()
     for request in requests:
         request.wait()
-    received = {}
+    received = []
     for peer, fs in incoming.items():
-        raw, offset = buffers[peer].numpy().tobytes(), 0
+        view, offset = memoryview(buffers[peer].numpy()), 0
         for f in fs:
-            received[f.index] = (raw[offset:offset + f.copy.length], f.copy)
+            received.append((f, view[offset:offset + f.copy.length]))
             offset += f.copy.length
     return received
 
 
-def _stage(staging: Path, manifest: Manifest, iteration: int, fetches, rank: int,
-           local_paths: dict[str, Path], chunks: dict[int, bytes], s3, s3_steps,
-           group) -> int:
-    """Fill ``staging`` for DCP; returns the bytes read from this rank's own disk."""
-    small = _small_files(manifest, local_paths, iteration, s3, s3_steps, group)
+FETCHED_FILE = "autohet-fetched.distcp"
+
+
+def _stage(staging: Path, manifest: Manifest, small: dict[str, bytes],
+           sources: dict[int, ItemRecord], local_paths: dict[str, Path],
+           chunks: dict[int, memoryview]) -> None:
+    """Fill ``staging`` for DCP without copying what this disk holds: every file a needed
+    chunk is read from (main or replica) is linked, the received chunks are written once, one
+    after the other, into one file, and DCP's index (``.metadata``) is rewritten so that each
+    needed chunk points at the copy this rank verified (a replica has the main copy's bytes and
+    length, at another offset)."""
+    import pickle
+
+    metadata = pickle.loads(small[".metadata"])     # verified against the manifest
+    index_at = {(info.relative_path, info.offset): index
+                for index, info in metadata.storage_data.items()}
     for name, raw in small.items():
-        (staging / name).write_bytes(raw)
-    local_bytes = 0
-    sparse: dict[str, list[tuple[ItemRecord, bytes]]] = defaultdict(list)
-    for f in fetches:
-        if f.rank != rank:
-            continue
-        main = manifest.items[f.index]
-        if f.source == OWN and f.copy.file == main.file:
-            target = staging / main.file
-            if not target.exists():
-                target.symlink_to(local_paths[main.file].resolve())
-            local_bytes += main.length          # verified in _verify_local_files
-            continue
-        raw = chunks[f.index] if f.source != OWN else _read(local_paths[f.copy.file], f.copy)
-        if f.source == OWN:
-            local_bytes += len(raw)
-        sparse[main.file].append((main, raw))
-    for name, parts in sparse.items():
-        if (staging / name).exists():
-            raise RuntimeError(f"{name}: both linked and assembled")   # one source per file
-        with open(staging / name, "wb") as out:
-            for main, raw in parts:
-                out.seek(main.offset)
-                out.write(raw)
-    return local_bytes
+        if name != ".metadata":
+            (staging / name).write_bytes(raw)
+    moved = {}
+    for index, copy in sources.items():
+        if not (staging / copy.file).exists():
+            (staging / copy.file).symlink_to(local_paths[copy.file].resolve())
+        moved[index] = (copy.file, copy.offset)
+    with open(staging / FETCHED_FILE, "wb") as out:
+        for index, raw in sorted(chunks.items()):
+            moved[index] = (FETCHED_FILE, out.tell())
+            out.write(raw)
+    for index, (name, offset) in moved.items():
+        main = manifest.items[index]
+        key = index_at[(main.file, main.offset)]
+        metadata.storage_data[key] = replace(metadata.storage_data[key], relative_path=name,
+                                             offset=offset)
+    with open(staging / ".metadata", "wb") as out:
+        pickle.dump(metadata, out)
 
 
 def _small_files(manifest: Manifest, local_paths: dict[str, Path], iteration: int, s3, s3_steps,

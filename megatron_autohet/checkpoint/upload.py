@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from megatron_autohet.checkpoint.inspect import is_data_file, s3_files
 from megatron_autohet.checkpoint.manifest import LATEST_FILE, MANIFEST_FILE, Manifest, step_dir_name
 from megatron_autohet.checkpoint.writer import SMALL_FILES, on_every_rank
 
@@ -31,10 +32,10 @@ def byte_progress(total: int, desc: str, *, show: bool):
 
 
 def files_to_upload(manifest: Manifest, rank: int) -> list[str]:
-    """The files ``rank`` uploads: its main data files; rank 0 also the small files."""
-    main_files = {item.file for item in manifest.items}
-    names = sorted(name for name, record in manifest.files.items()
-                   if record.rank == rank and name in main_files)
+    """The files ``rank`` uploads of those the S3 tier holds (inspect.s3_files): its main data
+    files; rank 0 also the small files."""
+    names = [name for name in s3_files(manifest)
+             if is_data_file(manifest, name) and manifest.files[name].rank == rank]
     return names + (list(SMALL_FILES) if rank == 0 else [])
 
 
