@@ -22,6 +22,14 @@
    the same processes; on tiny-two-pipelines ours with and without it. Same fairness check: the
    grad norms of stock and ours with it, and of ours with and without it, must agree as in 1.
    Reported: paired ratios ours/stock with the distributed optimizer, and ours with/without.
+4. bf16 (Megatron's --bf16 mixed precision) on the homogeneous plan, ours only: runtime/stock.py
+   builds stock megatron-core in fp32 (its bf16 path needs megatron's Float16Module and
+   Float16OptimizerWithFloat16Params, not wired into the baseline), so there is no stock bf16
+   row. On a CPU without bf16 units bf16 matmuls are emulated and slower than fp32; the row shows
+   the cost, not a GPU speed-up. Every run of ours (fp32 and bf16, without the distributed
+   optimizer) also counts each rank's live state bytes (weights, fp32 main-gradient buckets,
+   masters, Adam moments) against the cost model's
+   ``Precision.state_bytes_per_param() * stage_param_count``.
 
 Timed: an iteration's time is the slowest rank's wall time of ``train_step``, each rank timing
 from the barrier before it (the next iteration cannot start before the slowest rank is done);
@@ -31,7 +39,7 @@ The 1-minute load average before and after the run is recorded (other jobs on th
 up there).
 
     python scripts/bench_runtime.py [--iters 150] [--plan-iters 20] [--homogeneous-only]
-                                    [--no-distributed-optimizer]
+                                    [--no-distributed-optimizer] [--no-bf16]
                                     [--json bench-out/bench_runtime.json]
 """
 
@@ -49,6 +57,7 @@ import traceback
 from pathlib import Path
 
 from megatron_autohet.runtime.optimizer import OptimizerSettings
+from megatron_autohet.spec.precision import BF16, FP32
 
 from _bench import silence_known_megatron_warnings
 
@@ -82,7 +91,7 @@ class _MegatronGlobals:
             setattr(mps, name, value)
 
 
-# The trainers a run can hold; "-distopt": with the distributed optimizer.
+# The trainers a run can hold; "-distopt": with the distributed optimizer, "-bf16": in bf16.
 STOCK_KINDS = ("stock", "stock-distopt")
 # (kind, baseline) pairs whose paired time ratios are reported, when a run holds both.
 RATIOS = (("ours", "stock"), ("ours-distopt", "stock-distopt"), ("ours-distopt", "ours"))
@@ -105,10 +114,34 @@ def _trainers(plan, plan_path, rank, kinds):
                 raise RuntimeError(f"{kind}: megatron built {[type(o).__name__ for o in inner]}")
         else:
             trainer = HeteroTrainer(plan, plan.model, rank=rank, seed=SEED, optimizer=OPTIMIZER,
-                                    plan_file=str(plan_path), distributed_optimizer=distributed)
+                                    plan_file=str(plan_path), distributed_optimizer=distributed,
+                                    precision=BF16 if kind.endswith("-bf16") else FP32)
         trainers[kind] = (lambda batch, t=trainer: t.train_step(batch).grad_norm,
-                          _MegatronGlobals())
+                          _MegatronGlobals(), trainer)
     return trainers
+
+
+def _state_bytes(trainer) -> dict:
+    """This rank's live state bytes and the cost model's prediction for its stage."""
+    from megatron_autohet.cost_model import stage_param_count
+    from megatron_autohet.profiling.estimate import estimate_entry
+    from megatron_autohet.spec.gpus import load_gpu_catalog
+
+    def size(tensors):
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    params = list(trainer.model.parameters())
+    stage, plan = trainer.state.role.stage, trainer.plan
+    entry = estimate_entry(plan.model, load_gpu_catalog()["A100-80GB"], stage.tp_size,
+                           plan.micro_batch_size, plan.seq_length, 300)
+    count = stage_param_count(entry, plan.model, stage.layers[1] - stage.layers[0],
+                              stage.is_first, stage.is_last)
+    measured = (size(params) + size(b.grad_data for b in trainer.grad_sync.buckets)
+                + size(m for m in trainer.masters.tensors if all(m is not p for p in params))
+                + size(s[k] for s in trainer.optimizer.state.values()
+                       for k in ("exp_avg", "exp_avg_sq")))
+    return {"measured": measured,
+            "predicted": trainer.precision.state_bytes_per_param() * count}
 
 
 def _rank_main(rank, world, port, plan_path, kinds, iters, data_dir, results):
@@ -136,7 +169,7 @@ def _rank_main(rank, world, port, plan_path, kinds, iters, data_dir, results):
         out = {kind: {"wall": [], "cpu": [], "grad_norm": []} for kind in kinds}
         for i in range(iters):
             for kind in (kinds if i % 2 == 0 else kinds[::-1]):     # ABBA...
-                step, megatron_globals = trainers[kind]
+                step, megatron_globals, _ = trainers[kind]
                 megatron_globals.install()
                 dist.barrier()
                 wall, cpu = time.perf_counter(), time.process_time()
@@ -144,6 +177,9 @@ def _rank_main(rank, world, port, plan_path, kinds, iters, data_dir, results):
                 out[kind]["wall"].append(time.perf_counter() - wall)
                 out[kind]["cpu"].append(time.process_time() - cpu)
                 out[kind]["grad_norm"].append(grad_norm)
+        for kind, (_, _, trainer) in trainers.items():
+            if kind.startswith("ours") and not kind.endswith("-distopt"):
+                out[kind]["state_bytes"] = _state_bytes(trainer)
         dist.destroy_process_group()
         results.put((rank, True, out))
     except BaseException:
@@ -205,6 +241,8 @@ def summarize(per_rank: list[dict], plan_name: str) -> dict:
         cpu = [1000 * sum(c) for c in zip(*(r[kind]["cpu"] for r in per_rank))][kept]
         entry[kind] = {"wall_ms": wall, "wall_quartiles_ms": _quartiles(wall),
                        "cpu_all_ranks_ms": cpu, "cpu_quartiles_ms": _quartiles(cpu)}
+        if "state_bytes" in per_rank[0][kind]:
+            entry[kind]["state_bytes_per_rank"] = [r[kind]["state_bytes"] for r in per_rank]
     for kind, base in RATIOS:
         if kind in entry and base in entry:
             entry.update(_ratio_fields(per_rank, entry, kind, base, plan_name,
@@ -248,6 +286,8 @@ def main(argv=None) -> int:
                         help="only the ours-vs-stock comparison, not the other proof plans")
     parser.add_argument("--no-distributed-optimizer", action="store_true",
                         help="without the distributed-optimizer trainers (part 3)")
+    parser.add_argument("--no-bf16", action="store_true",
+                        help="without the bf16 trainer (part 4)")
     parser.add_argument("--json", default=str(ROOT / "bench-out" / "bench_runtime.json"),
                         help="where to write the results (default bench-out/, gitignored)")
     parser.add_argument("--data-dir", default=None, help="corpus cache (see autohet train)")
@@ -272,6 +312,8 @@ def main(argv=None) -> int:
         kinds = ("stock", "ours") if plan_path.name == HOMOGENEOUS else ("ours",)
         if plan_path.name in DISTOPT_PLANS and not args.no_distributed_optimizer:
             kinds += tuple(f"{kind}-distopt" for kind in kinds)
+        if plan_path.name == HOMOGENEOUS and not args.no_bf16:
+            kinds += ("ours-bf16",)
         per_rank = run_plan(plan_path, kinds=kinds,
                             iters=args.iters if plan_path.name == HOMOGENEOUS
                             else args.plan_iters, data_dir=args.data_dir)
@@ -281,7 +323,7 @@ def main(argv=None) -> int:
     print(f"{'plan':27s} {'runtime':13s} {'wall ms/iter: q1  median   q3':>31s} "
           f"{'CPU ms/iter, all ranks: median':>31s}")
     for name, entry in report["plans"].items():
-        for kind in ("stock", "ours", "stock-distopt", "ours-distopt"):
+        for kind in ("stock", "ours", "stock-distopt", "ours-distopt", "ours-bf16"):
             if kind in entry:
                 q1, med, q3 = entry[kind]["wall_quartiles_ms"]
                 print(f"{name:27s} {kind:13s} {q1:13.1f} {med:8.1f} {q3:8.1f} "
@@ -308,6 +350,13 @@ def main(argv=None) -> int:
                       f" grad norm rel diff {entry[f'{prefix}grad_norm_rel_diff_first']:.1e} "
                       f"(first {SAME_NORM_ITERS}), "
                       f"{entry[f'{prefix}grad_norm_rel_diff_later']:.1e} (later)")
+    print("live state bytes per rank (weights, fp32 main grads, masters, Adam) vs the cost model:")
+    for name, entry in report["plans"].items():
+        for kind, stats in entry.items():
+            if isinstance(stats, dict) and "state_bytes_per_rank" in stats:
+                pairs = ", ".join(f"{b['measured']}/{b['predicted']:.0f}"
+                                  for b in stats["state_bytes_per_rank"])
+                print(f"  {name:27s} {kind:10s} measured/predicted: {pairs}")
     print(f"load average (1 min) before/after: {report['load_average_1min_before']:.2f} / "
           f"{report['load_average_1min_after']:.2f} on {os.cpu_count()} CPUs")
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
