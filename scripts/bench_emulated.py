@@ -27,8 +27,10 @@ joined by tbf-shaped veths (the NICs). For each fleet, in one run:
 
    * pipeline: the latest rank's end of schedule;
    * of which compute: the cost model's 1F1B formula fed the in-run per-stage compute instead of
-     the profile's ("repriced"): predicted vs repriced is the profile's (compute term's) error,
-     repriced vs measured that of the schedule formula (P2P and bubble);
+     the profile's ("repriced"): predicted vs repriced is the profile's (compute term's) error;
+     the same with the P2P messages at the runtime's fp32 instead of the planning precision's
+     bf16 ("repriced, runtime P2P"): the P2P term's precision error; that vs measured is the
+     schedule formula's (P2P overlap and bubble);
    * sync, norm + clip, optimizer: the latest rank's end of each phase minus the latest end of
      the one before (norm + clip is not a term of the cost model).
 
@@ -56,6 +58,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import emulate_cluster as emu  # noqa: E402  (puts the repository on sys.path)
 from _bench import silence_known_megatron_warnings, write_json  # noqa: E402
 
+from megatron_autohet.spec.precision import FP32, PLANNING_PRECISION  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_FLEETS = [str(emu.EMULATED_DIR / "three-speeds.yaml"),
                   str(emu.EMULATED_DIR / "three-speeds-slow-link.yaml")]
@@ -64,6 +68,10 @@ PORT = 29611
 SEED = 1234
 OURS = "autohet (ours)"
 PHASES = ("schedule", "sync", "norm", "optimizer")     # train_step's parts, in order
+# The cost model prices activations and their gradients between stages in the planning precision
+# (bf16, spec/precision.py); the runtime still trains and sends fp32 (runtime/stage_model.py), so
+# its P2P messages are this much larger than priced.
+RUNTIME_P2P_SCALE = FP32.element_bytes / PLANNING_PRECISION.element_bytes
 
 
 # ---- the report's arithmetic (pure) -----------------------------------------------------------------
@@ -132,17 +140,21 @@ def plan_summary(name: str, predicted: dict, wall_per_rank: list[list[float]],
     """
     measured = statistics.median(iteration_times(wall_per_rank))
     phases = median_phases([phase_times(m) for m in marks_per_iteration])
-    repriced = []
+    repriced, repriced_p2p = [], []
     for p, m in enumerate(num_microbatches):
         stages = [dict(s, compute_s=c["compute_s"]) for s, c in
                   zip(predicted["stages"], stage_compute) if s["pipeline"] == p]
         repriced.append(repriced_pipeline_s(stages, m))
+        repriced_p2p.append(repriced_pipeline_s(
+            [dict(s, p2p_s=s["p2p_s"] * RUNTIME_P2P_SCALE) for s in stages], m))
     return {
         "name": name, "predicted_s": predicted["iteration_time_s"], "measured_s": measured,
         "error": relative_error(predicted["iteration_time_s"], measured),
         "terms": {
             "pipeline": {"predicted_s": predicted["pipeline_time_s"],
-                         "repriced_s": max(repriced), "measured_s": phases["schedule"]},
+                         "repriced_s": max(repriced),
+                         "repriced_runtime_p2p_s": max(repriced_p2p),
+                         "measured_s": phases["schedule"]},
             "sync": {"predicted_s": predicted["grad_sync_s"], "measured_s": phases["sync"]},
             "norm": {"predicted_s": 0.0, "measured_s": phases["norm"]},
             "optimizer": {"predicted_s": predicted["optimizer_s"],
@@ -359,6 +371,7 @@ def run_fleet(fleet_path: str, args, tmp: Path) -> dict:
         summary["layout"] = (next(b.note for b in result.baselines if b.name == name)
                              if name != OURS else f"{len(plan.pipelines)} pipelines")
         summary["plan"] = plan.to_dict()
+        summary["ranks"] = ranks            # raw: per plan rank, its timings per iteration
         summaries.append(summary)
     return {"fleet": fleet.cluster.name, "file": fleet_path,
             "cpu_share": fleet.cpu_share, "link_mbit": {n.name: fleet.link_mbit(n.name)
@@ -371,13 +384,17 @@ def print_fleet(r: dict) -> None:
     print(f"\n== {r['fleet']}: CPU shares {r['cpu_share']}, NICs {r['link_mbit']} Mbit/s; "
           f"load average {r['load_average_1min']['before']:.2f} -> "
           f"{r['load_average_1min']['after']:.2f}")
-    print(f"{'plan':<26} {'layout':<16} {'pred s':>7} {'meas s':>7} {'error':>7}   "
-          f"{'pipeline p/r/m':>17} {'sync p/m':>11} {'norm m':>7} {'opt p/m':>11}")
+    print("seconds; pipeline p/r/R/m = predicted / repriced with the in-run compute / also with "
+          "fp32 P2P / measured; p/m = predicted / measured; norm: loss + grad-norm all-reduce "
+          "and clipping (not in the cost model)")
+    print(f"{'plan':<27} {'layout':<15} {'pred s':>7} {'meas s':>7} {'error':>7}  "
+          f"{'pipeline p/r/R/m':>23} {'sync p/m':>11} {'norm m':>7} {'opt p/m':>11}")
     for p in r["plans"]:
         t = p["terms"]
-        print(f"{p['name']:<26} {p['layout']:<16} {p['predicted_s']:>7.3f} {p['measured_s']:>7.3f} "
-              f"{p['error']:>+7.1%}   {t['pipeline']['predicted_s']:>5.3f}/"
-              f"{t['pipeline']['repriced_s']:.3f}/{t['pipeline']['measured_s']:.3f} "
+        print(f"{p['name']:<27} {p['layout']:<15} {p['predicted_s']:>7.3f} {p['measured_s']:>7.3f} "
+              f"{p['error']:>+7.1%}  {t['pipeline']['predicted_s']:>5.3f}/"
+              f"{t['pipeline']['repriced_s']:.3f}/{t['pipeline']['repriced_runtime_p2p_s']:.3f}/"
+              f"{t['pipeline']['measured_s']:.3f} "
               f"{t['sync']['predicted_s']:>5.3f}/{t['sync']['measured_s']:.3f} "
               f"{t['norm']['measured_s']:>7.3f} {t['optimizer']['predicted_s']:>5.3f}/"
               f"{t['optimizer']['measured_s']:.3f}")

@@ -8,12 +8,21 @@ never part of the test suite, the pure logic below is unit-tested):
 
 * **GPU -> process at a CPU share.** Each GPU type runs at a fixed share of one CPU core
   (``configs/emulated/cpu_shares.yaml``). Every emulated GPU is one process in a cgroup (v1
-  ``cpu`` controller, ``/sys/fs/cgroup/cpu``) of its own with the CFS quota of its share. The
-  quota is 1 ms of CPU per ``1 ms / share`` period: the kernel's smallest quota, so the
-  throttling granularity (a process runs its quota, then waits out the period) stays a few ms
-  and a millisecond-scale op is slowed evenly instead of either running free or waiting a
-  100 ms default period. One torch thread per process (``OMP_NUM_THREADS=1``). The shares of
+  ``cpu`` controller, ``/sys/fs/cgroup/cpu``) of its own with the CFS quota of its share: 2 ms
+  of CPU per ``2 ms / share`` period. A short period keeps the throttling granularity (a process
+  runs its quota, then waits out the period) at a few ms, so a millisecond-scale op is slowed
+  evenly instead of either running free or waiting out a 100 ms default period; too short a
+  period loses CPU to throttling and unthrottling (a busy loop asking 0.6 / 0.3 / 0.15 got
+  0.45 / 0.29 / 0.18 with a 1 ms quota, 0.52 / 0.31 / 0.18 with 2 ms, 0.61 / 0.32 / 0.17 with
+  4 ms, on a loaded machine). What a type gets is measured anyway: it is profiled inside its
+  quota (scripts/bench_emulated.py). One torch thread per process (``OMP_NUM_THREADS=1``). The shares of
   all GPUs must sum to less than the machine's cores, or the quota is not what a process gets.
+  A quota is a ceiling, not a guarantee: other work on the machine competes for the cores. The
+  run's parent cgroup therefore gets the largest CFS weight (``cpu.shares``), so while the
+  emulated GPUs want CPU they get their quota first and the rest of the machine what is left
+  (at least the cores minus the shares' sum); without that, a loaded machine slows every
+  emulated GPU towards the same speed. Each emulated GPU is also pinned to one CPU
+  (``taskset``), the shares packed so that no CPU carries more than one core's worth.
   A quota is a ceiling, not a guarantee: other work on the machine competes for the cores. The
   run's parent cgroup therefore gets the largest CFS weight (``cpu.shares``), so while the
   emulated GPUs want CPU they get their quota first and the rest of the machine what is left
@@ -73,8 +82,8 @@ DEFAULT_SHARES = EMULATED_DIR / "cpu_shares.yaml"
 CGROUP_CPU_ROOT = Path("/sys/fs/cgroup/cpu")
 DEFAULT_PREFIX = "ahemu"
 SUBNET = "10.214.0"          # node i is SUBNET.(i + 1)/24 on the bridge
-MIN_QUOTA_US = 1000          # the kernel refuses a smaller cfs_quota_us (and cfs_period_us)
-MAX_PERIOD_US = 1_000_000    # ... and a larger cfs_period_us
+QUOTA_US = 2000              # CPU time per period of every emulated GPU (module doc)
+MAX_PERIOD_US = 1_000_000    # the kernel refuses a larger cfs_period_us
 DEFAULT_QUEUE_MS = 20.0
 # cpu.shares of the run's parent cgroup: the largest weight, so the emulated GPUs get their quota
 # before the machine's other work does (module doc).
@@ -105,9 +114,9 @@ def load_cpu_shares(path: str | Path = DEFAULT_SHARES) -> dict[str, float]:
     out = {}
     for name in shares:
         value = get_field(shares, name, float, path, "cpu_share", positive=True)
-        if value > 1.0 or value < MIN_QUOTA_US / MAX_PERIOD_US:
+        if value > 1.0 or value < QUOTA_US / MAX_PERIOD_US:
             raise ConfigError(path, f"cpu_share.{name}", f"got {value!r}",
-                              "a fraction of one core in [0.001, 1]")
+                              f"a fraction of one core in [{QUOTA_US / MAX_PERIOD_US:g}, 1]")
         out[str(name)] = value
     return out
 
@@ -133,11 +142,11 @@ def load_fleet(cluster_path: str | Path, catalog_path: str | Path = DEFAULT_CATA
 
 
 def cfs_quota(share: float) -> tuple[int, int]:
-    """(cpu.cfs_period_us, cpu.cfs_quota_us) giving ``share`` of one core: the smallest quota the
-    kernel takes (1 ms) and the period that makes it the share (module doc)."""
-    if not MIN_QUOTA_US / MAX_PERIOD_US <= share <= 1.0:
-        raise ValueError(f"share {share} outside [0.001, 1]")
-    return round(MIN_QUOTA_US / share), MIN_QUOTA_US
+    """(cpu.cfs_period_us, cpu.cfs_quota_us) giving ``share`` of one core: a 2 ms quota and the
+    period that makes it the share (module doc)."""
+    if not QUOTA_US / MAX_PERIOD_US <= share <= 1.0:
+        raise ValueError(f"share {share} outside [{QUOTA_US / MAX_PERIOD_US:g}, 1]")
+    return round(QUOTA_US / share), QUOTA_US
 
 
 @dataclass(frozen=True)
@@ -190,6 +199,19 @@ def network_commands(fleet: EmulatedFleet, prefix: str = DEFAULT_PREFIX,
     return cmds
 
 
+def assign_cpus(shares: list[float], cores: int) -> list[int]:
+    """A CPU for each process: largest share first, onto the CPU with the most share left (so no
+    CPU carries more than a core's worth while another has room). Returns the CPU per process,
+    in the order given."""
+    left = [1.0] * cores
+    cpu = [0] * len(shares)
+    for i in sorted(range(len(shares)), key=lambda i: -shares[i]):
+        best = max(range(cores), key=lambda c: (left[c], -c))
+        cpu[i] = best
+        left[best] -= shares[i]
+    return cpu
+
+
 @dataclass(frozen=True)
 class Placement:
     rank: int
@@ -203,14 +225,20 @@ class Placement:
     cgroup: Path
     period_us: int
     quota_us: int
+    cpu: int
 
 
 def place_ranks(fleet: EmulatedFleet, ranks: list[tuple[str, int]] | None = None,
-                prefix: str = DEFAULT_PREFIX, cgroup_root: Path = CGROUP_CPU_ROOT
-                ) -> list[Placement]:
-    """Rank -> (namespace, cgroup): ``ranks`` lists (node, local GPU) per global rank (a plan's
-    rank order); None: every device of the cluster in its own order."""
+                prefix: str = DEFAULT_PREFIX, cgroup_root: Path = CGROUP_CPU_ROOT,
+                cores: int | None = None) -> list[Placement]:
+    """Rank -> (namespace, cgroup, CPU): ``ranks`` lists (node, local GPU) per global rank (a
+    plan's rank order); None: every device of the cluster in its own order. CPUs: of every
+    device of the cluster (:func:`assign_cpus`), so a GPU keeps its CPU whatever plan runs."""
     cluster = fleet.cluster
+    all_devices = cluster.devices()
+    cpus = assign_cpus([fleet.cpu_share[d.gpu] for d in all_devices],
+                       cores or os.cpu_count() or 1)
+    cpu_of = {(d.node, d.local_rank): c for d, c in zip(all_devices, cpus)}
     devices = {(d.node, d.local_rank): d for d in cluster.devices()}
     if ranks is None:
         ranks = [(d.node, d.local_rank) for d in cluster.devices()]
@@ -229,7 +257,7 @@ def place_ranks(fleet: EmulatedFleet, ranks: list[tuple[str, int]] | None = None
         period, quota = cfs_quota(fleet.cpu_share[device.gpu])
         out.append(Placement(rank, len(ranks), device.node, device.local_rank, device.gpu,
                              net.namespace, net.device, net.address,
-                             cgroup_root / prefix / f"rank{rank}", period, quota))
+                             cgroup_root / prefix / f"rank{rank}", period, quota, cpu_of[key]))
     return out
 
 
@@ -242,11 +270,13 @@ def rank_env(p: Placement, master: Placement, port: int) -> dict[str, str]:
 
 
 def confined_command(p: Placement, cmd: list[str]) -> list[str]:
-    """``cmd`` in the rank's namespace, joined to its cgroup before it execs (module doc). The
-    cgroup first: ``ip netns exec`` mounts the namespace's own /sys, without /sys/fs/cgroup, and
-    execs in place, so the command keeps the pid the wrapper joined."""
+    """``cmd`` on the rank's CPU, in its namespace, joined to its cgroup before it execs (module
+    doc). The cgroup first: ``ip netns exec`` mounts the namespace's own /sys, without
+    /sys/fs/cgroup; ``taskset`` and ``ip netns exec`` exec in place, so the command keeps the pid
+    the wrapper joined."""
     join = f"echo $$ > {shlex.quote(str(p.cgroup / 'tasks'))} && exec \"$@\""
-    return ["sh", "-c", join, "sh", *_netns.in_netns(cmd, p.namespace)]
+    return ["sh", "-c", join, "sh", "taskset", "-c", str(p.cpu),
+            *_netns.in_netns(cmd, p.namespace)]
 
 
 # ---- what was created, and its removal --------------------------------------------------------------
@@ -479,7 +509,7 @@ def main() -> int:
         with EmulatedCluster(fleet, args.prefix, args.queue_ms) as emu:
             for p in placements:
                 print(f"rank {p.rank}: {p.gpu} on {p.node} ({p.namespace}, {p.address}), "
-                      f"{p.quota_us / p.period_us:.3g} core", flush=True)
+                      f"{p.quota_us / p.period_us:.3g} of CPU {p.cpu}", flush=True)
             return wait_all(emu.launch(placements, cmd, args.port), args.timeout)
     except KeyboardInterrupt:
         return 130

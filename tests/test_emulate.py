@@ -29,11 +29,11 @@ SLOW_LINK = emu.EMULATED_DIR / "three-speeds-slow-link.yaml"
 
 
 def test_cfs_quota_gives_the_share_with_the_smallest_quota():
-    for share in (1.0, 0.6, 0.3, 0.15, 0.001):
+    for share in (1.0, 0.6, 0.3, 0.15, 0.002):
         period, quota = emu.cfs_quota(share)
-        assert quota == emu.MIN_QUOTA_US and period <= emu.MAX_PERIOD_US
+        assert quota == emu.QUOTA_US >= 1000 and period <= emu.MAX_PERIOD_US  # kernel's limits
         assert quota / period == pytest.approx(share, rel=1e-3)
-    for bad in (0.0, 1.5, 0.0005):
+    for bad in (0.0, 1.5, 0.001):
         with pytest.raises(ValueError):
             emu.cfs_quota(bad)
 
@@ -123,10 +123,28 @@ def test_the_wrapper_puts_the_commands_own_pid_in_the_cgroup(tmp_path):
     fleet = emu.load_fleet(FLEET, cores=2)
     p = emu.place_ranks(fleet, prefix="t", cgroup_root=tmp_path)[0]
     p.cgroup.mkdir(parents=True)
-    cmd = emu.confined_command(p, [sys.executable, "-c", "import os; print(os.getpid())"])
-    assert cmd[4:8] == ["ip", "netns", "exec", p.namespace]     # the namespace after the cgroup
-    out = subprocess.run(cmd[:4] + cmd[8:], capture_output=True, text=True, check=True).stdout
-    assert (p.cgroup / "tasks").read_text().strip() == out.strip()
+    cmd = emu.confined_command(p, [sys.executable, "-c",
+                                   "import os; print(os.getpid(), *os.sched_getaffinity(0))"])
+    assert cmd[4:7] == ["taskset", "-c", str(p.cpu)]
+    assert cmd[7:11] == ["ip", "netns", "exec", p.namespace]     # the namespace after the cgroup
+    out = subprocess.run(cmd[:7] + cmd[11:], capture_output=True, text=True, check=True).stdout
+    pid, *cpus = out.split()
+    assert (p.cgroup / "tasks").read_text().strip() == pid
+    assert cpus == [str(p.cpu)]
+
+
+def test_cpus_are_packed_so_no_cpu_carries_more_than_a_core():
+    assert emu.assign_cpus([0.6, 0.3, 0.3, 0.15, 0.15], 2) == [0, 1, 1, 0, 1]
+    assert emu.assign_cpus([0.5, 0.5, 0.5, 0.5], 2) == [0, 1, 0, 1]
+    fleet = emu.load_fleet(FLEET, cores=2)
+    placed = emu.place_ranks(fleet, cores=2)
+    load = {}
+    for p in placed:
+        load[p.cpu] = load.get(p.cpu, 0.0) + p.quota_us / p.period_us
+    assert set(load) == {0, 1} and max(load.values()) <= 1.0
+    # a plan's subset keeps every GPU on its CPU
+    sub = emu.place_ranks(fleet, [("slow", 1), ("fast", 0)], cores=2)
+    assert [p.cpu for p in sub] == [placed[4].cpu, placed[0].cpu]
 
 
 def test_ledger_tears_down_newest_first_each_once_despite_errors():
@@ -195,6 +213,11 @@ def test_plan_summary_reprices_the_cost_models_pipeline():
     summary = bench.plan_summary("x", predicted, iters, marks, stage_compute, [8])
     assert summary["error"] == pytest.approx(0.0)
     assert summary["terms"]["pipeline"]["repriced_s"] == pytest.approx(cost.pipeline_time_s)
+    # fp32 messages: every boundary's P2P twice the bf16 price
+    periods = [s.time_s + 2 * s.p2p_s for s in cost.stages]
+    assert summary["terms"]["pipeline"]["repriced_runtime_p2p_s"] == pytest.approx(
+        sum(periods) + 7 * max(periods))
+    assert any(s.p2p_s for s in cost.stages)
     assert summary["terms"]["pipeline"]["measured_s"] == pytest.approx(cost.pipeline_time_s)
     slowest = max(range(len(stage_compute)), key=lambda i: predicted["stages"][i]["compute_s"]
                   + predicted["stages"][i]["p2p_s"])
