@@ -32,7 +32,9 @@ joined by tbf-shaped veths (the NICs). For each fleet, in one run:
      bf16 ("repriced, runtime P2P"): the P2P term's precision error; that vs measured is the
      schedule formula's (P2P overlap and bubble);
    * sync, norm + clip, optimizer: the latest rank's end of each phase minus the latest end of
-     the one before (norm + clip is not a term of the cost model).
+     the one before (norm + clip is not a term of the cost model);
+
+   and the error split into these parts (:func:`error_contributions`), the largest named.
 
 The load average (1 minute) before and after each fleet's run is recorded: the machine's other
 jobs take CPU a quota does not guarantee, so figures measured under load are not the product's
@@ -147,7 +149,7 @@ def plan_summary(name: str, predicted: dict, wall_per_rank: list[list[float]],
         repriced.append(repriced_pipeline_s(stages, m))
         repriced_p2p.append(repriced_pipeline_s(
             [dict(s, p2p_s=s["p2p_s"] * RUNTIME_P2P_SCALE) for s in stages], m))
-    return {
+    summary = {
         "name": name, "predicted_s": predicted["iteration_time_s"], "measured_s": measured,
         "error": relative_error(predicted["iteration_time_s"], measured),
         "terms": {
@@ -162,6 +164,26 @@ def plan_summary(name: str, predicted: dict, wall_per_rank: list[list[float]],
         "stages": [dict(s, measured_compute_s=c["compute_s"])
                    for s, c in zip(predicted["stages"], stage_compute)],
         "iterations_s": iteration_times(wall_per_rank)}
+    summary["error_s_by_term"] = error_contributions(summary)
+    return summary
+
+
+def error_contributions(summary: dict) -> dict[str, float]:
+    """The iteration-time error (predicted - measured seconds) split by term; the parts add up
+    to the whole. compute: the profile vs the in-run compute; p2p_precision: bf16-priced vs fp32
+    messages; schedule: the 1F1B formula (bubble, P2P overlap) vs the measured schedule; sync,
+    norm (unpriced), optimizer: predicted vs measured phase; rest: what the phases do not cover
+    (the slowest rank's iteration vs the latest phase ends)."""
+    t = summary["terms"]
+    pipe = t["pipeline"]
+    parts = {"compute": pipe["predicted_s"] - pipe["repriced_s"],
+             "p2p_precision": pipe["repriced_s"] - pipe["repriced_runtime_p2p_s"],
+             "schedule": pipe["repriced_runtime_p2p_s"] - pipe["measured_s"],
+             "sync": t["sync"]["predicted_s"] - t["sync"]["measured_s"],
+             "norm": t["norm"]["predicted_s"] - t["norm"]["measured_s"],
+             "optimizer": t["optimizer"]["predicted_s"] - t["optimizer"]["measured_s"]}
+    parts["rest"] = summary["predicted_s"] - summary["measured_s"] - sum(parts.values())
+    return parts
 
 
 def predicted_figures(cost) -> dict:
@@ -380,6 +402,11 @@ def run_fleet(fleet_path: str, args, tmp: Path) -> dict:
             "load_average_1min": {"before": load_before, "after": load_after}}
 
 
+def largest_term(plan: dict, count: int = 2) -> str:
+    parts = sorted(plan["error_s_by_term"].items(), key=lambda kv: -abs(kv[1]))[:count]
+    return ", ".join(f"{k} {v:+.3f}" for k, v in parts)
+
+
 def print_fleet(r: dict) -> None:
     print(f"\n== {r['fleet']}: CPU shares {r['cpu_share']}, NICs {r['link_mbit']} Mbit/s; "
           f"load average {r['load_average_1min']['before']:.2f} -> "
@@ -388,7 +415,8 @@ def print_fleet(r: dict) -> None:
           "fp32 P2P / measured; p/m = predicted / measured; norm: loss + grad-norm all-reduce "
           "and clipping (not in the cost model)")
     print(f"{'plan':<27} {'layout':<15} {'pred s':>7} {'meas s':>7} {'error':>7}  "
-          f"{'pipeline p/r/R/m':>23} {'sync p/m':>11} {'norm m':>7} {'opt p/m':>11}")
+          f"{'pipeline p/r/R/m':>23} {'sync p/m':>11} {'norm m':>7} {'opt p/m':>11}  "
+          "largest error terms")
     for p in r["plans"]:
         t = p["terms"]
         print(f"{p['name']:<27} {p['layout']:<15} {p['predicted_s']:>7.3f} {p['measured_s']:>7.3f} "
@@ -397,7 +425,7 @@ def print_fleet(r: dict) -> None:
               f"{t['pipeline']['measured_s']:.3f} "
               f"{t['sync']['predicted_s']:>5.3f}/{t['sync']['measured_s']:.3f} "
               f"{t['norm']['measured_s']:>7.3f} {t['optimizer']['predicted_s']:>5.3f}/"
-              f"{t['optimizer']['measured_s']:.3f}")
+              f"{t['optimizer']['measured_s']:.3f}  {largest_term(p)}")
     print(f"{'our speedup over':<26} {'predicted':>10} {'measured':>10} {'diff':>8}")
     for s in r["speedups"]:
         print(f"{s['baseline']:<26} {s['predicted_speedup']:>9.2f}x {s['measured_speedup']:>9.2f}x "

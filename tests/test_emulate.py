@@ -226,3 +226,17 @@ def test_plan_summary_reprices_the_cost_models_pipeline():
     extra = 0.1 * predicted["stages"][slowest]["compute_s"]
     assert summary["terms"]["pipeline"]["repriced_s"] == pytest.approx(
         cost.pipeline_time_s + 8 * extra)
+
+
+def test_error_contributions_add_up_to_the_error():
+    summary = {"predicted_s": 1.0, "measured_s": 1.3, "terms": {
+        "pipeline": {"predicted_s": 0.8, "repriced_s": 0.9, "repriced_runtime_p2p_s": 0.95,
+                     "measured_s": 1.0},
+        "sync": {"predicted_s": 0.1, "measured_s": 0.15},
+        "norm": {"predicted_s": 0.0, "measured_s": 0.05},
+        "optimizer": {"predicted_s": 0.1, "measured_s": 0.08}}}
+    parts = bench.error_contributions(summary)
+    assert parts == pytest.approx({"compute": -0.1, "p2p_precision": -0.05, "schedule": -0.05,
+                                   "sync": -0.05, "norm": -0.05, "optimizer": 0.02,
+                                   "rest": -0.02})
+    assert sum(parts.values()) == pytest.approx(-0.3)
