@@ -7,8 +7,9 @@ arithmetic below is unit-tested): scripts/emulate_cluster.py turns each fleet of
 ``configs/emulated/`` into processes at different CPU shares (the GPU types) in network namespaces
 joined by tbf-shaped veths (the NICs). For each fleet, in one run:
 
-1. **Profile** every emulated GPU type with ``autohet profile --as-gpu TYPE`` inside that type's
-   quota (all types at once, as they will train), so the profile holds the emulated speeds.
+1. **Profile** every emulated GPU with ``autohet profile --as-gpu TYPE`` inside its quota, all
+   at once as they will train, so the profile holds the emulated speeds; a type's figures are
+   the mean over its GPUs.
 2. **Plan** with that profile: ``planner.compare.compare`` gives our plan and the baselines of
    ``autohet compare`` (the Megatron-LM grid, Whale-style, the fastest type alone); each is
    written as a plan YAML and priced by the cost model (the predicted iteration time and its
@@ -306,31 +307,48 @@ def progress(message: str) -> None:
     print(f"> {time.strftime('%H:%M:%S')} {message}", flush=True)
 
 
-def profile_fleet(cluster: emu.EmulatedCluster, placements, model_path: str, tmp: Path,
-                  micro_batch_size: int, iters: int, timeout: float):
-    """Every GPU type measured by `autohet profile` inside its quota, all at once."""
+def mean_profile(profiles: list) -> "Profile":
+    """One profile from several measurements of the same keys (the emulated GPUs of one type):
+    per entry and part, the mean forward and backward times; the rest is the first's."""
+    from dataclasses import replace
+
     from megatron_autohet.profiling.profile import Profile
 
-    first_of_type = {}
-    for p in placements:
-        first_of_type.setdefault(p.gpu, p)
+    out = Profile(profiles[0].model)
+    keys = dict.fromkeys(k for p in profiles for k in p.entries)
+    for key in keys:
+        copies = [p.entries[key] for p in profiles if key in p.entries]
+        parts = {}
+        for part in ("layer", "embedding", "output"):
+            ops = [getattr(e, part) for e in copies]
+            parts[part] = replace(ops[0], forward_s=statistics.fmean(o.forward_s for o in ops),
+                                  backward_s=statistics.fmean(o.backward_s for o in ops))
+        out.add(replace(copies[0], **parts))
+    return out
+
+
+def profile_fleet(cluster: emu.EmulatedCluster, placements, model_path: str, tmp: Path,
+                  micro_batch_size: int, iters: int, timeout: float):
+    """`autohet profile` on every emulated GPU at once, each inside its quota and on its CPU, as
+    they will train (measuring one GPU per type, the CPUs less busy than in training, gave
+    faster layers than the run saw); a type's figures are the mean over its GPUs."""
+    from megatron_autohet.profiling.profile import Profile
+
     procs, outputs = [], []
-    for gpu, p in first_of_type.items():
-        out = tmp / f"profile-{gpu}.yaml"
+    for p in placements:
+        out = tmp / f"profile-rank{p.rank}.yaml"
         cmd = [sys.executable, "-m", "megatron_autohet.cli.main", "profile", "--model", model_path,
-               "--as-gpu", gpu, "--gpu-catalog", str(emu.DEFAULT_CATALOG), "--tp", "1",
+               "--as-gpu", p.gpu, "--gpu-catalog", str(emu.DEFAULT_CATALOG), "--tp", "1",
                "--micro-batch-size", str(micro_batch_size), "--warmup", "3", "--iters",
                str(iters), "-o", str(out)]
         env = {"OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(ROOT)}
-        procs.append(cluster.spawn(p, cmd, env, tmp / f"profile-{gpu}.log"))
+        procs.append(cluster.spawn(p, cmd, env, tmp / f"profile-rank{p.rank}.log"))
         outputs.append(out)
     if emu.wait_all(procs, timeout):
-        logs = "\n".join((tmp / f"profile-{g}.log").read_text()[-2000:] for g in first_of_type)
+        logs = "\n".join((tmp / f"profile-rank{p.rank}.log").read_text()[-2000:]
+                         for p in placements)
         raise SystemExit(f"profiling failed:\n{logs}")
-    merged = Profile.load(outputs[0])
-    for out in outputs[1:]:
-        merged = Profile.load(out).merged_over(merged)
-    return merged
+    return mean_profile([Profile.load(out) for out in outputs])
 
 
 def run_fleet(fleet_path: str, args, tmp: Path) -> dict:

@@ -240,3 +240,19 @@ def test_error_contributions_add_up_to_the_error():
                                    "sync": -0.05, "norm": -0.05, "optimizer": 0.02,
                                    "rest": -0.02})
     assert sum(parts.values()) == pytest.approx(-0.3)
+
+
+def test_mean_profile_averages_the_gpus_of_a_type():
+    from megatron_autohet.profiling.profile import OpCost, Profile, ProfileEntry
+
+    def profile(gpu, t):
+        op = OpCost(t, 2 * t, 10.0, 1.0, 5, "measured")
+        p = Profile("m")
+        p.add(ProfileEntry(gpu, 1, 2, 128, op, op, op))
+        return p
+
+    merged = bench.mean_profile([profile("A", 1.0), profile("A", 3.0), profile("B", 5.0)])
+    a, b = merged.get("A", 1, 2, 128), merged.get("B", 1, 2, 128)
+    assert (a.layer.forward_s, a.layer.backward_s, a.output.forward_s) == (2.0, 4.0, 2.0)
+    assert a.layer.activation_bytes == 10.0 and a.layer.source == "measured"
+    assert b.embedding.forward_s == 5.0
