@@ -162,7 +162,8 @@ def plan_summary(name: str, predicted: dict, wall_per_rank: list[list[float]],
             "norm": {"predicted_s": 0.0, "measured_s": phases["norm"]},
             "optimizer": {"predicted_s": predicted["optimizer_s"],
                           "measured_s": phases["optimizer"]}},
-        "stages": [dict(s, measured_compute_s=c["compute_s"])
+        "stages": [dict(s, measured_compute_s=c["compute_s"],
+                        **{f"measured_{k}": v for k, v in c.items() if k != "compute_s"})
                    for s, c in zip(predicted["stages"], stage_compute)],
         "iterations_s": iteration_times(wall_per_rank)}
     summary["error_s_by_term"] = error_contributions(summary)
@@ -238,7 +239,7 @@ def worker(args) -> None:
 
     # Stamps and compute sums of the current iteration (wrapped around the runtime's calls).
     stamps: dict[str, float] = {}
-    compute = {"fwd": 0.0, "bwd": 0.0}
+    compute = {"fwd": 0.0, "bwd": 0.0, "cpu": 0.0}
     clock = {"start": 0.0}
 
     def stamped(fn, phase):
@@ -250,9 +251,10 @@ def worker(args) -> None:
 
     def summed(fn, kind):
         def wrapper(*a, **k):
-            t = time.perf_counter()
+            t, cpu = time.perf_counter(), time.thread_time()
             out = fn(*a, **k)
             compute[kind] += time.perf_counter() - t
+            compute["cpu"] += time.thread_time() - cpu
             return out
         return wrapper
 
@@ -260,7 +262,8 @@ def worker(args) -> None:
     schedules.forward_step = summed(schedules.forward_step, "fwd")
     schedules.backward_step = summed(schedules.backward_step, "bwd")
 
-    results = {n: {"wall_s": [], "marks": [], "compute_s": [], "plan_rank": None}
+    results = {n: {"wall_s": [], "marks": [], "compute_s": [], "compute_cpu_s": [],
+                   "plan_rank": None}
                for n in names}
     for r in range(args.rounds):
         step = r * (args.warmup + args.iters)      # every plan trains the same batches
@@ -285,7 +288,7 @@ def worker(args) -> None:
                 for i in range(args.warmup + args.iters):
                     dist.barrier()
                     stamps.clear()
-                    compute.update(fwd=0.0, bwd=0.0)
+                    compute.update(fwd=0.0, bwd=0.0, cpu=0.0)
                     clock["start"] = time.perf_counter()
                     trainer.train_step(batches[step + i])
                     wall = time.perf_counter() - clock["start"]
@@ -293,6 +296,7 @@ def worker(args) -> None:
                         results[name]["wall_s"].append(wall)
                         results[name]["marks"].append(dict(stamps))
                         results[name]["compute_s"].append((compute["fwd"] + compute["bwd"]) / m)
+                        results[name]["compute_cpu_s"].append(compute["cpu"] / m)
                 dist.destroy_process_group()
                 del trainer
             store_barrier(store, f"done/{r}/{name}", world)
@@ -402,9 +406,11 @@ def run_fleet(fleet_path: str, args, tmp: Path) -> dict:
         ranks = [r for _, r in members]
         cost = costs[name]
         # per predicted stage: the median in-run compute of its first rank
-        stage_compute = [{"compute_s": statistics.median(
-            ranks[pipe.stages[s.stage].ranks[0]]["compute_s"])}
-            for s, pipe in ((s, plan.pipelines[s.pipeline]) for s in cost.stages)]
+        # per predicted stage: its first rank's median in-run compute per micro-batch, and the
+        # CPU time of it (CPU / wall: the share of a core the stage really got)
+        firsts = [ranks[plan.pipelines[s.pipeline].stages[s.stage].ranks[0]] for s in cost.stages]
+        stage_compute = [{"compute_s": statistics.median(r["compute_s"]),
+                          "compute_cpu_s": statistics.median(r["compute_cpu_s"])} for r in firsts]
         marks = [list(col) for col in zip(*(r["marks"] for r in ranks))]
         summary = plan_summary(name, predicted_figures(cost), [r["wall_s"] for r in ranks],
                                marks, stage_compute, [p.num_microbatches for p in plan.pipelines])
