@@ -55,6 +55,7 @@ import statistics
 import sys
 import tempfile
 import time
+from datetime import timedelta
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -224,8 +225,7 @@ def worker(args) -> None:
     device_rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     node, local = args.node, int(os.environ["LOCAL_RANK"])
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
-                          is_master=device_rank == 0, timeout=__import__("datetime").timedelta(
-                              seconds=args.timeout))
+                          is_master=device_rank == 0, timeout=timedelta(seconds=args.timeout))
     names = json.loads(Path(args.plans).read_text())
     plans = {n: load_plan(Path(args.plan_dir) / f"{i}.yaml") for i, n in enumerate(names)}
     total = args.rounds * (args.warmup + args.iters)
@@ -423,7 +423,19 @@ def run_fleet(fleet_path: str, args, tmp: Path) -> dict:
             "cpu_share": fleet.cpu_share, "link_mbit": {n.name: fleet.link_mbit(n.name)
                                                         for n in fleet.cluster.nodes},
             "plans": summaries, "speedups": speedup_rows(summaries),
+            "effective_share": effective_shares(summaries),
             "load_average_1min": {"before": load_before, "after": load_after}}
+
+
+def effective_shares(plans: list[dict]) -> dict[str, float]:
+    """Per GPU type, the median over its stages in every plan of compute CPU time / wall time:
+    the share of a core it really got (the quota is a ceiling; other load takes from it)."""
+    ratios: dict[str, list[float]] = {}
+    for p in plans:
+        for s in p["stages"]:
+            ratios.setdefault(s["gpu"], []).append(s["measured_compute_cpu_s"]
+                                                   / s["measured_compute_s"])
+    return {gpu: statistics.median(r) for gpu, r in ratios.items()}
 
 
 def largest_term(plan: dict, count: int = 2) -> str:
@@ -432,8 +444,9 @@ def largest_term(plan: dict, count: int = 2) -> str:
 
 
 def print_fleet(r: dict) -> None:
-    print(f"\n== {r['fleet']}: CPU shares {r['cpu_share']}, NICs {r['link_mbit']} Mbit/s; "
-          f"load average {r['load_average_1min']['before']:.2f} -> "
+    got = ", ".join(f"{g} {v:.2f}" for g, v in r["effective_share"].items())
+    print(f"\n== {r['fleet']}: CPU shares {r['cpu_share']} (got in the run: {got}), NICs "
+          f"{r['link_mbit']} Mbit/s; load average {r['load_average_1min']['before']:.2f} -> "
           f"{r['load_average_1min']['after']:.2f}")
     print("seconds; pipeline p/r/R/m = predicted / repriced with the in-run compute / also with "
           "fp32 P2P / measured; p/m = predicted / measured; norm: loss + grad-norm all-reduce "

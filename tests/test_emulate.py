@@ -256,3 +256,11 @@ def test_mean_profile_averages_the_gpus_of_a_type():
     assert (a.layer.forward_s, a.layer.backward_s, a.output.forward_s) == (2.0, 4.0, 2.0)
     assert a.layer.activation_bytes == 10.0 and a.layer.source == "measured"
     assert b.embedding.forward_s == 5.0
+
+
+def test_effective_shares_are_cpu_over_wall_per_type():
+    plans = [{"stages": [{"gpu": "A", "measured_compute_s": 1.0, "measured_compute_cpu_s": 0.6},
+                         {"gpu": "B", "measured_compute_s": 2.0, "measured_compute_cpu_s": 0.3}]},
+             {"stages": [{"gpu": "A", "measured_compute_s": 1.0, "measured_compute_cpu_s": 0.5},
+                         {"gpu": "A", "measured_compute_s": 2.0, "measured_compute_cpu_s": 1.4}]}]
+    assert bench.effective_shares(plans) == pytest.approx({"A": 0.6, "B": 0.15})
