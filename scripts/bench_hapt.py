@@ -43,6 +43,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import _netns
 from _bench import silence_known_megatron_warnings, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -77,35 +78,26 @@ def plan_dict(num_microbatches: int, warmup: int) -> dict:
 
 # ---- the slow link ------------------------------------------------------------------------------
 
-def _ip(*args: str, netns: str | None = None) -> None:
-    cmd = (["ip", "netns", "exec", netns] if netns else []) + list(args)
-    subprocess.run(cmd, check=True, capture_output=True, text=True)
-
-
 def link_up(rate_mbit: float, queue_ms: float) -> None:
     """Namespaces, the veth pair between them, addresses, and the rate limit on both ends."""
     link_down()
     for ns in NAMESPACES:
-        _ip("ip", "netns", "add", ns)
-    _ip("ip", "link", "add", DEVICES[0], "netns", NAMESPACES[0], "type", "veth",
-        "peer", "name", DEVICES[1], "netns", NAMESPACES[1])
+        _netns.add_namespace(ns)
+    _netns.add_veth(DEVICES[0], NAMESPACES[0], DEVICES[1], NAMESPACES[1])
     for ns, dev, addr in zip(NAMESPACES, DEVICES, ADDRESSES):
-        _ip("ip", "addr", "add", f"{addr}/24", "dev", dev, netns=ns)
-        _ip("ip", "link", "set", dev, "up", netns=ns)
-        _ip("ip", "link", "set", "lo", "up", netns=ns)
+        _netns.address_up(dev, ns, addr)
         if rate_mbit > 0:
             # A short queue (packets wait at most queue_ms, TCP's congestion control keeps it
             # there): gloo runs both directions over one TCP connection, so in a deep queue the
             # ACKs and gloo's receive-ready notes of one direction would wait behind whole
             # messages of the other (bufferbloat), coupling the directions the link should
             # carry concurrently.
-            _ip("tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{rate_mbit}mbit",
-                "burst", "32kb", "latency", f"{queue_ms}ms", netns=ns)
+            _netns.shape(dev, ns, rate_mbit, queue_ms, burst_bytes=32 * 1024)
 
 
 def link_down() -> None:
     for ns in NAMESPACES:   # deleting a namespace deletes its end of the veth, and so the pair
-        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        _netns.delete_namespace(ns)
 
 
 # ---- one rank (runs inside its namespace) --------------------------------------------------------

@@ -111,6 +111,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import _netns
 from _bench import silence_known_megatron_warnings, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -249,54 +250,28 @@ def wait_all(procs: list[subprocess.Popen], timeout: float, what: str, logs: lis
 
 # ---- the emulated cluster ------------------------------------------------------------------------
 
-def _ip(*args: str, netns: str | None = None) -> None:
-    cmd = (["ip", "netns", "exec", netns] if netns else []) + list(args)
-    result = subprocess.run(cmd, capture_output=True, text=True)
-    if result.returncode:
-        raise SystemExit(f"{' '.join(cmd)} failed: {result.stderr.strip()}")
-
-
-def _shape(dev: str, ns: str, rate_mbit: float, queue_ms: float) -> None:
-    # The bucket must hold at least a GSO packet (64 KiB) and a couple of ms at the rate, or the
-    # filter, not the rate, limits throughput.
-    burst = max(64 * 1024, int(rate_mbit * 1e6 / 8 * 0.002))
-    _ip("tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{rate_mbit}mbit",
-        "burst", str(burst), "latency", f"{queue_ms}ms", netns=ns)
-
-
-def _veth(a: str, ns_a: str, b: str, ns_b: str) -> None:
-    _ip("ip", "link", "add", a, "netns", ns_a, "type", "veth", "peer", "name", b, "netns", ns_b)
-
-
 def net_up(peer_mbit: float, s3_mbit: float, queue_ms: float) -> None:
     net_down()
     for ns in (*NODE_NS.values(), FABRIC_NS, S3_NS):
-        _ip("ip", "netns", "add", ns)
-        _ip("ip", "link", "set", "lo", "up", netns=ns)
-    _ip("ip", "link", "add", BRIDGE, "type", "bridge", netns=FABRIC_NS)
-    _ip("ip", "link", "set", BRIDGE, "up", netns=FABRIC_NS)
+        _netns.add_namespace(ns)
+    _netns.add_bridge(BRIDGE, FABRIC_NS)
     for node, ns in NODE_NS.items():
-        _veth(FABRIC_DEV[node], ns, BRIDGE_PORT[node], FABRIC_NS)
-        _ip("ip", "link", "set", BRIDGE_PORT[node], "master", BRIDGE, netns=FABRIC_NS)
-        _ip("ip", "link", "set", BRIDGE_PORT[node], "up", netns=FABRIC_NS)
-        _ip("ip", "addr", "add", f"{FABRIC_IP[node]}/24", "dev", FABRIC_DEV[node], netns=ns)
-        _ip("ip", "link", "set", FABRIC_DEV[node], "up", netns=ns)
-        _shape(FABRIC_DEV[node], ns, peer_mbit, queue_ms)                # node -> switch
-        _shape(BRIDGE_PORT[node], FABRIC_NS, peer_mbit, queue_ms)        # switch -> node
-        _veth(S3_DEV[node], ns, S3_PORT_DEV[node], S3_NS)
-        _ip("ip", "addr", "add", f"{S3_NODE_IP[node]}/24", "dev", S3_DEV[node], netns=ns)
-        _ip("ip", "addr", "add", f"{S3_SERVER_IP[node]}/24", "dev", S3_PORT_DEV[node],
-            netns=S3_NS)
-        _ip("ip", "link", "set", S3_DEV[node], "up", netns=ns)
-        _ip("ip", "link", "set", S3_PORT_DEV[node], "up", netns=S3_NS)
-        _shape(S3_DEV[node], ns, s3_mbit, queue_ms)                      # uploads
-        _shape(S3_PORT_DEV[node], S3_NS, s3_mbit, queue_ms)              # downloads
+        _netns.add_veth(FABRIC_DEV[node], ns, BRIDGE_PORT[node], FABRIC_NS)
+        _netns.attach_to_bridge(BRIDGE_PORT[node], BRIDGE, FABRIC_NS)
+        _netns.address_up(FABRIC_DEV[node], ns, FABRIC_IP[node])
+        _netns.shape(FABRIC_DEV[node], ns, peer_mbit, queue_ms)                # node -> switch
+        _netns.shape(BRIDGE_PORT[node], FABRIC_NS, peer_mbit, queue_ms)        # switch -> node
+        _netns.add_veth(S3_DEV[node], ns, S3_PORT_DEV[node], S3_NS)
+        _netns.address_up(S3_DEV[node], ns, S3_NODE_IP[node])
+        _netns.address_up(S3_PORT_DEV[node], S3_NS, S3_SERVER_IP[node])
+        _netns.shape(S3_DEV[node], ns, s3_mbit, queue_ms)                      # uploads
+        _netns.shape(S3_PORT_DEV[node], S3_NS, s3_mbit, queue_ms)              # downloads
 
 
 def net_down() -> None:
     # Deleting a namespace deletes its ends of the veths, and so the pairs, and the bridge.
     for ns in (*NODE_NS.values(), FABRIC_NS, S3_NS):
-        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        _netns.delete_namespace(ns)
 
 
 def clean_env(extra: dict | None = None) -> dict:

@@ -1,0 +1,516 @@
+#!/usr/bin/env python
+"""Measure plans, not only predict them: our plan and its baselines trained on an emulated
+heterogeneous cluster, predicted iteration times set against measured ones.
+
+Setup (needs root, iproute2 and cgroup v1's cpu controller; never part of the test suite; the
+arithmetic below is unit-tested): scripts/emulate_cluster.py turns each fleet of
+``configs/emulated/`` into processes at different CPU shares (the GPU types) in network namespaces
+joined by tbf-shaped veths (the NICs). For each fleet, in one run:
+
+1. **Profile** every emulated GPU with ``autohet profile --as-gpu TYPE`` inside its quota, all
+   at once as they will train, so the profile holds the emulated speeds; a type's figures are
+   the mean over its GPUs.
+2. **Plan** with that profile: ``planner.compare.compare`` gives our plan and the baselines of
+   ``autohet compare`` (the Megatron-LM grid, Whale-style, the fastest type alone); each is
+   written as a plan YAML and priced by the cost model (the predicted iteration time and its
+   terms: pipeline, gradient sync, optimizer).
+3. **Train** every plan on the emulated cluster: one long-lived process per emulated GPU, which
+   for each plan in turn joins a process group of that plan's ranks (a GPU the plan leaves idle
+   waits), builds the runtime's :class:`HeteroTrainer` and trains ``--warmup`` untimed then
+   ``--iters`` timed iterations; ``--rounds`` rounds, the plans' order rotating every round, so
+   the plans share the machine's noise. An iteration's time is the slowest rank's wall time of
+   ``train_step`` from a barrier. Each rank also stamps, from that barrier, the end of its
+   pipeline schedule, gradient sync, loss/grad-norm reduction + clipping and optimizer step, and
+   sums its forward and backward compute (megatron-core's ``forward_step`` / ``backward_step``).
+4. **Report** (table + JSON) per plan: predicted vs measured iteration time (median) and the
+   relative error; the measured speedup of our plan over each baseline next to the predicted
+   one; and, per cost-model term, predicted vs measured:
+
+   * pipeline: the latest rank's end of schedule;
+   * of which compute: the cost model's 1F1B formula fed the in-run per-stage compute instead of
+     the profile's ("repriced"): predicted vs repriced is the profile's (compute term's) error;
+     the same with the P2P messages at the runtime's fp32 instead of the planning precision's
+     bf16 ("repriced, runtime P2P"): the P2P term's precision error; that vs measured is the
+     schedule formula's (P2P overlap and bubble);
+   * sync, norm + clip, optimizer: the latest rank's end of each phase minus the latest end of
+     the one before (norm + clip is not a term of the cost model);
+
+   and the error split into these parts (:func:`error_contributions`), the largest named.
+
+The load average (1 minute) before and after each fleet's run is recorded: the machine's other
+jobs take CPU a quota does not guarantee, so figures measured under load are not the product's
+accuracy.
+
+    sudo python scripts/bench_emulated.py [--fleets configs/emulated/three-speeds.yaml ...]
+        [--rounds 3] [--iters 4] [--warmup 1] [--json bench-out/bench_emulated.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import emulate_cluster as emu  # noqa: E402  (puts the repository on sys.path)
+from _bench import silence_known_megatron_warnings, write_json  # noqa: E402
+
+from megatron_autohet.spec.precision import FP32, PLANNING_PRECISION  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_FLEETS = [str(emu.EMULATED_DIR / "three-speeds.yaml"),
+                  str(emu.EMULATED_DIR / "three-speeds-slow-link.yaml")]
+DEFAULT_MODEL = str(emu.EMULATED_DIR / "emu-gpt.yaml")
+PORT = 29611
+SEED = 1234
+OURS = "autohet (ours)"
+PHASES = ("schedule", "sync", "norm", "optimizer")     # train_step's parts, in order
+# The cost model prices activations and their gradients between stages in the planning precision
+# (bf16, spec/precision.py); the runtime still trains and sends fp32 (runtime/stage_model.py), so
+# its P2P messages are this much larger than priced.
+RUNTIME_P2P_SCALE = FP32.element_bytes / PLANNING_PRECISION.element_bytes
+
+
+# ---- the report's arithmetic (pure) -----------------------------------------------------------------
+
+def relative_error(predicted: float, measured: float) -> float:
+    """(predicted - measured) / measured: positive when the model is pessimistic."""
+    return (predicted - measured) / measured
+
+
+def iteration_times(per_rank: list[list[float]]) -> list[float]:
+    """Per iteration, the slowest rank's time (ranks in rows, iterations in columns)."""
+    return [max(column) for column in zip(*per_rank)]
+
+
+def phase_times(marks: list[dict[str, float]]) -> dict[str, float]:
+    """One iteration's phases from every rank's phase-end stamps (seconds since the barrier):
+    each phase ends when its latest rank ends it; its time is that minus the previous phase's
+    end (the first phase, the schedule, from 0)."""
+    out, previous = {}, 0.0
+    for phase in PHASES:
+        end = max(m[phase] for m in marks)
+        out[phase] = end - previous
+        previous = max(previous, end)
+    return out
+
+
+def median_phases(per_iteration: list[dict[str, float]]) -> dict[str, float]:
+    return {p: statistics.median(it[p] for it in per_iteration) for p in PHASES}
+
+
+def repriced_pipeline_s(stages: list[dict], num_microbatches: int) -> float:
+    """The cost model's 1F1B formula (cost_model.pipeline_time_s) over stages given as
+    ``{"compute_s": f + b per micro-batch, "p2p_s": outgoing boundary per micro-batch}``."""
+    from megatron_autohet.cost_model import pipeline_time_s
+
+    return pipeline_time_s([s["compute_s"] + s["p2p_s"] for s in stages], num_microbatches)
+
+
+def speedup_rows(plans: list[dict]) -> list[dict]:
+    """Our plan's speedup over every baseline, predicted (ratio of predicted times) and measured
+    (ratio of median measured times), and how far the measured one is from the predicted."""
+    ours = next(p for p in plans if p["name"] == OURS)
+    rows = []
+    for p in plans:
+        if p["name"] == OURS:
+            continue
+        predicted = p["predicted_s"] / ours["predicted_s"]
+        measured = p["measured_s"] / ours["measured_s"]
+        rows.append({"baseline": p["name"], "predicted_speedup": predicted,
+                     "measured_speedup": measured,
+                     "speedup_error": relative_error(predicted, measured),
+                     "ours_measured_faster": measured > 1.0})
+    return rows
+
+
+def plan_summary(name: str, predicted: dict, wall_per_rank: list[list[float]],
+                 marks_per_iteration: list[list[dict]], stage_compute: list[dict],
+                 num_microbatches: list[int]) -> dict:
+    """One plan's predicted vs measured figures.
+
+    ``predicted``: the cost model's iteration/pipeline/sync/optimizer seconds and its stages
+    (``{"pipeline", "compute_s", "p2p_s"}`` each); ``wall_per_rank``: train_step seconds per rank
+    per timed iteration; ``marks_per_iteration``: per iteration, every rank's phase ends;
+    ``stage_compute``: per stage (same order as the predicted stages) the measured median
+    forward + backward seconds per micro-batch; ``num_microbatches``: per pipeline.
+    """
+    measured = statistics.median(iteration_times(wall_per_rank))
+    phases = median_phases([phase_times(m) for m in marks_per_iteration])
+    repriced, repriced_p2p = [], []
+    for p, m in enumerate(num_microbatches):
+        stages = [dict(s, compute_s=c["compute_s"]) for s, c in
+                  zip(predicted["stages"], stage_compute) if s["pipeline"] == p]
+        repriced.append(repriced_pipeline_s(stages, m))
+        repriced_p2p.append(repriced_pipeline_s(
+            [dict(s, p2p_s=s["p2p_s"] * RUNTIME_P2P_SCALE) for s in stages], m))
+    summary = {
+        "name": name, "predicted_s": predicted["iteration_time_s"], "measured_s": measured,
+        "error": relative_error(predicted["iteration_time_s"], measured),
+        "terms": {
+            "pipeline": {"predicted_s": predicted["pipeline_time_s"],
+                         "repriced_s": max(repriced),
+                         "repriced_runtime_p2p_s": max(repriced_p2p),
+                         "measured_s": phases["schedule"]},
+            "sync": {"predicted_s": predicted["grad_sync_s"], "measured_s": phases["sync"]},
+            "norm": {"predicted_s": 0.0, "measured_s": phases["norm"]},
+            "optimizer": {"predicted_s": predicted["optimizer_s"],
+                          "measured_s": phases["optimizer"]}},
+        "stages": [dict(s, measured_compute_s=c["compute_s"],
+                        **{f"measured_{k}": v for k, v in c.items() if k != "compute_s"})
+                   for s, c in zip(predicted["stages"], stage_compute)],
+        "iterations_s": iteration_times(wall_per_rank)}
+    summary["error_s_by_term"] = error_contributions(summary)
+    return summary
+
+
+def error_contributions(summary: dict) -> dict[str, float]:
+    """The iteration-time error (predicted - measured seconds) split by term; the parts add up
+    to the whole. compute: the profile vs the in-run compute; p2p_precision: bf16-priced vs fp32
+    messages; schedule: the 1F1B formula (bubble, P2P overlap) vs the measured schedule; sync,
+    norm (unpriced), optimizer: predicted vs measured phase; rest: what the phases do not cover
+    (the slowest rank's iteration vs the latest phase ends)."""
+    t = summary["terms"]
+    pipe = t["pipeline"]
+    parts = {"compute": pipe["predicted_s"] - pipe["repriced_s"],
+             "p2p_precision": pipe["repriced_s"] - pipe["repriced_runtime_p2p_s"],
+             "schedule": pipe["repriced_runtime_p2p_s"] - pipe["measured_s"],
+             "sync": t["sync"]["predicted_s"] - t["sync"]["measured_s"],
+             "norm": t["norm"]["predicted_s"] - t["norm"]["measured_s"],
+             "optimizer": t["optimizer"]["predicted_s"] - t["optimizer"]["measured_s"]}
+    parts["rest"] = summary["predicted_s"] - summary["measured_s"] - sum(parts.values())
+    return parts
+
+
+def predicted_figures(cost) -> dict:
+    """What plan_summary needs of a cost_model.PlanCost."""
+    return {"iteration_time_s": cost.iteration_time_s, "pipeline_time_s": cost.pipeline_time_s,
+            "grad_sync_s": cost.grad_sync_s, "optimizer_s": cost.optimizer_s,
+            "stages": [{"pipeline": s.pipeline, "stage": s.stage, "gpu": s.gpu,
+                        "layers": list(s.layers), "compute_s": s.time_s, "p2p_s": s.p2p_s}
+                       for s in cost.stages]}
+
+
+# ---- one emulated GPU (runs inside its namespace and cgroup) ----------------------------------------
+
+def store_barrier(store, key: str, world: int) -> None:
+    if store.add(key, 1) == world:
+        store.set(f"{key}/go", "1")
+    store.wait([f"{key}/go"])
+
+
+def worker(args) -> None:
+    silence_known_megatron_warnings()
+    import torch
+    import torch.distributed as dist
+    from megatron.core.pipeline_parallel import schedules
+
+    import megatron_autohet.runtime.trainer as trainer_module
+    from megatron_autohet.data.batches import DataOptions, build_global_batches
+    from megatron_autohet.plan import load_plan
+    from megatron_autohet.runtime.cpu_mode import cpu_mode_required, enable_cpu_mode
+    from megatron_autohet.runtime.optimizer import OptimizerSettings
+    from megatron_autohet.runtime.trainer import HeteroTrainer
+
+    torch.set_num_threads(1)
+    if cpu_mode_required():
+        enable_cpu_mode()
+    device_rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    node, local = args.node, int(os.environ["LOCAL_RANK"])
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          is_master=device_rank == 0, timeout=timedelta(seconds=args.timeout))
+    names = json.loads(Path(args.plans).read_text())
+    plans = {n: load_plan(Path(args.plan_dir) / f"{i}.yaml") for i, n in enumerate(names)}
+    total = args.rounds * (args.warmup + args.iters)
+    first = plans[names[0]]
+    data = build_global_batches(DataOptions(seq_length=first.seq_length,
+                                            global_batch_size=first.global_batch_size,
+                                            num_iterations=total, seed=SEED,
+                                            data_dir=args.data_dir), first.model.vocab_size)
+    batches = [data.batch(i) for i in range(total)]
+    settings = OptimizerSettings(lr=1e-4, clip_grad=1.0, lr_decay_style="constant")
+
+    # Stamps and compute sums of the current iteration (wrapped around the runtime's calls).
+    stamps: dict[str, float] = {}
+    compute = {"fwd": 0.0, "bwd": 0.0, "cpu": 0.0}
+    clock = {"start": 0.0}
+
+    def stamped(fn, phase):
+        def wrapper(*a, **k):
+            out = fn(*a, **k)
+            stamps[phase] = time.perf_counter() - clock["start"]
+            return out
+        return wrapper
+
+    def summed(fn, kind):
+        def wrapper(*a, **k):
+            t, cpu = time.perf_counter(), time.thread_time()
+            out = fn(*a, **k)
+            compute[kind] += time.perf_counter() - t
+            compute["cpu"] += time.thread_time() - cpu
+            return out
+        return wrapper
+
+    trainer_module.run_schedule = stamped(trainer_module.run_schedule, "schedule")
+    schedules.forward_step = summed(schedules.forward_step, "fwd")
+    schedules.backward_step = summed(schedules.backward_step, "bwd")
+
+    results = {n: {"wall_s": [], "marks": [], "compute_s": [], "compute_cpu_s": [],
+                   "plan_rank": None}
+               for n in names}
+    for r in range(args.rounds):
+        step = r * (args.warmup + args.iters)      # every plan trains the same batches
+        order = names[r % len(names):] + names[:r % len(names)]
+        for name in order:
+            plan = plans[name]
+            ranks = [(x.node, x.local_rank) for x in plan.ranks]
+            mine = ranks.index((node, local)) if (node, local) in ranks else None
+            if mine is not None:
+                results[name]["plan_rank"] = mine
+                dist.init_process_group("gloo", store=dist.PrefixStore(f"{r}/{name}", store),
+                                        rank=mine, world_size=len(ranks))
+                trainer = HeteroTrainer(plan, rank=mine, seed=SEED, optimizer=settings)
+                grad_sync = trainer.grad_sync
+                grad_sync.sync = stamped(grad_sync.sync, "sync")
+                trainer._global_loss_and_grad_norm = stamped(trainer._global_loss_and_grad_norm,
+                                                             "norm")
+                grad_sync.clip = stamped(grad_sync.clip, "norm")    # clipping: part of it
+                trainer.optimizer.step = stamped(trainer.optimizer.step, "optimizer")
+                m = next(p.num_microbatches for p in plan.pipelines for s in p.stages
+                         if mine in s.ranks)
+                for i in range(args.warmup + args.iters):
+                    dist.barrier()
+                    stamps.clear()
+                    compute.update(fwd=0.0, bwd=0.0, cpu=0.0)
+                    clock["start"] = time.perf_counter()
+                    trainer.train_step(batches[step + i])
+                    wall = time.perf_counter() - clock["start"]
+                    if i >= args.warmup:
+                        results[name]["wall_s"].append(wall)
+                        results[name]["marks"].append(dict(stamps))
+                        results[name]["compute_s"].append((compute["fwd"] + compute["bwd"]) / m)
+                        results[name]["compute_cpu_s"].append(compute["cpu"] / m)
+                dist.destroy_process_group()
+                del trainer
+            store_barrier(store, f"done/{r}/{name}", world)
+    Path(args.result).write_text(json.dumps({"node": node, "local_rank": local,
+                                             "plans": results}))
+    store_barrier(store, "exit", world)      # rank 0 hosts the store: it leaves last
+
+
+# ---- the driver -------------------------------------------------------------------------------------
+
+def progress(message: str) -> None:
+    print(f"> {time.strftime('%H:%M:%S')} {message}", flush=True)
+
+
+def mean_profile(profiles: list) -> "Profile":
+    """One profile from several measurements of the same keys (the emulated GPUs of one type):
+    per entry and part, the mean forward and backward times; the rest is the first's."""
+    from dataclasses import replace
+
+    from megatron_autohet.profiling.profile import Profile
+
+    out = Profile(profiles[0].model)
+    keys = dict.fromkeys(k for p in profiles for k in p.entries)
+    for key in keys:
+        copies = [p.entries[key] for p in profiles if key in p.entries]
+        parts = {}
+        for part in ("layer", "embedding", "output"):
+            ops = [getattr(e, part) for e in copies]
+            parts[part] = replace(ops[0], forward_s=statistics.fmean(o.forward_s for o in ops),
+                                  backward_s=statistics.fmean(o.backward_s for o in ops))
+        out.add(replace(copies[0], **parts))
+    return out
+
+
+def profile_fleet(cluster: emu.EmulatedCluster, placements, model_path: str, tmp: Path,
+                  micro_batch_size: int, iters: int, timeout: float):
+    """`autohet profile` on every emulated GPU at once, each inside its quota and on its CPU, as
+    they will train (measuring one GPU per type, the CPUs less busy than in training, gave
+    faster layers than the run saw); a type's figures are the mean over its GPUs."""
+    from megatron_autohet.profiling.profile import Profile
+
+    procs, outputs = [], []
+    for p in placements:
+        out = tmp / f"profile-rank{p.rank}.yaml"
+        cmd = [sys.executable, "-m", "megatron_autohet.cli.main", "profile", "--model", model_path,
+               "--as-gpu", p.gpu, "--gpu-catalog", str(emu.DEFAULT_CATALOG), "--tp", "1",
+               "--micro-batch-size", str(micro_batch_size), "--warmup", "3", "--iters",
+               str(iters), "-o", str(out)]
+        env = {"OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(ROOT)}
+        procs.append(cluster.spawn(p, cmd, env, tmp / f"profile-rank{p.rank}.log"))
+        outputs.append(out)
+    if emu.wait_all(procs, timeout):
+        logs = "\n".join((tmp / f"profile-rank{p.rank}.log").read_text()[-2000:]
+                         for p in placements)
+        raise SystemExit(f"profiling failed:\n{logs}")
+    return mean_profile([Profile.load(out) for out in outputs])
+
+
+def run_fleet(fleet_path: str, args, tmp: Path) -> dict:
+    from megatron_autohet.cost_model import annotate_plan, evaluate_plan
+    from megatron_autohet.planner.compare import compare
+    from megatron_autohet.spec import load_model
+
+    fleet = emu.load_fleet(fleet_path)
+    model = load_model(args.model)
+    placements = emu.place_ranks(fleet, prefix=args.prefix)
+    work = tmp / fleet.cluster.name
+    work.mkdir()
+    load_before = os.getloadavg()[0]
+    with emu.EmulatedCluster(fleet, args.prefix) as cluster:
+        progress(f"{fleet.cluster.name}: profiling {', '.join(fleet.cpu_share)} in their quotas")
+        profile = profile_fleet(cluster, placements, args.model, work, args.micro_batch_size,
+                                args.profile_iters, args.timeout)
+        profile.save(work / "profile.yaml")
+        gbs = args.micro_batch_size * args.microbatches
+        result = compare(fleet.cluster, model, profile, gbs, args.micro_batch_size,
+                         activation_recompute=False, time_limit_s=args.time_limit,
+                         progress=False)
+        plans = [(OURS, result.plan)] + [(b.name, b.plan) for b in result.baselines if b.plan]
+        costs = {}
+        for i, (name, plan) in enumerate(plans):
+            costs[name] = evaluate_plan(plan, fleet.cluster, profile)
+            annotate_plan(plan, costs[name]).save(work / f"{i}.yaml")
+        (work / "plans.json").write_text(json.dumps([n for n, _ in plans]))
+        progress(f"{fleet.cluster.name}: training {len(plans)} plans, {args.rounds} rounds of "
+                 f"{args.warmup} + {args.iters} iterations each")
+        cmd = [sys.executable, __file__, "--worker", "--plans", str(work / "plans.json"),
+               "--plan-dir", str(work), "--data-dir", str(tmp / "data"),
+               "--rounds", str(args.rounds), "--iters", str(args.iters),
+               "--warmup", str(args.warmup), "--timeout", str(args.timeout)]
+        procs = []
+        for p in placements:
+            env = {**emu.rank_env(p, placements[0], PORT), "PYTHONPATH": str(ROOT)}
+            procs.append(cluster.spawn(p, cmd + ["--node", p.node, "--result",
+                                                 str(work / f"rank{p.rank}.json")],
+                                       env, work / f"rank{p.rank}.log"))
+        if emu.wait_all(procs, args.timeout):
+            logs = "\n".join(f"---- rank {p.rank}\n" + (work / f"rank{p.rank}.log").read_text(
+                errors="replace")[-2500:] for p in placements)
+            raise SystemExit(f"{fleet.cluster.name}: training failed:\n{logs}")
+    load_after = os.getloadavg()[0]
+    per_device = [json.loads((work / f"rank{p.rank}.json").read_text()) for p in placements]
+    summaries = []
+    for name, plan in plans:
+        members = sorted((d["plans"][name]["plan_rank"], d["plans"][name]) for d in per_device
+                         if d["plans"][name]["plan_rank"] is not None)
+        ranks = [r for _, r in members]
+        cost = costs[name]
+        # per predicted stage: the median in-run compute of its first rank
+        # per predicted stage: its first rank's median in-run compute per micro-batch, and the
+        # CPU time of it (CPU / wall: the share of a core the stage really got)
+        firsts = [ranks[plan.pipelines[s.pipeline].stages[s.stage].ranks[0]] for s in cost.stages]
+        stage_compute = [{"compute_s": statistics.median(r["compute_s"]),
+                          "compute_cpu_s": statistics.median(r["compute_cpu_s"])} for r in firsts]
+        marks = [list(col) for col in zip(*(r["marks"] for r in ranks))]
+        summary = plan_summary(name, predicted_figures(cost), [r["wall_s"] for r in ranks],
+                               marks, stage_compute, [p.num_microbatches for p in plan.pipelines])
+        summary["layout"] = (next(b.note for b in result.baselines if b.name == name)
+                             if name != OURS else f"{len(plan.pipelines)} pipelines")
+        summary["plan"] = plan.to_dict()
+        summary["ranks"] = ranks            # raw: per plan rank, its timings per iteration
+        summaries.append(summary)
+    return {"fleet": fleet.cluster.name, "file": fleet_path,
+            "cpu_share": fleet.cpu_share, "link_mbit": {n.name: fleet.link_mbit(n.name)
+                                                        for n in fleet.cluster.nodes},
+            "plans": summaries, "speedups": speedup_rows(summaries),
+            "effective_share": effective_shares(summaries),
+            "load_average_1min": {"before": load_before, "after": load_after}}
+
+
+def effective_shares(plans: list[dict]) -> dict[str, float]:
+    """Per GPU type, the median over its stages in every plan of compute CPU time / wall time:
+    the share of a core it really got (the quota is a ceiling; other load takes from it)."""
+    ratios: dict[str, list[float]] = {}
+    for p in plans:
+        for s in p["stages"]:
+            ratios.setdefault(s["gpu"], []).append(s["measured_compute_cpu_s"]
+                                                   / s["measured_compute_s"])
+    return {gpu: statistics.median(r) for gpu, r in ratios.items()}
+
+
+def largest_term(plan: dict, count: int = 2) -> str:
+    parts = sorted(plan["error_s_by_term"].items(), key=lambda kv: -abs(kv[1]))[:count]
+    return ", ".join(f"{k} {v:+.3f}" for k, v in parts)
+
+
+def print_fleet(r: dict) -> None:
+    got = ", ".join(f"{g} {v:.2f}" for g, v in r["effective_share"].items())
+    print(f"\n== {r['fleet']}: CPU shares {r['cpu_share']} (got in the run: {got}), NICs "
+          f"{r['link_mbit']} Mbit/s; load average {r['load_average_1min']['before']:.2f} -> "
+          f"{r['load_average_1min']['after']:.2f}")
+    print("seconds; pipeline p/r/R/m = predicted / repriced with the in-run compute / also with "
+          "fp32 P2P / measured; p/m = predicted / measured; norm: loss + grad-norm all-reduce "
+          "and clipping (not in the cost model)")
+    print(f"{'plan':<27} {'layout':<15} {'pred s':>7} {'meas s':>7} {'error':>7}  "
+          f"{'pipeline p/r/R/m':>23} {'sync p/m':>11} {'norm m':>7} {'opt p/m':>11}  "
+          "largest error terms")
+    for p in r["plans"]:
+        t = p["terms"]
+        print(f"{p['name']:<27} {p['layout']:<15} {p['predicted_s']:>7.3f} {p['measured_s']:>7.3f} "
+              f"{p['error']:>+7.1%}  {t['pipeline']['predicted_s']:>5.3f}/"
+              f"{t['pipeline']['repriced_s']:.3f}/{t['pipeline']['repriced_runtime_p2p_s']:.3f}/"
+              f"{t['pipeline']['measured_s']:.3f} "
+              f"{t['sync']['predicted_s']:>5.3f}/{t['sync']['measured_s']:.3f} "
+              f"{t['norm']['measured_s']:>7.3f} {t['optimizer']['predicted_s']:>5.3f}/"
+              f"{t['optimizer']['measured_s']:.3f}  {largest_term(p)}")
+    print(f"{'our speedup over':<26} {'predicted':>10} {'measured':>10} {'diff':>8}")
+    for s in r["speedups"]:
+        print(f"{s['baseline']:<26} {s['predicted_speedup']:>9.2f}x {s['measured_speedup']:>9.2f}x "
+              f"{s['speedup_error']:>+8.1%}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--fleets", nargs="+", default=DEFAULT_FLEETS, metavar="C.yaml")
+    parser.add_argument("--model", default=DEFAULT_MODEL, metavar="M.yaml")
+    parser.add_argument("--micro-batch-size", type=int, default=2)
+    parser.add_argument("--microbatches", type=int, default=8,
+                        help="micro-batches per global batch (default 8)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--iters", type=int, default=4, help="timed iterations per plan and round")
+    parser.add_argument("--warmup", type=int, default=1,
+                        help="untimed iterations per plan and round")
+    parser.add_argument("--profile-iters", type=int, default=15)
+    parser.add_argument("--time-limit", type=float, default=20.0, help="planner search budget")
+    parser.add_argument("--timeout", type=float, default=1500.0)
+    parser.add_argument("--prefix", default="ahbench")
+    parser.add_argument("--json", default=str(ROOT / "bench-out" / "bench_emulated.json"))
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--node", help=argparse.SUPPRESS)
+    parser.add_argument("--plans", help=argparse.SUPPRESS)
+    parser.add_argument("--plan-dir", help=argparse.SUPPRESS)
+    parser.add_argument("--data-dir", help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    emu.require_root()
+    emu.raise_on_sigterm()
+    tmp = Path(tempfile.mkdtemp(prefix="bench-emulated-"))
+    try:
+        from megatron_autohet.data.batches import DataOptions, resolve_data_path
+        resolve_data_path(DataOptions(64, 1, 1, data_dir=str(tmp / "data")))
+        fleets = []
+        for path in args.fleets:
+            fleets.append(run_fleet(path, args, tmp))
+            print_fleet(fleets[-1])
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    write_json({"model": args.model, "micro_batch_size": args.micro_batch_size,
+                "microbatches": args.microbatches, "rounds": args.rounds, "iters": args.iters,
+                "warmup": args.warmup, "fleets": fleets}, args.json)
+
+
+if __name__ == "__main__":
+    main()
