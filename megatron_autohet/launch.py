@@ -179,10 +179,11 @@ def job_precision(options: TrainOptions, distributed_optimizer: bool = False):
 
     if options.precision is not None:
         return PRECISIONS[options.precision], f"--{options.precision}"
-    if distributed_optimizer:
-        return FP32, "the distributed optimizer trains in fp32 for now"
     on_gpu = torch.cuda.is_available() and not cpu_mode_enabled()
-    return default_precision(on_gpu), "the default on " + ("CUDA GPUs" if on_gpu else "CPU")
+    precision = default_precision(on_gpu)
+    if distributed_optimizer and precision != FP32:
+        return FP32, "the distributed optimizer trains in fp32 for now"
+    return precision, "the default on " + ("CUDA GPUs" if on_gpu else "CPU")
 
 
 # ---- worker --------------------------------------------------------------------------------

@@ -61,6 +61,9 @@ def test_world_size_mismatch_under_torchrun_env(capsys):
     (["--adam-beta2", "1.0"], "--adam-beta2", "got 1.0 (allowed: 0 <= beta < 1)"),
     (["--bf16", "--fp16"], "--fp16", "given with --bf16 (allowed: one of them)"),
     (["--fp16"], "--fp16", "fp16 mixed precision needs a dynamic loss scaler"),
+    (["--bf16", "--use-distributed-optimizer"], "--bf16",
+     "given with the distributed optimizer (--use-distributed-optimizer) (allowed: one of them: "
+     "the distributed optimizer trains in fp32 for now)"),
 ])
 def test_bad_optimizer_values_are_clear_errors_before_any_process(flags, field, message, capsys):
     start = time.perf_counter()
