@@ -337,14 +337,11 @@ def stop_job(err: ConfigError) -> NoReturn:
 
 
 def megatron_precision(args, plan: Plan):
-    """Megatron-LM's ``--bf16`` / ``--fp16`` (spec/precision.py); neither is fp32, as in
-    Megatron-LM. fp16 is refused: it needs a dynamic loss scaler this runtime does not have;
-    bf16 with the distributed optimizer too (it trains in fp32 for now)."""
+    """Megatron-LM's ``--bf16`` (spec/precision.py); without it fp32, as in Megatron-LM
+    (``--fp16`` never gets here: megatron/flags.py refuses it before Megatron starts). bf16 with
+    the distributed optimizer is refused: the distributed optimizer trains in fp32 for now."""
     from megatron_autohet.spec.precision import PRECISIONS
 
-    if getattr(args, "fp16", False):
-        raise ConfigError("<command line>", "--fp16", "fp16 mixed precision needs a dynamic "
-                          "loss scaler, which this runtime does not have", "--bf16 or fp32")
     if getattr(args, "bf16", False) and (args.use_distributed_optimizer
                                          or plan.use_distributed_optimizer):
         raise ConfigError("<command line>", "--bf16", "given with the distributed optimizer",
