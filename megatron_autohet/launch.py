@@ -59,6 +59,8 @@ class TrainOptions:
     split: str | None = None               # Megatron-LM's --split (data/batches.default_split)
     distributed_optimizer: bool = False        # --use-distributed-optimizer
     precision: str | None = None        # "bf16" or "fp32"; None: bf16 on CUDA GPUs, fp32 on CPU
+    hidden_dropout: float = 0.0         # Megatron-LM's --hidden-dropout / --attention-dropout
+    attention_dropout: float = 0.0
 
     @property
     def timeout(self) -> timedelta:
@@ -163,7 +165,9 @@ def launch_local(plan: Plan, worker_argv: list[str], *, gpus_available: int = 0)
 def train_args(options: TrainOptions) -> dict:
     """The arguments a checkpoint records (plain values; ``autohet checkpoint ls`` shows them)."""
     return {"iters": options.iters, "seed": options.seed, "data_path": options.data_path,
-            "optimizer": asdict(options.optimizer), "precision": options.precision}
+            "optimizer": asdict(options.optimizer), "precision": options.precision,
+            "hidden_dropout": options.hidden_dropout,
+            "attention_dropout": options.attention_dropout}
 
 
 def job_precision(options: TrainOptions, distributed_optimizer: bool = False):
@@ -245,7 +249,9 @@ def train_job(plan: Plan, plan_label: str, model: ModelSpec, options: TrainOptio
               flush=True)
     trainer = HeteroTrainer(plan, model, rank=rank, seed=options.seed,
                             optimizer=options.optimizer, plan_file=plan_label,
-                            distributed_optimizer=distributed_optimizer, precision=precision)
+                            distributed_optimizer=distributed_optimizer, precision=precision,
+                            hidden_dropout=options.hidden_dropout,
+                            attention_dropout=options.attention_dropout)
     if trainer.distributed_optimizer and rank == 0:
         print(trainer.optimizer.summary(), flush=True)
     # Counting samples, as Megatron-LM does (runtime/optimizer.py): checkpoints of this job

@@ -53,7 +53,7 @@ class Batches:
 
 
 def _train(rank, world, the_plan, batches, options, exit_interval=None, precision=FP32,
-           total=TOTAL, masters=None, stop=None, distributed_optimizer=False):
+           total=TOTAL, masters=None, stop=None, distributed_optimizer=False, dropout=0.0):
     """One job: resume per ``options``, train to ``total`` (or the exit interval, or ``stop``);
     the metrics, and with ``masters`` (any dict) this rank's master weights at the end."""
     from megatron_autohet.checkpoint.checkpointer import Checkpointer
@@ -61,7 +61,8 @@ def _train(rank, world, the_plan, batches, options, exit_interval=None, precisio
     from megatron_autohet.runtime.trainer import HeteroTrainer, train_iterations
 
     trainer = HeteroTrainer(the_plan, the_plan.model, rank=rank, seed=SEED, optimizer=OPTIMIZER,
-                            precision=precision, distributed_optimizer=distributed_optimizer)
+                            precision=precision, distributed_optimizer=distributed_optimizer,
+                            hidden_dropout=dropout, attention_dropout=dropout)
     scheduler = make_lr_scheduler(trainer.optimizer, OPTIMIZER, total, the_plan.global_batch_size)
     checkpointer = Checkpointer(options, trainer, scheduler, seed=SEED, train_args={})
     metrics = []

@@ -378,16 +378,18 @@ pipelines:
 EVAL_ARGS = ["--eval-interval", "2", "--eval-iters", "2"]
 
 
-def test_pretrain_gpt_small_batch_recompute_and_evaluation_like_autohet_train(tree, data_dir,
-                                                                            tmp_path):
-    """Global batch 4 on 4 ranks is not refused; the plan's recompute and Megatron's
-    --eval-interval/--eval-iters run on both paths with the same numbers: training and
-    validation losses (validation on the built-in corpus's 969,30,1 split after iterations 2
-    and 4), and Megatron's validation line on the console."""
+def test_pretrain_gpt_small_batch_recompute_dropout_and_evaluation_like_autohet_train(
+        tree, data_dir, tmp_path):
+    """Global batch 4 on 4 ranks is not refused; the plan's recompute, Megatron's dropout flags
+    and --eval-interval/--eval-iters run on both paths with the same numbers (the same dropout
+    masks, replayed by the recompute): training and validation losses (validation on the
+    built-in corpus's 969,30,1 split after iterations 2 and 4), and Megatron's validation line
+    on the console."""
     plan = tmp_path / "small-batch.yaml"
     plan.write_text(SMALL_BATCH_PLAN)
     tiny = list(TINY_ARGS)
     tiny[tiny.index("--global-batch-size") + 1] = "4"
+    tiny[tiny.index("--hidden-dropout") + 1] = tiny[tiny.index("--attention-dropout") + 1] = "0.1"
     ours, theirs = tmp_path / "autohet.jsonl", tmp_path / "megatron.jsonl"
     megatron = _torchrun(tree, plan, [*EVAL_ARGS, "--recompute-granularity", "full",
                                       "--recompute-method", "uniform", "--recompute-num-layers",
@@ -397,7 +399,8 @@ def test_pretrain_gpt_small_batch_recompute_and_evaluation_like_autohet_train(tr
     plain = subprocess.run(
         [sys.executable, "-m", "megatron_autohet.cli.main", "train", "--plan", str(plan),
          "--model", str(ROOT / "configs/models/tiny.yaml"), "--iters", str(TRAIN_ITERS),
-         *SCHEDULE_ARGS, *EVAL_ARGS, "--metrics-jsonl", str(ours), "--data-dir", str(data_dir)],
+         *SCHEDULE_ARGS, *EVAL_ARGS, "--hidden-dropout", "0.1", "--attention-dropout", "0.1",
+         "--metrics-jsonl", str(ours), "--data-dir", str(data_dir)],
         capture_output=True, text=True, timeout=600, env=_venv_env())
     assert plain.returncode == 0, plain.stderr[-3000:]
     records = [json.loads(line) for line in theirs.read_text().splitlines()]
@@ -577,12 +580,13 @@ def _model_flag_checks(megatron_args, error) -> None:
     assert error("--disable-bias-linear") == (
         f"{PLAN}: field '--disable-bias-linear': Megatron-LM was given True but the plan has "
         "False (allowed: False (the plan's model: no linear biases with SwiGLU, biases without))")
-    assert error("--hidden-dropout", "0.1") == (
-        f"{PLAN}: field '--hidden-dropout': 0.1 (Megatron-LM's default is 0.1) (allowed: 0 (the "
-        "plan runtime trains without dropout))")
-    assert error("--attention-dropout", "0.2") == (
-        f"{PLAN}: field '--attention-dropout': 0.2 (Megatron-LM's default is 0.1) (allowed: 0 "
-        "(the plan runtime trains without dropout))")
+    hooks.check_megatron_args(megatron_args("--hidden-dropout", "0.1", "--attention-dropout",
+                                            "0.2"), plan, PLAN)        # honoured
+    assert error("--hidden-dropout", "1.0") == (
+        "<command line>: field '--hidden-dropout': got 1.0 (allowed: a probability in [0, 1))")
+    assert error("--attention-dropout", "-0.1") == (
+        "<command line>: field '--attention-dropout': got -0.1 (allowed: a probability in "
+        "[0, 1))")
     assert error("--recompute-granularity", "full") == (
         f"{PLAN}: field '--recompute-granularity': 'full', but the plan has activation_recompute "
         "false (allowed: not set (the plan decides recompute: autohet plan --recompute on))")

@@ -115,7 +115,7 @@ def _saved_layer_bytes(rank, world, plan, precision_name):
 
 # Where the runtime's layer and the estimate's (a GPU with megatron's fused softmax kernel)
 # legitimately differ, in bytes for one micro-batch:
-# * dropout: the runtime trains with dropout 0, so there are no masks (two 1-byte sbh masks
+# * dropout: this test trains with dropout 0 (the default), so there are no masks (two 1-byte sbh masks
 #   after the row-parallel linears, a 1-byte a s^2 b attention mask) and no attention-dropout
 #   output (2 a s^2 b: the context matmul keeps the softmax output itself);
 # * softmax: without the fused kernel megatron's FusedScaleMaskSoftmax computes the softmax in

@@ -20,7 +20,7 @@ Public API
     ``opt_param_scheduler`` in samples, ``optimizer`` = ``{"state": {"common_step"},
     "param_groups"}``, ``content_metadata``, ``num_floating_point_operations_so_far``) plus our
     own ``autohet`` entry (plan, seed, training arguments). Megatron writes it once.
-``megatron_args(plan, progress) -> argparse.Namespace``
+``megatron_args(plan, progress, config) -> argparse.Namespace``
     The ``args`` of ``common.pt``: what Megatron-LM's ``load_checkpoint`` and
     ``--use-checkpoint-args`` read from it.
 ``snapshot(state_dict) -> dict``
@@ -66,7 +66,8 @@ Design (why)
   masters included, and starts from the 16-bit weights, as Megatron-LM does.
 * RNG states are per rank and only meaningful for the same rank layout: they are restored when the
   checkpoint's plan equals the job's plan, else every rank keeps the streams seeded from the seed
-  (the runtime trains with dropout 0, so no number of the loss depends on them).
+  (only dropout draws from them, and dropout masks depend on the plan anyway:
+  runtime/stage_model.py).
 * ``common.pt`` is stock Megatron-LM's (core_v0.16.1, ``megatron/training/checkpointing.py``
   ``generate_state_dict`` / ``load_checkpoint``), so that stock Megatron-LM (homogeneous TP x PP,
   ``--ckpt-format torch_dist``, ``--transformer-impl local``, fp32) loads our steps and continues,
@@ -207,9 +208,10 @@ def optimizer_step(trainer) -> int:
     return steps.pop() if steps else 0
 
 
-def megatron_args(plan, progress: TrainingProgress) -> Namespace:
+def megatron_args(plan, progress: TrainingProgress, config) -> Namespace:
     """``args`` as Megatron-LM saves it, reduced to what a loading Megatron-LM reads: the model
-    dimensions (``check_checkpoint_args``, ``--use-checkpoint-args``), the data position, and
+    dimensions (``check_checkpoint_args``, ``--use-checkpoint-args``; the dropout from the
+    stage's TransformerConfig ``config``), the data position, and
     the flags deciding what else it loads (module docstring). Primitives only: ``common.pt`` is
     read with ``weights_only=True``."""
     model = plan.model
@@ -224,7 +226,7 @@ def megatron_args(plan, progress: TrainingProgress) -> Namespace:
         position_embedding_type=model.position_embedding_type, swiglu=model.gated_linear_unit,
         untie_embeddings_and_output_weights=not model.tie_embeddings,
         normalization=model.normalization, add_bias_linear=model.linear_biases,
-        hidden_dropout=0.0, attention_dropout=0.0,
+        hidden_dropout=config.hidden_dropout, attention_dropout=config.attention_dropout,
         make_vocab_size_divisible_by=VOCAB_PAD_UNIT, padded_vocab_size=model.padded_vocab_size(tps),
         micro_batch_size=plan.micro_batch_size, global_batch_size=plan.global_batch_size,
         consumed_train_samples=progress.consumed_train_samples, skipped_train_samples=0,
@@ -251,7 +253,7 @@ def common_state(trainer, scheduler, progress: TrainingProgress, *, seed: int,
                  train_args: dict) -> dict:
     step = optimizer_step(trainer)
     return {
-        "args": megatron_args(trainer.plan, progress),
+        "args": megatron_args(trainer.plan, progress, trainer.model.config),
         "checkpoint_version": CHECKPOINT_VERSION,
         "iteration": progress.iteration,
         "num_floating_point_operations_so_far": 0,

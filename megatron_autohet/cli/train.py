@@ -14,7 +14,7 @@ import argparse
 
 from megatron_autohet.checkpoint.options import (DEFAULT_KEEP, CheckpointOptions,
                                                  check_scheduler_flags)
-from megatron_autohet.cli._common import check_output_path, positive
+from megatron_autohet.cli._common import check_output_path, positive, probability
 from megatron_autohet.errors import ConfigError
 from megatron_autohet.runtime.optimizer import LR_DECAY_STYLES, OptimizerSettings
 
@@ -69,6 +69,15 @@ def register(subparsers) -> None:
         (("--fp16",), dict(action="store_true",
                            help="refused: fp16 needs a dynamic loss scaler, which this runtime "
                                 "does not have; use --bf16")),
+        # Megatron-LM's dropout flags; off by default here (Megatron's default is 0.1), as
+        # LLaMA-style and most large-scale GPT pre-training runs train.
+        (("--hidden-dropout",), dict(type=float, default=0.0,
+                                     help="dropout probability of the hidden states (after "
+                                          "attention and MLP, and of the embeddings), as "
+                                          "Megatron-LM's flag (default 0: off)")),
+        (("--attention-dropout",), dict(type=float, default=0.0,
+                                        help="dropout probability of the attention weights, as "
+                                             "Megatron-LM's flag (default 0: off)")),
         (("--metrics-jsonl",), dict(default=None,
                                     help="also write one JSON object per iteration to this file")),
         (("--data-path",), dict(default=None,
@@ -187,6 +196,8 @@ def run(args: argparse.Namespace) -> int:
                                                  run_worker)
 
     positive(args.iters, "--iters")
+    probability(args.hidden_dropout, "--hidden-dropout")
+    probability(args.attention_dropout, "--attention-dropout")
     precision = check_precision(args)
     check_output_path(args.metrics_jsonl, "--metrics-jsonl")
     optimizer = optimizer_settings(args).validate(train_iters=args.iters, source="<command line>")
@@ -218,7 +229,8 @@ def run(args: argparse.Namespace) -> int:
                            eval_interval=args.eval_interval, eval_iters=args.eval_iters,
                            split=args.split,
                            distributed_optimizer=args.use_distributed_optimizer,
-                           precision=precision)
+                           precision=precision, hidden_dropout=args.hidden_dropout,
+                           attention_dropout=args.attention_dropout)
     if args.elastic:
         from megatron_autohet.elastic.worker import ElasticWorker
         from megatron_autohet.spec.cluster import load_cluster

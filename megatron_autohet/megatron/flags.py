@@ -5,7 +5,7 @@ megatron-autohet reads it. :data:`FLAGS` says, for every flag the plan path acce
 other than Megatron's default, how it is honoured:
 
 * ``checked against the plan`` - the model, batch and layout flags; ``hooks.check_megatron_args``
-  refuses a value that contradicts the plan (or the runtime: dropout, recompute, optimizer);
+  refuses a value that contradicts the plan (or the runtime: recompute, optimizer);
 * ``drives Megatron's learning-rate scheduler`` - ``get_optimizer_param_scheduler`` reads it and
   steps the runtime's optimizer;
 * ``honoured by the runtime`` - the runtime, its data or its checkpoints implement it;
@@ -19,7 +19,7 @@ parser's defaults: a flag whose value differs and that is not honoured in :data:
 :class:`ConfigError` naming it. ``hooks.prepare_process`` runs it in every process before
 Megatron-LM initialises anything, so a refused flag costs a second, not a start-up. Flags left at
 Megatron's default are not checked here; ``hooks.check_megatron_args`` checks the defaults that
-matter (e.g. the dropout of 0.1) against the plan.
+matter (e.g. the model shape) against the plan. Megatron's default dropout of 0.1 is honoured.
 """
 
 from __future__ import annotations
@@ -76,8 +76,6 @@ FLAGS: dict[str, FlagRule] = {
     "--tokenizer-model": FlagRule(CHECKED, _VOCAB),
     "--vocab-file": FlagRule(CHECKED, _VOCAB),
     "--merge-file": FlagRule(CHECKED, _VOCAB),
-    "--hidden-dropout": FlagRule(CHECKED, "0: the runtime trains without dropout"),
-    "--attention-dropout": FlagRule(CHECKED, "0: the runtime trains without dropout"),
     "--recompute-granularity": FlagRule(CHECKED, "full, only with the plan's "
                                                  "activation_recompute"),
     "--recompute-method": FlagRule(CHECKED, "uniform, as the plan's activation_recompute"),
@@ -110,6 +108,8 @@ FLAGS: dict[str, FlagRule] = {
     "--use-distributed-optimizer": FlagRule(RUNTIME, "master weights and Adam state sharded "
                                                      "over each parameter's holders"),
     "--seed": FlagRule(RUNTIME, "initial weights, data shuffle, dropout streams"),
+    "--hidden-dropout": FlagRule(RUNTIME, "dropout of the hidden states, a probability in [0, 1)"),
+    "--attention-dropout": FlagRule(RUNTIME, "dropout of the attention weights, in [0, 1)"),
     "--data-path": FlagRule(RUNTIME, "one indexed-dataset prefix read by every rank"),
     "--split": FlagRule(RUNTIME, "train/validation documents of --data-path or the built-in "
                                  "corpus"),

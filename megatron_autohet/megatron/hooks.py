@@ -54,6 +54,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from megatron_autohet.checkpoint.options import CheckpointOptions, check_scheduler_flags
+from megatron_autohet.cli._common import probability
 from megatron_autohet.errors import ConfigError
 from megatron_autohet.plan import Plan, load_plan
 from megatron_autohet.runtime.optimizer import MEGATRON_SCHEDULE_FLAGS, OptimizerSettings
@@ -207,13 +208,8 @@ def check_megatron_args(args, plan: Plan, plan_path: str | Path,
                           f"vocab_size {model.vocab_size}",
                           f"a tokenizer of {model.vocab_size} tokens (NullTokenizer: --vocab-size "
                           f"{model.vocab_size - 1}, the EOD token is added)")
-    # The runtime trains without dropout (its numbers are compared with a single-process
-    # reference); Megatron's default is 0.1, so both flags must be given as 0.
-    for flag, value in (("--hidden-dropout", args.hidden_dropout),
-                        ("--attention-dropout", args.attention_dropout)):
-        if value != 0:
-            raise ConfigError(plan_path, flag, f"{value} (Megatron-LM's default is 0.1)",
-                              "0 (the plan runtime trains without dropout)")
+    probability(args.hidden_dropout, "--hidden-dropout")
+    probability(args.attention_dropout, "--attention-dropout")
     check_recompute_args(args, plan, plan_path)
     expect("--micro-batch-size", args.micro_batch_size, plan.micro_batch_size)
     expect("--global-batch-size", args.global_batch_size, plan.global_batch_size)
@@ -394,7 +390,9 @@ def pretrain_from_plan(args) -> None:
     trainer = HeteroTrainer(plan, plan.model, rank=rank, seed=args.seed, optimizer=optimizer,
                             plan_file=str(plan_path), precision=precision,
                             distributed_optimizer=(args.use_distributed_optimizer
-                                                   or plan.use_distributed_optimizer))
+                                                   or plan.use_distributed_optimizer),
+                            hidden_dropout=args.hidden_dropout,
+                            attention_dropout=args.attention_dropout)
     if trainer.distributed_optimizer and rank == 0:
         print(trainer.optimizer.summary(), flush=True)
     # Megatron-LM's own warm-up/decay and weight-decay schedule, stepping our param_groups by

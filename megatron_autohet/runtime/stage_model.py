@@ -5,14 +5,16 @@ Public API
 ``plan_padded_vocab_size(plan) -> int``
     The padded vocabulary of a plan: ``ModelSpec.padded_vocab_size`` over every TP degree in it.
 ``transformer_config(model_spec, tp_size, *, sequence_parallel=False, pipeline_layers=None,
-                     dropout=0.0, precision=FP32, **overrides) -> TransformerConfig``
+                     precision=FP32, **overrides) -> TransformerConfig``
     CPU-safe megatron config of one stage whose weights, activations and P2P messages are in
     ``precision``'s dtype (spec/precision.py; ``bf16``/``fp16`` set as Megatron-LM's flags do). ``pipeline_layers``: the [start, end) layer
     ranges of every stage of this rank's pipeline (None: the whole model in one stage).
 ``build_stage_model(model_spec, state, *, seed, sequence_parallel=False, padded_vocab=None,
-                    dropout=0.0, precision=FP32, **config_overrides) -> GPTModel``
+                    precision=FP32, **config_overrides) -> GPTModel``
     ``state``: runtime.parallel_state.HeteroParallelState. Layout-independent initial weights;
-    also seeds megatron's dropout RNG streams (``model_parallel_cuda_manual_seed``) from ``seed``.
+    also seeds megatron's dropout RNG streams (``model_parallel_cuda_manual_seed``) as
+    Megatron-LM does (below). Dropout is off unless ``hidden_dropout``/``attention_dropout``
+    are given (Megatron-LM's flags of those names).
 ``recompute_config(activation_recompute) -> dict``
     The TransformerConfig fields of a plan's ``activation_recompute``: megatron-core's full
     recompute of every layer (``recompute_granularity="full"``, ``recompute_method="uniform"``,
@@ -43,6 +45,14 @@ Design (why)
   padding rows also enter the softmax), so the padding unit is ``128 * lcm(all TP degrees of the
   plan)``: for a homogeneous plan exactly Megatron's padding. The single-process reference uses
   the same size.
+* Dropout RNG streams are seeded as Megatron-LM's ``_set_random_seed`` does: ``seed + 100 *``
+  the stage's index in its pipeline (stages draw different masks), the same for every TP rank
+  of a stage and every replica (the hidden-state dropout outside tensor-parallel regions uses
+  the default stream, which TP ranks must draw identically or their replicated activations
+  diverge), and megatron-core's model-parallel stream per TP rank for dropout inside them.
+  Masks therefore depend on the plan: with dropout a plan is not bit-comparable with another
+  plan or the single-process reference (the proofs train without it), but one plan resumed from
+  its own checkpoint continues bit for bit (the RNG states are saved per rank).
 * Tied embeddings: megatron's own all-reduce initialisation over ``pg_collection.embd`` is off
   (embd is None, see parallel_state); both copies get the same layout-independent values instead.
 """
@@ -67,7 +77,7 @@ def plan_padded_vocab_size(plan: Plan) -> int:
 
 def transformer_config(model_spec: ModelSpec, tp_size: int, *, sequence_parallel: bool = False,
                        pipeline_layers: list[tuple[int, int]] | None = None,
-                       dropout: float = 0.0, precision: Precision = FP32, **overrides):
+                       precision: Precision = FP32, **overrides):
     from megatron.core.transformer import TransformerConfig
 
     from megatron_autohet.runtime.mixed_precision import param_dtype
@@ -92,8 +102,8 @@ def transformer_config(model_spec: ModelSpec, tp_size: int, *, sequence_parallel
         params_dtype=param_dtype(precision),
         bf16=precision.name == "bf16",
         fp16=precision.name == "fp16",
-        hidden_dropout=dropout,
-        attention_dropout=dropout,
+        hidden_dropout=0.0,                 # Megatron's default is 0.1: a job asks for dropout
+        attention_dropout=0.0,
         init_method_std=INIT_METHOD_STD,
         # SwiGLU models (LLaMA family) also use RMSNorm and no linear biases (ModelSpec says which;
         # profiling/estimate.py counts parameters from the same properties).
@@ -172,22 +182,21 @@ def stage_layer_spec(config):
 
 
 def build_stage_model(model_spec: ModelSpec, state, *, seed: int, sequence_parallel: bool = False,
-                      padded_vocab: int | None = None, dropout: float = 0.0,
-                      precision: Precision = FP32, **config_overrides):
+                      padded_vocab: int | None = None, precision: Precision = FP32,
+                      **config_overrides):
     from megatron.core import tensor_parallel
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
     role = state.role
-    # Megatron's dropout RNG streams (what megatron.training's initialize does): the
-    # model-parallel stream differs per TP rank, the default one is shared.
-    tensor_parallel.model_parallel_cuda_manual_seed(seed, tp_rank=role.tp_rank, ep_rank=0,
-                                                    etp_rank=0)
+    # Megatron's dropout RNG streams (module doc).
+    tensor_parallel.model_parallel_cuda_manual_seed(seed + 100 * role.stage.stage,
+                                                    tp_rank=role.tp_rank, ep_rank=0, etp_rank=0)
     pipeline = state.plan.pipelines[role.stage.pipeline]
     config = transformer_config(model_spec, role.stage.tp_size,
                                 sequence_parallel=sequence_parallel,
                                 pipeline_layers=[s.layers for s in pipeline.stages],
-                                dropout=dropout, precision=precision, **config_overrides)
+                                precision=precision, **config_overrides)
     layer_spec, final_norm = stage_layer_spec(config)
     block_spec = TransformerBlockSubmodules(
         layer_specs=[layer_spec] * (role.stage.layers[1] - role.stage.layers[0]),

@@ -114,12 +114,15 @@ class HeteroTrainer:
             holders, reduce-scatter / all-gather instead of the all-reduce
             (runtime/distributed_optimizer.py; Megatron-LM's --use-distributed-optimizer).
         precision: the numerics (spec/precision.py ``PRECISIONS``): bf16 mixed precision or fp32.
+        hidden_dropout, attention_dropout: Megatron-LM's dropout probabilities (default off;
+            runtime/stage_model.py says how the masks are seeded).
     """
 
     def __init__(self, plan: Plan, model_spec: ModelSpec | None = None, *, rank: int, seed: int,
                  optimizer: OptimizerSettings, sequence_parallel: bool = False,
                  bucket_numel: int = DEFAULT_BUCKET_NUMEL, plan_file: str = "<plan>",
-                 distributed_optimizer: bool = False, precision: Precision = FP32):
+                 distributed_optimizer: bool = False, precision: Precision = FP32,
+                 hidden_dropout: float = 0.0, attention_dropout: float = 0.0):
         optimizer.validate(source=plan_file)
         self.plan = plan
         self.precision = precision
@@ -128,6 +131,8 @@ class HeteroTrainer:
         role = self.state.role
         self.model = build_stage_model(plan.model, self.state, seed=seed,
                                        sequence_parallel=sequence_parallel, precision=precision,
+                                       hidden_dropout=hidden_dropout,
+                                       attention_dropout=attention_dropout,
                                        **recompute_config(plan.activation_recompute))
         self.sequence_parallel = sequence_parallel
         self.device = next(self.model.parameters()).device
