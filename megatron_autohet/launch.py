@@ -170,24 +170,20 @@ def train_args(options: TrainOptions) -> dict:
             "attention_dropout": options.attention_dropout}
 
 
-def job_precision(options: TrainOptions, distributed_optimizer: bool = False):
+def job_precision(options: TrainOptions):
     """The precision the job trains in (spec/precision.py) and why: the flag's, else bf16 on
-    CUDA GPUs (what the planner priced the plan for) and fp32 on CPU (bit-comparable proofs).
-    The distributed optimizer trains in fp32 for now (``autohet train`` refuses it with
-    ``--bf16``)."""
+    CUDA GPUs (what the planner priced the plan for) and fp32 on CPU (bit-comparable proofs),
+    with or without the distributed optimizer."""
     import torch
 
     from megatron_autohet.runtime.cpu_mode import cpu_mode_enabled
     from megatron_autohet.runtime.mixed_precision import default_precision
-    from megatron_autohet.spec.precision import FP32, PRECISIONS
+    from megatron_autohet.spec.precision import PRECISIONS
 
     if options.precision is not None:
         return PRECISIONS[options.precision], f"--{options.precision}"
     on_gpu = torch.cuda.is_available() and not cpu_mode_enabled()
-    precision = default_precision(on_gpu)
-    if distributed_optimizer and precision != FP32:
-        return FP32, "the distributed optimizer trains in fp32 for now"
-    return precision, "the default on " + ("CUDA GPUs" if on_gpu else "CPU")
+    return default_precision(on_gpu), "the default on " + ("CUDA GPUs" if on_gpu else "CPU")
 
 
 # ---- worker --------------------------------------------------------------------------------
@@ -241,7 +237,7 @@ def train_job(plan: Plan, plan_label: str, model: ModelSpec, options: TrainOptio
     evaluation = (Evaluation(options.eval_interval, options.eval_iters, valid)
                   if valid is not None else None)
     distributed_optimizer = options.distributed_optimizer or plan.use_distributed_optimizer
-    precision, why = job_precision(options, distributed_optimizer)
+    precision, why = job_precision(options)
     if rank == 0:
         print(f"training in {precision.name} ({why}): "
               + ("bf16 weights and activations, fp32 main gradients, master weights and Adam "

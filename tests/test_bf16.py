@@ -71,11 +71,11 @@ def _reference(rank, world, plan, batches, precision, optimizer=OPTIMIZER, model
     return [(s.loss, s.grad_norm) for s in steps]
 
 
-def _hetero(rank, world, plan, batches, precision):
+def _hetero(rank, world, plan, batches, precision, distributed_optimizer=False):
     from megatron_autohet.runtime.trainer import HeteroTrainer
 
     trainer = HeteroTrainer(plan, plan.model, rank=rank, seed=SEED, optimizer=OPTIMIZER,
-                            precision=precision)
+                            precision=precision, distributed_optimizer=distributed_optimizer)
     assert trainer.model.config.pipeline_dtype == torch.bfloat16    # P2P messages are bf16
     steps, _ = _scheduled_steps(trainer, batches)
     return [(m.loss, m.grad_norm) for m in steps]
@@ -85,12 +85,18 @@ def _rel(a: float, b: float) -> float:
     return abs(a - b) / abs(b)
 
 
+@pytest.mark.parametrize("distributed_optimizer", [False, True], ids=["", "distopt"])
 @pytest.mark.parametrize("plan_file", ["tiny-three-pipelines.yaml", "tiny-tp-change.yaml"])
-def test_bf16_heterogeneous_plan_trains_like_the_bf16_reference(plan_file):
+def test_bf16_heterogeneous_plan_trains_like_the_bf16_reference(plan_file,
+                                                                distributed_optimizer):
+    """Also with the distributed optimizer (``--bf16 --use-distributed-optimizer``): fp32 master
+    shards initialised from the bf16 weights, AdamW on them, bf16 all-gather; AdamW is
+    elementwise, so the same tolerances hold."""
     plan = load_plan(PLANS / plan_file)
     batches = global_batches(plan, ITERS)
     reference = run_on_ranks(1, _reference, plan, batches, BF16)[0]
-    results = run_on_ranks(plan.world_size, _hetero, plan, batches, BF16, timeout=240)
+    results = run_on_ranks(plan.world_size, _hetero, plan, batches, BF16, distributed_optimizer,
+                           timeout=240)
     ours = results[0]
     assert all(r == ours for r in results), "ranks report different metrics"
     loss_rel = [_rel(a[0], b[0]) for a, b in zip(ours, reference)]

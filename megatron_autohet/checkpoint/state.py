@@ -49,8 +49,9 @@ Design (why)
   shape per key, which mixed TP degrees break, so it is off and the owner map is what guarantees
   exactly one writer per chunk (tests/test_layout.py checks it for every proof plan).
 * The distributed optimizer (runtime/distributed_optimizer.py) writes and reads the same
-  entries: a save all-gathers its moment shards into per-parameter tensors, a load scatters the
-  per-parameter tensors back into its shards, so one checkpoint serves both optimizers.
+  entries: a save all-gathers its moment (and, 16-bit, master) shards into per-parameter
+  tensors, a load scatters the per-parameter tensors back into its shards, so one checkpoint
+  serves both optimizers in either precision.
 * Adam moments reuse the parameter's sharding (megatron-core's ``make_sharded_optimizer_tensor``,
   keys ``optimizer.state.exp_avg.<param key>``, the keys Megatron-LM's optimizer writes). AdamW is
   elementwise, so moments reshard exactly like the weights. The step count is one integer for all
@@ -98,13 +99,12 @@ import torch
 
 from megatron_autohet.layout.owners import is_main_replica
 from megatron_autohet.layout.params import ParamLayout, global_param_name
+from megatron_autohet.runtime.mixed_precision import MASTER_DTYPE, MASTER_KEY
 from megatron_autohet.runtime.optimizer import ADAM_STATE_KEYS
 from megatron_autohet.spec.model import VOCAB_PAD_UNIT
 
 MAIN_REPLICA = (0, 0, 0)
 OTHER_REPLICA = (1, 0, 0)
-# megatron-core's key of the fp32 master copy of a 16-bit parameter (optimizer/optimizer.py)
-MASTER_KEY = "fp32_param"
 MASTER_PREFIX = f"optimizer.state.{MASTER_KEY}"
 RNG_KEY = "autohet.rng_state"
 CHECKPOINT_VERSION = 3.0            # Megatron-LM's current checkpoint_version
@@ -169,7 +169,7 @@ def rank_sharded_state_dict(trainer, *, for_load: bool = False,
     optimizer = {}
     with_masters = masters if for_load else bool(trainer.precision.master_bytes)
     for name, param in trainer.model.named_parameters():
-        master = _master(trainer, name, param)
+        master = _master(trainer, name, param, states, for_load)
         if for_load:        # fp32 targets: a checkpoint's fp32 weights arrive unrounded
             model[name] = _load_target(model[name], master)
         state = states.get(name, {})
@@ -193,10 +193,17 @@ def _adam_states(trainer) -> dict:
             for name, _ in trainer.model.named_parameters()}
 
 
-def _master(trainer, name: str, param):
-    """The fp32 tensor a checkpoint holds for a parameter: its master copy (the parameter itself
-    in fp32; the distributed optimizer, fp32 only, keeps its masters as shards of its own)."""
-    return param if trainer.masters is None else trainer.masters.by_name[name]
+def _master(trainer, name: str, param, states: dict, for_load: bool):
+    """The fp32 tensor a checkpoint holds for a parameter (for a load, one shaped like it): its
+    master copy, the parameter itself in fp32. The distributed optimizer's masters are shards
+    of its own, gathered per parameter into ``states`` by :func:`_adam_states`."""
+    if param.dtype == MASTER_DTYPE:
+        return param
+    if trainer.masters is not None:
+        return trainer.masters.by_name[name]
+    if for_load:
+        return torch.empty(param.shape, dtype=MASTER_DTYPE, device=param.device)
+    return states[name][MASTER_KEY]
 
 
 def optimizer_step(trainer) -> int:
@@ -344,17 +351,19 @@ def apply_loaded(trainer, scheduler, loaded: dict, *, load_optim: bool = True,
     if load_optim:
         check_schedule(scheduler, loaded["opt_param_scheduler"], iteration)
     named = dict(trainer.model.named_parameters())
+    saved_masters = loaded.get("optimizer", {}) if load_optim else {}
     if trainer.distributed_optimizer:
-        # fp32 only (its own master shards follow the loaded weights; the moments if loaded).
+        # Its master shards come from the fp32 masters or weights, not from the 16-bit weights.
+        masters = {name: saved_masters.get(f"{MASTER_KEY}.{name}", loaded["model"][name])
+                   for name in named}
         for name, param in named.items():
-            param.copy_(loaded["model"][name])
+            param.copy_(masters[name])
         trainer.optimizer.load(
             {name: {key: loaded["optimizer"][f"{key}.{name}"] for key in ADAM_STATE_KEYS}
              for name in named} if load_optim else None,
-            loaded_optimizer_step(loaded["optimizer"]) if load_optim else 0)
+            loaded_optimizer_step(loaded["optimizer"]) if load_optim else 0, masters=masters)
     else:
         masters = trainer.masters.by_name
-        saved_masters = loaded.get("optimizer", {}) if load_optim else {}
         for name, master in masters.items():
             master.copy_(saved_masters.get(f"{MASTER_KEY}.{name}", loaded["model"][name]))
         trainer.masters.write_back()

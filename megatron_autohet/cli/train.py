@@ -212,11 +212,6 @@ def run(args: argparse.Namespace) -> int:
                           f"got {args.distributed_timeout_minutes}", "minutes > 0")
     check_elastic(args, checkpoint)
     plan, model = load_job(args.plan, args.model)
-    if precision == "bf16" and (args.use_distributed_optimizer or plan.use_distributed_optimizer):
-        raise ConfigError("<command line>", "--bf16", "given with the distributed optimizer ("
-                          + ("--use-distributed-optimizer" if args.use_distributed_optimizer
-                             else f"{args.plan} sets use_distributed_optimizer") + ")",
-                          "one of them: the distributed optimizer trains in fp32 for now")
     if not args.elastic:
         check_resume(checkpoint, plan, optimizer, args.iters)
     timeout = args.distributed_timeout_minutes or (1.0 if args.elastic else 10.0)

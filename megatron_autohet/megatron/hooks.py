@@ -332,16 +332,12 @@ def stop_job(err: ConfigError) -> NoReturn:
     sys.exit(2)
 
 
-def megatron_precision(args, plan: Plan):
+def megatron_precision(args):
     """Megatron-LM's ``--bf16`` (spec/precision.py); without it fp32, as in Megatron-LM
-    (``--fp16`` never gets here: megatron/flags.py refuses it before Megatron starts). bf16 with
-    the distributed optimizer is refused: the distributed optimizer trains in fp32 for now."""
+    (``--fp16`` never gets here: megatron/flags.py refuses it before Megatron starts), with or
+    without the distributed optimizer."""
     from megatron_autohet.spec.precision import PRECISIONS
 
-    if getattr(args, "bf16", False) and (args.use_distributed_optimizer
-                                         or plan.use_distributed_optimizer):
-        raise ConfigError("<command line>", "--bf16", "given with the distributed optimizer",
-                          "one of them: the distributed optimizer trains in fp32 for now")
     return PRECISIONS["bf16" if getattr(args, "bf16", False) else "fp32"]
 
 
@@ -362,7 +358,7 @@ def pretrain_from_plan(args) -> None:
         plan = load_plan(plan_path)
         check_megatron_args(args, plan, plan_path, tokenizer_vocab_size=get_tokenizer().vocab_size)
         checkpoint = checkpoint_options(args, plan_path)
-        precision = megatron_precision(args, plan)
+        precision = megatron_precision(args)
     except ConfigError as err:
         stop_job(err)
     rank = dist.get_rank()

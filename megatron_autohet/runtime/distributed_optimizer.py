@@ -26,16 +26,20 @@ Per iteration, instead of the all-reduce:
    with ``param.data.copy_`` (an asymmetric bucket's parameter takes its TP slice of the full
    tensor): a 16-bit weight is written by a cast of the fp32 master.
 
-The master copy is fp32 whatever the weights' dtype; it is (re)filled from the live parameters at
-construction and after a checkpoint load (:meth:`DistributedOptimizer.load`): a symmetric bucket's
-values are the concatenated local parameters (every member holds the same replica); an
-asymmetric bucket's full tensors are assembled by one sum-all-reduce in which only the main
-replica (layout/owners.py) writes its chunks.
+Mixed precision (Megatron-LM's ``--bf16 --use-distributed-optimizer``): the master copy is fp32
+whatever the weights' dtype. At construction it is filled from the live parameters (fp32 copies of
+the 16-bit initial weights, as megatron's ``DistributedOptimizer`` does); a checkpoint load
+(:meth:`DistributedOptimizer.load`) fills it from the checkpoint's fp32 masters (or, without
+them, its fp32 weights), never from the 16-bit weights, which would round every master to bf16
+and end a bit-identical resume. A symmetric bucket's values are the concatenated local tensors
+(every member holds the same replica); an asymmetric bucket's full tensors are assembled by one
+sum-all-reduce in which only the main replica (layout/owners.py) writes its chunks.
 
 Checkpoints stay layout-independent (checkpoint/state.py): :meth:`DistributedOptimizer.param_states`
-all-gathers the moment shards and returns per-parameter tensors in the local shapes, the keys of
-the non-distributed optimizer; :meth:`DistributedOptimizer.load` takes the same per-parameter
-tensors back, so a checkpoint saved with or without the distributed optimizer loads into either.
+all-gathers the moment shards (and, in 16-bit training, the master shards as ``fp32_param``) and
+returns per-parameter fp32 tensors in the local shapes, the keys of the non-distributed
+optimizer; :meth:`DistributedOptimizer.load` takes the same per-parameter tensors back, so a
+checkpoint saved with or without the distributed optimizer loads into either.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ import torch.distributed as dist
 from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 
 from megatron_autohet.runtime.grad_sync import GradSync, _Bucket
+from megatron_autohet.runtime.mixed_precision import MASTER_KEY
 from megatron_autohet.runtime.optimizer import (ADAM_STATE_KEYS, OptimizerSettings,
                                                 applies_weight_decay)
 
@@ -237,25 +242,33 @@ class DistributedOptimizer:
     @torch.no_grad()
     def param_states(self) -> dict[str, dict[str, torch.Tensor]]:
         """Adam moments per local parameter name, in the parameter's local shape (fp32): the
-        non-distributed optimizer's per-parameter state. A collective: every rank calls it."""
+        non-distributed optimizer's per-parameter state, plus ``MASTER_KEY`` (the fp32 master)
+        for 16-bit parameters. A collective: every rank calls it."""
         out: dict[str, dict[str, torch.Tensor]] = {}
         for sharded in self.buckets:
-            for key in ADAM_STATE_KEYS:
-                flat, _ = sharded.gather(sharded.moments[key], torch.float32)
+            keys = dict(zip(ADAM_STATE_KEYS, (sharded.moments[k] for k in ADAM_STATE_KEYS)))
+            if sharded.bucket.params[0].dtype != torch.float32:
+                keys[MASTER_KEY] = sharded.master
+            for key, shard in keys.items():
+                flat, _ = sharded.gather(shard, torch.float32)
                 for param, value in zip(sharded.bucket.params, sharded.local_values(flat)):
                     out.setdefault(self.names[param], {})[key] = value.clone()
         return out
 
     @torch.no_grad()
     def load(self, param_states: dict[str, dict[str, torch.Tensor]] | None = None,
-             step: int = 0) -> None:
-        """Refill the master shards from the live parameters (after they were loaded) and, if
-        ``param_states`` is given (local name -> ``exp_avg``/``exp_avg_sq`` in local shapes, as
-        :meth:`param_states` returns), the moment shards and the step count; without it the
-        moments and step stay as they are. A collective: every rank calls it."""
+             step: int = 0, masters: dict[str, torch.Tensor] | None = None) -> None:
+        """Refill the master shards from ``masters`` (local name -> fp32 tensor in the local
+        shape: a checkpoint's masters or fp32 weights), or without it from the live parameters
+        (construction); and, if ``param_states`` is given (local name ->
+        ``exp_avg``/``exp_avg_sq`` in local shapes, as :meth:`param_states` returns), the
+        moment shards and the step count; without it the moments and step stay as they are.
+        The live weights are not written: the caller loads them. A collective: every rank
+        calls it."""
         for sharded in self.buckets:
             params = sharded.bucket.params
-            sharded.master.copy_(sharded.assemble([p.detach() for p in params]))
+            sharded.master.copy_(sharded.assemble(
+                [p.detach() if masters is None else masters[self.names[p]] for p in params]))
             if param_states is not None:
                 for key in ADAM_STATE_KEYS:
                     sharded.moments[key].copy_(sharded.assemble(

@@ -12,6 +12,8 @@ Public API
 ``MAIN_GRAD_DTYPE``
     fp32: the dtype gradients are accumulated, reduced, normed and clipped in (runtime/grad_sync.py
     allocates its buckets in it).
+``MASTER_KEY``
+    ``"fp32_param"``: megatron-core's optimizer-state key of a master weight.
 ``MasterWeights(named_params, precision)``
     The tensors the optimizer steps, one per trainable parameter, keyed by local name: a 16-bit
     parameter gets an fp32 copy, an fp32 parameter is its own master. Each master's ``.grad`` is
@@ -45,6 +47,9 @@ from megatron_autohet.spec.precision import (BF16, FP32, MAIN_GRAD_BYTES, PRECIS
 _PARAM_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 MAIN_GRAD_DTYPE = torch.float32
 MASTER_DTYPE = torch.float32
+# megatron-core's name of the fp32 master copy of a 16-bit parameter (optimizer/optimizer.py):
+# the optimizer-state key checkpoints save it under
+MASTER_KEY = "fp32_param"
 
 # What the cost model charges is what is allocated (module doc).
 assert MAIN_GRAD_DTYPE.itemsize == MAIN_GRAD_BYTES
