@@ -23,6 +23,7 @@ stage's total memory model do not matter here.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -81,6 +82,93 @@ def test_state_bytes_of_every_rank_equal_the_cost_model(plan_file, precision_nam
         assert counted["weights"] == precision.element_bytes * params, (rank, counted, params)
         total = counted["weights"] + counted["main_grads"] + counted["masters"] + counted["adam"]
         assert total == precision.state_bytes_per_param() * params, (rank, counted, params)
+
+
+def _distopt_state_bytes(rank, world, plan):
+    """A bf16 rank with the distributed optimizer: its fp32 master and moment shards, and the
+    zero padding that makes every bucket split evenly over its group (runtime/grad_sync.py)."""
+    from megatron_autohet.runtime.optimizer import OptimizerSettings
+    from megatron_autohet.runtime.trainer import HeteroTrainer
+
+    trainer = HeteroTrainer(plan, plan.model, rank=rank, seed=SEED,
+                            optimizer=OptimizerSettings(lr=1e-3), precision=PRECISIONS["bf16"],
+                            distributed_optimizer=True)
+    trainer.optimizer.step()
+    shards = trainer.optimizer.buckets
+    assert trainer.masters is None              # no full-size master copy beside the shards
+    params = list(trainer.model.parameters())
+    role = trainer.state.role
+    return {"weights": _tensor_bytes(params),
+            "main_grads": _tensor_bytes(b.grad_data for b in trainer.grad_sync.buckets),
+            "masters": _tensor_bytes(sharded.master for sharded in shards),
+            "adam": _tensor_bytes(m for sharded in shards for m in sharded.moments.values()),
+            "kept": sum(seg.numel for sharded in shards for seg in sharded.segments),
+            "grad_padding": [b.grad_data.numel() - sum(p.numel() for p in b.params)
+                             for b in trainer.grad_sync.buckets],
+            "shard_padding": [sharded.shard_numel - sum(seg.numel for seg in sharded.segments)
+                              for sharded in shards],
+            "bucket_padding": [sharded.shard_numel * sharded.size
+                               - sum(sharded._numel(i) for i in range(len(sharded.bucket.params)))
+                               for sharded in shards],
+            "group_sizes": [sharded.size for sharded in shards],
+            "dtypes": sorted({str(p.dtype) for p in params}),
+            "stage": (role.stage.tp_size, role.stage.layers, role.stage.is_first,
+                      role.stage.is_last)}
+
+
+@pytest.mark.parametrize("plan_file", ["tiny-three-pipelines.yaml", "tiny-homogeneous.yaml"])
+def test_bf16_distributed_optimizer_state_bytes_equal_the_cost_model(plan_file):
+    """``--bf16 --use-distributed-optimizer``: weights + fp32 main gradients + the fp32 master
+    and Adam shards equal ``BF16.state_bytes_per_param(shards) * params``, ``shards`` the stage's
+    parameters over the elements whose state the rank keeps, once the zero padding that evens
+    out every bucket (fewer elements than its group has ranks) is taken off; and the elements
+    kept are the cost model's (cost_model.py, ``params / D`` of each group's parameters), up
+    to the padding of each bucket to a multiple of ``D``.
+
+    Plans with symmetric sync groups only: for an asymmetric group (holders of different TP
+    degree) the cost model takes the full tensors as a TP2 holder's count times 2, so counts
+    TP-replicated parameters (layernorms, row-parallel biases) twice, and misprices the kept
+    state in both directions (tiny-two-pipelines: +2560 elements on a TP2 rank, -1023 on the
+    TP1 rank)."""
+    from megatron_autohet.cost_model import _sync_group_params, _unsharded_state_params
+    from megatron_autohet.profiling.profile import Profile
+
+    plan = replace(load_plan(PLANS / plan_file), use_distributed_optimizer=True)
+    bf16 = PRECISIONS["bf16"]
+    catalog = load_gpu_catalog()
+    profile = Profile("estimated")
+    for gpu, tp in {(plan.ranks[s.ranks[0]].gpu, s.tp) for p in plan.pipelines
+                    for s in p.stages}:
+        profile.add(estimate_entry(plan.model, catalog[gpu], tp, plan.micro_batch_size,
+                                   plan.seq_length, 300))
+    groups = _sync_group_params(plan, profile)
+    assert all(spec.symmetric for spec, _, _ in groups)
+    away = _unsharded_state_params(plan, groups)
+    sharded_somewhere = False
+    for rank, counted in enumerate(run_on_ranks(plan.world_size, _distopt_state_bytes, plan,
+                                                timeout=240)):
+        tp, (start, end), first, last = counted["stage"]
+        gpu = plan.ranks[rank].gpu
+        params = stage_param_count(profile.get(gpu, tp, plan.micro_batch_size, plan.seq_length),
+                                   plan.model, end - start, first, last)
+        kept, priced = counted["kept"], params - away.get(rank, 0.0)
+        assert counted["dtypes"] == ["torch.bfloat16"]
+        assert counted["weights"] == bf16.element_bytes * params, (rank, counted, params)
+        # each bucket of N elements is padded by q < D to split D ways; this rank's shard
+        # holds p of those zeros: it keeps (N + q) / D - p where the cost model prices N / D
+        rounding = sum(q / d - p for q, d, p in zip(counted["bucket_padding"],
+                                                    counted["group_sizes"],
+                                                    counted["shard_padding"]))
+        assert kept == pytest.approx(priced + rounding, abs=1e-6), (rank, kept, priced)
+        for padding, size in zip(counted["shard_padding"], counted["group_sizes"]):
+            assert 0 <= padding < size, (rank, counted)
+        padding_bytes = 4 * sum(counted["grad_padding"]) + 12 * sum(counted["shard_padding"])
+        total = counted["weights"] + counted["main_grads"] + counted["masters"] + counted["adam"]
+        assert total - padding_bytes == pytest.approx(        # a float: params / kept
+            bf16.state_bytes_per_param(params / kept) * params, rel=1e-12), (
+            rank, counted, params, kept)
+        sharded_somewhere |= kept < params
+    assert sharded_somewhere
 
 
 # Activations ---------------------------------------------------------------------------------

@@ -61,9 +61,6 @@ def test_world_size_mismatch_under_torchrun_env(capsys):
     (["--adam-beta2", "1.0"], "--adam-beta2", "got 1.0 (allowed: 0 <= beta < 1)"),
     (["--bf16", "--fp16"], "--fp16", "given with --bf16 (allowed: one of them)"),
     (["--fp16"], "--fp16", "fp16 mixed precision needs a dynamic loss scaler"),
-    (["--bf16", "--use-distributed-optimizer"], "--bf16",
-     "given with the distributed optimizer (--use-distributed-optimizer) (allowed: one of them: "
-     "the distributed optimizer trains in fp32 for now)"),
 ])
 def test_bad_optimizer_values_are_clear_errors_before_any_process(flags, field, message, capsys):
     start = time.perf_counter()
@@ -92,14 +89,17 @@ def test_megatron_log_line_format():
             " grad norm: 1.234 | tokens per second: 1638.9 |") in line
 
 
-@pytest.mark.parametrize("distributed_optimizer", ["", "flag", "plan"])
+@pytest.mark.parametrize("distributed_optimizer", ["", "flag", "plan", "bf16"])
 def test_train_two_pipelines_three_iterations(tmp_path, distributed_optimizer):
-    """Also with the distributed optimizer, from the flag or from a plan made for it."""
+    """Also with the distributed optimizer, from the flag or from a plan made for it, and with
+    it in bf16 (--bf16 --use-distributed-optimizer, Megatron-LM's usual combination)."""
     metrics = tmp_path / "metrics.jsonl"
     peak, floor = 2e-3, 2e-4
     plan, flags = PLAN, []
     if distributed_optimizer == "flag":
         flags = ["--use-distributed-optimizer"]
+    elif distributed_optimizer == "bf16":
+        flags = ["--bf16", "--use-distributed-optimizer"]
     elif distributed_optimizer == "plan":
         plan = tmp_path / "plan.yaml"
         plan.write_text(PLAN.read_text() + "use_distributed_optimizer: true\n")
@@ -108,7 +108,8 @@ def test_train_two_pipelines_three_iterations(tmp_path, distributed_optimizer):
                       "--lr-decay-style", "cosine", "--weight-decay", "0.1",
                       "--metrics-jsonl", str(metrics), "--data-dir", str(tmp_path / "data"))
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "training in fp32 (the default on CPU)" in result.stdout
+    assert ("training in bf16 (--bf16)" if distributed_optimizer == "bf16"
+            else "training in fp32 (the default on CPU)") in result.stdout
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["iteration"] for r in records] == [1, 2, 3]
     losses = [r["lm_loss"] for r in records]
