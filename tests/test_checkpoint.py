@@ -20,6 +20,7 @@ import torch
 from megatron_autohet.checkpoint.manifest import MANIFEST_FILE, read_manifest, step_dir_name
 from megatron_autohet.checkpoint.options import CheckpointOptions
 from megatron_autohet.plan import load_plan, plan_from_dict
+from megatron_autohet.runtime.mixed_precision import MASTER_KEY
 from megatron_autohet.runtime.optimizer import OptimizerSettings
 from megatron_autohet.spec.precision import BF16, FP32
 from dist_utils import RankFailed, run_on_ranks
@@ -79,8 +80,13 @@ def _train(rank, world, the_plan, batches, options, exit_interval=None, precisio
                      checkpointer=checkpointer,
                      exit_interval=exit_interval)
     if masters is not None:
+        if trainer.masters is not None:
+            held = trainer.masters.by_name
+        else:       # the distributed optimizer's master shards, gathered (a collective)
+            held = {name: states[MASTER_KEY]
+                    for name, states in trainer.optimizer.param_states().items()}
         return metrics, {trainer.layouts[name].global_name: (trainer.layouts[name], m.clone())
-                         for name, m in trainer.masters.by_name.items()}
+                         for name, m in held.items()}
     return metrics
 
 
@@ -167,11 +173,57 @@ def test_bf16_job_resumes_bit_exactly_and_its_masters_load_into_fp32(tmp_path):
     loaded = _merged(run_on_ranks(b.world_size, _train, b, batches,
                                   CheckpointOptions(load=str(save)), precision=FP32,
                                   total=BF16_TOTAL, stop=BF16_HALF, masters={}))
-    assert loaded.keys() == saved_masters.keys()
-    for name, master in saved_masters.items():
+    _assert_exact_masters(loaded, saved_masters)
+
+
+def _assert_exact_masters(loaded: dict, saved: dict) -> None:
+    assert loaded.keys() == saved.keys()
+    for name, master in saved.items():
         assert loaded[name].dtype == master.dtype == torch.float32
         assert torch.equal(loaded[name], master), name
         assert not torch.equal(master, master.bfloat16().float()), name  # not bf16 values
+
+
+def test_bf16_distributed_optimizer_resumes_and_cross_loads(tmp_path):
+    """--bf16 --use-distributed-optimizer saves the fp32 masters gathered from its shards, and a
+    load fills the shards from the checkpoint's masters, not from the bf16 weights: resumed on
+    the same plan it continues bit for bit; on another plan (tiny-tp-change: asymmetric
+    buckets) within test_bf16.py's bf16 tolerances (another layout rounds in another order);
+    its masters load exactly into a bf16 job without the distributed optimizer, and a bf16
+    checkpoint saved without it loads its masters exactly into the distributed optimizer."""
+    from test_bf16 import LOSS_REL, NORM_REL
+
+    a, b, c = plan("tiny-two-pipelines"), plan("tiny-tp-change"), plan("tiny-homogeneous")
+    batches = global_batches(a, BF16_TOTAL)
+    distopt = dict(precision=BF16, total=BF16_TOTAL, distributed_optimizer=True)
+    full = run_on_ranks(a.world_size, _train, a, batches, CheckpointOptions(), **distopt)[0]
+    save = tmp_path / "distopt"
+    first = run_on_ranks(a.world_size, _train, a, batches,
+                         CheckpointOptions(save=str(save), save_interval=BF16_HALF),
+                         exit_interval=BF16_HALF, masters={}, **distopt)
+    assert first[0][0] == full[:BF16_HALF]
+    same = run_on_ranks(a.world_size, _train, a, batches, CheckpointOptions(load=str(save)),
+                        **distopt)[0]
+    assert full[:BF16_HALF] + same == full                          # bit-identical
+    other = run_on_ranks(b.world_size, _train, b, batches, CheckpointOptions(load=str(save)),
+                         **distopt)[0]
+    assert len(other) == BF16_TOTAL - BF16_HALF
+    for ours, reference in zip(other, full[BF16_HALF:]):
+        assert rel(ours[0], reference[0]) <= LOSS_REL, (other, full)
+        assert rel(ours[1], reference[1]) <= NORM_REL, (other, full)
+        assert ours[2] == reference[2]                              # learning rate
+    # cross-loads, each job stopped right after its load
+    _assert_exact_masters(_merged(run_on_ranks(
+        c.world_size, _train, c, batches, CheckpointOptions(load=str(save)), precision=BF16,
+        total=BF16_TOTAL, stop=BF16_HALF, masters={})), _merged(first))
+    plain = tmp_path / "plain"
+    saved_plain = run_on_ranks(a.world_size, _train, a, batches,
+                               CheckpointOptions(save=str(plain), save_interval=BF16_HALF),
+                               exit_interval=BF16_HALF, precision=BF16, total=BF16_TOTAL,
+                               masters={})
+    _assert_exact_masters(_merged(run_on_ranks(
+        b.world_size, _train, b, batches, CheckpointOptions(load=str(plain)), stop=BF16_HALF,
+        masters={}, **distopt)), _merged(saved_plain))
 
 
 def test_llama_style_model_resumes_from_asymmetric_to_homogeneous(tmp_path):
