@@ -238,6 +238,44 @@ def test_pretrain_gpt_use_distributed_optimizer(uninterrupted, tree, data_dir, t
         assert norm == pytest.approx(ref_norm, rel=1e-5)
 
 
+def _repeated_diagnostics(output: str) -> dict[str, int]:
+    """Warning and log lines that appear more than once in a job's output (once per rank)."""
+    lines = [line for line in output.splitlines()
+             if "Warning" in line or line.startswith(("WARNING", "INFO:", "ERROR"))]
+    return {line: lines.count(line) for line in set(lines) if lines.count(line) > 1}
+
+
+def test_pretrain_gpt_bf16_with_distributed_optimizer_like_autohet_train(tree, data_dir,
+                                                                           tmp_path):
+    """--bf16 --use-distributed-optimizer, Megatron-LM's usual combination, trains the plan as
+    ``autohet train --bf16 --use-distributed-optimizer`` does (the same runtime), and every
+    warning or log line of the four ranks appears once."""
+    from test_bf16 import LOSS_REL, NORM_REL
+
+    flags = ["--bf16", "--use-distributed-optimizer"]
+    metrics = tmp_path / "pretrain.jsonl"
+    result = _torchrun(tree, PLAN, [*flags, "--autohet-metrics-jsonl", metrics,
+                                    "--autohet-data-dir", data_dir])
+    assert result.returncode == 0, _tail(result)
+    assert "> distributed optimizer: rank 0 keeps" in result.stdout
+    assert "Falling back to Torch Norm" in result.stderr          # rank 0 still warns
+    assert _repeated_diagnostics(result.stdout + result.stderr) == {}
+    ours = tmp_path / "autohet.jsonl"
+    plain = subprocess.run(
+        [sys.executable, "-m", "megatron_autohet.cli.main", "train", "--plan", str(PLAN),
+         "--model", str(ROOT / "configs/models/tiny.yaml"), "--iters", str(TRAIN_ITERS),
+         *SCHEDULE_ARGS, *flags, "--metrics-jsonl", str(ours), "--data-dir", str(data_dir)],
+        capture_output=True, text=True, timeout=600, env=_venv_env())
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    assert "training in bf16 (--bf16)" in plain.stdout
+    pretrain, reference = _metrics(metrics), _metrics(ours)
+    assert len(pretrain) == len(reference) == TRAIN_ITERS
+    for (_, loss, norm, lr), (_, ref_loss, ref_norm, ref_lr) in zip(pretrain, reference):
+        assert lr == pytest.approx(ref_lr, rel=1e-12)
+        assert loss == pytest.approx(ref_loss, rel=LOSS_REL)
+        assert norm == pytest.approx(ref_norm, rel=NORM_REL)
+
+
 @pytest.fixture(scope="module")
 def saved_half(tree, data_dir, uninterrupted, tmp_path_factory) -> Path:
     """--save/--save-interval/--exit-interval stop PLAN after TRAIN_ITERS // 2 iterations: the

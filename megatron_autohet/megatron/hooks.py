@@ -72,7 +72,7 @@ def prepare_process(argv: list[str] | None = None) -> None:
     from megatron_autohet.megatron.flags import check_flags, stop_before_start
     from megatron_autohet.runtime.cpu_mode import cpu_mode_required, enable_cpu_mode
 
-    _warn_on_first_rank_only()
+    _quiet_other_ranks()
     try:
         check_flags(argv[1:])
     except ConfigError as err:
@@ -83,17 +83,20 @@ def prepare_process(argv: list[str] | None = None) -> None:
         _adapt_megatron_lm_initialization_to_cpu()
 
 
-def _warn_on_first_rank_only() -> None:
-    """Every process of a job runs the same megatron-core code, which warns (Python ``warnings``)
-    about a missing Apex or Transformer Engine and deprecated options: from here on the first
-    rank shows them and the others ignore Python warnings, so each appears once per job. The
-    warnings megatron-core gives while ``pretrain_gpt.py`` imports it come before this hook
-    runs; ``PYTHONWARNINGS=ignore`` on the launch line silences those (README)."""
+def _quiet_other_ranks() -> None:
+    """Every process of a job runs the same code, which warns (Python ``warnings``: a missing
+    Apex or Transformer Engine, deprecated options) and logs (this package's INFO lines, e.g.
+    the CPU mode's): from here on ranks other than 0 ignore Python warnings and this package's
+    INFO logging, so each line appears once per job. The warnings megatron-core gives while
+    ``pretrain_gpt.py`` imports it are already once per job: stock ``pretrain_gpt.py`` ignores
+    ``UserWarning``/``FutureWarning`` on ranks other than 0 before its imports."""
+    import logging
     import os
     import warnings
 
     if int(os.environ.get("RANK", "0")) > 0:
         warnings.simplefilter("ignore")
+        logging.getLogger("megatron_autohet").setLevel(logging.WARNING)
 
 
 def _size_megatron_batch_calculator_for_plans() -> None:
