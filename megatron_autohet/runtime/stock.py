@@ -6,7 +6,7 @@ own when the plan is one regular TP x PP x DP grid. This module is that baseline
 
 Public API
 ----------
-``StockMegatronTrainer(plan, *, rank, seed, optimizer, distributed_optimizer=False)``
+``StockMegatronTrainer(plan, *, rank, seed, optimizer, distributed_optimizer=False, precision=FP32)``
     ``torch.distributed`` must be initialised with the plan's world size. Builds, with
     megatron-core's own machinery only: ``parallel_state.initialize_model_parallel``, a
     ``GPTModel`` of this rank's stage (local layer spec), ``DistributedDataParallel`` with its
@@ -15,6 +15,10 @@ Public API
     parameter groups and no-decay rule, megatron's grad-norm clipping; hyper-parameters from the
     ``OptimizerSettings``; with ``distributed_optimizer`` megatron-core's DistributedOptimizer,
     which runs on gloo too) and ``get_forward_backward_func`` (megatron's own P2P and 1F1B).
+    ``precision`` bf16 is Megatron-LM's ``--bf16``: the model wrapped in megatron-core's
+    ``Float16Module``, DDP with ``grad_reduce_in_fp32`` (fp32 main grads) and
+    ``get_megatron_optimizer(bf16=True)`` (``Float16OptimizerWithFloat16Params``, or with
+    ``distributed_optimizer`` its DistributedOptimizer on fp32 master shards).
     ``.optimizer`` is megatron's optimizer: a learning-rate scheduler
     (``optimizer.make_lr_scheduler``) drives its ``param_groups`` exactly as it drives ours.
     ``train_step(global_batch) -> StockStep`` runs one iteration; ``close()`` destroys megatron's
@@ -47,6 +51,7 @@ from types import SimpleNamespace
 
 from megatron_autohet.plan import Plan
 from megatron_autohet.runtime.optimizer import OptimizerSettings
+from megatron_autohet.spec.precision import FP32, Precision
 
 
 @dataclass(frozen=True)
@@ -85,7 +90,7 @@ class StockMegatronTrainer:
     """One rank of stock megatron-core training a homogeneous plan (see module doc)."""
 
     def __init__(self, plan: Plan, *, rank: int, seed: int, optimizer: OptimizerSettings,
-                 distributed_optimizer: bool = False):
+                 distributed_optimizer: bool = False, precision: Precision = FP32):
         from megatron.core import parallel_state as mps
         from megatron.core import tensor_parallel
         from megatron.core.distributed import (DistributedDataParallel,
@@ -94,9 +99,11 @@ class StockMegatronTrainer:
         from megatron.core.models.gpt import GPTModel
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.transformer.module import Float16Module
 
         from megatron_autohet.layout.topology import rank_role
         from megatron_autohet.runtime.init import initialize_parameters
+        from megatron_autohet.runtime.mixed_precision import param_dtype
         from megatron_autohet.runtime.stage_model import (param_layouts, plan_padded_vocab_size,
                                                           transformer_config)
 
@@ -114,21 +121,26 @@ class StockMegatronTrainer:
             raise RuntimeError(f"rank {rank}: megatron placed it at (tp, pp, dp) = {grid}, the "
                                f"plan at {(role.tp_rank, role.stage.stage, role.stage.pipeline)}")
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
-        config = transformer_config(plan.model, tp, pipeline_layers=[s.layers for s in stages])
+        config = transformer_config(plan.model, tp, pipeline_layers=[s.layers for s in stages],
+                                    precision=precision)
         model = GPTModel(config, get_gpt_layer_local_spec(),
                          vocab_size=plan_padded_vocab_size(plan),
                          max_sequence_length=plan.model.seq_length,
                          pre_process=mps.is_pipeline_first_stage(),
                          post_process=mps.is_pipeline_last_stage(),
                          share_embeddings_and_output_weights=plan.model.tie_embeddings)
-        # local name (of the unwrapped GPTModel, ``.model.module``) -> ParamLayout
+        # local name (of the unwrapped GPTModel) -> ParamLayout
         self.layouts = layouts = param_layouts(model, SimpleNamespace(plan=plan, role=role))
         initialize_parameters(((p, layouts[n]) for n, p in model.named_parameters()),
                               plan.model, seed)
+        mixed = bool(precision.master_bytes)
+        if mixed:       # Megatron-LM's get_model: the 16-bit module casts inputs and outputs
+            model = Float16Module(config, model)
         # distributed_optimizer: megatron-core's own DistributedOptimizer (--use-distributed-
         # optimizer) over its one DP group, for comparisons with ours
         self.model = DistributedDataParallel(
-            config, DistributedDataParallelConfig(use_distributed_optimizer=distributed_optimizer),
+            config, DistributedDataParallelConfig(use_distributed_optimizer=distributed_optimizer,
+                                                  grad_reduce_in_fp32=mixed),
             model)
         config.finalize_model_grads_func = finalize_model_grads
         optimizer.validate()
@@ -137,7 +149,8 @@ class StockMegatronTrainer:
                             weight_decay=optimizer.weight_decay, decoupled_weight_decay=True,
                             adam_beta1=optimizer.adam_beta1, adam_beta2=optimizer.adam_beta2,
                             adam_eps=optimizer.adam_eps, clip_grad=optimizer.clip_grad,
-                            use_distributed_optimizer=distributed_optimizer),
+                            use_distributed_optimizer=distributed_optimizer,
+                            bf16=precision.name == "bf16", params_dtype=param_dtype(precision)),
             [self.model])
         # Megatron builds every group with weight_decay = config.weight_decay and leaves applying
         # the group's wd_mult to its scheduler's first step; do it now so the optimizer is right
