@@ -46,7 +46,9 @@ precision or fp32. In bf16 the stage model's weights, activations and P2P messag
 GradSync accumulates every backward's gradient into fp32 ``main_grad`` buckets and reduces them in
 fp32; the norm and clipping are taken on those fp32 gradients; AdamW steps fp32 master weights
 whose ``.grad`` are the main-grad views, with fp32 moments, and the bf16 weights are written back
-from the masters after every step. In fp32 the weights are their own masters.
+from the masters after every step. In fp32 the weights are their own masters. With the
+distributed optimizer the masters are its fp32 shards (runtime/distributed_optimizer.py) and the
+bf16 weights are written from their all-gather.
 
 Optimizer: torch's ``torch.optim.AdamW`` (``make_optimizer``: decoupled weight decay, none on
 biases and 1-D parameters, decided on global names so every rank agrees) on each rank's local
