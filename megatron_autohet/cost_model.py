@@ -102,6 +102,7 @@ from megatron_autohet.errors import ConfigError
 from megatron_autohet.layout.topology import sync_group_specs
 from megatron_autohet.plan import Plan, standard_warmup_depths
 from megatron_autohet.profiling.estimate import (ACTIVATION_DTYPE_BYTES, MEMORY_EFFICIENCY,
+                                                 layer_param_count, norm_param_count,
                                                  ring_allreduce_s)
 from megatron_autohet.profiling.profile import PARTS, Profile, ProfileEntry
 from megatron_autohet.spec.cluster import Cluster
@@ -334,49 +335,52 @@ def _slowest_link_gbs(cluster: Cluster, ranks_nodes: list[str]) -> float:
     return min(speeds) if speeds else float("inf")
 
 
-def _sync_group_params(plan: Plan, profile: Profile) -> list[tuple]:
-    """``(spec, group ranks, parameters)`` of every sync group of 2+ ranks: the elements one
-    member reduces (one TP shard when symmetric, the full tensors when asymmetric)."""
+def _group_elements(model: ModelSpec, kind: str, n_layers: int, tp: int, vocab: int) -> int:
+    """Elements of one sync group's tensors that a holder of TP degree ``tp`` keeps: one TP
+    shard of the split tensors plus every TP-replicated one (norms, row-parallel biases,
+    position embeddings); ``tp=1`` gives the full, unsharded tensors."""
+    if kind == "layers":
+        return n_layers * layer_param_count(model, tp)
+    if kind == "word_embeddings":
+        return vocab * model.hidden_size // tp
+    if kind == "position_embeddings":
+        # replicated on every TP rank; GPTModel sizes it by the model's seq_length
+        return model.seq_length * model.hidden_size
+    # "post_process": final norm (replicated), untied output layer (vocab-parallel)
+    output = 0 if model.tie_embeddings else vocab * model.hidden_size // tp
+    return norm_param_count(model) + output
+
+
+def _sync_group_params(plan: Plan) -> list[tuple]:
+    """``(spec, group ranks, parameters, {rank: elements it holds})`` of every sync group of 2+
+    ranks. ``parameters`` are the elements one member reduces: one TP shard when symmetric, the
+    full tensors (TP-replicated ones once) when asymmetric."""
     model = plan.model
-    stage_of_rank = {r: stage for pipe in plan.pipelines for stage in pipe.stages
-                     for r in stage.ranks}
+    tp_of_rank = {r: stage.tp for pipe in plan.pipelines for stage in pipe.stages
+                  for r in stage.ranks}
+    # every copy of the vocabulary is padded alike, for the plan's TP degrees (runtime)
+    vocab = model.padded_vocab_size(set(tp_of_rank.values()))
     out = []
     for spec in sync_group_specs(plan):
+        n_layers = spec.layers[1] - spec.layers[0] if spec.kind == "layers" else 0
         for group in spec.groups():
             if len(group) < 2:
                 continue
-            holder_stage = stage_of_rank[group[0]]
-            if spec.kind == "layers":
-                entry = profile.get(plan.ranks[group[0]].gpu, holder_stage.tp,
-                                    plan.micro_batch_size, plan.seq_length)
-                n_layers = spec.layers[1] - spec.layers[0]
-                shard = n_layers * entry.layer.param_count
-                params = shard if spec.symmetric else shard * holder_stage.tp
-            elif spec.kind == "word_embeddings":
-                vocab = model.padded_vocab_size([holder_stage.tp]) * model.hidden_size
-                params = vocab // holder_stage.tp if spec.symmetric else vocab
-            elif spec.kind == "position_embeddings":
-                # replicated on every TP rank; GPTModel sizes it by the model's seq_length
-                params = model.seq_length * model.hidden_size
-            else:  # "post_process": final norm (replicated), untied output layer (vocab-parallel)
-                params = 2 * model.hidden_size
-                if not model.tie_embeddings:
-                    vocab = model.padded_vocab_size([holder_stage.tp]) * model.hidden_size
-                    params += vocab // holder_stage.tp if spec.symmetric else vocab
-            out.append((spec, group, params))
+            local = {r: _group_elements(model, spec.kind, n_layers, tp_of_rank[r], vocab)
+                     for r in group}
+            params = (local[group[0]] if spec.symmetric
+                      else _group_elements(model, spec.kind, n_layers, 1, vocab))
+            out.append((spec, group, params, local))
     return out
 
 
-def _unsharded_state_params(plan: Plan, groups: list[tuple]) -> dict[int, float]:
+def _unsharded_state_params(groups: list[tuple]) -> dict[int, float]:
     """Per rank, the parameters whose optimizer state the distributed optimizer moves to other
-    ranks: of each group it keeps ``1/D`` of what it reduces (module doc)."""
-    tp_of_rank = {r: stage.tp for pipe in plan.pipelines for stage in pipe.stages
-                  for r in stage.ranks}
+    ranks: of each group it keeps ``1/D`` of what the group reduces (module doc)."""
     away: dict[int, float] = {}
-    for spec, group, params in groups:
+    for _, group, params, local in groups:
         for r in group:
-            local = params if spec.symmetric else params / tp_of_rank[r]
-            away[r] = away.get(r, 0.0) + local - params / len(group)
+            away[r] = away.get(r, 0.0) + local[r] - params / len(group)
     return away
 
 
@@ -386,8 +390,8 @@ def evaluate_plan(plan: Plan, cluster: Cluster, profile: Profile, with_timeline:
     doc); a stage fits when its peak is within ``usable_memory_gib`` of its GPU."""
     model = plan.model
     node_of = [r.node for r in plan.ranks]
-    groups = _sync_group_params(plan, profile)
-    unsharded = _unsharded_state_params(plan, groups) if plan.use_distributed_optimizer else {}
+    groups = _sync_group_params(plan)
+    unsharded = _unsharded_state_params(groups) if plan.use_distributed_optimizer else {}
     pipelines: list[PipelineCost] = []
     stage_of_rank: dict[int, StageCost] = {}
     sources: dict[str, dict[str, str]] = {}
@@ -440,7 +444,7 @@ def evaluate_plan(plan: Plan, cluster: Cluster, profile: Profile, with_timeline:
     # (runtime/grad_sync.py): its bytes add to the stage's peak.
     staging_of_rank = {r: 0.0 for r in stage_of_rank}
     stage_bytes = {id(c): c.memory_gib * GIB for c in stage_of_rank.values()}
-    for spec, group, params in groups:
+    for spec, group, params, _ in groups:
         holders = len(spec.holders)
         bw = _slowest_link_gbs(cluster, [node_of[r] for r in group])
         t = (grad_reduce_scatter_all_gather_s if plan.use_distributed_optimizer

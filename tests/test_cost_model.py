@@ -8,7 +8,8 @@ from megatron_autohet.cost_model import (GIB, MEMORY_RESERVED_GIB, StageCost, ev
                                          fleet_ideal_tokens_per_s,
                                          pipeline_time_s, simulate_1f1b)
 from megatron_autohet.plan import Pipeline, Plan, RankInfo, Stage
-from megatron_autohet.profiling.estimate import LINK_EFFICIENCY, MEMORY_EFFICIENCY
+from megatron_autohet.profiling.estimate import (LINK_EFFICIENCY, MEMORY_EFFICIENCY,
+                                                 layer_param_count)
 from megatron_autohet.profiling.profile import OpCost, Profile, ProfileEntry
 from megatron_autohet.spec.cluster import cluster_from_dict
 from megatron_autohet.spec.model import ModelSpec
@@ -20,6 +21,7 @@ CLUSTER = cluster_from_dict({"name": "hand", "inter_node_bandwidth_gbs": NIC, "n
     {"name": "a", "gpu": "A100-80GB", "gpus": 2, "intra_node_bandwidth_gbs": INTRA},
     {"name": "b", "gpu": "H800", "gpus": 1, "intra_node_bandwidth_gbs": INTRA}]})
 WORD, POS, NORM = 512 * 64, 32 * 64, 2 * 64
+LAYER = layer_param_count(MODEL, 1)     # the sync groups count the model's own tensors
 
 
 def _profile() -> Profile:
@@ -27,7 +29,7 @@ def _profile() -> Profile:
     for gpu in ("A100-80GB", "H800"):
         profile.add(ProfileEntry(
             gpu, 1, 1, 32,
-            layer=OpCost(1.0, 2.0, 10, 1, 100),
+            layer=OpCost(1.0, 2.0, 10, 1, LAYER),
             embedding=OpCost(0.5, 0.5, 5, 5, WORD + POS),
             output=OpCost(1.0, 1.0, 7, 7, WORD + NORM)))
     return profile
@@ -54,13 +56,15 @@ def test_iteration_time_by_hand():
     assert p0.time_s == pytest.approx(7.001 + 8.0 + 2 * 8.0)
     assert p1.time_s == pytest.approx(4 * 3.0 + 1.0 + 2.0)        # one micro-batch, one stage
     # Sync: pipeline 1's single GPU is in every group; the slowest link is the NIC.
-    sync = (_allreduce(200, 2, NIC) * 2 + _allreduce(WORD, 3, NIC) + _allreduce(POS, 2, NIC)
+    sync = (_allreduce(2 * LAYER, 2, NIC) * 2 + _allreduce(WORD, 3, NIC)
+            + _allreduce(POS, 2, NIC)
             + _allreduce(NORM, 2, NIC))
     assert cost.grad_sync_s == pytest.approx(sync)
-    # Optimizer: the max over GPUs is the A100 of stage 0 (slower memory than the H800, which
-    # holds 400 + WORD + POS + NORM params: the tied word matrix counted once).
-    opt = (200 + WORD + POS) * 30 / (2039 * 1e9 * MEMORY_EFFICIENCY)
-    assert cost.pipelines[1].stages[0].param_count == 400 + WORD + POS + NORM
+    # Optimizer: the max over GPUs, of the A100 of stage 0 and the H800 (faster memory, twice
+    # the layers: 4 * LAYER + WORD + POS + NORM params, the tied word matrix counted once).
+    opt = max((2 * LAYER + WORD + POS) / 2039, (4 * LAYER + WORD + POS + NORM) / 3350) * 30 / (
+        1e9 * MEMORY_EFFICIENCY)
+    assert cost.pipelines[1].stages[0].param_count == 4 * LAYER + WORD + POS + NORM
     assert cost.optimizer_s == pytest.approx(opt)
     assert cost.iteration_time_s == pytest.approx(31.001 + sync + opt)
     assert cost.tokens_per_s == pytest.approx(4 * 32 / cost.iteration_time_s)
@@ -83,13 +87,14 @@ def test_position_table_synced_at_the_models_length_when_training_shorter_sequen
     # the plan trains (16): its gradient all-reduce moves all 32 rows.
     profile = Profile("hand")
     for gpu in ("A100-80GB", "H800"):
-        profile.add(ProfileEntry(gpu, 1, 1, 16, layer=OpCost(1.0, 2.0, 10, 1, 100),
+        profile.add(ProfileEntry(gpu, 1, 1, 16, layer=OpCost(1.0, 2.0, 10, 1, LAYER),
                                  embedding=OpCost(0.5, 0.5, 5, 5, WORD + POS),
                                  output=OpCost(1.0, 1.0, 7, 7, WORD + NORM)))
     plan = _plan()
     plan.seq_length = 16
     cost = evaluate_plan(plan.validate(), CLUSTER, profile)
-    sync = (_allreduce(200, 2, NIC) * 2 + _allreduce(WORD, 3, NIC) + _allreduce(POS, 2, NIC)
+    sync = (_allreduce(2 * LAYER, 2, NIC) * 2 + _allreduce(WORD, 3, NIC)
+            + _allreduce(POS, 2, NIC)
             + _allreduce(NORM, 2, NIC))
     assert cost.grad_sync_s == pytest.approx(sync)
 
@@ -99,23 +104,25 @@ def test_memory_by_hand_with_and_without_recompute():
     s0 = cost.pipelines[0].stages[0]
     assert s0.in_flight_microbatches == 2
     reserved = MEMORY_RESERVED_GIB * GIB
-    assert s0.memory_gib * GIB == pytest.approx((200 + WORD + POS) * 18 + 2 * (2 * 10 + 5) + reserved)
+    assert s0.memory_gib * GIB == pytest.approx(
+        (2 * LAYER + WORD + POS) * 18 + 2 * (2 * 10 + 5) + reserved)
     # the last stage: the output layer's kept 7 B, and its bf16 logits (1 x 32 tokens x 512
     # vocabulary x 2 B) beside the fp32 copy while the loss runs
     logits = 32 * 512 * 2
     last = cost.pipelines[1].stages[0]
     assert last.memory_gib * GIB == pytest.approx(
-        (400 + WORD + POS + NORM) * 18 + (4 * 10 + 5 + 7) + logits + reserved)
+        (4 * LAYER + WORD + POS + NORM) * 18 + (4 * 10 + 5 + 7) + logits + reserved)
     s1 = cost.pipelines[0].stages[1]
-    assert s1.memory_gib * GIB == pytest.approx((200 + WORD + NORM) * 18 + (2 * 10 + 7) + logits
-                                                + reserved)
+    assert s1.memory_gib * GIB == pytest.approx(
+        (2 * LAYER + WORD + NORM) * 18 + (2 * 10 + 7) + logits + reserved)
     rc = evaluate_plan(_plan(recompute=True), CLUSTER, _profile())
     s0 = rc.pipelines[0].stages[0]
-    assert s0.memory_gib * GIB == pytest.approx((200 + WORD + POS) * 18 + 2 * (2 * 1 + 5) + 10 + reserved)
+    assert s0.memory_gib * GIB == pytest.approx(
+        (2 * LAYER + WORD + POS) * 18 + 2 * (2 * 1 + 5) + 10 + reserved)
     # recompute's one-layer working set (10 B) and the logits never coincide: the larger counts
     s1 = rc.pipelines[0].stages[1]
-    assert s1.memory_gib * GIB == pytest.approx((200 + WORD + NORM) * 18 + (2 * 1 + 7) + logits
-                                                + reserved)
+    assert s1.memory_gib * GIB == pytest.approx(
+        (2 * LAYER + WORD + NORM) * 18 + (2 * 1 + 7) + logits + reserved)
     assert s0.backward_s == pytest.approx(4.5 + 2 * 1.0)   # recompute adds the layers' forward
 
 
@@ -205,15 +212,16 @@ def test_distributed_optimizer_by_hand():
     reserved = MEMORY_RESERVED_GIB * GIB
     s0, s1 = cost.pipelines[0].stages
     only = cost.pipelines[1].stages[0]
-    kept = {0: 200 / 2 + WORD / 3 + POS / 2, 1: 200 / 2 + WORD / 3 + NORM / 2,
-            2: 400 / 2 + WORD / 3 + POS / 2 + NORM / 2}
+    kept = {0: LAYER + WORD / 3 + POS / 2, 1: LAYER + WORD / 3 + NORM / 2,
+            2: 2 * LAYER + WORD / 3 + POS / 2 + NORM / 2}
     assert s0.memory_gib * GIB == pytest.approx(
-        (200 + WORD + POS) * 6 + kept[0] * 12 + 2 * (2 * 10 + 5) + reserved)
+        (2 * LAYER + WORD + POS) * 6 + kept[0] * 12 + 2 * (2 * 10 + 5) + reserved)
     assert only.memory_gib * GIB == pytest.approx(
-        (400 + WORD + POS + NORM) * 6 + kept[2] * 12 + (4 * 10 + 5 + 7) + 32 * 512 * 2
+        (4 * LAYER + WORD + POS + NORM) * 6 + kept[2] * 12 + (4 * 10 + 5 + 7) + 32 * 512 * 2
         + reserved)                                         # + the last stage's bf16 logits
-    sync = (_reduce_scatter_all_gather(200, 2, NIC) * 2 + _reduce_scatter_all_gather(WORD, 3, NIC)
-            + _reduce_scatter_all_gather(POS, 2, NIC) + _reduce_scatter_all_gather(NORM, 2, NIC))
+    sync = (_reduce_scatter_all_gather(2 * LAYER, 2, NIC) * 2
+            + _reduce_scatter_all_gather(WORD, 3, NIC) + _reduce_scatter_all_gather(POS, 2, NIC)
+            + _reduce_scatter_all_gather(NORM, 2, NIC))
     assert cost.grad_sync_s == pytest.approx(sync)
     bandwidth = {r: CLUSTER.gpu_types[plan.ranks[r].gpu].memory_bandwidth_gbs for r in kept}
     assert cost.optimizer_s == pytest.approx(max(
