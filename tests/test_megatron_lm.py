@@ -182,6 +182,18 @@ def _torchrun(tree: Path, plan: Path, args: list[str], tiny_args=TINY_ARGS):
                           env=_venv_env())
 
 
+def _autohet_train(plan: Path, metrics: Path, data_dir: Path, *flags: str) -> str:
+    """`autohet train` of ``plan`` with the tiny model, TRAIN_ITERS and SCHEDULE_ARGS: the
+    comparison run of the pretrain_gpt.py tests. Returns its stdout."""
+    plain = subprocess.run(
+        [sys.executable, "-m", "megatron_autohet.cli.main", "train", "--plan", str(plan),
+         "--model", str(ROOT / "configs/models/tiny.yaml"), "--iters", str(TRAIN_ITERS),
+         *SCHEDULE_ARGS, *flags, "--metrics-jsonl", str(metrics), "--data-dir", str(data_dir)],
+        capture_output=True, text=True, timeout=600, env=_venv_env())
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    return plain.stdout
+
+
 def _tail(result) -> str:
     return (result.stdout + result.stderr)[-4000:]
 
@@ -206,12 +218,7 @@ def test_pretrain_gpt_trains_the_plan_like_autohet_train(uninterrupted, data_dir
     assert [m[0] for m in uninterrupted] == list(range(1, TRAIN_ITERS + 1))
     assert all(math.isfinite(m[1]) for m in uninterrupted)
     ours = tmp_path / "autohet.jsonl"
-    plain = subprocess.run(
-        [sys.executable, "-m", "megatron_autohet.cli.main", "train", "--plan", str(PLAN),
-         "--model", str(ROOT / "configs/models/tiny.yaml"), "--iters", str(TRAIN_ITERS),
-         *SCHEDULE_ARGS, "--metrics-jsonl", str(ours), "--data-dir", str(data_dir)],
-        capture_output=True, text=True, timeout=600, env=_venv_env())
-    assert plain.returncode == 0, plain.stderr[-3000:]
+    _autohet_train(PLAN, ours, data_dir)
     reference = _metrics(ours)
     # Same runtime, batches, seed, AdamW with weight decay; Megatron-LM's scheduler and ours
     # (both counting samples) give the same learning rates.
@@ -261,13 +268,7 @@ def test_pretrain_gpt_bf16_with_distributed_optimizer_like_autohet_train(tree, d
     assert "Falling back to Torch Norm" in result.stderr          # rank 0 still warns
     assert _repeated_diagnostics(result.stdout + result.stderr) == {}
     ours = tmp_path / "autohet.jsonl"
-    plain = subprocess.run(
-        [sys.executable, "-m", "megatron_autohet.cli.main", "train", "--plan", str(PLAN),
-         "--model", str(ROOT / "configs/models/tiny.yaml"), "--iters", str(TRAIN_ITERS),
-         *SCHEDULE_ARGS, *flags, "--metrics-jsonl", str(ours), "--data-dir", str(data_dir)],
-        capture_output=True, text=True, timeout=600, env=_venv_env())
-    assert plain.returncode == 0, plain.stderr[-3000:]
-    assert "training in bf16 (--bf16)" in plain.stdout
+    assert "training in bf16 (--bf16)" in _autohet_train(PLAN, ours, data_dir, *flags)
     pretrain, reference = _metrics(metrics), _metrics(ours)
     assert len(pretrain) == len(reference) == TRAIN_ITERS
     for (_, loss, norm, lr), (_, ref_loss, ref_norm, ref_lr) in zip(pretrain, reference):
@@ -434,13 +435,8 @@ def test_pretrain_gpt_small_batch_recompute_dropout_and_evaluation_like_autohet_
                                       "1", "--log-interval", "1", "--autohet-metrics-jsonl",
                                       theirs, "--autohet-data-dir", data_dir], tiny_args=tiny)
     assert megatron.returncode == 0, _tail(megatron)
-    plain = subprocess.run(
-        [sys.executable, "-m", "megatron_autohet.cli.main", "train", "--plan", str(plan),
-         "--model", str(ROOT / "configs/models/tiny.yaml"), "--iters", str(TRAIN_ITERS),
-         *SCHEDULE_ARGS, *EVAL_ARGS, "--hidden-dropout", "0.1", "--attention-dropout", "0.1",
-         "--metrics-jsonl", str(ours), "--data-dir", str(data_dir)],
-        capture_output=True, text=True, timeout=600, env=_venv_env())
-    assert plain.returncode == 0, plain.stderr[-3000:]
+    _autohet_train(plan, ours, data_dir, *EVAL_ARGS, "--hidden-dropout", "0.1",
+                   "--attention-dropout", "0.1")
     records = [json.loads(line) for line in theirs.read_text().splitlines()]
     reference = [json.loads(line) for line in ours.read_text().splitlines()]
     assert [sorted(r) for r in records] == [sorted(r) for r in reference]
