@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from functools import cached_property
 
 from megatron_autohet.plan import Plan
 
@@ -72,7 +73,7 @@ class SyncGroupSpec:
     layers: tuple[int, int] | None           # for kind == "layers": [start, end)
     holders: tuple[tuple[int, ...], ...]     # de-duplicated: a 1-stage pipeline holds both ends
 
-    @property
+    @cached_property     # asked once per group and rank by the cost model: thousands of times
     def symmetric(self) -> bool:
         return len({len(h) for h in self.holders}) == 1
 
