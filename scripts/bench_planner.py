@@ -38,7 +38,7 @@ from megatron_autohet.planner import compare, search
 from megatron_autohet.planner.exhaustive import exhaustive_search
 from megatron_autohet.planner.random_fleets import memory_bound_case, random_case
 from megatron_autohet.planner.search import resolve_profile
-from megatron_autohet.planner.replan import replan
+from megatron_autohet.planner.replan import REPLAN_WORK_BUDGET, replan
 from megatron_autohet.spec import load_cluster, load_model
 from megatron_autohet.spec.cluster import Cluster, cluster_from_dict
 
@@ -164,7 +164,8 @@ def main() -> None:
                   f"{row['iteration_time_s']:>8.3f} {row['tokens_per_s']:>10.0f} "
                   f"{100 * row['efficiency']:>5.1f}%")
 
-    print("\n== re-plan of the 1024-GPU plans (default tolerance 2%, search budget 0.5 s)")
+    print("\n== re-plan of the 1024-GPU plans (default tolerance 2%, work budget "
+          f"{REPLAN_WORK_BUDGET} SCIP nodes)")
     print(f"{'model':>10} {'fleet now':>16} {'wall_s':>7} {'cpu_s':>6} {'judged':>6} "
           f"{'iter_s':>8} {'fastest_s':>9} {'moves GiB':>9}")
     cluster = fleet(1024)

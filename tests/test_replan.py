@@ -10,8 +10,10 @@ from megatron_autohet.errors import ConfigError
 from megatron_autohet.layout.params import layer_param_layouts, non_layer_param_layouts
 from megatron_autohet.plan import Pipeline, Plan, RankInfo, Stage, load_plan
 from megatron_autohet.planner import make_plan
-from megatron_autohet.planner.replan import derived_plan, least_moving, replan
-from megatron_autohet.planner.search import Candidate, resolve_profile
+from megatron_autohet.planner.replan import (REPLAN_TIME_LIMIT_S, REPLAN_WORK_BUDGET,
+                                             derived_plan, least_moving, replan)
+from megatron_autohet.planner.search import (STOP_COMPLETE, STOP_WORK, Candidate,
+                                             resolve_profile)
 from megatron_autohet.planner.space import Problem, evaluate
 from megatron_autohet.planner.state_moves import (CHECKPOINT_BYTES_PER_PARAM, StateMap,
                                                   recovery_bytes, recovery_bytes_by_node)
@@ -141,6 +143,35 @@ def test_losing_a_node_gives_a_valid_plan_on_the_survivors():
         [[(0, 2), (2, 6)], [(0, 6)]]
     assert derived.plan.num_microbatches_total == 6
     assert recovery_bytes(previous, derived.plan, TINY) == 0
+
+
+def test_replan_budget_is_work_not_wall_time(monkeypatch):
+    """A re-plan on a stalled clock (no wall-clock limit can cut) with a tiny and a huge
+    safety net gives the same plan: REPLAN_WORK_BUDGET binds, and it binds before the
+    complete search would end."""
+    import importlib
+
+    search_module = importlib.import_module("megatron_autohet.planner.search")
+    gpt = load_model("configs/models/gpt3-1.3b.yaml")
+    fleet = _cluster("three", [("a", "A100-80GB", 8), ("h", "H800", 8), ("z", "H20", 8),
+                               ("a2", "A100-80GB", 8)])
+    previous = make_plan(fleet, gpt, None, 64, 1, progress=False)
+    survivors = fleet.subset(["a", "h", "z"])
+    monkeypatch.setattr(search_module, "clock", lambda: 0.0)
+    results = [replan(previous, survivors, gpt, time_limit_s=limit) for limit in (1e-3, 1e9)]
+    assert [r.stopped_by for r in results] == [STOP_WORK, STOP_WORK]
+    assert results[0].work == results[1].work >= REPLAN_WORK_BUDGET
+    assert results[0].plan.to_dict() == results[1].plan.to_dict()
+    complete = replan(previous, survivors, gpt, work_budget=10**6)
+    assert complete.stopped_by == STOP_COMPLETE and complete.work > REPLAN_WORK_BUDGET
+
+
+def test_cli_states_the_replan_budget(capsys):
+    with pytest.raises(SystemExit):
+        main(["replan", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert f"(default: {REPLAN_TIME_LIMIT_S:g})" in help_text
+    assert f"({REPLAN_WORK_BUDGET} SCIP nodes)" in help_text
 
 
 def test_a_joined_node_replaces_a_lost_one_of_its_type():

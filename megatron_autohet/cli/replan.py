@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 
 from megatron_autohet.cli._common import (check_output_path, format_plan_table, format_prediction,
-                                          load_profile, positive)
+                                          load_profile, positive, search_end)
 from megatron_autohet.errors import ConfigError
 
 
@@ -44,8 +44,11 @@ def register(subparsers) -> None:
                    help="profile from `autohet profile` (default: analytic estimates)")
     p.add_argument("--gpu-catalog", default=None, metavar="G.yaml",
                    help="GPU catalog (default: the bundled configs/gpus.yaml)")
-    p.add_argument("--time-limit", type=float, default=0.5, metavar="SECONDS",
-                   help="wall-clock budget of the search (default: 0.5)")
+    # (the defaults are planner/replan.py's, imported only when the command runs)
+    p.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
+                   help="wall-clock safety net of the search (default: 10); its budget is "
+                        "counted in work (10 SCIP nodes), so the same input gives the same plan "
+                        "on any machine unless this limit cuts it, which the output then says")
     p.add_argument("-o", "--output", required=True, metavar="plan.yaml",
                    help="where to write the new plan")
     p.set_defaults(func=run)
@@ -67,12 +70,13 @@ def _check_against_plan(previous, model, args) -> None:
     if not args.tolerance >= 0:
         raise ConfigError("<command line>", "--tolerance", f"got {args.tolerance}",
                           "a fraction >= 0")
-    positive(args.time_limit, "--time-limit")
+    if args.time_limit is not None:
+        positive(args.time_limit, "--time-limit")
 
 
 def run(args) -> int:
     from megatron_autohet.plan import load_plan
-    from megatron_autohet.planner.replan import replan
+    from megatron_autohet.planner.replan import REPLAN_TIME_LIMIT_S, replan
     from megatron_autohet.spec import load_cluster, load_gpu_catalog, load_model
 
     check_output_path(args.output, "--output")
@@ -87,7 +91,7 @@ def run(args) -> int:
           f"global batch {previous.global_batch_size}")
     started = time.perf_counter()
     result = replan(previous, cluster, model, profile, tolerance=args.tolerance,
-                    time_limit_s=args.time_limit)
+                    time_limit_s=args.time_limit or REPLAN_TIME_LIMIT_S)
     elapsed = time.perf_counter() - started
     result.plan.save(args.output)
     print(format_plan_table(result.plan, result.cost))
@@ -100,6 +104,6 @@ def run(args) -> int:
         print(f"> fleet unchanged: kept the previous plan; wrote {args.output}")
     else:
         print(f"> compared {result.candidates} plans in {elapsed:.1f} s (fastest "
-              f"{result.best_iteration_time_s:.4g} s, tolerance {args.tolerance:.0%}); "
-              f"wrote {args.output}")
+              f"{result.best_iteration_time_s:.4g} s, tolerance {args.tolerance:.0%}; search "
+              f"{search_end(result)}); wrote {args.output}")
     return 0

@@ -1,7 +1,7 @@
 """Re-planning after the fleet changed (a preemption, a node joining): fast, and aware of where
 the training state is.
 
-``replan(previous, cluster, model, profile=None, *, tolerance=0.02, time_limit_s=0.5, ...)``
+``replan(previous, cluster, model, profile=None, *, tolerance=0.02, ...)``
 returns a :class:`Replan`: the plan to restart with, its cost, the bytes of training state its
 recovery moves across nodes (planner/state_moves.py), the fastest iteration time found and how
 many plans were compared. The model, global batch, micro-batch and sequence length are the
@@ -20,13 +20,15 @@ and a node keeps its name across the change (same name, same machine, same local
 3. **Search**: planner/search.py seeded with the derived plan as incumbent and WITHOUT the
    baselines (on 1024 GPUs the baselines alone cost seconds; the derived plan, itself
    descended from a plan at least as fast as the baselines on the old fleet, takes their place
-   in pruning). The search's wall-clock budget is ``time_limit_s`` (default 0.5 s, so that a
-   re-plan at 1024 GPUs takes under a second): there the full search takes seconds (2.5-3 s on
-   2 cores for 1016 GPUs), a cut search depends on machine load, and the plan may be slower
-   than a longer search would give (LLaMA-2 7B, 1024 GPUs, the last H20 node lost: 2.52 s per
-   iteration with 0.5 s of search, 2.39 s with the full 3 s); the derived plan bounds what a
-   cut can cost. When no derived plan exists (every pipeline lost), the search runs with the
-   baselines as incumbents.
+   in pruning). Its budget is counted in work, REPLAN_WORK_BUDGET SCIP nodes, so the same
+   fleet change gives the same plan on an idle or a loaded machine; the wall-clock
+   ``time_limit_s`` is only a safety net (``Replan.stopped_by`` says when it cut). The budget
+   is small because a re-plan is on the recovery path: measured on 1024 GPUs (a node of A100
+   or H20 lost, 2 cores), 10 nodes re-plan GPT-3 1.3B in 0.3-0.4 s and LLaMA-2 7B in 1.6-1.8
+   s (most of it building the pipeline options, not solving), and the plan chosen is the one
+   20 or 40 nodes give; the complete search (100-1400 nodes, seconds) finds plans 1.5% faster,
+   inside the default tolerance. When no derived plan exists (every pipeline lost), the search
+   runs with the baselines as incumbents.
 4. **Choice**: of every plan judged (the derived plan, every plan the search built), those
    within ``tolerance`` of the fastest iteration time; among them the one whose recovery moves
    the fewest bytes across nodes, then the fastest. The HAPT warm-up post-pass then runs on it.
@@ -51,6 +53,12 @@ from megatron_autohet.spec.cluster import Cluster
 from megatron_autohet.spec.model import ModelSpec
 
 
+# The re-plan's search budget in SCIP branch-and-bound nodes, and its wall-clock safety net
+# (module doc, step 3).
+REPLAN_WORK_BUDGET = 10
+REPLAN_TIME_LIMIT_S = 10.0
+
+
 @dataclass
 class Replan:
     plan: Plan
@@ -59,6 +67,8 @@ class Replan:
     best_iteration_time_s: float     # the fastest plan judged; ``plan`` is within tolerance
     candidates: int                  # plans judged (0: fleet unchanged, nothing searched)
     unchanged: bool                  # the previous plan, returned as it was
+    stopped_by: str | None = None    # how the search ended (search.STOP_*); None: no search
+    work: int = 0                    # SCIP nodes the search used
 
 
 def fleet_unchanged(previous: Plan, cluster: Cluster) -> bool:
@@ -184,14 +194,16 @@ def _check_inputs(previous: Plan, model: ModelSpec, tolerance: float) -> None:
 
 
 def replan(previous: Plan, cluster: Cluster, model: ModelSpec, profile: Profile | None = None,
-           *, tolerance: float = 0.02, time_limit_s: float = 0.5, progress: bool = False,
+           *, tolerance: float = 0.02, time_limit_s: float = REPLAN_TIME_LIMIT_S,
+           work_budget: int = REPLAN_WORK_BUDGET, progress: bool = False,
            allow_asymmetric_tp: bool = False, activation_recompute: bool | None = None,
            tp_degrees: list[int] | None = None, max_stages: int | None = None) -> Replan:
     """The plan to restart with on ``cluster`` after ``previous`` (module doc).
 
     ``model`` must be ``previous.model``; ``profile`` None plans on analytic estimates;
     ``tolerance`` is the fraction of iteration time traded for less state moved;
-    ``time_limit_s`` the search's wall-clock budget; the other options are
+    ``work_budget`` the search's budget in SCIP nodes and ``time_limit_s`` its wall-clock
+    safety net; the other options are
     :func:`~megatron_autohet.planner.search.search`'s. Raises ConfigError on a model
     mismatch, a negative tolerance, or when no plan fits in memory.
     """
@@ -209,15 +221,18 @@ def replan(previous: Plan, cluster: Cluster, model: ModelSpec, profile: Profile 
     best = search(cluster, model, profile, previous.global_batch_size, mbs, seq,
                   allow_asymmetric_tp=allow_asymmetric_tp,
                   activation_recompute=activation_recompute, time_limit_s=time_limit_s,
-                  progress=progress, tp_degrees=tp_degrees, max_stages=max_stages,
+                  work_budget=work_budget, progress=progress, tp_degrees=tp_degrees,
+                  max_stages=max_stages,
                   seeds=[derived] if derived else [], baselines=derived is None,
                   distributed_optimizer=previous.use_distributed_optimizer,
                   on_candidate=judged.append)
     # The warm-up post-pass changed the best plan in place: its cost is the returned one.
     judged = [best if c.plan is best.plan else c for c in judged]
     chosen, moved = least_moving(judged, StateMap(previous, model), tolerance)
-    fastest = min(c.cost.iteration_time_s for c in judged)
     if chosen is not best:
         plan, cost = choose_warmups(chosen.plan, chosen.cost, cluster, resolved)
         chosen = dataclasses.replace(chosen, plan=plan, cost=cost)
-    return Replan(chosen.plan, chosen.cost, moved, fastest, len(judged), False)
+    # (the warm-up pass may have made the chosen plan the fastest one)
+    fastest = min(c.cost.iteration_time_s for c in [*judged, chosen])
+    return Replan(chosen.plan, chosen.cost, moved, fastest, len(judged), False, best.stopped_by,
+                  best.work)
