@@ -132,6 +132,12 @@ def usable_memory_gib(gpu: GPUType, memory_headroom: float = DEFAULT_MEMORY_HEAD
     return gpu.memory_gib * (1.0 - memory_headroom)
 
 
+def plan_memory_headroom(plan: Plan) -> float:
+    """The headroom a plan was made with (its file records it under ``predicted``, checked by
+    plan.py), the default for a plan file without one."""
+    return plan.predicted.get("memory_headroom", DEFAULT_MEMORY_HEADROOM)
+
+
 def check_memory_headroom(value: float, flag: str = "--memory-headroom") -> float:
     if not 0.0 <= value < 1.0:
         raise ConfigError("<arguments>", flag, f"got {value!r}",
@@ -295,6 +301,7 @@ class PlanCost:
     usd_per_million_tokens: float | None = None
     # "<gpu> tp<t>" -> {part: source} for the profile entries the plan used (module doc).
     sources: dict[str, dict[str, str]] = field(default_factory=dict)
+    memory_headroom: float = DEFAULT_MEMORY_HEADROOM    # what "fits" left free of each GPU
 
     @property
     def stages(self) -> list[StageCost]:
@@ -320,6 +327,7 @@ class PlanCost:
                 "idle_gpus": dict(self.idle_gpus),
                 "usd_per_million_tokens": (None if self.usd_per_million_tokens is None
                                            else round(self.usd_per_million_tokens, 6)),
+                "memory_headroom": self.memory_headroom,
                 "profile_sources": {k: dict(v) for k, v in self.sources.items()}}
 
 
@@ -473,7 +481,8 @@ def evaluate_plan(plan: Plan, cluster: Cluster, profile: Profile, with_timeline:
     prices = [cluster.node(r.node).spot_price for r in plan.ranks]
     usd = (None if None in prices
            else sum(prices) / 3600 * iteration / (plan.global_batch_size * plan.seq_length) * 1e6)
-    return PlanCost(iteration, pipeline_time, sync, opt, tokens, pipelines, idle, usd, sources)
+    return PlanCost(iteration, pipeline_time, sync, opt, tokens, pipelines, idle, usd, sources,
+                    memory_headroom)
 
 
 def simulate_1f1b(stages: list[StageCost], num_microbatches: int,

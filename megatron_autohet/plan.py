@@ -26,7 +26,7 @@ File form (``plan.yaml``)::
                                    # non-increasing along the pipeline, 0 on the last stage)
             predicted_time_s: 0.021      # optional: forward+backward of one micro-batch
             predicted_memory_gib: 31.2   # optional: peak memory of one GPU of the stage
-    predicted: {iteration_time_s: 1.93, tokens_per_s: 67900}   # optional
+    predicted: {iteration_time_s: 1.93, tokens_per_s: 67900, memory_headroom: 0.1}   # optional
 
 The first stage of each pipeline also holds the embedding, the last one the output layer and loss.
 Loading validates everything; a bad plan is a :class:`ConfigError` naming the field.
@@ -230,6 +230,13 @@ def plan_from_dict(data: dict, file: str | Path = "<plan>") -> Plan:
                                             default=False),
         predicted=get_field(data, "predicted", dict, file, default={}),
     )
+    if "memory_headroom" in plan.predicted:      # the planner's, read back by show and replan
+        headroom = get_field(plan.predicted, "memory_headroom", float, file, "predicted",
+                             min_value=0.0)
+        if headroom >= 1.0:
+            raise ConfigError(file, "predicted.memory_headroom", f"got {headroom!r}",
+                              "a fraction of GPU memory in [0, 1)")
+        plan.predicted["memory_headroom"] = headroom
     return plan.validate(file)
 
 

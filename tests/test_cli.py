@@ -102,6 +102,32 @@ def test_plan_prints_idle_gpus_and_honours_the_memory_headroom(capsys, tmp_path)
                        "(allowed: a fraction of GPU memory in [0, 1), e.g. 0.1)")
 
 
+def test_the_plan_file_keeps_its_memory_headroom_for_show_and_replan(capsys, tmp_path):
+    """A plan made with --memory-headroom 0.5 records it; `autohet show` and `autohet replan`
+    judge memory with it (a GPU's usable memory is half of it), not with the default."""
+    cluster = tmp_path / "c.yaml"
+    nodes = [{"name": "a", "gpu": "A100-80GB", "gpus": 2}, {"name": "b", "gpu": "A100-80GB",
+                                                           "gpus": 2}]
+    cluster.write_text(yaml.safe_dump({"name": "c", "inter_node_bandwidth_gbs": 25,
+                                       "nodes": nodes}))
+    out_file = tmp_path / "plan.yaml"
+    rc, out, _ = run_cli(capsys, "plan", "--cluster", cluster, "--model", GPT,
+                         "--global-batch-size", 8, "--memory-headroom", 0.5, "-o", out_file)
+    assert rc == 0 and "/ 40" in out
+    assert load_plan(out_file).predicted["memory_headroom"] == 0.5
+    rc, out, _ = run_cli(capsys, "show", out_file, "--cluster", cluster)
+    assert rc == 0 and "/ 40" in out and "/ 72" not in out
+    now = tmp_path / "now.yaml"
+    now.write_text(yaml.safe_dump({"name": "c", "inter_node_bandwidth_gbs": 25,
+                                   "nodes": nodes[:1]}))
+    rc, out, _ = run_cli(capsys, "replan", "--plan", out_file, "--cluster", now, "--model", GPT,
+                         "-o", tmp_path / "new.yaml")
+    assert rc == 0 and "/ 40" in out
+    new = load_plan(tmp_path / "new.yaml")
+    assert new.predicted["memory_headroom"] == 0.5
+    assert all(s.predicted_memory_gib <= 40 for p in new.pipelines for s in p.stages)
+
+
 # ---- compare --------------------------------------------------------------------------------
 
 def test_compare_json(capsys, tmp_path):

@@ -36,6 +36,15 @@ def test_example_plan_loads():
     assert plan.num_microbatches_total == 4
 
 
+@pytest.mark.parametrize("value, got", [(1.5, "got 1.5 (allowed: a fraction of GPU memory in "
+                                                "[0, 1))"),
+                                        (-0.1, "got -0.1 (allowed: a number >= 0.0)"),
+                                        ("lots", "got 'lots' (str) (allowed: a number)")])
+def test_bad_recorded_memory_headroom(raw, value, got):
+    raw["predicted"] = {"memory_headroom": value}
+    expect_error(raw, f"field 'predicted.memory_headroom': {got}")
+
+
 def test_round_trip_save_load(tmp_path):
     plan = load_plan(EXAMPLE)
     plan.pipelines[0].stages[0].predicted_time_s = 0.0125

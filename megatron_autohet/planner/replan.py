@@ -41,7 +41,7 @@ import heapq
 from collections import Counter
 from dataclasses import dataclass
 
-from megatron_autohet.cost_model import PlanCost, evaluate_plan
+from megatron_autohet.cost_model import PlanCost, evaluate_plan, plan_memory_headroom
 from megatron_autohet.errors import ConfigError
 from megatron_autohet.plan import Pipeline, Plan, RankInfo
 from megatron_autohet.planner.search import Candidate, resolve_profile, search
@@ -210,12 +210,15 @@ def replan(previous: Plan, cluster: Cluster, model: ModelSpec, profile: Profile 
     _check_inputs(previous, model, tolerance)
     mbs, seq = previous.micro_batch_size, previous.seq_length
     resolved = resolve_profile(cluster, model, profile, mbs, seq)
+    # The new plan keeps the previous one's optimizer (the job's flags do not change) and the
+    # memory headroom it was made with.
+    headroom = plan_memory_headroom(previous)
     if fleet_unchanged(previous, cluster):
-        cost = evaluate_plan(previous, cluster, resolved, with_timeline=False)
+        cost = evaluate_plan(previous, cluster, resolved, with_timeline=False,
+                             memory_headroom=headroom)
         return Replan(previous, cost, 0, cost.iteration_time_s, 0, True)
-    # The new plan keeps the previous one's optimizer (the job's flags do not change)
     problem = Problem(cluster, model, resolved, previous.global_batch_size, mbs, seq,
-                      previous.use_distributed_optimizer)
+                      previous.use_distributed_optimizer, headroom)
     derived = derived_plan(previous, problem)
     judged: list[Candidate] = []
     best = search(cluster, model, profile, previous.global_batch_size, mbs, seq,
@@ -225,12 +228,12 @@ def replan(previous: Plan, cluster: Cluster, model: ModelSpec, profile: Profile 
                   max_stages=max_stages,
                   seeds=[derived] if derived else [], baselines=derived is None,
                   distributed_optimizer=previous.use_distributed_optimizer,
-                  on_candidate=judged.append)
+                  memory_headroom=headroom, on_candidate=judged.append)
     # The warm-up post-pass changed the best plan in place: its cost is the returned one.
     judged = [best if c.plan is best.plan else c for c in judged]
     chosen, moved = least_moving(judged, StateMap(previous, model), tolerance)
     if chosen is not best:
-        plan, cost = choose_warmups(chosen.plan, chosen.cost, cluster, resolved)
+        plan, cost = choose_warmups(chosen.plan, chosen.cost, cluster, resolved, headroom)
         chosen = dataclasses.replace(chosen, plan=plan, cost=cost)
     # (the warm-up pass may have made the chosen plan the fastest one)
     fastest = min(c.cost.iteration_time_s for c in [*judged, chosen])
