@@ -8,6 +8,10 @@ forward / backward time of one micro-batch through the stage's layers (+ the emb
 first stage, + the output layer and loss on the last), with activation recompute ``b_s`` includes
 one more forward of the layers; ``t_s = f_s + b_s``.
 
+Bytes are counted in the precision of the profile (``Profile.precision``, the job's: bf16 for
+the estimates and for profiles measured on GPUs, fp32 for those measured on a CPU); the figures
+below are bf16's.
+
 * **P2P**: each micro-batch sends its activation [s, b, h] (2 bytes/element) forward over the
   boundary after stage s and receives the gradient of the same size back:
   ``c_s = 2 * b*s*h*2 / bw(s, s+1)``, with ``bw`` the link between the two stages' nodes
@@ -101,21 +105,21 @@ from dataclasses import dataclass, field
 from megatron_autohet.errors import ConfigError
 from megatron_autohet.layout.topology import sync_group_specs
 from megatron_autohet.plan import Plan, standard_warmup_depths
-from megatron_autohet.profiling.estimate import (ACTIVATION_DTYPE_BYTES, MEMORY_EFFICIENCY,
-                                                 layer_param_count, norm_param_count,
-                                                 ring_allreduce_s)
+from megatron_autohet.profiling.estimate import (MEMORY_EFFICIENCY, layer_param_count,
+                                                 norm_param_count, ring_allreduce_s)
 from megatron_autohet.profiling.profile import PARTS, Profile, ProfileEntry
 from megatron_autohet.spec.cluster import Cluster
 from megatron_autohet.spec.gpus import GPUType
 from megatron_autohet.spec.model import ModelSpec
-from megatron_autohet.spec.precision import MAIN_GRAD_BYTES, PLANNING_PRECISION
+from megatron_autohet.spec.precision import MAIN_GRAD_BYTES, Precision
 
 GIB = 1024 ** 3
-# Plans are priced for Megatron's bf16 mixed precision (spec/precision.py, which the runtime
-# allocates from too): 18 bytes of state per parameter (without the distributed optimizer),
-# fp32 gradients, a 30-byte Adam step.
+# Plans are priced in the precision their profile describes (``Profile.precision``: what the
+# job trains in; the estimates are for Megatron's bf16 mixed precision), from spec/precision.py,
+# which the runtime allocates from too: in bf16 18 bytes of state per parameter (without the
+# distributed optimizer), 16-bit activations and P2P messages, a 30-byte Adam step; gradients
+# are fp32 in every precision.
 GRAD_BYTES_PER_PARAM = MAIN_GRAD_BYTES
-OPTIMIZER_TRAFFIC_BYTES_PER_PARAM = PLANNING_PRECISION.optimizer_traffic_bytes_per_param
 # CUDA context and NCCL buffers: memory a GPU cannot give to the model.
 MEMORY_RESERVED_GIB = 1.5
 # Fraction of each GPU's memory a plan leaves free (``--memory-headroom``). PyTorch's caching
@@ -162,13 +166,16 @@ def stage_compute_s(entry: ProfileEntry, num_layers: int, first: bool, last: boo
     return fwd, bwd
 
 
-def activation_transfer_bytes(model: ModelSpec, micro_batch_size: int, seq_length: int) -> float:
-    return micro_batch_size * seq_length * model.hidden_size * ACTIVATION_DTYPE_BYTES
+def activation_transfer_bytes(model: ModelSpec, micro_batch_size: int, seq_length: int,
+                              precision: Precision) -> float:
+    return micro_batch_size * seq_length * model.hidden_size * precision.element_bytes
 
 
-def p2p_s(model: ModelSpec, micro_batch_size: int, seq_length: int, bandwidth_gbs: float) -> float:
+def p2p_s(model: ModelSpec, micro_batch_size: int, seq_length: int, bandwidth_gbs: float,
+          precision: Precision) -> float:
     """Per micro-batch: the activation forward plus its gradient backward over one boundary."""
-    return 2 * activation_transfer_bytes(model, micro_batch_size, seq_length) / (bandwidth_gbs * 1e9)
+    return (2 * activation_transfer_bytes(model, micro_batch_size, seq_length, precision)
+            / (bandwidth_gbs * 1e9))
 
 
 def stage_param_count(entry: ProfileEntry, model: ModelSpec, num_layers: int, first: bool,
@@ -183,14 +190,16 @@ def stage_param_count(entry: ProfileEntry, model: ModelSpec, num_layers: int, fi
     return params
 
 
-def logits_bytes(model: ModelSpec, tp: int, micro_batch_size: int, seq_length: int) -> float:
-    """The output layer's 16-bit logits of one micro-batch on one GPU (its vocabulary shard)."""
+def logits_bytes(model: ModelSpec, tp: int, micro_batch_size: int, seq_length: int,
+                 precision: Precision) -> float:
+    """The output layer's logits of one micro-batch on one GPU (its vocabulary shard), in the
+    activations' dtype."""
     return (micro_batch_size * seq_length * model.padded_vocab_size([tp]) // tp
-            * PLANNING_PRECISION.element_bytes)
+            * precision.element_bytes)
 
 
 def stage_memory_bytes(entry: ProfileEntry, model: ModelSpec, num_layers: int, first: bool,
-                       last: bool, recompute: bool, in_flight: int,
+                       last: bool, recompute: bool, in_flight: int, precision: Precision,
                        optimizer_shards: float = 1.0) -> float:
     """Peak bytes on one GPU of the stage with ``in_flight`` micro-batches' activations alive;
     ``optimizer_shards``: over how many ranks the distributed optimizer spreads the stage's
@@ -215,13 +224,14 @@ def stage_memory_bytes(entry: ProfileEntry, model: ModelSpec, num_layers: int, f
         per_mb += (entry.output.activation_bytes_recompute if recompute
                    else entry.output.activation_bytes)
         working = max(working, logits_bytes(model, entry.tp, entry.micro_batch_size,
-                                            entry.seq_length))
-    state_bytes = PLANNING_PRECISION.state_bytes_per_param(optimizer_shards)
+                                            entry.seq_length, precision))
+    state_bytes = precision.state_bytes_per_param(optimizer_shards)
     return params * state_bytes + in_flight * per_mb + working + MEMORY_RESERVED_GIB * GIB
 
 
-def optimizer_step_s(param_count: float, memory_bandwidth_gbs: float) -> float:
-    return (param_count * OPTIMIZER_TRAFFIC_BYTES_PER_PARAM
+def optimizer_step_s(param_count: float, memory_bandwidth_gbs: float,
+                     precision: Precision) -> float:
+    return (param_count * precision.optimizer_traffic_bytes_per_param
             / (memory_bandwidth_gbs * 1e9 * MEMORY_EFFICIENCY))
 
 
@@ -234,12 +244,12 @@ def grad_allreduce_s(param_count: float, holders: int, bandwidth_gbs: float) -> 
     return ring_allreduce_s(param_count * GRAD_BYTES_PER_PARAM, holders, bandwidth_gbs)
 
 
-def grad_reduce_scatter_all_gather_s(param_count: float, holders: int,
-                                     bandwidth_gbs: float) -> float:
+def grad_reduce_scatter_all_gather_s(param_count: float, holders: int, bandwidth_gbs: float,
+                                     precision: Precision) -> float:
     """The distributed optimizer's sync: reduce-scatter of the fp32 gradients, all-gather of the
     weights in their dtype (each half of a ring all-reduce of those bytes)."""
     return (ring_allreduce_s(param_count * GRAD_BYTES_PER_PARAM, holders, bandwidth_gbs)
-            + ring_allreduce_s(param_count * PLANNING_PRECISION.element_bytes, holders,
+            + ring_allreduce_s(param_count * precision.element_bytes, holders,
                                bandwidth_gbs)) / 2
 
 
@@ -395,8 +405,10 @@ def _unsharded_state_params(groups: list[tuple]) -> dict[int, float]:
 def evaluate_plan(plan: Plan, cluster: Cluster, profile: Profile, with_timeline: bool = True,
                   memory_headroom: float = DEFAULT_MEMORY_HEADROOM) -> PlanCost:
     """Predicted iteration time, throughput, per-stage time and memory of a plan (see module
-    doc); a stage fits when its peak is within ``usable_memory_gib`` of its GPU."""
+    doc); a stage fits when its peak is within ``usable_memory_gib`` of its GPU. Bytes are
+    counted in the profile's precision (the job's)."""
     model = plan.model
+    precision = profile.precision
     node_of = [r.node for r in plan.ranks]
     groups = _sync_group_params(plan)
     unsharded = _unsharded_state_params(groups) if plan.use_distributed_optimizer else {}
@@ -420,19 +432,20 @@ def evaluate_plan(plan: Plan, cluster: Cluster, profile: Profile, with_timeline:
             if not last:
                 bw = cluster.link_bandwidth_gbs(node_of[stage.ranks[0]],
                                                 node_of[pipe.stages[s + 1].ranks[0]])
-                comm = p2p_s(model, plan.micro_batch_size, plan.seq_length, bw)
+                comm = p2p_s(model, plan.micro_batch_size, plan.seq_length, bw, precision)
             in_flight = min(depths[s] + 1, m)
             params = stage_param_count(entry, model, stage.num_layers, first, last)
             # the elements whose master weight and moments this GPU keeps (all without sharding)
             state_params = params - unsharded.get(stage.ranks[0], 0.0)
             memory = stage_memory_bytes(entry, model, stage.num_layers, first, last,
-                                        plan.activation_recompute, in_flight,
+                                        plan.activation_recompute, in_flight, precision,
                                         optimizer_shards=params / state_params)
             gpu_type = cluster.gpu_types[gpu]
             cost = StageCost(p, s, gpu, stage.tp, stage.layers, fwd, bwd, comm, bw, in_flight,
                              params, memory / GIB,
                              usable_memory_gib(gpu_type, memory_headroom), 0.0,
-                             optimizer_step_s(state_params, gpu_type.memory_bandwidth_gbs))
+                             optimizer_step_s(state_params, gpu_type.memory_bandwidth_gbs,
+                                              precision))
             stages.append(cost)
             for r in stage.ranks:
                 stage_of_rank[r] = cost
@@ -455,8 +468,8 @@ def evaluate_plan(plan: Plan, cluster: Cluster, profile: Profile, with_timeline:
     for spec, group, params, _ in groups:
         holders = len(spec.holders)
         bw = _slowest_link_gbs(cluster, [node_of[r] for r in group])
-        t = (grad_reduce_scatter_all_gather_s if plan.use_distributed_optimizer
-             else grad_allreduce_s)(params, holders, bw)
+        t = (grad_reduce_scatter_all_gather_s(params, holders, bw, precision)
+             if plan.use_distributed_optimizer else grad_allreduce_s(params, holders, bw))
         for r in group:
             sync_of_rank[r] += t
             if not spec.symmetric:

@@ -177,7 +177,7 @@ def job_precision(options: TrainOptions):
     import torch
 
     from megatron_autohet.runtime.cpu_mode import cpu_mode_enabled
-    from megatron_autohet.runtime.mixed_precision import default_precision
+    from megatron_autohet.spec.precision import default_precision
     from megatron_autohet.spec.precision import PRECISIONS
 
     if options.precision is not None:

@@ -28,10 +28,9 @@ joined by tbf-shaped veths (the NICs). For each fleet, in one run:
 
    * pipeline: the latest rank's end of schedule;
    * of which compute: the cost model's 1F1B formula fed the in-run per-stage compute instead of
-     the profile's ("repriced"): predicted vs repriced is the profile's (compute term's) error;
-     the same with the P2P messages at the runtime's fp32 instead of the planning precision's
-     bf16 ("repriced, runtime P2P"): the P2P term's precision error; that vs measured is the
-     schedule formula's (P2P overlap and bubble);
+     the profile's ("repriced"): predicted vs repriced is the profile's (compute term's) error,
+     repriced vs measured the schedule formula's (P2P time and overlap, bubble); P2P is priced
+     in the profile's precision, fp32 as the CPU runtime sends it;
    * sync, norm + clip, optimizer: the latest rank's end of each phase minus the latest end of
      the one before (norm + clip is not a term of the cost model);
 
@@ -62,7 +61,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import emulate_cluster as emu  # noqa: E402  (puts the repository on sys.path)
 from _bench import silence_known_megatron_warnings, write_json  # noqa: E402
 
-from megatron_autohet.spec.precision import FP32, PLANNING_PRECISION  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_FLEETS = [str(emu.EMULATED_DIR / "three-speeds.yaml"),
@@ -72,10 +70,6 @@ PORT = 29611
 SEED = 1234
 OURS = "autohet (ours)"
 PHASES = ("schedule", "sync", "norm", "optimizer")     # train_step's parts, in order
-# The cost model prices activations and their gradients between stages in the planning precision
-# (bf16, spec/precision.py); the runtime still trains and sends fp32 (runtime/stage_model.py), so
-# its P2P messages are this much larger than priced.
-RUNTIME_P2P_SCALE = FP32.element_bytes / PLANNING_PRECISION.element_bytes
 
 
 # ---- the report's arithmetic (pure) -----------------------------------------------------------------
@@ -144,20 +138,17 @@ def plan_summary(name: str, predicted: dict, wall_per_rank: list[list[float]],
     """
     measured = statistics.median(iteration_times(wall_per_rank))
     phases = median_phases([phase_times(m) for m in marks_per_iteration])
-    repriced, repriced_p2p = [], []
+    repriced = []
     for p, m in enumerate(num_microbatches):
         stages = [dict(s, compute_s=c["compute_s"]) for s, c in
                   zip(predicted["stages"], stage_compute) if s["pipeline"] == p]
         repriced.append(repriced_pipeline_s(stages, m))
-        repriced_p2p.append(repriced_pipeline_s(
-            [dict(s, p2p_s=s["p2p_s"] * RUNTIME_P2P_SCALE) for s in stages], m))
     summary = {
         "name": name, "predicted_s": predicted["iteration_time_s"], "measured_s": measured,
         "error": relative_error(predicted["iteration_time_s"], measured),
         "terms": {
             "pipeline": {"predicted_s": predicted["pipeline_time_s"],
                          "repriced_s": max(repriced),
-                         "repriced_runtime_p2p_s": max(repriced_p2p),
                          "measured_s": phases["schedule"]},
             "sync": {"predicted_s": predicted["grad_sync_s"], "measured_s": phases["sync"]},
             "norm": {"predicted_s": 0.0, "measured_s": phases["norm"]},
@@ -173,15 +164,13 @@ def plan_summary(name: str, predicted: dict, wall_per_rank: list[list[float]],
 
 def error_contributions(summary: dict) -> dict[str, float]:
     """The iteration-time error (predicted - measured seconds) split by term; the parts add up
-    to the whole. compute: the profile vs the in-run compute; p2p_precision: bf16-priced vs fp32
-    messages; schedule: the 1F1B formula (bubble, P2P overlap) vs the measured schedule; sync,
+    to the whole. compute: the profile vs the in-run compute; schedule: the 1F1B formula (bubble, P2P overlap) vs the measured schedule; sync,
     norm (unpriced), optimizer: predicted vs measured phase; rest: what the phases do not cover
     (the slowest rank's iteration vs the latest phase ends)."""
     t = summary["terms"]
     pipe = t["pipeline"]
     parts = {"compute": pipe["predicted_s"] - pipe["repriced_s"],
-             "p2p_precision": pipe["repriced_s"] - pipe["repriced_runtime_p2p_s"],
-             "schedule": pipe["repriced_runtime_p2p_s"] - pipe["measured_s"],
+             "schedule": pipe["repriced_s"] - pipe["measured_s"],
              "sync": t["sync"]["predicted_s"] - t["sync"]["measured_s"],
              "norm": t["norm"]["predicted_s"] - t["norm"]["measured_s"],
              "optimizer": t["optimizer"]["predicted_s"] - t["optimizer"]["measured_s"]}
@@ -322,7 +311,7 @@ def mean_profile(profiles: list) -> "Profile":
 
     from megatron_autohet.profiling.profile import Profile
 
-    out = Profile(profiles[0].model)
+    out = Profile(profiles[0].model, precision=profiles[0].precision)
     keys = dict.fromkeys(k for p in profiles for k in p.entries)
     for key in keys:
         copies = [p.entries[key] for p in profiles if key in p.entries]
@@ -452,18 +441,17 @@ def print_fleet(r: dict) -> None:
     print(f"\n== {r['fleet']}: CPU shares {r['cpu_share']} (got in the run: {got}), NICs "
           f"{r['link_mbit']} Mbit/s; load average {r['load_average_1min']['before']:.2f} -> "
           f"{r['load_average_1min']['after']:.2f}")
-    print("seconds; pipeline p/r/R/m = predicted / repriced with the in-run compute / also with "
-          "fp32 P2P / measured; p/m = predicted / measured; norm: loss + grad-norm all-reduce "
-          "and clipping (not in the cost model)")
+    print("seconds; pipeline p/r/m = predicted / repriced with the in-run compute / measured; "
+          "p/m = predicted / measured; norm: loss + grad-norm all-reduce and clipping (not in "
+          "the cost model)")
     print(f"{'plan':<27} {'layout':<15} {'pred s':>7} {'meas s':>7} {'error':>7}  "
-          f"{'pipeline p/r/R/m':>23} {'sync p/m':>11} {'norm m':>7} {'opt p/m':>11}  "
+          f"{'pipeline p/r/m':>17} {'sync p/m':>11} {'norm m':>7} {'opt p/m':>11}  "
           "largest error terms")
     for p in r["plans"]:
         t = p["terms"]
         print(f"{p['name']:<27} {p['layout']:<15} {p['predicted_s']:>7.3f} {p['measured_s']:>7.3f} "
               f"{p['error']:>+7.1%}  {t['pipeline']['predicted_s']:>5.3f}/"
-              f"{t['pipeline']['repriced_s']:.3f}/{t['pipeline']['repriced_runtime_p2p_s']:.3f}/"
-              f"{t['pipeline']['measured_s']:.3f} "
+              f"{t['pipeline']['repriced_s']:.3f}/{t['pipeline']['measured_s']:.3f} "
               f"{t['sync']['predicted_s']:>5.3f}/{t['sync']['measured_s']:.3f} "
               f"{t['norm']['measured_s']:>7.3f} {t['optimizer']['predicted_s']:>5.3f}/"
               f"{t['optimizer']['measured_s']:.3f}  {largest_term(p)}")

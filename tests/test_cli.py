@@ -343,6 +343,15 @@ def test_profile_for_another_model(capsys, tmp_path):
                        f"'llama2-7b', the model is 'gpt3-1.3b' (allowed: a profile of 'gpt3-1.3b')")
 
 
+def test_profile_in_an_unknown_precision(capsys, tmp_path):
+    profile = tmp_path / "p.yaml"
+    profile.write_text("model: gpt3-1.3b\nprecision: fp8\nentries: []\n")
+    expect_usage_error(capsys, ["plan", "--cluster", H3, "--model", GPT, "--global-batch-size", 8,
+                                "--profile", profile, "-o", tmp_path / "plan.yaml"],
+                       f"autohet plan: error: {profile}: field 'precision': got 'fp8' (allowed: "
+                       "bf16, fp16, fp32)")
+
+
 def test_missing_model_file(capsys, tmp_path):
     expect_usage_error(capsys, ["compare", "--cluster", H3, "--model", tmp_path / "none.yaml",
                                 "--global-batch-size", 8],

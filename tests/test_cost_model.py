@@ -13,6 +13,7 @@ from megatron_autohet.profiling.estimate import (LINK_EFFICIENCY, MEMORY_EFFICIE
 from megatron_autohet.profiling.profile import OpCost, Profile, ProfileEntry
 from megatron_autohet.spec.cluster import cluster_from_dict
 from megatron_autohet.spec.model import ModelSpec
+from megatron_autohet.spec.precision import FP32
 
 MODEL = ModelSpec("hand", num_layers=4, hidden_size=64, num_attention_heads=4,
                   ffn_hidden_size=256, vocab_size=512, seq_length=32, num_query_groups=4)
@@ -241,3 +242,18 @@ def test_fleet_ideal_is_every_gpus_lone_rate_for_the_whole_model():
     assert ideal == pytest.approx(3 * 32 / 15)
     cost = evaluate_plan(_plan(), CLUSTER, _profile())
     assert 0 < cost.tokens_per_s < ideal        # bubbles, links, sync and optimizer cost time
+
+
+def test_a_profile_in_fp32_prices_fp32_bytes():
+    """The same plan and times with a profile in fp32 (a CPU-measured one: the job trains fp32):
+    P2P messages of 4-byte elements, 16 bytes of state per parameter (weights are their own
+    master), a 28-byte Adam step; gradient sync is fp32 in both."""
+    bf16 = evaluate_plan(_plan(), CLUSTER, _profile())
+    profile = _profile()
+    profile.precision = FP32
+    fp32 = evaluate_plan(_plan(), CLUSTER, profile)
+    s0, t0 = bf16.pipelines[0].stages[0], fp32.pipelines[0].stages[0]
+    assert t0.p2p_s == pytest.approx(2 * s0.p2p_s)
+    assert (s0.memory_gib - t0.memory_gib) * GIB == pytest.approx(2 * s0.param_count)
+    assert t0.optimizer_s == pytest.approx(s0.optimizer_s * 28 / 30)
+    assert fp32.grad_sync_s == pytest.approx(bf16.grad_sync_s)

@@ -213,11 +213,6 @@ def test_plan_summary_reprices_the_cost_models_pipeline():
     summary = bench.plan_summary("x", predicted, iters, marks, stage_compute, [8])
     assert summary["error"] == pytest.approx(0.0)
     assert summary["terms"]["pipeline"]["repriced_s"] == pytest.approx(cost.pipeline_time_s)
-    # fp32 messages: every boundary's P2P twice the bf16 price
-    periods = [s.time_s + 2 * s.p2p_s for s in cost.stages]
-    assert summary["terms"]["pipeline"]["repriced_runtime_p2p_s"] == pytest.approx(
-        sum(periods) + 7 * max(periods))
-    assert any(s.p2p_s for s in cost.stages)
     assert summary["terms"]["pipeline"]["measured_s"] == pytest.approx(cost.pipeline_time_s)
     slowest = max(range(len(stage_compute)), key=lambda i: predicted["stages"][i]["compute_s"]
                   + predicted["stages"][i]["p2p_s"])
@@ -230,13 +225,12 @@ def test_plan_summary_reprices_the_cost_models_pipeline():
 
 def test_error_contributions_add_up_to_the_error():
     summary = {"predicted_s": 1.0, "measured_s": 1.3, "terms": {
-        "pipeline": {"predicted_s": 0.8, "repriced_s": 0.9, "repriced_runtime_p2p_s": 0.95,
-                     "measured_s": 1.0},
+        "pipeline": {"predicted_s": 0.8, "repriced_s": 0.9, "measured_s": 1.0},
         "sync": {"predicted_s": 0.1, "measured_s": 0.15},
         "norm": {"predicted_s": 0.0, "measured_s": 0.05},
         "optimizer": {"predicted_s": 0.1, "measured_s": 0.08}}}
     parts = bench.error_contributions(summary)
-    assert parts == pytest.approx({"compute": -0.1, "p2p_precision": -0.05, "schedule": -0.05,
+    assert parts == pytest.approx({"compute": -0.1, "schedule": -0.1,
                                    "sync": -0.05, "norm": -0.05, "optimizer": 0.02,
                                    "rest": -0.02})
     assert sum(parts.values()) == pytest.approx(-0.3)
@@ -244,14 +238,16 @@ def test_error_contributions_add_up_to_the_error():
 
 def test_mean_profile_averages_the_gpus_of_a_type():
     from megatron_autohet.profiling.profile import OpCost, Profile, ProfileEntry
+    from megatron_autohet.spec.precision import FP32
 
     def profile(gpu, t):
         op = OpCost(t, 2 * t, 10.0, 1.0, 5, "measured")
-        p = Profile("m")
+        p = Profile("m", precision=FP32)           # measured on a CPU
         p.add(ProfileEntry(gpu, 1, 2, 128, op, op, op))
         return p
 
     merged = bench.mean_profile([profile("A", 1.0), profile("A", 3.0), profile("B", 5.0)])
+    assert merged.precision == FP32
     a, b = merged.get("A", 1, 2, 128), merged.get("B", 1, 2, 128)
     assert (a.layer.forward_s, a.layer.backward_s, a.output.forward_s) == (2.0, 4.0, 2.0)
     assert a.layer.activation_bytes == 10.0 and a.layer.source == "measured"

@@ -110,6 +110,14 @@ def test_cluster_types_not_measured_are_calibrated_estimates(measured):
     assert len(measured.entries) == 6
 
 
+def test_a_cpu_profile_is_in_the_precision_the_cpu_trains_in(measured, tmp_path):
+    """Measured on a CPU, where the runtime trains fp32: the profile says so (and keeps it
+    through the calibrated estimates and a save/load), so the cost model counts fp32 bytes."""
+    assert measured.precision.name == "fp32"
+    measured.save(tmp_path / "again.yaml")
+    assert Profile.load(tmp_path / "again.yaml").precision.name == "fp32"
+
+
 def test_bad_tp_degree_is_a_config_error(capsys):
     assert main(["profile", "--model", str(TINY), "--tp", "3", "-o", "unused.yaml"]) == 2
     assert capsys.readouterr().err.strip() == (

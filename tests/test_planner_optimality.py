@@ -22,6 +22,7 @@ from megatron_autohet.planner import search
 from megatron_autohet.planner.exhaustive import exhaustive_search
 from megatron_autohet.planner.random_fleets import memory_bound_case, random_case
 from megatron_autohet.profiling.estimate import estimate_entry
+from megatron_autohet.spec.precision import BF16
 
 # As many fleets as the exhaustive search covers in about a minute on two cores.
 SEEDS = range(60)
@@ -64,7 +65,7 @@ def test_within_one_percent_where_memory_decides(seed):
     small = case.cluster.gpu_types["small"]
     entry = estimate_entry(case.model, small, 1, case.micro_batch_size, case.model.seq_length,
                            small.intra_node_bandwidth_gbs)
-    assert stage_memory_bytes(entry, case.model, 1, False, True, False, 1) > \
+    assert stage_memory_bytes(entry, case.model, 1, False, True, False, 1, BF16) > \
         usable_memory_gib(small) * GIB
     assert all(best.plan.ranks[p.stages[-1].ranks[0]].gpu == "large" for p in best.plan.pipelines)
     gap = ours.cost.iteration_time_s / best.cost.iteration_time_s - 1

@@ -174,8 +174,10 @@ def default_max_stages(problem: Problem, pools: list[Pool]) -> int:
     for pool in pools:
         entry = problem.entry(pool)
         limit = problem.memory_limit_bytes(pool)
-        m1 = stage_memory_bytes(entry, problem.model, 1, False, False, False, 1)
-        m2 = stage_memory_bytes(entry, problem.model, 2, False, False, False, 1)
+        m1 = stage_memory_bytes(entry, problem.model, 1, False, False, False, 1,
+                                problem.profile.precision)
+        m2 = stage_memory_bytes(entry, problem.model, 2, False, False, False, 1,
+                                problem.profile.precision)
         per_stage = max(1, int((limit - m1) // (m2 - m1)) + 1) if limit > m1 else 1
         needed = max(needed, math.ceil(L / per_stage))
     return min(L, MAX_STAGES_CAP, max(8, needed + 2))
@@ -206,12 +208,11 @@ def stage_sequences(pools: list[Pool], max_stages: int) -> list[tuple[int, ...]]
     return list(out)
 
 
-def _keep_best(options: list[PipelineOption], total: int,
-               distributed_optimizer: bool) -> list[PipelineOption]:
+def _keep_best(options: list[PipelineOption], problem: Problem) -> list[PipelineOption]:
     """Of the options with one GPU-count vector and micro-batch cap, those that are best for a
     pipeline running its share of the batch (at most the cap) for some pipeline count
     (KEEP_FOR_COUNTS), or best in period alone."""
-    table = OptionTable(options, distributed_optimizer)
+    table, total = OptionTable(options, problem), problem.num_microbatches
     keep = {int(np.lexsort((table.fill_s, table.period_s))[0])}
     for d in KEEP_FOR_COUNTS:
         share = math.ceil(total / d)
@@ -263,7 +264,8 @@ def fluid_bound_s(problem: Problem, pools: list[Pool], recompute: bool) -> float
     for pool in pools:
         entry = problem.entry(pool)
         limit = problem.memory_limit_bytes(pool)
-        if stage_memory_bytes(entry, model, 1, False, False, recompute, 1) > limit:
+        if stage_memory_bytes(entry, model, 1, False, False, recompute, 1,
+                              problem.profile.precision) > limit:
             continue
         per_layer = sum(stage_compute_s(entry, 1, False, False, recompute))
         rate += pool.count / per_layer
@@ -312,10 +314,9 @@ def build_options(problem: Problem, config: Config, max_stages: int | None) -> N
             option_for_split(seq, coeffs, layers)
             for layers in layer_splits(problem, coeffs))
     config.options = [o for group in by_counts.values() if group
-                      for o in _keep_best(group, problem.num_microbatches,
-                                          problem.distributed_optimizer)]
+                      for o in _keep_best(group, problem)]
     config.memory_bound = memory_bound
-    config.table = (OptionTable(config.options, problem.distributed_optimizer)
+    config.table = (OptionTable(config.options, problem)
                     if config.options else None)
 
 

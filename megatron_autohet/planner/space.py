@@ -38,10 +38,11 @@ from megatron_autohet.cost_model import (DEFAULT_MEMORY_HEADROOM, GIB, GRAD_BYTE
                                          usable_memory_gib)
 from megatron_autohet.errors import ConfigError
 from megatron_autohet.plan import Pipeline, Plan, RankInfo, Stage
+from megatron_autohet.profiling.estimate import norm_param_count
 from megatron_autohet.profiling.profile import Profile, ProfileEntry
 from megatron_autohet.spec.cluster import Cluster
 from megatron_autohet.spec.model import ModelSpec
-from megatron_autohet.spec.precision import PLANNING_PRECISION
+from megatron_autohet.spec.precision import Precision
 
 
 @dataclass(frozen=True)
@@ -112,10 +113,11 @@ def _node_kind(node, tp: int) -> tuple:
             node.inter_node_bandwidth_gbs)
 
 
-# The distributed optimizer's sync bytes over the all-reduce's: (fp32 gradients reduce-scattered
-# + bf16 weights all-gathered) / (2 x fp32 gradients), per member of a ring.
-DISTRIBUTED_SYNC_FRACTION = (GRAD_BYTES_PER_PARAM + PLANNING_PRECISION.element_bytes) / (
-    2 * GRAD_BYTES_PER_PARAM)
+def distributed_sync_fraction(precision: Precision) -> float:
+    """The distributed optimizer's sync bytes over the all-reduce's: (fp32 gradients
+    reduce-scattered + weights all-gathered in their dtype) / (2 x fp32 gradients), per member
+    of a ring."""
+    return (GRAD_BYTES_PER_PARAM + precision.element_bytes) / (2 * GRAD_BYTES_PER_PARAM)
 
 
 def ring_factor(holders: int) -> float:
@@ -170,8 +172,9 @@ class OptionTable:
     padded with zeros, which never win the maximum.
     """
 
-    def __init__(self, options: list[PipelineOption], distributed_optimizer: bool = False):
-        self.distributed_optimizer = distributed_optimizer
+    def __init__(self, options: list[PipelineOption], problem: Problem):
+        self.distributed_optimizer = problem.distributed_optimizer
+        self.sync_fraction = distributed_sync_fraction(problem.profile.precision)
         width = max(len(o.layers) for o in options)
 
         def padded(values: tuple[float, ...]) -> list[float]:
@@ -192,10 +195,10 @@ class OptionTable:
         sync = (ring_factor(pipelines) * self.shared + tied_factor[:, None] * tied).max(axis=1)
         if not self.distributed_optimizer:
             return sync + self.optimizer_s
-        # reduce-scatter of fp32 gradients + all-gather of bf16 weights: (4 + 2) / 8 of the
-        # all-reduce's bytes; Adam steps 1/D of the parameters (1/D or less: the tied
+        # reduce-scatter of fp32 gradients + all-gather of the weights (in bf16 (4 + 2) / 8 of
+        # the all-reduce's bytes); Adam steps 1/D of the parameters (1/D or less: the tied
         # embedding has more holders), cost_model.py
-        return DISTRIBUTED_SYNC_FRACTION * sync + self.optimizer_s / pipelines
+        return self.sync_fraction * sync + self.optimizer_s / pipelines
 
 
 @dataclass(frozen=True)
@@ -270,13 +273,13 @@ def _stage_coefficients(problem: Problem, pool: Pool, first: bool, last: bool, r
                         tied_bw: float) -> StageCoefficients | None:
     """One stage's coefficients (memoised: sequences share most of their stages)."""
     model, mbs, seq = problem.model, problem.micro_batch_size, problem.seq_length
-    entry = problem.entry(pool)
-    comm = 0.0 if link_gbs is None else p2p_s(model, mbs, seq, link_gbs)
+    entry, precision = problem.entry(pool), problem.profile.precision
+    comm = 0.0 if link_gbs is None else p2p_s(model, mbs, seq, link_gbs, precision)
     f1, b1 = stage_compute_s(entry, 1, first, last, recompute)
     f2, b2 = stage_compute_s(entry, 2, first, last, recompute)
     per_layer = (f2 + b2) - (f1 + b1)
-    m1 = stage_memory_bytes(entry, model, 1, first, last, recompute, in_flight)
-    m2 = stage_memory_bytes(entry, model, 2, first, last, recompute, in_flight)
+    m1 = stage_memory_bytes(entry, model, 1, first, last, recompute, in_flight, precision)
+    m2 = stage_memory_bytes(entry, model, 2, first, last, recompute, in_flight, precision)
     gpu = problem.cluster.gpu_types[pool.gpu]
     limit = problem.memory_limit_bytes(pool)
     if m1 > limit:
@@ -284,9 +287,9 @@ def _stage_coefficients(problem: Problem, pool: Pool, first: bool, last: bool, r
     max_layers = int((limit - m1) // (m2 - m1)) + 1 if m2 > m1 else model.num_layers
     sync = _sync_terms(problem, pool, first, last, tied_bw)
     opt1 = optimizer_step_s(stage_param_count(entry, model, 1, first, last),
-                            gpu.memory_bandwidth_gbs)
+                            gpu.memory_bandwidth_gbs, precision)
     opt2 = optimizer_step_s(stage_param_count(entry, model, 2, first, last),
-                            gpu.memory_bandwidth_gbs)
+                            gpu.memory_bandwidth_gbs, precision)
     return StageCoefficients(f1 + b1 - per_layer + comm, per_layer, max_layers, entry,
                              gpu.memory_bandwidth_gbs, first, last, *sync,
                              2 * opt1 - opt2, opt2 - opt1)
@@ -311,7 +314,7 @@ def _sync_terms(problem: Problem, pool: Pool, first: bool, last: bool,
     if first and not model.tie_embeddings:
         fixed += vocab
     if last:
-        fixed += 2 * model.hidden_size + (0 if model.tie_embeddings else vocab)
+        fixed += norm_param_count(model) + (0 if model.tie_embeddings else vocab)
     tied = vocab if model.tie_embeddings and (first or last) else 0
     return (unit * entry.layer.param_count / bw, unit * fixed / bw, unit * tied / bw,
             unit * tied / tied_bandwidth_gbs)

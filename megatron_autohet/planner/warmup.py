@@ -63,7 +63,7 @@ def _max_depths(plan: Plan, pipeline: int, cost: PlanCost, profile: Profile) -> 
 
         def kept(in_flight: int) -> float:
             return stage_memory_bytes(entry, plan.model, stage.num_layers, s == 0, s == S - 1,
-                                      plan.activation_recompute, in_flight)
+                                      plan.activation_recompute, in_flight, profile.precision)
 
         for w in range(1, m + 1) if s < S - 1 else ():
             # the evaluated peak (every term the cost model counts) plus the added micro-batches

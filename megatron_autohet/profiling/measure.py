@@ -51,6 +51,7 @@ from megatron_autohet.errors import ConfigError
 from megatron_autohet.profiling.profile import OpCost, Profile, entry_from_dict
 from megatron_autohet.spec.gpus import GPUType
 from megatron_autohet.spec.model import ModelSpec
+from megatron_autohet.spec.precision import default_precision
 
 logger = logging.getLogger(__name__)
 
@@ -125,7 +126,8 @@ def measure_profile(model: ModelSpec, tp_degrees: list[int], micro_batch_sizes: 
                 "%d warm-up + %d timed iterations each", model.name, gpu,
                 accelerator[0] if accelerator else "CPU", tp_degrees, micro_batch_sizes,
                 seq_lengths, warmup, iters)
-    profile = Profile(model.name)
+    # in the precision the runtime trains in on this device, as the workers measure
+    profile = Profile(model.name, precision=default_precision(on_gpu=accelerator is not None))
     total = len(tp_degrees) * len(micro_batch_sizes) * len(seq_lengths)
     context = mp.get_context("spawn")
     with tqdm(total=total, desc="measuring", unit="entry", disable=not progress) as bar:
@@ -210,7 +212,7 @@ class _Bench:
         import torch
         from megatron.core.transformer.spec_utils import build_module
 
-        from megatron_autohet.runtime.mixed_precision import default_precision, param_dtype
+        from megatron_autohet.runtime.mixed_precision import param_dtype
         from megatron_autohet.runtime.stage_model import stage_layer_spec, transformer_config
 
         self.request, self.on_gpu = request, on_gpu

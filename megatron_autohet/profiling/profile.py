@@ -3,12 +3,17 @@
 An entry is keyed by (GPU type, TP degree, micro-batch size, sequence length) and holds an
 :class:`OpCost` for each of the three parts of a GPT. Every OpCost records whether it was
 measured on a real device, estimated from the GPU catalog, or calibrated: estimated, then scaled
-by how far the estimates missed on the measured GPU types (:meth:`Profile.calibrated_over`). Profiles are plain YAML or JSON
-(chosen by file suffix) so users can keep, edit and reuse them.
+by how far the estimates missed on the measured GPU types (:meth:`Profile.calibrated_over`).
+A profile also says in which precision its figures are (``precision``, spec/precision.py): the
+one the job trains in, which the cost model then counts activation, P2P and state bytes in -
+bf16 for the estimates and on GPUs, fp32 for a profile measured on a CPU (the runtime's CPU
+mode trains fp32). Profiles are plain YAML or JSON (chosen by file suffix) so users can keep,
+edit and reuse them.
 
 File form::
 
     model: gpt3-1.3b
+    precision: bf16            # optional, default bf16
     entries:
       - {gpu: A100-80GB, tp: 2, micro_batch_size: 1, seq_length: 2048,
          layer:     {forward_s: ..., backward_s: ..., activation_bytes: ...,
@@ -28,6 +33,7 @@ import yaml
 
 from megatron_autohet.errors import ConfigError
 from megatron_autohet.spec._yaml import check_keys, get_field
+from megatron_autohet.spec.precision import PLANNING_PRECISION, PRECISIONS, Precision
 
 # measured: timed on a device; estimated: datasheet rates (profiling/estimate.py); calibrated: an
 # estimate scaled by the measured-to-estimated ratio of measured entries (Profile.calibrated_over).
@@ -66,6 +72,7 @@ class ProfileEntry:
 class Profile:
     model: str
     entries: dict[tuple[str, int, int, int], ProfileEntry] = field(default_factory=dict)
+    precision: Precision = PLANNING_PRECISION      # the figures' (and the job's) numerics
 
     def add(self, entry: ProfileEntry) -> None:
         self.entries[entry.key] = entry
@@ -86,8 +93,9 @@ class Profile:
         return (gpu, tp, micro_batch_size, seq_length) in self.entries
 
     def merged_over(self, base: "Profile") -> "Profile":
-        """This profile's entries, with ``base`` filling the keys this one lacks."""
-        out = Profile(self.model, dict(base.entries))
+        """This profile's entries, with ``base`` filling the keys this one lacks; in this
+        profile's precision."""
+        out = Profile(self.model, dict(base.entries), self.precision)
         out.entries.update(self.entries)
         return out
 
@@ -132,7 +140,7 @@ class Profile:
 
     # ---- files -------------------------------------------------------------------------------
     def to_dict(self) -> dict:
-        return {"model": self.model,
+        return {"model": self.model, "precision": self.precision.name,
                 "entries": [asdict(e) for e in sorted(self.entries.values(), key=lambda e: e.key)]}
 
     def save(self, path: str | Path) -> None:
@@ -158,11 +166,14 @@ class Profile:
     def from_dict(cls, data, file="<profile>") -> "Profile":
         if not isinstance(data, dict) or not isinstance(data.get("model"), str):
             raise ConfigError(file, "model", "missing", "the model name the profile was made for")
-        check_keys(data, {"model", "entries"}, file, "")
+        check_keys(data, {"model", "precision", "entries"}, file, "")
         entries = data.get("entries")
         if not isinstance(entries, list):
             raise ConfigError(file, "entries", "missing or not a list", "a list of entries")
-        profile = cls(data["model"])
+        precision = get_field(data, "precision", str, file, default=PLANNING_PRECISION.name)
+        if precision not in PRECISIONS:
+            raise ConfigError(file, "precision", f"got {precision!r}", ", ".join(PRECISIONS))
+        profile = cls(data["model"], precision=PRECISIONS[precision])
         for i, raw in enumerate(entries):
             profile.add(entry_from_dict(raw, file, f"entries[{i}]"))
         return profile

@@ -6,9 +6,6 @@ Public API
 ``param_dtype(precision) -> torch.dtype``
     The dtype of the layers' weights and activations (``TransformerConfig.params_dtype`` and
     ``pipeline_dtype``) for a :class:`~megatron_autohet.spec.precision.Precision`.
-``default_precision(on_gpu) -> Precision``
-    What a job trains in without ``--bf16``/``--fp16``, and what the profiler measures in: bf16
-    on CUDA GPUs (what the planner prices plans for), fp32 on CPU (exact proofs).
 ``MAIN_GRAD_DTYPE``
     fp32: the dtype gradients are accumulated, reduced, normed and clipped in (runtime/grad_sync.py
     allocates its buckets in it).
@@ -41,8 +38,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_autohet.spec.precision import (BF16, FP32, MAIN_GRAD_BYTES, PRECISIONS,
-                                             Precision)
+from megatron_autohet.spec.precision import MAIN_GRAD_BYTES, PRECISIONS, Precision
 
 _PARAM_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 MAIN_GRAD_DTYPE = torch.float32
@@ -60,10 +56,6 @@ for _p in PRECISIONS.values():
 
 def param_dtype(precision: Precision) -> torch.dtype:
     return _PARAM_DTYPES[precision.name]
-
-
-def default_precision(on_gpu: bool) -> Precision:
-    return BF16 if on_gpu else FP32
 
 
 class MasterWeights:

@@ -60,3 +60,9 @@ FP32 = Precision("fp32", 4)
 PRECISIONS = {p.name: p for p in (BF16, FP16, FP32)}
 # What plans are priced for: Megatron-LM GPT training on modern GPUs runs --bf16.
 PLANNING_PRECISION = BF16
+
+
+def default_precision(on_gpu: bool) -> Precision:
+    """What a job trains in without --bf16/--fp16/--fp32 (and what ``autohet profile`` measures
+    in): bf16 on GPUs, as Megatron-LM users train; fp32 on a CPU, where the proofs are exact."""
+    return BF16 if on_gpu else FP32
