@@ -46,7 +46,7 @@ def register(subparsers) -> None:
     p.add_argument("--warmup", type=int, default=DEFAULT_WARMUP,
                    help=f"untimed iterations before timing each part (default: {DEFAULT_WARMUP})")
     p.add_argument("--iters", type=int, default=DEFAULT_ITERS,
-                   help=f"timed iterations per part; the median is kept (default: {DEFAULT_ITERS})")
+                   help=f"timed iterations per part; the mean is kept (default: {DEFAULT_ITERS})")
     p.add_argument("-o", "--output", required=True, metavar="profile.yaml",
                    help="where to write the profile (.json for JSON, else YAML)")
     p.set_defaults(func=run)
