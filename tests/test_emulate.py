@@ -221,6 +221,12 @@ def test_plan_summary_reprices_the_cost_models_pipeline():
     extra = 0.1 * predicted["stages"][slowest]["compute_s"]
     assert summary["terms"]["pipeline"]["repriced_s"] == pytest.approx(
         cost.pipeline_time_s + 8 * extra)
+    # measured as repriced: the error is all compute, none left with the in-run compute
+    marks = [[dict(m, schedule=cost.pipeline_time_s + 8 * extra) for m in it] for it in marks]
+    iters = [[cost.iteration_time_s + 8 * extra] * 3] * plan.world_size
+    summary = bench.plan_summary("x", predicted, iters, marks, stage_compute, [8])
+    assert summary["error"] < -0.01
+    assert summary["error_with_in_run_compute"] == pytest.approx(0.0, abs=1e-9)
 
 
 def test_error_contributions_add_up_to_the_error():
