@@ -334,22 +334,17 @@ def test_show_figure_in_an_unknown_format(capsys, tmp_path):
     assert ".png" in err and "Traceback" not in err
 
 
-def test_profile_for_another_model(capsys, tmp_path):
+@pytest.mark.parametrize("text, error", [
+    ("model: llama2-7b\nentries: []\n", "field 'model': profile is for 'llama2-7b', the model "
+     "is 'gpt3-1.3b' (allowed: a profile of 'gpt3-1.3b')"),
+    ("model: gpt3-1.3b\nprecision: fp8\nentries: []\n", "field 'precision': got 'fp8' "
+     "(allowed: bf16, fp16, fp32)")])
+def test_bad_profile_file(capsys, tmp_path, text, error):
     profile = tmp_path / "p.yaml"
-    profile.write_text("model: llama2-7b\nentries: []\n")
+    profile.write_text(text)
     expect_usage_error(capsys, ["plan", "--cluster", H3, "--model", GPT, "--global-batch-size", 8,
                                 "--profile", profile, "-o", tmp_path / "plan.yaml"],
-                       f"autohet plan: error: {profile}: field 'model': profile is for "
-                       f"'llama2-7b', the model is 'gpt3-1.3b' (allowed: a profile of 'gpt3-1.3b')")
-
-
-def test_profile_in_an_unknown_precision(capsys, tmp_path):
-    profile = tmp_path / "p.yaml"
-    profile.write_text("model: gpt3-1.3b\nprecision: fp8\nentries: []\n")
-    expect_usage_error(capsys, ["plan", "--cluster", H3, "--model", GPT, "--global-batch-size", 8,
-                                "--profile", profile, "-o", tmp_path / "plan.yaml"],
-                       f"autohet plan: error: {profile}: field 'precision': got 'fp8' (allowed: "
-                       "bf16, fp16, fp32)")
+                       f"autohet plan: error: {profile}: {error}")
 
 
 def test_missing_model_file(capsys, tmp_path):
