@@ -63,6 +63,6 @@ PLANNING_PRECISION = BF16
 
 
 def default_precision(on_gpu: bool) -> Precision:
-    """What a job trains in without --bf16/--fp16/--fp32 (and what ``autohet profile`` measures
+    """What a job trains in without --bf16 or --fp16 (and what ``autohet profile`` measures
     in): bf16 on GPUs, as Megatron-LM users train; fp32 on a CPU, where the proofs are exact."""
     return BF16 if on_gpu else FP32
