@@ -19,7 +19,7 @@ from megatron_autohet.checkpoint.options import CheckpointOptions
 from megatron_autohet.checkpoint.recovery_plan import copies_of
 from megatron_autohet.checkpoint.state import RNG_KEY
 from megatron_autohet.plan import plan_from_dict
-from dist_utils import run_on_ranks
+from dist_utils import RankFailed, run_on_ranks
 from s3_server import free_port
 from test_checkpoint import HALF, REL, TOTAL, _train, global_batches, plan, rel
 
@@ -140,6 +140,40 @@ def test_corrupt_copy_on_a_peer_is_fetched_again_from_s3(full_and_batches, tmp_p
     assert sum(b["s3"] for b in per_rank) == bad.length          # that chunk, downloaded once
     assert (f"WARNING: chunk {bad.key} at {bad.offsets} received from rank 2 ({bad.file}) fails "
             "its SHA-256 check; not loaded, fetching the chunk elsewhere") in capfd.readouterr().out
+
+
+def test_a_corrupt_s3_copy_fails_every_rank_together(full_and_batches, tmp_path, s3_endpoint,
+                                                     s3_uri):
+    """Every disk lost, one chunk damaged in S3: the rank that downloads it (and forwards it to
+    its TP peer) finds the damage, and every rank raises the same error naming the object at
+    the end of the round; none is left waiting for the chunk (or failing on a closed
+    connection)."""
+    from megatron_autohet.checkpoint.s3_store import S3Store
+
+    full, batches = full_and_batches
+    endpoint, _ = s3_endpoint
+    local, _ = _save_half(tmp_path, batches, s3_uri, endpoint)
+    manifest = read_manifest(_node_dir(local, "h20") / step_dir_name(HALF))
+    for node in ("a100", "h800", "h20"):
+        shutil.rmtree(_node_dir(local, node))
+    # a chunk of layers 4-6 (saved whole by the TP1 h800 stage), which both TP2 a100 ranks of
+    # the survivors' plan need: the lowest downloads it and forwards it
+    bad = max((item for item in manifest.items
+               if ".decoder.layers." in item.key and item.offsets[0] >= 4),
+              key=lambda item: item.length)
+    store = S3Store(s3_uri, endpoint_url=endpoint)
+    key = f"{step_dir_name(HALF)}/{bad.file}"
+    raw = bytearray(store.get_bytes(key))
+    raw[bad.offset + bad.length // 2] ^= 0x10
+    store.put_bytes(key, bytes(raw))
+    survivors = survivors_plan(*LOSSES["h800"])
+    with pytest.raises(RankFailed) as failed:
+        _resume(local, survivors, batches, s3_uri, endpoint)
+    message = (f"CorruptCheckpoint: {store.location.uri(key)}: bytes {bad.offset}-"
+               f"{bad.offset + bad.length} ({bad.key}) do not match their SHA-256 in the manifest")
+    reports = str(failed.value).split("--- rank ")[1:]
+    assert [r.split(" ", 1)[0] for r in reports] == ["0", "1", "2"]
+    assert all(message in r for r in reports), str(failed.value)[-3000:]
 
 
 def test_s3_serves_exactly_the_chunks_no_surviving_disk_holds(full_and_batches, tmp_path,

@@ -17,8 +17,10 @@ can read (its node's local-tier directory, ``--load``); ``s3`` the S3 tier, if c
    exchange over ``group`` (torch.distributed send/recv, one message per pair of ranks) runs
    meanwhile. Every chunk is checked against the SHA-256 of the copy it came from before it is
    used; a copy that fails (on this disk or a peer's) is dropped for every rank and its chunks
-   are planned again from what is left (another disk, S3); a bad S3 copy is an error naming the
-   object; when nothing is left the next older step is tried.
+   are planned again from what is left (another disk, S3); a bad or unreadable S3 copy is an
+   error naming the object, raised on every rank together (the others are told at the round's
+   end, never left waiting for a chunk that will not come); when nothing is left the next older
+   step is tried.
 5. Stage: a per-rank directory shaped like the step - ``common.pt``, ``metadata.json``, links to
    the files (main or replica) this rank verified chunks in, one file of the received chunks, and
    DCP's index ``.metadata`` rewritten to point each needed chunk at its verified copy - which
@@ -259,15 +261,19 @@ def _fetch_step(manifest: Manifest, iteration: int, needs: list[int],
         sources.update(result.own)
         chunks.update(result.received)
         gathered: list = [None] * world_size
-        dist.all_gather_object(gathered, (result.bad, result.failed), group=group)
-        for r, (bad, _) in enumerate(gathered):
+        dist.all_gather_object(gathered, (result.bad, result.failed, result.s3_error),
+                               group=group)
+        s3_error = next((error for _, _, error in gathered if error), None)
+        if s3_error:
+            raise CorruptCheckpoint(s3_error)
+        for r, (bad, _, _) in enumerate(gathered):
             for (holder, name), problem in bad.items():
                 bad_paths.add(all_paths[holder][name])
                 if r == rank and problem not in problems:   # told by the rank that found it
                     print(f"WARNING: {problem}; not loaded, fetching the chunk elsewhere",
                           flush=True)
                 problems[problem] = None
-        pending = {r: failed for r, (_, failed) in enumerate(gathered) if failed}
+        pending = {r: failed for r, (_, failed, _) in enumerate(gathered) if failed}
     return sources, chunks
 
 
@@ -277,6 +283,7 @@ class _Round:
     received: dict[int, memoryview] = field(default_factory=dict)   # verified, from peers/S3
     bad: dict[tuple[int, str], str] = field(default_factory=dict)   # (holder, file) -> problem
     failed: list[int] = field(default_factory=list)                 # still needed
+    s3_error: str | None = None          # a download that failed: the step cannot be loaded
 
 
 def _fetch_round(fetches, rank: int, iteration: int, local_paths: dict[str, Path], s3, group,
@@ -305,8 +312,16 @@ def _fetch_round(fetches, rank: int, iteration: int, local_paths: dict[str, Path
                 out.failed.append(f.index)
         tier_end[OWN] = time.perf_counter()
 
-    def download(f) -> memoryview:
-        raw = memoryview(_download(s3, iteration, f.copy))
+    def download(f) -> memoryview | None:
+        """The verified chunk, or None when S3 failed (said in ``out.s3_error``; a chunk this
+        rank forwards then goes out as zeros, so the exchange completes on every rank)."""
+        from megatron_autohet.checkpoint.s3_store import S3Error     # boto3: S3 jobs only
+
+        try:
+            raw = memoryview(_download(s3, iteration, f.copy))
+        except (CorruptCheckpoint, S3Error) as err:
+            out.s3_error = out.s3_error or str(err)
+            return None
         report.bytes[S3] += len(raw)
         bar.update(len(raw))
         tier_end[S3] = time.perf_counter()
@@ -322,7 +337,8 @@ def _fetch_round(fetches, rank: int, iteration: int, local_paths: dict[str, Path
         tier_end[PEER] = time.perf_counter()
         verified.result()
         for index, future in downloaded.items():
-            out.received[index] = future.result()
+            if future.result() is not None:
+                out.received[index] = future.result()
     for tier, end in tier_end.items():
         report.seconds[tier] = report.seconds.get(tier, 0.0) + end - start
     report.seconds["fetch"] = report.seconds.get("fetch", 0.0) + time.perf_counter() - start
@@ -383,7 +399,9 @@ def _exchange(fetches, rank: int, local_paths: dict[str, Path], downloaded: dict
             for f in outgoing[peer]:
                 part = view[offset:offset + f.copy.length]
                 if f.source == S3:
-                    part[:] = downloaded[f.index].result()
+                    raw = downloaded[f.index].result()
+                    if raw is not None:          # else zeros; every rank raises at the end
+                        part[:] = raw
                 else:
                     if f.copy.file not in files:
                         files[f.copy.file] = open(local_paths[f.copy.file], "rb")
