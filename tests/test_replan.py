@@ -11,7 +11,8 @@ from megatron_autohet.layout.params import layer_param_layouts, non_layer_param_
 from megatron_autohet.plan import Pipeline, Plan, RankInfo, Stage, load_plan
 from megatron_autohet.planner import make_plan
 from megatron_autohet.planner.replan import (REPLAN_TIME_LIMIT_S, REPLAN_WORK_BUDGET,
-                                             derived_plan, least_moving, replan)
+                                             derived_plan, least_moving, patched_plan,
+                                             replan)
 from megatron_autohet.planner.search import (STOP_COMPLETE, STOP_WORK, Candidate,
                                              resolve_profile)
 from megatron_autohet.planner.space import Problem, evaluate
@@ -193,6 +194,33 @@ def test_a_joined_node_replaces_a_lost_one_of_its_type():
     result = replan(previous, now, TINY, tolerance=1.0)
     result.plan.validate()
     assert result.candidates >= 2 and result.recovery_bytes <= whole_model * B
+
+
+def test_a_pipeline_that_lost_a_stage_is_patched_onto_free_gpus():
+    """Two pipelines over nodes a | b, a spare GPU on c; b is lost. The derived plan has
+    nothing left (both pipelines touched b); the patched plan keeps pipeline 0's first stage
+    where it is and moves its second onto c's free GPU, and gives pipeline 1 up (no GPU left
+    for its lost stage): only the layers b held move, onto c. With a loose tolerance replan's
+    choice moves no more."""
+    fleet = _cluster("abc", [("a", "A100-80GB", 2), ("b", "A100-80GB", 2), ("c", "A100-80GB", 1)])
+    ranks = [RankInfo(i, node, local, "A100-80GB")
+             for i, (node, local) in enumerate([("a", 0), ("a", 1), ("b", 0), ("b", 1)])]
+    previous = Plan("abc", TINY, 2, 8, 64, ranks, [
+        Pipeline([Stage([0], (0, 3)), Stage([2], (3, 6))], 2),
+        Pipeline([Stage([1], (0, 3)), Stage([3], (3, 6))], 2)]).validate()
+    now = fleet.subset(["a", "c"])
+    problem = Problem(now, TINY, resolve_profile(now, TINY, None, 2, 64), 8, 2, 64)
+    assert derived_plan(previous, problem) is None
+    patched = patched_plan(previous, problem)
+    patched.plan.validate()
+    assert [(r.node, r.local_rank) for r in patched.plan.ranks] == [("a", 0), ("c", 0)]
+    assert [[(s.ranks, s.layers) for s in p.stages] for p in patched.plan.pipelines] == \
+        [[([0], (0, 3)), ([1], (3, 6))]]
+    assert patched.plan.num_microbatches_total == 4
+    moved = recovery_bytes_by_node(previous, patched.plan, TINY)
+    assert moved["a"] == 0 and moved["c"] > 0
+    result = replan(previous, now, TINY, tolerance=1.0)
+    assert result.recovery_bytes <= sum(moved.values())
 
 
 def _two_node_candidates():

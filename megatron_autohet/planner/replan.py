@@ -16,20 +16,25 @@ and a node keeps its name across the change (same name, same machine, same local
    node that joined with the same GPU type and enough GPUs, where there is one (a spot fleet
    usually gets a replacement of the same kind), and the pipelines that touched an unreplaced
    lost node dropped, their micro-batches re-split over the rest (each next micro-batch to the
-   pipeline that finishes it earliest, as the planner splits them).
-3. **Search**: planner/search.py seeded with the derived plan as incumbent and WITHOUT the
-   baselines (on 1024 GPUs the baselines alone cost seconds; the derived plan, itself
-   descended from a plan at least as fast as the baselines on the old fleet, takes their place
-   in pruning). Its budget is counted in work, REPLAN_WORK_BUDGET SCIP nodes, so the same
+   pipeline that finishes it earliest, as the planner splits them). And the **patched plan**:
+   those pipelines kept instead, each stage on a lost node moved to a free TP group of the
+   same degree (GPUs the plan left idle, then those of the last pipelines given up for it), so
+   a pipeline that lost one of five stages keeps four where their state is rather than leaving
+   their GPUs idle (LLaMA-2 7B on 1024 GPUs, an H20 node lost: the derived plan drops four
+   pipelines and idles 32 H800s, 6.8% slower than the search's best, so outside the tolerance).
+3. **Search**: planner/search.py seeded with the derived and patched plans as incumbents and
+   WITHOUT the baselines (on 1024 GPUs the baselines alone cost seconds; the seeds, descended
+   from a plan at least as fast as the baselines on the old fleet, take their place in
+   pruning). Its budget is counted in work, REPLAN_WORK_BUDGET SCIP nodes, so the same
    fleet change gives the same plan on an idle or a loaded machine; the wall-clock
    ``time_limit_s`` is only a safety net (``Replan.stopped_by`` says when it cut). The budget
    is small because a re-plan is on the recovery path: measured on 1024 GPUs (a node of A100
    or H20 lost, 2 cores), 10 nodes re-plan GPT-3 1.3B in 0.3-0.4 s and LLaMA-2 7B in 1.6-1.8
    s (most of it building the pipeline options, not solving), and the plan chosen is the one
    20 or 40 nodes give; the complete search (100-1400 nodes, seconds) finds plans 1.5% faster,
-   inside the default tolerance. When no derived plan exists (every pipeline lost), the search
-   runs with the baselines as incumbents.
-4. **Choice**: of every plan judged (the derived plan, every plan the search built), those
+   inside the default tolerance. When there is neither a derived nor a patched plan (every
+   pipeline lost, no free GPUs), the search runs with the baselines as incumbents.
+4. **Choice**: of every plan judged (the seeds, every plan the search built), those
    within ``tolerance`` of the fastest iteration time; among them the one whose recovery moves
    the fewest bytes across nodes, then the fastest. The HAPT warm-up post-pass then runs on it.
 """
@@ -131,31 +136,114 @@ def _with_microbatches(plan: Plan, counts: list[int]) -> Plan:
 def derived_plan(previous: Plan, problem: Problem) -> Candidate | None:
     """The previous plan on the fleet now present (module doc, step 2), evaluated; None when
     no pipeline survives or it does not fit in memory."""
+    mapping = node_mapping(previous, problem.cluster)
+    device = _devices_now(previous, problem.cluster, mapping)
+    kept = [[(stage, [device[r] for r in stage.ranks]) for stage in pipe.stages]
+            for pipe in previous.pipelines if all(r in device for r in pipe.ranks)]
+    return _plan_on_devices(previous, problem, kept)
+
+
+def patched_plan(previous: Plan, problem: Problem) -> Candidate | None:
+    """The previous plan with every pipeline that lost a node patched rather than dropped (module
+    doc, step 2): each stage on a lost node moves to a free TP group of the same degree on one
+    surviving node - GPUs the plan leaves idle, preferring the lost stage's GPU type, then the
+    types with more memory - and the pipeline keeps its other stages, and the state they hold,
+    where they are. When no free group is left, the last pipeline still waiting to be patched is
+    given up and its GPUs become free. None when no pipeline was patched (the derived plan is
+    then the same plan) or the result does not fit in memory."""
     cluster = problem.cluster
     mapping = node_mapping(previous, cluster)
-    kept = [pipe for pipe in previous.pipelines
-            if all(previous.ranks[r].node in mapping for r in pipe.ranks)]
-    if not kept:
+    device = _devices_now(previous, cluster, mapping)
+    pipelines = [[(stage, [device.get(r) for r in stage.ranks]) for stage in pipe.stages]
+                 for pipe in previous.pipelines]
+    whole = [all(None not in devs for _, devs in pipe) for pipe in pipelines]
+    if all(whole):
         return None
-    rank_now = {(d.node, d.local_rank): d for d in cluster.devices()}
-    device = {r.rank: rank_now[(mapping[r.node], r.local_rank)]
-              for r in previous.ranks if r.node in mapping}
-    used = sorted((device[r] for pipe in kept for r in pipe.ranks), key=lambda d: d.rank)
+    taken = {d for pipe, ok in zip(pipelines, whole) if ok for _, devs in pipe for d in devs}
+    held = {d for pipe in pipelines for _, devs in pipe for d in devs if d is not None}
+    free = [d for d in cluster.devices() if d not in held]      # idle before, or joined
+    waiting = [p for p, ok in enumerate(whole) if not ok]
+    memory = {g: t.memory_gib for g, t in cluster.gpu_types.items()}
+    patched = []
+    while waiting:
+        p = waiting.pop(0)
+        stages = []
+        for stage, devs in pipelines[p]:
+            if None not in devs:
+                stages.append((stage, devs))
+                continue
+            lost_gpu = previous.ranks[stage.ranks[0]].gpu
+            group = _free_group(free, stage.tp, lost_gpu, memory)
+            while group is None and waiting:            # give up the last waiting pipeline
+                free += [d for _, devs_ in pipelines[waiting.pop()] for d in devs_
+                         if d is not None]
+                group = _free_group(free, stage.tp, lost_gpu, memory)
+            if group is None:
+                break
+            for d in group:
+                free.remove(d)
+            stages.append((stage, group))
+        if len(stages) == len(pipelines[p]):
+            patched.append(p)
+            pipelines[p] = stages
+            taken.update(d for _, devs in stages for d in devs)
+        else:                                           # its GPUs serve the others
+            free += [d for _, devs in stages for d in devs if d not in free]
+            free += [d for _, devs in pipelines[p] for d in devs
+                     if d is not None and d not in free and d not in taken]
+    if not patched:
+        return None
+    return _plan_on_devices(previous, problem, [
+        pipe for p, pipe in enumerate(pipelines) if whole[p] or p in patched])
+
+
+def _devices_now(previous: Plan, cluster: Cluster, mapping: dict[str, str]) -> dict:
+    """Previous rank -> the device (cluster.devices()) it maps to now; ranks on lost nodes
+    without a replacement are left out."""
+    now = {(d.node, d.local_rank): d for d in cluster.devices()}
+    return {r.rank: now[(mapping[r.node], r.local_rank)]
+            for r in previous.ranks if r.node in mapping}
+
+
+def _free_group(free: list, tp: int, gpu: str, memory: dict[str, float]) -> list | None:
+    """``tp`` free devices on one node: of GPU type ``gpu`` if any node has them, else of the
+    type with the most memory (then by node name); None when no node has ``tp`` free."""
+    by_node: dict[str, list] = {}
+    for d in free:
+        by_node.setdefault(d.node, []).append(d)
+    fits = [(d[0].gpu != gpu, -memory[d[0].gpu], node) for node, d in by_node.items()
+            if len(d) >= tp]
+    if not fits:
+        return None
+    node = min(fits)[2]
+    return sorted(by_node[node], key=lambda d: d.local_rank)[:tp]
+
+
+def _plan_on_devices(previous: Plan, problem: Problem, pipelines: list) -> Candidate | None:
+    """A plan of the previous plan's stages on new devices (``pipelines``: per pipeline, its
+    ``(stage, devices)`` in order), ranks numbered by device, the batch's micro-batches split
+    over the pipelines, evaluated; None when there is no pipeline or it does not fit."""
+    if not pipelines:
+        return None
+    cluster = problem.cluster
+    used = sorted((d for pipe in pipelines for _, devs in pipe for d in devs),
+                  key=lambda d: d.rank)
     new_rank = {d.rank: i for i, d in enumerate(used)}
-    pipelines = [Pipeline([dataclasses.replace(s, ranks=[new_rank[device[r].rank] for r in s.ranks])
-                           for s in pipe.stages], pipe.num_microbatches) for pipe in kept]
     total = problem.num_microbatches
-    if len(kept) < len(previous.pipelines):
-        # Any valid split will do to cost the stages (their times do not depend on it); the
-        # real split follows from those times.
-        share = [1] * (len(kept) - 1) + [total - len(kept) + 1]
-        pipelines = [Pipeline([dataclasses.replace(s, warmup_microbatches=None)
-                               for s in p.stages], m) for p, m in zip(pipelines, share)]
+    same = len(pipelines) == len(previous.pipelines)
+    # Any valid split will do to cost the stages (their times do not depend on it); the real
+    # split follows from those times.
+    share = ([pipe.num_microbatches for pipe in previous.pipelines] if same
+             else [1] * (len(pipelines) - 1) + [total - len(pipelines) + 1])
     plan = Plan(cluster=cluster.name, model=previous.model,
                 micro_batch_size=previous.micro_batch_size,
                 global_batch_size=previous.global_batch_size, seq_length=previous.seq_length,
                 ranks=[RankInfo(i, d.node, d.local_rank, d.gpu) for i, d in enumerate(used)],
-                pipelines=pipelines, activation_recompute=previous.activation_recompute,
+                pipelines=[Pipeline([dataclasses.replace(
+                    stage, ranks=[new_rank[d.rank] for d in devs],
+                    warmup_microbatches=stage.warmup_microbatches if same else None)
+                    for stage, devs in pipe], m) for pipe, m in zip(pipelines, share)],
+                activation_recompute=previous.activation_recompute,
                 use_distributed_optimizer=previous.use_distributed_optimizer)
     cost = evaluate(problem, plan)
     counts = _split_microbatches(cost, total)
@@ -220,13 +308,14 @@ def replan(previous: Plan, cluster: Cluster, model: ModelSpec, profile: Profile 
     problem = Problem(cluster, model, resolved, previous.global_batch_size, mbs, seq,
                       previous.use_distributed_optimizer, headroom)
     derived = derived_plan(previous, problem)
+    seeds = [c for c in (derived, patched_plan(previous, problem)) if c is not None]
     judged: list[Candidate] = []
     best = search(cluster, model, profile, previous.global_batch_size, mbs, seq,
                   allow_asymmetric_tp=allow_asymmetric_tp,
                   activation_recompute=activation_recompute, time_limit_s=time_limit_s,
                   work_budget=work_budget, progress=progress, tp_degrees=tp_degrees,
                   max_stages=max_stages,
-                  seeds=[derived] if derived else [], baselines=derived is None,
+                  seeds=seeds, baselines=not seeds,
                   distributed_optimizer=previous.use_distributed_optimizer,
                   memory_headroom=headroom, on_candidate=judged.append)
     # The warm-up post-pass changed the best plan in place: its cost is the returned one.
