@@ -159,7 +159,6 @@ def patched_plan(previous: Plan, problem: Problem) -> Candidate | None:
     whole = [all(None not in devs for _, devs in pipe) for pipe in pipelines]
     if all(whole):
         return None
-    taken = {d for pipe, ok in zip(pipelines, whole) if ok for _, devs in pipe for d in devs}
     held = {d for pipe in pipelines for _, devs in pipe for d in devs if d is not None}
     free = [d for d in cluster.devices() if d not in held]      # idle before, or joined
     waiting = [p for p, ok in enumerate(whole) if not ok]
@@ -186,11 +185,10 @@ def patched_plan(previous: Plan, problem: Problem) -> Candidate | None:
         if len(stages) == len(pipelines[p]):
             patched.append(p)
             pipelines[p] = stages
-            taken.update(d for _, devs in stages for d in devs)
         else:                                           # its GPUs serve the others
             free += [d for _, devs in stages for d in devs if d not in free]
             free += [d for _, devs in pipelines[p] for d in devs
-                     if d is not None and d not in free and d not in taken]
+                     if d is not None and d not in free]
     if not patched:
         return None
     return _plan_on_devices(previous, problem, [
