@@ -111,10 +111,10 @@ def _scan(roots: list[Path]) -> dict[int, _Visible]:
 def _s3_steps(s3, log) -> dict[int, bytes]:
     """Committed S3 steps (manifest present) -> manifest bytes; none when S3 is not configured
     or cannot be reached (recovery then uses the disks alone, and says so)."""
-    from megatron_autohet.checkpoint.s3_store import S3Error
-
     if s3 is None:
         return {}
+    from megatron_autohet.checkpoint.s3_store import S3Error     # boto3: S3 jobs only
+
     steps = {}
     try:
         for iteration in s3.list_steps():
