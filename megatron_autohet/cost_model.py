@@ -353,10 +353,12 @@ def _slowest_link_gbs(cluster: Cluster, ranks_nodes: list[str]) -> float:
     return min(speeds) if speeds else float("inf")
 
 
-def _group_elements(model: ModelSpec, kind: str, n_layers: int, tp: int, vocab: int) -> int:
+def sync_group_elements(model: ModelSpec, kind: str, n_layers: int, tp: int, vocab: int
+                        ) -> int:
     """Elements of one sync group's tensors that a holder of TP degree ``tp`` keeps: one TP
     shard of the split tensors plus every TP-replicated one (norms, row-parallel biases,
-    position embeddings); ``tp=1`` gives the full, unsharded tensors."""
+    position embeddings); ``tp=1`` gives the full, unsharded tensors. ``vocab``: the padded
+    vocabulary. The planner's sync terms (planner/space.py) count with it too."""
     if kind == "layers":
         return n_layers * layer_param_count(model, tp)
     if kind == "word_embeddings":
@@ -384,10 +386,10 @@ def _sync_group_params(plan: Plan) -> list[tuple]:
         for group in spec.groups():
             if len(group) < 2:
                 continue
-            local = {r: _group_elements(model, spec.kind, n_layers, tp_of_rank[r], vocab)
+            local = {r: sync_group_elements(model, spec.kind, n_layers, tp_of_rank[r], vocab)
                      for r in group}
             params = (local[group[0]] if spec.symmetric
-                      else _group_elements(model, spec.kind, n_layers, 1, vocab))
+                      else sync_group_elements(model, spec.kind, n_layers, 1, vocab))
             out.append((spec, group, params, local))
     return out
 

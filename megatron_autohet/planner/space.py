@@ -35,10 +35,9 @@ from megatron_autohet.cost_model import (DEFAULT_MEMORY_HEADROOM, GIB, GRAD_BYTE
                                          PlanCost, annotate_plan, evaluate_plan,
                                          grad_allreduce_s, optimizer_step_s, p2p_s,
                                          stage_compute_s, stage_memory_bytes, stage_param_count,
-                                         usable_memory_gib)
+                                         sync_group_elements, usable_memory_gib)
 from megatron_autohet.errors import ConfigError
 from megatron_autohet.plan import Pipeline, Plan, RankInfo, Stage
-from megatron_autohet.profiling.estimate import norm_param_count
 from megatron_autohet.profiling.profile import Profile, ProfileEntry
 from megatron_autohet.spec.cluster import Cluster
 from megatron_autohet.spec.model import ModelSpec
@@ -305,18 +304,22 @@ def _sync_terms(problem: Problem, pool: Pool, first: bool, last: bool,
                 tied_bandwidth_gbs: float) -> tuple[float, float, float, float]:
     """(per layer, fixed shared, tied over the sync link, tied over the pipeline's own link):
     a stage's gradient all-reduce seconds at ring factor 1 (cost_model's sync formulas)."""
-    model, bw, entry = problem.model, problem.sync_bandwidth_gbs(pool), problem.entry(pool)
+    model, bw, tp = problem.model, problem.sync_bandwidth_gbs(pool), pool.tp
     unit = grad_allreduce_s(1.0, 2, 1.0)          # seconds per parameter at 1 GB/s, factor 1
-    vocab = model.padded_vocab_size([entry.tp]) * model.hidden_size // entry.tp
+    vocab = model.padded_vocab_size([tp])
+
+    def elements(kind: str, n_layers: int = 0) -> int:
+        return sync_group_elements(model, kind, n_layers, tp, vocab)
+
     fixed = 0.0
     if first and model.position_embedding_type == "learned_absolute":
-        fixed += model.seq_length * model.hidden_size      # GPTModel's table: model's length
+        fixed += elements("position_embeddings")
     if first and not model.tie_embeddings:
-        fixed += vocab
+        fixed += elements("word_embeddings")
     if last:
-        fixed += norm_param_count(model) + (0 if model.tie_embeddings else vocab)
-    tied = vocab if model.tie_embeddings and (first or last) else 0
-    return (unit * entry.layer.param_count / bw, unit * fixed / bw, unit * tied / bw,
+        fixed += elements("post_process")
+    tied = elements("word_embeddings") if model.tie_embeddings and (first or last) else 0
+    return (unit * elements("layers", 1) / bw, unit * fixed / bw, unit * tied / bw,
             unit * tied / tied_bandwidth_gbs)
 
 
