@@ -337,8 +337,9 @@ def _fetch_round(fetches, rank: int, iteration: int, local_paths: dict[str, Path
         tier_end[PEER] = time.perf_counter()
         verified.result()
         for index, future in downloaded.items():
-            if future.result() is not None:
-                out.received[index] = future.result()
+            raw = future.result()
+            if raw is not None:
+                out.received[index] = raw
     for tier, end in tier_end.items():
         report.seconds[tier] = report.seconds.get(tier, 0.0) + end - start
     report.seconds["fetch"] = report.seconds.get("fetch", 0.0) + time.perf_counter() - start
