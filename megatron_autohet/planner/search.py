@@ -99,8 +99,7 @@ from megatron_autohet.planner.scip_model import BOUND_TOLERANCE, Composition, Co
 from megatron_autohet.planner.space import (OptionTable, PipelineOption, Pool, Problem,
                                             assign_microbatches, build_plan, check_batch, evaluate,
                                             layer_splits, layer_sync_s, make_pools,
-                                            option_for_split,
-                                            ring_factor, stage_coefficients)
+                                            ring_factor, sequence_options, stage_coefficients)
 from megatron_autohet.planner.warmup import choose_warmups
 from megatron_autohet.profiling.estimate import estimate_profile
 from megatron_autohet.profiling.profile import Profile
@@ -306,13 +305,11 @@ def build_options(problem: Problem, config: Config, max_stages: int | None) -> N
                         c.max_layers <= n for c, n in zip(capped, limits))):
                     continue
                 by_counts.setdefault((counts, cap), []).extend(
-                    option_for_split(seq, capped, layers, cap)
-                    for layers in layer_splits(problem, capped))
+                    sequence_options(seq, capped, layer_splits(problem, capped), cap))
         if coeffs is None:
             continue
         by_counts.setdefault((counts, None), []).extend(
-            option_for_split(seq, coeffs, layers)
-            for layers in layer_splits(problem, coeffs))
+            sequence_options(seq, coeffs, layer_splits(problem, coeffs)))
     config.options = [o for group in by_counts.values() if group
                       for o in _keep_best(group, problem)]
     config.memory_bound = memory_bound

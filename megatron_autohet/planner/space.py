@@ -323,16 +323,24 @@ def _sync_terms(problem: Problem, pool: Pool, first: bool, last: bool,
             unit * tied / tied_bandwidth_gbs)
 
 
-def option_for_split(sequence: tuple[int, ...], coeffs: list[StageCoefficients],
-                     layers: tuple[int, ...], max_microbatches: int | None = None
-                     ) -> PipelineOption:
-    periods = [c.time_fixed + c.time_per_layer * n for c, n in zip(coeffs, layers)]
-    return PipelineOption(
-        sequence, layers, sum(periods), max(periods),
-        tuple(c.sync_fixed_s + c.sync_per_layer_s * n for c, n in zip(coeffs, layers)),
-        tuple(c.sync_tied_s for c in coeffs), tuple(c.sync_tied_own_s for c in coeffs),
-        max(c.optimizer_fixed_s + c.optimizer_per_layer_s * n for c, n in zip(coeffs, layers)),
-        max_microbatches)
+def sequence_options(sequence: tuple[int, ...], coeffs: list[StageCoefficients],
+                     splits: list[tuple[int, ...]], max_microbatches: int | None = None
+                     ) -> list[PipelineOption]:
+    """The options of one stage sequence, one per layer split."""
+    tied = tuple(c.sync_tied_s for c in coeffs)
+    tied_own = tuple(c.sync_tied_own_s for c in coeffs)
+    terms = [(c.time_fixed, c.time_per_layer, c.sync_fixed_s, c.sync_per_layer_s,
+              c.optimizer_fixed_s, c.optimizer_per_layer_s) for c in coeffs]
+    out = []
+    for layers in splits:
+        periods, sync, optimizer = [], [], 0.0
+        for (tf, tl, sf, sl, of, ol), n in zip(terms, layers):
+            periods.append(tf + tl * n)
+            sync.append(sf + sl * n)
+            optimizer = max(optimizer, of + ol * n)
+        out.append(PipelineOption(sequence, layers, sum(periods), max(periods), tuple(sync),
+                                  tied, tied_own, optimizer, max_microbatches))
+    return out
 
 
 # Layer splits tried above the smallest feasible period: looser caps move layers to the faster
@@ -358,23 +366,32 @@ def layer_splits(problem: Problem, coeffs: list[StageCoefficients]) -> list[tupl
     if math.comb(L - 1, S - 1) <= ALL_SPLITS_UP_TO:
         return [sp for sp in _compositions(L, S) if all(n <= c for n, c in zip(sp, limits))]
 
+    fixed = [c.time_fixed for c in coeffs]
+    per_layer = [c.time_per_layer for c in coeffs]
+
     def caps(period_cap: float) -> list[int]:
-        return [min(m, int((period_cap - c.time_fixed) / c.time_per_layer + 1e-9))
-                for c, m in zip(coeffs, limits)]
+        return [min(m, int((period_cap - f) / t + 1e-9))
+                for f, t, m in zip(fixed, per_layer, limits)]
 
     # The smallest period cap: give layers one at a time to the stage whose period grows least
-    # (greedy is exact for a min-max of increasing per-stage costs).
-    layers = [1] * S
-    grow = [(c.time_fixed + 2 * c.time_per_layer, s) for s, c in enumerate(coeffs) if limits[s] > 1]
+    # (greedy is exact for a min-max of increasing per-stage costs). It starts from the layers
+    # every stage holds at the fluid cap P_c (sum_s (P_c - f_s) / t_s = L), which no split
+    # beats: those periods are at most the optimum, so the greedy's last steps still pick the
+    # smallest remaining ones, and it takes at most a few steps instead of L - S.
+    fluid = (L + sum(f / t for f, t in zip(fixed, per_layer))) / sum(1 / t for t in per_layer)
+    layers = [max(1, min(m, int((fluid - f) / t))) for f, t, m in zip(fixed, per_layer, limits)]
+    if sum(layers) > L:
+        layers = [1] * S
+    grow = [(f + (n + 1) * t, s) for s, (f, t, n) in enumerate(zip(fixed, per_layer, layers))
+            if layers[s] < limits[s]]
     heapq.heapify(grow)
-    for _ in range(L - S):
+    for _ in range(L - sum(layers)):
         _, s = heapq.heappop(grow)
         layers[s] += 1
         if layers[s] < limits[s]:
-            c = coeffs[s]
-            heapq.heappush(grow, (c.time_fixed + (layers[s] + 1) * c.time_per_layer, s))
-    base = max(c.time_fixed + c.time_per_layer * n for c, n in zip(coeffs, layers))
-    order = sorted(range(S), key=lambda s: coeffs[s].time_per_layer)
+            heapq.heappush(grow, (fixed[s] + (layers[s] + 1) * per_layer[s], s))
+    base = max(f + t * n for f, t, n in zip(fixed, per_layer, layers))
+    order = sorted(range(S), key=per_layer.__getitem__)
     splits: list[tuple[int, ...]] = []
     for slack in PERIOD_SLACKS:
         c = caps(base * (1 + slack))
