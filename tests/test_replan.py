@@ -256,6 +256,41 @@ def test_among_equally_fast_plans_the_one_moving_less_wins():
     assert least_moving([swapped, slow], state, tolerance=0.1)[0] is slow
 
 
+def test_the_choice_compares_plans_after_the_warm_up_pass():
+    """The search's best arrives with HAPT warm-ups; a plan that keeps the state where it is
+    but lost its warm-ups (its micro-batch counts changed) must get the pass before it is
+    judged too slow. GPT-3 1.3B on twin A100/H800/H20 nodes: the planned plan with its
+    warm-ups reset (moves nothing, 1.7% slower) against the same plan with each node's role
+    swapped with its twin's (as fast, moves all the state)."""
+    from megatron_autohet.planner.warmup import choose_warmups
+
+    gpt = load_model("configs/models/gpt3-1.3b.yaml")
+    kinds = [("a", "A100-80GB"), ("h", "H800"), ("z", "H20")]
+    fleet = _cluster("twins", [(n + i, g, 8) for i in "01" for n, g in kinds])
+    warm = make_plan(fleet, gpt, None, 96, 1, progress=False)
+    problem = Problem(fleet, gpt, resolve_profile(fleet, gpt, None, 1, gpt.seq_length), 96, 1,
+                      gpt.seq_length)
+    cold = dataclasses.replace(warm, predicted={}, pipelines=[Pipeline(
+        [dataclasses.replace(s, warmup_microbatches=None) for s in p.stages],
+        p.num_microbatches) for p in warm.pipelines])
+    twin = {n + i: n + str(1 - int(i)) for i in "01" for n, _ in kinds}
+    swapped = dataclasses.replace(warm, predicted={}, ranks=[
+        dataclasses.replace(r, node=twin[r.node]) for r in warm.ranks])
+    staying, moving = (Candidate(p, evaluate(problem, p), {}, False) for p in (cold, swapped))
+    assert 1.01 < staying.cost.iteration_time_s / moving.cost.iteration_time_s < 1.02
+
+    def warm_up(c):
+        plan, cost = choose_warmups(c.plan, c.cost, fleet, problem.profile)
+        return dataclasses.replace(c, plan=plan, cost=cost)
+
+    state = StateMap(warm, gpt)
+    chosen, moved = least_moving([moving, staying], state, tolerance=0.01)
+    assert chosen is moving and moved > 0           # unwarmed, the staying plan is too slow
+    chosen, moved = least_moving([moving, staying], state, tolerance=0.01, warm_up=warm_up)
+    assert moved == 0 and chosen.plan is cold
+    assert chosen.cost.iteration_time_s == pytest.approx(moving.cost.iteration_time_s, rel=1e-9)
+
+
 def test_a_joined_node_can_be_used():
     """GPT-3 1.3B ran on a lone H20; an H800 joins. The new plan uses it, although that moves
     state, because keeping the old plan would be far slower than the tolerance allows (the
