@@ -265,3 +265,35 @@ def test_composition_model_keeps_only_the_columns_that_matter_and_stays_exact():
             reduced += len(model.columns(allowed, model.capacities(tau, None))) < sum(
                 a and c > 0 for a, c in zip(allowed, caps))
     assert checked == 120 and reduced > 20    # the reduction is exercised, not vacuous
+
+
+def test_layer_splits_start_at_the_smallest_period():
+    """layer_splits's first split of a long sequence has the smallest period any split within
+    the memory limits has (brute force over every split), and every split is valid."""
+    import itertools
+    import random
+
+    import numpy as np
+
+    from megatron_autohet.planner.space import layer_splits
+
+    rng = random.Random(3)
+    L, S, n = 12, 4, 40
+    fixed = np.array([[rng.uniform(0.0, 2.0) for _ in range(S)] for _ in range(n)])
+    per_layer = np.array([[rng.choice([0.5, 1.0, 1.3, 2.0]) for _ in range(S)] for _ in range(n)])
+    limits = np.array([[rng.randint(1, 6) for _ in range(S)] for _ in range(n)])
+    rows, splits = layer_splits(L, fixed, per_layer, limits)
+    assert list(rows) == sorted(rows)
+    checked = 0
+    for i in range(n):
+        every = [sp for sp in itertools.product(range(1, L + 1), repeat=S)
+                 if sum(sp) == L and all(a <= b for a, b in zip(sp, limits[i]))]
+        mine = [tuple(sp) for sp in splits[rows == i]]
+        assert bool(every) == bool(mine)
+        if not every:
+            continue
+        assert len(set(mine)) == len(mine) and set(mine) <= set(every)
+        best = min(max(fixed[i] + per_layer[i] * np.array(sp)) for sp in every)
+        assert max(fixed[i] + per_layer[i] * np.array(mine[0])) == pytest.approx(best, rel=1e-12)
+        checked += 1
+    assert checked > 20

@@ -18,7 +18,8 @@ non-linearly in an outer enumeration, and leaves an exact integer program to SCI
    sit at both ends, which carry the embedding and the output layer, and share a node for the
    tied-embedding sync), contiguous runs (plus that wrap-around) for longer ones; each with its
    layer splits (all of them for small models, else min-period splits), and per GPU-count vector
-   only the options that are best for some pipeline count (space.py, :func:`_keep_best`). A
+   only the options that are best for some pipeline count (:func:`_keep_best`; all of them
+   priced at once as arrays, space.py :func:`sequence_options`). A
    pool is one kind of node (GPU type, size, intra-node link, NIC), so the links an option is
    priced with are the ones its stages get. Where memory limits a split, the splits that fit
    only when the pipeline runs m < S micro-batches (1F1B then keeps m in flight on its first
@@ -98,8 +99,8 @@ from megatron_autohet.plan import Pipeline, Plan, RankInfo, Stage
 from megatron_autohet.planner.scip_model import BOUND_TOLERANCE, Composition, CompositionModel
 from megatron_autohet.planner.space import (OptionTable, PipelineOption, Pool, Problem,
                                             assign_microbatches, build_plan, check_batch, evaluate,
-                                            layer_splits, layer_sync_s, make_pools,
-                                            ring_factor, sequence_options, stage_coefficients)
+                                            layer_sync_s, make_pools, ring_factor,
+                                            sequence_options, stage_coefficients)
 from megatron_autohet.planner.warmup import choose_warmups
 from megatron_autohet.profiling.estimate import estimate_profile
 from megatron_autohet.profiling.profile import Profile
@@ -207,19 +208,29 @@ def stage_sequences(pools: list[Pool], max_stages: int) -> list[tuple[int, ...]]
     return list(out)
 
 
-def _keep_best(options: list[PipelineOption], problem: Problem) -> list[PipelineOption]:
-    """Of the options with one GPU-count vector and micro-batch cap, those that are best for a
-    pipeline running its share of the batch (at most the cap) for some pipeline count
-    (KEEP_FOR_COUNTS), or best in period alone."""
-    table, total = OptionTable(options, problem), problem.num_microbatches
-    keep = {int(np.lexsort((table.fill_s, table.period_s))[0])}
+def _keep_best(table: OptionTable, group: np.ndarray, cap: np.ndarray, problem: Problem
+               ) -> np.ndarray:
+    """Indices of the options to keep: of the options of one group (GPU-count vector and
+    micro-batch cap ``cap``), those that are best for a pipeline running its share of the batch
+    (at most the cap) for some pipeline count (KEEP_FOR_COUNTS), or best in period alone; in
+    group order (groups numbered by first appearance), then option order."""
+    total, index = problem.num_microbatches, np.arange(len(group))
+
+    def best_per_group(*keys: np.ndarray) -> np.ndarray:
+        order = np.lexsort((index, *keys[::-1], group))    # ties: the first option
+        first = np.append(True, group[order][1:] != group[order][:-1])
+        return order[first]
+
+    keep = [best_per_group(table.period_s, table.fill_s)]
     for d in KEEP_FOR_COUNTS:
         share = math.ceil(total / d)
         extras = table.extras_s(d)
-        for m in {options[0].cap(x) for x in (max(1, share // 2), share, 2 * share)}:
+        for x in (max(1, share // 2), share, 2 * share):
             # pipelines get uneven shares
-            keep.add(int(np.argmin(table.fill_s + (m - 1) * table.period_s + extras)))
-    return [options[j] for j in sorted(keep)]
+            m = np.minimum(x, cap)
+            keep.append(best_per_group(table.fill_s + (m - 1) * table.period_s + extras))
+    kept = np.unique(np.concatenate(keep))
+    return kept[np.lexsort((kept, group[kept]))]
 
 
 @dataclass
@@ -288,11 +299,18 @@ def build_options(problem: Problem, config: Config, max_stages: int | None) -> N
     pools = config.pools
     stages = max_stages or default_max_stages(problem, pools)
     L = problem.model.num_layers
-    by_counts: dict[tuple, list[PipelineOption]] = {}
-    memory_bound = False
     M = problem.num_microbatches
+    sequences: list[tuple[tuple[int, ...], int | None]] = []
+    coefficients: list[list] = []
+    groups: dict[tuple, int] = {}       # (GPU-count vector, cap) -> number, by first appearance
+    memory_bound = False
+
+    def add(seq: tuple[int, ...], coeffs: list, cap: int | None) -> None:
+        groups.setdefault((tuple(seq.count(k) for k in range(len(pools))), cap), len(groups))
+        sequences.append((seq, cap))
+        coefficients.append(coeffs)
+
     for seq in stage_sequences(pools, min(stages, L)):
-        counts = tuple(seq.count(k) for k in range(len(pools)))
         coeffs = stage_coefficients(problem, pools, seq, config.recompute)
         limits = None if coeffs is None else [c.max_layers for c in coeffs]
         if coeffs is None or any(n < L for n in limits):
@@ -304,17 +322,22 @@ def build_options(problem: Problem, config: Config, max_stages: int | None) -> N
                 if capped is None or (limits is not None and all(
                         c.max_layers <= n for c, n in zip(capped, limits))):
                     continue
-                by_counts.setdefault((counts, cap), []).extend(
-                    sequence_options(seq, capped, layer_splits(problem, capped), cap))
-        if coeffs is None:
-            continue
-        by_counts.setdefault((counts, None), []).extend(
-            sequence_options(seq, coeffs, layer_splits(problem, coeffs)))
-    config.options = [o for group in by_counts.values() if group
-                      for o in _keep_best(group, problem)]
+                add(seq, capped, cap)
+        if coeffs is not None:
+            add(seq, coeffs, None)
     config.memory_bound = memory_bound
-    config.table = (OptionTable(config.options, problem)
-                    if config.options else None)
+    config.options, config.table = [], None
+    if not sequences:
+        return
+    built = sequence_options(problem, sequences, coefficients)
+    if not len(built.sequence):
+        return
+    of_sequence = np.array([groups[(tuple(seq.count(k) for k in range(len(pools))), cap)]
+                            for seq, cap in sequences])
+    caps = np.array([np.iinfo(np.int64).max if cap is None else cap for _, cap in sequences])
+    kept = _keep_best(built.table, of_sequence[built.sequence], caps[built.sequence], problem)
+    config.options = [built.option(j) for j in kept]
+    config.table = built.table.subset(kept, problem)
 
 
 @dataclass(order=True)
@@ -328,31 +351,31 @@ class Branch:
 def _branches(problem: Problem, config: Config, index: int) -> list[Branch]:
     """Every (pipeline-count bin, sync + optimizer level) of a config with its lower bound."""
     M = problem.num_microbatches
-    counts = [p.count for p in config.pools]
-    groups = sum(counts)
+    counts = np.array([p.count for p in config.pools], dtype=float)
+    groups = int(counts.sum())
+    # Each option's layer rate on the pools it uses: 1 / (stages x period) per TP group.
+    rates = np.zeros((len(config.options), len(counts)))
+    for j, o in enumerate(config.options):
+        rates[j, list(set(o.pools))] = 1.0 / (len(o.pools) * o.period_s)
     out = []
     for b, (lo, hi) in enumerate(PIPELINE_BINS):
         if lo > min(M, groups):
             break
         hi = min(hi, M, groups)
-        # Options sorted by their sync + optimizer at the bin's smallest count; sweep the levels
-        # upwards keeping the fluid rate per pool and the shortest fill of the allowed options.
-        extras = sorted((e, j) for j, e in enumerate(config.extras_at(lo)))
-        rate = [0.0] * len(counts)
-        fill = period = math.inf
-        i = 0
-        while i < len(extras):
-            level = extras[i][0]
-            while i < len(extras) and extras[i][0] == level:
-                o = config.options[extras[i][1]]
-                for k in set(o.pools):
-                    rate[k] = max(rate[k], 1.0 / (len(o.pools) * o.period_s))
-                fill, period = min(fill, o.fill_s), min(period, o.period_s)
-                i += 1
-            throughput = sum(g * r for g, r in zip(counts, rate))
-            bound = max(fill + (math.ceil(M / hi) - 1) * period, M / throughput,
-                        config.fluid_bound_s)
-            out.append(Branch(level + bound, level, index, b))
+        # Options sorted by their sync + optimizer at the bin's smallest count; sweeping the
+        # levels upwards, each level's bound uses the best rate per pool and the shortest fill
+        # and period of the options at or below it.
+        extras = np.array(config.extras_at(lo))
+        order = np.argsort(extras, kind="stable")
+        levels = extras[order]
+        last = np.flatnonzero(np.append(levels[1:] != levels[:-1], True))
+        throughput = np.maximum.accumulate(rates[order], axis=0)[last] @ counts
+        fill = np.minimum.accumulate(config.table.fill_s[order])[last]
+        period = np.minimum.accumulate(config.table.period_s[order])[last]
+        bound = np.maximum(np.maximum(fill + (math.ceil(M / hi) - 1) * period, M / throughput),
+                           config.fluid_bound_s)
+        out.extend(Branch(float(level + b_s), float(level), index, b)
+                   for level, b_s in zip(levels[last], bound))
     return out
 
 

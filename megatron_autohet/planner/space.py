@@ -171,21 +171,20 @@ class OptionTable:
     padded with zeros, which never win the maximum.
     """
 
-    def __init__(self, options: list[PipelineOption], problem: Problem):
+    def __init__(self, problem: Problem, fill_s: np.ndarray, period_s: np.ndarray,
+                 shared: np.ndarray, tied: np.ndarray, tied_own: np.ndarray,
+                 optimizer_s: np.ndarray, stages: np.ndarray):
         self.distributed_optimizer = problem.distributed_optimizer
         self.sync_fraction = distributed_sync_fraction(problem.profile.precision)
-        width = max(len(o.layers) for o in options)
+        self.fill_s, self.period_s, self.optimizer_s = fill_s, period_s, optimizer_s
+        self.shared, self.tied, self.tied_own = shared, tied, tied_own
+        self.stages = stages
+        self.multi_stage = stages > 1
 
-        def padded(values: tuple[float, ...]) -> list[float]:
-            return list(values) + [0.0] * (width - len(values))
-
-        self.fill_s = np.array([o.fill_s for o in options])
-        self.period_s = np.array([o.period_s for o in options])
-        self.shared = np.array([padded(o.sync_shared_s) for o in options])
-        self.tied = np.array([padded(o.sync_tied_s) for o in options])
-        self.tied_own = np.array([padded(o.sync_tied_own_s) for o in options])
-        self.multi_stage = np.array([len(o.layers) > 1 for o in options])
-        self.optimizer_s = np.array([o.optimizer_s for o in options])
+    def subset(self, index: np.ndarray, problem: Problem) -> OptionTable:
+        return OptionTable(problem, self.fill_s[index], self.period_s[index],
+                           self.shared[index], self.tied[index], self.tied_own[index],
+                           self.optimizer_s[index], self.stages[index])
 
     def extras_s(self, pipelines: int) -> np.ndarray:
         tied_factor = np.where(self.multi_stage, ring_factor(2 * pipelines),
@@ -323,26 +322,6 @@ def _sync_terms(problem: Problem, pool: Pool, first: bool, last: bool,
             unit * tied / tied_bandwidth_gbs)
 
 
-def sequence_options(sequence: tuple[int, ...], coeffs: list[StageCoefficients],
-                     splits: list[tuple[int, ...]], max_microbatches: int | None = None
-                     ) -> list[PipelineOption]:
-    """The options of one stage sequence, one per layer split."""
-    tied = tuple(c.sync_tied_s for c in coeffs)
-    tied_own = tuple(c.sync_tied_own_s for c in coeffs)
-    terms = [(c.time_fixed, c.time_per_layer, c.sync_fixed_s, c.sync_per_layer_s,
-              c.optimizer_fixed_s, c.optimizer_per_layer_s) for c in coeffs]
-    out = []
-    for layers in splits:
-        periods, sync, optimizer = [], [], 0.0
-        for (tf, tl, sf, sl, of, ol), n in zip(terms, layers):
-            periods.append(tf + tl * n)
-            sync.append(sf + sl * n)
-            optimizer = max(optimizer, of + ol * n)
-        out.append(PipelineOption(sequence, layers, sum(periods), max(periods), tuple(sync),
-                                  tied, tied_own, optimizer, max_microbatches))
-    return out
-
-
 # Layer splits tried above the smallest feasible period: looser caps move layers to the faster
 # stages (shorter fill, fewer parameters on slow GPUs) at the price of a longer period.
 PERIOD_SLACKS = (0.0, 0.03, 0.08, 0.15, 0.3)
@@ -350,62 +329,109 @@ PERIOD_SLACKS = (0.0, 0.03, 0.08, 0.15, 0.3)
 ALL_SPLITS_UP_TO = 84
 
 
-def layer_splits(problem: Problem, coeffs: list[StageCoefficients]) -> list[tuple[int, ...]]:
-    """Layer splits of one stage sequence (each stage >= 1 layer, within its memory).
+def layer_splits(num_layers: int, fixed: np.ndarray, per_layer: np.ndarray, limits: np.ndarray
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """Layer splits of n stage sequences of S stages each (each stage >= 1 layer, within its
+    memory): row i has stage periods ``fixed[i] + per_layer[i] * layers`` and at most
+    ``limits[i]`` layers per stage. Returns (row of each split, splits (k, S)), rows ascending,
+    each row's splits in the order below.
 
     Every split when there are at most ALL_SPLITS_UP_TO of them; otherwise the min-period split
     and a few looser ones: for a period cap P a stage holds at most
-    ``min(memory cap, (P - fixed) / per_layer)`` layers; the smallest P whose caps sum to the
-    model's layers is found greedily, then each split fills every stage with one layer and
-    hands the rest to the fastest stages first (smallest fill time under that cap).
+    ``min(memory cap, (P - fixed) / per_layer)`` layers, and each split fills every stage with
+    one layer and hands the rest to the fastest stages first (smallest fill time under that
+    cap). The smallest P is the greedy min-max (each next layer to the stage whose period grows
+    least, exact for increasing per-stage costs): every stage's one-layer period, and the
+    (L - S)-th smallest of the periods stages reach with 2, 3, ... layers.
     """
-    L, S = problem.model.num_layers, len(coeffs)
-    limits = [min(c.max_layers, L) for c in coeffs]
-    if S > L or sum(limits) < L:
-        return []
+    L = num_layers
+    n, S = fixed.shape
+    limits = np.minimum(limits, L)
+    ok = (limits.sum(axis=1) >= L) if S <= L else np.zeros(n, dtype=bool)
+    if S > L:
+        return np.zeros(0, dtype=np.int64), np.zeros((0, S), dtype=np.int64)
     if math.comb(L - 1, S - 1) <= ALL_SPLITS_UP_TO:
-        return [sp for sp in _compositions(L, S) if all(n <= c for n, c in zip(sp, limits))]
+        every = np.array(list(_compositions(L, S)), dtype=np.int64).reshape(-1, S)
+        rows, which = np.nonzero(ok[:, None] & (every[None] <= limits[:, None]).all(axis=2))
+        return rows, every[which]
+    base = (fixed + per_layer).max(axis=1)
+    if L > S:
+        counts = np.arange(2, L + 1)
+        grown = fixed[:, :, None] + counts * per_layer[:, :, None]
+        grown = np.where(counts <= limits[:, :, None], grown, np.inf).reshape(n, -1)
+        base = np.maximum(base, np.partition(grown, L - S - 1, axis=1)[:, L - S - 1])
+    fastest_first = np.argsort(per_layer, axis=1, kind="stable")
+    every_row = np.arange(n)[:, None]
+    splits = np.zeros((n, len(PERIOD_SLACKS), S), dtype=np.int64)
+    valid = np.zeros((n, len(PERIOD_SLACKS)), dtype=bool)
+    for i, slack in enumerate(PERIOD_SLACKS):
+        caps = np.minimum(limits, np.trunc(((base * (1 + slack))[:, None] - fixed) / per_layer
+                                           + 1e-9)).astype(np.int64)
+        extra = np.take_along_axis(caps - 1, fastest_first, axis=1)
+        given_before = np.cumsum(extra, axis=1) - extra
+        splits[every_row, i, fastest_first] = 1 + np.clip((L - S) - given_before, 0, extra)
+        valid[:, i] = ok & (caps.min(axis=1) >= 1) & (caps.sum(axis=1) >= L)
+        for j in range(i):             # the same split at a looser cap is not tried twice
+            valid[:, i] &= ~(valid[:, j] & (splits[:, j] == splits[:, i]).all(axis=1))
+    rows, which = np.nonzero(valid)
+    return rows, splits[rows, which]
 
-    fixed = [c.time_fixed for c in coeffs]
-    per_layer = [c.time_per_layer for c in coeffs]
 
-    def caps(period_cap: float) -> list[int]:
-        return [min(m, int((period_cap - f) / t + 1e-9))
-                for f, t, m in zip(fixed, per_layer, limits)]
+@dataclass
+class SequenceOptions:
+    """The options of many stage sequences as arrays (the search builds tens of thousands per
+    config and keeps a tenth, :func:`sequence_options`); :meth:`option` makes one a
+    PipelineOption."""
 
-    # The smallest period cap: give layers one at a time to the stage whose period grows least
-    # (greedy is exact for a min-max of increasing per-stage costs). It starts from the layers
-    # every stage holds at the fluid cap P_c (sum_s (P_c - f_s) / t_s = L), which no split
-    # beats: those periods are at most the optimum, so the greedy's last steps still pick the
-    # smallest remaining ones, and it takes at most a few steps instead of L - S.
-    fluid = (L + sum(f / t for f, t in zip(fixed, per_layer))) / sum(1 / t for t in per_layer)
-    layers = [max(1, min(m, int((fluid - f) / t))) for f, t, m in zip(fixed, per_layer, limits)]
-    if sum(layers) > L:
-        layers = [1] * S
-    grow = [(f + (n + 1) * t, s) for s, (f, t, n) in enumerate(zip(fixed, per_layer, layers))
-            if layers[s] < limits[s]]
-    heapq.heapify(grow)
-    for _ in range(L - sum(layers)):
-        _, s = heapq.heappop(grow)
-        layers[s] += 1
-        if layers[s] < limits[s]:
-            heapq.heappush(grow, (fixed[s] + (layers[s] + 1) * per_layer[s], s))
-    base = max(f + t * n for f, t, n in zip(fixed, per_layer, layers))
-    order = sorted(range(S), key=per_layer.__getitem__)
-    splits: list[tuple[int, ...]] = []
-    for slack in PERIOD_SLACKS:
-        c = caps(base * (1 + slack))
-        if min(c) < 1 or sum(c) < L:
-            continue
-        layers = [1] * S
-        left = L - S
-        for s in order:
-            take = min(left, c[s] - 1)
-            layers[s] += take
-            left -= take
-        if tuple(layers) not in splits:
-            splits.append(tuple(layers))
-    return splits
+    sequences: list[tuple[tuple[int, ...], int | None]]    # stage pools, micro-batch cap
+    sequence: np.ndarray        # which sequence each option splits
+    layers: np.ndarray          # (options, max stages): layers per stage, 0-padded
+    table: OptionTable
+
+    def option(self, j: int) -> PipelineOption:
+        pools, cap = self.sequences[self.sequence[j]]
+        S, t = len(pools), self.table
+        return PipelineOption(pools, tuple(self.layers[j, :S].tolist()), float(t.fill_s[j]),
+                              float(t.period_s[j]), tuple(t.shared[j, :S].tolist()),
+                              tuple(t.tied[j, :S].tolist()), tuple(t.tied_own[j, :S].tolist()),
+                              float(t.optimizer_s[j]), cap)
+
+
+def sequence_options(problem: Problem, sequences: list[tuple[tuple[int, ...], int | None]],
+                     coefficients: list[list[StageCoefficients]]) -> SequenceOptions:
+    """Every layer split (:func:`layer_splits`) of every stage sequence (its pools and its
+    micro-batch cap) with its stage coefficients, priced at once; the options come in the
+    order of the sequences, each sequence's splits in layer_splits's order."""
+    width = max(len(pools) for pools, _ in sequences)
+    by_length: dict[int, list[int]] = {}
+    for i, (pools, _) in enumerate(sequences):
+        by_length.setdefault(len(pools), []).append(i)
+    parts = []
+    for S, members in by_length.items():
+        terms = np.array([[(c.time_fixed, c.time_per_layer, c.max_layers, c.sync_fixed_s,
+                            c.sync_per_layer_s, c.sync_tied_s, c.sync_tied_own_s,
+                            c.optimizer_fixed_s, c.optimizer_per_layer_s)
+                           for c in coefficients[i]] for i in members])       # (n, S, 9)
+        fixed, per_layer, limits = terms[..., 0], terms[..., 1], terms[..., 2].astype(np.int64)
+        rows, layers = layer_splits(problem.model.num_layers, fixed, per_layer, limits)
+        periods = fixed[rows] + per_layer[rows] * layers
+        fill = periods[:, 0].copy()
+        for s in range(1, S):          # summed stage by stage, as the cost model sums them
+            fill += periods[:, s]
+        pad = ((0, 0), (0, width - S))
+        parts.append((np.array(members, dtype=np.int64)[rows], np.pad(layers, pad),
+                      fill, periods.max(axis=1),
+                      np.pad(terms[rows, :, 3] + terms[rows, :, 4] * layers, pad),
+                      np.pad(terms[rows, :, 5], pad), np.pad(terms[rows, :, 6], pad),
+                      np.maximum(0.0, (terms[rows, :, 7] + terms[rows, :, 8] * layers)
+                                 .max(axis=1)),
+                      np.full(len(rows), S)))
+    columns = [np.concatenate(c) for c in zip(*parts)]
+    order = np.argsort(columns[0], kind="stable")
+    sequence, layers, fill, period, shared, tied, tied_own, optimizer, stages = (
+        c[order] for c in columns)
+    return SequenceOptions(sequences, sequence, layers, OptionTable(
+        problem, fill, period, shared, tied, tied_own, optimizer, stages))
 
 
 def _compositions(total: int, parts: int):
