@@ -28,7 +28,9 @@ non-linearly in an outer enumeration, and leaves an exact integer program to SCI
 3. **Branches** (config, D range, level E): D in a bin of pipeline counts (exact for D <= 4,
    bins of a few percent of sync error above), E a level on sync(D) + optimizer of the options
    allowed (a geometric grid LEVEL_RATIO apart). A branch's iteration time is at least
-   ``E + lower bound on the makespan``: the largest of the shortest fill, the D-bin bound, the
+   ``E_min + lower bound on the makespan``, with E_min the smallest exact sync + optimizer of
+   the options at level E (not E, which would overstate the bound by up to LEVEL_RATIO and
+   prune the best plan): the makespan bound is the largest of the shortest fill, the D-bin bound, the
    option-rate bound M / sum_k G_k r_k, the config's fluid bound and (once its (config, bin) is
    first reached) SCIP's bound on the makespan with every option allowed; also at least the
    (config, bin)'s relaxation that charges each pipeline only its own option's sync. It is at
@@ -117,9 +119,8 @@ MAX_STAGES_CAP = 16
 # factor 2 (D-1)/D is then at most ~4% below the bin's largest).
 PIPELINE_BINS = ((1, 1), (2, 2), (3, 3), (4, 4), (5, 6), (7, 9), (10, 16), (17, 32), (33, 64),
                  (65, 128), (129, 256), (257, 512), (513, 1 << 30))
-# Sync + optimizer levels: a geometric grid this far apart (an option is charged the level at or
-# above its own value, so a branch overestimates that term by at most this fraction; the plans
-# themselves are judged exactly, only pruning sees the grid).
+# Sync + optimizer levels: a geometric grid this far apart (options are grouped by the level at
+# or above their own value; the bounds use the exact values, and the plans are judged exactly).
 LEVEL_RATIO = 1.02
 # Stop when no branch's lower bound is this much below the best plan.
 PRUNE_TOLERANCE = 1e-3
@@ -343,9 +344,13 @@ def build_options(problem: Problem, config: Config, max_stages: int | None) -> N
 @dataclass(order=True)
 class Branch:
     lower_bound_s: float
-    level_s: float
+    level_s: float              # options whose sync + optimizer level is at most this allowed
     config_index: int
     bin_index: int
+    # The smallest exact sync + optimizer of the options at this level: a plan that needs this
+    # level pays at least that much (the level itself is up to LEVEL_RATIO above it, so the
+    # bounds use this instead; a bound above the true value would prune the best plan).
+    sync_floor_s: float = 0.0
 
 
 def _branches(problem: Problem, config: Config, index: int) -> list[Branch]:
@@ -369,13 +374,15 @@ def _branches(problem: Problem, config: Config, index: int) -> list[Branch]:
         order = np.argsort(extras, kind="stable")
         levels = extras[order]
         last = np.flatnonzero(np.append(levels[1:] != levels[:-1], True))
+        floors = np.minimum.reduceat(config.table.extras_s(lo)[order],
+                                     np.append(0, last[:-1] + 1))
         throughput = np.maximum.accumulate(rates[order], axis=0)[last] @ counts
         fill = np.minimum.accumulate(config.table.fill_s[order])[last]
         period = np.minimum.accumulate(config.table.period_s[order])[last]
         bound = np.maximum(np.maximum(fill + (math.ceil(M / hi) - 1) * period, M / throughput),
                            config.fluid_bound_s)
-        out.extend(Branch(float(level + b_s), float(level), index, b)
-                   for level, b_s in zip(levels[last], bound))
+        out.extend(Branch(float(e + b_s), float(level), index, b, float(e))
+                   for level, e, b_s in zip(levels[last], floors, bound))
     return out
 
 
@@ -470,10 +477,10 @@ class BranchAndBound:
             model = models.get(key) or self._model(config, br.bin_index)
             models[key] = model
             if key not in floor:
-                offsets = config.extras_at(lo)
+                offsets = config.table.extras_s(lo).tolist()
                 everything = [True] * len(config.options)
                 comp, floor[key] = model.min_makespan(
-                    everything, br.lower_bound_s - br.level_s + min(offsets),
+                    everything, br.lower_bound_s - br.sync_floor_s + min(offsets),
                     None, best_s, BOUND_TOLERANCE, offsets)
                 if comp is not None:
                     self.offer(self._candidate(config, comp))
@@ -483,16 +490,17 @@ class BranchAndBound:
                     BOUND_TOLERANCE)
                 if comp is not None:
                     self.offer(self._candidate(config, comp))
-            bound = max(floor[key], br.level_s + fastest[key])
+            bound = max(floor[key], br.sync_floor_s + fastest[key])
             if bound > br.lower_bound_s * (1 + PRUNE_TOLERANCE):
-                heapq.heappush(heap, Branch(bound, br.level_s, br.config_index, br.bin_index))
+                heapq.heappush(heap, dataclasses.replace(br, lower_bound_s=bound))
                 continue
             allowed = [e <= br.level_s for e in config.extras_at(lo)]
             # A composition feasible at a lower level stays feasible here.
             start = min((c for level, c in known.get(key, []) if level <= br.level_s),
                         key=lambda c: c.makespan_s, default=None)
-            comp, _ = model.min_makespan(allowed, max(br.lower_bound_s, floor[key]) - br.level_s,
-                                         start, best_s - br.level_s)
+            comp, _ = model.min_makespan(allowed,
+                                         max(br.lower_bound_s, floor[key]) - br.sync_floor_s,
+                                         start, best_s - br.sync_floor_s)
             if comp is None:
                 continue
             known.setdefault(key, []).append((br.level_s, comp))
