@@ -24,8 +24,9 @@ from megatron_autohet.planner.random_fleets import memory_bound_case, random_cas
 from megatron_autohet.profiling.estimate import estimate_entry
 from megatron_autohet.spec.precision import BF16
 
-# As many fleets as the exhaustive search covers in about a minute on two cores.
-SEEDS = range(60)
+# As many fleets as the exhaustive search covers in about a minute on two cores, and the
+# benchmark's seeds that once failed (251: a bound rounded up to the sync grid pruned the best).
+SEEDS = [*range(60), 251]
 MEMORY_SEEDS = range(80)
 MAX_GAP = 0.01
 
