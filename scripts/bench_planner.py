@@ -19,7 +19,7 @@ Seven tables, all predictions from the same cost model (megatron_autohet/cost_mo
    seeds than tests/test_planner_optimality.py runs), general and memory-bound ones;
 6. `autohet compare` (search + baselines) time on 2048 GPUs;
 7. the cost objective: USD per million tokens of the fastest and of the cheapest plan on priced
-   fleets (spot prices in PRICES), and the GPUs the cheapest leaves idle.
+   fleets (spot prices in PRICES), the GPUs the cheapest leaves idle, and how its search ended.
 Writes JSON to --json (default bench-out/, gitignored by the repository's bench-out/ rule).
 """
 
@@ -265,7 +265,7 @@ def main() -> None:
     print("\n== cost objective: USD per million tokens, fastest plan vs cheapest plan "
           f"(spot prices {PRICES})")
     print(f"{'GPUs':>6} {'types':>5} {'model':>10} {'fast_$/1M':>9} {'cheap_$/1M':>10} "
-          f"{'fast_iter':>9} {'cheap_iter':>10} {'cheap_idle':>24} {'cpu_s':>7}")
+          f"{'fast_iter':>9} {'cheap_iter':>10} {'cheap_idle':>24} {'cpu_s':>7} {'ended':>11}")
     cost_cases = ((64, 4), (512, 4)) if args.quick else ((64, 4), (512, 4), (1024, 4))
     for gpus, ntypes in cost_cases:
         cluster = fleet(gpus, four[:ntypes], priced=True)
@@ -282,10 +282,12 @@ def main() -> None:
                 "cheapest_usd_per_million_tokens": cheap.cost.usd_per_million_tokens,
                 "fastest_iteration_s": fast.cost.iteration_time_s,
                 "cheapest_iteration_s": cheap.cost.iteration_time_s,
-                "cheapest_idle_gpus": cheap.cost.idle_gpus, "cost_search_cpu_s": cpu})
+                "cheapest_idle_gpus": cheap.cost.idle_gpus, "cost_search_cpu_s": cpu,
+                "stopped_by": cheap.stopped_by})
             print(f"{gpus:>6} {ntypes:>5} {name:>10} {fast.cost.usd_per_million_tokens:>9.4f} "
                   f"{cheap.cost.usd_per_million_tokens:>10.4f} {fast.cost.iteration_time_s:>9.3f} "
-                  f"{cheap.cost.iteration_time_s:>10.3f} {idle:>24} {cpu:>7.2f}")
+                  f"{cheap.cost.iteration_time_s:>10.3f} {idle:>24} {cpu:>7.2f} "
+                  f"{cheap.stopped_by:>11}")
 
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
