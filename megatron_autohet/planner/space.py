@@ -346,10 +346,10 @@ def layer_splits(num_layers: int, fixed: np.ndarray, per_layer: np.ndarray, limi
     """
     L = num_layers
     n, S = fixed.shape
-    limits = np.minimum(limits, L)
-    ok = (limits.sum(axis=1) >= L) if S <= L else np.zeros(n, dtype=bool)
     if S > L:
         return np.zeros(0, dtype=np.int64), np.zeros((0, S), dtype=np.int64)
+    limits = np.minimum(limits, L)
+    ok = limits.sum(axis=1) >= L
     if math.comb(L - 1, S - 1) <= ALL_SPLITS_UP_TO:
         every = np.array(list(_compositions(L, S)), dtype=np.int64).reshape(-1, S)
         rows, which = np.nonzero(ok[:, None] & (every[None] <= limits[:, None]).all(axis=2))
