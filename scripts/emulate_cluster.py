@@ -23,11 +23,6 @@ never part of the test suite, the pure logic below is unit-tested):
   (at least the cores minus the shares' sum); without that, a loaded machine slows every
   emulated GPU towards the same speed. Each emulated GPU is also pinned to one CPU
   (``taskset``), the shares packed so that no CPU carries more than one core's worth.
-  A quota is a ceiling, not a guarantee: other work on the machine competes for the cores. The
-  run's parent cgroup therefore gets the largest CFS weight (``cpu.shares``), so while the
-  emulated GPUs want CPU they get their quota first and the rest of the machine what is left
-  (at least the cores minus the shares' sum); without that, a loaded machine slows every
-  emulated GPU towards the same speed.
 * **Node -> network namespace.** Every node is a namespace with one veth into a Linux bridge
   (in a "fabric" namespace, the switch); the node's NIC bandwidth
   (``inter_node_bandwidth_gbs``, GB/s; x 8000 = Mbit/s) is a token-bucket filter on both ends of
