@@ -65,8 +65,8 @@ baseline), else the run fails.
 Reported:
 
 * recovery time: ``recover()`` = ``Checkpointer.resume`` timed on every rank from a barrier, the
-  slowest rank (discover and agree; fetch: own-disk reads, S3 downloads and the peer exchange at
-  once; stage; load). Per rank, the product's own RecoveryReport gives bytes and seconds per
+  slowest rank (discover and agree; the step's small files; fetch: own-disk reads, S3 downloads
+  and the peer exchange at once, DCP's load running alongside; apply to the model). Per rank, the product's own RecoveryReport gives bytes and seconds per
   tier and per phase (waiting for other ranks at the collectives included); and
   launch-to-loaded = from starting the processes to the slowest rank's end of the resume (imports,
   process group, model build: the same ~13 s for both, so that ratio is smaller).

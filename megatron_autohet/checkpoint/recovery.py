@@ -14,17 +14,22 @@ can read (its node's local-tier directory, ``--load``); ``s3`` the S3 tier, if c
 4. Fetch, all tiers at once: this rank's own-disk chunks are read and verified in one thread,
    its S3 chunks downloaded by parallel ranged GETs (each chunk no surviving disk holds is
    downloaded once, by the lowest rank needing it, which forwards it to the others), and one
-   exchange over ``group`` (torch.distributed send/recv, one message per pair of ranks) runs
+   exchange over ``group`` (torch.distributed send/recv, one message per chunk) runs
    meanwhile. Every chunk is checked against the SHA-256 of the copy it came from before it is
    used; a copy that fails (on this disk or a peer's) is dropped for every rank and its chunks
    are planned again from what is left (another disk, S3); a bad or unreadable S3 copy is an
    error naming the object, raised on every rank together (the others are told at the round's
    end, never left waiting for a chunk that will not come); when nothing is left the next older
    step is tried.
-5. Stage: a per-rank directory shaped like the step - ``common.pt``, ``metadata.json``, links to
-   the files (main or replica) this rank verified chunks in, one file of the received chunks, and
-   DCP's index ``.metadata`` rewritten to point each needed chunk at its verified copy - which
-   megatron-core's ``dist_checkpointing.load`` reads (checkpoint/loader.py). Then it is removed.
+5. Load while fetching: a per-rank directory shaped like the step (``common.pt``,
+   ``metadata.json``, DCP's index ``.metadata``, fetched before the chunks) is what
+   megatron-core's ``dist_checkpointing.load`` reads, in a thread started with the first round,
+   taking each chunk's bytes as soon as it is verified (checkpoint/loader.py: a
+   :class:`~megatron_autohet.checkpoint.loader.ChunkBoard` between the fetch and DCP's reader,
+   and a load without collectives, so it cannot interleave with the fetch's). The load of the
+   own-disk chunks thus overlaps the peers' transfer, and a received chunk is loaded while the
+   next is on the wire; an unrecoverable step stops it. Then the directory is removed.
+6. The loaded values go into the live model, optimizer and scheduler.
 
 The report (:class:`RecoveryReport`) says how many bytes and seconds each tier took; the
 resume logs it.
@@ -37,21 +42,22 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from collections import defaultdict
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from megatron_autohet.checkpoint.inspect import file_problem, item_problem
-from megatron_autohet.checkpoint.loader import CorruptCheckpoint, load_staged, wanted_regions
+from megatron_autohet.checkpoint.loader import (ChunkBoard, CorruptCheckpoint, load_streamed,
+                                                wanted_regions)
 from megatron_autohet.checkpoint.options import CheckpointOptions
 from megatron_autohet.checkpoint.manifest import (MANIFEST_FILE, ItemRecord, Manifest,
                                                   committed_steps, read_manifest,
                                                   step_dir_name)
 from megatron_autohet.checkpoint.recovery_plan import (OWN, PEER, S3, ChunkUnavailable,
                                                        assign_sources, copies_of, needed_items)
-from megatron_autohet.checkpoint.state import (RNG_KEY, rank_sharded_state_dict,
+from megatron_autohet.checkpoint.state import (RNG_KEY, apply_loaded, rank_sharded_state_dict,
                                                rng_sharded_object, saved_master_weights)
 from megatron_autohet.checkpoint.upload import byte_progress
 from megatron_autohet.checkpoint.writer import SMALL_FILES
@@ -67,8 +73,9 @@ class RecoveryReport:
     disk, peers, S3); ``sent_bytes``: sent to peers; ``job_bytes``: ``bytes`` summed over the
     ranks. ``seconds``: per tier (``own``, ``peer``, ``s3``: from the start of the fetch to the
     end of that tier's work on this rank; the tiers run at the same time) and per phase
-    (``agree``: finding the step, waiting for every rank included; ``fetch``: all tiers, wall
-    time; ``stage``; ``load``: DCP reading the staged step into the model)."""
+    (``agree``: finding the step, waiting for every rank included; ``stage``: the step's small
+    files; ``fetch``: all tiers, wall time; ``load``: DCP's load, which runs during the fetch;
+    ``apply``: into the live model, optimizer and scheduler)."""
     iteration: int
     bytes: dict[str, int] = field(default_factory=lambda: {OWN: 0, PEER: 0, S3: 0})
     sent_bytes: int = 0
@@ -194,32 +201,30 @@ def recover(trainer, scheduler, *, roots: list[Path], s3=None, group=None,
         local_paths = mine[iteration].paths if iteration in mine else {}
         report = RecoveryReport(iteration)
         report.seconds["agree"] = time.perf_counter() - start
+        t = time.perf_counter()
+        staging = Path(tempfile.mkdtemp(prefix=f"autohet-recovery-{rank}-",
+                                        dir=roots[0] if roots and roots[0].is_dir() else None))
         try:
-            sources, chunks = _fetch_step(manifest, iteration, needs, local_paths, s3,
-                                          iteration in s3_steps, group, report)
+            _stage(staging, _small_files(manifest, local_paths, iteration, s3, s3_steps, group))
+            report.seconds["stage"] = time.perf_counter() - t
+            loaded = _fetch_and_load(state_dict, staging, manifest, iteration, needs,
+                                     local_paths, s3, iteration in s3_steps, group, report)
             break
         except _Unrecoverable as err:
             failures.append(f"iteration {iteration}: {err}")
             log(f"WARNING: cannot recover {failures[-1]}")
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
     else:
         if failures:
             raise CorruptCheckpoint("no checkpoint step can be recovered: " + " | ".join(failures))
         return None
 
-    # 5. stage and load
+    # 6. into the live model, optimizer and scheduler
     t = time.perf_counter()
-    staging = Path(tempfile.mkdtemp(prefix=f"autohet-recovery-{rank}-",
-                                    dir=roots[0] if roots and roots[0].is_dir() else None))
-    try:
-        small = _small_files(manifest, local_paths, iteration, s3, s3_steps, group)
-        _stage(staging, manifest, small, sources, local_paths, chunks)
-        report.seconds["stage"] = time.perf_counter() - t
-        t = time.perf_counter()
-        progress = load_staged(trainer, scheduler, state_dict, staging,
-                               load_optim=options.load_optim, finetune=options.finetune)
-        report.seconds["load"] = time.perf_counter() - t
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+    progress = apply_loaded(trainer, scheduler, loaded, load_optim=options.load_optim,
+                            finetune=options.finetune)
+    report.seconds["apply"] = time.perf_counter() - t
     everyone_bytes: list = [None] * world_size
     dist.all_gather_object(everyone_bytes, report.bytes, group=group)
     report.job_bytes = {tier: sum(b[tier] for b in everyone_bytes) for tier in report.bytes}
@@ -230,15 +235,53 @@ class _Unrecoverable(RuntimeError):
     """A step that cannot be recovered (corrupt or missing chunks); the same on every rank."""
 
 
+def _fetch_and_load(state_dict: dict, staging: Path, manifest: Manifest, iteration: int,
+                    needs: list[int], local_paths: dict[str, Path], s3, s3_available: bool,
+                    group, report) -> dict:
+    """Fetch every chunk this rank needs of one step (module docstring, step 4) while a thread
+    loads them (step 5) as they are verified; the loaded state dict. The load starts once the
+    first round's sources are known (own-disk chunks first, then what the exchange brings in
+    the order it brings it); a step that turns out unrecoverable stops it (every rank raises
+    :class:`_Unrecoverable` together)."""
+    board = ChunkBoard(needs)
+    chunk_at = {(item.file, item.offset): i for i, item in enumerate(manifest.items)}
+    started = []
+
+    def start_load(order: list[int]) -> None:
+        began = time.perf_counter()
+
+        def load() -> dict:
+            try:
+                return load_streamed(state_dict, staging, board, chunk_at,
+                                     {index: n for n, index in enumerate(order)})
+            finally:
+                report.seconds["load"] = time.perf_counter() - began
+
+        started.append(pool.submit(load))
+
+    with ThreadPoolExecutor(1) as pool:
+        try:
+            _fetch_step(manifest, iteration, needs, local_paths, s3, s3_available, group, report,
+                        board, start_load)
+        except BaseException as err:
+            board.fail(err)
+            for future in started:
+                future.exception()          # the load gives up on the failed board
+            raise
+        return started[0].result() if started else load_streamed(
+            state_dict, staging, board, chunk_at, {})
+
+
 def _fetch_step(manifest: Manifest, iteration: int, needs: list[int],
                 local_paths: dict[str, Path], s3, s3_available: bool, group,
-                report) -> tuple[dict[int, ItemRecord], dict[int, memoryview]]:
+                report, board: ChunkBoard, start_load) -> None:
     """Fetch and verify every chunk this rank needs of one step, all tiers at once (module
-    docstring, step 4). Returns where each needed chunk is: the record of the copy on this
-    rank's own disk, or the received bytes. A copy that fails its checksum is dropped for every
-    rank (a file found corrupt by one rank is corrupt for all that read the same path, as with
-    a shared --load directory) and its chunks are planned and fetched again, from what is left;
-    :class:`_Unrecoverable` (on every rank) when nothing is."""
+    docstring, step 4), putting each on ``board`` as it is verified; ``start_load`` is called
+    with the order the chunks are expected in once the first round is planned. A copy that
+    fails its checksum is dropped for every rank (a file found corrupt by one rank is corrupt
+    for all that read the same path, as with a shared --load directory) and its chunks are
+    planned and fetched again, from what is left; :class:`_Unrecoverable` (on every rank) when
+    nothing is."""
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     paths = {name: str(path.resolve()) for name, path in local_paths.items()}
     everyone: list = [None] * world_size
@@ -247,8 +290,6 @@ def _fetch_step(manifest: Manifest, iteration: int, needs: list[int],
     pending = {r: n for r, (n, _) in enumerate(everyone) if n}
     bad_paths: set[str] = set()
     problems: dict[str, None] = {}
-    sources: dict[int, ItemRecord] = {}
-    chunks: dict[int, memoryview] = {}
     while pending:
         present = {r: {name for name, path in p.items() if path not in bad_paths}
                    for r, p in enumerate(all_paths)}
@@ -257,9 +298,10 @@ def _fetch_step(manifest: Manifest, iteration: int, needs: list[int],
                                      s3_available=s3_available)
         except ChunkUnavailable as err:
             raise _Unrecoverable("; ".join([*problems, str(err)])) from None
-        result = _fetch_round(fetches, rank, iteration, local_paths, s3, group, report)
-        sources.update(result.own)
-        chunks.update(result.received)
+        if start_load is not None:
+            start_load(_arrival_order(fetches, rank))
+            start_load = None
+        result = _fetch_round(fetches, rank, iteration, local_paths, s3, group, report, board)
         gathered: list = [None] * world_size
         dist.all_gather_object(gathered, (result.bad, result.failed, result.s3_error),
                                group=group)
@@ -274,24 +316,32 @@ def _fetch_step(manifest: Manifest, iteration: int, needs: list[int],
                           flush=True)
                 problems[problem] = None
         pending = {r: failed for r, (_, failed, _) in enumerate(gathered) if failed}
-    return sources, chunks
+
+
+def _arrival_order(fetches, rank: int) -> list[int]:
+    """The chunks this rank fetches in the order they are expected: its own disk's (read
+    first), then the exchange's (peer by peer, in message order), then its S3 downloads."""
+    mine = [f for f in fetches if f.rank == rank]
+    return ([f.index for f in mine if f.source == OWN]
+            + [f.index for f in sorted((f for f in mine if f.peer is not None),
+                                       key=lambda f: f.peer)]
+            + [f.index for f in mine if f.source == S3 and f.peer is None])
 
 
 @dataclass
 class _Round:
-    own: dict[int, ItemRecord] = field(default_factory=dict)        # verified on this disk
-    received: dict[int, memoryview] = field(default_factory=dict)   # verified, from peers/S3
     bad: dict[tuple[int, str], str] = field(default_factory=dict)   # (holder, file) -> problem
     failed: list[int] = field(default_factory=list)                 # still needed
     s3_error: str | None = None          # a download that failed: the step cannot be loaded
 
 
 def _fetch_round(fetches, rank: int, iteration: int, local_paths: dict[str, Path], s3, group,
-                 report) -> _Round:
+                 report, board: ChunkBoard) -> _Round:
     """One round of fetches, the tiers concurrently: this rank's own-disk chunks are read and
     verified in one thread, its S3 chunks downloaded by a pool of ranged GETs, and the peer
     exchange runs on this thread (an S3 chunk forwarded to peers is sent once downloaded).
-    Each tier's seconds and bytes go into ``report``."""
+    Every verified chunk goes on ``board`` at once. Each tier's seconds and bytes go into
+    ``report``."""
     out = _Round()
     start = time.perf_counter()
     own = [f for f in fetches if f.rank == rank and f.source == OWN]
@@ -303,7 +353,7 @@ def _fetch_round(fetches, rank: int, iteration: int, local_paths: dict[str, Path
             raw = _read(local_paths[f.copy.file], f.copy)
             report.bytes[OWN] += len(raw)
             if _good(raw, f.copy):
-                out.own[f.index] = f.copy
+                board.put(f.index, raw)
             else:
                 out.bad[(rank, f.copy.file)] = (
                     f"{local_paths[f.copy.file]}: bytes {f.copy.offset}-"
@@ -325,6 +375,8 @@ def _fetch_round(fetches, rank: int, iteration: int, local_paths: dict[str, Path
         report.bytes[S3] += len(raw)
         bar.update(len(raw))
         tier_end[S3] = time.perf_counter()
+        if f.rank == rank:
+            board.put(f.index, raw)
         return raw
 
     with byte_progress(sum(f.copy.length for f in downloads), f"download "
@@ -333,25 +385,14 @@ def _fetch_round(fetches, rank: int, iteration: int, local_paths: dict[str, Path
         verified = disk.submit(verify_own)
         # Ranged GETs in parallel: one at a time, S3's first-byte latency would dominate.
         downloaded = {f.index: pool.submit(download, f) for f in downloads}
-        received = _exchange(fetches, rank, local_paths, downloaded, group, report)
+        _exchange(fetches, rank, local_paths, downloaded, group, report, board, out)
         tier_end[PEER] = time.perf_counter()
         verified.result()
-        for index, future in downloaded.items():
-            raw = future.result()
-            if raw is not None:
-                out.received[index] = raw
+        for future in downloaded.values():
+            future.result()
     for tier, end in tier_end.items():
         report.seconds[tier] = report.seconds.get(tier, 0.0) + end - start
     report.seconds["fetch"] = report.seconds.get("fetch", 0.0) + time.perf_counter() - start
-    for f, raw in received:
-        if _good(raw, f.copy):
-            out.received[f.index] = raw
-            report.bytes[PEER] += len(raw)
-        else:
-            out.bad[(f.peer, f.copy.file)] = (f"chunk {f.copy.key} at {f.copy.offsets} received "
-                                              f"from rank {f.peer} ({f.copy.file}) fails its "
-                                              "SHA-256 check")
-            out.failed.append(f.index)
     return out
 
 
@@ -375,11 +416,12 @@ def _download(s3, iteration: int, record: ItemRecord) -> bytes:
 
 
 def _exchange(fetches, rank: int, local_paths: dict[str, Path], downloaded: dict, group,
-              report) -> list[tuple[object, memoryview]]:
+              report, board: ChunkBoard, out: _Round) -> None:
     """Send what peers need from this rank, receive what this rank needs from peers: one
-    message per (sender, receiver) pair, all posted at once (gloo pairs them in order). The
-    bytes are read (or copied from a download) straight into the message buffer, and received
-    chunks are views of the receive buffer: no other copy on either side."""
+    message per chunk, all posted at once (gloo pairs a pair's messages in order), so each
+    received chunk is verified and put on ``board`` while the next ones are still on the wire.
+    The bytes are read (or copied from a download) straight into the message buffer, and a
+    received chunk is a view of its receive buffer: no other copy on either side."""
     outgoing: dict[int, list] = defaultdict(list)
     incoming: dict[int, list] = defaultdict(list)
     for f in fetches:
@@ -388,17 +430,17 @@ def _exchange(fetches, rank: int, local_paths: dict[str, Path], downloaded: dict
                 outgoing[f.rank].append(f)
             elif f.rank == rank:
                 incoming[f.peer].append(f)
-    requests, buffers = [], {}
+    receives = []
     for peer in sorted(incoming):              # receives first: senders never wait for them
-        buffers[peer] = torch.empty(sum(f.copy.length for f in incoming[peer]), dtype=torch.uint8)
-        requests.append(dist.irecv(buffers[peer], src=peer, group=group))
-    files = {}
+        for f in incoming[peer]:
+            buffer = torch.empty(f.copy.length, dtype=torch.uint8)
+            receives.append((f, buffer, dist.irecv(buffer, src=peer, group=group)))
+    sends, files = [], {}
     try:
         for peer in sorted(outgoing):
-            payload = torch.empty(sum(f.copy.length for f in outgoing[peer]), dtype=torch.uint8)
-            view, offset = memoryview(payload.numpy()), 0
             for f in outgoing[peer]:
-                part = view[offset:offset + f.copy.length]
+                payload = torch.empty(f.copy.length, dtype=torch.uint8)
+                part = memoryview(payload.numpy())
                 if f.source == S3:
                     raw = downloaded[f.index].result()
                     if raw is not None:          # else zeros; every rank raises at the end
@@ -410,58 +452,37 @@ def _exchange(fetches, rank: int, local_paths: dict[str, Path], downloaded: dict
                     if files[f.copy.file].readinto(part) != f.copy.length:
                         raise CorruptCheckpoint(f"{local_paths[f.copy.file]}: shorter than "
                                                 "its manifest says")
-                offset += f.copy.length
-            report.sent_bytes += offset
-            requests.append(dist.isend(payload, dst=peer, group=group))
+                report.sent_bytes += f.copy.length
+                sends.append((payload, dist.isend(payload, dst=peer, group=group)))
     finally:
         for handle in files.values():
             handle.close()
-    for request in requests:
+    for f, buffer, request in receives:
         request.wait()
-    received = []
-    for peer, fs in incoming.items():
-        view, offset = memoryview(buffers[peer].numpy()), 0
-        for f in fs:
-            received.append((f, view[offset:offset + f.copy.length]))
-            offset += f.copy.length
-    return received
+        raw = memoryview(buffer.numpy())
+        if _good(raw, f.copy):
+            board.put(f.index, raw)
+            report.bytes[PEER] += len(raw)
+        else:
+            out.bad[(f.peer, f.copy.file)] = (f"chunk {f.copy.key} at {f.copy.offsets} received "
+                                              f"from rank {f.peer} ({f.copy.file}) fails its "
+                                              "SHA-256 check")
+            out.failed.append(f.index)
+    for _, request in sends:
+        request.wait()
 
 
-FETCHED_FILE = "autohet-fetched.distcp"
-
-
-def _stage(staging: Path, manifest: Manifest, small: dict[str, bytes],
-           sources: dict[int, ItemRecord], local_paths: dict[str, Path],
-           chunks: dict[int, memoryview]) -> None:
-    """Fill ``staging`` for DCP without copying what this disk holds: every file a needed
-    chunk is read from (main or replica) is linked, the received chunks are written once, one
-    after the other, into one file, and DCP's index (``.metadata``) is rewritten so that each
-    needed chunk points at the copy this rank verified (a replica has the main copy's bytes and
-    length, at another offset)."""
+def _stage(staging: Path, small: dict[str, bytes]) -> None:
+    """``staging`` as megatron-core's load reads a step: ``common.pt``, ``metadata.json``, DCP's
+    index ``.metadata``, and an empty placeholder for every data file the index names (the
+    chunk bytes come from the board, checkpoint/loader.py)."""
     import pickle
 
-    metadata = pickle.loads(small[".metadata"])     # verified against the manifest
-    index_at = {(info.relative_path, info.offset): index
-                for index, info in metadata.storage_data.items()}
     for name, raw in small.items():
-        if name != ".metadata":
-            (staging / name).write_bytes(raw)
-    moved = {}
-    for index, copy in sources.items():
-        if not (staging / copy.file).exists():
-            (staging / copy.file).symlink_to(local_paths[copy.file].resolve())
-        moved[index] = (copy.file, copy.offset)
-    with open(staging / FETCHED_FILE, "wb") as out:
-        for index, raw in sorted(chunks.items()):
-            moved[index] = (FETCHED_FILE, out.tell())
-            out.write(raw)
-    for index, (name, offset) in moved.items():
-        main = manifest.items[index]
-        key = index_at[(main.file, main.offset)]
-        metadata.storage_data[key] = replace(metadata.storage_data[key], relative_path=name,
-                                             offset=offset)
-    with open(staging / ".metadata", "wb") as out:
-        pickle.dump(metadata, out)
+        (staging / name).write_bytes(raw)
+    metadata = pickle.loads(small[".metadata"])     # verified against the manifest
+    for name in {info.relative_path for info in metadata.storage_data.values()}:
+        (staging / name).touch()
 
 
 def _small_files(manifest: Manifest, local_paths: dict[str, Path], iteration: int, s3, s3_steps,
