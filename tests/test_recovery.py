@@ -176,6 +176,27 @@ def test_a_corrupt_s3_copy_fails_every_rank_together(full_and_batches, tmp_path,
     assert all(message in r for r in reports), str(failed.value)[-3000:]
 
 
+def test_a_corrupt_small_file_on_one_node_fails_every_rank_together(
+        full_and_batches, tmp_path, s3_endpoint, s3_uri):
+    """Every survivor reads the step's small files from its own disk (no collective); h20's
+    common.pt is damaged: every rank raises the same error naming that file, at the fetch's
+    first all-gather, none is left waiting for the others."""
+    full, batches = full_and_batches
+    endpoint, _ = s3_endpoint
+    local, _ = _save_half(tmp_path, batches, s3_uri, endpoint)
+    shutil.rmtree(_node_dir(local, "h800"))
+    common = _node_dir(local, "h20") / step_dir_name(HALF) / "common.pt"
+    raw = bytearray(common.read_bytes())
+    raw[len(raw) // 2] ^= 0x10
+    common.write_bytes(bytes(raw))
+    with pytest.raises(RankFailed) as failed:
+        _resume(local, survivors_plan(*LOSSES["h800"]), batches, s3_uri, endpoint)
+    reports = str(failed.value).split("--- rank ")[1:]
+    assert [r.split(" ", 1)[0] for r in reports] == ["0", "1", "2"]
+    message = f"CorruptCheckpoint: {common} of iteration {HALF} does not match its SHA-256"
+    assert all(message in r for r in reports), str(failed.value)[-3000:]
+
+
 def test_s3_serves_exactly_the_chunks_no_surviving_disk_holds(full_and_batches, tmp_path,
                                                               s3_endpoint, s3_uri):
     full, batches = full_and_batches

@@ -205,10 +205,14 @@ def recover(trainer, scheduler, *, roots: list[Path], s3=None, group=None,
         staging = Path(tempfile.mkdtemp(prefix=f"autohet-recovery-{rank}-",
                                         dir=roots[0] if roots and roots[0].is_dir() else None))
         try:
-            _stage(staging, _small_files(manifest, local_paths, iteration, s3, s3_steps, group))
+            small, small_problem = _small_files(manifest, local_paths, iteration, s3, present,
+                                                group)
+            if small_problem is None:
+                _stage(staging, small)
             report.seconds["stage"] = time.perf_counter() - t
             loaded = _fetch_and_load(state_dict, staging, manifest, iteration, needs,
-                                     local_paths, s3, iteration in s3_steps, group, report)
+                                     local_paths, s3, iteration in s3_steps, group, report,
+                                     small_problem)
             break
         except _Unrecoverable as err:
             failures.append(f"iteration {iteration}: {err}")
@@ -237,7 +241,7 @@ class _Unrecoverable(RuntimeError):
 
 def _fetch_and_load(state_dict: dict, staging: Path, manifest: Manifest, iteration: int,
                     needs: list[int], local_paths: dict[str, Path], s3, s3_available: bool,
-                    group, report) -> dict:
+                    group, report, small_problem: str | None) -> dict:
     """Fetch every chunk this rank needs of one step (module docstring, step 4) while a thread
     loads them (step 5) as they are verified; the loaded state dict. The load starts once the
     first round's sources are known (own-disk chunks first, then what the exchange brings in
@@ -262,7 +266,7 @@ def _fetch_and_load(state_dict: dict, staging: Path, manifest: Manifest, iterati
     with ThreadPoolExecutor(1) as pool:
         try:
             _fetch_step(manifest, iteration, needs, local_paths, s3, s3_available, group, report,
-                        board, start_load)
+                        board, start_load, small_problem)
         except BaseException as err:
             board.fail(err)
             for future in started:
@@ -274,20 +278,24 @@ def _fetch_and_load(state_dict: dict, staging: Path, manifest: Manifest, iterati
 
 def _fetch_step(manifest: Manifest, iteration: int, needs: list[int],
                 local_paths: dict[str, Path], s3, s3_available: bool, group,
-                report, board: ChunkBoard, start_load) -> None:
+                report, board: ChunkBoard, start_load, small_problem: str | None) -> None:
     """Fetch and verify every chunk this rank needs of one step, all tiers at once (module
     docstring, step 4), putting each on ``board`` as it is verified; ``start_load`` is called
     with the order the chunks are expected in once the first round is planned. A copy that
     fails its checksum is dropped for every rank (a file found corrupt by one rank is corrupt
     for all that read the same path, as with a shared --load directory) and its chunks are
     planned and fetched again, from what is left; :class:`_Unrecoverable` (on every rank) when
-    nothing is."""
+    nothing is. A rank's bad small files (``small_problem``, :func:`_small_files`) fail every
+    rank here, before anything is fetched."""
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     paths = {name: str(path.resolve()) for name, path in local_paths.items()}
     everyone: list = [None] * world_size
-    dist.all_gather_object(everyone, (needs, paths), group=group)
-    all_paths = [p for _, p in everyone]
-    pending = {r: n for r, (n, _) in enumerate(everyone) if n}
+    dist.all_gather_object(everyone, (needs, paths, small_problem), group=group)
+    problem = next((p for _, _, p in everyone if p), None)
+    if problem:
+        raise CorruptCheckpoint(problem)
+    all_paths = [p for _, p, _ in everyone]
+    pending = {r: n for r, (n, _, _) in enumerate(everyone) if n}
     bad_paths: set[str] = set()
     problems: dict[str, None] = {}
     while pending:
@@ -485,26 +493,32 @@ def _stage(staging: Path, small: dict[str, bytes]) -> None:
         (staging / name).touch()
 
 
-def _small_files(manifest: Manifest, local_paths: dict[str, Path], iteration: int, s3, s3_steps,
-                 group) -> dict[str, bytes]:
-    """``.metadata``, ``common.pt`` and ``metadata.json``: from the lowest rank that has them
-    all on its disk (broadcast), else from S3; checked against the manifest."""
-    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
-    have = all(name in local_paths for name in SMALL_FILES)
-    flags: list = [None] * world_size
-    dist.all_gather_object(flags, have, group=group)
-    source = next((r for r, ok in enumerate(flags) if ok), None)
-    if source is None:
+def _small_files(manifest: Manifest, local_paths: dict[str, Path], iteration: int, s3,
+                 present: dict[int, set[str]], group) -> tuple[dict[str, bytes], str | None]:
+    """``.metadata``, ``common.pt`` and ``metadata.json``, checked against the manifest, and
+    what is wrong with them (None: nothing). From this rank's disk when every rank has them on
+    its own (``present``: each rank's files, as the discovery gathered them): no collective
+    then, and a bad copy is only reported, for the fetch's first all-gather to fail every rank
+    together. Else from the lowest rank that has them all (broadcast), else from S3: the same
+    bytes on every rank, so a bad copy raises on every rank at once."""
+    rank = dist.get_rank(group)
+    holders = [r for r in sorted(present) if all(name in present[r] for name in SMALL_FILES)]
+    if len(holders) == len(present):
+        small = {name: local_paths[name].read_bytes() for name in SMALL_FILES}
+    elif holders:
+        box = [{name: local_paths[name].read_bytes() for name in SMALL_FILES}
+               if rank == holders[0] else None]
+        dist.broadcast_object_list(box, src=holders[0], group=group)
+        small = box[0]
+    else:
         small = {name: s3.get_bytes(f"{step_dir_name(iteration)}/{name}")
                  for name in SMALL_FILES}
-    else:
-        box = [{name: local_paths[name].read_bytes() for name in SMALL_FILES}
-               if rank == source else None]
-        dist.broadcast_object_list(box, src=source, group=group)
-        small = box[0]
     for name, raw in small.items():
         record = manifest.files[name]
         if raw is None or file_problem(raw, record.size, record.sha256):
-            raise CorruptCheckpoint(f"{name} of iteration {iteration} does not match its "
-                                    "SHA-256 in the manifest")
-    return small
+            problem = (f"{local_paths.get(name, name)} of iteration {iteration} does not match "
+                       "its SHA-256 in the manifest")
+            if len(holders) != len(present):
+                raise CorruptCheckpoint(problem)
+            return small, problem
+    return small, None
