@@ -505,3 +505,21 @@ def test_sigterm_with_exit_signal_handler_saves_the_iteration_in_flight(tmp_path
     assert [r["iteration"] for r in logged] == list(range(1, iters + 1))
     assert [(r["lm_loss"], r["grad_norm"], r["learning_rate"]) for r in logged] == \
         [(r["lm_loss"], r["grad_norm"], r["learning_rate"]) for r in expected]
+
+
+def test_a_region_no_chunk_holds_is_found_before_anything_is_fetched():
+    """recovery_plan.uncovered: the wanted regions the manifest's chunks leave (partly) open;
+    recovery fails a step with any, so a load never leaves part of a tensor unwritten."""
+    from megatron_autohet.checkpoint.manifest import ItemRecord
+    from megatron_autohet.checkpoint.recovery_plan import Wanted, uncovered
+
+    def chunk(key, offsets, sizes):
+        return ItemRecord(key, offsets, sizes, "f.distcp", 0, 1, "0" * 64)
+
+    items = [chunk("w", (0, 0), (2, 4)), chunk("w", (2, 0), (2, 4)), chunk("rng", None, None)]
+    whole, lower, obj = Wanted("w", (0, 0), (4, 4)), Wanted("w", (1, 2), (3, 2)), \
+        Wanted("rng", None, None)
+    assert uncovered(items, [whole, lower, obj]) == []
+    assert uncovered(items[1:], [whole, lower, obj]) == [whole, lower]
+    assert uncovered(items[:2], [whole, obj]) == [obj]
+    assert uncovered(items, [Wanted("w", (0, 0), (5, 4))]) == [Wanted("w", (0, 0), (5, 4))]

@@ -56,7 +56,8 @@ from megatron_autohet.checkpoint.manifest import (MANIFEST_FILE, ItemRecord, Man
                                                   committed_steps, read_manifest,
                                                   step_dir_name)
 from megatron_autohet.checkpoint.recovery_plan import (OWN, PEER, S3, ChunkUnavailable,
-                                                       assign_sources, copies_of, needed_items)
+                                                       assign_sources, copies_of, needed_items,
+                                                       uncovered)
 from megatron_autohet.checkpoint.state import (RNG_KEY, apply_loaded, rank_sharded_state_dict,
                                                rng_sharded_object, saved_master_weights)
 from megatron_autohet.checkpoint.upload import byte_progress
@@ -196,8 +197,10 @@ def recover(trainer, scheduler, *, roots: list[Path], s3=None, group=None,
         else:
             state_dict.pop(RNG_KEY, None)
         index_of = {item.region: i for i, item in enumerate(manifest.items)}
-        needs = [index_of[item.region]
-                 for item in needed_items(manifest.items, wanted_regions(state_dict))]
+        wanted = wanted_regions(state_dict)
+        needs = [index_of[item.region] for item in needed_items(manifest.items, wanted)]
+        # a step that does not hold all of this rank's state is corrupt (failed together below)
+        missing_regions = uncovered(manifest.items, wanted)
         local_paths = mine[iteration].paths if iteration in mine else {}
         report = RecoveryReport(iteration)
         report.seconds["agree"] = time.perf_counter() - start
@@ -205,14 +208,17 @@ def recover(trainer, scheduler, *, roots: list[Path], s3=None, group=None,
         staging = Path(tempfile.mkdtemp(prefix=f"autohet-recovery-{rank}-",
                                         dir=roots[0] if roots and roots[0].is_dir() else None))
         try:
-            small, small_problem = _small_files(manifest, local_paths, iteration, s3, present,
-                                                group)
-            if small_problem is None:
+            small, problem = _small_files(manifest, local_paths, iteration, s3, present, group)
+            if missing_regions:
+                problem = (f"the manifest of iteration {iteration} has no chunk of "
+                           + ", ".join(f"{w.key} at {w.offsets}" for w in missing_regions[:3])
+                           + f" ({len(missing_regions)} regions this rank needs)")
+            if problem is None:
                 _stage(staging, small)
             report.seconds["stage"] = time.perf_counter() - t
             loaded = _fetch_and_load(state_dict, staging, manifest, iteration, needs,
                                      local_paths, s3, iteration in s3_steps, group, report,
-                                     small_problem)
+                                     problem)
             break
         except _Unrecoverable as err:
             failures.append(f"iteration {iteration}: {err}")
@@ -241,7 +247,7 @@ class _Unrecoverable(RuntimeError):
 
 def _fetch_and_load(state_dict: dict, staging: Path, manifest: Manifest, iteration: int,
                     needs: list[int], local_paths: dict[str, Path], s3, s3_available: bool,
-                    group, report, small_problem: str | None) -> dict:
+                    group, report, problem: str | None) -> dict:
     """Fetch every chunk this rank needs of one step (module docstring, step 4) while a thread
     loads them (step 5) as they are verified; the loaded state dict. The load starts once the
     first round's sources are known (own-disk chunks first, then what the exchange brings in
@@ -266,7 +272,7 @@ def _fetch_and_load(state_dict: dict, staging: Path, manifest: Manifest, iterati
     with ThreadPoolExecutor(1) as pool:
         try:
             _fetch_step(manifest, iteration, needs, local_paths, s3, s3_available, group, report,
-                        board, start_load, small_problem)
+                        board, start_load, problem)
         except BaseException as err:
             board.fail(err)
             for future in started:
@@ -278,19 +284,19 @@ def _fetch_and_load(state_dict: dict, staging: Path, manifest: Manifest, iterati
 
 def _fetch_step(manifest: Manifest, iteration: int, needs: list[int],
                 local_paths: dict[str, Path], s3, s3_available: bool, group,
-                report, board: ChunkBoard, start_load, small_problem: str | None) -> None:
+                report, board: ChunkBoard, start_load, problem: str | None) -> None:
     """Fetch and verify every chunk this rank needs of one step, all tiers at once (module
     docstring, step 4), putting each on ``board`` as it is verified; ``start_load`` is called
     with the order the chunks are expected in once the first round is planned. A copy that
     fails its checksum is dropped for every rank (a file found corrupt by one rank is corrupt
     for all that read the same path, as with a shared --load directory) and its chunks are
     planned and fetched again, from what is left; :class:`_Unrecoverable` (on every rank) when
-    nothing is. A rank's bad small files (``small_problem``, :func:`_small_files`) fail every
-    rank here, before anything is fetched."""
+    nothing is. A rank's ``problem`` (its bad small files, :func:`_small_files`, or a region of
+    its state no chunk holds) fails every rank here, before anything is fetched."""
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     paths = {name: str(path.resolve()) for name, path in local_paths.items()}
     everyone: list = [None] * world_size
-    dist.all_gather_object(everyone, (needs, paths, small_problem), group=group)
+    dist.all_gather_object(everyone, (needs, paths, problem), group=group)
     problem = next((p for _, _, p in everyone if p), None)
     if problem:
         raise CorruptCheckpoint(problem)

@@ -8,6 +8,7 @@ exactly the bytes that must be verified (and, when this rank's disk lacks them, 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from megatron_autohet.checkpoint.manifest import ItemRecord
@@ -36,6 +37,31 @@ def needed_items(items: list[ItemRecord], wanted: list[Wanted]) -> list[ItemReco
         by_key.setdefault(want.key, []).append(want)
     return [item for item in items
             if any(_overlaps(item, want) for want in by_key.get(item.key, ()))]
+
+
+def uncovered(items: list[ItemRecord], wanted: list[Wanted]) -> list[Wanted]:
+    """The wanted regions the chunks do not cover entirely (objects: no chunk of that key). The
+    main chunks of a step are disjoint, so a region is covered when the volumes of its
+    intersections with them add up to its own."""
+    by_key: dict[str, list[ItemRecord]] = {}
+    for item in items:
+        by_key.setdefault(item.key, []).append(item)
+    out = []
+    for want in wanted:
+        found = [item for item in by_key.get(want.key, ()) if _overlaps(item, want)]
+        if want.offsets is None:
+            covered = bool(found)
+        else:
+            volume = 0
+            for item in found:
+                part = 1
+                for io, is_, wo, ws in zip(item.offsets, item.sizes, want.offsets, want.sizes):
+                    part *= min(io + is_, wo + ws) - max(io, wo)
+                volume += part
+            covered = volume == math.prod(want.sizes)
+        if not covered:
+            out.append(want)
+    return out
 
 
 # ---- where each needed chunk comes from --------------------------------------------------------

@@ -174,7 +174,10 @@ def rank_sharded_state_dict(trainer, *, for_load: bool = False,
             model[name] = _load_target(model[name], master)
         state = states.get(name, {})
         for key in ADAM_STATE_KEYS:
-            tensor = torch.zeros_like(master) if for_load or key not in state else state[key]
+            # a load target is overwritten whole (the load fails on a region it cannot fill);
+            # before the first step a save has zero moments
+            tensor = (torch.empty_like(master) if for_load
+                      else state[key] if key in state else torch.zeros_like(master))
             optimizer[f"{key}.{name}"] = make_sharded_optimizer_tensor(
                 model[name], tensor, prefix=f"optimizer.state.{key}")
         if with_masters:
