@@ -209,6 +209,18 @@ def _master(trainer, name: str, param, states: dict, for_load: bool):
     return states[name][MASTER_KEY]
 
 
+def _owned(tensor, master, kept: set[int]):
+    """``tensor`` as an Adam moment of ``master``: itself when it is a whole, contiguous tensor
+    on master's device that no other kept state shares (the load target made for it), else a
+    copy."""
+    if (tensor.device == master.device and tensor.is_contiguous()
+            and tensor.storage_offset() == 0 and tensor.data_ptr() not in kept
+            and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()):
+        kept.add(tensor.data_ptr())
+        return tensor
+    return tensor.to(master.device).clone()
+
+
 def optimizer_step(trainer) -> int:
     if trainer.distributed_optimizer:
         return trainer.optimizer.steps
@@ -371,12 +383,13 @@ def apply_loaded(trainer, scheduler, loaded: dict, *, load_optim: bool = True,
             master.copy_(saved_masters.get(f"{MASTER_KEY}.{name}", loaded["model"][name]))
         trainer.masters.write_back()
     if load_optim and not trainer.distributed_optimizer:
+        kept: set[int] = set()
         step = torch.tensor(float(loaded_optimizer_step(loaded["optimizer"])),
                             dtype=torch.float32)
         for name, master in masters.items():
             trainer.optimizer.state[master] = {
                 "step": step.clone(),
-                **{key: loaded["optimizer"][f"{key}.{name}"].to(master.device).clone()
+                **{key: _owned(loaded["optimizer"][f"{key}.{name}"], master, kept)
                    for key in ADAM_STATE_KEYS}}
     if load_optim:
         scheduler.load_state_dict(loaded["opt_param_scheduler"])
