@@ -37,8 +37,10 @@ resume logs it.
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from collections import defaultdict
@@ -66,6 +68,7 @@ from megatron_autohet.errors import ConfigError
 
 
 S3_DOWNLOAD_CONCURRENCY = 8       # ranged GETs in flight per rank (the S3 client's pool has 10)
+YIELDING_NICE = 10                # the fetch's local work beside the transfer (_yield_to_the_network)
 
 
 @dataclass
@@ -261,6 +264,7 @@ def _fetch_and_load(state_dict: dict, staging: Path, manifest: Manifest, iterati
         began = time.perf_counter()
 
         def load() -> dict:
+            _yield_to_the_network()
             try:
                 return load_streamed(state_dict, staging, board, chunk_at,
                                      {index: n for n, index in enumerate(order)})
@@ -363,6 +367,7 @@ def _fetch_round(fetches, rank: int, iteration: int, local_paths: dict[str, Path
     tier_end: dict[str, float] = {}
 
     def verify_own() -> None:
+        _yield_to_the_network()
         for f in own:
             raw = _read(local_paths[f.copy.file], f.copy)
             report.bytes[OWN] += len(raw)
@@ -408,6 +413,16 @@ def _fetch_round(fetches, rank: int, iteration: int, local_paths: dict[str, Path
         report.seconds[tier] = report.seconds.get(tier, 0.0) + end - start
     report.seconds["fetch"] = report.seconds.get("fetch", 0.0) + time.perf_counter() - start
     return out
+
+
+def _yield_to_the_network() -> None:
+    """Lower this thread's CPU priority (Linux: nice is per thread): the peers' transfer is
+    what recovery waits for, so where cores are scarce the own-disk reads, hashing and loading
+    that run beside it take the CPU the transfer leaves."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), YIELDING_NICE)
+    except (AttributeError, OSError):       # not Linux, or not allowed: no matter
+        pass
 
 
 def _read(path: Path, record: ItemRecord) -> bytes:
