@@ -246,8 +246,10 @@ def test_composition_model_keeps_only_the_columns_that_matter_and_stays_exact():
         model = CompositionModel(options, pools, total, (low, high))
         allowed = [rng.random() < 0.8 for _ in options]
         for tau in (rng.uniform(1, 12), None):
-            caps = [min(total, o.capacity(tau)) if tau is not None else o.cap(total)
-                    for o in options]
+            # micro-batches each option's pipeline finishes by tau, from its time formula
+            caps = [o.cap(max((m for m in range(1, total + 1)
+                               if tau is None or o.time_s(m) <= tau + 1e-9 * o.period_s),
+                              default=0)) for o in options]
             ranges = [range(0, min(high, total) + 1) if a else range(1) for a in allowed]
             exists = any(
                 low <= sum(x) <= min(high, total)

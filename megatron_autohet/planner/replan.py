@@ -32,8 +32,8 @@ and a node keeps its name across the change (same name, same machine, same local
    or H20 lost, 2 cores), 10 nodes re-plan GPT-3 1.3B in 0.4-0.5 s and LLaMA-2 7B in 0.5-0.6
    s (most of it building the pipeline options), and the plan chosen is the one the complete
    search (48-183 nodes, 0.8-1.7 s) chooses: the faster plans it finds (by up to 1.8%, inside
-   the default tolerance) move more state. When there is neither a derived nor a patched plan (every
-   pipeline lost, no free GPUs), the search runs with the baselines as incumbents.
+   the default tolerance) move more state. When there is neither a derived nor a patched plan
+   (every pipeline lost, no free GPUs), the search runs with the baselines as incumbents.
 4. **Choice**: of every plan judged (the seeds, every plan the search built), those
    within ``tolerance`` of the fastest iteration time; among them the one whose recovery moves
    the fewest bytes across nodes, then the fastest. The HAPT warm-up post-pass then runs on it

@@ -17,12 +17,12 @@ finishes at most ``cap_j(tau) = floor((tau - fill_j) / period_j) + 1`` micro-bat
 
 is monotone in tau, and :meth:`CompositionModel.min_makespan` finds the smallest tau by
 bisection, solving at each tau a SCIP model of the columns that can matter there (objective
-``cap_j(tau)``, maximised; dominated options left out, :class:`CompositionModel`). SCIP stops at the first solution reaching M (objective
-limit), and after every feasible solve the upper end of the bracket drops to the composition's
-own exact makespan (greedy micro-batch split), so a handful of solves suffice. A search that
-only needs to beat an incumbent asks first at that cut-off: one infeasible solve ends it. Identical
-pipelines share one variable, which removes their permutation symmetry; the number of GPUs only
-changes the right-hand sides G_k.
+``cap_j(tau)``, maximised; dominated options left out, :class:`CompositionModel`). SCIP stops
+at the first solution reaching M (objective limit), and after every feasible solve the upper
+end of the bracket drops to the composition's own exact makespan (greedy micro-batch split), so
+a handful of solves suffice. A search that only needs to beat an incumbent asks first at that
+cut-off: one infeasible solve ends it. Identical pipelines share one variable, which removes
+their permutation symmetry; the number of GPUs only changes the right-hand sides G_k.
 """
 
 from __future__ import annotations
@@ -98,7 +98,8 @@ class CompositionModel:
 
     def capacities(self, tau: float | None, offsets: list[float] | None) -> np.ndarray:
         """Micro-batches each option's pipeline finishes by ``tau - offsets[j]`` (None: no
-        limit), as PipelineOption.capacity counts them."""
+        limit): the most m with ``fill + (m - 1) period`` within it, at most its cap (0: not
+        even one)."""
         if tau is None:
             return self.max_microbatches.copy()
         limit = tau - (np.asarray(offsets) if offsets is not None else 0.0)

@@ -30,11 +30,11 @@ non-linearly in an outer enumeration, and leaves an exact integer program to SCI
    allowed (a geometric grid LEVEL_RATIO apart). A branch's iteration time is at least
    ``E_min + lower bound on the makespan``, with E_min the smallest exact sync + optimizer of
    the options at level E (not E, which would overstate the bound by up to LEVEL_RATIO and
-   prune the best plan): the makespan bound is the largest of the shortest fill, the D-bin bound, the
-   option-rate bound M / sum_k G_k r_k, the config's fluid bound and (once its (config, bin) is
-   first reached) SCIP's bound on the makespan with every option allowed; also at least the
-   (config, bin)'s relaxation that charges each pipeline only its own option's sync. It is at
-   most ``E + SCIP's makespan`` (scip_model.py).
+   prune the best plan): the makespan bound is the largest of the shortest fill, the D-bin
+   bound, the option-rate bound M / sum_k G_k r_k, the config's fluid bound and (once its
+   (config, bin) is first reached) SCIP's bound on the makespan with every option allowed; also
+   at least the (config, bin)'s relaxation that charges each pipeline only its own option's
+   sync. It is at most ``E + SCIP's makespan`` (scip_model.py).
 4. **Best first**: branches are solved in order of their lower bound. Each first asks SCIP
    whether any composition beats the incumbent (one solve prunes most branches), then bisects
    on the makespan. The search stops when the next bound cannot beat the best plan by more than
@@ -304,10 +304,12 @@ def build_options(problem: Problem, config: Config, max_stages: int | None) -> N
     sequences: list[tuple[tuple[int, ...], int | None]] = []
     coefficients: list[list] = []
     groups: dict[tuple, int] = {}       # (GPU-count vector, cap) -> number, by first appearance
+    group_of: list[int] = []            # per sequence
     memory_bound = False
 
     def add(seq: tuple[int, ...], coeffs: list, cap: int | None) -> None:
-        groups.setdefault((tuple(seq.count(k) for k in range(len(pools))), cap), len(groups))
+        key = (tuple(seq.count(k) for k in range(len(pools))), cap)
+        group_of.append(groups.setdefault(key, len(groups)))
         sequences.append((seq, cap))
         coefficients.append(coeffs)
 
@@ -333,10 +335,9 @@ def build_options(problem: Problem, config: Config, max_stages: int | None) -> N
     built = sequence_options(problem, sequences, coefficients)
     if not len(built.sequence):
         return
-    of_sequence = np.array([groups[(tuple(seq.count(k) for k in range(len(pools))), cap)]
-                            for seq, cap in sequences])
     caps = np.array([np.iinfo(np.int64).max if cap is None else cap for _, cap in sequences])
-    kept = _keep_best(built.table, of_sequence[built.sequence], caps[built.sequence], problem)
+    kept = _keep_best(built.table, np.array(group_of)[built.sequence], caps[built.sequence],
+                      problem)
     config.options = [built.option(j) for j in kept]
     config.table = built.table.subset(kept, problem)
 

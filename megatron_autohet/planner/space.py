@@ -146,13 +146,6 @@ class PipelineOption:
     def time_s(self, num_microbatches: int) -> float:
         return self.fill_s + (num_microbatches - 1) * self.period_s
 
-    def capacity(self, time_limit_s: float) -> int:
-        """Most micro-batches this pipeline finishes within ``time_limit_s`` (0: not even one)."""
-        slack = time_limit_s - self.fill_s
-        if slack < -1e-12:
-            return 0
-        return self.cap(int(math.floor(slack / self.period_s + 1e-9)) + 1)
-
     def cap(self, microbatches: int) -> int:
         """``microbatches``, or fewer where memory caps this option."""
         return microbatches if self.max_microbatches is None else min(microbatches,
