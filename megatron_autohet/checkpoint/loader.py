@@ -20,6 +20,7 @@ import dataclasses
 import io
 import threading
 import warnings
+from collections import Counter
 from pathlib import Path
 
 from megatron_autohet.checkpoint.recovery_plan import Wanted
@@ -95,20 +96,18 @@ def _board_reader(step_dir: str | Path, board: ChunkBoard, chunk_at: dict[tuple[
         ``_slice_file``; the files it opens first are empty placeholders in ``step_dir``."""
 
         def read_data(self, plan, planner):
-            def chunk(item) -> int:
-                info = self.storage_data[item.storage_index]
-                return chunk_at[(info.relative_path, info.offset)]
-
-            uses: dict[int, int] = {}
+            chunks = []
             for item in plan.items:
-                uses[chunk(item)] = uses.get(chunk(item), 0) + 1
+                info = self.storage_data[item.storage_index]
+                chunks.append((chunk_at[(info.relative_path, info.offset)], item))
+            uses = Counter(index for index, _ in chunks)
             done = None
-            for item in sorted(plan.items, key=lambda item: order.get(chunk(item), len(order))):
+            for index, item in sorted(chunks, key=lambda c: order.get(c[0], len(order))):
                 done = super().read_data(dataclasses.replace(plan, items=[item]), planner)
                 done.wait()
-                uses[chunk(item)] -= 1
-                if not uses[chunk(item)]:
-                    board.done(chunk(item))
+                uses[index] -= 1
+                if not uses[index]:
+                    board.done(index)
             return done if done is not None else super().read_data(plan, planner)
 
         def _slice_file(self, file, sinfo):

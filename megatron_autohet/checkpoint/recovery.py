@@ -68,7 +68,7 @@ from megatron_autohet.errors import ConfigError
 
 
 S3_DOWNLOAD_CONCURRENCY = 8       # ranged GETs in flight per rank (the S3 client's pool has 10)
-YIELDING_NICE = 10                # the fetch's local work beside the transfer (_yield_to_the_network)
+YIELDING_NICE = 10                # the fetch's local work beside the transfer, below
 
 
 @dataclass
