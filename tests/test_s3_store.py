@@ -211,6 +211,19 @@ def test_list_and_delete_steps(store):
     assert store.get_bytes(LATEST_FILE) == b"100"           # the pointer is the caller's job
 
 
+def test_steps_holding_a_file_in_one_listing(store):
+    populate(store, [4, 100, 12])
+    store.put_bytes(f"{step_dir_name(7)}/.metadata", b"x")          # no manifest: not committed
+    store.put_bytes(f"{step_dir_name(9)}/sub/{MANIFEST_FILE}", b"x")  # not at the step's top
+    calls = []
+    store._client.meta.events.register("before-call.s3.*",
+                                       lambda model, **_: calls.append(model.name))
+    assert store.steps_holding(MANIFEST_FILE) == [4, 12, 100]
+    assert calls == ["ListObjectsV2"]
+    assert store.steps_holding(".metadata") == [4, 7, 12, 100]
+    assert store.steps_holding("nope") == []
+
+
 def test_steps_at_the_bucket_root(s3_endpoint):
     endpoint, _ = s3_endpoint
     boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket="autohet-root")
@@ -218,6 +231,7 @@ def test_steps_at_the_bucket_root(s3_endpoint):
     populate(store, [3, 7])
     assert store.list_steps() == [3, 7]
     assert store.get_bytes(LATEST_FILE) == b"7"
+    assert store.steps_holding(MANIFEST_FILE) == [3, 7]
     store.delete_step(3)
     assert store.list_steps() == [7]
 

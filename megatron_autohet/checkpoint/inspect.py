@@ -180,8 +180,8 @@ def list_local(root: str | Path) -> list[StepInfo]:
 
 def committed_s3(store) -> list[int]:
     """Iterations under an S3Store's prefix with a manifest object, oldest first (the S3
-    counterpart of manifest.committed_steps; listings only, no manifest is downloaded)."""
-    return [it for it in store.list_steps() if MANIFEST_FILE in store.list_files(it)]
+    counterpart of manifest.committed_steps; a listing only, no manifest is downloaded)."""
+    return store.steps_holding(MANIFEST_FILE)
 
 
 def list_s3(store) -> list[StepInfo]:

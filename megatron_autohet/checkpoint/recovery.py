@@ -5,7 +5,8 @@ is called on every rank of a (re)started job. ``roots`` are the checkpoint direc
 can read (its node's local-tier directory, ``--load``); ``s3`` the S3 tier, if configured.
 
 1. Discover: every rank lists the committed steps in its roots and which of their files it has
-   (sizes as the manifest says); rank 0 lists the S3 tier. One all-gather.
+   (sizes as the manifest says); one all-gather. Rank 0 lists the S3 tier meanwhile (which
+   steps have a manifest there; a manifest is downloaded only for a step no disk has).
 2. Choose the newest step that is complete somewhere: every main chunk of it on some surviving
    disk (main file or replica), or the step committed in S3.
 3. Plan: each rank computes the chunks its NEW shards need (recovery_plan.needed_items); one
@@ -50,7 +51,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_autohet.checkpoint.inspect import file_problem, item_problem
+from megatron_autohet.checkpoint.inspect import committed_s3, file_problem, item_problem
 from megatron_autohet.checkpoint.loader import (ChunkBoard, CorruptCheckpoint, load_streamed,
                                                 wanted_regions)
 from megatron_autohet.checkpoint.options import CheckpointOptions
@@ -119,23 +120,35 @@ def _scan(roots: list[Path]) -> dict[int, _Visible]:
     return seen
 
 
-def _s3_steps(s3, log) -> dict[int, bytes]:
-    """Committed S3 steps (manifest present) -> manifest bytes; none when S3 is not configured
-    or cannot be reached (recovery then uses the disks alone, and says so)."""
+def _s3_steps(s3, log) -> set[int]:
+    """Committed S3 steps (manifest present: listings only, a manifest is downloaded when its
+    step is chosen and no disk has it); none when S3 is not configured or cannot be reached
+    (recovery then uses the disks alone, and says so)."""
     if s3 is None:
-        return {}
+        return set()
     from megatron_autohet.checkpoint.s3_store import S3Error     # boto3: S3 jobs only
 
-    steps = {}
     try:
-        for iteration in s3.list_steps():
-            raw = s3.get_bytes(f"{step_dir_name(iteration)}/{MANIFEST_FILE}")
-            if raw is not None:
-                steps[iteration] = raw
+        return set(committed_s3(s3))
     except S3Error as err:
         log(f"WARNING: the S3 tier is unreachable, recovering from the disks alone: {err}")
-        return {}
-    return steps
+        return set()
+
+
+def _s3_manifest(s3, iteration: int, group) -> bytes | str:
+    """The manifest of a step committed in S3 and on no surviving disk: rank 0 downloads it and
+    every rank gets the same bytes, or the same reason it could not be had."""
+    from megatron_autohet.checkpoint.s3_store import S3Error     # boto3: S3 jobs only
+
+    key = f"{step_dir_name(iteration)}/{MANIFEST_FILE}"
+    box: list = [None]
+    if dist.get_rank(group) == 0:
+        try:
+            box[0] = s3.get_bytes(key) or f"{s3.location.uri(key)} is gone since the listing"
+        except S3Error as err:
+            box[0] = str(err)
+    dist.broadcast_object_list(box, src=0, group=group)
+    return box[0]
 
 
 def _missing_on_disks(manifest: Manifest, present: dict[int, set[str]]) -> list[str]:
@@ -158,12 +171,14 @@ def recover(trainer, scheduler, *, roots: list[Path], s3=None, group=None,
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     start = time.perf_counter()
 
-    # 1. discover
-    mine = _scan(roots)
-    views: list = [None] * world_size
-    dist.all_gather_object(views, {it: (sorted(v.paths), v.manifest_json)
-                                   for it, v in mine.items()}, group=group)
-    s3_steps = [_s3_steps(s3, log) if rank == 0 else None]
+    # 1. discover; rank 0's S3 listing (round trips over the slowest link) runs meanwhile
+    with ThreadPoolExecutor(1) as lister:
+        listing = lister.submit(_s3_steps, s3, log) if rank == 0 else None
+        mine = _scan(roots)
+        views: list = [None] * world_size
+        dist.all_gather_object(views, {it: (sorted(v.paths), v.manifest_json)
+                                       for it, v in mine.items()}, group=group)
+        s3_steps = [listing.result() if listing is not None else None]
     dist.broadcast_object_list(s3_steps, src=0, group=group)
     s3_steps = s3_steps[0]
 
@@ -180,7 +195,11 @@ def recover(trainer, scheduler, *, roots: list[Path], s3=None, group=None,
                               + (", ".join(map(str, sorted(candidates))) or "none"))
         candidates = [options.ckpt_step]
     for iteration in candidates:
-        raw = s3_steps.get(iteration) or next(v[iteration][1] for v in views if iteration in v)
+        raw = next((v[iteration][1] for v in views if iteration in v), None) \
+            or _s3_manifest(s3, iteration, group)
+        if isinstance(raw, str):
+            failures.append(f"iteration {iteration}: {raw}")
+            continue
         manifest = Manifest.from_json(raw, f"manifest of iteration {iteration}")
         present = {r: set(v[iteration][0]) if iteration in v else set()
                    for r, v in enumerate(views)}
@@ -238,9 +257,6 @@ def recover(trainer, scheduler, *, roots: list[Path], s3=None, group=None,
     progress = apply_loaded(trainer, scheduler, loaded, load_optim=options.load_optim,
                             finetune=options.finetune)
     report.seconds["apply"] = time.perf_counter() - t
-    everyone_bytes: list = [None] * world_size
-    dist.all_gather_object(everyone_bytes, report.bytes, group=group)
-    report.job_bytes = {tier: sum(b[tier] for b in everyone_bytes) for tier in report.bytes}
     return progress, report
 
 
@@ -306,6 +322,7 @@ def _fetch_step(manifest: Manifest, iteration: int, needs: list[int],
         raise CorruptCheckpoint(problem)
     all_paths = [p for _, p, _ in everyone]
     pending = {r: n for r, (n, _, _) in enumerate(everyone) if n}
+    report.job_bytes = dict.fromkeys(report.bytes, 0)
     bad_paths: set[str] = set()
     problems: dict[str, None] = {}
     while pending:
@@ -321,19 +338,20 @@ def _fetch_step(manifest: Manifest, iteration: int, needs: list[int],
             start_load = None
         result = _fetch_round(fetches, rank, iteration, local_paths, s3, group, report, board)
         gathered: list = [None] * world_size
-        dist.all_gather_object(gathered, (result.bad, result.failed, result.s3_error),
-                               group=group)
-        s3_error = next((error for _, _, error in gathered if error), None)
+        dist.all_gather_object(gathered, (result.bad, result.failed, result.s3_error,
+                                          report.bytes), group=group)
+        report.job_bytes = {tier: sum(g[3][tier] for g in gathered) for tier in report.bytes}
+        s3_error = next((g[2] for g in gathered if g[2]), None)
         if s3_error:
             raise CorruptCheckpoint(s3_error)
-        for r, (bad, _, _) in enumerate(gathered):
+        for r, (bad, *_) in enumerate(gathered):
             for (holder, name), problem in bad.items():
                 bad_paths.add(all_paths[holder][name])
                 if r == rank and problem not in problems:   # told by the rank that found it
                     print(f"WARNING: {problem}; not loaded, fetching the chunk elsewhere",
                           flush=True)
                 problems[problem] = None
-        pending = {r: failed for r, (_, failed, _) in enumerate(gathered) if failed}
+        pending = {r: g[1] for r, g in enumerate(gathered) if g[1]}
 
 
 def _arrival_order(fetches, rank: int) -> list[int]:

@@ -205,6 +205,22 @@ class S3Store:
                         steps.append(iteration)
         return sorted(steps)
 
+    def steps_holding(self, name: str) -> list[int]:
+        """Iterations whose ``iter_XXXXXXX/`` directory holds an object ``name``, ascending: one
+        flat listing of the prefix (a request per 1000 objects), not a listing per step."""
+        base = self.location.key("")
+        steps = []
+        with self._errors("list", ""):
+            pages = self._client.get_paginator("list_objects_v2").paginate(
+                Bucket=self.location.bucket, Prefix=base)
+            for page in pages:
+                for obj in page.get("Contents", []):
+                    step, _, rest = obj["Key"][len(base):].partition("/")
+                    iteration = parse_step_dir_name(step) if rest == name else None
+                    if iteration is not None:
+                        steps.append(iteration)
+        return sorted(steps)
+
     def list_files(self, iteration: int) -> dict[str, int]:
         """File name (relative to the step directory) -> size in bytes, for one step."""
         return {name: size for name, size, _ in self._objects(iteration)}
