@@ -24,6 +24,7 @@ from s3_server import free_port
 from test_checkpoint import HALF, REL, TOTAL, _train, global_batches, plan, rel
 
 A = "tiny-two-pipelines"
+PIECE_BYTES = 4096      # the peer exchange's message size here: most tiny chunks cross in pieces
 
 
 def survivors_plan(nodes: list[str], cuts: list[int] | None = None):
@@ -45,7 +46,9 @@ def survivors_plan(nodes: list[str], cuts: list[int] | None = None):
 
 
 def _train_with_report(rank, world, the_plan, batches, options, exit_interval=None):
-    from megatron_autohet.checkpoint import checkpointer as module
+    from megatron_autohet.checkpoint import checkpointer as module, recovery
+
+    recovery.EXCHANGE_PIECE_BYTES = PIECE_BYTES
 
     reports = []
     original = module.Checkpointer.resume
@@ -131,6 +134,7 @@ def test_corrupt_copy_on_a_peer_is_fetched_again_from_s3(full_and_batches, tmp_p
     bad = max((r for r in manifest.replicas if manifest.files[r.file].node == "h20"
                and ".decoder.layers." in r.key and r.offsets[0] >= 4),
               key=lambda r: r.length)
+    assert bad.length > 2 * PIECE_BYTES                    # a chunk of several messages
     raw = bytearray((step / bad.file).read_bytes())
     raw[bad.offset + bad.length // 2] ^= 0x10
     (step / bad.file).write_bytes(bytes(raw))

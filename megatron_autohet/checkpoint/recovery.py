@@ -15,7 +15,7 @@ can read (its node's local-tier directory, ``--load``); ``s3`` the S3 tier, if c
 4. Fetch, all tiers at once: this rank's own-disk chunks are read and verified in one thread,
    its S3 chunks downloaded by parallel ranged GETs (each chunk no surviving disk holds is
    downloaded once, by the lowest rank needing it, which forwards it to the others), and one
-   exchange over ``group`` (torch.distributed send/recv, one message per chunk) runs
+   exchange over ``group`` (torch.distributed send/recv, a chunk in 1 MiB messages) runs
    meanwhile. Every chunk is checked against the SHA-256 of the copy it came from before it is
    used; a copy that fails (on this disk or a peer's) is dropped for every rank and its chunks
    are planned again from what is left (another disk, S3); a bad or unreadable S3 copy is an
@@ -70,6 +70,7 @@ from megatron_autohet.errors import ConfigError
 
 S3_DOWNLOAD_CONCURRENCY = 8       # ranged GETs in flight per rank (the S3 client's pool has 10)
 YIELDING_NICE = 10                # the fetch's local work beside the transfer, below
+EXCHANGE_PIECE_BYTES = 2**20      # a chunk crosses to a peer in messages of at most this size
 
 
 @dataclass
@@ -462,13 +463,21 @@ def _download(s3, iteration: int, record: ItemRecord) -> bytes:
     return raw
 
 
+def _pieces(length: int) -> list[tuple[int, int]]:
+    return [(a, min(a + EXCHANGE_PIECE_BYTES, length))
+            for a in range(0, length, EXCHANGE_PIECE_BYTES)]
+
+
 def _exchange(fetches, rank: int, local_paths: dict[str, Path], downloaded: dict, group,
               report, board: ChunkBoard, out: _Round) -> None:
-    """Send what peers need from this rank, receive what this rank needs from peers: one
-    message per chunk, all posted at once (gloo pairs a pair's messages in order), so each
-    received chunk is verified and put on ``board`` while the next ones are still on the wire.
-    The bytes are read (or copied from a download) straight into the message buffer, and a
-    received chunk is a view of its receive buffer: no other copy on either side."""
+    """Send what peers need from this rank, receive what this rank needs from peers: every
+    message posted at once (gloo pairs a pair's messages in order), so each received chunk is
+    verified and put on ``board`` while the next ones are still on the wire. A chunk crosses in
+    pieces of EXCHANGE_PIECE_BYTES, each sent as soon as it is read: the link starts after one
+    piece is read, not a whole chunk (a layer's matrix is megabytes, and the sender's disk is
+    busy with its own chunks too). The bytes are read (or copied from a download) straight into
+    the message buffer, and a received chunk is a view of its receive buffer: no other copy on
+    either side."""
     outgoing: dict[int, list] = defaultdict(list)
     incoming: dict[int, list] = defaultdict(list)
     for f in fetches:
@@ -481,7 +490,8 @@ def _exchange(fetches, rank: int, local_paths: dict[str, Path], downloaded: dict
     for peer in sorted(incoming):              # receives first: senders never wait for them
         for f in incoming[peer]:
             buffer = torch.empty(f.copy.length, dtype=torch.uint8)
-            receives.append((f, buffer, dist.irecv(buffer, src=peer, group=group)))
+            receives.append((f, buffer, [dist.irecv(buffer[a:b], src=peer, group=group)
+                                         for a, b in _pieces(f.copy.length)]))
     sends, files = [], {}
     try:
         for peer in sorted(outgoing):
@@ -492,24 +502,30 @@ def _exchange(fetches, rank: int, local_paths: dict[str, Path], downloaded: dict
                     raw = downloaded[f.index].result()
                     if raw is not None:          # else zeros; every rank raises at the end
                         part[:] = raw
-                else:
-                    if f.copy.file not in files:
-                        files[f.copy.file] = open(local_paths[f.copy.file], "rb")
-                    files[f.copy.file].seek(f.copy.offset)
-                    if files[f.copy.file].readinto(part) != f.copy.length:
-                        raise CorruptCheckpoint(f"{local_paths[f.copy.file]}: shorter than "
-                                                "its manifest says")
+                elif f.copy.file not in files:
+                    files[f.copy.file] = open(local_paths[f.copy.file], "rb")
+                for a, b in _pieces(f.copy.length):
+                    if f.source != S3:
+                        files[f.copy.file].seek(f.copy.offset + a)
+                        if files[f.copy.file].readinto(part[a:b]) != b - a:
+                            raise CorruptCheckpoint(f"{local_paths[f.copy.file]}: shorter "
+                                                    "than its manifest says")
+                    sends.append((payload, dist.isend(payload[a:b], dst=peer, group=group)))
                 report.sent_bytes += f.copy.length
-                sends.append((payload, dist.isend(payload, dst=peer, group=group)))
     finally:
         for handle in files.values():
             handle.close()
-    for f, buffer, request in receives:
-        request.wait()
+    for f, buffer, requests in receives:
+        for request in requests:
+            request.wait()
         raw = memoryview(buffer.numpy())
         if _good(raw, f.copy):
             board.put(f.index, raw)
             report.bytes[PEER] += len(raw)
+        elif f.source == S3:        # verified by the forwarder: damaged on the way, no disk to drop
+            out.s3_error = out.s3_error or (
+                f"chunk {f.copy.key} at {f.copy.offsets} forwarded by rank {f.peer} from "
+                f"{f.copy.file} in S3 fails its SHA-256 check on arrival")
         else:
             out.bad[(f.peer, f.copy.file)] = (f"chunk {f.copy.key} at {f.copy.offsets} received "
                                               f"from rank {f.peer} ({f.copy.file}) fails its "
