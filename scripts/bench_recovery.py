@@ -202,12 +202,18 @@ PROCS: list[subprocess.Popen] = []
 
 def spawn(cmd: list[str], ns: str | None = None, env: dict | None = None,
           log: Path | None = None) -> subprocess.Popen:
-    """Start ``cmd`` (in namespace ``ns``) in a session of its own, output to ``log``."""
+    """Start ``cmd`` (in namespace ``ns``) in a process group of its own, output to ``log``.
+    Not a session of its own: with Linux's autogroup scheduling (on in most distributions) every
+    session is one scheduling group, and the groups share the CPU equally whatever the nice
+    values of their threads, so the emulated nodes' background work (recovery's own-disk
+    hashing and loading, at a lower priority) would take CPU from another node's transfer as
+    equals - a contention separate machines do not have. In one session, priorities apply
+    across the nodes' processes as among one machine's threads."""
     full = (["ip", "netns", "exec", ns] if ns else []) + cmd
     out = open(log, "w") if log else subprocess.DEVNULL
     try:
         proc = subprocess.Popen(full, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+                                process_group=0)
     finally:
         if log:
             out.close()
@@ -219,7 +225,7 @@ def kill_all() -> None:
     for proc in PROCS:
         if proc.poll() is None:
             try:
-                os.killpg(proc.pid, signal.SIGKILL)     # its own session: it and its children
+                os.killpg(proc.pid, signal.SIGKILL)     # its own group: it and its children
             except ProcessLookupError:
                 pass
             proc.wait()
