@@ -8,8 +8,9 @@ arithmetic below is unit-tested): scripts/emulate_cluster.py turns each fleet of
 joined by tbf-shaped veths (the NICs). For each fleet, in one run:
 
 1. **Profile** every emulated GPU with ``autohet profile --as-gpu TYPE`` inside its quota, all
-   at once as they will train, so the profile holds the emulated speeds; a type's figures are
-   the mean over its GPUs.
+   at once as they will train and each for about the same time (a faster type runs more
+   iterations), so the profile holds the emulated speeds beside busy neighbours; a type's
+   figures are the mean over its GPUs.
 2. **Plan** with that profile: ``planner.compare.compare`` gives our plan and the baselines of
    ``autohet compare`` (the Megatron-LM grid, Whale-style, the fastest type alone); each is
    written as a plan YAML and priced by the cost model (the predicted iteration time and its
@@ -332,16 +333,22 @@ def profile_fleet(cluster: emu.EmulatedCluster, placements, model_path: str, tmp
                   micro_batch_size: int, iters: int, timeout: float):
     """`autohet profile` on every emulated GPU at once, each inside its quota and on its CPU, as
     they will train (measuring one GPU per type, the CPUs less busy than in training, gave
-    faster layers than the run saw); a type's figures are the mean over its GPUs."""
+    faster layers than the run saw); a type's figures are the mean over its GPUs. ``iters`` is
+    the slowest type's count: a type k times faster runs k times as many, so every GPU profiles
+    for about the same time and each is measured beside busy neighbours throughout, as in
+    training (with one count for all, the fast GPUs finished first and the slowest type was
+    measured on an emptier machine)."""
     from megatron_autohet.profiling.profile import Profile
 
+    slowest = min(cluster.fleet.cpu_share.values())
     procs, outputs = [], []
     for p in placements:
         out = tmp / f"profile-rank{p.rank}.yaml"
+        scale = cluster.fleet.cpu_share[p.gpu] / slowest
         cmd = [sys.executable, "-m", "megatron_autohet.cli.main", "profile", "--model", model_path,
                "--as-gpu", p.gpu, "--gpu-catalog", str(emu.DEFAULT_CATALOG), "--tp", "1",
-               "--micro-batch-size", str(micro_batch_size), "--warmup", "3", "--iters",
-               str(iters), "-o", str(out)]
+               "--micro-batch-size", str(micro_batch_size), "--warmup", str(round(3 * scale)),
+               "--iters", str(round(iters * scale)), "-o", str(out)]
         env = {"OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(ROOT)}
         procs.append(cluster.spawn(p, cmd, env, tmp / f"profile-rank{p.rank}.log"))
         outputs.append(out)
@@ -478,7 +485,9 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=4, help="timed iterations per plan and round")
     parser.add_argument("--warmup", type=int, default=1,
                         help="untimed iterations per plan and round")
-    parser.add_argument("--profile-iters", type=int, default=15)
+    parser.add_argument("--profile-iters", type=int, default=15,
+                        help="timed profile iterations of the slowest type (a type k times "
+                             "faster runs k times as many)")
     parser.add_argument("--time-limit", type=float, default=20.0, help="planner search budget")
     parser.add_argument("--timeout", type=float, default=1500.0)
     parser.add_argument("--prefix", default="ahbench")
