@@ -131,12 +131,16 @@ def test_preemption_loss_and_join_match_an_uninterrupted_run(reference, tmp_path
     assert after_notice["iteration"] == notice_stop["iteration"]
     assert join_stop["reason"] == "signal" and join_stop["leaving"] == []
     assert after_join["iteration"] == join_stop["iteration"]
-    # The kill is the one place the log goes back: from the last iteration trained to the save.
+    # The kill is the one place the log may go back: from the last iteration trained to the save.
+    # It does not when the kill lands before the iteration after a save is logged (nothing lost).
     records = fleet.metrics()
     drops = [(a["iteration"], b["iteration"] - 1) for a, b in zip(records, records[1:])
              if b["iteration"] <= a["iteration"]]
-    assert len(drops) == 1 and drops[0][1] == after_kill["iteration"]
-    assert 0 <= drops[0][0] - drops[0][1] <= SAVE
+    assert len(drops) <= 1
+    if drops:
+        assert drops[0][1] == after_kill["iteration"]
+    lost = drops[0][0] - drops[0][1] if drops else 0
+    assert 0 <= lost <= SAVE
     # The chunks only node1 held came from S3 (no surviving disk had them).
     assert after_kill["bytes"]["s3"] > 0 and after_notice["bytes"]["s3"] == 0
 
@@ -149,4 +153,4 @@ def test_preemption_loss_and_join_match_an_uninterrupted_run(reference, tmp_path
                  rel(r["grad_norm"], ref[r["iteration"]]["grad_norm"])) for r in records]
     print(f"{len(records)} logged iterations, max relative difference {max(diffs):.2e}")
     assert max(diffs) <= REL
-    assert len(records) - ITERS == drops[0][0] - drops[0][1]      # re-trained: only those lost
+    assert len(records) - ITERS == lost                             # re-trained: only those lost
