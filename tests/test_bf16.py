@@ -61,7 +61,6 @@ NORM_REL = 2 * BF16_UNIT_ROUNDOFF
 
 def _reference(rank, world, plan, batches, precision, optimizer=OPTIMIZER, model=None):
     from megatron_autohet.runtime.reference import run_reference
-    from megatron_autohet.runtime.stage_model import plan_padded_vocab_size
 
     model = model or plan.model
     steps = run_reference(model, batches, micro_batch_size=plan.micro_batch_size, seed=SEED,

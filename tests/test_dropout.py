@@ -15,8 +15,6 @@ compared with the single-process reference; what is proved instead:
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 

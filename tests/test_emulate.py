@@ -266,3 +266,23 @@ def test_effective_shares_are_cpu_over_wall_per_type():
              {"stages": [{"gpu": "A", "measured_compute_s": 1.0, "measured_compute_cpu_s": 0.5},
                          {"gpu": "A", "measured_compute_s": 2.0, "measured_compute_cpu_s": 1.4}]}]
     assert bench.effective_shares(plans) == pytest.approx({"A": 0.6, "B": 0.15})
+
+
+def test_an_idle_gpu_keeps_computing_until_the_plans_ranks_arrive():
+    import threading
+
+    import torch.distributed as dist
+
+    store, arrived, calls = dist.HashStore(), threading.Event(), []
+
+    def busy():
+        calls.append(1)
+        if len(calls) == 3:
+            arrived.set()
+
+    idle = threading.Thread(target=bench.store_barrier, args=(store, "done", 2, busy))
+    idle.start()
+    assert arrived.wait(60)                   # still computing: the plan's rank has not arrived
+    bench.store_barrier(store, "done", 2)     # the plan's rank: no busy work, leaves at once
+    idle.join(60)
+    assert not idle.is_alive() and len(calls) >= 3

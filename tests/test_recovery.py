@@ -422,7 +422,6 @@ def test_job_killed_while_writing_a_step_resumes_from_the_previous_one(tmp_path)
     Nothing of step 8 is loaded; the restarted job resumes at step 4 and trains iterations 5-8
     exactly as the killed job had (the same plan: bit-identical)."""
     import json
-    import os
     import subprocess
     import sys
     import time
