@@ -48,6 +48,7 @@ accuracy.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import shutil
@@ -318,6 +319,7 @@ def worker(args) -> None:
                         results[name]["compute_cpu_s"].append(compute["cpu"] / m)
                 dist.destroy_process_group()
                 del trainer
+                gc.collect()    # the plan's garbage, or the next plan's iterations collect it
             store_barrier(store, f"done/{r}/{name}", world,
                           busy=idle_gpu_load(plan) if mine is None else None)
     Path(args.result).write_text(json.dumps({"node": node, "local_rank": local,
