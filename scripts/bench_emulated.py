@@ -207,10 +207,9 @@ def store_barrier(store, key: str, world: int, busy=None) -> None:
 def idle_gpu_load(plan):
     """A few milliseconds of a transformer layer's kind of work (its MLP's GEMMs on one
     micro-batch), run in a loop by an emulated GPU that a plan leaves idle. On one machine an idle
-    process frees the CPUs' shared caches and memory bandwidth and its neighbours run faster (a
-    layer's CPU time on EMU-FAST: 19.6 ms with the other GPUs idle, 21-22 ms beside busy ones, as
-    in the profile); a real idle GPU gives its neighbours nothing, so an emulated one stays busy
-    inside its quota."""
+    process lets its neighbours run faster (a layer's CPU time on EMU-FAST: 19.6 ms with the other
+    GPUs idle, 21-22 ms beside busy ones, as in the profile); a real idle GPU gives its neighbours
+    nothing, so an emulated one stays busy inside its quota."""
     import torch
 
     model = plan.model
@@ -506,8 +505,7 @@ def main() -> None:
                         help="default 4: a stage's forward or backward of one micro-batch is one "
                              "burst of CPU between waits, and a short burst outruns its quota "
                              "(scripts/emulate_cluster.py); with 2, 1-layer EMU-MID stages ran "
-                             "27-39%% faster than profiled, with 4 2-18%%, longer stages within "
-                             "a few %%")
+                             "26-39%% faster than profiled, with 4 3%% slower to 25%% faster")
     parser.add_argument("--microbatches", type=int, default=8,
                         help="micro-batches per global batch (default 8)")
     parser.add_argument("--rounds", type=int, default=3)
