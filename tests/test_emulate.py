@@ -280,7 +280,7 @@ def test_an_idle_gpu_keeps_computing_until_the_plans_ranks_arrive():
         if len(calls) == 3:
             arrived.set()
 
-    idle = threading.Thread(target=bench.store_barrier, args=(store, "done", 2, busy))
+    idle = threading.Thread(target=bench.store_barrier, args=(store, "done", 2, busy), daemon=True)
     idle.start()
     assert arrived.wait(60)                   # still computing: the plan's rank has not arrived
     bench.store_barrier(store, "done", 2)     # the plan's rank: no busy work, leaves at once
