@@ -9,18 +9,18 @@ never part of the test suite, the pure logic below is unit-tested):
 * **GPU -> process at a CPU share.** Each GPU type runs at a fixed share of one CPU core
   (``configs/emulated/cpu_shares.yaml``). Every emulated GPU is one process in a cgroup (v1
   ``cpu`` controller, ``/sys/fs/cgroup/cpu``) of its own with the CFS quota of its share: 2 ms
-  of CPU per ``2 ms / share`` period. A short period keeps the throttling granularity (a process
-  runs its quota, then waits out the period) at a few ms, so a millisecond-scale op is slowed
-  evenly instead of either running free or waiting out a 100 ms default period; too short a
-  period loses CPU to throttling and unthrottling (a busy loop asking 0.6 / 0.3 / 0.15 got
-  0.45 / 0.29 / 0.18 with a 1 ms quota, 0.52 / 0.31 / 0.18 with 2 ms, 0.61 / 0.32 / 0.17 with
-  4 ms, on a loaded machine). What a type gets is measured anyway: it is profiled inside its
-  quota (scripts/bench_emulated.py). A quota slows evenly only work much longer than its period:
-  a process that waited starts with a whole quota and, the scheduler checking it at each 4 ms
-  tick, overruns it, so a short burst after a wait runs faster than the share (a busy loop at 0.3
-  of a core, bursts after a 20 ms sleep: 4 ms of CPU at 0.60, 8 ms at 0.40, 40 ms at 0.32;
-  continuous 0.300); the kernel's minimum quota is 1 ms and its tick 4 ms (HZ=250), so emulated
-  work must come in bursts of tens of ms. One torch thread per process (``OMP_NUM_THREADS=1``). The shares of
+  of CPU per ``2 ms / share`` period. A short period keeps the throttling granularity (a
+  process runs its quota, then waits out the period) at a few ms, so a millisecond-scale op is
+  slowed evenly instead of either running free or waiting out a 100 ms default period; too
+  short a period loses CPU to throttling and unthrottling (a busy loop asking 0.6 / 0.3 / 0.15
+  got 0.45 / 0.29 / 0.18 with a 1 ms quota, 0.52 / 0.31 / 0.18 with 2 ms, 0.61 / 0.32 / 0.17
+  with 4 ms, on a loaded machine). What a type gets is measured anyway: it is profiled inside
+  its quota (scripts/bench_emulated.py). A quota slows evenly only work much longer than its
+  period: a process that waited starts with a whole quota and overruns it until the next
+  scheduler tick (4 ms, HZ=250), so a short burst after a wait runs faster than the share (a
+  busy loop at 0.3 of a core, bursts after a 20 ms sleep: 4 ms of CPU at 0.60, 8 ms at 0.40,
+  40 ms at 0.32; continuous 0.300); the kernel's minimum quota is 1 ms, so emulated work must
+  come in bursts of tens of ms. One torch thread per process (``OMP_NUM_THREADS=1``). The shares of
   all GPUs must sum to less than the machine's cores, or the quota is not what a process gets.
   A quota is a ceiling, not a guarantee: other work on the machine competes for the cores. The
   run's parent cgroup therefore gets the largest CFS weight (``cpu.shares``), so while the
