@@ -128,7 +128,7 @@ class _ShardedBucket:
         if self.size == 1:
             return shard.to(dtype), None
         flat = torch.empty(self.shard_numel * self.size, dtype=dtype, device=shard.device)
-        work = dist.all_gather_single(flat, shard.to(dtype), group=self.bucket.group,
+        work = dist.all_gather_into_tensor(flat, shard.to(dtype), group=self.bucket.group,
                                            async_op=async_op)
         return flat, work
 
@@ -201,7 +201,7 @@ class DistributedOptimizer:
         for sharded in self.buckets:
             if sharded.size > 1:
                 sharded.bucket.stage()
-                pending.append(dist.reduce_scatter_single(
+                pending.append(dist.reduce_scatter_tensor(
                     sharded.grad_shard, sharded.bucket.reduced, group=sharded.bucket.group,
                     async_op=True))
         for work in pending:
