@@ -152,7 +152,8 @@ def convert_step(stock_dir, out_dir, *, iteration: int | None = None):
     writers = sorted({int(_WRITER.match(name).group(1)) for name in data_files})
     items, files = [], {}
     for rank in writers:
-        rank_items, rank_files = own_items(metadata, staged, rank, STOCK_NODE)
+        rank_items, rank_files = own_items(metadata, metadata.storage_data, staged, rank,
+                                            STOCK_NODE)
         items += rank_items
         files.update({f.name: f for f in rank_files})
     for name in SMALL_FILES:

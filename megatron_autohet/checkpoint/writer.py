@@ -73,30 +73,47 @@ class StepDirs:
         return self.leader(rank) == rank
 
 
-def _dcp_save(state_dict: dict, directory: Path, group) -> "object":
-    """megatron-core ShardedTensors -> torch DCP files in ``directory``; returns DCP's Metadata."""
+def _dcp_save(state_dict: dict, directory: Path, group) -> tuple[object, dict]:
+    """megatron-core ShardedTensors -> torch DCP files in ``directory``. Returns DCP's Metadata
+    and where this rank's own chunks went (DCP ``MetadataIndex`` -> ``_StorageInfo``).
+
+    The chunk locations come from this rank's own write results, not from the returned
+    Metadata: its ``storage_data`` is filled in by the coordinator's ``FileSystemWriter.finish``,
+    which since torch 2.11 fills a copy (``dataclasses.replace``), so the Metadata ``save``
+    returns has ``storage_data = None`` on every rank."""
     from megatron.core.dist_checkpointing.strategies.torch import (
         MCoreSavePlanner, _replace_state_dict_keys_with_sharded_keys, mcore_to_pyt_state_dict)
     from torch.distributed.checkpoint import FileSystemWriter
     from torch.distributed.checkpoint import save as dcp_save
 
+    class ChunkRecordingWriter(FileSystemWriter):
+        chunks: dict = {}
+
+        def write_data(self, plan, planner):
+            future = super().write_data(plan, planner)
+            self.chunks = {result.index: result.storage_data for result in future.wait()}
+            return future
+
     flat, _, _ = _replace_state_dict_keys_with_sharded_keys(state_dict, keep_only_main_replica=True)
     pyt_state_dict = mcore_to_pyt_state_dict(flat, False)
-    writer = FileSystemWriter(directory, single_file_per_rank=True, sync_files=True,
-                              thread_count=1, overwrite=True)
-    return dcp_save(pyt_state_dict, storage_writer=writer,
-                    planner=MCoreSavePlanner(flatten_state_dict=False), process_group=group)
+    writer = ChunkRecordingWriter(directory, single_file_per_rank=True, sync_files=True,
+                                  thread_count=1, overwrite=True)
+    metadata = dcp_save(pyt_state_dict, storage_writer=writer,
+                        planner=MCoreSavePlanner(flatten_state_dict=False), process_group=group)
+    return metadata, writer.chunks
 
 
-def own_items(metadata, directory: Path, rank: int,
-               node: str) -> tuple[list[ItemRecord], list[FileRecord]]:
-    """SHA-256 of every chunk in this rank's data files (DCP names them ``__<rank>_<i>``)."""
+def own_items(metadata, chunks: dict, directory: Path, rank: int,
+              node: str) -> tuple[list[ItemRecord], list[FileRecord]]:
+    """SHA-256 of every chunk in this rank's data files (DCP names them ``__<rank>_<i>``).
+    ``chunks``: chunk locations (DCP ``MetadataIndex`` -> ``_StorageInfo``), this rank's or a
+    whole step's; ``metadata``: DCP's index, for each chunk's sizes."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     prefix = f"__{rank}_"
     items = []
     by_file: dict[str, list] = {}
-    for index, info in metadata.storage_data.items():
+    for index, info in chunks.items():
         if info.relative_path.startswith(prefix):
             by_file.setdefault(info.relative_path, []).append((index, info))
     files = []
@@ -245,7 +262,7 @@ def write_step(state_dict: dict, common: dict, *, iteration: int, plan, rank: in
 
     on_every_rank(prepare, group, f"creating {staged}")
     sharded, leftover_common = save_preprocess(state_dict, validate_access_integrity=False)
-    metadata = _dcp_save(sharded, staged, group)   # DCP raises on every rank when one fails
+    metadata, chunks = _dcp_save(sharded, staged, group)  # DCP raises on every rank if one fails
 
     def hash_own_files():
         small = None
@@ -255,7 +272,7 @@ def write_step(state_dict: dict, common: dict, *, iteration: int, plan, rank: in
             (staged / "common.pt").write_bytes(buffer.getvalue())
             save_config(CheckpointingConfig("torch_dist", 1), str(staged))
             small = {name: (staged / name).read_bytes() for name in SMALL_FILES}
-        return own_items(metadata, staged, rank, node), small
+        return own_items(metadata, chunks, staged, rank, node), small
 
     # Main chunks: hashed by their writers and gathered, so every rank knows the manifest and
     # plans the replicas the same way.
