@@ -10,7 +10,8 @@ Public API
     ``ShardedTensor``s keyed by global name with global shapes and offsets (megatron-core's own
     ``GPTModel.sharded_state_dict``), each marked main or replica by the plan's owner map;
     ``for_load`` builds the same entries over empty fp32 targets for a load (the optimizer may
-    have no state yet), with master entries when ``masters`` (the checkpoint has them:
+    have no state yet; host tensors for the distributed optimizer, which takes them in bucket by
+    bucket), with master entries when ``masters`` (the checkpoint has them:
     :func:`saved_master_weights`).
 ``saved_master_weights(keys) -> bool``
     Whether a checkpoint with these tensor keys was saved by a 16-bit job (holds fp32 masters).
@@ -142,13 +143,14 @@ def model_sharded_state_dict(trainer) -> dict:
     return state_dict
 
 
-def _load_target(entry, like: torch.Tensor):
-    """``entry`` over an empty tensor shaped and typed as ``like``."""
+def _load_target(entry, like: torch.Tensor, device: torch.device | None):
+    """``entry`` over an empty tensor shaped and typed as ``like``, on ``device`` (None:
+    ``like``'s)."""
     from dataclasses import replace
 
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
-    data = torch.empty_like(like)
+    data = torch.empty_like(like, device=device)
     if isinstance(entry, ShardedTensor):
         return replace(entry, data=data, dtype=data.dtype)
     return replace(entry, data=data)          # a ShardedTensorFactory builds from its data
@@ -168,21 +170,26 @@ def rank_sharded_state_dict(trainer, *, for_load: bool = False,
     states = {} if for_load else _adam_states(trainer)
     optimizer = {}
     with_masters = masters if for_load else bool(trainer.precision.master_bytes)
+    # The distributed optimizer's load targets are host tensors: unsharded, its state does
+    # not fit where it trains (runtime/distributed_optimizer.py); it takes them in bucket by
+    # bucket. The other optimizer keeps its loaded moments (:func:`_owned`): device targets.
+    target_device = torch.device("cpu") if trainer.distributed_optimizer else None
     for name, param in trainer.model.named_parameters():
         master = _master(trainer, name, param, states, for_load)
         if for_load:        # fp32 targets: a checkpoint's fp32 weights arrive unrounded
-            model[name] = _load_target(model[name], master)
+            model[name] = _load_target(model[name], master, target_device)
         state = states.get(name, {})
         for key in ADAM_STATE_KEYS:
             # a load target is overwritten whole (the load fails on a region it cannot fill);
             # before the first step a save has zero moments
-            tensor = (torch.empty_like(master) if for_load
+            tensor = (torch.empty_like(master, device=target_device) if for_load
                       else state[key] if key in state else torch.zeros_like(master))
             optimizer[f"{key}.{name}"] = make_sharded_optimizer_tensor(
                 model[name], tensor, prefix=f"optimizer.state.{key}")
         if with_masters:
             optimizer[f"{MASTER_KEY}.{name}"] = make_sharded_optimizer_tensor(
-                model[name], torch.empty_like(master) if for_load else master,
+                model[name],
+                torch.empty_like(master, device=target_device) if for_load else master,
                 prefix=MASTER_PREFIX)
     return {"model": model, "optimizer": optimizer}
 
@@ -205,7 +212,7 @@ def _master(trainer, name: str, param, states: dict, for_load: bool):
     if trainer.masters is not None:
         return trainer.masters.by_name[name]
     if for_load:
-        return torch.empty(param.shape, dtype=MASTER_DTYPE, device=param.device)
+        return torch.empty(param.shape, dtype=MASTER_DTYPE, device="meta")   # shape and dtype
     return states[name][MASTER_KEY]
 
 

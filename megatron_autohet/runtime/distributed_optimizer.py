@@ -39,7 +39,12 @@ Checkpoints stay layout-independent (checkpoint/state.py): :meth:`DistributedOpt
 all-gathers the moment shards (and, in 16-bit training, the master shards as ``fp32_param``) and
 returns per-parameter fp32 tensors in the local shapes, the keys of the non-distributed
 optimizer; :meth:`DistributedOptimizer.load` takes the same per-parameter tensors back, so a
-checkpoint saved with or without the distributed optimizer loads into either.
+checkpoint saved with or without the distributed optimizer loads into either. Both go through
+host memory one bucket at a time (a save's per-parameter tensors and a load's targets are host
+tensors): the unsharded state is 12 B per parameter of a 16-bit stage, which a plan that fits
+only thanks to the distributed optimizer does not have on its GPUs. What remains on the device
+is one bucket's fp32 flat buffer (at most GradSync's ``bucket_numel`` elements) while a save
+gathers or a load assembles it, at a point of the iteration where no activations are alive.
 """
 
 from __future__ import annotations
@@ -123,11 +128,15 @@ class _ShardedBucket:
             dist.all_reduce(flat, group=bucket.group)    # one writer per chunk: the sum is exact
         return flat[self.lo:self.lo + self.shard_numel]
 
-    def gather(self, shard: torch.Tensor, dtype: torch.dtype, async_op: bool = False):
-        """All-gather ``shard`` (cast to ``dtype``) into a flat buffer; (buffer, work)."""
+    def gather(self, shard: torch.Tensor, dtype: torch.dtype, async_op: bool = False,
+               out: torch.Tensor | None = None):
+        """All-gather ``shard`` (cast to ``dtype``) into a flat buffer (the first elements of
+        ``out`` if given, else a new one); (buffer, work)."""
         if self.size == 1:
             return shard.to(dtype), None
-        flat = torch.empty(self.shard_numel * self.size, dtype=dtype, device=shard.device)
+        numel = self.shard_numel * self.size
+        flat = (torch.empty(numel, dtype=dtype, device=shard.device) if out is None
+                else out[:numel])
         work = dist.all_gather_into_tensor(flat, shard.to(dtype), group=self.bucket.group,
                                            async_op=async_op)
         return flat, work
@@ -240,19 +249,32 @@ class DistributedOptimizer:
 
     # ---- checkpoints -------------------------------------------------------------------------
     @torch.no_grad()
-    def param_states(self) -> dict[str, dict[str, torch.Tensor]]:
+    def param_states(self, host: torch.device = torch.device("cpu")
+                     ) -> dict[str, dict[str, torch.Tensor]]:
         """Adam moments per local parameter name, in the parameter's local shape (fp32): the
         non-distributed optimizer's per-parameter state, plus ``MASTER_KEY`` (the fp32 master)
-        for 16-bit parameters. A collective: every rank calls it."""
+        for 16-bit parameters, on ``host`` (their own memory: training may go on while they
+        are written). A collective: every rank calls it.
+
+        The unsharded state never sits on the device: each bucket's shards are all-gathered
+        into one staging buffer, reused by every bucket and key, and copied from it to the
+        host, so a save needs one bucket's fp32 elements of device memory beside the state
+        (GradSync's ``bucket_numel`` at most), not the 12 B per parameter of a 16-bit stage's
+        unsharded masters and moments."""
+        gathered = [sharded.shard_numel * sharded.size for sharded in self.buckets
+                    if sharded.size > 1]
+        staging = (torch.empty(max(gathered), dtype=torch.float32,
+                               device=self.buckets[0].master.device) if gathered else None)
         out: dict[str, dict[str, torch.Tensor]] = {}
         for sharded in self.buckets:
             keys = dict(zip(ADAM_STATE_KEYS, (sharded.moments[k] for k in ADAM_STATE_KEYS)))
             if sharded.bucket.params[0].dtype != torch.float32:
                 keys[MASTER_KEY] = sharded.master
             for key, shard in keys.items():
-                flat, _ = sharded.gather(shard, torch.float32)
-                for param, value in zip(sharded.bucket.params, sharded.local_values(flat)):
-                    out.setdefault(self.names[param], {})[key] = value.clone()
+                flat, _ = sharded.gather(shard, torch.float32, out=staging)
+                on_host = flat.to(host, copy=True)    # a copy even where the device is the host
+                for param, value in zip(sharded.bucket.params, sharded.local_values(on_host)):
+                    out.setdefault(self.names[param], {})[key] = value
         return out
 
     @torch.no_grad()
