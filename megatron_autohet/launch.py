@@ -260,11 +260,10 @@ def train_job(plan: Plan, plan_label: str, model: ModelSpec, options: TrainOptio
         checkpointer = Checkpointer(options.checkpoint, trainer, scheduler, seed=options.seed,
                                     train_args=train_args(options))
     if make_stop_check is None and options.exit_signal_handler:
-        from megatron_autohet.elastic.stop import StopRequests
+        from megatron_autohet.elastic.stop import StopRequests, stop_group
 
         def make_stop_check(checkpointer):
-            return StopRequests(checkpointer.group if checkpointer else None,
-                                notice_file=None).check
+            return StopRequests(stop_group(options.timeout), notice_file=None).check
     stop_check = make_stop_check(checkpointer) if make_stop_check else None
     return train_iterations(trainer, batches, scheduler, train_iters=options.iters,
                             scheduler_increment=plan.global_batch_size, log=rank == 0,

@@ -17,14 +17,16 @@ Run this node's part of an elastic megatron-autohet job (what a spot node runs a
      signals: a SIGTERM (Kubernetes), SIGUSR1 (Slurm --signal=B:USR1@N) or SIGINT sent to THIS
      script is passed to the watcher (SIGINT as SIGTERM), never to the agent, and becomes a
      preemption notice in WORK_DIR/notice.json: the workers see it, stop after the same
-     iteration on every node, save it, and this node's agent ends;
+     iteration on every node, save it, and this node's agent ends. An AWS rebalance
+     recommendation in that file is no notice (the workers save, training goes on): a
+     signal or a termination notice after it is;
   2. `autohet node ... --notice-file WORK_DIR/notice.json -- AUTOHET_TRAIN_ARGS` (the torchrun
      agent; its workers run `autohet train --elastic AUTOHET_TRAIN_ARGS`), with
      `--autohet-notice-file WORK_DIR/notice.json` and (unless given) `--autohet-local-ckpt-dir
      WORK_DIR/ckpt` added to the training arguments;
   3. when it exits 0 (the job is done, or this node got a notice and is leaving): stop, exit 0;
-     when it fails and there is no notice: start it again after --restart-delay seconds, at most
-     --max-restarts times, then exit with its status.
+     when it fails and there is no preemption notice: start it again after --restart-delay
+     seconds, at most --max-restarts times, then exit with its status.
 
 Every option can also be given as the environment variable in brackets (the option wins).
 
@@ -271,13 +273,20 @@ start_watcher() {
   log "watcher started (pid $WATCHER_PID): $AUTOHET_EXE ${args[*]}"
 }
 
+preempted() {   # the notice file says this node is going away; a rebalance recommendation
+  # (AWS's advisory: elevated risk) does not: training goes on, and a later SIGTERM or
+  # instance-action is still the notice. The file is JSON written by `autohet watch`
+  # (Notice.to_json) or write_notice below, one object on one line.
+  [ -e "$NOTICE_FILE" ] && grep -q '"kind": *"preempt"' "$NOTICE_FILE" 2>/dev/null
+}
+
 check_watcher() {   # notice a watcher that ended: fine after a notice, else start it again
   [ -n "$WATCHER_PID" ] || return 0
   kill -0 "$WATCHER_PID" 2>/dev/null && return 0
   local status=0
   wait "$WATCHER_PID" 2>/dev/null || status=$?
   WATCHER_PID=""
-  if [ -e "$NOTICE_FILE" ]; then
+  if preempted; then
     log "watcher ended (status $status): notice in $NOTICE_FILE"
   elif [ "$WATCHER_STARTS" -lt "$WATCHER_MAX_STARTS" ]; then
     log "warning: watcher ended with status $status and no notice: starting it again"
@@ -305,20 +314,23 @@ on_signal() {   # SIGNAL: a preemption notice for this node; the agent is left a
     exit 0
   fi
   [ "$forward" = INT ] && forward=TERM     # a background watcher ignores SIGINT
-  if [ -e "$NOTICE_FILE" ]; then
+  if preempted; then
     log "SIG$signal_name: the notice is already in $NOTICE_FILE; waiting for the job to stop"
     return 0
+  fi
+  if [ -e "$NOTICE_FILE" ]; then
+    log "SIG$signal_name after a rebalance recommendation: this is the preemption"
   fi
   if [ -n "$WATCHER_PID" ] && kill -0 "$WATCHER_PID" 2>/dev/null; then
     log "SIG$signal_name: passing it to the watcher (SIG$forward) as a preemption notice; the workers save and stop"
     kill -s "$forward" "$WATCHER_PID" 2>/dev/null || true
     for _ in $(seq 50); do    # it writes the file, then exits: up to 5 s
-      [ -e "$NOTICE_FILE" ] && break
+      preempted && break
       kill -0 "$WATCHER_PID" 2>/dev/null || break
       sleep 0.1
     done
   fi
-  [ -e "$NOTICE_FILE" ] || write_notice "$signal_name"
+  preempted || write_notice "$signal_name"
 }
 
 cleanup() {
@@ -379,7 +391,7 @@ start_watcher
 
 restarts=0
 while :; do
-  if [ -e "$NOTICE_FILE" ]; then
+  if preempted; then
     log "preemption notice before the agent started: this node is leaving; not starting it"
     exit 0
   fi
@@ -394,7 +406,7 @@ while :; do
   wait "$NODE_PID" 2>/dev/null || status=$?
   NODE_PID=""
 
-  if [ "$status" = 0 ] && [ ! -e "$NOTICE_FILE" ]; then
+  if [ "$status" = 0 ] && ! preempted; then
     log "the job finished (autohet node exited 0)"
     if [ "$IDLE_WHEN_DONE" = 1 ]; then
       IDLING=1
@@ -403,7 +415,7 @@ while :; do
     fi
     exit 0
   fi
-  if [ -e "$NOTICE_FILE" ]; then
+  if preempted; then
     log "this node got a preemption notice and its agent ended (status $status): leaving, not restarting"
     exit 0
   fi

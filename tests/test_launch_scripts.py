@@ -30,10 +30,13 @@ EXAMPLES = SCRIPTS / "examples"
 TIMEOUT_S = 60
 
 # The stub: `autohet watch` waits for SIGTERM/SIGUSR1 (then writes the notice file, as the real
-# watcher does) or SIGHUP (the script's clean-up); `autohet node` does what the next word of
-# $STUB_NODE_MODES says (one word per call): ok / fail (exit 3) / notice-fail (write the notice,
-# exit 1) / wait-notice (run until the notice file exists, then exit 0, as an agent whose
-# workers stopped on a notice). Every call leaves its argv in $STUB_DIR/calls/.
+# watcher does) or SIGHUP (the script's clean-up); with STUB_WATCH_MODE=rebalance it first writes
+# an AWS rebalance recommendation (and watches on, as the real one does), with crash it exits 3.
+# `autohet node` does what the next word of $STUB_NODE_MODES says (one word per call): ok / fail
+# (exit 3) / notice-fail (write the notice, exit 1) / rebalance-fail (write a rebalance
+# recommendation, exit 1) / wait-notice (run until the notice file exists, then exit 0, as an
+# agent whose workers stopped on a notice) / wait-preempt (the same, until the file holds a
+# preempt notice). Every call leaves its argv in $STUB_DIR/calls/.
 STUB = r"""#!/usr/bin/env bash
 set -u
 calls="$STUB_DIR/calls"; mkdir -p "$calls"
@@ -53,6 +56,10 @@ case "$1" in
     trap 'echo "watch USR1" >>"$signals"; write; exit 0' USR1
     trap 'echo "watch HUP" >>"$signals"; exit 129' HUP
     if [ "${STUB_WATCH_MODE:-}" = crash ]; then echo "watch crash" >>"$signals"; exit 3; fi
+    if [ "${STUB_WATCH_MODE:-}" = rebalance ]; then
+      printf '{"deadline_unix": null, "detail": {}, "kind": "rebalance", "received_unix": 1, "source": "aws"}\n' >"$notice.tmp"
+      mv "$notice.tmp" "$notice"
+    fi
     echo "$$" >"$STUB_DIR/watch.ready"
     while :; do sleep 0.05; done ;;
   node)
@@ -68,7 +75,9 @@ case "$1" in
       ok) exit 0 ;;
       fail) exit 3 ;;
       notice-fail) printf '{"source": "aws", "kind": "preempt", "deadline_unix": null, "received_unix": 1, "detail": {}}\n' >"$notice"; exit 1 ;;
+      rebalance-fail) printf '{"deadline_unix": null, "detail": {}, "kind": "rebalance", "received_unix": 1, "source": "aws"}\n' >"$notice"; exit 1 ;;
       wait-notice) while [ ! -e "$notice" ]; do sleep 0.05; done; exit 0 ;;
+      wait-preempt) until grep -q '"kind": "preempt"' "$notice" 2>/dev/null; do sleep 0.05; done; exit 0 ;;
     esac ;;
 esac
 exit 0
@@ -291,6 +300,20 @@ def test_notice_then_failure_is_not_restarted(stub, tmp_path):
     assert "not restarting" in result.stdout
 
 
+def test_rebalance_recommendation_is_no_notice(stub, tmp_path):
+    """An agent that fails after a rebalance recommendation is started again (the node stays),
+    and one that ends 0 after it finished the job."""
+    env, stub_dir = stub
+    env["STUB_NODE_MODES"] = "rebalance-fail ok"
+    work = tmp_path / "work"
+    result = _run(env, *BASE, "--work-dir", str(work), *TRAIN)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert len(_calls(stub_dir, "node")) == 2
+    assert "restart 1 of 5" in result.stdout and "the job finished" in result.stdout
+    assert "leaving" not in result.stdout
+    assert json.loads((work / "notice.json").read_text())["kind"] == "rebalance"
+
+
 def _start(env, *args) -> subprocess.Popen:
     return subprocess.Popen(["bash", str(LAUNCH), *args], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, preexec_fn=_default_signals)
@@ -327,6 +350,29 @@ def test_signal_reaches_the_watcher_not_the_agent(stub, tmp_path, sig, seen):
     assert len(_calls(stub_dir, "node")) == 1           # not restarted
     assert json.loads((work / "notice.json").read_text())["kind"] == "preempt"
     assert "leaving" in out
+
+
+def test_signal_after_a_rebalance_recommendation_is_the_notice(stub, tmp_path):
+    """AWS recommends a rebalance (the watcher writes it and watches on), then the node is
+    terminated: the SIGTERM still reaches the watcher and becomes the preempt notice the workers
+    stop on - it is not taken for a notice already there."""
+    env, stub_dir = stub
+    env.update(STUB_NODE_MODES="wait-preempt", STUB_WATCH_MODE="rebalance")
+    work = tmp_path / "work"
+    proc = _start(env, *BASE, "--work-dir", str(work), *TRAIN)
+    try:
+        _wait_for(stub_dir / "watch.ready", proc)
+        _wait_for(stub_dir / "node.ready", proc)
+        assert json.loads((work / "notice.json").read_text())["kind"] == "rebalance"
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=TIMEOUT_S)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, out
+    signals = _signals(stub_dir)
+    assert "watch TERM" in signals and not [s for s in signals if s.startswith("node ")], out
+    assert json.loads((work / "notice.json").read_text())["kind"] == "preempt"
+    assert len(_calls(stub_dir, "node")) == 1 and "leaving" in out
 
 
 def test_signal_without_watcher_writes_the_notice_itself(stub, tmp_path):

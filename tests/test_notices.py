@@ -25,7 +25,8 @@ import pytest
 from fake_metadata import FakeAws, FakeAzure, FakeGcp
 from megatron_autohet.cli.main import main
 from megatron_autohet.elastic.notices import (AwsWatcher, AzureWatcher, GcpWatcher, Notice,
-                                              SignalWatcher, read_notice, watch, write_notice)
+                                              SignalWatcher, preempt_notice_in, read_notice, watch,
+                                              write_notice)
 from megatron_autohet.errors import ConfigError
 from s3_server import free_port
 
@@ -405,3 +406,29 @@ def test_cli_watch_help(capsys):
         assert text in out
     main([])
     assert "watch" in capsys.readouterr().out
+
+
+# ---- what a notice file means to `autohet node` ----------------------------------------------
+
+@pytest.mark.parametrize("kind, status", [("preempt", 0), ("rebalance", 3), (None, 3)])
+def test_cli_node_status_after_its_agent_failed(kind, status, tmp_path, monkeypatch):
+    """`autohet node` exits 0 when its agent ended after a preempt notice (launch_node.sh then
+    leaves instead of starting it again); a rebalance recommendation is advice, not a notice:
+    the agent's own status. The torchrun agent is replaced by one that fails at once (what it
+    does is tested in test_elastic.py)."""
+    import torch.distributed.run
+
+    def failed_agent(args):
+        raise SystemExit(3)
+
+    monkeypatch.setattr(torch.distributed.run, "run", failed_agent)
+    for name in ("AUTOHET_NODE", "AUTOHET_LOCAL_ADDR", "AUTOHET_GPU",
+                 "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"):
+        monkeypatch.setenv(name, "")                  # `autohet node` sets them: restored after
+    notice = tmp_path / "notice.json"
+    if kind is not None:
+        write_notice(notice, Notice("aws", kind, None, 1.0, {}))
+    assert main(["node", "--rendezvous", "127.0.0.1:29400", "--job-id", "job1", "--nnodes",
+                 "1:2", "--node-name", "n1", "--gpu", "H800", "--notice-file", str(notice),
+                 "--", "--plan", "plan.yaml"]) == status
+    assert preempt_notice_in(notice) is (kind == "preempt")

@@ -15,8 +15,9 @@ torchrun's defaults, and why:
 * many restarts: every preemption uses one on every surviving node.
 
 The node's name and GPU type reach the workers as ``AUTOHET_NODE`` / ``AUTOHET_GPU``. When this
-node got a preemption notice (``--notice-file`` exists when the agent ends), the command exits 0
-so a launcher loop knows not to start it again.
+node got a preemption notice (``--notice-file`` holds one when the agent ends; a rebalance
+recommendation is no preemption), the command exits 0 so a launcher loop knows not to start it
+again.
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ import argparse
 import os
 import socket
 import sys
-from pathlib import Path
 
+from megatron_autohet.elastic.notices import preempt_notice_in
 from megatron_autohet.errors import ConfigError
 
 RDZV_CONF = "is_host=false,last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3"
@@ -101,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"autohet node: the torchrun agent ended: {type(err).__name__}: {err}",
               file=sys.stderr)
         status = 1
-    if args.notice_file and Path(args.notice_file).exists():
+    if args.notice_file and preempt_notice_in(args.notice_file):
         print(f"autohet node: {os.environ['AUTOHET_NODE']} left the job after its preemption "
               "notice", file=sys.stderr)
         return 0

@@ -120,6 +120,17 @@ def read_notice(path: str | Path) -> Notice | None:
     return Notice.from_json(text, str(path))
 
 
+def preempt_notice_in(path: str | Path) -> bool:
+    """Whether ``path`` holds a preempt notice: the node is going away. A rebalance
+    recommendation is advice (the node stays, and a later preemption is still a notice); no file,
+    or one that is not a notice, is no notice either."""
+    try:
+        notice = read_notice(path)
+    except ConfigError:
+        return False
+    return notice is not None and notice.kind == "preempt"
+
+
 def iso_utc(unix: float) -> str:
     return datetime.fromtimestamp(unix, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
