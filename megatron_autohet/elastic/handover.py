@@ -5,8 +5,8 @@ no data-parallel copy has one holder. Two moments leave such chunks on a node th
 train, and both move them first, so recovery finds them on a peer's disk instead of downloading
 them from S3 - or losing them:
 
-* a node with a preemption notice, right after the emergency save (:func:`move_files` on the
-  training group): its files of that step go to the nodes that stay;
+* a node with a preemption notice, right after the emergency save (:func:`move_files` on a gloo
+  group of the training ranks): its files of that step go to the nodes that stay;
 * a re-plan that leaves a whole node idle (:func:`hand_over`, every worker of the job on one
   short-lived group before the training group exists).
 
@@ -97,10 +97,11 @@ def node_disk(root: Path | None, rank: int, receives: bool, newest: int = 2) -> 
 
 
 def move_files(root: Path | None, *, rank: int, speaks_for_node: bool, receives: bool,
-               group=None) -> int:
-    """A collective over ``group`` (default: the default group): nodes that do not ``receive``
-    send the files of the newest step that no receiving node holds to receiving nodes. Returns
-    the bytes moved (all nodes)."""
+               group) -> int:
+    """A collective over ``group``, a gloo group whose ranks are the global ranks (the bytes
+    travel as CPU tensors, which NCCL - the default group on GPUs - refuses): nodes that do not
+    ``receive`` send the files of the newest step that no receiving node holds to receiving
+    nodes. Returns the bytes moved (all nodes)."""
     import torch
     import torch.distributed as dist
 
@@ -136,13 +137,14 @@ def move_files(root: Path | None, *, rank: int, speaks_for_node: bool, receives:
 
 def hand_over(store, *, rank: int, world_size: int, speaks_for_node: bool, training: bool,
               root: Path | None, timeout: timedelta) -> int:
-    """:func:`move_files` from idle to training nodes, on a group of every worker of the job
-    (made from the workers' store, before the training group exists)."""
+    """:func:`move_files` from idle to training nodes, on a gloo group of every worker of the
+    job (made from the workers' store, before the training group exists)."""
     import torch.distributed as dist
 
     dist.init_process_group("gloo", store=dist.PrefixStore("autohet/handover/", store),
                             rank=rank, world_size=world_size, timeout=timeout)
     try:
-        return move_files(root, rank=rank, speaks_for_node=speaks_for_node, receives=training)
+        return move_files(root, rank=rank, speaks_for_node=speaks_for_node, receives=training,
+                          group=dist.group.WORLD)
     finally:
         dist.destroy_process_group()

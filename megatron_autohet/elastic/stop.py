@@ -7,14 +7,19 @@ every iteration all ranks reduce their flags, so they stop after the same iterat
 exit. A rebalance notice (an early warning) only asks for a checkpoint of the current iteration;
 training goes on.
 
-``StopRequests.check()`` is one small all-reduce on the given process group (None: the default
-group) per iteration.
+``StopRequests.check()`` is one small all-reduce per iteration on the process group it is given:
+the job's :func:`stop_group`, a gloo group of its own. Of its own because with ``--async-save``
+the checkpoint writer runs collectives on the checkpointer's group in a background thread, and
+two threads' collectives on one group pair up in a different order on different ranks (a
+mismatch or a hang, for as long as a write lasts); gloo because the flags are CPU tensors, which
+NCCL - the default group on GPUs - refuses.
 """
 
 from __future__ import annotations
 
 import signal
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -32,9 +37,18 @@ class StopDecision:
     leaving: bool             # THIS rank's node has a preemption notice
 
 
+def stop_group(timeout: timedelta):
+    """The stop check's gloo group of every rank of the default group. A collective call: every
+    rank makes it at the same point (right after the job's Checkpointer, or where that would
+    be)."""
+    return dist.new_group(backend="gloo", timeout=timeout)
+
+
 class StopRequests:
     def __init__(self, group, *, notice_file: str | Path | None,
                  signals: tuple[int, ...] = (signal.SIGTERM,)):
+        if group is None:       # the default group: NCCL on GPUs, which refuses the CPU flags
+            raise ValueError("StopRequests needs a gloo group of its own (stop_group)")
         self.group = group
         self.notice_file = Path(notice_file) if notice_file else None
         self.signal_received: int | None = None

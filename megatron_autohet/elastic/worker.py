@@ -50,6 +50,7 @@ from pathlib import Path
 
 from megatron_autohet.elastic.events import EventLog
 from megatron_autohet.elastic.fleet import Member, fleet_cluster, plan_ranks
+from megatron_autohet.elastic.hold import hold_file_from_env, wait_while_held
 from megatron_autohet.errors import ConfigError
 from megatron_autohet.plan import Plan, plan_from_dict
 from megatron_autohet.planner.replan import replan
@@ -258,7 +259,7 @@ class ElasticWorker:
                                      f"{seconds:.2f} s after the stop", iteration=last,
                                      seconds=round(seconds, 3))
                 if decision is not None and stop.leaving_nodes:
-                    self._evacuate(plan, plan_rank, decision.leaving)
+                    self._evacuate(plan, plan_rank, decision.leaving, stop.requests.group)
                     if not decision.signalled and len(members) == plan.world_size:
                         warm = self._replan_in_process(plan, plan_rank, members,
                                                        stop.leaving_nodes)
@@ -328,16 +329,17 @@ class ElasticWorker:
                             "MiB across nodes")
         return new, staying, store, server is not None
 
-    def _evacuate(self, plan: Plan, plan_rank: int, leaving: bool) -> None:
+    def _evacuate(self, plan: Plan, plan_rank: int, leaving: bool, group) -> None:
         """After the emergency save: files of the step that only leaving nodes hold go to the
-        nodes that stay."""
+        nodes that stay, over ``group`` (the stop check's gloo group of every plan rank: the
+        files travel as CPU tensors)."""
         from megatron_autohet.elastic.handover import move_files
 
         start = time.monotonic()
         first_of_node = min(i.rank for i in plan.ranks if i.node == self.me.node) == plan_rank
         local_dir = self.options.checkpoint.local_dir
         moved = move_files(Path(local_dir.replace("{node}", self.me.node)), rank=plan_rank,
-                           speaks_for_node=first_of_node, receives=not leaving)
+                           speaks_for_node=first_of_node, receives=not leaving, group=group)
         self.events.emit("evacuate", f"{moved / 2**20:.1f} MiB that only leaving nodes held "
                          f"copied to the nodes that stay in {time.monotonic() - start:.2f} s",
                          bytes=moved, seconds=round(time.monotonic() - start, 3))
@@ -392,15 +394,13 @@ class _StopCheck:
     """The stop check of an elastic job, also reporting recovery and the first iteration."""
 
     def __init__(self, worker: ElasticWorker, checkpointer):
-        import torch.distributed as dist
-
-        from megatron_autohet.elastic.stop import StopRequests
+        from megatron_autohet.elastic.stop import StopRequests, stop_group
 
         self.worker = worker
         self.checkpointer = checkpointer
         notice = worker.notice_template
         self.requests = StopRequests(
-            checkpointer.group if checkpointer else dist.group.WORLD,
+            stop_group(worker.options.timeout),
             notice_file=notice.replace("{node}", worker.me.node) if notice else None)
         self.first = True
         self.leaving_nodes: list[str] = []
@@ -417,6 +417,9 @@ class _StopCheck:
             seconds = time.monotonic() - self.worker.started
             events.emit("first_iteration", f"iteration {iteration} done {seconds:.2f} s after "
                         "this (re)start began", iteration=iteration, seconds=round(seconds, 3))
+        hold = hold_file_from_env()
+        if hold is not None:        # a test making a fleet event land after a known iteration
+            wait_while_held(hold, iteration, lambda: self.requests.signal_received is not None)
         action = self.requests.check(iteration)
         if action == "stop":
             self.stopped_at = time.monotonic()

@@ -50,6 +50,7 @@ process; once :func:`prepare_process` runs, ranks other than the first ignore Py
 from __future__ import annotations
 
 import sys
+from datetime import timedelta
 from pathlib import Path
 from typing import NoReturn
 
@@ -402,9 +403,10 @@ def pretrain_from_plan(args) -> None:
     stop_check = None
     if args.exit_signal_handler:
         # Megatron's flag: SIGTERM -> every rank stops after the same iteration and saves it.
-        from megatron_autohet.elastic.stop import StopRequests
-        stop_check = StopRequests(checkpointer.group if checkpointer else None,
-                                  notice_file=None).check
+        from megatron_autohet.elastic.stop import StopRequests, stop_group
+        stop_check = StopRequests(
+            stop_group(timedelta(minutes=args.distributed_timeout_minutes)),
+            notice_file=None).check
     train_iterations(trainer, batches, scheduler, train_iters=args.train_iters,
                      scheduler_increment=plan.global_batch_size, log=rank == 0,
                      metrics_jsonl=args.autohet_metrics_jsonl, checkpointer=checkpointer,
