@@ -13,7 +13,8 @@ Three pieces, used by ``autohet train`` (cli/train.py):
 * :func:`run_worker` - what each rank runs, whether started by :func:`launch_local` or by
   ``torchrun`` on a GPU cluster (multi-node command: see README "Training from a plan"). It checks
   the environment against the plan (``WORLD_SIZE`` = plan ranks; on GPUs ``LOCAL_RANK`` = the plan's
-  ``local_rank`` of this rank), picks NCCL + ``cuda:LOCAL_RANK`` when this process has a GPU and
+  ``local_rank`` of this rank), picks NCCL + the GPU of ``LOCAL_RANK`` among those the process sees
+  (runtime/device.py: one GPU per task works too) when this process has a GPU and
   gloo + the CPU mode otherwise, opens the data on every rank (identical global batches), builds
   the :class:`HeteroTrainer` with megatron-core's learning-rate scheduler on its optimizer
   (runtime/optimizer.py ``make_lr_scheduler``, counting samples as Megatron-LM does, stepped
@@ -191,15 +192,15 @@ def job_precision(options: TrainOptions):
 def run_worker(plan: Plan, plan_path: str | Path, model: ModelSpec, options: TrainOptions,
                env: DistEnv) -> int:
     """One rank of a job whose ranks are the plan's (torchrun's RANK = the plan rank)."""
-    import torch
     import torch.distributed as dist
 
     from megatron_autohet.runtime.cpu_mode import cpu_mode_required
+    from megatron_autohet.runtime.device import select_device
 
     on_cpu = cpu_mode_required()
     check_env(plan, plan_path, env, uses_gpus=not on_cpu)
     if not on_cpu:
-        torch.cuda.set_device(env.local_rank)
+        select_device(env.local_rank)
     init_backend(on_cpu)
     dist.init_process_group("gloo" if on_cpu else "nccl", rank=env.rank,
                             world_size=env.world_size, timeout=options.timeout)

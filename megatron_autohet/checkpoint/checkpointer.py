@@ -41,8 +41,8 @@ import torch.distributed as dist
 from megatron_autohet.checkpoint.manifest import remove_old_steps, step_dir_name
 from megatron_autohet.checkpoint.options import CheckpointOptions
 from megatron_autohet.checkpoint.state import (RNG_KEY, TrainingProgress, common_state,
-                                               rank_sharded_state_dict, rng_sharded_object,
-                                               snapshot)
+                                               SnapshotBuffers, rank_sharded_state_dict,
+                                               rng_sharded_object, snapshot)
 from megatron_autohet.checkpoint.writer import StepDirs, write_step
 from megatron_autohet.errors import ConfigError
 
@@ -84,6 +84,7 @@ class Checkpointer:
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self.dirs = self._save_dirs()
+        self.snapshot_buffers = SnapshotBuffers()    # pinned host memory, reused every save
         self.group = dist.new_group(backend="gloo", timeout=CHECKPOINT_GROUP_TIMEOUT)
         self.s3 = None
         if options.s3_uri is not None:
@@ -187,7 +188,7 @@ class Checkpointer:
         state_dict[RNG_KEY] = rng_sharded_object(self.trainer, self.world_size)
         times.build_s = time.perf_counter() - t
         t = time.perf_counter()
-        state_dict = snapshot(state_dict)
+        state_dict = snapshot(state_dict, self.snapshot_buffers)
         times.snapshot_s = time.perf_counter() - t
         common = common_state(self.trainer, self.scheduler, progress, seed=self.seed,
                               train_args=self.train_args)

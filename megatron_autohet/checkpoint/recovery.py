@@ -65,6 +65,7 @@ from megatron_autohet.checkpoint.state import (RNG_KEY, apply_loaded, rank_shard
                                                rng_sharded_object, saved_master_weights)
 from megatron_autohet.checkpoint.upload import byte_progress
 from megatron_autohet.checkpoint.writer import SMALL_FILES
+from megatron_autohet.runtime.device import enter_device, thread_device
 from megatron_autohet.errors import ConfigError
 
 
@@ -279,8 +280,10 @@ def _fetch_and_load(state_dict: dict, staging: Path, manifest: Manifest, iterati
 
     def start_load(order: list[int]) -> None:
         began = time.perf_counter()
+        device = thread_device()        # the loader thread's CUDA device is the caller's
 
         def load() -> dict:
+            enter_device(device)
             _yield_to_the_network()
             try:
                 return load_streamed(state_dict, staging, board, chunk_at,

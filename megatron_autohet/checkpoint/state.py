@@ -24,9 +24,10 @@ Public API
 ``megatron_args(plan, progress, config) -> argparse.Namespace``
     The ``args`` of ``common.pt``: what Megatron-LM's ``load_checkpoint`` and
     ``--use-checkpoint-args`` read from it.
-``snapshot(state_dict) -> dict``
+``snapshot(state_dict, buffers=None) -> dict``
     The same entries over host copies of their tensors: what a background save writes while
-    training changes the live tensors.
+    training changes the live tensors. ``SnapshotBuffers`` keeps the pinned host memory of one
+    save for the next.
 ``rng_sharded_object(trainer, world_size) -> ShardedObject``
     This rank's RNG states (torch's and megatron's model-parallel streams), one per rank.
 ``apply_loaded(trainer, scheduler, loaded, *, load_optim, finetune) -> TrainingProgress``
@@ -294,14 +295,60 @@ def common_state(trainer, scheduler, progress: TrainingProgress, *, seed: int,
     }
 
 
-def snapshot(state_dict: dict) -> dict:
+class SnapshotBuffers:
+    """Pinned host memory for the device tensors of one save, kept for the next save: pinning
+    (``cudaHostAlloc``) costs about as much as the copy itself, and every save of a job has the
+    same tensors. Whoever holds it must not snapshot again before the write of the previous
+    snapshot is done (the checkpointer waits for its background writer first)."""
+
+    def __init__(self):
+        self._layout: list[tuple[torch.Size, torch.dtype]] = []
+        self._buffers: list[torch.Tensor] = []
+
+    def take(self, tensors: list[torch.Tensor], *, pin: bool) -> list[torch.Tensor]:
+        """One contiguous host tensor per tensor (same shape and dtype): the previous call's
+        when the layout is the same, else new ones (``pin``: page-locked)."""
+        layout = [(t.shape, t.dtype) for t in tensors]
+        if layout != self._layout:
+            self._buffers = []                  # the old layout's pinned memory goes first
+            self._buffers = [torch.empty(shape, dtype=dtype, pin_memory=pin)
+                             for shape, dtype in layout]
+            self._layout = layout
+        return self._buffers
+
+
+def snapshot(state_dict: dict, buffers: SnapshotBuffers | None = None) -> dict:
     """Host copies of every tensor in a sharded state dict (in place on the entries, which
-    :func:`rank_sharded_state_dict` builds fresh for each save)."""
+    :func:`rank_sharded_state_dict` builds fresh for each save).
+
+    CUDA tensors are copied into ``buffers`` (pinned, reused by the next save of the same
+    layout; new pageable ones without it) on one side stream, with ``non_blocking`` copies and a
+    single synchronize: the training thread waits for the transfer once, not per tensor.
+    Host tensors are cloned (on a CPU job they are the live state)."""
     from megatron.core.dist_checkpointing.dict_utils import nested_values
 
-    for entry in nested_values(state_dict):
-        if isinstance(entry.data, torch.Tensor):
-            entry.data = entry.data.detach().to("cpu", copy=True)
+    entries = [entry for entry in nested_values(state_dict)
+               if isinstance(entry.data, torch.Tensor)]
+    on_device = [entry for entry in entries if entry.data.is_cuda]
+    for entry in entries:
+        if not entry.data.is_cuda:
+            entry.data = entry.data.detach().clone()
+    if not on_device:
+        return state_dict
+    tensors = [entry.data.detach() for entry in on_device]
+    host = (buffers or SnapshotBuffers()).take(tensors, pin=buffers is not None)
+    streams = {}
+    for tensor in tensors:
+        if tensor.device not in streams:
+            stream = torch.cuda.Stream(tensor.device)
+            stream.wait_stream(torch.cuda.current_stream(tensor.device))   # training's writes
+            streams[tensor.device] = stream
+    for entry, tensor, copy in zip(on_device, tensors, host):
+        with torch.cuda.stream(streams[tensor.device]):
+            copy.copy_(tensor, non_blocking=True)
+        entry.data = copy
+    for stream in streams.values():
+        stream.synchronize()
     return state_dict
 
 

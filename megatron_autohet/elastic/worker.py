@@ -68,6 +68,7 @@ def node_identity(local_rank: int) -> tuple[str, str]:
     them; emulated nodes must), else the hostname and the CUDA device name matched to the
     catalog."""
     from megatron_autohet.elastic.fleet import gpu_type_of_device
+    from megatron_autohet.runtime.device import device_index
     from megatron_autohet.spec.gpus import load_gpu_catalog
 
     node = os.environ.get("AUTOHET_NODE") or socket.gethostname()
@@ -78,7 +79,7 @@ def node_identity(local_rank: int) -> tuple[str, str]:
         if not torch.cuda.is_available():
             raise ConfigError("<environment>", "AUTOHET_GPU", "not set and this process has no "
                               "GPU to detect", f"a GPU type of the catalog: {', '.join(catalog)}")
-        name = torch.cuda.get_device_name(local_rank)
+        name = torch.cuda.get_device_name(device_index(local_rank, torch.cuda.device_count()))
         gpu = gpu_type_of_device(name, catalog)
         if gpu is None:
             raise ConfigError("<environment>", "AUTOHET_GPU", f"device {name!r} matches no "
@@ -219,6 +220,7 @@ class ElasticWorker:
 
         from megatron_autohet.launch import init_backend, train_job
         from megatron_autohet.runtime.cpu_mode import cpu_mode_required
+        from megatron_autohet.runtime.device import select_device
 
         store = _worker_store(self.rank)
         plan, members, ranks = self.agree(store)
@@ -231,8 +233,7 @@ class ElasticWorker:
             return self._idle(store)
         on_cpu = cpu_mode_required()
         if not on_cpu:
-            import torch
-            torch.cuda.set_device(self.local_rank)
+            select_device(self.local_rank)
         init_backend(on_cpu)
         # The workers that finish the job, and who hosts the store they finish on.
         finishers, store_host = self.world_size, self.rank == 0
