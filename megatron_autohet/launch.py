@@ -37,7 +37,7 @@ from datetime import timedelta
 from pathlib import Path
 
 from megatron_autohet.checkpoint.options import CheckpointOptions
-from megatron_autohet.errors import ConfigError
+from megatron_autohet.errors import ConfigError, JobConfigError
 from megatron_autohet.plan import Plan, load_plan
 from megatron_autohet.runtime.optimizer import OptimizerSettings, make_lr_scheduler
 from megatron_autohet.spec.model import ModelSpec, load_model
@@ -206,6 +206,13 @@ def run_worker(plan: Plan, plan_path: str | Path, model: ModelSpec, options: Tra
                             world_size=env.world_size, timeout=options.timeout)
     try:
         train_job(plan, str(plan_path), model, options, rank=env.rank, local_rank=env.local_rank)
+    except JobConfigError as err:
+        # Every rank raised it (a resume no step can serve...): one line from rank 0, which the
+        # barrier lets print before any rank exits (torchrun then stops the others).
+        if env.rank == 0:
+            print(f"autohet train: error: {err}", file=sys.stderr, flush=True)
+        dist.barrier()
+        return 2
     finally:
         dist.destroy_process_group()
     return 0

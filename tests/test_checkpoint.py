@@ -293,9 +293,10 @@ def test_flipped_bit_is_reported_with_its_path_and_never_loaded(uninterrupted_an
     a = plan("tiny-two-pipelines")
     with pytest.raises(RankFailed) as failed:
         run_on_ranks(a.world_size, _train, a, batches, CheckpointOptions(load=str(load)))
-    assert (f"CorruptCheckpoint: no checkpoint step can be recovered: iteration {HALF}: "
-            f"{path}: bytes {item.offset}-{item.offset + item.length} ({item.key}) do not match "
-            f"their SHA-256 in the manifest; so chunk ") in str(failed.value)
+    assert (f"JobConfigError: <command line>: field '--load': no checkpoint step in {load} "
+            f"can be recovered: iteration {HALF}: {path}: bytes {item.offset}-"
+            f"{item.offset + item.length} ({item.key}) do not match their SHA-256 in the "
+            "manifest; so chunk ") in str(failed.value)
 
 
 def test_truncated_file_is_reported(uninterrupted_and_saved, tmp_path):
@@ -307,9 +308,9 @@ def test_truncated_file_is_reported(uninterrupted_and_saved, tmp_path):
     a = plan("tiny-two-pipelines")
     with pytest.raises(RankFailed) as failed:
         run_on_ranks(a.world_size, _train, a, batches, CheckpointOptions(load=str(load)))
-    assert (f"CorruptCheckpoint: no checkpoint step can be recovered: iteration {HALF}: files "
-            f"missing or of the wrong size on every surviving node: {item.file}"
-            in str(failed.value))
+    assert (f"JobConfigError: <command line>: field '--load': no checkpoint step in {load} "
+            f"can be recovered: iteration {HALF}: files missing or of the wrong size on every "
+            f"surviving node: {item.file}" in str(failed.value))
 
 
 def test_step_without_manifest_is_not_loaded(uninterrupted_and_saved, tmp_path):

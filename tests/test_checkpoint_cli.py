@@ -219,9 +219,11 @@ def test_verify_reports_a_truncated_file_and_a_missing_one(capsys, shared):
     cut_items = sorted((i for i in manifest.items_in(item.file) if i.offset + i.length > cut),
                        key=lambda i: i.offset)
     assert cut_items[0] == item
-    assert out.splitlines()[:-1] == [
-        f"{path}: bytes {i.offset}-{i.offset + i.length} ({i.key}): truncated"
-        for i in cut_items] + [f"{step / 'common.pt'}: missing file"]
+    whole = manifest.items_in(item.file)
+    end = max(i.offset + i.length for i in whole)
+    assert out.splitlines()[:-1] == [      # the cut file is one line, not one per chunk
+        f"{path}: truncated at byte {cut} of {end}: {len(cut_items)} of its {len(whole)} "
+        f"chunks cut short or missing (from {item.key})", f"{step / 'common.pt'}: missing file"]
 
 
 def test_verify_bad_input_is_one_line_and_exit_2(capsys, shared, tmp_path):
@@ -306,8 +308,10 @@ def test_s3_ls_and_verify(capsys, saved, s3_endpoint, s3_uri, tmp_path, monkeypa
     where = f"{s3_uri}/{step_dir_name(HALF)}"
     expected = {name: [f"{where}/{name}: bytes {i.offset}-{i.offset + i.length} ({i.key}): "
                        "sha256 mismatch" for i in damaged],
-                other: [f"{where}/{other}: bytes {i.offset}-{i.offset + i.length} ({i.key}): "
-                        "truncated" for i in cut_items]}
+                other: [f"{where}/{other}: truncated at byte {cut_items[0].offset + 1} of "
+                        f"{cut_items[-1].offset + cut_items[-1].length}: 2 of its "
+                        f"{len(manifest.items_in(other))} chunks cut short or missing (from "
+                        f"{cut_items[0].key})"]}
     assert out.splitlines()[:-1] == [line for n in sorted(expected) for line in expected[n]]
 
     expect_usage_error(capsys, ["checkpoint", "verify", s3_uri, *flag, "--iteration", 6],

@@ -173,8 +173,10 @@ def test_a_corrupt_s3_copy_fails_every_rank_together(full_and_batches, tmp_path,
     survivors = survivors_plan(*LOSSES["h800"])
     with pytest.raises(RankFailed) as failed:
         _resume(local, survivors, batches, s3_uri, endpoint)
-    message = (f"CorruptCheckpoint: {store.location.uri(key)}: bytes {bad.offset}-"
-               f"{bad.offset + bad.length} ({bad.key}) do not match their SHA-256 in the manifest")
+    message = (f"JobConfigError: <command line>: field '--load': no checkpoint step in {local} "
+               f"or {s3_uri} can be recovered: iteration {HALF}: {store.location.uri(key)}: "
+               f"bytes {bad.offset}-{bad.offset + bad.length} ({bad.key}) do not match their "
+               "SHA-256 in the manifest")
     reports = str(failed.value).split("--- rank ")[1:]
     assert [r.split(" ", 1)[0] for r in reports] == ["0", "1", "2"]
     assert all(message in r for r in reports), str(failed.value)[-3000:]
@@ -197,7 +199,9 @@ def test_a_corrupt_small_file_on_one_node_fails_every_rank_together(
         _resume(local, survivors_plan(*LOSSES["h800"]), batches, s3_uri, endpoint)
     reports = str(failed.value).split("--- rank ")[1:]
     assert [r.split(" ", 1)[0] for r in reports] == ["0", "1", "2"]
-    message = f"CorruptCheckpoint: {common} of iteration {HALF} does not match its SHA-256"
+    message = (f"JobConfigError: <command line>: field '--load': no checkpoint step in {local} "
+               f"or {s3_uri} can be recovered: iteration {HALF}: {common} of iteration {HALF} "
+               "does not match its SHA-256")
     assert all(message in r for r in reports), str(failed.value)[-3000:]
 
 

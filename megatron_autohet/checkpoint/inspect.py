@@ -256,10 +256,23 @@ def file_problem(raw: bytes, size: int, sha256: str) -> str | None:
     return MISMATCH if sha256_bytes(raw) != sha256 else None
 
 
+def cut_short(where: str, items: list[ItemRecord], size: int) -> list[BadItem]:
+    """One problem for a data file of ``size`` bytes that ends before some of its ``items``
+    (none when it holds them all): a cut file is one line, not one per chunk it lost."""
+    cut = sorted((i for i in items if i.offset + i.length > size), key=lambda i: i.offset)
+    if not cut:
+        return []
+    end = max(i.offset + i.length for i in items)
+    return [BadItem(where, f"{TRUNCATED} at byte {size} of {end}: {len(cut)} of its "
+                           f"{len(items)} chunks cut short or missing (from {cut[0].key})")]
+
+
 def check_local_items(step_dir: Path, items: list[ItemRecord],
                       progress=None) -> tuple[list[BadItem], int]:
     """Re-hash ``items`` in ``step_dir`` (files by name, chunks in file order): the problems and
-    the bytes read. ``progress``: None or a tqdm bar, advanced by each chunk's bytes."""
+    the bytes read; a file cut short is one problem (:func:`cut_short`), the chunks it still
+    holds whole are re-hashed. ``progress``: None or a tqdm bar, advanced by each chunk's
+    bytes."""
     by_file: dict[str, list[ItemRecord]] = defaultdict(list)
     for item in items:
         by_file[item.file].append(item)
@@ -269,16 +282,20 @@ def check_local_items(step_dir: Path, items: list[ItemRecord],
         if not path.is_file():
             problems.append(BadItem(str(path), MISSING))
             continue
+        size = path.stat().st_size
         with open(path, "rb") as f:
             for item in sorted(file_items, key=lambda i: i.offset):
+                if progress is not None:
+                    progress.update(item.length)
+                if item.offset + item.length > size:
+                    continue
                 f.seek(item.offset)
                 raw = f.read(item.length)
                 total += len(raw)
-                if progress is not None:
-                    progress.update(item.length)
                 problem = item_problem(item, raw)
                 if problem:
                     problems.append(BadItem(str(path), problem, item))
+        problems += cut_short(str(path), file_items, size)
     return problems, total
 
 
@@ -344,8 +361,8 @@ def _windows(items: list[ItemRecord]) -> list[list[ItemRecord]]:
 
 def _check_s3_data_file(store, key: str, uri: str, items: list[ItemRecord], size: int,
                         report: VerifyReport) -> None:
-    """Chunks that end past the object's ``size`` are truncated (no request needed); the others
-    are fetched by :func:`_windows` and re-hashed."""
+    """Chunks that end past the object's ``size`` make one problem (:func:`cut_short`, no
+    request needed); the others are fetched by :func:`_windows` and re-hashed."""
     whole = [i for i in items if i.offset + i.length <= size]
     for group in _windows(whole):
         start = group[0].offset
@@ -355,8 +372,7 @@ def _check_s3_data_file(store, key: str, uri: str, items: list[ItemRecord], size
             problem = item_problem(item, raw[item.offset - start:item.offset - start + item.length])
             if problem:
                 report.problems.append(BadItem(uri, problem, item))
-    report.problems += [BadItem(uri, TRUNCATED, i) for i in sorted(items, key=lambda i: i.offset)
-                        if i.offset + i.length > size]
+    report.problems += cut_short(uri, items, size)
     report.items_checked += len(items)
 
 

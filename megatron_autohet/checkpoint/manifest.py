@@ -18,7 +18,8 @@ What the manifest records
 * ``replicas``: the same chunks again, byte for byte, in ``replica_<rank>.distcp`` files that
   ranks holding a non-main copy wrote on other nodes' disks (at most one copy per node): after a
   node is lost, a survivor's replica saves the download.
-* ``iteration``, the plan and the model it was saved under (``autohet checkpoint ls`` shows them).
+* ``iteration``, the plan and the model it was saved under (``autohet checkpoint ls`` shows them;
+  a resume compares the model with its own before any process starts, :func:`model_mismatch`).
 
 Atomic writes: :func:`write_atomic` writes a temporary name in the target directory, fsyncs it,
 renames it over the target and fsyncs the directory, so a crash leaves the old file or the new
@@ -103,6 +104,12 @@ class Manifest:
     format_version: int = FORMAT_VERSION
     extra: dict = field(default_factory=dict)
 
+    @property
+    def model(self) -> dict | None:
+        """The model spec the step was saved from (``ModelSpec.to_dict()``); None for a step
+        converted from stock Megatron-LM (its plan-shaped record has no model)."""
+        return self.plan.get("model")
+
     def items_in(self, file: str) -> list[ItemRecord]:
         return [i for i in self.items + self.replicas if i.file == file]
 
@@ -130,6 +137,30 @@ class Manifest:
                 replicas=[_item(i) for i in data["replicas"]])
         except (ValueError, KeyError, TypeError) as err:
             raise ValueError(f"{source}: not a readable {FORMAT} manifest ({err})") from err
+
+
+# What a resume must match: every field of the model spec that shapes a tensor or what its values
+# mean (the name is a label). Megatron-LM's name in brackets where it differs.
+MODEL_FIELDS = {
+    "num_layers": "", "hidden_size": "", "num_attention_heads": "", "num_query_groups": "",
+    "ffn_hidden_size": "", "vocab_size": "", "seq_length": " (max_position_embeddings)",
+    "gated_linear_unit": " (swiglu, and with it RMSNorm instead of LayerNorm, no linear biases)",
+    "position_embedding_type": "",
+    "tie_embeddings": " (untie_embeddings_and_output_weights)",
+}
+
+
+def model_mismatch(saved: dict | None, model: dict) -> tuple[str, object, object] | None:
+    """The first field (:data:`MODEL_FIELDS` order) in which ``model`` (``ModelSpec.to_dict()``)
+    differs from the ``saved`` model of a step, as (field, this value, saved value); None when
+    they agree or the step recorded no model (:attr:`Manifest.model`); a field the record lacks
+    is not compared."""
+    if saved is None:
+        return None
+    for name in MODEL_FIELDS:
+        if name in saved and name in model and saved[name] != model[name]:
+            return name, model[name], saved[name]
+    return None
 
 
 def _item(data: dict) -> ItemRecord:

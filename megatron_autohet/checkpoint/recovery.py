@@ -8,7 +8,8 @@ can read (its node's local-tier directory, ``--load``); ``s3`` the S3 tier, if c
    (sizes as the manifest says); one all-gather. Rank 0 lists the S3 tier meanwhile (which
    steps have a manifest there; a manifest is downloaded only for a step no disk has).
 2. Choose the newest step that is complete somewhere: every main chunk of it on some surviving
-   disk (main file or replica), or the step committed in S3.
+   disk (main file or replica), or the step committed in S3; its manifest readable, its model
+   this job's (another model is refused at once, naming the field).
 3. Plan: each rank computes the chunks its NEW shards need (recovery_plan.needed_items); one
    all-gather of those needs, then recovery_plan.assign_sources gives every rank the same plan of
    who reads what from where.
@@ -18,10 +19,11 @@ can read (its node's local-tier directory, ``--load``); ``s3`` the S3 tier, if c
    exchange over ``group`` (torch.distributed send/recv, a chunk in 1 MiB messages) runs
    meanwhile. Every chunk is checked against the SHA-256 of the copy it came from before it is
    used; a copy that fails (on this disk or a peer's) is dropped for every rank and its chunks
-   are planned again from what is left (another disk, S3); a bad or unreadable S3 copy is an
-   error naming the object, raised on every rank together (the others are told at the round's
-   end, never left waiting for a chunk that will not come); when nothing is left the next older
-   step is tried.
+   are planned again from what is left (another disk, S3); a bad or unreadable S3 copy makes
+   the step unrecoverable on every rank together, naming the object (the others are told at
+   the round's end, never left waiting for a chunk that will not come). An unrecoverable step
+   falls back to the next older one, said in one line; when none is left, every rank raises
+   one error listing why each step failed (printed once by the job).
 5. Load while fetching: a per-rank directory shaped like the step (``common.pt``,
    ``metadata.json``, DCP's index ``.metadata``, fetched before the chunks) is what
    megatron-core's ``dist_checkpointing.load`` reads, in a thread started with the first round,
@@ -55,9 +57,9 @@ from megatron_autohet.checkpoint.inspect import committed_s3, file_problem, item
 from megatron_autohet.checkpoint.loader import (ChunkBoard, CorruptCheckpoint, load_streamed,
                                                 wanted_regions)
 from megatron_autohet.checkpoint.options import CheckpointOptions
-from megatron_autohet.checkpoint.manifest import (MANIFEST_FILE, ItemRecord, Manifest,
-                                                  committed_steps, read_manifest,
-                                                  step_dir_name)
+from megatron_autohet.checkpoint.manifest import (MANIFEST_FILE, MODEL_FIELDS, ItemRecord,
+                                                  Manifest, committed_steps, model_mismatch,
+                                                  read_manifest, step_dir_name)
 from megatron_autohet.checkpoint.recovery_plan import (OWN, PEER, S3, ChunkUnavailable,
                                                        assign_sources, copies_of, needed_items,
                                                        uncovered)
@@ -66,7 +68,7 @@ from megatron_autohet.checkpoint.state import (RNG_KEY, apply_loaded, rank_shard
 from megatron_autohet.checkpoint.upload import byte_progress
 from megatron_autohet.checkpoint.writer import SMALL_FILES
 from megatron_autohet.runtime.device import enter_device, thread_device
-from megatron_autohet.errors import ConfigError
+from megatron_autohet.errors import JobConfigError
 
 
 S3_DOWNLOAD_CONCURRENCY = 8       # ranged GETs in flight per rank (the S3 client's pool has 10)
@@ -103,23 +105,26 @@ class _Visible:
     manifest_json: bytes
 
 
-def _scan(roots: list[Path]) -> dict[int, _Visible]:
-    """Committed steps in ``roots`` and the files of each whose size matches the manifest."""
+def _scan(roots: list[Path]) -> tuple[dict[int, _Visible], list[str]]:
+    """Committed steps in ``roots`` and the files of each whose size matches the manifest; and
+    what is wrong with each manifest that does not read (its step is skipped)."""
     seen: dict[int, _Visible] = {}
+    unreadable = []
     for root in roots:
         for iteration in committed_steps(root):
             step = root / step_dir_name(iteration)
             try:
                 manifest = read_manifest(step)
-            except ValueError:
-                continue                       # unreadable manifest: the step is not ours
+            except ValueError as err:          # names the file
+                unreadable.append(str(err))
+                continue
             view = seen.setdefault(iteration, _Visible({}, (step / MANIFEST_FILE).read_bytes()))
             for name, record in manifest.files.items():
                 path = step / name
                 if name not in view.paths and path.is_file() and \
                         path.stat().st_size == record.size:
                     view.paths[name] = path
-    return seen
+    return seen, unreadable
 
 
 def _s3_steps(s3, log) -> set[int]:
@@ -137,9 +142,9 @@ def _s3_steps(s3, log) -> set[int]:
         return set()
 
 
-def _s3_manifest(s3, iteration: int, group) -> bytes | str:
+def _s3_manifest(s3, iteration: int, group) -> Manifest | str:
     """The manifest of a step committed in S3 and on no surviving disk: rank 0 downloads it and
-    every rank gets the same bytes, or the same reason it could not be had."""
+    every rank gets the same bytes, or the same reason it could not be had or read."""
     from megatron_autohet.checkpoint.s3_store import S3Error     # boto3: S3 jobs only
 
     key = f"{step_dir_name(iteration)}/{MANIFEST_FILE}"
@@ -150,7 +155,12 @@ def _s3_manifest(s3, iteration: int, group) -> bytes | str:
         except S3Error as err:
             box[0] = str(err)
     dist.broadcast_object_list(box, src=0, group=group)
-    return box[0]
+    if isinstance(box[0], str):
+        return box[0]
+    try:
+        return Manifest.from_json(box[0], s3.location.uri(key))
+    except ValueError as err:
+        return str(err)
 
 
 def _missing_on_disks(manifest: Manifest, present: dict[int, set[str]]) -> list[str]:
@@ -166,49 +176,75 @@ def _missing_on_disks(manifest: Manifest, present: dict[int, set[str]]) -> list[
 def recover(trainer, scheduler, *, roots: list[Path], s3=None, group=None,
             log=print, options: CheckpointOptions = CheckpointOptions()):
     """Load the newest complete step into this rank's model (module docstring); None when no
-    step is complete anywhere. ``options`` says what to take from it (checkpoint/options.py):
-    ``ckpt_step`` that step instead of the newest (a :class:`ConfigError` naming --ckpt-step when
-    it is committed nowhere), without the Adam state and schedule (``load_optim``: none of
-    their chunks is fetched), without RNG states (``load_rng``), ``finetune``."""
+    step is committed anywhere. A step that cannot be recovered (unreadable manifest, files
+    missing or corrupt everywhere) falls back to the next older one, said once (``log``: rank
+    0's); when none is left, or the step was saved from another model, every rank raises the
+    same :class:`~megatron_autohet.errors.JobConfigError` naming --load (printed once by the
+    job). ``options`` says what to take from it (checkpoint/options.py): ``ckpt_step`` that
+    step instead of the newest (a JobConfigError naming --ckpt-step when it is committed
+    nowhere), without the Adam state and schedule (``load_optim``: none of their chunks is
+    fetched), without RNG states (``load_rng``), ``finetune``."""
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     start = time.perf_counter()
 
     # 1. discover; rank 0's S3 listing (round trips over the slowest link) runs meanwhile
     with ThreadPoolExecutor(1) as lister:
         listing = lister.submit(_s3_steps, s3, log) if rank == 0 else None
-        mine = _scan(roots)
-        views: list = [None] * world_size
-        dist.all_gather_object(views, {it: (sorted(v.paths), v.manifest_json)
-                                       for it, v in mine.items()}, group=group)
+        mine, unreadable = _scan(roots)
+        gathered: list = [None] * world_size
+        dist.all_gather_object(gathered, ({it: (sorted(v.paths), v.manifest_json)
+                                           for it, v in mine.items()}, unreadable), group=group)
         s3_steps = [listing.result() if listing is not None else None]
     dist.broadcast_object_list(s3_steps, src=0, group=group)
     s3_steps = s3_steps[0]
+    views = [view for view, _ in gathered]
+    # why each step that is not loaded was not (the error when none is); a step whose manifest
+    # does not read is skipped, said once
+    failures = list(dict.fromkeys(p for _, problems in gathered for p in problems))
+    for problem in failures:
+        log(f"WARNING: {problem}; that step is skipped")
 
     # 2.+3. the newest step complete somewhere, planned for this rank's new shards; a step
     # whose chunks turn out corrupt everywhere falls back to the next older one.
-    failures = []
     candidates = sorted({it for v in views for it in v} | set(s3_steps), reverse=True)
     if options.ckpt_step is not None:
         if options.ckpt_step not in candidates:
-            raise ConfigError("<command line>", "--ckpt-step",
-                              f"no committed step {options.ckpt_step} in "
-                              f"{options.load}" + (f" or {s3.location.uri()}" if s3 else ""),
-                              "one of the committed steps: "
-                              + (", ".join(map(str, sorted(candidates))) or "none"))
+            raise JobConfigError("<command line>", "--ckpt-step",
+                                 f"no committed step {options.ckpt_step} in "
+                                 f"{options.load}" + (f" or {s3.location.uri()}" if s3 else ""),
+                                 "one of the committed steps: "
+                                 + (", ".join(map(str, sorted(candidates))) or "none"))
         candidates = [options.ckpt_step]
     for iteration in candidates:
-        raw = next((v[iteration][1] for v in views if iteration in v), None) \
-            or _s3_manifest(s3, iteration, group)
-        if isinstance(raw, str):
-            failures.append(f"iteration {iteration}: {raw}")
+        older = candidates[candidates.index(iteration) + 1:]
+
+        def give_up(why: str) -> None:
+            """This step cannot be recovered: the reason is kept for the final error, and a
+            fallback to the next older step is said once."""
+            failures.append(f"iteration {iteration}: {why}")
+            if older:
+                log(f"WARNING: cannot recover iteration {iteration} ({why}); falling back to "
+                    f"iteration {older[0]}")
+
+        disk_copy = next((v[iteration][1] for v in views if iteration in v), None)
+        manifest = (_s3_manifest(s3, iteration, group) if disk_copy is None else  # read at the scan
+                    Manifest.from_json(disk_copy, f"manifest of iteration {iteration}"))
+        if isinstance(manifest, str):
+            give_up(manifest)
             continue
-        manifest = Manifest.from_json(raw, f"manifest of iteration {iteration}")
+        mismatch = model_mismatch(manifest.model, trainer.plan.model.to_dict())
+        if mismatch is not None:             # the same on every rank: no older step is tried
+            field_name, value, saved = mismatch
+            raise JobConfigError("<command line>", "--load", f"iteration {iteration} was saved "
+                                 f"from a model with {field_name} {saved!r}"
+                                 f"{MODEL_FIELDS[field_name]}, this job's model has {value!r}",
+                                 "a checkpoint of this job's model")
         present = {r: set(v[iteration][0]) if iteration in v else set()
                    for r, v in enumerate(views)}
         missing = [] if iteration in s3_steps else _missing_on_disks(manifest, present)
         if missing:
-            failures.append(f"iteration {iteration}: files missing or of the wrong size on every "
-                            f"surviving node: {', '.join(missing)}")
+            give_up("files missing or of the wrong size on every surviving node: "
+                    + ", ".join(missing))
             continue
         # fp32 masters are asked for when this step has them (a 16-bit job saved it)
         state_dict = rank_sharded_state_dict(
@@ -245,13 +281,14 @@ def recover(trainer, scheduler, *, roots: list[Path], s3=None, group=None,
                                      problem)
             break
         except _Unrecoverable as err:
-            failures.append(f"iteration {iteration}: {err}")
-            log(f"WARNING: cannot recover {failures[-1]}")
+            give_up(str(err))
         finally:
             shutil.rmtree(staging, ignore_errors=True)
     else:
         if failures:
-            raise CorruptCheckpoint("no checkpoint step can be recovered: " + " | ".join(failures))
+            where = f"{options.load}" + (f" or {s3.location.uri()}" if s3 else "")
+            raise JobConfigError("<command line>", "--load", f"no checkpoint step in {where} "
+                                 "can be recovered: " + " | ".join(failures))
         return None
 
     # 6. into the live model, optimizer and scheduler
@@ -323,7 +360,7 @@ def _fetch_step(manifest: Manifest, iteration: int, needs: list[int],
     dist.all_gather_object(everyone, (needs, paths, problem), group=group)
     problem = next((p for _, _, p in everyone if p), None)
     if problem:
-        raise CorruptCheckpoint(problem)
+        raise _Unrecoverable(problem)
     all_paths = [p for _, p, _ in everyone]
     pending = {r: n for r, (n, _, _) in enumerate(everyone) if n}
     report.job_bytes = dict.fromkeys(report.bytes, 0)
@@ -347,7 +384,7 @@ def _fetch_step(manifest: Manifest, iteration: int, needs: list[int],
         report.job_bytes = {tier: sum(g[3][tier] for g in gathered) for tier in report.bytes}
         s3_error = next((g[2] for g in gathered if g[2]), None)
         if s3_error:
-            raise CorruptCheckpoint(s3_error)
+            raise _Unrecoverable(s3_error)
         for r, (bad, *_) in enumerate(gathered):
             for (holder, name), problem in bad.items():
                 bad_paths.add(all_paths[holder][name])
@@ -577,6 +614,6 @@ def _small_files(manifest: Manifest, local_paths: dict[str, Path], iteration: in
             problem = (f"{local_paths.get(name, name)} of iteration {iteration} does not match "
                        "its SHA-256 in the manifest")
             if len(holders) != len(present):
-                raise CorruptCheckpoint(problem)
+                raise _Unrecoverable(problem)
             return small, problem
     return small, None

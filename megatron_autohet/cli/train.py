@@ -213,7 +213,7 @@ def run(args: argparse.Namespace) -> int:
     check_elastic(args, checkpoint)
     plan, model = load_job(args.plan, args.model)
     if not args.elastic:
-        check_resume(checkpoint, plan, optimizer, args.iters)
+        check_resume(checkpoint, plan, optimizer, args.iters, args.model)
     timeout = args.distributed_timeout_minutes or (1.0 if args.elastic else 10.0)
     options = TrainOptions(iters=args.iters, seed=args.seed, optimizer=optimizer,
                            metrics_jsonl=args.metrics_jsonl, data_path=args.data_path,
@@ -302,39 +302,58 @@ def checkpoint_options(args: argparse.Namespace) -> CheckpointOptions:
 
 
 def check_resume(checkpoint: CheckpointOptions, plan, optimizer: OptimizerSettings,
-                 iters: int) -> None:
-    """Before any process starts, the step ``--load`` resumes (the newest on this machine, or
-    ``--ckpt-step``): the same global batch, and the same learning-rate schedule unless the flags
-    say which one wins (megatron-core's scheduler asserts otherwise, on every rank) or the
+                 iters: int, model_file: str = "--model") -> None:
+    """Before any process starts, the step ``--load`` resumes (the newest on this machine whose
+    manifest reads, or ``--ckpt-step``): a model of the same shape (``model_file`` against the
+    model the step records: a layer, head or vocabulary count that differs would otherwise fail
+    every rank's load), the same global batch, and the same learning-rate schedule unless the
+    flags say which one wins (megatron-core's scheduler asserts otherwise, on every rank) or the
     schedule is not loaded (--finetune, --no-load-optim). A ``--ckpt-step`` not committed here
-    is refused unless the S3 tier may hold it (the ranks check that again)."""
-    from megatron_autohet.checkpoint.inspect import existing_dirs, newest_manifest
-    from megatron_autohet.checkpoint.manifest import (committed_steps, read_manifest,
+    is refused unless the S3 tier may hold it (the ranks check that again); so is a --load whose
+    every step has an unreadable manifest (one with a readable older step resumes that one, and
+    recovery says so)."""
+    from megatron_autohet.checkpoint.inspect import existing_dirs
+    from megatron_autohet.checkpoint.manifest import (MODEL_FIELDS, committed_steps,
+                                                      model_mismatch, read_manifest,
                                                       step_dir_name)
     from megatron_autohet.runtime.optimizer import (SCHEDULE_CHOICE, SCHEDULE_FLAGS,
                                                     schedule_fields, schedule_mismatch)
 
     if not checkpoint.load:
         return
-    if checkpoint.ckpt_step is None:
-        found = newest_manifest(checkpoint.load)
-    else:
-        roots = [root for root in existing_dirs(checkpoint.load)
-                 if checkpoint.ckpt_step in committed_steps(root)]
-        if not roots:
+    roots = existing_dirs(checkpoint.load)
+    steps = sorted(((it, root / step_dir_name(it)) for root in roots
+                    for it in committed_steps(root)), reverse=True)
+    if checkpoint.ckpt_step is not None:
+        chosen = [(it, step) for it, step in steps if it == checkpoint.ckpt_step]
+        if not chosen:
             if checkpoint.s3_uri is not None:
                 return
-            steps = sorted({s for root in existing_dirs(checkpoint.load)
-                            for s in committed_steps(root)})
             raise ConfigError("<command line>", "--ckpt-step",
                               f"no committed step {checkpoint.ckpt_step} in {checkpoint.load}",
                               "one of the committed steps: "
-                              + (", ".join(map(str, steps)) or "none"))
-        step = roots[0] / step_dir_name(checkpoint.ckpt_step)
-        found = step, read_manifest(step)
+                              + (", ".join(map(str, sorted({it for it, _ in steps}))) or "none"))
+        steps = chosen
+    found, unreadable = None, None
+    for _, step in steps:
+        try:
+            found = step, read_manifest(step)
+            break
+        except ValueError as err:            # names the file; an older step may do
+            unreadable = unreadable or err
     if found is None:
+        if unreadable is not None and checkpoint.s3_uri is None:
+            raise ConfigError("<command line>", "--load", str(unreadable),
+                              "a directory with a complete checkpoint step")
         return
     step, manifest = found
+    mismatch = model_mismatch(manifest.model, plan.model.to_dict())
+    if mismatch is not None:
+        field, value, saved = mismatch
+        raise ConfigError(model_file, field, f"{value!r}, but {step} was saved from a model "
+                          f"with {saved!r}{MODEL_FIELDS[field]}",
+                          "the model the checkpoint was saved from, or a --load directory of "
+                          "this model's checkpoints")
     saved_batch = manifest.plan.get("global_batch_size")
     if saved_batch is not None and saved_batch != plan.global_batch_size \
             and not checkpoint.finetune:
