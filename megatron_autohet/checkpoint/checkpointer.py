@@ -45,6 +45,7 @@ from megatron_autohet.checkpoint.state import (RNG_KEY, TrainingProgress, common
                                                rng_sharded_object, snapshot)
 from megatron_autohet.checkpoint.writer import StepDirs, write_step
 from megatron_autohet.errors import ConfigError
+from megatron_autohet.runtime.device import enter_device, thread_device
 
 # Collectives of a save wait at most this long for a peer (a dead peer fails the save instead of
 # hanging the background writer forever).
@@ -84,6 +85,7 @@ class Checkpointer:
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self.dirs = self._save_dirs()
+        self.device = thread_device()       # the writer thread's CUDA device (None: CPU)
         self.snapshot_buffers = SnapshotBuffers()    # pinned host memory, reused every save
         self.group = dist.new_group(backend="gloo", timeout=CHECKPOINT_GROUP_TIMEOUT)
         self.s3 = None
@@ -211,6 +213,7 @@ class Checkpointer:
         from megatron_autohet.checkpoint.writer import SaveFailed
         from megatron_autohet.runtime.cpu_mode import cpu_mode_thread
 
+        enter_device(self.device)
         root = self.dirs.root(self.rank)
         start = time.perf_counter()
         with cpu_mode_thread():

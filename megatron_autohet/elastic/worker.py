@@ -50,6 +50,7 @@ from pathlib import Path
 
 from megatron_autohet.elastic.events import EventLog
 from megatron_autohet.elastic.fleet import Member, fleet_cluster, plan_ranks
+from megatron_autohet.elastic.hold import hold_file_from_env, wait_while_held
 from megatron_autohet.errors import ConfigError
 from megatron_autohet.plan import Plan, plan_from_dict
 from megatron_autohet.planner.replan import replan
@@ -417,6 +418,9 @@ class _StopCheck:
             seconds = time.monotonic() - self.worker.started
             events.emit("first_iteration", f"iteration {iteration} done {seconds:.2f} s after "
                         "this (re)start began", iteration=iteration, seconds=round(seconds, 3))
+        hold = hold_file_from_env()
+        if hold is not None:        # a test making a fleet event land after a known iteration
+            wait_while_held(hold, iteration, lambda: self.requests.signal_received is not None)
         action = self.requests.check(iteration)
         if action == "stop":
             self.stopped_at = time.monotonic()
