@@ -339,7 +339,8 @@ def mean_profile(profiles: list):
 
     from megatron_autohet.profiling.profile import Profile
 
-    out = Profile(profiles[0].model, precision=profiles[0].precision)
+    out = Profile(profiles[0].model, precision=profiles[0].precision,
+                  attention=profiles[0].attention)
     keys = dict.fromkeys(k for p in profiles for k in p.entries)
     for key in keys:
         copies = [p.entries[key] for p in profiles if key in p.entries]

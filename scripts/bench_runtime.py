@@ -166,9 +166,14 @@ def _rank_main(rank, world, port, plan_path, kinds, iters, data_dir, results):
         from megatron_autohet.plan import load_plan
         from megatron_autohet.runtime.cpu_mode import cpu_mode_required, enable_cpu_mode
 
-        if cpu_mode_required():
+        # One GPU per rank with NCCL where the machine has enough, else the CPU mode on gloo.
+        on_gpu = not cpu_mode_required() and torch.cuda.device_count() >= world
+        if on_gpu:
+            torch.cuda.set_device(rank)
+        else:
             enable_cpu_mode()
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+        dist.init_process_group("nccl" if on_gpu else "gloo",
+                                init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world)
         plan = load_plan(plan_path)
         data = build_global_batches(DataOptions(
@@ -185,6 +190,8 @@ def _rank_main(rank, world, port, plan_path, kinds, iters, data_dir, results):
                 dist.barrier()
                 wall, cpu = time.perf_counter(), time.process_time()
                 grad_norm = step(batches[i])
+                if on_gpu:      # the optimizer's update may still be queued on the GPU
+                    torch.cuda.synchronize()
                 out[kind]["wall"].append(time.perf_counter() - wall)
                 out[kind]["cpu"].append(time.process_time() - cpu)
                 out[kind]["grad_norm"].append(grad_norm)

@@ -22,9 +22,12 @@ So the proof is in two parts:
    rate 0, so iterations 1 and 2 see the same bf16 weights): every micro-batch runs exactly the
    reference's bf16 operations (P2P moves bf16 bits unchanged), so each loss is bit-identical and
    the grad norm differs only by fp32 sums, within ``PRE_UPDATE_NORM_REL`` = 1e-5 (50 fp32 ulps).
-   The same comparison between the fp32 and the bf16 reference shows a 5e-6 loss gap and a
-   ~7e-4 grad-norm gap, 70x the tolerance: the tolerance can fail, and it fails when the
-   main gradients are accumulated in bf16 instead of fp32 (checked when the test was written).
+   The same comparison between the fp32 and the bf16 reference shows 1e-6 and 5e-6 loss gaps
+   and grad-norm gaps of 1.1e-5 and 3.4e-4 in iterations 1 and 2 (with torch SDPA as core
+   attention, whose CPU kernel accumulates bf16 attention in fp32; megatron's unfused bf16
+   softmax made the gap ~7e-4 in both), the larger 34x the tolerance: the tolerance can fail,
+   and it fails when the main gradients are accumulated in bf16 instead of fp32 (checked when
+   the test was written).
 2. Every iteration of both a TP1 and a TP-changing plan (tiny-tp-change: TP2 -> TP1 -> TP2,
    bf16 P2P between TP degrees, asymmetric gradient sync) within bf16 bounds: the loss, a mean
    of ~15k fp32 cross-entropies of bf16 logits whose rounding differences are independent,
@@ -107,9 +110,10 @@ def test_bf16_heterogeneous_plan_trains_like_the_bf16_reference(plan_file,
         for i in range(PRE_UPDATE_ITERS):
             assert ours[i][0] == reference[i][0], (i, ours[i], reference[i])
             assert norm_rel[i] <= PRE_UPDATE_NORM_REL, (i, norm_rel, ours, reference)
-            # the tolerance can fail: fp32 against bf16 is far outside it
             assert fp32[i][0] != reference[i][0]
-            assert _rel(fp32[i][1], reference[i][1]) > 20 * PRE_UPDATE_NORM_REL, (fp32, reference)
+        # the tolerance can fail: fp32 against bf16 is far outside it
+        assert max(_rel(fp32[i][1], reference[i][1]) for i in range(PRE_UPDATE_ITERS)) \
+            > 20 * PRE_UPDATE_NORM_REL, (fp32, reference)
 
 
 def learnable_batches(model, rows: int, count: int) -> list[dict]:

@@ -257,3 +257,30 @@ def test_a_profile_in_fp32_prices_fp32_bytes():
     assert (s0.memory_gib - t0.memory_gib) * GIB == pytest.approx(2 * s0.param_count)
     assert t0.optimizer_s == pytest.approx(s0.optimizer_s * 28 / 30)
     assert fp32.grad_sync_s == pytest.approx(bf16.grad_sync_s)
+
+
+def test_stage_memory_follows_the_profiles_attention(tmp_path):
+    """The attention a profile was made for decides the layers' activation bytes the cost model
+    charges, survives a profile file, and estimates for another attention cannot fill it."""
+    from megatron_autohet.errors import ConfigError
+    from megatron_autohet.profiling.estimate import estimate_profile
+
+    b, s, a = 1, 32, MODEL.num_attention_heads
+    flash, unfused = (estimate_profile(MODEL, CLUSTER, b, s, [1], attention=kind)
+                      for kind in ("flash", "unfused"))
+    memory = {p.attention: evaluate_plan(_plan(), CLUSTER, p).pipelines[0].stages[0].memory_gib
+              for p in (flash, unfused)}
+    # stage 0 of pipeline 0: 2 layers x 2 micro-batches in flight
+    assert (memory["unfused"] - memory["flash"]) * GIB == pytest.approx(
+        2 * 2 * (5 * a * s * s * b - 4 * a * s * b))
+    path = tmp_path / "profile.yaml"
+    unfused.save(path)
+    assert "attention: unfused" in path.read_text()
+    assert Profile.load(path).attention == "unfused"
+    with pytest.raises(ValueError, match="a profile of unfused attention cannot take entries "
+                                         "estimated for flash attention"):
+        unfused.merged_over(flash)
+    path.write_text(path.read_text().replace("attention: unfused", "attention: fused"))
+    with pytest.raises(ConfigError, match="field 'attention': got 'fused' "
+                                          r"\(allowed: flash, unfused\)"):
+        Profile.load(path)

@@ -21,7 +21,7 @@ def test_flops_match_the_24bsh2_plus_4bs2h_rule():
 def test_korthikanti_activation_formula_without_flash():
     b, s, h, a, t = 2, 32, 64, 4, 2
     expected = s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
-    assert layer_activation_bytes(GPT, t, b, s, flash_attention=False) == pytest.approx(expected)
+    assert layer_activation_bytes(GPT, t, b, s, attention="unfused") == pytest.approx(expected)
 
 
 def test_param_count_per_shard():
@@ -56,3 +56,20 @@ def test_estimates_are_marked_and_faster_gpus_are_faster():
     tp2 = estimate_entry(model, cluster.gpu_types["A100-80GB"], 2, 1, 2048, 300)
     assert tp2.layer.forward_s < a100.layer.forward_s
     assert tp2.layer.activation_bytes_recompute == 1 * 2048 * 2048 * 2
+
+
+def test_attention_kind_sets_the_score_terms_and_is_recorded():
+    b, s, a, t = 2, 32, 4, 2
+    flash = layer_activation_bytes(GPT, t, b, s, attention="flash")
+    unfused = layer_activation_bytes(GPT, t, b, s, attention="unfused")
+    # unfused keeps softmax output (2 B), dropout mask (1 B) and dropout output (2 B) per score;
+    # flash keeps one fp32 log-sum-exp per query row and head
+    assert unfused - flash == pytest.approx((5 * a * s * s * b - 4 * a * s * b) / t)
+    with pytest.raises(ValueError, match="attention 'fused' is not one of"):
+        layer_activation_bytes(GPT, t, b, s, attention="fused")
+    cluster = load_cluster("configs/clusters/a100-h800-h20.yaml")
+    for attention, per_layer in (("flash", flash), ("unfused", unfused)):
+        profile = estimate_profile(GPT, cluster, b, s, [t], attention=attention)
+        assert profile.attention == attention
+        assert {e.layer.activation_bytes for e in profile.entries.values()} == {per_layer}
+    assert estimate_profile(GPT, cluster, b, s, [t]).attention == "flash"   # the runtime's

@@ -16,9 +16,9 @@ bytes of its live tensors are counted:
 
 They must equal the cost model's figure EXACTLY. Activations: the tensors autograd saves for the
 backward of one transformer layer on one micro-batch (``saved_tensors_hooks``, storages counted
-once) against ``layer_activation_bytes(..., flash_attention=False)`` (the unfused attention that
-megatron's local layer runs on CPU), per layer so that changes to the output layer's or the
-stage's total memory model do not matter here.
+once) against ``layer_activation_bytes(..., attention="flash")`` (the runtime's torch SDPA core
+attention keeps no score matrix, runtime/attention.py), per layer so that changes to the output
+layer's or the stage's total memory model do not matter here.
 """
 
 from __future__ import annotations
@@ -197,16 +197,10 @@ def _saved_layer_bytes(rank, world, plan, precision_name):
     return sum(storages.values())
 
 
-# Where the runtime's layer and the estimate's (a GPU with megatron's fused softmax kernel)
-# legitimately differ, in bytes for one micro-batch:
-# * dropout: this test trains with dropout 0 (the default), so there are no masks (two 1-byte sbh masks
-#   after the row-parallel linears, a 1-byte a s^2 b attention mask) and no attention-dropout
-#   output (2 a s^2 b: the context matmul keeps the softmax output itself);
-# * softmax: without the fused kernel megatron's FusedScaleMaskSoftmax computes the softmax in
-#   fp32 (attention_softmax_in_fp32) and autograd keeps that fp32 output (4 a s^2 b) besides the
-#   bf16 probabilities the estimate counts.
-# What is left must agree within 2%: LayerNorm statistics (fp32-sized per row) and the causal
-# mask are not in the estimate (1.1% here).
+# Where the runtime's layer and the estimate legitimately differ, in bytes for one micro-batch:
+# this test trains with dropout 0 (the default), so the two 1-byte sbh dropout masks after the
+# row-parallel linears are not there. What is left must agree within 2%: LayerNorm statistics
+# (fp32-sized per row) are not in the estimate (0.4% here).
 ACTIVATION_REL = 0.02
 
 
@@ -214,12 +208,9 @@ def test_saved_activations_of_a_bf16_layer_match_the_estimate():
     plan = load_plan(PLANS / "tiny-homogeneous.yaml")
     model = plan.model
     measured = run_on_ranks(1, _saved_layer_bytes, _one_rank(plan), "bf16")[0]
-    s, b, h, a = plan.seq_length, plan.micro_batch_size, model.hidden_size, \
-        model.num_attention_heads
-    no_dropout = 2 * s * b * h + a * s * s * b + 2 * a * s * s * b
-    unfused_softmax = 4 * a * s * s * b
-    estimate = layer_activation_bytes(model, 1, b, s, flash_attention=False)
-    expected = estimate - no_dropout + unfused_softmax
+    s, b, h = plan.seq_length, plan.micro_batch_size, model.hidden_size
+    estimate = layer_activation_bytes(model, 1, b, s, attention="flash")
+    expected = estimate - 2 * s * b * h
     assert abs(measured - expected) <= ACTIVATION_REL * expected, (measured, expected, estimate)
 
 

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -81,12 +82,18 @@ def test_unknown_lr_decay_style_is_refused_by_argparse(capsys):
 def test_megatron_log_line_format():
     rec = IterationRecord.make(iteration=3, train_iters=10, global_batch_size=8, seq_length=64,
                                elapsed_s=0.3124, learning_rate=1e-4, lm_loss=6.23812,
-                               grad_norm=1.2341)
+                               grad_norm=1.2341, flops_per_iteration=2.5e14, world_size=4,
+                               max_allocated_bytes=None)
     line = megatron_line(rec)
     assert line.startswith(f" [{rec.timestamp}] iteration        3/      10 |")
     assert ("| consumed samples:           24 | elapsed time per iteration (ms): 312.4 |"
+            " throughput per GPU (TFLOP/s/GPU): 200.1 |"
             " learning rate: 1.000000E-04 | global batch size:     8 | lm loss: 6.238120E+00 |"
             " grad norm: 1.234 | tokens per second: 1638.9 |") in line
+    assert line.endswith("tokens per second: 1638.9 |")     # no CUDA allocator on a CPU
+    on_gpu = replace(rec, mem_max_allocated_gigabytes=29.3125)
+    assert megatron_line(on_gpu).endswith(
+        "tokens per second: 1638.9 | mem-max-allocated-gigabytes: 29.31 |")
 
 
 @pytest.mark.parametrize("distributed_optimizer", ["", "flag", "plan", "bf16"])
@@ -117,6 +124,8 @@ def test_train_two_pipelines_three_iterations(tmp_path, distributed_optimizer):
     assert abs(losses[0] - math.log(512)) < 0.5      # untrained: about uniform over the vocab
     assert losses[-1] < losses[0]
     assert all(r["grad_norm"] > 0 and r["tokens_per_second"] > 0 for r in records)
+    assert all(r["throughput_tflops_per_gpu"] > 0 and r["mem_max_allocated_gigabytes"] is None
+               for r in records)
     # Megatron's warm-up (from 0 over 1 iteration) then cosine decay over iterations 1..3, logged
     # as Megatron-LM logs it: the rate after the iteration's scheduler step.
     def cosine(done):

@@ -76,10 +76,11 @@ def run(args) -> int:
     if cluster is not None:
         from megatron_autohet.profiling.estimate import estimate_profile
 
-        estimated = Profile(model.name)
+        estimated = Profile(model.name, attention=profile.attention)
         for mbs in args.micro_batch_size:
             for seq in seq_lengths:
-                estimated = estimate_profile(model, cluster, mbs, seq, args.tp).merged_over(estimated)
+                estimated = estimate_profile(model, cluster, mbs, seq, args.tp,
+                                             profile.attention).merged_over(estimated)
         profile = profile.calibrated_over(estimated)
     profile.save(args.output)
     print(format_profile(profile))

@@ -164,8 +164,12 @@ def resolve_profile(cluster: Cluster, model: ModelSpec, profile: Profile | None,
                     micro_batch_size: int, seq_length: int) -> Profile:
     """The given profile, with analytic estimates for the entries it lacks, calibrated by its
     measured entries (Profile.calibrated_over)."""
-    estimate = estimate_profile(model, cluster, micro_batch_size, seq_length)
-    return estimate if profile is None else profile.calibrated_over(estimate)
+    if profile is None:
+        return estimate_profile(model, cluster, micro_batch_size, seq_length)
+    # estimated for the attention the profile's layers ran (its activation bytes depend on it)
+    estimate = estimate_profile(model, cluster, micro_batch_size, seq_length,
+                                attention=profile.attention)
+    return profile.calibrated_over(estimate)
 
 
 def default_max_stages(problem: Problem, pools: list[Pool]) -> int:

@@ -25,8 +25,10 @@ Symbols: b micro-batch size, s sequence length, h hidden size, a attention heads
 * Activation memory per layer and micro-batch follows Korthikanti et al. ("Reducing Activation
   Recomputation in Large Transformer Models", 2022), whose GPT layer keeps
   ``s b h (10 + 24 / t + 5 a s / (h t))`` bytes with TP and no sequence parallelism. We derive the
-  same terms for general f, GQA and gated MLPs (see :func:`layer_activation_bytes`); with
-  FlashAttention the ``a s^2`` score terms are replaced by the softmax statistics (fp32 per row).
+  same terms for general f, GQA and gated MLPs (see :func:`layer_activation_bytes`); with fused
+  attention (``attention="flash"``: the runtime's torch SDPA or Transformer Engine, see
+  profiling/profile.py ``ATTENTIONS``) the ``a s^2`` score terms are replaced by the softmax
+  statistics (fp32 per row); ``"unfused"`` (megatron's DotProductAttention) keeps them.
   Under full activation recompute only the layer input (2 s b h bytes) stays alive.
 * Parameters are counted per TP shard, as megatron-core builds the layer: weight matrices are
   divided by t, biases of row-parallel layers and norms are replicated. GPT layers have linear
@@ -40,7 +42,8 @@ Every OpCost made here has ``source="estimated"``; measured profiles replace the
 from __future__ import annotations
 
 
-from megatron_autohet.profiling.profile import OpCost, Profile, ProfileEntry
+from megatron_autohet.profiling.profile import (DEFAULT_ATTENTION, OpCost, Profile, ProfileEntry,
+                                                check_attention)
 from megatron_autohet.spec.cluster import Cluster
 from megatron_autohet.spec.gpus import GPUType
 from megatron_autohet.spec.model import ModelSpec
@@ -98,7 +101,7 @@ def layer_param_count(model: ModelSpec, tp: int) -> int:
 
 
 def layer_activation_bytes(model: ModelSpec, tp: int, micro_batch_size: int, seq_length: int,
-                           flash_attention: bool) -> float:
+                           attention: str) -> float:
     """Bytes one layer keeps from forward to backward for one micro-batch (bf16, dropout masks 1B).
 
     Korthikanti et al.'s terms, generalised (sbh = s*b*h):
@@ -108,17 +111,20 @@ def layer_activation_bytes(model: ModelSpec, tp: int, micro_batch_size: int, seq
     * split by TP: Q (2 sbh), K and V (2 * 2 sbh g/a), the projection input (2 sbh), the MLP's
       activation-function input and output (2 * 2 s b f, three f-wide tensors when gated);
     * attention scores (split by TP): softmax output (2 a s^2 b), dropout mask (a s^2 b), dropout
-      output (2 a s^2 b); FlashAttention keeps only fp32 log-sum-exp statistics (4 a s b).
+      output (2 a s^2 b) with ``attention="unfused"``; with ``"flash"`` only the fp32
+      log-sum-exp statistics (4 a s b).
 
-    With f = 4h, g = a and no flash this is s b h (10 + 24/t + 5 a s / (h t)), the paper's formula.
+    With f = 4h, g = a and unfused attention this is s b h (10 + 24/t + 5 a s / (h t)), the
+    paper's formula.
     """
+    check_attention(attention)
     b, s, h, f, a = micro_batch_size, seq_length, model.hidden_size, model.ffn_hidden_size, \
         model.num_attention_heads
     sbh = s * b * h
     kv_ratio = model.num_query_groups / a
     replicated = 10 * sbh
     split = (2 + 4 * kv_ratio + 2) * sbh + (6 if model.gated_linear_unit else 4) * s * b * f
-    scores = 4 * a * s * b if flash_attention else 5 * a * s * s * b
+    scores = 4 * a * s * b if attention == "flash" else 5 * a * s * s * b
     return replicated + (split + scores) / tp
 
 
@@ -130,8 +136,9 @@ def _timed(flops: float, traffic_bytes: float, gpu: GPUType) -> float:
 
 def estimate_entry(model: ModelSpec, gpu: GPUType, tp: int, micro_batch_size: int,
                    seq_length: int, intra_node_bandwidth_gbs: float,
-                   flash_attention: bool = True) -> ProfileEntry:
-    """Estimated costs of one micro-batch on one GPU of a TP group of ``tp`` GPUs of type ``gpu``."""
+                   attention: str = DEFAULT_ATTENTION) -> ProfileEntry:
+    """Estimated costs of one micro-batch on one GPU of a TP group of ``tp`` GPUs of type ``gpu``
+    whose layers run ``attention`` (profile.py ``ATTENTIONS``)."""
     b, s, h = micro_batch_size, seq_length, model.hidden_size
     act_elem_bytes = ACTIVATION_DTYPE_BYTES
     hidden_bytes = b * s * h * act_elem_bytes              # one [s, b, h] activation tensor
@@ -140,7 +147,7 @@ def estimate_entry(model: ModelSpec, gpu: GPUType, tp: int, micro_batch_size: in
     # Transformer layer. Memory traffic: read the weight shard once per pass, write and read back
     # every stored activation (forward writes them, backward reads them and writes gradients).
     params = layer_param_count(model, tp)
-    activations = layer_activation_bytes(model, tp, b, s, flash_attention)
+    activations = layer_activation_bytes(model, tp, b, s, attention)
     flops = layer_forward_flops(model, tp, b, s)
     fwd_traffic = params * act_elem_bytes + 2 * activations
     layer = OpCost(
@@ -181,10 +188,11 @@ def estimate_entry(model: ModelSpec, gpu: GPUType, tp: int, micro_batch_size: in
 
 
 def estimate_profile(model: ModelSpec, cluster: Cluster, micro_batch_size: int, seq_length: int,
-                     tp_degrees: list[int] | None = None) -> Profile:
+                     tp_degrees: list[int] | None = None,
+                     attention: str = DEFAULT_ATTENTION) -> Profile:
     """Estimated entries for every GPU type of the cluster x TP degree (default: all valid ones
-    that fit in a node of that type)."""
-    profile = Profile(model.name)
+    that fit in a node of that type), for layers that run ``attention``."""
+    profile = Profile(model.name, attention=attention)
     for node in cluster.nodes:
         gpu = cluster.gpu_types[node.gpu]
         degrees = tp_degrees if tp_degrees is not None else model.valid_tp_degrees(node.num_gpus)
@@ -192,5 +200,5 @@ def estimate_profile(model: ModelSpec, cluster: Cluster, micro_batch_size: int, 
             if profile.has(gpu.name, tp, micro_batch_size, seq_length):
                 continue
             profile.add(estimate_entry(model, gpu, tp, micro_batch_size, seq_length,
-                                       node.intra_node_bandwidth_gbs))
+                                       node.intra_node_bandwidth_gbs, attention))
     return profile

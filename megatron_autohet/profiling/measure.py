@@ -2,10 +2,11 @@
 
 What is measured is megatron-core's own code, built as the runtime builds it for training:
 the config comes from ``runtime.stage_model.transformer_config`` (norm, biases, activation,
-dropout and precision as trained: bf16 on a GPU, fp32 on a CPU, runtime/mixed_precision.py's
-``default_precision``; on a GPU the fused kernels differ) and the layer spec
-and final norm from ``stage_model.stage_layer_spec`` (local spec, or Transformer Engine's when it
-imports and a GPU is present):
+fusions, dropout and precision as trained: bf16 on a GPU, fp32 on a CPU, spec/precision.py's
+``default_precision``) and the layer spec and final norm from ``stage_model.stage_layer_spec``
+(Transformer Engine's when it imports and a GPU is present, else megatron's local layer with
+torch SDPA as core attention); the profile records which attention that is
+(``Profile.attention``, runtime/attention.py ``attention_kind``):
 
 * ``layer``: one ``TransformerLayer`` of that spec;
 * ``embedding``: ``LanguageModelEmbedding`` (a ``VocabParallelEmbedding``, plus learned positions
@@ -130,8 +131,7 @@ def measure_profile(model: ModelSpec, tp_degrees: list[int], micro_batch_sizes: 
                 "%d warm-up + %d timed iterations each", model.name, gpu,
                 accelerator[0] if accelerator else "CPU", tp_degrees, micro_batch_sizes,
                 seq_lengths, warmup, iters)
-    # in the precision the runtime trains in on this device, as the workers measure
-    profile = Profile(model.name, precision=default_precision(on_gpu=accelerator is not None))
+    entries, attentions = [], set()
     total = len(tp_degrees) * len(micro_batch_sizes) * len(seq_lengths)
     context = mp.get_context("spawn")
     with tqdm(total=total, desc="measuring", unit="entry", disable=not progress) as bar:
@@ -146,18 +146,25 @@ def measure_profile(model: ModelSpec, tp_degrees: list[int], micro_batch_sizes: 
             # Rank 0 reports each finished entry; join() raises if any rank failed.
             while received < expected:
                 try:
-                    entry = done.get(timeout=0.5)
+                    attention, entry = done.get(timeout=0.5)
                 except queue_module.Empty:
                     if workers.join(timeout=0):
                         raise RuntimeError(f"measurement processes for TP={tp} exited after "
                                            f"{received} of {expected} entries") from None
                     continue
-                profile.add(entry_from_dict(entry, "<measurement>"))
+                entries.append(entry_from_dict(entry, "<measurement>"))
+                attentions.add(attention)
                 received += 1
                 bar.set_postfix_str(f"tp={tp} mbs={entry['micro_batch_size']} "
                                     f"seq={entry['seq_length']}")
                 bar.update(1)
             workers.join()
+    (attention,) = attentions        # one layer spec per machine (runtime/stage_model.py)
+    # in the precision the runtime trains in on this device, as the workers measure
+    profile = Profile(model.name, precision=default_precision(on_gpu=accelerator is not None),
+                      attention=attention)
+    for entry in entries:
+        profile.add(entry)
     return profile
 
 
@@ -196,13 +203,13 @@ def _worker(rank: int, request: MeasureRequest, done) -> None:
         model_parallel_cuda_manual_seed(1234)
         bench = _Bench(request, on_gpu)
         if rank == 0:
-            print(f"> TP={request.tp}: layer {bench.layer_kind}, {bench.dtype}, "
-                  f"{'GPU' if on_gpu else 'CPU'}", flush=True)
+            print(f"> TP={request.tp}: layer {bench.layer_kind}, {bench.attention} attention, "
+                  f"{bench.dtype}, {'GPU' if on_gpu else 'CPU'}", flush=True)
         for mbs in request.micro_batch_sizes:
             for seq in request.seq_lengths:
                 entry = bench.measure_entry(mbs, seq)
                 if rank == 0:
-                    done.put(entry)
+                    done.put((bench.attention, entry))
     finally:
         # Megatron's groups first (they live in the default group), also when a measurement raised.
         parallel_state.destroy_model_parallel()
@@ -213,29 +220,27 @@ class _Bench:
     """Builds the three parts once per TP degree and times them for each batch shape."""
 
     def __init__(self, request: MeasureRequest, on_gpu: bool):
-        import torch
         from megatron.core.transformer.spec_utils import build_module
 
+        from megatron_autohet.runtime.attention import attention_kind
         from megatron_autohet.runtime.mixed_precision import param_dtype
-        from megatron_autohet.runtime.stage_model import stage_layer_spec, transformer_config
+        from megatron_autohet.runtime.stage_model import (model_device, stage_layer_spec,
+                                                          transformer_config)
 
         self.request, self.on_gpu = request, on_gpu
-        self.device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+        self.device = model_device()
         # The precision the runtime trains in on this device (bf16 on a GPU, fp32 on CPU), and
-        # the runtime's own config and layer spec (norm, biases, activation, dropout, init), so
-        # the measured layer is the trained one; on a GPU only the fused kernels (which compute
-        # the same thing) differ from the runtime's CPU-safe config.
+        # the runtime's own config and layer spec (norm, biases, activation, fusions, attention,
+        # dropout, init), so the measured layer is the trained one.
         precision = default_precision(on_gpu)
         self.dtype = param_dtype(precision)
-        self.config = transformer_config(
-            request.model, request.tp, precision=precision,
-            bias_activation_fusion=on_gpu and request.model.linear_biases,
-            masked_softmax_fusion=on_gpu,
-            bias_dropout_fusion=on_gpu,
-        )
+        self.config = transformer_config(request.model, request.tp, precision=precision)
         layer_spec, final_norm = stage_layer_spec(self.config)
         self.layer = build_module(layer_spec, config=self.config, layer_number=1).to(self.device)
+        core_attention = self.layer.self_attention.core_attention
+        self.attention = attention_kind(core_attention)
         self.layer_kind = (f"{type(self.layer.self_attention.linear_qkv).__name__} / "
+                           f"{type(core_attention).__name__} / "
                            f"{final_norm.__name__} ({self.config.normalization})")
         # In the model's dtype as the stage model casts it (the learned position embedding is a
         # torch.nn.Embedding megatron builds in fp32).

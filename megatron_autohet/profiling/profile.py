@@ -7,13 +7,16 @@ by how far the estimates missed on the measured GPU types (:meth:`Profile.calibr
 A profile also says in which precision its figures are (``precision``, spec/precision.py): the
 one the job trains in, which the cost model then counts activation, P2P and state bytes in -
 bf16 for the estimates and on GPUs, fp32 for a profile measured on a CPU (the runtime's CPU
-mode trains fp32). Profiles are plain YAML or JSON (chosen by file suffix) so users can keep,
-edit and reuse them.
+mode trains fp32), and which attention its layers ran (``attention``, ``ATTENTIONS``): the
+activation bytes of a layer depend on it (profiling/estimate.py ``layer_activation_bytes``), and
+the estimates filling a measured profile's gaps must assume the same. Profiles are plain YAML
+or JSON (chosen by file suffix) so users can keep, edit and reuse them.
 
 File form::
 
     model: gpt3-1.3b
     precision: bf16            # optional, default bf16
+    attention: flash           # optional, default flash
     entries:
       - {gpu: A100-80GB, tp: 2, micro_batch_size: 1, seq_length: 2048,
          layer:     {forward_s: ..., backward_s: ..., activation_bytes: ...,
@@ -39,6 +42,17 @@ from megatron_autohet.spec.precision import PLANNING_PRECISION, PRECISIONS, Prec
 # estimate scaled by the measured-to-estimated ratio of measured entries (Profile.calibrated_over).
 SOURCES = ("measured", "calibrated", "estimated")
 PARTS = ("layer", "embedding", "output")
+# How a layer computes attention, as far as its memory goes. flash: a fused kernel that keeps only
+# per-row softmax statistics for backward (the runtime's torch SDPA - flash, memory-efficient or
+# cuDNN - or Transformer Engine's fused attention); unfused: megatron-core's DotProductAttention,
+# which keeps the [b, heads, s, s] softmax output, dropout mask and dropout output.
+ATTENTIONS = ("flash", "unfused")
+DEFAULT_ATTENTION = "flash"       # what runtime/stage_model.py builds (SDPA or TE)
+
+
+def check_attention(attention: str) -> None:
+    if attention not in ATTENTIONS:
+        raise ValueError(f"attention {attention!r} is not one of {ATTENTIONS}")
 
 
 @dataclass(frozen=True)
@@ -73,6 +87,10 @@ class Profile:
     model: str
     entries: dict[tuple[str, int, int, int], ProfileEntry] = field(default_factory=dict)
     precision: Precision = PLANNING_PRECISION      # the figures' (and the job's) numerics
+    attention: str = DEFAULT_ATTENTION             # ATTENTIONS: what the measured layers ran
+
+    def __post_init__(self):
+        check_attention(self.attention)
 
     def add(self, entry: ProfileEntry) -> None:
         self.entries[entry.key] = entry
@@ -94,8 +112,12 @@ class Profile:
 
     def merged_over(self, base: "Profile") -> "Profile":
         """This profile's entries, with ``base`` filling the keys this one lacks; in this
-        profile's precision."""
-        out = Profile(self.model, dict(base.entries), self.precision)
+        profile's precision. ``base`` must be for the same attention (ValueError: its activation
+        bytes would be another layer's)."""
+        if base.attention != self.attention:
+            raise ValueError(f"a profile of {self.attention} attention cannot take entries "
+                             f"estimated for {base.attention} attention")
+        out = Profile(self.model, dict(base.entries), self.precision, self.attention)
         out.entries.update(self.entries)
         return out
 
@@ -141,6 +163,7 @@ class Profile:
     # ---- files -------------------------------------------------------------------------------
     def to_dict(self) -> dict:
         return {"model": self.model, "precision": self.precision.name,
+                "attention": self.attention,
                 "entries": [asdict(e) for e in sorted(self.entries.values(), key=lambda e: e.key)]}
 
     def save(self, path: str | Path) -> None:
@@ -166,14 +189,17 @@ class Profile:
     def from_dict(cls, data, file="<profile>") -> "Profile":
         if not isinstance(data, dict) or not isinstance(data.get("model"), str):
             raise ConfigError(file, "model", "missing", "the model name the profile was made for")
-        check_keys(data, {"model", "precision", "entries"}, file, "")
+        check_keys(data, {"model", "precision", "attention", "entries"}, file, "")
         entries = data.get("entries")
         if not isinstance(entries, list):
             raise ConfigError(file, "entries", "missing or not a list", "a list of entries")
         precision = get_field(data, "precision", str, file, default=PLANNING_PRECISION.name)
         if precision not in PRECISIONS:
             raise ConfigError(file, "precision", f"got {precision!r}", ", ".join(PRECISIONS))
-        profile = cls(data["model"], precision=PRECISIONS[precision])
+        attention = get_field(data, "attention", str, file, default=DEFAULT_ATTENTION)
+        if attention not in ATTENTIONS:
+            raise ConfigError(file, "attention", f"got {attention!r}", ", ".join(ATTENTIONS))
+        profile = cls(data["model"], precision=PRECISIONS[precision], attention=attention)
         for i, raw in enumerate(entries):
             profile.add(entry_from_dict(raw, file, f"entries[{i}]"))
         return profile

@@ -24,6 +24,9 @@ Public API
     For every local parameter name (``model.named_parameters()``): its global name and where the
     local tensor sits in the full one (layout/params.py).
 ``stage_layer_spec(config)``, ``TorchNorm``: the layer spec the stage uses and its norm.
+``layer_spec_name() -> str``: which spec that is here, ``"te"`` or ``"sdpa"`` (``LAYER_SPECS``).
+``agree_layer_spec(device) -> str``: every rank builds the same spec, or a ConfigError on all.
+``model_device() -> torch.device``: the current CUDA device, or the CPU in CPU mode.
 
 Design (why)
 ------------
@@ -34,8 +37,18 @@ Design (why)
   stage index from ``pg_collection.pp.rank()`` and the parallel_state globals (both installed by
   ``build_parallel_state``), so ``TransformerLayer.layer_number`` is the 1-based GLOBAL number.
   The config is per rank anyway: pipelines differ in depth and stages in TP degree.
-* Local layer spec (no Transformer Engine) on CPU or when TE is missing; TE spec on a GPU with TE.
-  megatron's torch-norm fallback (``WrappedTorchNorm``, used when Apex is absent) refuses
+* TE spec on a GPU where Transformer Engine imports; elsewhere megatron-core's local layer with
+  torch's scaled_dot_product_attention as core attention (runtime/attention.py: flash /
+  memory-efficient / cuDNN kernels instead of megatron's unfused scores and softmax, which on
+  one H100 ran 2.19x slower and held 18 GiB more for GPT-3 1.3B). The profiler
+  (profiling/measure.py) and the stock baseline (runtime/stock.py) build the same layer.
+  The TE layer names its parameters differently (norms inside ``linear_qkv``/``linear_fc1``,
+  ``_extra_state``), so one job runs one spec: ``agree_layer_spec`` refuses a fleet where some
+  nodes import TE and others do not (their name-sorted gradient buckets would pair different
+  parameters). Checkpoint keys do not depend on the core attention: both the SDPA and the
+  unfused local layer name the norms TE-style (``linear_qkv.layer_norm_weight``) in
+  ``sharded_state_dict`` (tests/test_attention.py).
+* megatron's torch-norm fallback (``WrappedTorchNorm``, used when Apex is absent) refuses
   ``sequence_parallel`` (transformer/torch_norm.py:32); :class:`TorchNorm` is the same torch norm
   but tags its parameters ``.sequence_parallel`` as Megatron's fused norms do, so the grad sync
   sums their partial gradients over TP (runtime/grad_sync.py). This is not a CPU issue (a GPU
@@ -64,6 +77,7 @@ import re
 
 import torch
 
+from megatron_autohet.errors import ConfigError
 from megatron_autohet.layout.params import ParamLayout, global_param_name
 from megatron_autohet.plan import Plan
 from megatron_autohet.runtime.init import INIT_METHOD_STD, initialize_parameters
@@ -161,24 +175,65 @@ def _use_transformer_engine() -> bool:
     return True
 
 
+# The layer specs a rank can build, by the name ranks compare at start-up (agree_layer_spec).
+LAYER_SPECS = ("te", "sdpa")
+
+
+def layer_spec_name() -> str:
+    """"te" (Transformer Engine's layer: on a GPU where it imports) or "sdpa" (megatron-core's
+    local layer with torch SDPA as core attention, runtime/attention.py)."""
+    return "te" if _use_transformer_engine() else "sdpa"
+
+
 def stage_layer_spec(config):
-    """(layer spec, final-norm module) for this stage's TransformerBlock."""
+    """(layer spec, final-norm module) for this stage's TransformerBlock (:func:`layer_spec_name`
+    says which)."""
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-    if _use_transformer_engine():
+    if layer_spec_name() == "te":
         from megatron.core.extensions.transformer_engine import TENorm
         from megatron.core.models.gpt.gpt_layer_specs import \
             get_gpt_layer_with_transformer_engine_spec
         # TE's norms follow config.normalization; the layer norms are fused into the linears.
         return get_gpt_layer_with_transformer_engine_spec(), TENorm
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from megatron_autohet.runtime.attention import SDPAttention
     spec = get_gpt_layer_local_spec(normalization=config.normalization)
     sub = spec.submodules
     swap = {f.name: TorchNorm for f in dataclasses.fields(sub)
             if f.name in ("input_layernorm", "pre_mlp_layernorm")
             and getattr(sub, f.name) is WrappedTorchNorm}
-    spec = dataclasses.replace(spec, submodules=dataclasses.replace(sub, **swap))
+    attention = sub.self_attention
+    attention = dataclasses.replace(attention, submodules=dataclasses.replace(
+        attention.submodules, core_attention=SDPAttention))
+    spec = dataclasses.replace(spec, submodules=dataclasses.replace(
+        sub, self_attention=attention, **swap))
     return spec, spec.submodules.input_layernorm
+
+
+def agree_layer_spec(device, file: str = "<fleet>") -> str:
+    """This rank's :func:`layer_spec_name`, once every rank of the default group has checked it
+    builds the same one (collective; ``device``: where the default group's tensors live - CUDA
+    for NCCL). Transformer Engine's layer names its parameters differently (the norms inside
+    ``linear_qkv``/``linear_fc1``), so ranks of one job on different specs would pair different
+    parameters in the name-sorted gradient buckets; a mismatch is a ConfigError on every rank."""
+    import torch.distributed as dist
+
+    name = layer_spec_name()
+    mine = torch.tensor([LAYER_SPECS.index(name)], dtype=torch.int64, device=device)
+    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, mine)
+    names = [LAYER_SPECS[int(t.item())] for t in gathered]
+    if len(set(names)) > 1:
+        by_spec = {spec: [r for r, n in enumerate(names) if n == spec]
+                   for spec in LAYER_SPECS if spec in names}
+        raise ConfigError(file, "layer spec",
+                          "ranks build different layers: " + ", ".join(
+                              f"{spec} on ranks {ranks}" for spec, ranks in by_spec.items()),
+                          "one spec per job: Transformer Engine importable on every GPU node "
+                          "(te) or on none (sdpa)")
+    return name
 
 
 def build_stage_model(model_spec: ModelSpec, state, *, seed: int, sequence_parallel: bool = False,
@@ -213,10 +268,7 @@ def build_stage_model(model_spec: ModelSpec, state, *, seed: int, sequence_paral
         pg_collection=state.pg_collection)
     # What megatron-LM's Float16Module does to a 16-bit model: some modules (the learned position
     # embedding, a torch.nn.Embedding) are built in fp32 whatever params_dtype says.
-    model.to(config.params_dtype)
-    from megatron_autohet.runtime.cpu_mode import cpu_mode_enabled
-    if torch.cuda.is_available() and not cpu_mode_enabled():
-        model.cuda(torch.cuda.current_device())
+    model.to(model_device(), config.params_dtype)
     for local_index, layer in enumerate(model.decoder.layers):
         expected = role.stage.layers[0] + local_index + 1
         if layer.layer_number != expected:              # megatron's offset logic disagrees
@@ -226,6 +278,14 @@ def build_stage_model(model_spec: ModelSpec, state, *, seed: int, sequence_paral
     initialize_parameters(((p, layouts[n]) for n, p in model.named_parameters()), model_spec,
                           seed)
     return model
+
+
+def model_device() -> torch.device:
+    """Where a stage model lives: this process's current CUDA device, or the CPU (CPU mode)."""
+    from megatron_autohet.runtime.cpu_mode import cpu_mode_enabled
+    if torch.cuda.is_available() and not cpu_mode_enabled():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def param_layouts(model, state) -> dict[str, ParamLayout]:

@@ -97,15 +97,15 @@ class StockMegatronTrainer:
                                                DistributedDataParallelConfig,
                                                finalize_model_grads)
         from megatron.core.models.gpt import GPTModel
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.transformer.module import Float16Module
 
         from megatron_autohet.layout.topology import rank_role
         from megatron_autohet.runtime.init import initialize_parameters
         from megatron_autohet.runtime.mixed_precision import param_dtype
-        from megatron_autohet.runtime.stage_model import (param_layouts, plan_padded_vocab_size,
-                                                          transformer_config)
+        from megatron_autohet.runtime.stage_model import (model_device, param_layouts,
+                                                          plan_padded_vocab_size,
+                                                          stage_layer_spec, transformer_config)
 
         check_homogeneous(plan)
         self.plan = plan
@@ -123,7 +123,9 @@ class StockMegatronTrainer:
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
         config = transformer_config(plan.model, tp, pipeline_layers=[s.layers for s in stages],
                                     precision=precision)
-        model = GPTModel(config, get_gpt_layer_local_spec(),
+        # The runtime's layer (Transformer Engine's, or megatron's local layer with torch SDPA as
+        # core attention): comparisons are of the systems, not of two attention kernels.
+        model = GPTModel(config, stage_layer_spec(config)[0],
                          vocab_size=plan_padded_vocab_size(plan),
                          max_sequence_length=plan.model.seq_length,
                          pre_process=mps.is_pipeline_first_stage(),
@@ -133,6 +135,10 @@ class StockMegatronTrainer:
         self.layouts = layouts = param_layouts(model, SimpleNamespace(plan=plan, role=role))
         initialize_parameters(((p, layouts[n]) for n, p in model.named_parameters()),
                               plan.model, seed)
+        # Megatron-LM's get_model: on the GPU before the 16-bit wrapper (which refuses CPU
+        # parameters when CUDA is there); the batches follow the model.
+        self.device = model_device()
+        model.to(self.device)
         mixed = bool(precision.master_bytes)
         if mixed:       # Megatron-LM's get_model: the 16-bit module casts inputs and outputs
             model = Float16Module(config, model)
@@ -169,7 +175,8 @@ class StockMegatronTrainer:
         self.optimizer.zero_grad()
         local = microbatches(global_batch, plan.micro_batch_size, role.microbatch_offset, count)
         losses = get_forward_backward_func()(
-            forward_step_func=_forward_step, data_iterator=iter(local), model=[self.model],
+            forward_step_func=partial(_forward_step, self.device), data_iterator=iter(local),
+            model=[self.model],
             num_microbatches=count, seq_length=plan.seq_length,
             micro_batch_size=plan.micro_batch_size, forward_only=False)
         ok, grad_norm, _ = self.optimizer.step()
@@ -188,7 +195,8 @@ def _loss_func(loss_mask, per_token_loss):
     return loss, {"lm loss": loss.detach().clone()}
 
 
-def _forward_step(data_iterator, model):
-    batch = next(data_iterator)
+def _forward_step(device, data_iterator, model):
+    batch = {key: value.to(device, non_blocking=True)
+             for key, value in next(data_iterator).items()}
     output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
     return output, partial(_loss_func, batch["loss_mask"])

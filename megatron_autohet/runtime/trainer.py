@@ -85,7 +85,8 @@ from megatron_autohet.runtime.parallel_state import build_parallel_state
 from megatron_autohet.runtime.optimizer import OptimizerSettings, make_optimizer
 from megatron_autohet.runtime.reference import masked_token_mean, microbatches
 from megatron_autohet.runtime.schedule import run_schedule
-from megatron_autohet.runtime.stage_model import (build_stage_model, param_layouts,
+from megatron_autohet.runtime.stage_model import (agree_layer_spec, build_stage_model,
+                                                  param_layouts, plan_padded_vocab_size,
                                                   recompute_config)
 from megatron_autohet.spec.model import ModelSpec
 from megatron_autohet.spec.precision import FP32, Precision
@@ -138,6 +139,8 @@ class HeteroTrainer:
                                        **recompute_config(plan.activation_recompute))
         self.sequence_parallel = sequence_parallel
         self.device = next(self.model.parameters()).device
+        # One layer spec on every rank (parameter names, hence gradient buckets, depend on it).
+        self.layer_spec = agree_layer_spec(self.device)
         self.layouts = param_layouts(self.model, self.state)   # local name -> ParamLayout
         self.grad_sync = GradSync(
             self.model, self.layouts,
@@ -268,9 +271,13 @@ def train_iterations(trainer: HeteroTrainer, batches, scheduler, *, train_iters:
     it and go on) or None. ``evaluation``: the validation loss after every ``interval``-th
     iteration (before that iteration's checkpoint), logged in Megatron's format. Returns the last
     iteration trained."""
-    from megatron_autohet.runtime.train_log import IterationLogger, IterationRecord
+    from megatron_autohet.runtime.train_log import (IterationLogger, IterationRecord,
+                                                    num_floating_point_operations)
 
     plan = trainer.plan
+    flops_per_iteration = num_floating_point_operations(
+        plan.model, plan.global_batch_size, plan.seq_length, plan_padded_vocab_size(plan))
+    on_cuda = trainer.device.type == "cuda"
     first = checkpointer.resume().iteration if checkpointer else 0
     # A resumed job appends to the metrics of the run it continues.
     logger = IterationLogger(metrics_jsonl, append=first > 0) if log else None
@@ -288,7 +295,10 @@ def train_iterations(trainer: HeteroTrainer, batches, scheduler, *, train_iters:
                     iteration=iteration, train_iters=train_iters,
                     global_batch_size=plan.global_batch_size, seq_length=plan.seq_length,
                     elapsed_s=elapsed, learning_rate=trainer.optimizer.param_groups[0]["lr"],
-                    lm_loss=metrics.loss, grad_norm=metrics.grad_norm),
+                    lm_loss=metrics.loss, grad_norm=metrics.grad_norm,
+                    flops_per_iteration=flops_per_iteration, world_size=plan.world_size,
+                    max_allocated_bytes=(torch.cuda.max_memory_allocated(trainer.device)
+                                         if on_cuda else None)),
                     console=iteration % log_interval == 0)
             if evaluation and iteration % evaluation.interval == 0:
                 loss = trainer.evaluate(evaluation.batches_after(iteration))
