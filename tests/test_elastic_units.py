@@ -96,3 +96,29 @@ def test_elastic_needs_a_cluster_and_a_local_tier(capsys, monkeypatch):
     assert main(["train", "--plan", str(PLAN), "--model", str(MODEL), "--elastic",
                  "--cluster", str(SPOT)]) == 2
     assert "field '--autohet-local-ckpt-dir': missing with --elastic" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, minutes", [([], 10.0),
+                                            (["--distributed-timeout-minutes", "0.5"], 0.5)])
+def test_elastic_jobs_wait_ten_minutes_for_a_peer_by_default(flags, minutes, monkeypatch,
+                                                              tmp_path):
+    """Megatron-LM's 10 minutes, --elastic too: NCCL starts its communicators in the first
+    iteration, recovery ends at different times per rank, a fast pipeline waits for a slow one
+    in gradient sync (a 1-minute default failed such jobs); a short timeout is asked for."""
+    import megatron_autohet.elastic.worker as worker_module
+
+    given = []
+
+    class Recorded:                  # the worker as the command builds it, not started
+        def __init__(self, *, options, **kwargs):
+            given.append(options)
+
+        def run(self):
+            return 0
+
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
+    monkeypatch.setattr(worker_module, "ElasticWorker", Recorded)
+    assert main(["train", "--plan", str(PLAN), "--model", str(MODEL), "--elastic", "--cluster",
+                 str(SPOT), "--autohet-local-ckpt-dir", str(tmp_path / "{node}"),
+                 "--save-interval", "4", *flags]) == 0
+    assert [o.distributed_timeout_minutes for o in given] == [minutes]

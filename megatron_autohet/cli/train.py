@@ -153,9 +153,11 @@ def register(subparsers) -> None:
                  "on every rank alike, and save it first, as Megatron-LM's flag (always on with "
                  "--elastic)")),
         (("--distributed-timeout-minutes",), dict(
-            type=float, default=None,
+            type=float, default=10.0,
             help="how long a collective waits for a peer before failing (default 10, as "
-                 "Megatron-LM; 1 with --elastic, so survivors of a lost node restart quickly)")),
+                 "Megatron-LM, --elastic too: NCCL starts its communicators in the first "
+                 "iteration, recovery ends at different times per rank, a fast pipeline waits "
+                 "for a slow one in gradient sync; a dead peer fails collectives at once)")),
         # Elastic jobs on a spot fleet (elastic/worker.py).
         (("--elastic",), dict(action="store_true",
                               help="run as one worker of an elastic job started by `autohet "
@@ -207,20 +209,19 @@ def run(args: argparse.Namespace) -> int:
     positive(args.exit_interval, "--exit-interval")
     positive(args.eval_interval, "--eval-interval")
     positive(args.eval_iters, "--eval-iters")
-    if args.distributed_timeout_minutes is not None and args.distributed_timeout_minutes <= 0:
+    if args.distributed_timeout_minutes <= 0:
         raise ConfigError("<command line>", "--distributed-timeout-minutes",
                           f"got {args.distributed_timeout_minutes}", "minutes > 0")
     check_elastic(args, checkpoint)
     plan, model = load_job(args.plan, args.model)
     if not args.elastic:
         check_resume(checkpoint, plan, optimizer, args.iters, args.model)
-    timeout = args.distributed_timeout_minutes or (1.0 if args.elastic else 10.0)
     options = TrainOptions(iters=args.iters, seed=args.seed, optimizer=optimizer,
                            metrics_jsonl=args.metrics_jsonl, data_path=args.data_path,
                            data_dir=args.data_dir, checkpoint=checkpoint,
                            exit_interval=args.exit_interval,
                            exit_signal_handler=args.exit_signal_handler,
-                           distributed_timeout_minutes=timeout,
+                           distributed_timeout_minutes=args.distributed_timeout_minutes,
                            eval_interval=args.eval_interval, eval_iters=args.eval_iters,
                            split=args.split,
                            distributed_optimizer=args.use_distributed_optimizer,

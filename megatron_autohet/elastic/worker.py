@@ -11,9 +11,10 @@ ranks. It cannot see GPU types and its ranks are not stable, so on every (re)sta
    job's cluster file, takes the plan of the newest checkpoint (where the state is) or the
    job's ``--plan`` when there is none, keeps it when the fleet still fits it and re-plans
    otherwise, and publishes the plan. Every worker finds its plan rank by (node, GPU).
-3. **Train**: a process group whose ranks are the plan's (same store, its own key prefix, a
-   short timeout so a dead peer fails a collective instead of hanging it), recovery from the
-   checkpoint tiers (own disk, surviving peers, S3), then the iteration loop with
+3. **Train**: a process group whose ranks are the plan's (same store, its own key prefix,
+   ``--distributed-timeout-minutes``: a dead peer's closed connections fail a collective at
+   once, the timeout bounds a hung one), recovery from the checkpoint tiers (own disk,
+   surviving peers, S3), then the iteration loop with
    :class:`~megatron_autohet.elastic.stop.StopRequests`.
 4. **Stop**: on a signal or a node's preemption notice every rank stops after the same
    iteration and saves it (and uploads it, with an S3 tier) before anyone exits.
