@@ -1,0 +1,750 @@
+#!/usr/bin/env python
+"""Check the product on one GPU machine against issue 18's targets: one table, pass/fail per row.
+
+Run it through ``scripts/gpu_check.sh`` (which installs megatron-core and pyscipopt from ``.whl/``
+on a machine that lacks them). Every step is the ``autohet`` command as a user types it (run as
+``python -m megatron_autohet.cli.main``, so the package need not be installed), and the rows are
+read from what the commands write (profile YAML, plan YAML, ``--metrics-jsonl``, ``autohet
+checkpoint ls --json``, exit statuses); the ours-vs-stock row runs scripts/bench_runtime.py's
+paired comparison on the same plan.
+
+  a. ``autohet profile`` of the model's layer (bf16 on a GPU) for each micro-batch size;
+  b. ``autohet plan`` from that profile for the one-GPU cluster;
+  c. ``autohet train`` on that plan: median iteration time after the warm-up, tokens/s,
+     TFLOP/s/GPU, MFU (of the catalog's dense peak of the GPU type), peak memory, next to the
+     plan's prediction (targets: time within 10%, memory within 10% and never more than 5% below
+     the measured peak, MFU >= 45%);
+  d. ours / stock megatron-core on the same plan, iterations paired and the two trainers' order
+     alternated in the same processes (bench_runtime.run_plan; target <= 1.02);
+  e. a smaller model (``--ckpt-model``, GPT-3 350M by default) saves every ``--ckpt-interval``
+     iterations; the job is killed (SIGKILL, launcher and ranks) while its second save is being
+     written; the same command resumes from the step before and its next loss must equal the
+     killed run's (bf16: within 2 bf16 ulps; fp32: bit-identical);
+  f. ``autohet checkpoint verify`` of the step the resume loaded and of the step it saved.
+
+On a machine without CUDA every step still runs (fp32, gloo, the profile recorded as the
+cluster's GPU type), and the rows whose target is a GPU figure (prediction vs measured time and
+memory, MFU, ours/stock, the 7-minute budget) show what was measured and are marked skip, saying
+why. The driver imports neither torch nor megatron: the versions come from a child process, and
+this process never holds a CUDA context (bench_runtime forks its ranks from a child of its own).
+
+Exit status: 0 when no row fails (skips allowed), 1 when one does, 2 for bad input. The table
+also goes to a JSON file (``--json``; default $OUT/gpu_check.json when OUT is set, else
+bench-out/gpu_check.json), rewritten after every row, so a run cut short still leaves its rows;
+each command's output is kept beside it (gpu_check-logs/).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = ROOT / "scripts"
+sys.path.insert(0, str(ROOT))       # run as `python scripts/gpu_check.py` without installing
+
+from megatron_autohet.checkpoint.manifest import step_dir_name  # noqa: E402
+from megatron_autohet.cli._table import format_table            # noqa: E402
+from megatron_autohet.elastic.emulate import kill_tree          # noqa: E402
+from megatron_autohet.errors import ConfigError                 # noqa: E402
+from megatron_autohet.plan import load_plan                     # noqa: E402
+from megatron_autohet.profiling.profile import Profile          # noqa: E402
+from megatron_autohet.spec import load_cluster, load_gpu_catalog, load_model  # noqa: E402
+
+PASS, FAIL, SKIP = "pass", "FAIL", "skip"
+# Issue 18's targets.
+TIME_TOLERANCE = 0.10          # predicted iteration time within 10% of the measured one
+MEMORY_TOLERANCE = 0.10        # predicted peak memory within 10% of the measured one ...
+MEMORY_UNDER_TOLERANCE = 0.05  # ... and never more than 5% below it
+MFU_TARGET = 0.45
+STOCK_RATIO_TARGET = 1.02
+WALL_TARGET_S = 7 * 60
+BF16_ULPS = 2
+# The bench's own warm-up (its first iterations are dropped) and the fewest iterations it takes.
+BENCH_MIN_ITERS = 7
+NOT_ON_CPU = "no CUDA here: the target is for one GPU"
+# The last step gets at least this long, or it is not started.
+MIN_STEP_S = 20
+
+ENVIRONMENT_PROBE = r"""
+import importlib.metadata, importlib.util, json, platform, subprocess, shutil
+import torch
+def version(name):
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+info = {"python": platform.python_version(), "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda, "cuda_available": torch.cuda.is_available(),
+        "megatron_core": version("megatron-core"), "pyscipopt": version("pyscipopt"),
+        "transformer_engine": importlib.util.find_spec("transformer_engine") is not None,
+        "apex": importlib.util.find_spec("apex") is not None}
+if info["cuda_available"]:
+    props = torch.cuda.get_device_properties(0)
+    info.update(gpu=props.name, gpu_count=torch.cuda.device_count(),
+                gpu_memory_gib=round(props.total_memory / 2**30, 1),
+                compute_capability=f"{props.major}.{props.minor}",
+                cudnn=torch.backends.cudnn.version())
+    if shutil.which("nvidia-smi"):
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True)
+        info["driver"] = out.stdout.strip().splitlines()[0] if out.returncode == 0 else None
+print(json.dumps(info))
+"""
+
+# bench_runtime's paired comparison of stock megatron-core and ours, on the checked plan; run in
+# a child process so this one never initialises CUDA before the bench forks its ranks.
+BENCH_CHILD = r"""
+import json, sys
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+from bench_runtime import run_plan, silence_known_megatron_warnings, summarize
+silence_known_megatron_warnings()
+plan, kinds, iters, data_dir, out = Path(sys.argv[2]), tuple(sys.argv[3].split(",")), \
+    int(sys.argv[4]), sys.argv[5], sys.argv[6]
+Path(out).write_text(json.dumps(summarize(run_plan(plan, kinds=kinds, iters=iters,
+                                                   data_dir=data_dir), plan.name)))
+"""
+
+
+@dataclass
+class Row:
+    check: str
+    result: str           # PASS, FAIL or SKIP
+    measured: str
+    target: str
+    note: str = ""
+
+
+@dataclass
+class Settings:
+    model: Path
+    cluster: Path
+    profile_micro_batch_sizes: list[int]
+    micro_batch_size: int
+    global_batch_size: int
+    seq_length: int | None
+    iters: int
+    warmup: int
+    bench_iters: int
+    ckpt_model: Path
+    ckpt_micro_batch_size: int
+    ckpt_global_batch_size: int
+    ckpt_interval: int
+    json_path: Path
+    work_dir: Path | None
+    time_budget_s: float
+
+
+@dataclass
+class Command:
+    rc: int | None            # None: killed at its time limit
+    log: Path
+    seconds: float
+
+    @property
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def why(self) -> str:
+        """A failed command's reason: its status and the last line that looks like an error."""
+        if self.rc is None:
+            return f"killed at its time limit after {self.seconds:.0f} s (log {self.log.name})"
+        lines = [line.strip() for line in self.text.splitlines() if line.strip()]
+        errors = [line for line in lines if re.search(r"error|Error|failed|FAILED", line)]
+        last = (errors or lines or ["no output"])[-1]
+        return f"exit {self.rc}: {last[:300]} (log {self.log.name})"
+
+
+@dataclass
+class GpuCheck:
+    settings: Settings
+    work: Path
+    logs: Path
+    started: float = field(default_factory=time.monotonic)
+    environment: dict = field(default_factory=dict)
+    rows: list[Row] = field(default_factory=list)
+    figures: dict = field(default_factory=dict)
+
+    @property
+    def on_gpu(self) -> bool:
+        return bool(self.environment.get("cuda_available"))
+
+    # ---- running commands --------------------------------------------------------------------
+
+    def remaining(self) -> float:
+        return self.settings.time_budget_s - (time.monotonic() - self.started)
+
+    def run(self, name: str, argv: list[str], timeout_s: float) -> Command:
+        """``argv`` (after the interpreter) with its output in logs/<name>.log; killed, with its
+        process tree, at the sooner of ``timeout_s`` and the end of the time budget."""
+        log = self.logs / f"{name}.log"
+        started = time.monotonic()
+        with open(log, "w") as out:
+            out.write("$ " + " ".join(argv) + "\n")
+            out.flush()
+            proc = subprocess.Popen([sys.executable, *argv], cwd=ROOT, stdout=out,
+                                    stderr=subprocess.STDOUT, env=child_environment())
+            try:
+                rc = proc.wait(timeout=max(1.0, min(timeout_s, self.remaining())))
+            except subprocess.TimeoutExpired:
+                kill_tree(proc.pid)
+                proc.wait()
+                rc = None
+        return Command(rc, log, time.monotonic() - started)
+
+    def autohet(self, name: str, argv: list[str], timeout_s: float) -> Command:
+        return self.run(name, ["-m", "megatron_autohet.cli.main", *argv], timeout_s)
+
+    def has_time(self, check: str) -> bool:
+        """False (and a failed row) when the time budget cannot fit another step."""
+        if self.remaining() >= MIN_STEP_S:
+            return True
+        self.add(Row(check, FAIL, "not run", f"within the {self.settings.time_budget_s:.0f} s "
+                     "budget", "the earlier steps used the time budget"))
+        return False
+
+    def add(self, row: Row) -> None:
+        self.rows.append(row)
+        print(f"[{time.monotonic() - self.started:6.0f} s] {row.result:4s} {row.check}: "
+              f"{row.measured}" + (f" ({row.note})" if row.note else ""), flush=True)
+        self.write_json()
+
+    def gpu_row(self, check: str, ok: bool, measured: str, target: str, note: str = "") -> Row:
+        """A row whose target is a GPU figure: judged on a GPU, reported (skip) on a CPU."""
+        if not self.on_gpu:
+            return Row(check, SKIP, measured, target, NOT_ON_CPU + (f"; {note}" if note else ""))
+        return Row(check, PASS if ok else FAIL, measured, target, note)
+
+    # ---- output ------------------------------------------------------------------------------
+
+    def header(self) -> str:
+        env = self.environment
+        device = (f"{env.get('gpu')} ({env.get('gpu_memory_gib')} GiB, sm {env.get('compute_capability')},"
+                  f" driver {env.get('driver')}, CUDA {env.get('torch_cuda')}, cuDNN {env.get('cudnn')})"
+                  if self.on_gpu else f"no CUDA device (torch built for CUDA {env.get('torch_cuda')})")
+        return (f"gpu_check {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, commit "
+                f"{git_commit()}\n"
+                f"device: {device}\n"
+                f"python {env.get('python')}, torch {env.get('torch')}, megatron-core "
+                f"{env.get('megatron_core')}, pyscipopt {env.get('pyscipopt')}, Transformer Engine "
+                f"{'yes' if env.get('transformer_engine') else 'no'}, Apex "
+                f"{'yes' if env.get('apex') else 'no'}")
+
+    def table(self) -> str:
+        return format_table(("check", "result", "measured", "target", "note"),
+                            [(r.check, r.result, r.measured, r.target, r.note) for r in self.rows])
+
+    def write_json(self) -> None:
+        path = self.settings.json_path
+        report = {"date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                  "commit": git_commit(), "environment": self.environment,
+                  "settings": {k: (str(v) if isinstance(v, Path) else v)
+                               for k, v in asdict(self.settings).items()},
+                  "wall_s": round(time.monotonic() - self.started, 1),
+                  "rows": [asdict(r) for r in self.rows], "figures": self.figures,
+                  "all_passed": all(r.result != FAIL for r in self.rows)}
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(report, indent=1))
+        os.replace(tmp, path)
+
+    # ---- the steps ---------------------------------------------------------------------------
+
+    def probe(self) -> bool:
+        command = self.run("environment", ["-c", ENVIRONMENT_PROBE], 120)
+        if command.rc != 0:
+            self.add(Row("environment", FAIL, "torch did not import", "", command.why()))
+            return False
+        self.environment = json.loads(command.text.strip().splitlines()[-1])
+        print(self.header(), flush=True)
+        return True
+
+    def seq_flags(self) -> list[str]:
+        s = self.settings.seq_length
+        return [] if s is None else ["--seq-length", str(s)]
+
+    def profile(self, gpu: str) -> Path | None:
+        s, check = self.settings, "a. autohet profile"
+        path = self.work / "profile.yaml"
+        argv = ["profile", "--model", str(s.model), "--micro-batch-size",
+                *map(str, s.profile_micro_batch_sizes), *self.seq_flags(), "-o", str(path)]
+        if not self.on_gpu:
+            argv += ["--as-gpu", gpu]        # the CPU's figures stand in for the cluster's GPU
+        command = self.autohet("a-profile", argv, 240)
+        target = (f"entries for micro-batch {', '.join(map(str, s.profile_micro_batch_sizes))}"
+                  + (", bf16, recorded as the cluster's " + gpu if self.on_gpu else ""))
+        if command.rc != 0:
+            self.add(Row(check, FAIL, "no profile", target, command.why()))
+            return None
+        profile = Profile.load(path)
+        entries = {e.micro_batch_size: e for e in profile.entries.values() if e.tp == 1}
+        missing = [b for b in s.profile_micro_batch_sizes if b not in entries]
+        measured = (", ".join(f"mbs {b}: layer {1e3 * (e.layer.forward_s + e.layer.backward_s):.3g}"
+                              f" ms" for b, e in sorted(entries.items()))
+                    + f" fwd+bwd ({profile.precision.name}, {command.seconds:.0f} s)")
+        gpus = sorted({e.gpu for e in entries.values()})
+        self.figures["profile"] = {
+            "precision": profile.precision.name, "gpu": gpus, "seconds": command.seconds,
+            "layer_ms": {b: 1e3 * (e.layer.forward_s + e.layer.backward_s)
+                         for b, e in entries.items()}}
+        problems = [f"no entry for micro-batch {b}" for b in missing]
+        if self.on_gpu and profile.precision.name != "bf16":
+            problems.append(f"measured in {profile.precision.name}")
+        if gpus != [gpu]:
+            problems.append(f"recorded as {', '.join(gpus)}, the cluster has {gpu} (pass --cluster)")
+        self.add(Row(check, FAIL if problems else PASS, measured, target, "; ".join(problems)))
+        return None if problems else path
+
+    def plan(self, name: str, model: Path, profile: Path | None, micro_batch_size: int,
+             global_batch_size: int, check: str) -> Path | None:
+        s = self.settings
+        path = self.work / f"{name}.yaml"
+        argv = ["plan", "--cluster", str(s.cluster), "--model", str(model),
+                "--global-batch-size", str(global_batch_size),
+                "--micro-batch-size", str(micro_batch_size), *self.seq_flags(), "-o", str(path)]
+        if profile is not None:
+            argv += ["--profile", str(profile)]
+        command = self.autohet(name, argv, 120)
+        if command.rc != 0:
+            self.add(Row(check, FAIL, "no plan", "a plan", command.why()))
+            return None
+        plan = load_plan(path)
+        p = plan.predicted
+        stages = [len(pipe.stages) for pipe in plan.pipelines]
+        measured = (f"predicted {p['iteration_time_s']:.3g} s/iter, {p['tokens_per_s']:,.0f} "
+                    f"tokens/s, peak {p['peak_memory_gib']:.1f} GiB ({len(plan.pipelines)} "
+                    f"pipeline(s) of {stages} stages, recompute "
+                    f"{'on' if plan.activation_recompute else 'off'})")
+        self.figures[name] = {"predicted": p, "plan": str(path)}
+        if profile is None:
+            self.add(Row(check, PASS, measured, "a plan (analytic estimates)"))
+            return path
+        unmeasured = sorted(key for key, parts in (p.get("profile_sources") or {}).items()
+                            if any(v != "measured" for v in parts.values()))
+        self.add(Row(check, FAIL if unmeasured else PASS, measured,
+                     "a plan priced from the measured profile",
+                     f"not measured: {', '.join(unmeasured)}" if unmeasured else ""))
+        return None if unmeasured else path
+
+    def train(self, plan_path: Path) -> None:
+        s = self.settings
+        metrics = self.work / "train.jsonl"
+        argv = ["train", "--plan", str(plan_path), "--model", str(s.model), "--iters",
+                str(s.iters), "--metrics-jsonl", str(metrics), "--data-dir", self.data_dir()]
+        if self.on_gpu:
+            argv.append("--bf16")
+        command = self.autohet("c-train", argv, 300)
+        check = "c. autohet train"
+        records = iteration_records(metrics)
+        if command.rc != 0 or len(records) != s.iters:
+            self.add(Row(check, FAIL, f"{len(records)} of {s.iters} iterations", "runs",
+                         command.why()))
+            return
+        plan = load_plan(plan_path)
+        predicted = plan.predicted
+        timed = records[s.warmup:]
+        seconds = statistics.median(r["elapsed_ms"] for r in timed) / 1e3
+        tokens = plan.global_batch_size * plan.seq_length
+        losses = [r["lm_loss"] for r in records]
+        ok = all(math.isfinite(v) for v in losses)
+        self.add(Row(check, PASS if ok else FAIL,
+                     f"{seconds:.3f} s/iter, {tokens / seconds:,.0f} tokens/s (median of "
+                     f"iterations {s.warmup + 1}-{s.iters}); lm loss {losses[0]:.3f} -> "
+                     f"{losses[-1]:.3f}", "runs, finite losses", attention_note(command.text)))
+
+        ratio = seconds / predicted["iteration_time_s"]
+        self.add(self.gpu_row("c. iteration time vs plan", abs(ratio - 1) <= TIME_TOLERANCE,
+                              f"{seconds:.3f} s measured / {predicted['iteration_time_s']:.3f} "
+                              f"s predicted = {ratio:.3f}",
+                              f"within {TIME_TOLERANCE:.0%} of the prediction"))
+
+        # The train log's own figures (runtime/train_log.py): the logging rank's CUDA peak
+        # (None on a CPU) and Megatron-LM's throughput per GPU.
+        peaks = log_field(records, "mem_max_allocated_gigabytes")
+        peak = max(peaks) if peaks else None
+        memory_target = (f"prediction within {MEMORY_TOLERANCE:.0%}, never "
+                         f">{MEMORY_UNDER_TOLERANCE:.0%} below")
+        if peak is None:
+            self.add(self.gpu_row("c. peak memory vs plan", False, "not in the train log",
+                                  memory_target, "no mem_max_allocated_gigabytes in the metrics"))
+        else:
+            mem_ratio = predicted["peak_memory_gib"] / peak
+            self.add(self.gpu_row(
+                "c. peak memory vs plan",
+                abs(mem_ratio - 1) <= MEMORY_TOLERANCE and mem_ratio >= 1 - MEMORY_UNDER_TOLERANCE,
+                f"{peak:.1f} GiB measured, {predicted['peak_memory_gib']:.1f} predicted "
+                f"(ratio {mem_ratio:.3f})", memory_target))
+
+        peak_tflops = load_gpu_catalog()[plan.ranks[0].gpu].dense_tflops
+        logged = log_field(timed, "throughput_tflops_per_gpu")
+        tflops = statistics.median(logged) if logged else None
+        mfu = tflops / peak_tflops if tflops is not None else None
+        self.add(self.gpu_row("c. MFU", mfu is not None and mfu >= MFU_TARGET,
+                              f"{tflops:.1f} TFLOP/s/GPU = {mfu:.1%} of {peak_tflops:g}"
+                              if mfu is not None else "not in the train log",
+                              f">= {MFU_TARGET:.0%}",
+                              "median of the train log's throughput_tflops_per_gpu"))
+        self.figures["train"] = {
+            "seconds_per_iteration": seconds, "tokens_per_s": tokens / seconds,
+            "tflops_per_gpu": tflops, "mfu": mfu, "peak_tflops": peak_tflops,
+            "peak_memory_gib": peak, "predicted_iteration_time_s": predicted["iteration_time_s"],
+            "predicted_peak_memory_gib": predicted["peak_memory_gib"],
+            "elapsed_ms": [r["elapsed_ms"] for r in records], "lm_loss": losses}
+
+    def bench(self, plan_path: Path) -> None:
+        s, check = self.settings, "d. ours / stock megatron-core"
+        kind, base = ("ours-bf16", "stock-bf16") if self.on_gpu else ("ours", "stock")
+        out = self.work / "bench.json"
+        command = self.run("d-bench", ["-c", BENCH_CHILD, str(SCRIPTS), str(plan_path),
+                                       f"{base},{kind}", str(s.bench_iters), self.data_dir(),
+                                       str(out)], 360)
+        target = f"<= {STOCK_RATIO_TARGET} (median of paired iterations)"
+        if command.rc != 0:
+            self.add(Row(check, FAIL, "no comparison", target, command.why()))
+            return
+        entry = json.loads(out.read_text())
+        prefix = "" if base == "stock" else f"{kind}/{base} "   # bench_runtime's key names
+        ratio, (low, high) = entry[f"{prefix}ratio"], entry[f"{prefix}ratio_ci95"]
+        ours_ms, stock_ms = (entry[k]["wall_quartiles_ms"][1] for k in (kind, base))
+        self.figures["bench"] = {"kinds": [kind, base], "ratio": ratio, "ratio_ci95": [low, high],
+                                 "ours_ms": ours_ms, "stock_ms": stock_ms,
+                                 "paired_ratios": entry[f"{prefix}paired_ratios"]}
+        self.add(self.gpu_row(check, ratio <= STOCK_RATIO_TARGET,
+                              f"{ratio:.3f} [95% CI {low:.3f}-{high:.3f}]; {ours_ms:.0f} / "
+                              f"{stock_ms:.0f} ms", target,
+                              f"{kind} vs {base}, same grad norms checked"))
+
+    def checkpoint(self) -> None:
+        """e and f: save, SIGKILL during the next save, resume; verify the steps."""
+        s = self.settings
+        check_e, check_f = "e. kill -9 during a save, resume", "f. autohet checkpoint verify"
+        plan_path = self.plan("e-plan", s.ckpt_model, None, s.ckpt_micro_batch_size,
+                              s.ckpt_global_batch_size, f"e. autohet plan ({s.ckpt_model.stem})")
+        if plan_path is None or not self.has_time(check_e):
+            return
+        half = s.ckpt_interval
+        ckpt = self.work / "ckpt"
+        killed_jsonl, resumed_jsonl = self.work / "killed.jsonl", self.work / "resumed.jsonl"
+
+        def argv(metrics: Path) -> list[str]:
+            return ["-m", "megatron_autohet.cli.main", "train", "--plan", str(plan_path),
+                    "--model", str(s.ckpt_model), "--iters", str(2 * half),
+                    "--save-interval", str(half), "--autohet-local-ckpt-dir", str(ckpt),
+                    "--load", str(ckpt), "--metrics-jsonl", str(metrics),
+                    "--data-dir", self.data_dir(), *(["--bf16"] if self.on_gpu else [])]
+
+        killed, reached = self.kill_during_save(
+            argv(killed_jsonl), ckpt / f"{step_dir_name(2 * half)}.partial")
+        expected = f"step {half} committed, step {2 * half} not"
+        if not reached:
+            self.add(Row(check_e, FAIL, f"no save of step {2 * half} to kill", expected,
+                         killed.why()))
+            return
+        steps = self.committed_steps(ckpt)
+        self.figures["checkpoint"] = {"model": s.ckpt_model.stem, "committed_after_kill": steps,
+                                      "save_seconds": save_seconds(killed.text)}
+        if steps == [half, 2 * half]:
+            # The save finished between seeing its directory and the kill: nothing was
+            # interrupted, so nothing can be resumed from the step before. Only a tiny model's
+            # save on a loaded CPU is that quick.
+            self.add(Row(check_e, FAIL if self.on_gpu else SKIP, f"committed: {steps}",
+                         expected, f"the kill landed after step {2 * half} was written"))
+            self.verify(ckpt, steps, check_f)
+            return
+        if steps != [half]:
+            self.add(Row(check_e, FAIL, f"committed: {steps}", expected,
+                         "checkpoint ls failed" if steps is None else "a save did not commit"))
+            return
+        killed_records = iteration_records(killed_jsonl)
+        resumed = self.autohet("e-resume", argv(resumed_jsonl)[2:], 300)
+        resumed_records = iteration_records(resumed_jsonl)
+        loaded = re.search(r"successfully loaded checkpoint: recovered iteration (\d+)",
+                           resumed.text)
+        failures = [line.strip() for line in killed.text.splitlines() + resumed.text.splitlines()
+                    if re.search(r"checkpoint of iteration \d+ failed", line)]
+        if resumed.rc != 0 or not loaded or failures or not resumed_records:
+            self.add(Row(check_e, FAIL, "no resume", "resumes from the committed step",
+                         failures[0] if failures else
+                         ("nothing loaded" if resumed.rc == 0 else resumed.why())))
+            return
+        first = resumed_records[0]
+        before = {r["iteration"]: r["lm_loss"] for r in killed_records}
+        if first["iteration"] not in before:
+            self.add(Row(check_e, FAIL, f"resumed at iteration {first['iteration']}",
+                         "a next iteration the killed run logged", ""))
+            return
+        precision = training_precision(resumed.text)
+        reference = before[first["iteration"]]
+        tolerance = BF16_ULPS * bf16_ulp(reference) if precision == "bf16" else 0.0
+        diff = abs(first["lm_loss"] - reference)
+        later = [abs(r["lm_loss"] - before[r["iteration"]]) for r in resumed_records[1:]
+                 if r["iteration"] in before]
+        self.figures["checkpoint"].update(
+            loaded_iteration=int(loaded.group(1)), precision=precision,
+            next_loss=first["lm_loss"], uninterrupted_loss=reference, diff=diff,
+            tolerance=tolerance, later_diffs=later)
+        self.add(Row(
+            check_e, PASS if diff <= tolerance else FAIL,
+            f"loaded step {loaded.group(1)}; iteration {first['iteration']} loss "
+            f"{first['lm_loss']:.6f} vs {reference:.6f} uninterrupted (diff {diff:.2g})",
+            "equal" if tolerance == 0 else f"within {BF16_ULPS} bf16 ulps ({tolerance:.3g})",
+            f"{s.ckpt_model.stem}, {precision}, killed writing step {2 * half}; later "
+            f"iterations differ by up to {max(later, default=0.0):.2g}"))
+        self.verify(ckpt, [half, 2 * half], check_f)
+
+    def kill_during_save(self, argv: list[str], partial: Path) -> tuple[Command, bool]:
+        """Start the job; SIGKILL it (launcher and ranks) as soon as ``partial`` (the directory
+        of the step being written) exists. The flag says whether that happened, rather than the
+        job ending or its time running out first."""
+        log = self.logs / "e-killed.log"
+        started = time.monotonic()
+        deadline = started + max(1.0, min(300.0, self.remaining()))
+        with open(log, "w") as out:
+            out.write("$ " + " ".join(argv) + "\n")
+            out.flush()
+            job = subprocess.Popen([sys.executable, *argv], cwd=ROOT, stdout=out,
+                                   stderr=subprocess.STDOUT, env=child_environment())
+            while not (reached := partial.exists()):
+                if job.poll() is not None or time.monotonic() >= deadline:
+                    break
+                time.sleep(0.002)
+            ended = job.poll()
+            kill_tree(job.pid)
+            job.wait()
+        return Command(ended, log, time.monotonic() - started), reached
+
+    def committed_steps(self, ckpt: Path) -> list[int] | None:
+        command = self.autohet("e-ls", ["checkpoint", "ls", str(ckpt), "--json"], 60)
+        if command.rc != 0:
+            return None
+        listing = json.loads(command.text.split("\n", 1)[1])
+        return [step["iteration"] for step in listing if step["complete"]]
+
+    def verify(self, ckpt: Path, steps: list[int], check: str) -> None:
+        results = []
+        for step in steps:
+            command = self.autohet(f"f-verify-{step}", ["checkpoint", "verify", str(ckpt),
+                                                        "--iteration", str(step)], 120)
+            # "> DIR/iter_N: OK; checked C chunks in F files (M MiB)"
+            summary = re.search(r": (OK|\d+ problem\(s\)); checked (\d+) chunks in \d+ files "
+                                r"\(([\d.]+) MiB\)", command.text)
+            results.append((step, command, f"{summary[1]}, {summary[2]} chunks, {summary[3]} MiB"
+                            if summary else command.why()))
+        self.add(Row(check, PASS if all(c.rc == 0 for _, c, _ in results) else FAIL,
+                     "; ".join(f"step {step}: {line}" for step, _, line in results),
+                     "every chunk's SHA-256 matches"))
+
+    def data_dir(self) -> str:
+        return str(self.work / "data")
+
+    def run_all(self) -> int:
+        s = self.settings
+        if not self.probe():
+            return 1
+        gpu = cluster_gpu(s.cluster)
+        profile = self.profile(gpu) if self.has_time("a. autohet profile") else None
+        plan = None
+        if profile is not None and self.has_time("b. autohet plan"):
+            plan = self.plan("b-plan", s.model, profile, s.micro_batch_size,
+                             s.global_batch_size, "b. autohet plan")
+        if plan is not None and self.has_time("c. autohet train"):
+            self.train(plan)
+        if plan is not None and self.has_time("d. ours / stock megatron-core"):
+            self.bench(plan)
+        if self.has_time("e. kill -9 during a save, resume"):
+            self.checkpoint()
+        wall = time.monotonic() - self.started
+        self.add(self.gpu_row("total time", wall <= WALL_TARGET_S, f"{wall:.0f} s",
+                              f"<= {WALL_TARGET_S} s on one H100"))
+        print()
+        print(self.header())
+        print(self.table())
+        failed = [r.check for r in self.rows if r.result == FAIL]
+        print(f"> {'FAILED: ' + ', '.join(failed) if failed else 'every row passed or skipped'};"
+              f" wrote {s.json_path} (command logs in {self.logs})")
+        return 1 if failed else 0
+
+
+# ---- reading what the commands write -----------------------------------------------------------
+
+def iteration_records(path: Path) -> list[dict]:
+    """The training iterations of a --metrics-jsonl file (validation lines left out)."""
+    if not path.exists():
+        return []
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in records if "lm_loss" in r]
+
+
+def log_field(records: list[dict], name: str) -> list[float] | None:
+    """The records' values of ``name``; None when a record lacks it or has null."""
+    values = [r.get(name) for r in records]
+    return None if not values or None in values else [float(v) for v in values]
+
+
+def training_precision(log: str) -> str | None:
+    found = re.search(r"training in (\w+)", log)
+    return found.group(1) if found else None
+
+
+def save_seconds(log: str) -> list[float]:
+    return [float(s) for s in re.findall(r"written in ([\d.]+) s", log)]
+
+
+def attention_note(log: str) -> str:
+    """What the training log says about its attention implementation (first such line)."""
+    for line in log.splitlines():
+        if "attention" in line.lower() and "warn" not in line.lower():
+            return line.strip()[:160]
+    return ""
+
+
+def bf16_ulp(value: float) -> float:
+    """The spacing of bf16 numbers (8 significant bits) at ``value``."""
+    return 2.0 ** (math.floor(math.log2(abs(value))) - 7) if value else 2.0 ** -133
+
+
+def cluster_gpu(path: Path) -> str:
+    cluster = load_cluster(path, load_gpu_catalog())
+    types = sorted({node.gpu for node in cluster.nodes})
+    if cluster.world_size != 1:
+        raise ConfigError(str(path), "nodes", f"{cluster.world_size} GPUs", "one node with one GPU")
+    return types[0]
+
+
+def child_environment() -> dict:
+    """This environment with the repository on PYTHONPATH (the package is not installed)."""
+    env = dict(os.environ)
+    parts = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if str(ROOT) not in parts:
+        parts.append(str(ROOT))
+    env["PYTHONPATH"] = os.pathsep.join(parts)
+    return env
+
+
+def git_commit() -> str:
+    try:
+        out = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+                             capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    if out.returncode != 0:
+        return "unknown"
+    dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
+                           capture_output=True, text=True, timeout=10).stdout.strip()
+    return out.stdout.strip() + ("+changes" if dirty else "")
+
+
+# ---- command line ------------------------------------------------------------------------------
+
+def parse_settings(argv: list[str] | None) -> Settings:
+    default_json = (Path(os.environ["OUT"]) if os.environ.get("OUT") else ROOT / "bench-out") \
+        / "gpu_check.json"
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="\n".join(__doc__.splitlines()[2:]))
+    p.add_argument("--model", default=str(ROOT / "configs/models/gpt3-1.3b.yaml"),
+                   help="model profiled, planned, trained and compared (default GPT-3 1.3B)")
+    p.add_argument("--cluster", default=str(ROOT / "configs/clusters/one-h100.yaml"),
+                   help="the one-GPU cluster to plan for (default one H100)")
+    p.add_argument("--profile-micro-batch-sizes", type=int, nargs="+", default=[1, 2, 4],
+                   metavar="B", help="micro-batch sizes profiled (default 1 2 4)")
+    p.add_argument("--micro-batch-size", type=int, default=2, help="planned (default 2)")
+    p.add_argument("--global-batch-size", type=int, default=16, help="planned (default 16)")
+    p.add_argument("--seq-length", type=int, default=None,
+                   help="tokens per sequence (default: the model's, 2048 for GPT-3)")
+    p.add_argument("--iters", type=int, default=12, help="iterations trained (default 12)")
+    p.add_argument("--warmup", type=int, default=4,
+                   help="iterations left out of the median (default 4)")
+    p.add_argument("--bench-iters", type=int, default=12,
+                   help=f"iterations of each trainer in the ours-vs-stock comparison (default 12,"
+                        f" at least {BENCH_MIN_ITERS}: bench_runtime drops its first 3)")
+    p.add_argument("--ckpt-model", default=str(ROOT / "configs/models/gpt3-350m.yaml"),
+                   help="model of the save / kill / resume check (default GPT-3 350M)")
+    p.add_argument("--ckpt-micro-batch-size", type=int, default=2, help="(default 2)")
+    p.add_argument("--ckpt-global-batch-size", type=int, default=16, help="(default 16)")
+    p.add_argument("--ckpt-interval", type=int, default=3,
+                   help="save interval; the kill lands in the second save (default 3)")
+    p.add_argument("--json", default=str(default_json),
+                   help="where the rows go as JSON (default $OUT/gpu_check.json when OUT is set, "
+                        "else bench-out/gpu_check.json); command logs go beside it")
+    p.add_argument("--work-dir", default=None,
+                   help="profile, plans, corpus and checkpoints (default: a temporary directory,"
+                        " removed at the end)")
+    p.add_argument("--time-budget", type=float, default=540.0, metavar="SECONDS",
+                   help="steps that would start after this are not run, and each command is "
+                        "stopped by then (default 540: inside a 10-minute session)")
+    args = p.parse_args(argv)
+
+    def existing(flag: str, value: str) -> Path:
+        path = Path(value).absolute()
+        if not path.is_file():
+            raise ConfigError("<command line>", flag, f"{value}: no such file", "an existing file")
+        return path
+
+    for flag in ("micro_batch_size", "global_batch_size", "iters", "ckpt_micro_batch_size",
+                 "ckpt_global_batch_size", "ckpt_interval", "seq_length", "time_budget"):
+        value = getattr(args, flag)
+        if value is not None and value <= 0:
+            raise ConfigError("<command line>", "--" + flag.replace("_", "-"), f"got {value}",
+                              "a number > 0")
+    if any(b <= 0 for b in args.profile_micro_batch_sizes):
+        raise ConfigError("<command line>", "--profile-micro-batch-sizes",
+                          f"got {args.profile_micro_batch_sizes}", "numbers > 0")
+    if args.micro_batch_size not in args.profile_micro_batch_sizes:
+        raise ConfigError("<command line>", "--micro-batch-size", f"{args.micro_batch_size} is "
+                          "not profiled", "one of --profile-micro-batch-sizes")
+    if not 0 <= args.warmup < args.iters:
+        raise ConfigError("<command line>", "--warmup", f"got {args.warmup} with --iters "
+                          f"{args.iters}", "0 <= warm-up < --iters")
+    if args.bench_iters < BENCH_MIN_ITERS:
+        raise ConfigError("<command line>", "--bench-iters", f"got {args.bench_iters}",
+                          f"at least {BENCH_MIN_ITERS}")
+    json_path = Path(args.json).absolute()
+    if not json_path.parent.is_dir():
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+    return Settings(
+        model=existing("--model", args.model), cluster=existing("--cluster", args.cluster),
+        profile_micro_batch_sizes=args.profile_micro_batch_sizes,
+        micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
+        seq_length=args.seq_length, iters=args.iters, warmup=args.warmup,
+        bench_iters=args.bench_iters, ckpt_model=existing("--ckpt-model", args.ckpt_model),
+        ckpt_micro_batch_size=args.ckpt_micro_batch_size,
+        ckpt_global_batch_size=args.ckpt_global_batch_size, ckpt_interval=args.ckpt_interval,
+        json_path=json_path, work_dir=Path(args.work_dir).absolute() if args.work_dir else None,
+        time_budget_s=args.time_budget)
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        settings = parse_settings(argv)
+        load_model(settings.model)
+        load_model(settings.ckpt_model)
+        cluster_gpu(settings.cluster)
+    except ConfigError as exc:
+        print(f"gpu_check: error: {exc}", file=sys.stderr)
+        return 2
+    logs = settings.json_path.parent / "gpu_check-logs"
+    shutil.rmtree(logs, ignore_errors=True)
+    logs.mkdir(parents=True)
+    work = settings.work_dir or Path(tempfile.mkdtemp(prefix="gpu_check-"))
+    work.mkdir(parents=True, exist_ok=True)
+    try:
+        return GpuCheck(settings, work, logs).run_all()
+    finally:
+        if settings.work_dir is None:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
