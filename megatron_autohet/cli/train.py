@@ -16,6 +16,8 @@ from megatron_autohet.checkpoint.options import (DEFAULT_KEEP, CheckpointOptions
                                                  check_scheduler_flags)
 from megatron_autohet.cli._common import check_output_path, positive, probability
 from megatron_autohet.errors import ConfigError
+from megatron_autohet.plan import check_bf16_support
+from megatron_autohet.spec.gpus import load_gpu_catalog
 from megatron_autohet.runtime.optimizer import LR_DECAY_STYLES, OptimizerSettings
 
 _WORKER_FLAGS: list[tuple[str, str]] = []     # (dest, option string) forwarded to each rank
@@ -194,8 +196,8 @@ def worker_argv(args: argparse.Namespace) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatron_autohet.launch import (DistEnv, TrainOptions, launch_local, load_job,
-                                                 run_worker)
+    from megatron_autohet.launch import (DistEnv, TrainOptions, job_precision, launch_local,
+                                         load_job, run_worker)
 
     positive(args.iters, "--iters")
     probability(args.hidden_dropout, "--hidden-dropout")
@@ -227,6 +229,8 @@ def run(args: argparse.Namespace) -> int:
                            distributed_optimizer=args.use_distributed_optimizer,
                            precision=precision, hidden_dropout=args.hidden_dropout,
                            attention_dropout=args.attention_dropout)
+    if job_precision(options)[0].name == "bf16":
+        check_bf16_support(plan, load_gpu_catalog(), args.plan)
     if args.elastic:
         from megatron_autohet.elastic.worker import ElasticWorker
         from megatron_autohet.spec.cluster import load_cluster

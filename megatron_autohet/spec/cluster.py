@@ -147,3 +147,23 @@ def cluster_from_dict(data: dict, file="<cluster>", catalog: dict[str, GPUType] 
             nodes.append(Node(node_name, gpu, num_gpus, intra, nic, price))
     types = {n.gpu: catalog[n.gpu] for n in nodes}
     return Cluster(name, tuple(nodes), types)
+
+
+def bf16_fleet(cluster: Cluster, file: str | Path = "<cluster>") -> tuple[Cluster, dict[str, int]]:
+    """The cluster without its nodes whose GPU type has no bf16 (the catalog's ``bf16: false``:
+    V100, T4), under the same name, and the GPUs left out by type: what a bf16 plan may use.
+    The runtime trains 16-bit only in bf16 (fp16 needs a dynamic loss scaler it does not have),
+    so a planner pricing bf16 plans around those GPUs; a cluster with none left is a
+    ConfigError."""
+    left_out: dict[str, int] = {}
+    for node in cluster.nodes:
+        if not cluster.gpu_types[node.gpu].bf16:
+            left_out[node.gpu] = left_out.get(node.gpu, 0) + node.num_gpus
+    kept = [node.name for node in cluster.nodes if cluster.gpu_types[node.gpu].bf16]
+    if not kept:
+        raise ConfigError(file, "nodes", f"no GPU with bf16 ({', '.join(sorted(left_out))} "
+                          f"have bf16: false in the GPU catalog), and this runtime trains 16-bit "
+                          f"only in bf16 (fp16 needs a dynamic loss scaler it does not have)",
+                          "nodes with bf16 GPUs (A100, H100, L4, ...), or a profile measured "
+                          "in fp32 (autohet profile on a CPU) for fp32 plans")
+    return cluster.subset(kept), left_out
