@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import select
 import shutil
 import signal
 import stat
@@ -348,6 +349,23 @@ def _start(env, *args) -> subprocess.Popen:
                             stderr=subprocess.STDOUT, text=True, preexec_fn=_default_signals)
 
 
+def _read_until(proc: subprocess.Popen, text: str) -> str:
+    """The script's output up to and including the first line with ``text`` (what it has done
+    so far: the tests signal it at a known point of its control flow, not after a sleep)."""
+    seen = []
+    deadline = time.monotonic() + TIMEOUT_S
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([proc.stdout], [], [], deadline - time.monotonic())
+        line = proc.stdout.readline() if ready else ""
+        if not line:
+            break
+        seen.append(line)
+        if text in line:
+            return "".join(seen)
+    proc.kill()
+    raise AssertionError(f"no line with {text!r}: {''.join(seen)}{proc.communicate()[0]}")
+
+
 def _wait_for(path: Path, proc: subprocess.Popen) -> None:
     deadline = time.monotonic() + TIMEOUT_S
     while not path.exists():
@@ -409,13 +427,9 @@ def test_signal_without_watcher_writes_the_notice_itself(stub, tmp_path):
     env.update(STUB_NODE_MODES="wait-notice", STUB_WATCH_MODE="crash")
     work = tmp_path / "work"
     proc = _start(env, *BASE, "--work-dir", str(work), "--signal-grace", "120", *TRAIN)
-    _wait_for(stub_dir / "node.ready", proc)
-    deadline = time.monotonic() + TIMEOUT_S
-    while _signals(stub_dir).count("watch crash") < 4 and time.monotonic() < deadline:
-        time.sleep(0.05)                                # started 4 times, then given up
-    time.sleep(1.0)
+    before = _read_until(proc, "going on without it")   # started 4 times, then given up
     proc.send_signal(signal.SIGTERM)
-    out, _ = proc.communicate(timeout=TIMEOUT_S)
+    out = before + proc.communicate(timeout=TIMEOUT_S)[0]
     assert proc.returncode == 0, out
     notice = json.loads((work / "notice.json").read_text())
     assert notice["source"] == "signal" and notice["kind"] == "preempt"
@@ -458,13 +472,10 @@ def test_stale_notice_is_removed_and_idle_when_done(stub, tmp_path):
     work.mkdir()
     (work / "notice.json").write_text("{}")
     proc = _start(env, *BASE, "--work-dir", str(work), "--idle-when-done", *TRAIN)
-    deadline = time.monotonic() + TIMEOUT_S
-    while not (stub_dir / "node.count").exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    time.sleep(1.0)
+    before = _read_until(proc, "idling until stopped")
     assert proc.poll() is None                          # the job is done, the script idles
     proc.send_signal(signal.SIGTERM)
-    out, _ = proc.communicate(timeout=TIMEOUT_S)
+    out = before + proc.communicate(timeout=TIMEOUT_S)[0]
     assert proc.returncode == 0, out
     assert "removing the notice of an earlier run" in out and "idling" in out
     assert not (work / "notice.json").exists()
