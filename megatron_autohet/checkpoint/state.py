@@ -29,7 +29,8 @@ Public API
     training changes the live tensors. ``SnapshotBuffers`` keeps the pinned host memory of one
     save for the next.
 ``rng_sharded_object(trainer, world_size) -> ShardedObject``
-    This rank's RNG states (torch's and megatron's model-parallel streams), one per rank.
+    This rank's RNG states (torch's CPU and, on a GPU, default CUDA generator, and megatron's
+    model-parallel streams), one per rank.
 ``apply_loaded(trainer, scheduler, loaded, *, load_optim, finetune) -> TrainingProgress``
     Copy a loaded state dict into the live model, optimizer and scheduler; reads our steps and
     stock Megatron-LM's alike (the same ``common.pt`` layout). A schedule that differs from the
@@ -359,6 +360,10 @@ def rng_sharded_object(trainer, world_size: int):
     rank = trainer.state.role.rank
     states = {"torch": torch.get_rng_state(),
               "model_parallel": tensor_parallel.get_cuda_rng_tracker().get_states()}
+    if trainer.device.type == "cuda":
+        # the default CUDA generator: megatron's hidden dropout (bias-dropout-add) runs outside
+        # the tracker's forks and draws from it
+        states["cuda"] = torch.cuda.get_rng_state(trainer.device)
     return ShardedObject(RNG_KEY, states, (world_size,), (rank,), replica_id=MAIN_REPLICA)
 
 
@@ -451,6 +456,8 @@ def apply_loaded(trainer, scheduler, loaded: dict, *, load_optim: bool = True,
     if rng is not None:
         torch.set_rng_state(rng["torch"])
         tensor_parallel.get_cuda_rng_tracker().set_states(rng["model_parallel"])
+        if "cuda" in rng and trainer.device.type == "cuda":
+            torch.cuda.set_rng_state(rng["cuda"], trainer.device)
     if finetune:
         return TrainingProgress(iteration=0, consumed_train_samples=0)
     return TrainingProgress(
