@@ -37,6 +37,9 @@
 Timed: an iteration's time is the slowest rank's wall time of ``train_step``, each rank timing
 from the barrier before it (the next iteration cannot start before the slowest rank is done);
 batches are read before the clock starts; the first WARMUP iterations of each trainer are dropped.
+Where the machine has a GPU per rank, each rank runs on its own GPU over NCCL (the clock stops
+after a CUDA synchronize); elsewhere on the CPU mode over gloo. Both trainers build the same
+layer (Transformer Engine's, or megatron's local layer with torch SDPA attention).
 The ratio's 95% confidence interval is the distribution-free one of a median (order statistics).
 The 1-minute load average before and after the run is recorded (other jobs on the machine show
 up there).

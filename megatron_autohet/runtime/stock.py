@@ -9,7 +9,9 @@ Public API
 ``StockMegatronTrainer(plan, *, rank, seed, optimizer, distributed_optimizer=False, precision=FP32)``
     ``torch.distributed`` must be initialised with the plan's world size. Builds, with
     megatron-core's own machinery only: ``parallel_state.initialize_model_parallel``, a
-    ``GPTModel`` of this rank's stage (local layer spec), ``DistributedDataParallel`` with its
+    ``GPTModel`` of this rank's stage (the runtime's layer spec, runtime/stage_model.py
+    ``stage_layer_spec``: the same attention as ours) on the current CUDA device (the CPU in
+    CPU mode), ``DistributedDataParallel`` with its
     contiguous grad buffers, ``finalize_model_grads`` (DP all-reduce, tied-embedding all-reduce)
     as the schedule's finalize hook, ``get_megatron_optimizer`` (AdamW with megatron's own
     parameter groups and no-decay rule, megatron's grad-norm clipping; hyper-parameters from the
