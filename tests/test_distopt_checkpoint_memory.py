@@ -1,15 +1,18 @@
-"""The distributed optimizer's save never holds its unsharded state on the device.
+"""The distributed optimizer never holds its unsharded state on the device: not in a save, not
+in the weights' all-gather of a step.
 
 ``DistributedOptimizer.param_states`` returns per-parameter tensors on the host it is given and
 stages each bucket through one reused device buffer. On the CPU machine the "device" is the CPU,
 so the host copies go to the ``meta`` device here: every tensor the call allocates on the CPU is
 then device memory, and their total is bounded by one bucket's fp32 elements (the old save
 cloned every gathered parameter state on the device: 12 B per parameter of a bf16 stage).
+A step all-gathers the updated shards bucket by bucket with at most two buckets' buffers alive.
 Save and resume equivalence is tests/test_checkpoint.py's (distributed-optimizer cases).
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import replace
 from pathlib import Path
 
@@ -49,13 +52,40 @@ class NewStorageBytes(TorchDispatchMode):
         return result
 
 
-def _save_path_allocations(rank, world, plan):
+class LiveBytes(NewStorageBytes):
+    """Also the most bytes of those storages alive at once (a storage counts as alive while the
+    tensor an op first returned it in is)."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        before = self.total
+        result = super().__torch_dispatch__(func, types, args, kwargs)
+        if self.total > before:
+            out = next(t for t in tree_flatten(result)[0] if isinstance(t, torch.Tensor))
+            self.live += self.total - before
+            self.peak = max(self.peak, self.live)
+            weakref.finalize(out, self._free, self.total - before)
+        return result
+
+    def _free(self, nbytes: int) -> None:
+        self.live -= nbytes
+
+
+def _trainer(rank, plan):
     from megatron_autohet.runtime.optimizer import OptimizerSettings
     from megatron_autohet.runtime.trainer import HeteroTrainer
 
-    trainer = HeteroTrainer(plan, plan.model, rank=rank, seed=5,
-                            optimizer=OptimizerSettings(lr=1e-3), precision=PRECISIONS["bf16"],
-                            distributed_optimizer=True, bucket_numel=BUCKET_NUMEL)
+    return HeteroTrainer(plan, plan.model, rank=rank, seed=5,
+                         optimizer=OptimizerSettings(lr=1e-3), precision=PRECISIONS["bf16"],
+                         distributed_optimizer=True, bucket_numel=BUCKET_NUMEL)
+
+
+def _save_path_allocations(rank, world, plan):
+    trainer = _trainer(rank, plan)
     optimizer = trainer.optimizer
     torch.manual_seed(rank)
     for sharded in optimizer.buckets:
@@ -98,3 +128,21 @@ def test_save_stages_one_bucket_at_a_time_through_the_host(plan_file):
         assert counted["state_bytes"] > 2 * counted["bucket_bytes"], (rank, counted)
         staged_somewhere |= counted["largest"] > 0
     assert staged_somewhere                     # some bucket is sharded over several ranks
+
+
+def _weight_gather_peak(rank, world, plan):
+    optimizer = _trainer(rank, plan).optimizer
+    counter = LiveBytes()
+    with counter:
+        optimizer._write_params()
+    # a bucket in flight: its bf16 gathered buffer and the bf16 cast of this rank's shard
+    in_flight = sorted(2 * s.shard_numel * (s.size + 1) for s in optimizer.buckets)
+    return {"peak": counter.peak, "two_largest": sum(in_flight[-2:]), "all": sum(in_flight)}
+
+
+def test_step_gathers_the_weights_two_buckets_at_a_time():
+    plan = replace(load_plan(PLANS / "tiny-homogeneous.yaml"), use_distributed_optimizer=True)
+    for rank, counted in enumerate(run_on_ranks(plan.world_size, _weight_gather_peak, plan,
+                                                timeout=240)):
+        assert 0 < counted["peak"] <= counted["two_largest"], (rank, counted)
+        assert counted["all"] > counted["two_largest"], (rank, counted)      # it would show

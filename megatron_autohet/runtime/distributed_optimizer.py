@@ -239,13 +239,25 @@ class DistributedOptimizer:
         return [segment.view for sharded in self.buckets for segment in sharded.segments]
 
     def _write_params(self) -> None:
-        gathered = [(sharded, *sharded.gather(sharded.master, sharded.bucket.params[0].dtype,
-                                              async_op=True)) for sharded in self.buckets]
-        for sharded, flat, work in gathered:
-            if work is not None:
-                work.wait()
-            for param, value in zip(sharded.bucket.params, sharded.local_values(flat)):
-                param.data.copy_(value)
+        """All-gather every bucket's updated shards and write them into its weights. One
+        bucket's all-gather runs while the previous one is written, and no more than those two
+        gathered buffers are alive: all buckets' at once would be a transient of 2 B per
+        parameter of a bf16 stage beside the state at every step."""
+        in_flight: list[tuple] = []
+        for sharded in self.buckets:
+            in_flight.append((sharded, *sharded.gather(
+                sharded.master, sharded.bucket.params[0].dtype, async_op=True)))
+            if len(in_flight) == 2:
+                self._write_bucket(*in_flight.pop(0))
+        for gathered in in_flight:
+            self._write_bucket(*gathered)
+
+    @staticmethod
+    def _write_bucket(sharded: _ShardedBucket, flat: torch.Tensor, work) -> None:
+        if work is not None:
+            work.wait()
+        for param, value in zip(sharded.bucket.params, sharded.local_values(flat)):
+            param.data.copy_(value)
 
     # ---- checkpoints -------------------------------------------------------------------------
     @torch.no_grad()
