@@ -15,11 +15,20 @@ A save:
 2. Write (checkpoint/writer.py) and commit the step in the local tier, keep the newest
    ``--autohet-keep-ckpts``, then upload it to S3 (checkpoint/upload.py) when configured.
    With ``--async-save`` this runs in a background thread on a process group of its own
-   (gloo), so its collectives never interleave with training's; the next save first waits for
-   the previous one (on every rank alike).
+   (gloo), so its collectives never interleave with training's. A save due while the previous
+   one is still being written is skipped (one line; the next interval saves): the ranks agree on
+   that with a one-integer all-reduce on a second gloo group (``decisions``), never the writer's.
+   The last save of the run (``finish``) waits for the previous one instead.
 
-A save that fails - a full disk, S3 unreachable - is reported on every rank as a WARNING and
-training goes on; the next interval tries again with a new step. Nothing partial is committed
+A save that fails - a full disk, S3 unreachable - fails on every rank alike (checkpoint/
+writer.py), leaves no ``iter_N.partial`` behind and is reported in one line by rank 0 with its
+root cause (checkpoint/failures.py), the traceback going to ``autohet-checkpoint-errors.log`` in
+the checkpoint directory. Training goes on and the next interval tries again with a new step,
+unless the save was the last of the run or the ``--autohet-max-failed-saves``-th in a row: then
+rank 0 says which steps are complete and where, and every rank raises :class:`CheckpointStop`
+(a ``SystemExit``, status 1). With ``--async-save`` the training thread learns the outcome when
+it next waits for the writer (the next save or ``finish``), so every rank decides alike. A
+failed S3 upload of a complete local step is a WARNING only. Nothing partial is committed
 (checkpoint/manifest.py), so a failed save costs the progress since the last good one, never a
 corrupt resume.
 
@@ -30,21 +39,25 @@ in when it is done) and logged with it; a resume's bytes and seconds per tier ar
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
+import traceback
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
-from megatron_autohet.checkpoint.manifest import remove_old_steps, step_dir_name
+from megatron_autohet.checkpoint.failures import log_traceback, root_cause
+from megatron_autohet.checkpoint.manifest import committed_steps, remove_old_steps, step_dir_name
 from megatron_autohet.checkpoint.options import CheckpointOptions
 from megatron_autohet.checkpoint.state import (RNG_KEY, TrainingProgress, common_state,
                                                SnapshotBuffers, rank_sharded_state_dict,
                                                rng_sharded_object, snapshot)
-from megatron_autohet.checkpoint.writer import StepDirs, write_step
-from megatron_autohet.errors import ConfigError
+from megatron_autohet.checkpoint.writer import SaveFailed, StepDirs, on_every_rank, write_step
+from megatron_autohet.errors import ConfigError, JobConfigError
 from megatron_autohet.runtime.device import enter_device, thread_device
 
 # Collectives of a save wait at most this long for a peer (a dead peer fails the save instead of
@@ -68,8 +81,26 @@ class SaveTimes:
     upload_s: float | None = None
 
 
-def _log(message: str) -> None:
-    print(f" [{time.strftime('%Y-%m-%d %H:%M:%S')}] {message}", flush=True)
+@dataclass
+class SaveFailure:
+    """A save that failed: the line's cause (every rank's root causes, or this rank's) and where
+    this rank's traceback went (None: nowhere could take it)."""
+    iteration: int
+    cause: str
+    log: Path | None
+
+
+class CheckpointStop(SystemExit):
+    """The job stops because saving failed (the last save, or too many in a row), on every rank
+    alike; rank 0 has printed why. Exit status 1, no traceback."""
+
+    def __init__(self):
+        super().__init__(1)
+
+
+def _log(message: str, *, file=None) -> None:
+    print(f" [{time.strftime('%Y-%m-%d %H:%M:%S')}] {message}", file=file or sys.stdout,
+          flush=True)
 
 
 class Checkpointer:
@@ -88,6 +119,9 @@ class Checkpointer:
         self.device = thread_device()       # the writer thread's CUDA device (None: CPU)
         self.snapshot_buffers = SnapshotBuffers()    # pinned host memory, reused every save
         self.group = dist.new_group(backend="gloo", timeout=CHECKPOINT_GROUP_TIMEOUT)
+        # The training thread's own agreements (is the background save done?), while the writer
+        # thread may be in a collective on ``group``.
+        self.decisions = dist.new_group(backend="gloo", timeout=CHECKPOINT_GROUP_TIMEOUT)
         self.s3 = None
         if options.s3_uri is not None:
             from megatron_autohet.checkpoint.s3_store import S3Store
@@ -97,7 +131,12 @@ class Checkpointer:
         self.save_times: list[SaveTimes] = []
         self.failed_saves: list[int] = []
         self.failed_uploads: list[int] = []
+        self.skipped_saves: list[int] = []
+        self.uploaded: list[int] = []
+        self.consecutive_failures = 0
         self._writer: threading.Thread | None = None
+        self._writing: int | None = None         # the iteration the latest save wrote
+        self._failure: SaveFailure | None = None  # its failure, until the training thread reads it
 
     def _save_dirs(self) -> StepDirs | None:
         if self.options.local_dir is not None:
@@ -124,7 +163,8 @@ class Checkpointer:
         """Load the newest complete step (checkpoint/recovery.py; ``--ckpt-step``: that one),
         or start at iteration 0. A step this job cannot take as the flags say (``--ckpt-step``
         committed nowhere, another schedule without --override-/--use-checkpoint-opt-param-
-        scheduler) is a :class:`ConfigError` naming the flag, the same on every rank."""
+        scheduler) is a :class:`ConfigError` naming the flag, the same on every rank; so is no
+        step at all with ``--exit-on-missing-checkpoint`` (a JobConfigError: printed once)."""
         from megatron_autohet.checkpoint.recovery import recover
         from megatron_autohet.checkpoint.state import ScheduleMismatch
         from megatron_autohet.runtime.optimizer import SCHEDULE_CHOICE, SCHEDULE_FLAGS
@@ -140,6 +180,11 @@ class Checkpointer:
             flags = self.schedule_flags or SCHEDULE_FLAGS
             raise ConfigError("<command line>", flags[err.field], str(err),
                               SCHEDULE_CHOICE) from None
+        if result is None and self.options.exit_on_missing_checkpoint:
+            raise JobConfigError("<command line>", "--load",
+                                 f"no complete checkpoint in {self.options.load}"
+                                 + (f" or {self.options.s3_uri}" if self.s3 else ""),
+                                 "a directory holding one, as --exit-on-missing-checkpoint is set")
         if result is None:
             self._log0(f"WARNING: no complete checkpoint in {self.options.load}"
                        + (f" or {self.options.s3_uri}" if self.s3 else "")
@@ -164,21 +209,42 @@ class Checkpointer:
 
     def after_iteration(self, iteration: int) -> None:
         interval = self.options.save_interval
-        if self.dirs is not None and interval and iteration % interval == 0:
-            self.save(iteration)
+        if self.dirs is None or not interval or iteration % interval:
+            return
+        if self._previous_save_running():
+            self.skipped_saves.append(iteration)
+            self._log0(f"skipping the checkpoint of iteration {iteration}: the one of iteration "
+                       f"{self._writing} is still being written (the next interval saves)")
+            return
+        self.save(iteration)
 
     def finish(self, iteration: int) -> None:
-        if self.dirs is not None and iteration > 0 and self.last_saved != iteration:
-            self.save(iteration)
+        """The last save of the run: waits for the background save (back-pressure does not
+        apply), saves ``iteration`` unless that is already done, and waits for it; a failure of
+        it stops the job (:class:`CheckpointStop`)."""
         self.wait()
+        if self.dirs is not None and iteration > 0 and (
+                self.last_saved != iteration or self.failed_saves[-1:] == [iteration]):
+            self.save(iteration, last=True)
+            self.wait(last=True)
 
-    def wait(self) -> None:
-        """Block until the background save (if any) is done."""
+    def wait(self, *, last: bool = False) -> None:
+        """Block until the background save (if any) is done, then act on its outcome."""
         if self._writer is not None:
             self._writer.join()
             self._writer = None
+        self._settle(last)
 
-    def save(self, iteration: int) -> None:
+    def _previous_save_running(self) -> bool:
+        """Whether the background save is still writing on any rank (the same answer on every
+        rank: each rank's thread finishes at its own time)."""
+        if self._writer is None:
+            return False
+        running = torch.tensor([int(self._writer.is_alive())])
+        dist.all_reduce(running, op=dist.ReduceOp.MAX, group=self.decisions)
+        return bool(running.item())
+
+    def save(self, iteration: int, *, last: bool = False) -> None:
         times = SaveTimes(iteration)
         start = time.perf_counter()
         self.wait()
@@ -195,6 +261,7 @@ class Checkpointer:
         common = common_state(self.trainer, self.scheduler, progress, seed=self.seed,
                               train_args=self.train_args)
         self.last_saved = iteration
+        self._writing = iteration
         self.save_times.append(times)
         self._log0(f"saving checkpoint at iteration {iteration:7d} to "
                    f"{self.dirs.root(self.rank)} in torch_dist format"
@@ -206,44 +273,113 @@ class Checkpointer:
             self._writer.start()
         else:
             self._write(state_dict, common, iteration, times)
+            self._settle(last)
         times.blocked_s = time.perf_counter() - start
 
     def _write(self, state_dict: dict, common: dict, iteration: int, times: SaveTimes) -> None:
-        from megatron_autohet.checkpoint.upload import upload_step
-        from megatron_autohet.checkpoint.writer import SaveFailed
+        """Write, commit and upload one step, in the writer thread with --async-save. Catches
+        every exception (torch's CheckpointException is a BaseException; a thread that dies
+        prints a traceback and reports nothing): the failure waits in ``_failure`` for the
+        training thread."""
         from megatron_autohet.runtime.cpu_mode import cpu_mode_thread
 
         enter_device(self.device)
         root = self.dirs.root(self.rank)
+        try:
+            with cpu_mode_thread():
+                self._write_step(state_dict, common, iteration, times, root)
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as err:
+            if isinstance(err, SaveFailed):
+                cause = str(err)
+            else:                                   # outside the agreed phases: this rank's
+                cause = f"{root_cause(err)} (rank {self.rank})"
+            text = "".join(traceback.format_exception(err))
+            self._failure = SaveFailure(iteration, cause,
+                                        log_traceback(root, f"iteration {iteration}, rank "
+                                                      f"{self.rank}:\n{text}"))
+
+    def _write_step(self, state_dict: dict, common: dict, iteration: int, times: SaveTimes,
+                    root: Path) -> None:
+        from megatron_autohet.checkpoint.upload import upload_step
+
         start = time.perf_counter()
-        with cpu_mode_thread():
-            try:
-                manifest = write_step(state_dict, common, iteration=iteration, plan=self.plan,
-                                      rank=self.rank, dirs=self.dirs, group=self.group)
-                if self.dirs.is_leader(self.rank):
-                    remove_old_steps(root, self.options.keep)
-                times.write_s = time.perf_counter() - start
-                self._log0(f"successfully saved checkpoint from iteration {iteration:7d} to "
-                           f"{root} ({manifest.total_bytes / 2**20:.1f} MiB; state dict "
-                           f"{times.build_s:.2f} s, copy to host memory {times.snapshot_s:.2f} "
-                           f"s, waiting for the previous save {times.waited_s:.2f} s; written "
-                           f"in {times.write_s:.2f} s)")
-            except SaveFailed as err:
-                self.failed_saves.append(iteration)
-                self._log0(f"WARNING: checkpoint of iteration {iteration} failed, training "
-                           f"goes on and the next interval saves again: {err}")
-                return
-            if self.s3 is None:
-                return
-            t = time.perf_counter()
-            try:
-                committed = upload_step(self.s3, manifest, root / step_dir_name(iteration),
-                                        rank=self.rank, keep=self.options.keep, group=self.group)
-                times.upload_s = time.perf_counter() - t
-                if committed:
-                    self._log0(f"uploaded iteration {iteration} to {self.s3.location.uri()} "
-                               f"({times.upload_s:.2f} s)")
-            except SaveFailed as err:
-                self.failed_uploads.append(iteration)
-                self._log0(f"WARNING: upload of iteration {iteration} failed (the local "
-                           f"checkpoint is complete; the next save uploads again): {err}")
+        manifest = write_step(state_dict, common, iteration=iteration, plan=self.plan,
+                              rank=self.rank, dirs=self.dirs, group=self.group)
+        times.write_s = time.perf_counter() - start
+        self._log0(f"successfully saved checkpoint from iteration {iteration:7d} to "
+                   f"{root} ({manifest.total_bytes / 2**20:.1f} MiB; state dict "
+                   f"{times.build_s:.2f} s, copy to host memory {times.snapshot_s:.2f} "
+                   f"s, waiting for the previous save {times.waited_s:.2f} s; written "
+                   f"in {times.write_s:.2f} s)")
+        try:
+            on_every_rank(lambda: remove_old_steps(root, self.options.keep)
+                          if self.dirs.is_leader(self.rank) else None, self.group,
+                          f"removing steps older than the newest {self.options.keep} in {root}")
+        except SaveFailed as err:                   # the step itself is complete
+            self._log0(f"WARNING: {err}")
+        if self.s3 is None:
+            return
+        t = time.perf_counter()
+        try:
+            committed = upload_step(self.s3, manifest, root / step_dir_name(iteration),
+                                    rank=self.rank, keep=self.options.keep, group=self.group)
+        except SaveFailed as err:
+            self.failed_uploads.append(iteration)
+            log = log_traceback(root, f"iteration {iteration}, rank {self.rank}:\n"
+                                + "".join(traceback.format_exception(err)))
+            self._log0(f"WARNING: {err}; the local checkpoint of iteration {iteration} is "
+                       f"complete and the next save uploads again ({_traceback_where(log)})")
+            return
+        times.upload_s = time.perf_counter() - t
+        self.uploaded.append(iteration)
+        if committed:
+            self._log0(f"uploaded iteration {iteration} to {self.s3.location.uri()} "
+                       f"({times.upload_s:.2f} s)")
+
+    def _settle(self, last: bool) -> None:
+        """On the training thread, once the latest save is done on every rank: count its failure
+        and report it in one line (rank 0); stop the job after the last save of the run or
+        ``max_failed_saves`` failures in a row. Every rank reads the same outcome (a save fails
+        on all of them alike)."""
+        failure, self._failure = self._failure, None
+        if self._writing is None:
+            return
+        iteration, self._writing = self._writing, None
+        if failure is None:
+            self.consecutive_failures = 0
+            return
+        self.failed_saves.append(iteration)
+        self.consecutive_failures += 1
+        limit = self.options.max_failed_saves
+        line = (f"checkpoint of iteration {iteration} failed: {failure.cause} "
+                f"({_traceback_where(failure.log)})")
+        if not last and self.consecutive_failures < limit:
+            self._log0(f"WARNING: {line}; training goes on and the next interval saves again "
+                       f"({self.consecutive_failures} of --autohet-max-failed-saves {limit} "
+                       "failures in a row)")
+            return
+        why = ("it was the last save of the run" if last else
+               f"{self.consecutive_failures} saves in a row failed (--autohet-max-failed-saves "
+               f"{limit})")
+        if self.rank == 0:
+            _log(f"ERROR: {line}; the job stops: {why}. {self._complete_steps()}",
+                 file=sys.stderr)
+        dist.barrier(group=self.decisions)      # rank 0 has printed before any rank exits
+        raise CheckpointStop()
+
+    def _complete_steps(self) -> str:
+        root = self.dirs.root(self.rank)
+        steps = committed_steps(root)
+        where = (f"complete steps in {root}: {', '.join(map(str, steps))}" if steps
+                 else f"no complete step in {root}")
+        if self.s3 is not None:
+            where += (f"; newest uploaded to {self.s3.location.uri()} by this run: "
+                      f"{self.uploaded[-1]}" if self.uploaded
+                      else f"; none uploaded to {self.s3.location.uri()} by this run")
+        return where[0].upper() + where[1:]
+
+
+def _traceback_where(log: Path | None) -> str:
+    return f"traceback in {log}" if log else "no traceback file: nowhere to write it"

@@ -18,6 +18,13 @@ Megatron-LM's names where Megatron has the concept, ``--autohet-*`` for what it 
 ``--autohet-keep-ckpts K``        committed steps kept per directory and in S3 (default 2).
 ``--async-save``                  Megatron's: training stalls only to copy the state to host
                                   memory; files are written (and uploaded) in the background.
+                                  A save due while the previous one is still being written is
+                                  skipped (one line; the next interval saves), except the last.
+``--autohet-max-failed-saves K``  a failed save (its root cause in one line, its traceback in
+                                  ``autohet-checkpoint-errors.log`` in the checkpoint directory)
+                                  lets training go on, unless it is the K-th in a row (default
+                                  2) or the last save of the run: then the job stops, non-zero.
+                                  A failed S3 upload of a complete local step is a warning only.
 ``--autohet-s3-uri s3://B/P``     S3 tier: every step is uploaded in the background (one copy of
                                   each chunk), and recovery reads from it what no disk holds.
 ``--autohet-s3-endpoint-url URL`` an S3-compatible endpoint (MinIO, Ceph, a test server);
@@ -26,6 +33,8 @@ Megatron-LM's names where Megatron has the concept, ``--autohet-*`` for what it 
 What a resume takes from the step, Megatron-LM's flags and meaning (core_v0.16.1
 ``load_checkpoint``); each needs ``--load``:
 
+``--exit-on-missing-checkpoint``  no complete step to load: stop (one line, status 2) instead of
+                                  training from scratch.
 ``--ckpt-step N``                 load step N instead of the newest (committed somewhere: a disk
                                   of the job or S3; no fallback to an older one).
 ``--no-load-optim``               weights only from the optimizer's side: fresh Adam moments and
@@ -44,6 +53,7 @@ from dataclasses import dataclass
 from megatron_autohet.errors import ConfigError
 
 DEFAULT_KEEP = 2
+DEFAULT_MAX_FAILED_SAVES = 2
 
 
 @dataclass(frozen=True)
@@ -60,6 +70,8 @@ class CheckpointOptions:
     no_load_optim: bool = False
     no_load_rng: bool = False
     finetune: bool = False
+    max_failed_saves: int = DEFAULT_MAX_FAILED_SAVES
+    exit_on_missing_checkpoint: bool = False
 
     @property
     def load_optim(self) -> bool:
@@ -103,7 +115,11 @@ class CheckpointOptions:
                 raise ConfigError(source, "--autohet-s3-uri", "given without saving or loading",
                                   "with --save/--autohet-local-ckpt-dir (upload) and/or --load "
                                   "(recovery)")
+        if self.max_failed_saves < 1:
+            raise ConfigError(source, "--autohet-max-failed-saves", f"got {self.max_failed_saves}",
+                              "a number of consecutive failed saves >= 1")
         for flag, given in (("--ckpt-step", self.ckpt_step is not None),
+                            ("--exit-on-missing-checkpoint", self.exit_on_missing_checkpoint),
                             ("--finetune", self.finetune), ("--no-load-optim", self.no_load_optim),
                             ("--no-load-rng", self.no_load_rng)):
             if given and self.load is None:

@@ -24,6 +24,10 @@ Steps, on every rank:
 5. Leaders write the manifest (atomically) and rename ``iter_N.partial`` to ``iter_N``; then
    ``latest_checkpointed_iteration.txt`` points at it. A crash at any point before leaves no
    committed step (readers skip directories without a manifest).
+
+A phase that fails on any rank fails on all of them (:func:`on_every_rank`) with
+:class:`SaveFailed`, which names each distinct root cause and the ranks that hit it
+(checkpoint/failures.py); the leaders then remove ``iter_N.partial``.
 """
 
 from __future__ import annotations
@@ -33,10 +37,13 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
+from megatron_autohet.checkpoint.failures import full_disk, root_cause
 from megatron_autohet.checkpoint.manifest import (MANIFEST_FILE, FileRecord, ItemRecord, Manifest,
                                                   commit_step_dir, partial_dir, sha256_bytes,
                                                   write_atomic)
@@ -224,35 +231,85 @@ def _write_replicas(directory: Path, rank: int, node: str, entries: list[tuple[I
 # ---- one step --------------------------------------------------------------------------------
 
 class SaveFailed(RuntimeError):
-    """A step could not be written; raised on every rank alike (the step is not committed)."""
+    """A step could not be written; raised on every rank alike (the step is not committed).
+    ``causes``: each distinct root cause (checkpoint/failures.py) -> the ranks that hit it; the
+    exception this rank hit, if any, is the ``__cause__``."""
+
+    def __init__(self, what: str, causes: dict[str, list[int]]):
+        self.what = what
+        self.causes = causes
+        super().__init__(f"{what} failed: " + "; ".join(
+            f"{cause} ({_ranks(ranks)})" for cause, ranks in causes.items()))
+
+
+def _ranks(ranks: list[int]) -> str:
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    if ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"ranks {ranks[0]}-{ranks[-1]}"
+    return "ranks " + ", ".join(map(str, ranks))
+
+
+def _agree(value, error: BaseException | None, cause: str | None, group, what: str) -> list:
+    """Gather every rank's (value, root cause); SaveFailed on every rank if any rank has a cause
+    (``error``, this rank's exception, is its ``__cause__``)."""
+    gathered: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, (value, cause), group=group)
+    causes: dict[str, list[int]] = {}
+    for rank, (_, rank_cause) in enumerate(gathered):
+        if rank_cause is not None:
+            causes.setdefault(rank_cause, []).append(rank)
+    if causes:
+        raise SaveFailed(what, causes) from error
+    return [v for v, _ in gathered]
 
 
 def on_every_rank(local, group, what: str) -> list:
     """Run ``local()`` here, gather every rank's result; if any rank raised, raise SaveFailed on
-    all of them. Each phase of a save is one of these, so a failure on one rank (a full disk)
-    cannot leave the others waiting in the next collective."""
+    all of them, naming each rank's root cause. Each phase of a save is one of these, so a
+    failure on one rank (a full disk) cannot leave the others waiting in the next collective."""
     try:
         value, error = local(), None
-    except Exception as err:                      # reported on every rank, never swallowed
-        value, error = None, f"{type(err).__name__}: {err}"
-    gathered: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, (value, error), group=group)
-    errors = [f"rank {r}: {e}" for r, (_, e) in enumerate(gathered) if e]
-    if errors:
-        raise SaveFailed(f"{what} failed ({'; '.join(errors)})")
-    return [v for v, _ in gathered]
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as err:             # torch's CheckpointException is a BaseException
+        value, error = None, err
+    return _agree(value, error, root_cause(error) if error is not None else None, group, what)
+
+
+def _dcp_failed(err: CheckpointException, directory: Path, group, what: str) -> NoReturn:
+    """DCP raised ``err`` on every rank alike: SaveFailed with each failed rank's root cause,
+    a full disk named as such (checkpoint/failures.py ``full_disk``). ``err.failures`` names at
+    least one rank, so every rank raises."""
+    mine = err.failures.get(dist.get_rank(group))
+    cause = None
+    if mine is not None:
+        cause = full_disk(directory) or root_cause(mine[0] if isinstance(mine, tuple) else mine)
+    _agree(None, err, cause, group, what)
 
 
 def write_step(state_dict: dict, common: dict, *, iteration: int, plan, rank: int,
                dirs: StepDirs, group=None) -> Manifest:
     """Write and commit step ``iteration`` (collective over ``group``; module docstring).
-    Raises SaveFailed on every rank when any rank fails."""
-    from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
-    from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
-
+    Raises SaveFailed on every rank when any rank fails, having removed ``iter_N.partial``."""
     node = plan.ranks[rank].node
     root = dirs.root(rank)
     staged = partial_dir(root, iteration)
+    try:
+        return _write_and_commit(state_dict, common, iteration=iteration, plan=plan, rank=rank,
+                                 dirs=dirs, group=group, node=node, root=root, staged=staged)
+    except BaseException:
+        # Nothing partial left behind (a full disk would fill up further with each try): the
+        # ranks are past the failed phase's gather, so nobody writes there any more.
+        if dirs.is_leader(rank):
+            shutil.rmtree(staged, ignore_errors=True)
+        raise
+
+
+def _write_and_commit(state_dict: dict, common: dict, *, iteration: int, plan, rank: int,
+                      dirs: StepDirs, group, node: str, root: Path, staged: Path) -> Manifest:
+    from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
+    from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
 
     def prepare():
         if dirs.is_leader(rank):
@@ -262,7 +319,11 @@ def write_step(state_dict: dict, common: dict, *, iteration: int, plan, rank: in
 
     on_every_rank(prepare, group, f"creating {staged}")
     sharded, leftover_common = save_preprocess(state_dict, validate_access_integrity=False)
-    metadata, chunks = _dcp_save(sharded, staged, group)  # DCP raises on every rank if one fails
+    writing = f"writing iteration {iteration} to {root}"
+    try:
+        metadata, chunks = _dcp_save(sharded, staged, group)
+    except CheckpointException as err:         # DCP raises it on every rank if one fails
+        _dcp_failed(err, staged, group, writing)
 
     def hash_own_files():
         small = None
@@ -276,7 +337,7 @@ def write_step(state_dict: dict, common: dict, *, iteration: int, plan, rank: in
 
     # Main chunks: hashed by their writers and gathered, so every rank knows the manifest and
     # plans the replicas the same way.
-    gathered = on_every_rank(hash_own_files, group, f"writing iteration {iteration}")
+    gathered = on_every_rank(hash_own_files, group, writing)
     small = gathered[0][1]
     all_items = [item for (items, _), _ in gathered for item in items]
     all_files = {f.name: f for (_, files), _ in gathered for f in files}

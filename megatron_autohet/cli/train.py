@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import argparse
 
-from megatron_autohet.checkpoint.options import (DEFAULT_KEEP, CheckpointOptions,
-                                                 check_scheduler_flags)
+from megatron_autohet.checkpoint.options import (DEFAULT_KEEP, DEFAULT_MAX_FAILED_SAVES,
+                                                 CheckpointOptions, check_scheduler_flags)
 from megatron_autohet.cli._common import check_output_path, positive, probability
 from megatron_autohet.errors import ConfigError
 from megatron_autohet.plan import check_bf16_support
@@ -117,7 +117,17 @@ def register(subparsers) -> None:
                                               f"S3 (default {DEFAULT_KEEP})")),
         (("--async-save",), dict(action="store_true",
                                  help="write (and upload) checkpoints in the background; "
-                                      "training waits only for the copy to host memory")),
+                                      "training waits only for the copy to host memory, and a "
+                                      "save due while the previous one is still being written "
+                                      "is skipped (the next interval saves; never the last)")),
+        (("--autohet-max-failed-saves",), dict(
+            type=int, default=DEFAULT_MAX_FAILED_SAVES,
+            help="a failed save prints one line with its root cause (the traceback goes to "
+                 "autohet-checkpoint-errors.log in the checkpoint directory) and training goes "
+                 "on, unless it is the K-th failed save in a row or the last save of the run: "
+                 "then the job stops with status 1, saying which steps are complete and where. "
+                 "A failed S3 upload of a complete local step is a warning only "
+                 f"(default {DEFAULT_MAX_FAILED_SAVES})")),
         (("--autohet-s3-uri",), dict(default=None,
                                      help="S3 tier s3://BUCKET/PREFIX: each checkpoint is "
                                           "uploaded in the background, and recovery downloads "
@@ -126,6 +136,10 @@ def register(subparsers) -> None:
         (("--autohet-s3-endpoint-url",), dict(default=None,
                                               help="endpoint of an S3-compatible store "
                                                    "(default: AWS)")),
+        (("--exit-on-missing-checkpoint",), dict(
+            action="store_true",
+            help="with --load: stop (one line, status 2) when no complete checkpoint is found, "
+                 "instead of training from scratch, as Megatron-LM's flag")),
         (("--ckpt-step",), dict(type=int, default=None,
                                 help="with --load: resume from this step (iteration) instead "
                                      "of the newest")),
@@ -267,7 +281,8 @@ def check_elastic(args: argparse.Namespace, checkpoint: CheckpointOptions) -> No
                 raise ConfigError("<command line>", "--" + flag.replace("_", "-"),
                                   "given without --elastic", "only with --elastic")
         return
-    for flag in ("ckpt_step", "finetune", "no_load_optim", "no_load_rng"):
+    for flag in ("ckpt_step", "finetune", "no_load_optim", "no_load_rng",
+                 "exit_on_missing_checkpoint"):
         if getattr(args, flag) not in (None, False):
             raise ConfigError("<command line>", "--" + flag.replace("_", "-"),
                               "given with --elastic",
@@ -303,7 +318,10 @@ def checkpoint_options(args: argparse.Namespace) -> CheckpointOptions:
                              async_save=args.async_save, s3_uri=args.autohet_s3_uri,
                              s3_endpoint_url=args.autohet_s3_endpoint_url,
                              ckpt_step=args.ckpt_step, no_load_optim=args.no_load_optim,
-                             no_load_rng=args.no_load_rng, finetune=args.finetune).validate()
+                             no_load_rng=args.no_load_rng, finetune=args.finetune,
+                             max_failed_saves=args.autohet_max_failed_saves,
+                             exit_on_missing_checkpoint=args.exit_on_missing_checkpoint
+                             ).validate()
 
 
 def check_resume(checkpoint: CheckpointOptions, plan, optimizer: OptimizerSettings,

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from megatron_autohet.checkpoint.options import DEFAULT_KEEP
+from megatron_autohet.checkpoint.options import DEFAULT_KEEP, DEFAULT_MAX_FAILED_SAVES
 
 
 def add_autohet_args(parser):
@@ -40,6 +40,14 @@ def add_autohet_args(parser):
     group.add_argument("--autohet-keep-ckpts", type=int, default=DEFAULT_KEEP,
                        help="With --autohet-plan: committed checkpoints kept per directory and in "
                             f"S3 (default {DEFAULT_KEEP}).")
+    group.add_argument("--autohet-max-failed-saves", type=int, default=DEFAULT_MAX_FAILED_SAVES,
+                       help="With --autohet-plan: a failed save prints one line with its root "
+                            "cause (the traceback goes to autohet-checkpoint-errors.log in the "
+                            "checkpoint directory) and training goes on, unless it is the K-th "
+                            "failed save in a row or the last save of the run: then the job stops "
+                            "with status 1, saying which steps are complete and where. A failed "
+                            "S3 upload of a complete local step is a warning only (default "
+                            f"{DEFAULT_MAX_FAILED_SAVES}).")
     group.add_argument("--autohet-s3-uri", type=str, default=None,
                        help="With --autohet-plan: S3 tier s3://BUCKET/PREFIX; each checkpoint is "
                             "uploaded in the background and recovery downloads from it only what "

@@ -27,8 +27,9 @@ writer of checkpoint/checkpointer.py is that worker), ``--use-checkpoint-opt-par
 ``--override-opt-param-scheduler`` (Megatron's scheduler applies them itself when it loads its
 state; a different schedule without either is refused in one line before it asserts on every
 rank), ``--ckpt-step``, ``--no-load-optim``, ``--no-load-rng``, ``--finetune``
-(checkpoint/options.py), plus ``--autohet-local-ckpt-dir``, ``--autohet-keep-ckpts``, ``--autohet-s3-uri`` and
-``--autohet-s3-endpoint-url`` (megatron/args.py).
+(checkpoint/options.py), plus ``--autohet-local-ckpt-dir``, ``--autohet-keep-ckpts``,
+``--autohet-max-failed-saves``, ``--autohet-s3-uri`` and ``--autohet-s3-endpoint-url``
+(megatron/args.py).
 
 Flags are checked twice. Before Megatron-LM initialises anything, :func:`prepare_process` refuses
 every flag set to a value other than Megatron's default that the plan path does not honour
@@ -272,7 +273,9 @@ def checkpoint_options(args, plan_path: str | Path) -> CheckpointOptions:
                                 s3_endpoint_url=args.autohet_s3_endpoint_url,
                                 ckpt_step=args.ckpt_step, no_load_optim=bool(args.no_load_optim),
                                 no_load_rng=bool(args.no_load_rng),
-                                finetune=bool(args.finetune)).validate(str(plan_path))
+                                finetune=bool(args.finetune),
+                                max_failed_saves=args.autohet_max_failed_saves
+                                ).validate(str(plan_path))
     # Before Megatron's scheduler exists: it asserts (a traceback per rank) on both flags.
     check_scheduler_flags(options, override=bool(args.override_opt_param_scheduler),
                           use_checkpoint=bool(args.use_checkpoint_opt_param_scheduler),
