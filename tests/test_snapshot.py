@@ -57,3 +57,13 @@ def test_cuda_tensors_go_to_reused_pinned_buffers():
         assert torch.equal(snapped[name], tensor.cpu()), name
     second = _datas(snapshot(_state_dict("cuda"), buffers))
     assert [t.data_ptr() for t in second.values()] == [t.data_ptr() for t in snapped.values()]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a GPU job's state dict needs CUDA")
+def test_host_copies_beside_cuda_tensors_are_not_copied_again():
+    """The distributed optimizer's gathered state is a host copy made for the save."""
+    state_dict = _state_dict("cuda")
+    gathered = torch.arange(6, dtype=torch.float32)
+    state_dict["optimizer"] = {"exp_avg": ShardedTensor.from_rank_offsets("exp_avg", gathered,
+                                                                         replica_id=0)}
+    assert snapshot(state_dict)["optimizer"]["exp_avg"].data is gathered
