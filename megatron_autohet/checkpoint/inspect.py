@@ -1,8 +1,9 @@
 """What is in a checkpoint directory or S3 prefix, and whether its bytes still match (no torch).
 
 ``autohet checkpoint ls`` and ``verify`` run here, and recovery (checkpoint/recovery.py) judges
-every chunk and small file it fetches with :func:`item_problem` / :func:`file_problem` before
-deserializing anything, so bytes are judged by one piece of code. Nothing here imports torch, megatron-core or boto3 (an :class:`~.s3_store.S3Store` comes in
+every chunk and small file it fetches with :func:`read_item` / :func:`item_problem` /
+:func:`file_problem` before deserializing anything, so bytes are judged by one piece of code.
+Nothing here imports torch, megatron-core or boto3 (an :class:`~.s3_store.S3Store` comes in
 from the caller): the commands answer in well under a second.
 
 Which files a directory should hold
@@ -18,6 +19,7 @@ of the step: every listed file must be there.
 
 from __future__ import annotations
 
+import hashlib
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +34,8 @@ TRUNCATED = "truncated"
 MISSING = "missing file"
 # Bytes per ranged GET when verifying on S3 (see verify_s3).
 S3_WINDOW = 64 * 2**20
+# A chunk is read and hashed in blocks of this size (read_item).
+READ_BLOCK = 2**20
 
 
 # ---- what a step holds ---------------------------------------------------------------------
@@ -249,6 +253,24 @@ def item_problem(item: ItemRecord, raw: bytes | memoryview) -> str | None:
     return MISMATCH if sha256_bytes(raw) != item.sha256 else None
 
 
+def read_item(f, item: ItemRecord) -> tuple[memoryview, str | None]:
+    """The item's bytes read from the open file ``f``, and what is wrong with them (None: they
+    are the item). Hashed block by block as they are read, each block while it is still in the
+    CPU's cache (a chunk is often hundreds of MB: no second pass over it); hashlib releases the
+    GIL for each block, so threads reading other chunks hash at the same time."""
+    buffer = memoryview(bytearray(item.length))
+    digest = hashlib.sha256()
+    f.seek(item.offset)
+    done = 0
+    while done < item.length:
+        n = f.readinto(buffer[done:done + READ_BLOCK])
+        if not n:
+            return buffer[:done], TRUNCATED
+        digest.update(buffer[done:done + n])
+        done += n
+    return buffer, None if digest.hexdigest() == item.sha256 else MISMATCH
+
+
 def file_problem(raw: bytes, size: int, sha256: str) -> str | None:
     """None when ``raw`` is the whole file the manifest describes, else what is wrong."""
     if len(raw) < size:
@@ -289,10 +311,8 @@ def check_local_items(step_dir: Path, items: list[ItemRecord],
                     progress.update(item.length)
                 if item.offset + item.length > size:
                     continue
-                f.seek(item.offset)
-                raw = f.read(item.length)
+                raw, problem = read_item(f, item)
                 total += len(raw)
-                problem = item_problem(item, raw)
                 if problem:
                     problems.append(BadItem(str(path), problem, item))
         problems += cut_short(str(path), file_items, size)

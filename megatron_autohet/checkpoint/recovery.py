@@ -5,20 +5,22 @@ is called on every rank of a (re)started job. ``roots`` are the checkpoint direc
 can read (its node's local-tier directory, ``--load``); ``s3`` the S3 tier, if configured.
 
 1. Discover: every rank lists the committed steps in its roots and which of their files it has
-   (sizes as the manifest says); one all-gather. Rank 0 lists the S3 tier meanwhile (which
-   steps have a manifest there; a manifest is downloaded only for a step no disk has).
+   (sizes as the manifest says); one all-gather, which also carries rank 0's listing of the S3
+   tier, made meanwhile (which steps have a manifest there; a manifest is downloaded only for
+   a step no disk has).
 2. Choose the newest step that is complete somewhere: every main chunk of it on some surviving
    disk (main file or replica), or the step committed in S3; its manifest readable, its model
    this job's (another model is refused at once, naming the field).
 3. Plan: each rank computes the chunks its NEW shards need (recovery_plan.needed_items); one
    all-gather of those needs, then recovery_plan.assign_sources gives every rank the same plan of
    who reads what from where.
-4. Fetch, all tiers at once: this rank's own-disk chunks are read and verified in one thread,
-   its S3 chunks downloaded by parallel ranged GETs (each chunk no surviving disk holds is
-   downloaded once, by the lowest rank needing it, which forwards it to the others), and one
-   exchange over ``group`` (torch.distributed send/recv, a chunk in 1 MiB messages) runs
-   meanwhile. Every chunk is checked against the SHA-256 of the copy it came from before it is
-   used; a copy that fails (on this disk or a peer's) is dropped for every rank and its chunks
+4. Fetch, all tiers at once: this rank's own-disk chunks are read and verified by a few
+   threads (each chunk hashed block by block as it is read, inspect.read_item), its S3 chunks
+   downloaded by parallel ranged GETs (each chunk no surviving disk holds is downloaded once,
+   by the lowest rank needing it, which forwards it to the others), and one exchange over
+   ``group`` (torch.distributed send/recv, a chunk in 1 MiB messages) runs meanwhile. Every
+   chunk is checked against the SHA-256 of the copy it came from before it is used; a copy
+   that fails (on this disk or a peer's) is dropped for every rank and its chunks
    are planned again from what is left (another disk, S3); a bad or unreadable S3 copy makes
    the step unrecoverable on every rank together, naming the object (the others are told at
    the round's end, never left waiting for a chunk that will not come). An unrecoverable step
@@ -53,7 +55,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_autohet.checkpoint.inspect import committed_s3, file_problem, item_problem
+from megatron_autohet.checkpoint.inspect import (committed_s3, file_problem, item_problem,
+                                                 read_item)
 from megatron_autohet.checkpoint.loader import (ChunkBoard, CorruptCheckpoint, load_streamed,
                                                 wanted_regions)
 from megatron_autohet.checkpoint.options import CheckpointOptions
@@ -74,6 +77,9 @@ from megatron_autohet.errors import JobConfigError
 S3_DOWNLOAD_CONCURRENCY = 8       # ranged GETs in flight per rank (the S3 client's pool has 10)
 YIELDING_NICE = 10                # the fetch's local work beside the transfer, below
 EXCHANGE_PIECE_BYTES = 2**20      # a chunk crosses to a peer in messages of at most this size
+# Threads reading and hashing this rank's own-disk chunks (hashlib releases the GIL, so they
+# hash at once; more than a few would only compete with the transfer and the load).
+VERIFY_THREADS = max(1, min(4, os.cpu_count() or 1))
 
 
 @dataclass
@@ -187,20 +193,20 @@ def recover(trainer, scheduler, *, roots: list[Path], s3=None, group=None,
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     start = time.perf_counter()
 
-    # 1. discover; rank 0's S3 listing (round trips over the slowest link) runs meanwhile
+    # 1. discover; rank 0's S3 listing (round trips over the slowest link) runs meanwhile and
+    # rides on rank 0's part of the one all-gather that agrees on what every rank sees
     with ThreadPoolExecutor(1) as lister:
         listing = lister.submit(_s3_steps, s3, log) if rank == 0 else None
         mine, unreadable = _scan(roots)
+        seen = {it: (sorted(v.paths), v.manifest_json) for it, v in mine.items()}
         gathered: list = [None] * world_size
-        dist.all_gather_object(gathered, ({it: (sorted(v.paths), v.manifest_json)
-                                           for it, v in mine.items()}, unreadable), group=group)
-        s3_steps = [listing.result() if listing is not None else None]
-    dist.broadcast_object_list(s3_steps, src=0, group=group)
-    s3_steps = s3_steps[0]
-    views = [view for view, _ in gathered]
+        dist.all_gather_object(gathered, (seen, unreadable, listing.result() if listing else None),
+                               group=group)
+    s3_steps = gathered[0][2]
+    views = [view for view, _, _ in gathered]
     # why each step that is not loaded was not (the error when none is); a step whose manifest
     # does not read is skipped, said once
-    failures = list(dict.fromkeys(p for _, problems in gathered for p in problems))
+    failures = list(dict.fromkeys(p for _, problems, _ in gathered for p in problems))
     for problem in failures:
         log(f"WARNING: {problem}; that step is skipped")
 
@@ -415,22 +421,24 @@ class _Round:
 def _fetch_round(fetches, rank: int, iteration: int, local_paths: dict[str, Path], s3, group,
                  report, board: ChunkBoard) -> _Round:
     """One round of fetches, the tiers concurrently: this rank's own-disk chunks are read and
-    verified in one thread, its S3 chunks downloaded by a pool of ranged GETs, and the peer
-    exchange runs on this thread (an S3 chunk forwarded to peers is sent once downloaded).
-    Every verified chunk goes on ``board`` at once. Each tier's seconds and bytes go into
-    ``report``."""
+    verified by VERIFY_THREADS threads, its S3 chunks downloaded by a pool of ranged GETs, and
+    the peer exchange runs on this thread (an S3 chunk forwarded to peers is sent once
+    downloaded). Every verified chunk goes on ``board`` at once. Each tier's seconds and bytes
+    go into ``report``."""
     out = _Round()
     start = time.perf_counter()
     own = [f for f in fetches if f.rank == rank and f.source == OWN]
     downloads = [f for f in fetches if f.rank == rank and f.source == S3 and f.peer is None]
     tier_end: dict[str, float] = {}
 
-    def verify_own() -> None:
-        _yield_to_the_network()
-        for f in own:
-            raw = _read(local_paths[f.copy.file], f.copy)
+    def verify_own(f) -> None:
+        """Read and verify one own-disk chunk (VERIFY_THREADS of these run at once)."""
+        with open(local_paths[f.copy.file], "rb") as file:
+            raw, problem = read_item(file, f.copy)
+        with own_lock:
             report.bytes[OWN] += len(raw)
-            if _good(raw, f.copy):
+            tier_end[OWN] = time.perf_counter()
+            if problem is None:
                 board.put(f.index, raw)
             else:
                 out.bad[(rank, f.copy.file)] = (
@@ -438,7 +446,6 @@ def _fetch_round(fetches, rank: int, iteration: int, local_paths: dict[str, Path
                     f"{f.copy.offset + f.copy.length} ({f.copy.key}) do not match their "
                     "SHA-256 in the manifest")
                 out.failed.append(f.index)
-        tier_end[OWN] = time.perf_counter()
 
     def download(f) -> memoryview | None:
         """The verified chunk, or None when S3 failed (said in ``out.s3_error``; a chunk this
@@ -457,15 +464,20 @@ def _fetch_round(fetches, rank: int, iteration: int, local_paths: dict[str, Path
             board.put(f.index, raw)
         return raw
 
+    own_lock = threading.Lock()
     with byte_progress(sum(f.copy.length for f in downloads), f"download "
                        f"{step_dir_name(iteration)} (rank {rank})", show=rank == 0) as bar, \
-            ThreadPoolExecutor(1) as disk, ThreadPoolExecutor(S3_DOWNLOAD_CONCURRENCY) as pool:
-        verified = disk.submit(verify_own)
+            ThreadPoolExecutor(VERIFY_THREADS, initializer=_yield_to_the_network) as disk, \
+            ThreadPoolExecutor(S3_DOWNLOAD_CONCURRENCY) as pool:
+        # in arrival order: the load takes them in that order (_arrival_order)
+        verified = [disk.submit(verify_own, f) for f in own]
         # Ranged GETs in parallel: one at a time, S3's first-byte latency would dominate.
         downloaded = {f.index: pool.submit(download, f) for f in downloads}
         _exchange(fetches, rank, local_paths, downloaded, group, report, board, out)
         tier_end[PEER] = time.perf_counter()
-        verified.result()
+        for future in verified:
+            future.result()
+        tier_end.setdefault(OWN, start)
         for future in downloaded.values():
             future.result()
     for tier, end in tier_end.items():
@@ -482,12 +494,6 @@ def _yield_to_the_network() -> None:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), YIELDING_NICE)
     except (AttributeError, OSError):       # not Linux, or not allowed: no matter
         pass
-
-
-def _read(path: Path, record: ItemRecord) -> bytes:
-    with open(path, "rb") as f:
-        f.seek(record.offset)
-        return f.read(record.length)
 
 
 def _good(raw: bytes | memoryview, record: ItemRecord) -> bool:
