@@ -231,6 +231,7 @@ def train_job(plan: Plan, plan_label: str, model: ModelSpec, options: TrainOptio
     iteration trained. ``make_stop_check(checkpointer)`` (the checkpointer or None) returns the
     ``stop_check`` of runtime/trainer.train_iterations."""
     from megatron_autohet.data.batches import DataOptions, default_split, open_global_batches
+    from megatron_autohet.runtime.stage_model import LAYER_SPECS
     from megatron_autohet.runtime.trainer import (Evaluation, HeteroTrainer, train_iterations,
                                                   validation_batches_needed)
 
@@ -256,6 +257,8 @@ def train_job(plan: Plan, plan_label: str, model: ModelSpec, options: TrainOptio
                             distributed_optimizer=distributed_optimizer, precision=precision,
                             hidden_dropout=options.hidden_dropout,
                             attention_dropout=options.attention_dropout)
+    if rank == 0:
+        print(f"layer: {LAYER_SPECS[trainer.layer_spec]}", flush=True)
     if trainer.distributed_optimizer and rank == 0:
         print(trainer.optimizer.summary(), flush=True)
     # Counting samples, as Megatron-LM does (runtime/optimizer.py): checkpoints of this job

@@ -126,6 +126,8 @@ def test_train_two_pipelines_three_iterations(tmp_path, distributed_optimizer):
     assert result.returncode == 0, result.stderr[-3000:]
     assert ("training in bf16 (--bf16)" if distributed_optimizer == "bf16"
             else "training in fp32 (the default on CPU)") in result.stdout
+    assert result.stdout.count("layer: megatron-core's local layer spec with torch "
+                               "scaled_dot_product_attention as core attention") == 1
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["iteration"] for r in records] == [1, 2, 3]
     losses = [r["lm_loss"] for r in records]

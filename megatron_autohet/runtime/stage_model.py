@@ -24,7 +24,8 @@ Public API
     For every local parameter name (``model.named_parameters()``): its global name and where the
     local tensor sits in the full one (layout/params.py).
 ``stage_layer_spec(config)``, ``TorchNorm``: the layer spec the stage uses and its norm.
-``layer_spec_name() -> str``: which spec that is here, ``"te"`` or ``"sdpa"`` (``LAYER_SPECS``).
+``layer_spec_name() -> str``: which spec that is here, ``"te"`` or ``"sdpa"`` (``LAYER_SPECS``:
+    name -> what the log says).
 ``agree_layer_spec(device) -> str``: every rank builds the same spec, or a ConfigError on all.
 ``model_device() -> torch.device``: the current CUDA device, or the CPU in CPU mode.
 
@@ -175,8 +176,11 @@ def _use_transformer_engine() -> bool:
     return True
 
 
-# The layer specs a rank can build, by the name ranks compare at start-up (agree_layer_spec).
-LAYER_SPECS = ("te", "sdpa")
+# The layer specs a rank can build, by the name ranks compare at start-up (agree_layer_spec),
+# and what a job's log says about each.
+LAYER_SPECS = {"te": "Transformer Engine's layer spec (its fused attention)",
+               "sdpa": "megatron-core's local layer spec with torch scaled_dot_product_attention "
+                       "as core attention (flash / memory-efficient / cuDNN)"}
 
 
 def layer_spec_name() -> str:
@@ -221,10 +225,11 @@ def agree_layer_spec(device, file: str = "<fleet>") -> str:
     import torch.distributed as dist
 
     name = layer_spec_name()
-    mine = torch.tensor([LAYER_SPECS.index(name)], dtype=torch.int64, device=device)
+    specs = list(LAYER_SPECS)
+    mine = torch.tensor([specs.index(name)], dtype=torch.int64, device=device)
     gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, mine)
-    names = [LAYER_SPECS[int(t.item())] for t in gathered]
+    names = [specs[i] for i in torch.cat(gathered).tolist()]
     if len(set(names)) > 1:
         by_spec = {spec: [r for r, n in enumerate(names) if n == spec]
                    for spec in LAYER_SPECS if spec in names}
