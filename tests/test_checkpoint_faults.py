@@ -306,3 +306,38 @@ def test_exit_on_missing_checkpoint_is_one_line_and_status_2(tmp_path):
             "set)\n")
     assert result.stderr.count(line) == 1, result.stderr[-3000:]
     assert "iteration        1/" not in result.stdout          # nothing trained
+
+
+def test_root_cause_is_the_innermost_exception_and_dcp_failures_are_deduplicated():
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from megatron_autohet.checkpoint.failures import root_cause
+    from megatron_autohet.checkpoint.writer import SaveFailed
+
+    def chained():
+        try:
+            try:
+                raise OSError(28, "No space left on device")
+            except OSError:
+                raise RuntimeError("unexpected pos 704 vs 598")
+        except RuntimeError as err:
+            return err
+
+    assert root_cause(chained()) == "OSError: [Errno 28] No space left on device"
+    try:
+        try:
+            raise KeyError("internal")
+        except KeyError:
+            raise ValueError("bad manifest") from None     # the context is suppressed
+    except ValueError as err:
+        assert root_cause(err) == "ValueError: bad manifest"
+    disk_full = OSError(28, "No space left on device")
+    dcp = CheckpointException("write", {0: (disk_full, []), 1: (OSError(28, "No space left on "
+                                                                      "device"), []),
+                                        3: (RuntimeError("boom\nsecond line"), [])})
+    assert root_cause(dcp) == ("OSError: [Errno 28] No space left on device; "
+                               "RuntimeError: boom")
+    assert str(SaveFailed("writing iteration 4 to /ckpt", {"OSError: full": [0, 1, 2],
+                                                           "KeyError: 'x'": [1, 3]})) == (
+        "writing iteration 4 to /ckpt failed: OSError: full (ranks 0-2); KeyError: 'x' "
+        "(ranks 1, 3)")

@@ -248,7 +248,8 @@ def test_s3_unreachable_at_save_and_at_recovery(full_and_batches, tmp_path, capf
     dead = f"http://127.0.0.1:{free_port()}"
     local, first = _save_half(tmp_path, batches, "s3://autohet-test/down", dead)
     out = capfd.readouterr().out
-    assert f"WARNING: upload of iteration {HALF} failed (the local checkpoint is complete" in out
+    assert f"WARNING: uploading iteration {HALF} to s3://autohet-test/down failed: " in out
+    assert f"the local checkpoint of iteration {HALF} is complete" in out
     rest, per_rank = _resume(local, plan(A), batches, "s3://autohet-test/down", dead)
     _check_equal(full, first, rest)
     assert "WARNING: the S3 tier is unreachable, recovering from the disks alone" in \
@@ -263,8 +264,9 @@ def test_failed_save_is_reported_and_the_next_interval_saves(full_and_batches, t
     metrics = run_on_ranks(4, _train, plan(A), batches,
                            CheckpointOptions(save=str(save), save_interval=HALF))[0]
     assert metrics == full
-    assert f"WARNING: checkpoint of iteration {HALF} failed, training goes on" in \
-        capfd.readouterr().out
+    out = capfd.readouterr().out
+    assert f"WARNING: checkpoint of iteration {HALF} failed: " in out
+    assert "training goes on and the next interval saves again" in out
     assert committed_steps(save) == [TOTAL]
 
 
