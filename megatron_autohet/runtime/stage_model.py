@@ -26,7 +26,7 @@ Public API
 ``stage_layer_spec(config)``, ``TorchNorm``: the layer spec the stage uses and its norm.
 ``layer_spec_name() -> str``: which spec that is here, ``"te"`` or ``"sdpa"`` (``LAYER_SPECS``:
     name -> what the log says).
-``agree_layer_spec(device) -> str``: every rank builds the same spec, or a ConfigError on all.
+``agree_layer_spec(device) -> str``: every rank builds the same spec, or a JobConfigError on all.
 ``model_device() -> torch.device``: the current CUDA device, or the CPU in CPU mode.
 
 Design (why)
@@ -78,7 +78,7 @@ import re
 
 import torch
 
-from megatron_autohet.errors import ConfigError
+from megatron_autohet.errors import JobConfigError
 from megatron_autohet.layout.params import ParamLayout, global_param_name
 from megatron_autohet.plan import Plan
 from megatron_autohet.runtime.init import INIT_METHOD_STD, initialize_parameters
@@ -221,7 +221,8 @@ def agree_layer_spec(device, file: str = "<fleet>") -> str:
     builds the same one (collective; ``device``: where the default group's tensors live - CUDA
     for NCCL). Transformer Engine's layer names its parameters differently (the norms inside
     ``linear_qkv``/``linear_fc1``), so ranks of one job on different specs would pair different
-    parameters in the name-sorted gradient buckets; a mismatch is a ConfigError on every rank."""
+    parameters in the name-sorted gradient buckets; a mismatch is a JobConfigError on every rank
+    (the job prints it once and exits with status 2)."""
     import torch.distributed as dist
 
     name = layer_spec_name()
@@ -233,7 +234,7 @@ def agree_layer_spec(device, file: str = "<fleet>") -> str:
     if len(set(names)) > 1:
         by_spec = {spec: [r for r, n in enumerate(names) if n == spec]
                    for spec in LAYER_SPECS if spec in names}
-        raise ConfigError(file, "layer spec",
+        raise JobConfigError(file, "layer spec",
                           "ranks build different layers: " + ", ".join(
                               f"{spec} on ranks {ranks}" for spec, ranks in by_spec.items()),
                           "one spec per job: Transformer Engine importable on every GPU node "
