@@ -380,3 +380,26 @@ def test_resume_with_another_schedule_or_global_batch_is_refused(capsys, shared)
                        "global batch (a resume continues the same sequence of global batches))")
     same = CheckpointOptions(load=str(shared))
     check_resume(same, load_plan(PLANS / "tiny-homogeneous.yaml"), OPTIMIZER, TOTAL)  # accepted
+
+
+def test_read_item_hashes_a_chunk_block_by_block(monkeypatch, tmp_path):
+    """A chunk read in blocks smaller than itself: its bytes, and whether they match, cut
+    short or differ, as a whole-chunk hash says."""
+    import hashlib
+
+    from megatron_autohet.checkpoint.manifest import ItemRecord
+
+    monkeypatch.setattr(inspect, "READ_BLOCK", 7)
+    data = bytes(range(200)) * 3
+    path = tmp_path / "data"
+    path.write_bytes(data)
+    item = ItemRecord(key="w", offsets=(0,), sizes=(100,), file="data", offset=50, length=100,
+                      sha256=hashlib.sha256(data[50:150]).hexdigest())
+    with open(path, "rb") as f:
+        raw, problem = inspect.read_item(f, item)
+        assert (bytes(raw), problem) == (data[50:150], None)
+        other = ItemRecord(**{**item.__dict__, "offset": 51})
+        assert inspect.read_item(f, other)[1] == inspect.MISMATCH
+        cut = ItemRecord(**{**item.__dict__, "offset": len(data) - 30})
+        raw, problem = inspect.read_item(f, cut)
+        assert (bytes(raw), problem) == (data[-30:], inspect.TRUNCATED)

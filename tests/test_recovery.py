@@ -532,3 +532,34 @@ def test_a_region_no_chunk_holds_is_found_before_anything_is_fetched():
     assert uncovered(items[1:], [whole, lower, obj]) == [whole, lower]
     assert uncovered(items[:2], [whole, obj]) == [obj]
     assert uncovered(items, [Wanted("w", (0, 0), (5, 4))]) == [Wanted("w", (0, 0), (5, 4))]
+
+
+def _train_reading_two_chunks_at_once(rank, world, the_plan, batches, options):
+    """A resume in which the first two own-disk chunk reads of each rank wait for each other:
+    it completes only if two reads run at the same time (a single reader thread would wait
+    for a second read that never starts, until the barrier's timeout breaks it)."""
+    import threading
+
+    from megatron_autohet.checkpoint import recovery
+
+    recovery.VERIFY_THREADS = 2
+    both = threading.Barrier(2, timeout=120)
+    calls = []
+    original = recovery.read_item
+
+    def read_item(f, item):
+        calls.append(item)
+        if len(calls) <= 2:
+            both.wait()
+        return original(f, item)
+
+    recovery.read_item = read_item
+    return _train(rank, world, the_plan, batches, options)
+
+
+def test_own_disk_chunks_are_read_and_verified_in_parallel(full_and_batches, tmp_path):
+    full, batches = full_and_batches
+    local, first = _save_half(tmp_path, batches)
+    rest = run_on_ranks(4, _train_reading_two_chunks_at_once, plan(A), batches,
+                        CheckpointOptions(load=local))[0]
+    _check_equal(full, first, rest)
