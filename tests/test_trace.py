@@ -27,8 +27,8 @@ def write(tmp_path, text: str) -> Path:
 def test_synthetic_trace():
     events = load_trace(SYNTHETIC)
     assert events == [TraceEvent(0, "add", f"node{i}") for i in range(4)] + [
-        TraceEvent(20000, "remove", "node2"), TraceEvent(40000, "add", "node4"),
-        TraceEvent(60000, "remove", "node1")]
+        TraceEvent(20000, "remove", "node2", notice=True), TraceEvent(40000, "add", "node4"),
+        TraceEvent(60000, "remove", "node1", notice=False)]
     assert fleet_over_time(events) == [
         (0, ("node0", "node1", "node2", "node3")),
         (20000, ("node0", "node1", "node3")),
