@@ -86,6 +86,45 @@ def _bench_modules(rank, world, model):
         parallel_state.destroy_model_parallel()
 
 
+def _bench_and_runtime_configs(rank, world, model):
+    """The profiler's layer config and attention as a GPU measures them (bf16, on_gpu: the only
+    difference a GPU makes to _Bench is the precision; the modules stay on this CPU), and the
+    runtime's config of the same stage in bf16: their plain fields (flags, sizes, dtypes)."""
+    from dataclasses import fields
+
+    import torch
+    from megatron.core import parallel_state
+
+    from megatron_autohet.profiling.measure import MeasureRequest, _Bench
+    from megatron_autohet.runtime.stage_model import transformer_config
+    from megatron_autohet.spec.precision import BF16
+
+    def plain(config):
+        return {f.name: getattr(config, f.name) for f in fields(config)
+                if isinstance(getattr(config, f.name), (bool, int, float, str, torch.dtype))}
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+    try:
+        bench = _Bench(MeasureRequest(model, 1, (1,), (32,), "H100", 0, 1, 0), on_gpu=True)
+        return (plain(bench.config), plain(transformer_config(model, 1, precision=BF16)),
+                type(bench.layer.self_attention.core_attention).__name__, bench.attention)
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def test_a_gpu_profile_measures_the_runtimes_layer():
+    """One layer, one truth: on a GPU the profiler once switched megatron's fused softmax on
+    (which needs Apex: "No module named 'scaled_masked_softmax_cuda'" on an H100) and other
+    fusions the runtime leaves off; it now builds the runtime's own config and attention."""
+    from dist_utils import run_on_ranks
+
+    profiled, trained, core_attention, attention = run_on_ranks(
+        1, _bench_and_runtime_configs, load_model(TINY))[0]
+    assert {k: v for k, v in profiled.items() if trained.get(k) != v} == {}
+    assert profiled == trained
+    assert (core_attention, attention) == ("SDPAttention", "flash")
+
+
 def test_llama_style_layer_is_measured_as_the_runtime_builds_it():
     """SwiGLU models train with RMSNorm and no linear biases (runtime/stage_model.py); the measured
     modules must be those, with the parameter counts the estimate (and the runtime) have."""
