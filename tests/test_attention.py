@@ -64,6 +64,48 @@ def _compare_with_megatron(rank, world):
     return out
 
 
+def _fallback(rank, world):
+    """SDPA with an explicit mask tensor, twice: megatron's unfused path computes it (same
+    output as DotProductAttention), and the log says so once."""
+    import logging
+
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from megatron_autohet.runtime.attention import SDPAttention
+    from megatron_autohet.runtime.stage_model import transformer_config
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("megatron_autohet.runtime.attention").addHandler(handler)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+    tensor_parallel.model_parallel_cuda_manual_seed(1)
+    try:
+        config = transformer_config(TINY, 1)
+        q, k, v = (torch.randn(8, 2, 4, config.kv_channels) for _ in range(3))
+        mask = torch.rand(2, 1, 8, 8) > 0.7          # megatron's convention: True = masked
+        outputs = []
+        for cls in (DotProductAttention, SDPAttention, SDPAttention):
+            module = cls(config, layer_number=1, attn_mask_type=AttnMaskType.padding,
+                         attention_type="self")
+            outputs.append(module(q, k, v, mask, AttnMaskType.padding))
+    finally:
+        parallel_state.destroy_model_parallel()
+    return ([torch.equal(outputs[0], o) for o in outputs[1:]],
+            [r.getMessage() for r in records])
+
+
+def test_unfused_path_where_sdpa_cannot_serve_said_once():
+    same, messages = run_on_ranks(1, _fallback)[0]
+    assert same == [True, True]
+    assert messages == [
+        "attention runs megatron-core's unfused DotProductAttention (scores, softmax and dropout "
+        "mask kept per layer) where SDPA cannot serve: an explicit attention mask (megatron fills "
+        "masked scores with -10000)"]
+
+
 def test_sdpa_core_attention_equals_megatrons_dot_product_attention():
     errors = run_on_ranks(1, _compare_with_megatron)[0]
     for what, (context, dq, dk, dv) in errors.items():
