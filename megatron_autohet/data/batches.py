@@ -15,8 +15,15 @@ single-process reference.
 The dataset is built with ``BlendedMegatronDatasetBuilder`` + ``GPTDatasetConfig`` exactly as
 Megatron-LM's ``pretrain_gpt.py`` does; its sample/shuffle indices use megatron-core's compiled
 ``helpers_cpp`` extension, which the megatron-core wheel ships prebuilt (nothing to compile), and
-are cached next to the data. When torch.distributed is initialised the builder creates them on
-rank 0 first, then the other ranks load them (it must be called on every rank).
+are cached in the data directory's ``index-cache``. When torch.distributed is initialised the
+builder creates them on global rank 0 first, then the other ranks load them (it must be called on
+every rank): as with Megatron-LM's ``--data-cache-path``, every node must see rank 0's cache, so
+the data directory of a multi-node job is on a shared file system. :func:`open_global_batches`
+checks that before the build (the built-in corpus itself is built per node, by the node's first
+local rank): a node that does not see what rank 0 wrote there stops the job with one line naming
+the directory and the ranks, where megatron would fail on each such rank with a missing ``.npy``.
+Building the indices per node instead would take megatron-core's builder apart (its rank-0 rule
+is global), so the shared directory it expects is what is asked for.
 
 Validation (``--eval-interval``/``--eval-iters``): the builder's ``split`` (Megatron-LM's
 ``--split`` string, "train,valid,test" proportions of the documents) carves a validation dataset
@@ -29,10 +36,13 @@ Megatron-LM, whose ``--data-path`` default is that split whether it evaluates or
 
 from __future__ import annotations
 
+import socket
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatron_autohet.errors import ConfigError
+from megatron_autohet.data.corpus import default_data_dir
+from megatron_autohet.errors import ConfigError, JobConfigError
 
 # The global-batch contract's keys, defined here where the batches are made (data is upstream of
 # the runtime and the reference, which read them).
@@ -142,16 +152,59 @@ def resolve_data_path(options: DataOptions) -> Path:
     return prefix
 
 
+def index_cache_dir(options: DataOptions) -> Path:
+    """Where megatron-core's GPTDataset caches its document, sample and shuffle indices."""
+    return Path(options.data_dir or default_data_dir()) / "index-cache"
+
+
 def open_global_batches(options: DataOptions, vocab_size: int,
                         local_rank: int) -> tuple[GlobalBatches, GlobalBatches | None]:
     """:func:`build_splits` for a job (``torch.distributed`` initialised, every rank calls it):
-    local rank 0 of each node builds the built-in corpus first, once per node."""
+    local rank 0 of each node builds the built-in corpus first, once per node, and every rank
+    must see global rank 0's index cache (:func:`check_shared_cache`)."""
     import torch.distributed as dist
 
     if local_rank == 0:
         resolve_data_path(options)
     dist.barrier()
+    check_shared_cache(index_cache_dir(options))
     return build_splits(options, vocab_size)
+
+
+def check_shared_cache(cache: Path) -> None:
+    """Every rank of the default group sees the directory ``cache`` of global rank 0, where
+    megatron-core builds the indices that the other ranks then read; else every rank raises the
+    same JobConfigError (printed once by the job). Rank 0 writes a marker of a fresh name, each
+    rank looks for it: one broadcast and one all-gather (object collectives: NCCL takes them)."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    said = [None]
+    if rank == 0:
+        marker = cache / f".autohet-shared-{uuid.uuid4().hex}"
+        try:
+            cache.mkdir(parents=True, exist_ok=True)
+            marker.touch()
+            said = [{"marker": marker.name, "cache": str(cache)}]
+        except OSError as err:
+            said = [{"error": f"global rank 0 cannot write there: {err}", "cache": str(cache)}]
+    dist.broadcast_object_list(said, src=0)
+    seen = [None] * dist.get_world_size()
+    here = "error" not in said[0] and (cache / said[0]["marker"]).is_file()
+    dist.all_gather_object(seen, None if here else socket.gethostname())
+    if rank == 0 and "marker" in said[0]:
+        (cache / said[0]["marker"]).unlink()
+    blind = {r: host for r, host in enumerate(seen) if host is not None}
+    if "error" in said[0] or blind:
+        problem = said[0].get("error") or (
+            f"ranks {sorted(blind)} (on {', '.join(sorted(set(blind.values())))}) do not see "
+            "what global rank 0 wrote there; megatron-core builds the dataset's indices on "
+            "global rank 0 only and the other ranks read them")
+        raise JobConfigError(None, "--data-dir", f"index cache {said[0]['cache']} of global "
+                             f"rank 0: {problem}",
+                             "a directory every node of the job sees (a shared file system, as "
+                             "Megatron-LM's --data-cache-path), by --data-dir "
+                             "(--autohet-data-dir with pretrain_gpt.py) or $AUTOHET_DATA_DIR")
 
 
 def build_global_batches(options: DataOptions, vocab_size: int) -> GlobalBatches:
@@ -168,7 +221,7 @@ def build_splits(options: DataOptions,
         BlendedMegatronDatasetBuilder)
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
-    from megatron_autohet.data.corpus import byte_tokenizer, default_data_dir
+    from megatron_autohet.data.corpus import byte_tokenizer
 
     prefix = resolve_data_path(options)
     config = GPTDatasetConfig(
@@ -176,7 +229,7 @@ def build_splits(options: DataOptions,
         sequence_length=options.seq_length,
         blend=([str(prefix)], None),
         split=options.split,
-        path_to_cache=str(Path(options.data_dir or default_data_dir()) / "index-cache"),
+        path_to_cache=str(index_cache_dir(options)),
         tokenizer=byte_tokenizer(vocab_size),
         reset_position_ids=False,
         reset_attention_mask=False,
