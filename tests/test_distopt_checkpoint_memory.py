@@ -146,3 +146,18 @@ def test_step_gathers_the_weights_two_buckets_at_a_time():
                                                 timeout=240)):
         assert 0 < counted["peak"] <= counted["two_largest"], (rank, counted)
         assert counted["all"] > counted["two_largest"], (rank, counted)      # it would show
+
+
+def _gradient_storages(rank, world, plan):
+    optimizer = _trainer(rank, plan).optimizer
+    return [(s.size, s.grad_shard.untyped_storage().data_ptr()
+             == s.bucket.reduced.untyped_storage().data_ptr()) for s in optimizer.buckets]
+
+
+def test_gradient_shards_are_slices_of_the_buckets():
+    """The reduce-scatter fills this rank's slice of the bucket in place: no fp32 gradient shard
+    beside GradSync's buffers (4 / D bytes per parameter the cost model does not count)."""
+    plan = replace(load_plan(PLANS / "tiny-two-pipelines.yaml"), use_distributed_optimizer=True)
+    results = run_on_ranks(plan.world_size, _gradient_storages, plan, timeout=240)
+    assert any(size > 1 for rank in results for size, _ in rank)
+    assert all(shared for rank in results for _, shared in rank), results

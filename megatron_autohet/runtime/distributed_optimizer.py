@@ -8,8 +8,9 @@ each own one contiguous ``1/D`` of the bucket's flat reduced buffer (``grad_data
 full-size ``full_data`` of an asymmetric-TP bucket; GradSync pads it to a multiple of ``D``).
 Per iteration, instead of the all-reduce:
 
-1. reduce-scatter of the fp32 gradient bucket: each member receives the global-batch gradient of
-   its shard (the sum over holders, as the all-reduce; runtime/grad_sync.py explains why a sum);
+1. reduce-scatter of the fp32 gradient bucket, in place: each member's shard of its own buffer
+   receives the global-batch gradient of that shard (the sum over holders, as the all-reduce;
+   runtime/grad_sync.py explains why a sum); the rest of the buffer is left partial;
 2. grad norm: every element of the world is in exactly one shard of exactly one group, except a
    TP-replicated parameter of a symmetric bucket, which each TP rank's group holds; it is counted
    by TP rank 0's group only. :meth:`DistributedOptimizer.owned_sum_of_squares` is this rank's
@@ -85,9 +86,10 @@ class _ShardedBucket:
         hi = lo + self.shard_numel
         self.lo = lo
         device = bucket.grad_data.device
-        # D == 1: the shard is the whole buffer, no collective and no copy.
-        self.grad_shard = (bucket.reduced if self.size == 1 else
-                           torch.zeros(self.shard_numel, dtype=torch.float32, device=device))
+        # This rank's slice of the reduced buffer, which the reduce-scatter fills in place (as
+        # megatron's DistributedOptimizer does: NCCL's in-place form, the output at
+        # rank * count of the input), so the shard takes no gradient memory of its own.
+        self.grad_shard = bucket.reduced[lo:hi]
         self.master = torch.zeros(self.shard_numel, dtype=torch.float32, device=device)
         self.moments = {key: torch.zeros_like(self.master) for key in ADAM_STATE_KEYS}
         self.segments: list[_Segment] = []
