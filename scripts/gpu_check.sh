@@ -13,6 +13,8 @@
 # Relative paths in the arguments are from the current directory.
 # Without CUDA every step still runs and the rows with a GPU target say skip.
 set -euo pipefail
+# The 7-minute budget counts from here, the wheels' installation included.
+export GPU_CHECK_STARTED="${GPU_CHECK_STARTED:-$(date +%s)}"
 root="$(cd "$(dirname "$0")/.." && pwd)"
 if [[ -z "${PYTHON:-}" ]]; then
   if [[ -x "$root/.venv/bin/python" ]]; then PYTHON="$root/.venv/bin/python"; else PYTHON=python3; fi
