@@ -46,12 +46,14 @@ import json
 import os
 import socket
 import time
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
 from megatron_autohet.elastic.events import EventLog
 from megatron_autohet.elastic.fleet import Member, fleet_cluster, plan_ranks
 from megatron_autohet.elastic.hold import hold_file_from_env, wait_while_held
+from megatron_autohet.elastic.stop import StopDecision
 from megatron_autohet.errors import ConfigError
 from megatron_autohet.plan import Plan, plan_from_dict
 from megatron_autohet.planner.replan import replan
@@ -133,6 +135,14 @@ def _s3_step(options) -> dict | None:
     manifest = Manifest.from_json(raw, store.location.uri(f"{step_dir_name(steps[-1])}/"
                                                           f"{MANIFEST_FILE}"))
     return {"iteration": manifest.iteration, "plan": manifest.plan}
+
+
+@dataclass(frozen=True)
+class _Ended:
+    """How a generation (one plan in this process) ended, in plain values."""
+    last: int                           # the last iteration trained
+    decision: StopDecision | None       # None: the job trained to its end
+    warm: tuple | None                  # after an in-process re-plan: (plan, members, store, host)
 
 
 class ElasticWorker:
@@ -219,7 +229,7 @@ class ElasticWorker:
     def run(self) -> int:
         import torch.distributed as dist
 
-        from megatron_autohet.launch import init_backend, train_job
+        from megatron_autohet.launch import init_backend
         from megatron_autohet.runtime.cpu_mode import cpu_mode_required
         from megatron_autohet.runtime.device import select_device
 
@@ -244,45 +254,59 @@ class ElasticWorker:
                                     world_size=plan.world_size, timeout=self.options.timeout,
                                     store=dist.PrefixStore(f"{_PREFIX}train/{generation}/",
                                                            store))
-            stop = None
             try:
-                def make_stop_check(checkpointer):
-                    nonlocal stop
-                    stop = _StopCheck(self, checkpointer)
-                    return stop
-                last = train_job(plan, "<elastic plan>", self.model, self.options,
-                                 rank=plan_rank, local_rank=self.local_rank,
-                                 make_stop_check=make_stop_check)
-                decision = stop.requests.decision if stop is not None else None
-                warm = None
-                if decision is not None:
-                    seconds = time.monotonic() - stop.stopped_at
-                    self.events.emit("saved", f"iteration {last} saved on every node "
-                                     f"{seconds:.2f} s after the stop", iteration=last,
-                                     seconds=round(seconds, 3))
-                if decision is not None and stop.leaving_nodes:
-                    self._evacuate(plan, plan_rank, decision.leaving, stop.requests.group)
-                    if not decision.signalled and len(members) == plan.world_size:
-                        warm = self._replan_in_process(plan, plan_rank, members,
-                                                       stop.leaving_nodes)
+                ended = self._generation(plan, plan_rank, members)
             finally:
                 dist.destroy_process_group()
-            if decision is None:
-                self._finish(store, last if plan_rank == 0 else None, host=store_host,
+            if ended.decision is None:
+                self._finish(store, ended.last if plan_rank == 0 else None, host=store_host,
                              expected=finishers)
                 return 0
-            if decision.leaving:
+            if ended.decision.leaving:
                 # Leave the job: with all its workers done, our agent waits in torchrun's exit
                 # barrier (counted there, so the others' barrier at the job's end completes)
                 # until the machine goes; it takes part in no further rendezvous round.
                 return 0
-            if warm is None:
+            if ended.warm is None:
                 return EXIT_REPLAN
-            plan, members, store, store_host = warm
+            plan, members, store, store_host = ended.warm
             plan_rank = plan_ranks(plan, members)[members.index(self.me)]
             finishers = len(members)
             generation += 1
             self.events = EventLog(self.events_jsonl, enabled=plan_rank == 0)
+
+    def _generation(self, plan: Plan, plan_rank: int, members: list[Member]) -> _Ended:
+        """Train ``plan`` on the initialised default group until the job ends or stops; after a
+        notice, evacuate and re-plan on that group. What it returns holds nothing of the
+        generation's model: its trainer, optimizer and buffers are freed before the files move
+        and the re-plan, so the next generation in this process starts from the memory the
+        first one had (survivors that take more layers need it)."""
+        from megatron_autohet.launch import train_job
+        from megatron_autohet.runtime.device import free_memory
+
+        stop = None
+
+        def make_stop_check(checkpointer):
+            nonlocal stop
+            stop = _StopCheck(self, checkpointer)
+            return stop
+        last = train_job(plan, "<elastic plan>", self.model, self.options, rank=plan_rank,
+                         local_rank=self.local_rank, make_stop_check=make_stop_check)
+        decision = stop.requests.decision if stop is not None else None
+        if decision is None:
+            return _Ended(last, None, None)
+        seconds = time.monotonic() - stop.stopped_at
+        self.events.emit("saved", f"iteration {last} saved on every node {seconds:.2f} s after "
+                         "the stop", iteration=last, seconds=round(seconds, 3))
+        leaving_nodes, group = stop.leaving_nodes, stop.requests.group
+        stop = None                 # the last reference to the checkpointer, hence the trainer
+        free_memory()
+        warm = None
+        if leaving_nodes:
+            self._evacuate(plan, plan_rank, decision.leaving, group)
+            if not decision.signalled and len(members) == plan.world_size:
+                warm = self._replan_in_process(plan, plan_rank, members, leaving_nodes)
+        return _Ended(last, decision, warm)
 
     def _replan_in_process(self, plan: Plan, plan_rank: int, members: list[Member],
                            leaving: list[str]):

@@ -1,4 +1,5 @@
-"""The CUDA device of a process, and the same device in its background threads.
+"""The CUDA device of a process: which GPU, the same GPU in its background threads, and its memory
+between the generations of an elastic job.
 
 torchrun's ``LOCAL_RANK`` counts the processes of a node; it is a device index only when every
 process sees all of the node's GPUs. With one GPU per task (Slurm ``--gpus-per-task=1``, a
@@ -7,6 +8,10 @@ device 0, whatever its ``LOCAL_RANK``, and ``set_device(LOCAL_RANK)`` fails with
 device ordinal". So the device is ``LOCAL_RANK`` modulo the GPUs the process sees
 (:func:`device_index`), which is ``LOCAL_RANK`` itself when it sees them all.
 
+A process that trains one plan after another (an elastic job's in-process re-plan) drops the
+old generation's objects, then :func:`free_memory` collects what reference cycles still hold
+and hands CUDA's cached blocks back, before the next generation's communicators and model.
+
 CUDA's current device is per thread, and a new thread starts on device 0: a background thread
 that touches CUDA (the checkpoint writer, recovery's loader) enters the device of the thread
 that made it (:func:`thread_device` there, :func:`enter_device` in the thread), or its
@@ -14,6 +19,8 @@ allocations land on GPU 0 and its copies cross devices.
 """
 
 from __future__ import annotations
+
+import gc
 
 import torch
 
@@ -48,3 +55,13 @@ def enter_device(device: int | None) -> None:
     """In a background thread: make ``device`` (:func:`thread_device`) current; None: nothing."""
     if device is not None:
         torch.cuda.set_device(device)
+
+
+def free_memory() -> None:
+    """After dropping a generation's trainer: collect the reference cycles that may still hold
+    its tensors (an exception's traceback frames, hooks that point back at their module), and
+    on a GPU release the allocator's cached blocks (NCCL's buffers of the next process group
+    are allocated outside the cache)."""
+    gc.collect()
+    if torch.cuda.is_available() and not cpu_mode_enabled():
+        torch.cuda.empty_cache()
