@@ -30,3 +30,38 @@ def test_gqa_and_gated_mlp_by_hand():
     attention = 6 * (64 * (64 + 2 * 32) + 64 * 32 + 64 * 64) * 2    # k = v = 16 x 2 groups
     logits = 6 * 64 * 512
     assert num_floating_point_operations(llama, 4, 32, 512) == 4 * 32 * (mlp + attention + logits)
+
+
+def _step_peaks(rank, world, plan):
+    """One train step of the plan with this rank's device taken for a GPU whose allocator peak
+    is 1000 * (rank + 1) bytes (the CPU mode maps the 'cuda' tensors to this CPU)."""
+    import torch
+
+    from megatron_autohet.runtime.optimizer import OptimizerSettings
+    from megatron_autohet.runtime.trainer import HeteroTrainer
+    from test_equivalence import global_batches
+
+    trainer = HeteroTrainer(plan, plan.model, rank=rank, seed=1,
+                            optimizer=OptimizerSettings(lr=1e-3))
+    trainer.device = torch.device("cuda", 0)
+    torch.cuda.max_memory_allocated = lambda device=None: 1000 * (rank + 1)
+    return trainer.train_step(global_batches(plan, 1)[0]).max_allocated_bytes
+
+
+def test_every_ranks_peak_memory_rides_on_the_loss_all_reduce():
+    from pathlib import Path
+
+    from dist_utils import run_on_ranks
+    from megatron_autohet.plan import load_plan
+    from megatron_autohet.runtime.train_log import IterationRecord
+
+    plan = load_plan(Path(__file__).resolve().parents[1] / "configs/plans/tiny-homogeneous.yaml")
+    peaks = [1000 * (r + 1) for r in range(plan.world_size)]
+    assert run_on_ranks(plan.world_size, _step_peaks, plan) == [peaks] * plan.world_size
+    rec = IterationRecord.make(iteration=1, train_iters=1, global_batch_size=8, seq_length=64,
+                               elapsed_s=1.0, learning_rate=1e-4, lm_loss=1.0, grad_norm=1.0,
+                               flops_per_iteration=1e12, world_size=plan.world_size,
+                               max_allocated_bytes=[2**30, 3 * 2**29])
+    assert rec.mem_max_allocated_gigabytes == 1.5
+    assert rec.mem_max_allocated_gigabytes_per_rank == [1.0, 1.5]
+    assert rec.throughput_tflops_per_gpu == pytest.approx(1 / plan.world_size)

@@ -3,17 +3,19 @@
 The console line copies the layout of Megatron-LM's ``training_log`` (megatron/training/
 training.py) so tools and eyes used to Megatron read it unchanged - with ``--log-throughput``'s
 ``throughput per GPU (TFLOP/s/GPU)`` always on - plus tokens per second and, on a GPU, the
-logging rank's peak allocated memory::
+largest peak allocated memory of any rank::
 
      [2026-11-21 10:00:00] iteration        3/      10 | consumed samples:           24 |
      elapsed time per iteration (ms): 312.4 | throughput per GPU (TFLOP/s/GPU): 141.2 | ... |
      tokens per second: 1638.9 | mem-max-allocated-gigabytes: 29.31 |
 
 (one line). Throughput is Megatron-LM's: :func:`num_floating_point_operations` of the global
-batch over the iteration's time and every GPU of the job. Peak memory is
-``torch.cuda.max_memory_allocated`` of the logging rank's device since the process started
-(Megatron-LM's ``mem-max-allocated-bytes``, ``allocated_bytes.all.peak``, in GiB); on a CPU
-torch keeps no allocator statistics, so the console omits it and the JSON line has ``null``.
+batch over the iteration's time and every GPU of the job. Peak memory is each rank's
+``torch.cuda.max_memory_allocated`` since its process started, read at the iteration's gradient
+sync (Megatron-LM's ``mem-max-allocated-bytes``, ``allocated_bytes.all.peak``, in GiB): the
+console shows the largest, the JSON line also every rank's
+(``mem_max_allocated_gigabytes_per_rank``); on a CPU torch keeps no allocator statistics, so the
+console omits it and the JSON fields are ``null``.
 
 A validation loss (``--eval-interval``) is Megatron's evaluation line between dashes, ``
 validation loss at iteration N | lm loss value: ... | lm loss PPL: ... |``, and a JSON line
@@ -74,14 +76,19 @@ class IterationRecord:
     lm_loss: float
     grad_norm: float
     tokens_per_second: float
-    mem_max_allocated_gigabytes: float | None   # the logging rank's CUDA peak; None on a CPU
+    mem_max_allocated_gigabytes: float | None   # the largest rank's CUDA peak; None on a CPU
+    mem_max_allocated_gigabytes_per_rank: list[float] | None     # by rank; None on a CPU
     timestamp: str
 
     @classmethod
     def make(cls, *, iteration: int, train_iters: int, global_batch_size: int, seq_length: int,
              elapsed_s: float, learning_rate: float, lm_loss: float, grad_norm: float,
              flops_per_iteration: float, world_size: int,
-             max_allocated_bytes: int | None) -> "IterationRecord":
+             max_allocated_bytes: list[int] | None) -> "IterationRecord":
+        """``max_allocated_bytes``: every rank's CUDA peak (runtime/trainer.py StepMetrics), by
+        rank; None on a CPU."""
+        per_rank = (None if max_allocated_bytes is None
+                    else [b / 2**30 for b in max_allocated_bytes])
         return cls(iteration=iteration, train_iters=train_iters,
                    consumed_samples=iteration * global_batch_size,
                    elapsed_ms=elapsed_s * 1000.0,
@@ -89,8 +96,8 @@ class IterationRecord:
                    learning_rate=learning_rate,
                    global_batch_size=global_batch_size, lm_loss=lm_loss, grad_norm=grad_norm,
                    tokens_per_second=global_batch_size * seq_length / elapsed_s,
-                   mem_max_allocated_gigabytes=(None if max_allocated_bytes is None
-                                                else max_allocated_bytes / 2**30),
+                   mem_max_allocated_gigabytes=None if per_rank is None else max(per_rank),
+                   mem_max_allocated_gigabytes_per_rank=per_rank,
                    timestamp=time.strftime("%Y-%m-%d %H:%M:%S"))
 
 

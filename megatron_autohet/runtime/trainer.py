@@ -98,6 +98,8 @@ class StepMetrics:
     grad_norm: float            # L2 norm of the global gradient, before clipping
     num_microbatches: int       # M, all pipelines together
     tokens: int                 # global_batch_size * seq_length
+    # every rank's torch.cuda.max_memory_allocated at the gradient sync, by rank; None on a CPU
+    max_allocated_bytes: list[int] | None = None
 
 
 class HeteroTrainer:
@@ -172,7 +174,7 @@ class HeteroTrainer:
         reported = run_schedule(self._forward_step, iter(local), self.model, self.state,
                                 sequence_parallel=self.sequence_parallel)
         self.grads.sync()
-        loss, grad_norm = self._global_loss_and_grad_norm(reported)
+        loss, grad_norm, max_allocated = self._global_loss_and_grad_norm(reported)
         if self.clip_grad > 0:
             if self.masters is None:
                 self.grads.clip(self.clip_grad, grad_norm)
@@ -183,7 +185,8 @@ class HeteroTrainer:
             self.masters.write_back()
         return StepMetrics(loss=loss, grad_norm=grad_norm,
                            num_microbatches=plan.num_microbatches_total,
-                           tokens=plan.global_batch_size * plan.seq_length)
+                           tokens=plan.global_batch_size * plan.seq_length,
+                           max_allocated_bytes=max_allocated)
 
     def evaluate(self, global_batches) -> float:
         """Forward-only over ``global_batches`` (each as in :meth:`train_step`): the mean loss
@@ -215,18 +218,26 @@ class HeteroTrainer:
         # The schedule divides the returned tensor in place by m_p; `loss` itself is untouched.
         return loss * self.loss_scale, {"lm loss": loss.detach()}
 
-    def _global_loss_and_grad_norm(self, reported: list[dict]) -> tuple[float, float]:
-        """One all-reduce over the world of [loss sum, squared grad norm]: each last stage's TP
-        rank 0 adds its pipeline's micro-batch losses, every rank the squares of the gradients it
-        owns (GradSync counts each parameter once)."""
+    def _global_loss_and_grad_norm(self, reported: list[dict]
+                                   ) -> tuple[float, float, list[int] | None]:
+        """One all-reduce over the world of [loss sum, squared grad norm, peak bytes of rank 0,
+        ..., of rank N-1]: each last stage's TP rank 0 adds its pipeline's micro-batch losses,
+        every rank the squares of the gradients it owns (GradSync counts each parameter once)
+        and, on a GPU, its ``torch.cuda.max_memory_allocated`` into its own slot (the sum is then
+        every rank's peak: no collective of its own; float64 holds byte counts exactly)."""
         role = self.state.role
-        sums = torch.zeros(2, dtype=torch.float64, device=self.device)
+        on_cuda = self.device.type == "cuda"
+        sums = torch.zeros(2 + (self.state.world_size if on_cuda else 0), dtype=torch.float64,
+                           device=self.device)
         if role.stage.is_last and role.tp_rank == 0:
             sums[0] = _loss_sum(reported)
         sums[1] = self.grads.owned_sum_of_squares()
+        if on_cuda:
+            sums[2 + self.state.rank] = torch.cuda.max_memory_allocated(self.device)
         dist.all_reduce(sums)
-        loss_sum, norm_squared = sums.tolist()           # the iteration's one host sync
-        return loss_sum / self.plan.num_microbatches_total, norm_squared ** 0.5
+        loss_sum, norm_squared, *peaks = sums.tolist()   # the iteration's one host sync
+        return (loss_sum / self.plan.num_microbatches_total, norm_squared ** 0.5,
+                [int(p) for p in peaks] if on_cuda else None)
 
 
 def _loss_sum(reported: list[dict]) -> torch.Tensor:
@@ -284,7 +295,6 @@ def train_iterations(trainer: HeteroTrainer, batches, scheduler, *, train_iters:
     plan = trainer.plan
     flops_per_iteration = num_floating_point_operations(
         plan.model, plan.global_batch_size, plan.seq_length, plan_padded_vocab_size(plan))
-    on_cuda = trainer.device.type == "cuda"
     first = checkpointer.resume().iteration if checkpointer else 0
     # A resumed job appends to the metrics of the run it continues.
     logger = IterationLogger(metrics_jsonl, append=first > 0) if log else None
@@ -304,8 +314,7 @@ def train_iterations(trainer: HeteroTrainer, batches, scheduler, *, train_iters:
                     elapsed_s=elapsed, learning_rate=trainer.optimizer.param_groups[0]["lr"],
                     lm_loss=metrics.loss, grad_norm=metrics.grad_norm,
                     flops_per_iteration=flops_per_iteration, world_size=plan.world_size,
-                    max_allocated_bytes=(torch.cuda.max_memory_allocated(trainer.device)
-                                         if on_cuda else None)),
+                    max_allocated_bytes=metrics.max_allocated_bytes),
                     console=iteration % log_interval == 0)
             if evaluation and iteration % evaluation.interval == 0:
                 loss = trainer.evaluate(evaluation.batches_after(iteration))
