@@ -363,20 +363,26 @@ def _record_time(rec: dict) -> float:
 def _step_row(d: dict, events: list[dict], records: list[dict], median_s: float) -> dict:
     """One delivered step's figures; what the job's files do not show is None (a plan written
     by nobody, a job that never trained again), never an exception. A step that did not stop
-    training (a node the plan left idle went) costs nothing."""
+    training costs nothing when it only took nodes the plan left idle; a join that no later plan
+    includes was not admitted (no downtime to report: None)."""
     t = d["t"]
+    joins = [e["node"] for e in d["events"] if e["action"] == "add"]
+    later_plans = [e for e in events if e["event"] == "plan" and e["time_unix"] > t]
+    admitted = (all(any(node in p["nodes"] for p in later_plans) for node in joins)
+                if joins else None)
     if not any(e["event"] in ("stop", "plan", "first_iteration") and e["time_unix"] > t
                for e in events) and any(e["event"] == "finished" for e in events):
         return {"trace_s": d["ms"] / 1000.0, "kind": d["kind"], "events": d["events"],
                 "removes": sum(e["action"] == "remove" for e in d["events"]),
                 "late_s": d["late_s"], "resumed": True, "interrupted": False,
+                "admitted": admitted, "downtime_s": None if joins else 0.0,
                 **{key: None for key in ("detect_s", "save_s", "evacuate_s", "evacuated_bytes",
                                          "replan_s", "plan_decision", "plan_nodes", "recover_s",
                                          "restart_s", "setup_s", "first_iteration_s")},
-                "recover_phases_s": {}, "recover_bytes": {}, "rounds": 0, "downtime_s": 0.0,
+                "recover_phases_s": {}, "recover_bytes": {}, "rounds": 0,
                 "iteration_stopped": d["iteration_before"],
                 "iteration_recovered": d["iteration_before"], "iterations_lost": 0,
-                "lost_s": 0.0, "cost_s": 0.0}
+                "lost_s": 0.0, "cost_s": None if joins else 0.0}
     resume = next((e for e in events if e["event"] == "first_iteration" and e["time_unix"] > t),
                   None)
     window = (t, resume["time_unix"] if resume else float("inf"))
@@ -394,6 +400,7 @@ def _step_row(d: dict, events: list[dict], records: list[dict], median_s: float)
     row = {"trace_s": d["ms"] / 1000.0, "kind": d["kind"], "events": d["events"],
            "removes": sum(e["action"] == "remove" for e in d["events"]),
            "late_s": d["late_s"], "resumed": resume is not None, "interrupted": True,
+           "admitted": admitted,
            "detect_s": stop["time_unix"] - t if stop else None,
            "save_s": (evac["time_unix"] - stop["time_unix"]) if evac and stop else None,
            "evacuate_s": evac["seconds"] if evac else None,
@@ -491,7 +498,8 @@ def by_kind(rows: list[dict]) -> dict[str, dict]:
                      "downtime_mean_s": mean(down), "downtime_max_s": max(down, default=None),
                      "iterations_lost_total": sum(lost),
                      "iterations_lost_max": max(lost, default=None),
-                     "never_resumed": sum(not r["resumed"] for r in mine)}
+                     "never_resumed": sum(not r["resumed"] for r in mine),
+                     "joins_not_admitted": sum(r["admitted"] is False for r in mine)}
     return out
 
 
@@ -519,6 +527,13 @@ def print_run(name: str, r: dict) -> None:
     for exit_ in r["agent_exits_during_run"]:
         print(f"  agent of {exit_['node']} exited with {exit_['status']} while the job ran "
               "(started again)")
+    ends = r["agent_ends"]
+    after = [a["after_finished_s"] for a in ends.values() if a["after_finished_s"] is not None]
+    if ends:
+        print(f"  agents after the job: {len(ends)}, ended "
+              + (f"{min(after):.1f}-{max(after):.1f} s after it finished" if after else "-")
+              + "".join(f"; {n} with status {a['status']}" for n, a in sorted(ends.items())
+                        if a["status"] != 0))
     print("  events: n = notice, k = kill (no notice), j = join, r = restart everything")
     print("| " + " | ".join(f"{h:>{w}}" for h, _, w in COLUMNS) + " |")
     print("|" + "|".join("-" * (w + 1) + ":" for _, _, w in COLUMNS) + "|")
@@ -540,13 +555,13 @@ def print_run(name: str, r: dict) -> None:
         print("| " + " | ".join(cells) + " |")
     f = lambda v: "-" if v is None else f"{v:.1f}"                        # noqa: E731
     print("| kind | steps | events | downtime mean s | downtime max s | iterations lost | "
-          "most lost in a step | never trained again |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+          "most lost in a step | never trained again | joins not admitted |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for kind, k in r["by_kind"].items():
         print(f"| {kind} | {k['steps']} | {k['events']} | {f(k['downtime_mean_s'])} | "
               f"{f(k['downtime_max_s'])} | {k['iterations_lost_total']} | "
               f"{'-' if k['iterations_lost_max'] is None else k['iterations_lost_max']} | "
-              f"{k['never_resumed']} |")
+              f"{k['never_resumed']} | {k['joins_not_admitted']} |")
 
 
 def mean(values) -> float | None:

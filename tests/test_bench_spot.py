@@ -104,3 +104,9 @@ def test_analysis_of_a_step_that_did_not_stop_training(bench, tmp_path):
     assert not row["interrupted"] and row["downtime_s"] == 0.0 and row["iterations_lost"] == 0
     # 29 iterations kept after the first, at the median 0.5 s, in the 30 s to the end
     assert result["goodput"] == pytest.approx(29 * 0.5 / 30)
+    # A join that nothing followed was not admitted: not a free join.
+    delivered[0].update(kind="join", events=[{"action": "add", "node": "node4", "kind": "join"}])
+    result = bench.analyse("autohet", tmp_path, run)
+    (row,) = result["events"]
+    assert row["admitted"] is False and row["downtime_s"] is None
+    assert result["by_kind"]["join"]["joins_not_admitted"] == 1
