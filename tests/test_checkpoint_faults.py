@@ -8,6 +8,7 @@ console, the traceback in the log file, and nothing partial left on the disk.
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import subprocess
@@ -159,6 +160,32 @@ def test_full_disk_stops_the_job_after_consecutive_failed_saves(async_save, smal
     assert committed_steps(disk) == []
     log = (disk / ERROR_LOG).read_text()
     assert "Traceback" in log and "SaveFailed" in log
+
+
+def _disk_full_at_the_write_call(rank, checkpointer):
+    """torch DCP's writer gets ENOSPC from its file write, as on a full disk."""
+    import torch.distributed.checkpoint.filesystem as filesystem
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    filesystem._write_item = full
+
+
+def test_write_error_inside_dcp_is_reported_with_its_cause(tmp_path, capfd):
+    """Where no tmpfs can be mounted too: a filesystem error raised inside DCP's writer on every
+    rank reaches the line as itself (DCP carries it pickled in its CheckpointException), the
+    partial steps go, and two in a row stop the job."""
+    options = CheckpointOptions(save=str(tmp_path), save_interval=2)
+    results = run_on_ranks(PLAN.world_size, _job, options, 6, patch=_disk_full_at_the_write_call)
+    console = _console(capfd)
+    _no_traceback(console)
+    assert [r["code"] for r in results] == [1, 1] and results[0]["failed"] == [2, 4]
+    errors = _lines(console, "ERROR: checkpoint of iteration 4 failed: writing iteration 4 to "
+                             f"{tmp_path} failed: OSError: [Errno 28] No space left on device "
+                             "(ranks 0-1)")
+    assert len(errors) == 1, console
+    assert _partials(tmp_path) == [] and committed_steps(tmp_path) == []
 
 
 def test_last_save_failing_stops_the_job_saying_which_steps_are_complete(small_disk, one_step,

@@ -85,7 +85,6 @@ class SaveTimes:
 class SaveFailure:
     """A save that failed: the line's cause (every rank's root causes, or this rank's) and where
     this rank's traceback went (None: nowhere could take it)."""
-    iteration: int
     cause: str
     log: Path | None
 
@@ -279,26 +278,26 @@ class Checkpointer:
     def _write(self, state_dict: dict, common: dict, iteration: int, times: SaveTimes) -> None:
         """Write, commit and upload one step, in the writer thread with --async-save. Catches
         every exception (torch's CheckpointException is a BaseException; a thread that dies
-        prints a traceback and reports nothing): the failure waits in ``_failure`` for the
-        training thread."""
+        prints a traceback and reports nothing, one that raises SystemExit not even that): the
+        failure waits in ``_failure`` for the training thread."""
         from megatron_autohet.runtime.cpu_mode import cpu_mode_thread
 
-        enter_device(self.device)
         root = self.dirs.root(self.rank)
         try:
+            enter_device(self.device)
             with cpu_mode_thread():
                 self._write_step(state_dict, common, iteration, times, root)
-        except (KeyboardInterrupt, SystemExit):
-            raise
         except BaseException as err:
             if isinstance(err, SaveFailed):
                 cause = str(err)
             else:                                   # outside the agreed phases: this rank's
                 cause = f"{root_cause(err)} (rank {self.rank})"
             text = "".join(traceback.format_exception(err))
-            self._failure = SaveFailure(iteration, cause,
+            self._failure = SaveFailure(cause,
                                         log_traceback(root, f"iteration {iteration}, rank "
                                                       f"{self.rank}:\n{text}"))
+            if isinstance(err, (KeyboardInterrupt, SystemExit)) and not self.options.async_save:
+                raise                               # the training thread's own interruption
 
     def _write_step(self, state_dict: dict, common: dict, iteration: int, times: SaveTimes,
                     root: Path) -> None:
