@@ -12,8 +12,8 @@ paired comparison on the same plan.
   b. ``autohet plan`` from that profile for the one-GPU cluster;
   c. ``autohet train`` on that plan: median iteration time after the warm-up, tokens/s,
      TFLOP/s/GPU, MFU (of the catalog's dense peak of the GPU type), peak memory, next to the
-     plan's prediction (targets: time within 10%, memory within 10% and never more than 5% below
-     the measured peak, MFU >= 45%);
+     plan's prediction (targets: predicted time within 10% of the measured, predicted peak memory
+     within 10% of the measured and never more than 5% below it, MFU >= 45%);
   d. ours / stock megatron-core on the same plan, iterations paired and the two trainers' order
      alternated in the same processes (bench_runtime.run_plan; target <= 1.02);
   e. a smaller model (``--ckpt-model``, GPT-3 350M by default) saves every ``--ckpt-interval``
@@ -37,6 +37,7 @@ each command's output is kept beside it (gpu_check-logs/).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -235,9 +236,12 @@ class GpuCheck:
 
     def header(self) -> str:
         env = self.environment
-        device = (f"{env.get('gpu')} ({env.get('gpu_memory_gib')} GiB, sm {env.get('compute_capability')},"
-                  f" driver {env.get('driver')}, CUDA {env.get('torch_cuda')}, cuDNN {env.get('cudnn')})"
-                  if self.on_gpu else f"no CUDA device (torch built for CUDA {env.get('torch_cuda')})")
+        if self.on_gpu:
+            device = (f"{env.get('gpu')} ({env.get('gpu_memory_gib')} GiB, sm "
+                      f"{env.get('compute_capability')}, driver {env.get('driver')}, CUDA "
+                      f"{env.get('torch_cuda')}, cuDNN {env.get('cudnn')})")
+        else:
+            device = f"no CUDA device (torch built for CUDA {env.get('torch_cuda')})"
         return (f"gpu_check {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, commit "
                 f"{git_commit()}\n"
                 f"device: {device}\n"
@@ -270,7 +274,9 @@ class GpuCheck:
         if command.rc != 0:
             self.add(Row("environment", FAIL, "torch did not import", "", command.why()))
             return False
-        self.environment = json.loads(command.text.strip().splitlines()[-1])
+        # The probe's one JSON line (warnings may come before or after it).
+        self.environment = json.loads(next(line for line in reversed(command.text.splitlines())
+                                           if line.startswith("{")))
         print(self.header(), flush=True)
         return True
 
@@ -306,7 +312,8 @@ class GpuCheck:
         if self.on_gpu and profile.precision.name != "bf16":
             problems.append(f"measured in {profile.precision.name}")
         if gpus != [gpu]:
-            problems.append(f"recorded as {', '.join(gpus)}, the cluster has {gpu} (pass --cluster)")
+            problems.append(f"recorded as {', '.join(gpus)}, the cluster has {gpu} "
+                            "(pass --cluster)")
         self.add(Row(check, FAIL if problems else PASS, measured, target, "; ".join(problems)))
         return None if problems else path
 
@@ -369,11 +376,11 @@ class GpuCheck:
                      f"iterations {s.warmup + 1}-{s.iters}); lm loss {losses[0]:.3f} -> "
                      f"{losses[-1]:.3f}", "runs, finite losses", attention_note(command.text)))
 
-        ratio = seconds / predicted["iteration_time_s"]
+        ratio = predicted["iteration_time_s"] / seconds
         self.add(self.gpu_row("c. iteration time vs plan", abs(ratio - 1) <= TIME_TOLERANCE,
-                              f"{seconds:.3f} s measured / {predicted['iteration_time_s']:.3f} "
-                              f"s predicted = {ratio:.3f}",
-                              f"within {TIME_TOLERANCE:.0%} of the prediction"))
+                              f"{predicted['iteration_time_s']:.3f} s predicted / {seconds:.3f} "
+                              f"s measured = {ratio:.3f}",
+                              f"prediction within {TIME_TOLERANCE:.0%} of the measured"))
 
         # The train log's own figures (runtime/train_log.py): the logging rank's CUDA peak
         # (None on a CPU) and Megatron-LM's throughput per GPU.
@@ -383,14 +390,15 @@ class GpuCheck:
                          f">{MEMORY_UNDER_TOLERANCE:.0%} below")
         if peak is None:
             self.add(self.gpu_row("c. peak memory vs plan", False, "not in the train log",
-                                  memory_target, "no mem_max_allocated_gigabytes in the metrics"))
+                                  memory_target,
+                                  "the metrics have no mem_max_allocated_gigabytes value"))
         else:
             mem_ratio = predicted["peak_memory_gib"] / peak
             self.add(self.gpu_row(
                 "c. peak memory vs plan",
                 abs(mem_ratio - 1) <= MEMORY_TOLERANCE and mem_ratio >= 1 - MEMORY_UNDER_TOLERANCE,
-                f"{peak:.1f} GiB measured, {predicted['peak_memory_gib']:.1f} predicted "
-                f"(ratio {mem_ratio:.3f})", memory_target))
+                f"{predicted['peak_memory_gib']:.1f} GiB predicted / {peak:.1f} measured = "
+                f"{mem_ratio:.3f}", memory_target))
 
         peak_tflops = load_gpu_catalog()[plan.ranks[0].gpu].dense_tflops
         logged = log_field(timed, "throughput_tflops_per_gpu")
@@ -562,6 +570,7 @@ class GpuCheck:
     def run_all(self) -> int:
         s = self.settings
         if not self.probe():
+            print(self.table())
             return 1
         gpu = cluster_gpu(s.cluster)
         profile = self.profile(gpu) if self.has_time("a. autohet profile") else None
@@ -644,6 +653,7 @@ def child_environment() -> dict:
     return env
 
 
+@functools.cache
 def git_commit() -> str:
     try:
         out = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
@@ -652,7 +662,8 @@ def git_commit() -> str:
         return "unknown"
     if out.returncode != 0:
         return "unknown"
-    dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
+    dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain",
+                            "--untracked-files=no"],
                            capture_output=True, text=True, timeout=10).stdout.strip()
     return out.stdout.strip() + ("+changes" if dirty else "")
 

@@ -17,7 +17,8 @@ set -euo pipefail
 export GPU_CHECK_STARTED="${GPU_CHECK_STARTED:-$(date +%s)}"
 root="$(cd "$(dirname "$0")/.." && pwd)"
 if [[ -z "${PYTHON:-}" ]]; then
-  if [[ -x "$root/.venv/bin/python" ]]; then PYTHON="$root/.venv/bin/python"; else PYTHON=python3; fi
+  PYTHON=python3
+  if [[ -x "$root/.venv/bin/python" ]]; then PYTHON="$root/.venv/bin/python"; fi
 fi
 if ! "$PYTHON" -c "import megatron.core, pyscipopt" 2>/dev/null; then
   wheels=("$root"/.whl/*.whl)
@@ -28,7 +29,8 @@ if ! "$PYTHON" -c "import megatron.core, pyscipopt" 2>/dev/null; then
   fi
   scratch="$(mktemp -d "${TMPDIR:-/tmp}/gpu_check-wheels.XXXXXX")"
   trap 'rm -rf "$scratch"' EXIT
-  "$PYTHON" -m pip install -q --disable-pip-version-check --no-index --no-deps --target "$scratch" "${wheels[@]}"
+  "$PYTHON" -m pip install -q --disable-pip-version-check --no-index --no-deps \
+    --target "$scratch" "${wheels[@]}"
   export PYTHONPATH="$scratch${PYTHONPATH:+:$PYTHONPATH}"
 fi
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
