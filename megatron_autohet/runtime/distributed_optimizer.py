@@ -61,6 +61,12 @@ from megatron_autohet.runtime.mixed_precision import MASTER_KEY
 from megatron_autohet.runtime.optimizer import (ADAM_STATE_KEYS, OptimizerSettings,
                                                 applies_weight_decay)
 
+# torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor to *_single (same arguments;
+# the old names warn that they will go), torch 2.11 has only the old ones
+# (tests/test_torch_api.py checks every name against 2.11's).
+_all_gather_flat = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+
 
 @dataclass
 class _Segment:
@@ -139,8 +145,8 @@ class _ShardedBucket:
         numel = self.shard_numel * self.size
         flat = (torch.empty(numel, dtype=dtype, device=shard.device) if out is None
                 else out[:numel])
-        work = dist.all_gather_into_tensor(flat, shard.to(dtype), group=self.bucket.group,
-                                           async_op=async_op)
+        work = _all_gather_flat(flat, shard.to(dtype), group=self.bucket.group,
+                                async_op=async_op)
         return flat, work
 
     def local_values(self, flat: torch.Tensor) -> list[torch.Tensor]:
@@ -212,7 +218,7 @@ class DistributedOptimizer:
         for sharded in self.buckets:
             if sharded.size > 1:
                 sharded.bucket.stage()
-                pending.append(dist.reduce_scatter_tensor(
+                pending.append(_reduce_scatter_flat(
                     sharded.grad_shard, sharded.bucket.reduced, group=sharded.bucket.group,
                     async_op=True))
         for work in pending:
