@@ -9,14 +9,12 @@ from __future__ import annotations
 
 import os
 import threading
-from datetime import timedelta
 from pathlib import Path
 
-import pytest
 import torch
 import torch.distributed as dist
 
-from dist_utils import RankFailed, run_on_ranks
+from dist_utils import run_on_ranks
 from megatron_autohet.checkpoint.manifest import (MANIFEST_FILE, FileRecord, Manifest,
                                                   commit_step_dir, partial_dir, read_manifest,
                                                   step_dir_name)
@@ -28,8 +26,6 @@ from nccl_semantics import NcclRefusal, nccl_semantics
 
 ROOT = Path(__file__).resolve().parent.parent
 PLAN = ROOT / "configs/plans/tiny-homogeneous.yaml"       # nodes a100 (ranks 0, 1), h800, h20
-MODEL = ROOT / "configs/models/tiny.yaml"
-SHORT = timedelta(seconds=60)
 
 
 def test_the_strict_wrapper_refuses_what_nccl_would():
