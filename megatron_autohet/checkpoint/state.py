@@ -298,8 +298,8 @@ def common_state(trainer, scheduler, progress: TrainingProgress, *, seed: int,
 
 class SnapshotBuffers:
     """Pinned host memory for the device tensors of one save, kept for the next save: pinning
-    (``cudaHostAlloc``) costs about as much as the copy itself, and every save of a job has the
-    same tensors. Whoever holds it must not snapshot again before the write of the previous
+    (``cudaHostAlloc`` locks every page) is slow, and every save of a job has the same
+    tensors. Whoever holds it must not snapshot again before the write of the previous
     snapshot is done (the checkpointer waits for its background writer first)."""
 
     def __init__(self):
