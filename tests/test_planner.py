@@ -1,6 +1,7 @@
 """Planner: valid plans, memory limits, flags, errors, and optimality against brute force."""
 
 import dataclasses
+import math
 
 import pytest
 
@@ -299,3 +300,38 @@ def test_layer_splits_start_at_the_smallest_period():
         assert max(fixed[i] + per_layer[i] * np.array(mine[0])) == pytest.approx(best, rel=1e-12)
         checked += 1
     assert checked > 20
+
+
+def test_layer_splits_give_the_fastest_pipeline_for_every_microbatch_count():
+    """Above ALL_SPLITS_UP_TO splits, layer_splits still holds a split with the smallest
+    ``fill + (m - 1) period`` any split within the memory limits has, for every m (brute force):
+    the min-fill split under every period cap a stage can take."""
+    import itertools
+    import random
+
+    import numpy as np
+
+    from megatron_autohet.planner.space import ALL_SPLITS_UP_TO, layer_splits
+
+    rng = random.Random(7)
+    L, S, n = 13, 4, 60
+    assert math.comb(L - 1, S - 1) > ALL_SPLITS_UP_TO
+    fixed = np.array([[rng.uniform(0.0, 3.0) for _ in range(S)] for _ in range(n)])
+    per_layer = np.array([[rng.uniform(0.2, 2.5) for _ in range(S)] for _ in range(n)])
+    limits = np.array([[rng.randint(2, 9) for _ in range(S)] for _ in range(n)])
+    rows, splits = layer_splits(L, fixed, per_layer, limits)
+    checked = 0
+    for i in range(n):
+        every = [np.array(sp) for sp in itertools.product(range(1, L + 1), repeat=S)
+                 if sum(sp) == L and all(a <= b for a, b in zip(sp, limits[i]))]
+        mine = splits[rows == i]
+        assert bool(every) == bool(len(mine))
+        for m in (1, 2, 3, 5, 8, 16, 64):
+            def time_s(sp):
+                periods = fixed[i] + per_layer[i] * sp
+                return periods.sum() + (m - 1) * periods.max()
+            if every:
+                assert min(time_s(sp) for sp in mine) == pytest.approx(
+                    min(time_s(sp) for sp in every), rel=1e-12)
+                checked += 1
+    assert checked > 200

@@ -17,6 +17,7 @@ from megatron_autohet.errors import ConfigError
 from megatron_autohet.planner.baselines import (_best, _grid_bound_s, _grids, _proportional,
                                                 grid_plan)
 from megatron_autohet.planner.exhaustive import exhaustive_search
+from megatron_autohet.planner.scip_model import SOLVE_TIME_SAFETY_S
 from megatron_autohet.planner.search import STOP_TIME, STOP_WORK, resolve_profile, search
 from megatron_autohet.planner.space import Problem, evaluate
 from megatron_autohet.profiling.estimate import estimate_profile
@@ -43,13 +44,14 @@ THREE_TYPES = fleet([("A100-80GB", 8, 1.6), ("H800", 8, 2.9), ("H20", 8, 1.2)], 
 # ---- deterministic budget ------------------------------------------------------------------------
 
 def test_work_budget_binds_before_any_wall_clock_limit(monkeypatch):
-    """The same input with a tiny and a huge wall-clock limit gives the same plan when the work
+    """The same input with a short and a huge wall-clock limit gives the same plan when the work
     budget binds first. The clock stands still (no wall-clock limit can cut), so what could
-    still differ is anything in the search that reads its time limit otherwise, e.g. SCIP
-    solves given a share of it."""
+    still differ is anything in the search that reads its time limit otherwise. (A SCIP solve
+    gets at most the time the search has left, which is only less than its own safety net
+    within SOLVE_TIME_SAFETY_S of the limit, when the search is being cut anyway.)"""
     monkeypatch.setattr(search_module, "clock", lambda: 0.0)
     plans = []
-    for limit in (1e-3, 1e9):
+    for limit in (SOLVE_TIME_SAFETY_S, 1e9):
         cand = search(THREE_TYPES, GPT, None, 64, 1, progress=False, time_limit_s=limit,
                       work_budget=5)
         assert cand.stopped_by == STOP_WORK

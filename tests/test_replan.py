@@ -147,7 +147,7 @@ def test_losing_a_node_gives_a_valid_plan_on_the_survivors():
 
 
 def test_replan_budget_is_work_not_wall_time(monkeypatch):
-    """A re-plan on a stalled clock (no wall-clock limit can cut) with a tiny and a huge
+    """A re-plan on a stalled clock (no wall-clock limit can cut) with its default and a huge
     safety net gives the same plan: REPLAN_WORK_BUDGET binds, and it binds before the
     complete search would end."""
     import importlib
@@ -159,7 +159,8 @@ def test_replan_budget_is_work_not_wall_time(monkeypatch):
     previous = make_plan(fleet, gpt, None, 64, 1, progress=False)
     survivors = fleet.subset(["a", "h", "z"])
     monkeypatch.setattr(search_module, "clock", lambda: 0.0)
-    results = [replan(previous, survivors, gpt, time_limit_s=limit) for limit in (1e-3, 1e9)]
+    results = [replan(previous, survivors, gpt, time_limit_s=limit)
+               for limit in (REPLAN_TIME_LIMIT_S, 1e9)]
     assert [r.stopped_by for r in results] == [STOP_WORK, STOP_WORK]
     assert results[0].work == results[1].work >= REPLAN_WORK_BUDGET
     assert results[0].plan.to_dict() == results[1].plan.to_dict()

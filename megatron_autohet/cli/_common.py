@@ -6,6 +6,7 @@ and reads as ``autohet <cmd>: error: <file>: field '<f>': ...``, never as a trac
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from megatron_autohet.cli._table import format_table
@@ -59,8 +60,11 @@ def add_planning_arguments(parser) -> None:
 
 
 def positive(value: int | float | None, flag: str) -> None:
-    if value is not None and value <= 0:
-        raise ConfigError("<command line>", flag, f"got {value}", "a number > 0")
+    """A count, interval or limit: > 0 and finite (nan and inf are no limit, not a value)."""
+    if value is None or 0 < value < math.inf:
+        return
+    problem = f"got {value}" if math.isfinite(value) else f"got {value}, not a finite number"
+    raise ConfigError("<command line>", flag, problem, "a number > 0")
 
 
 def probability(value: float, flag: str) -> None:

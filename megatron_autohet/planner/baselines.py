@@ -34,7 +34,9 @@ def _grids(problem: Problem, tp_degrees: list[int] | None,
     world = cluster.world_size
     out = []
     for t in model.valid_tp_degrees(max(n.num_gpus for n in cluster.nodes)):
-        if any(n.num_gpus % t for n in cluster.nodes) or (tp_degrees and t not in tp_degrees):
+        # (an empty restriction allows no degree: a sub-fleet may hold none of those asked)
+        if any(n.num_gpus % t for n in cluster.nodes) or (tp_degrees is not None
+                                                         and t not in tp_degrees):
             continue
         for p in range(1, min(model.num_layers, max_stages or model.num_layers) + 1):
             if world % (t * p):

@@ -27,6 +27,7 @@ their permutation symmetry; the number of GPUs only changes the right-hand sides
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -43,8 +44,9 @@ BOUND_TOLERANCE = 2e-2
 # composition within them counts as infeasible (the bisection then only stops higher than it
 # could). A node limit, not a time limit, so that a loaded machine gets the same answers.
 SOLVE_NODE_LIMIT = 2000
-# Safety net only (a solve that hangs): wall-clock seconds one solve may take. A solve cut by it
-# is reported (``timed_out``), since its answer then depends on the machine's speed.
+# Safety net only (a solve that hangs): wall-clock seconds one solve may take, and never more
+# than the search has left. A solve cut by it, or not started because no time was left, is
+# reported (``timed_out``), since its answer then depends on the machine's speed.
 SOLVE_TIME_SAFETY_S = 30.0
 
 
@@ -76,8 +78,10 @@ class CompositionModel:
     """
 
     def __init__(self, options: list[PipelineOption], pool_counts: list[int],
-                 total_microbatches: int, pipelines: tuple[int, int]):
+                 total_microbatches: int, pipelines: tuple[int, int],
+                 time_left: Callable[[], float] = lambda: INF):
         self.options = options
+        self.time_left = time_left      # wall-clock seconds the search has left
         self.total = total_microbatches
         self.pool_counts = pool_counts
         self.pipelines = (pipelines[0], min(pipelines[1], total_microbatches))
@@ -129,6 +133,10 @@ class CompositionModel:
                  offsets: list[float] | None = None) -> list[int] | None:
         """A composition of allowed options finishing all micro-batches by ``tau`` (None: no
         limit on tau; option j's pipelines must finish by ``tau - offsets[j]``), or None."""
+        left = self.time_left()
+        if left <= 0:
+            self.timed_out = True
+            return None
         caps = self.capacities(tau, offsets)
         self.solves += 1
         cols = self.columns(allowed, caps)
@@ -143,7 +151,7 @@ class CompositionModel:
         # Deterministic limits: the same model gives the same answer on any machine and load
         # (SCIP runs single-threaded with a fixed random seed by default).
         m.setParam("limits/nodes", SOLVE_NODE_LIMIT)
-        m.setParam("limits/time", SOLVE_TIME_SAFETY_S)
+        m.setParam("limits/time", min(SOLVE_TIME_SAFETY_S, left))
         # Small model, solved once: presolving and cutting planes cost more than they save.
         m.setPresolve(SCIP_PARAMSETTING.OFF)
         m.setSeparating(SCIP_PARAMSETTING.OFF)
@@ -195,7 +203,7 @@ class CompositionModel:
                 return None, INF if cut is None else max(lo, cut)
             best = Composition(x, makespan_s(self.options, x, self.total, offsets))
         hi = best.makespan_s
-        while hi - lo > tolerance * hi and lo < give_up_above_s:
+        while hi - lo > tolerance * hi and lo < give_up_above_s and not self.timed_out:
             mid = 0.5 * (lo + hi)
             x = self.feasible(allowed, mid, offsets)
             if x is None:

@@ -14,12 +14,27 @@ non-linearly in an outer enumeration, and leaves an exact integer program to SCI
    reaches that bound, so configs that cannot win (often the recompute and the widest-TP ones)
    cost nothing.
 2. **Pipeline options** per config (independent of the cluster size): stage sequences of at most
-   ``max_stages`` TP groups: every order of GPU types for short pipelines (so the fast GPUs can
-   sit at both ends, which carry the embedding and the output layer, and share a node for the
-   tied-embedding sync), contiguous runs (plus that wrap-around) for longer ones; each with its
-   layer splits (all of them for small models, else min-period splits), and per GPU-count vector
-   only the options that are best for some pipeline count (:func:`_keep_best`; all of them
-   priced at once as arrays, space.py :func:`sequence_options`). A
+   ``max_stages`` TP groups: every order of pools for pipelines of up to ALL_ORDERS_UP_TO stages
+   (so the fast GPUs can sit at both ends, which carry the embedding and the output layer, and
+   share a node for the tied-embedding sync), contiguous runs of at most
+   MAX_TYPES_PER_PIPELINE pools (plus that wrap-around) for longer ones; each with its layer
+   splits (space.py :func:`layer_splits`: all of them for small models, else the min-fill split
+   under every period cap, exact for the pipeline time, or a few caps for long pipelines of
+   deep models), and per GPU-count vector only the options that are best for some pipeline
+   count (:func:`_keep_best`; all of them priced at once as arrays, space.py
+   :func:`sequence_options`). Where the space is exact: a pipeline's time ``fill + (m - 1)
+   period`` does not depend on the order of its stages (fill is their sum, period their
+   maximum); the order changes only (a) the links between stages, (b) which stages carry the
+   embedding and the output layer (the ends) and (c) memory, since stage s keeps ``S - s``
+   micro-batches in flight. When every node's intra-node link is at least its NIC and memory
+   does not bind, an order is dominated by the contiguous one with the same end types: each
+   stage's outgoing link is then at least as fast (inside a run it stays on a node or crosses
+   its own NIC, where an interleaved stage crosses the slower of two NICs), and the runs in
+   every order plus the wrap-around give every pair of end types. Otherwise (memory binds, or
+   a NIC is faster than a node's fabric) an interleaved order can win, so pipelines of up to
+   ALL_ORDERS_UP_TO stages take every order and the planner is exact there (the randomized
+   check against the exhaustive search, tests/test_planner_optimality.py); longer ones are a
+   heuristic, since the orders grow as K^S. A
    pool is one kind of node (GPU type, size, intra-node link, NIC), so the links an option is
    priced with are the ones its stages get. Where memory limits a split, the splits that fit
    only when the pipeline runs m < S micro-batches (1F1B then keeps m in flight on its first
@@ -58,6 +73,15 @@ non-linearly in an outer enumeration, and leaves an exact integer program to SCI
    a slow boundary with compute, within memory; the exhaustive search's best gets the same
    pass, the baselines never (Megatron-LM has no such option).
 
+8. **Never slower than a sub-fleet** (:class:`SubFleets`): the plan of every fleet the fleet
+   holds minus one GPU type (recursively, each set of types searched once, smallest first) is an
+   incumbent, as are the baselines and, for the re-planner, the previous plan adapted to the
+   fleet. The search's own space holds those plans (GPUs may stay idle), but its heuristics
+   (option and split selection, SCIP's node limit, the pruning tolerance, pools that change with
+   the fleet) do not guarantee it finds them: a 32-GPU fleet of H100, A100, V100 and T4 found a
+   plan 2.8% slower than the same fleet without its V100s. With them, adding GPUs never slows
+   the plan, which tests/test_planner_limits.py checks on random fleets.
+
 Bounded work: options depend on the GPU types and ``max_stages``, the SCIP model has one
 integer per option and one row per GPU type, the bins grow logarithmically with the GPU count;
 the number of GPUs otherwise only changes right-hand sides.
@@ -76,13 +100,20 @@ throughput search's plans, checked against the exhaustive search on small fleets
 Deterministic budget: the search's budget is counted in work, not wall time: SCIP
 branch-and-bound nodes summed over all solves (each solve at least one, and at most
 scip_model.SOLVE_NODE_LIMIT), checked between branches. The same input therefore gives the same
-plan on an idle or a loaded machine. The wall-clock ``time_limit_s`` is only a safety net; when
-it cuts the search (or a single SCIP solve), :attr:`Candidate.stopped_by` says so, since the
-plan then depends on the machine's speed.
+plan on an idle or a loaded machine. The wall-clock ``time_limit_s`` (a finite number > 0) is
+only a safety net; when it cuts the search (or a single SCIP solve), :attr:`Candidate.stopped_by`
+says so, since the plan then depends on the machine's speed. It is checked before every SCIP
+solve (whose own limit is what the search has left), between branches, sub-fleet searches,
+every SEQUENCES_PER_CHECK stage sequences of an option build and every block of the pair
+pricing, so the search ends within a fraction of a second of it (0.4 CPU-s at most between two
+checks on a 32-GPU fleet of four types); the baselines always run (they are the floor of the
+result, and cost well under a second). A cut search returns the best plan judged so far: the
+sub-fleets' plans and the baselines come first, so it is never slower than the best baseline.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import heapq
 import itertools
@@ -98,6 +129,7 @@ from megatron_autohet.cost_model import (DEFAULT_MEMORY_HEADROOM, PlanCost, chec
                                          stage_compute_s, stage_memory_bytes)
 from megatron_autohet.errors import ConfigError
 from megatron_autohet.plan import Pipeline, Plan, RankInfo, Stage
+from megatron_autohet.planner.baselines import all_baselines
 from megatron_autohet.planner.scip_model import BOUND_TOLERANCE, Composition, CompositionModel
 from megatron_autohet.planner.space import (OptionTable, PipelineOption, Pool, Problem,
                                             assign_microbatches, build_plan, check_batch, evaluate,
@@ -109,10 +141,10 @@ from megatron_autohet.profiling.profile import Profile
 from megatron_autohet.spec.cluster import Cluster
 from megatron_autohet.spec.model import ModelSpec
 
-# Pipelines mix at most this many GPU types.
-MAX_TYPES_PER_PIPELINE = 3
-# Pipelines up to this many stages take every order of GPU types; longer ones contiguous runs.
+# Pipelines up to this many stages take every order of pools (module doc, step 2); longer
+# ones contiguous runs of at most MAX_TYPES_PER_PIPELINE pools.
 ALL_ORDERS_UP_TO = 4
+MAX_TYPES_PER_PIPELINE = 3
 # Upper bound on the default number of stages per pipeline (deeper ones only when memory needs).
 MAX_STAGES_CAP = 16
 # Pipeline-count bins: exact below 5; above, the bin's smallest count prices the sync (its ring
@@ -128,6 +160,10 @@ PRUNE_TOLERANCE = 1e-3
 KEEP_FOR_COUNTS = (1, 2, 4, 8, 32, 1024)
 # Two-pipeline plans with node-local layer sync judged by the cost model per config.
 PAIRS_TRIED = 3
+# Stage sequences built between two checks of the wall-clock safety net.
+SEQUENCES_PER_CHECK = 512
+# Elements of the pair matrix (and of the per-pair layer arrays) priced at once.
+PAIR_BLOCK_ELEMENTS = 1 << 20
 # Stacks of up to this many identical pipelines are tried with their stages sharing nodes,
 # the best few options per stack height judged by the cost model.
 MAX_STACK = 4
@@ -189,15 +225,15 @@ def default_max_stages(problem: Problem, pools: list[Pool]) -> int:
 
 
 def stage_sequences(pools: list[Pool], max_stages: int) -> list[tuple[int, ...]]:
-    """Short pipelines in every order of pools; longer ones as contiguous runs of at most
+    """Short pipelines in every order of pools (any number of GPU types: a type of one-GPU nodes
+    with their own NICs is several pools); longer ones as contiguous runs of at most
     MAX_TYPES_PER_PIPELINE pools in every order, and the same with one stage of the first run
     moved to the end (both ends on the fast GPUs)."""
     K, counts = len(pools), [p.count for p in pools]
     out: dict[tuple[int, ...], None] = {}
     for S in range(1, min(ALL_ORDERS_UP_TO, max_stages) + 1):
         for seq in itertools.product(range(K), repeat=S):
-            if len(set(seq)) <= MAX_TYPES_PER_PIPELINE and all(
-                    seq.count(k) <= counts[k] for k in set(seq)):
+            if all(seq.count(k) <= counts[k] for k in set(seq)):
                 out[seq] = None
     for used in range(1, min(K, MAX_TYPES_PER_PIPELINE) + 1):
         for subset in itertools.combinations(range(K), used):
@@ -299,8 +335,11 @@ def make_config(problem: Problem, tp_of_gpu: dict[str, int], recompute: bool) ->
     return Config(pools, recompute, fluid_bound_s(problem, pools, recompute))
 
 
-def build_options(problem: Problem, config: Config, max_stages: int | None) -> None:
-    """The config's pipeline options (module doc, step 2) and whether memory limited a split."""
+def build_options(problem: Problem, config: Config, max_stages: int | None,
+                  out_of_time: Callable[[], bool] = lambda: False) -> bool:
+    """The config's pipeline options (module doc, step 2) and whether memory limited a split;
+    False, the config left unbuilt, when ``out_of_time`` says so (checked every
+    SEQUENCES_PER_CHECK sequences)."""
     pools = config.pools
     stages = max_stages or default_max_stages(problem, pools)
     L = problem.model.num_layers
@@ -317,7 +356,9 @@ def build_options(problem: Problem, config: Config, max_stages: int | None) -> N
         sequences.append((seq, cap))
         coefficients.append(coeffs)
 
-    for seq in stage_sequences(pools, min(stages, L)):
+    for i, seq in enumerate(stage_sequences(pools, min(stages, L))):
+        if i % SEQUENCES_PER_CHECK == 0 and out_of_time():
+            return False
         coeffs = stage_coefficients(problem, pools, seq, config.recompute)
         limits = None if coeffs is None else [c.max_layers for c in coeffs]
         if coeffs is None or any(n < L for n in limits):
@@ -335,15 +376,16 @@ def build_options(problem: Problem, config: Config, max_stages: int | None) -> N
     config.memory_bound = memory_bound
     config.options, config.table = [], None
     if not sequences:
-        return
+        return True
     built = sequence_options(problem, sequences, coefficients)
     if not len(built.sequence):
-        return
+        return True
     caps = np.array([np.iinfo(np.int64).max if cap is None else cap for _, cap in sequences])
     kept = _keep_best(built.table, np.array(group_of)[built.sequence], caps[built.sequence],
                       problem)
     config.options = [built.option(j) for j in kept]
     config.table = built.table.subset(kept, problem)
+    return True
 
 
 @dataclass(order=True)
@@ -438,14 +480,16 @@ class BranchAndBound:
             self.best = cand
 
     def _build(self, config: Config) -> bool:
-        """Build a config's options when the search reaches it; False when it has none, or when
+        """Build a config's options when the search reaches it; False when it has none, when
         it is the recompute twin of a config that memory never limited (recompute only adds
-        time there)."""
+        time there), or when the safety net cut the building."""
         twin = self.built.get((config.key[0], False))
         if config.recompute and self.skip_needless_recompute and twin is not None \
                 and not twin.memory_bound:
             return False
-        build_options(self.problem, config, self.max_stages)
+        if not build_options(self.problem, config, self.max_stages,
+                             lambda: clock() >= self.deadline):
+            return False            # cut by the safety net: the loop's next check stops
         self.built[config.key] = config
         return bool(config.options)
 
@@ -559,51 +603,64 @@ class BranchAndBound:
         if M < 2 or n < 2 or not saving.any() or (
                 table.fill_s.min() + (math.ceil(M / 2) - 1) * table.period_s.min() >= best_s):
             return
-        fill_i, period_i = table.fill_s[:, None], table.period_s[:, None]
-        fill_j, period_j = table.fill_s[None, :], table.period_s[None, :]
-        crossing = (fill_j - fill_i + period_i + (M - 1) * period_j) / (period_i + period_j)
-        makespan = np.full((n, n), math.inf)
-        for m in (np.floor(crossing), np.ceil(crossing)):
-            m = np.clip(m, 1, M - 1)
-            makespan = np.minimum(makespan, np.maximum(fill_i + (m - 1) * period_i,
-                                                       fill_j + (M - m - 1) * period_j))
-        makespan += np.maximum(table.optimizer_s[:, None], table.optimizer_s[None, :])
         use = np.array([[o.pools.count(k) for k in range(len(pools))] for o in options])
-        fits = ((use[:, None, :] + use[None, :, :]) <= [p.count for p in pools]).all(axis=2)
-        # Pairs that fit and could beat the best plan even with no sync at all.
-        i, j = np.nonzero(fits & np.triu(makespan < best_s, 1))
-        if not len(i):
-            return
+        counts = np.array([p.count for p in pools])
         layer_pool = np.array([[k for k, c in zip(o.pools, o.layers) for _ in range(c)]
                                for o in options])
         width = table.shared.shape[1]
         bounds = np.array([list(itertools.accumulate(o.layers, initial=0))
                            + [L] * (width - len(o.layers)) for o in options])
         tied_factor = np.where(table.multi_stage, ring_factor(4), ring_factor(2))
-        # Per pair, the seconds (ring factor 1) each side saves on its co-held layers.
-        save = np.where(layer_pool[i] == layer_pool[j], saving[layer_pool[i]], 0.0)
-        cum = np.concatenate([np.zeros((len(i), 1)), np.cumsum(save, axis=1)], axis=1)
+        best: list[tuple[float, int, int]] = []         # (estimate, i, j), the best few
+        # Rows of the n x n pair matrix a block at a time, pairs a batch at a time: the memory
+        # stays bounded and the safety net is checked between blocks.
+        rows_per_block = max(1, PAIR_BLOCK_ELEMENTS // n)
+        for first in range(0, n, rows_per_block):
+            if clock() >= self.deadline:
+                return
+            rows = np.arange(first, min(n, first + rows_per_block))
+            fill_i, period_i = table.fill_s[rows, None], table.period_s[rows, None]
+            fill_j, period_j = table.fill_s[None, :], table.period_s[None, :]
+            crossing = (fill_j - fill_i + period_i + (M - 1) * period_j) / (period_i + period_j)
+            makespan = np.full((len(rows), n), math.inf)
+            for m in (np.floor(crossing), np.ceil(crossing)):
+                m = np.clip(m, 1, M - 1)
+                makespan = np.minimum(makespan, np.maximum(fill_i + (m - 1) * period_i,
+                                                           fill_j + (M - m - 1) * period_j))
+            makespan += np.maximum(table.optimizer_s[rows, None], table.optimizer_s[None, :])
+            fits = ((use[rows, None, :] + use[None, :, :]) <= counts).all(axis=2)
+            # Pairs (i < j) that fit and could beat the best plan even with no sync at all.
+            r, j_all = np.nonzero(fits & (makespan < best_s)
+                                  & (np.arange(n)[None, :] > rows[:, None]))
+            for batch in range(0, len(r), PAIR_BLOCK_ELEMENTS // max(1, L)):
+                sel = slice(batch, batch + PAIR_BLOCK_ELEMENTS // max(1, L))
+                i, j = rows[r[sel]], j_all[sel]
+                # Per pair, the seconds (ring factor 1) each side saves on its co-held layers.
+                save = np.where(layer_pool[i] == layer_pool[j], saving[layer_pool[i]], 0.0)
+                cum = np.concatenate([np.zeros((len(i), 1)), np.cumsum(save, axis=1)], axis=1)
 
-        def busiest_sync(side: np.ndarray) -> np.ndarray:
-            rows = np.arange(len(side))[:, None]
-            stage_save = cum[rows, bounds[side, 1:]] - cum[rows, bounds[side, :-1]]
-            return (ring_factor(2) * (table.shared[side] - stage_save)
-                    + tied_factor[side, None] * table.tied[side]).max(axis=1)
+                def busiest_sync(side: np.ndarray) -> np.ndarray:
+                    at = np.arange(len(side))[:, None]
+                    stage_save = cum[at, bounds[side, 1:]] - cum[at, bounds[side, :-1]]
+                    return (ring_factor(2) * (table.shared[side] - stage_save)
+                            + tied_factor[side, None] * table.tied[side]).max(axis=1)
 
-        estimate = makespan[i, j] + np.maximum(busiest_sync(i), busiest_sync(j))
-        for p in np.argsort(estimate)[:PAIRS_TRIED]:
-            if not estimate[p] < best_s:
+                estimate = makespan[r[sel], j] + np.maximum(busiest_sync(i), busiest_sync(j))
+                top = np.argsort(estimate, kind="stable")[:PAIRS_TRIED]
+                best = sorted(best + [(float(estimate[p]), int(i[p]), int(j[p]))
+                                      for p in top])[:PAIRS_TRIED]
+        for estimate, i, j in best:
+            if not estimate < best_s:
                 break
-            pair = (i[p], j[p])
             self.offer(self._candidate(config, Composition(
-                [int(k in pair) for k in range(n)], 0.0)))
+                [int(k in (i, j)) for k in range(n)], 0.0)))
 
     def _model(self, config: Config, bin_index: int) -> CompositionModel:
         lo, hi = PIPELINE_BINS[bin_index]
         groups = sum(p.count for p in config.pools)
         M = self.problem.num_microbatches
         return CompositionModel(config.options, [p.count for p in config.pools], M,
-                                (lo, min(hi, M, groups)))
+                                (lo, min(hi, M, groups)), lambda: self.deadline - clock())
 
     def _candidate(self, config: Config, comp: Composition) -> Candidate | None:
         """The plan of a composition, judged by the cost model (None: its pipelines' micro-batch
@@ -667,77 +724,187 @@ def search(cluster: Cluster, model: ModelSpec, profile: Profile | None, global_b
     the search judges that fits in memory (the warm-up post-pass then still changes the best
     one's plan in place).
     """
-    from megatron_autohet.planner.baselines import all_baselines
-
     if objective not in OBJECTIVES:
         raise ConfigError("<arguments>", "objective", f"got {objective!r}", ", ".join(OBJECTIVES))
+    if not 0 < time_limit_s < math.inf:
+        raise ConfigError("<arguments>", "time_limit_s", f"got {time_limit_s}",
+                          "a finite number of seconds > 0")
+    deadline = clock() + time_limit_s
     if objective == "cost":
         return cheapest(cluster, model, profile, global_batch_size, micro_batch_size, seq_length,
                         allow_asymmetric_tp=allow_asymmetric_tp,
-                        activation_recompute=activation_recompute, time_limit_s=time_limit_s,
+                        activation_recompute=activation_recompute, deadline=deadline,
                         progress=progress, tp_degrees=tp_degrees, max_stages=max_stages,
                         seeds=seeds, baselines=baselines, work_budget=work_budget,
                         on_candidate=on_candidate, distributed_optimizer=distributed_optimizer,
                         memory_headroom=memory_headroom)
+    return fastest_before(cluster, model, profile, global_batch_size, micro_batch_size,
+                          seq_length, deadline, allow_asymmetric_tp=allow_asymmetric_tp,
+                          activation_recompute=activation_recompute, progress=progress,
+                          tp_degrees=tp_degrees, max_stages=max_stages, seeds=seeds,
+                          baselines=baselines, work_budget=work_budget,
+                          on_candidate=on_candidate, distributed_optimizer=distributed_optimizer,
+                          memory_headroom=memory_headroom)
+
+
+def fastest_before(cluster: Cluster, model: ModelSpec, profile: Profile | None,
+                   global_batch_size: int, micro_batch_size: int, seq_length: int | None,
+                   deadline: float, *, allow_asymmetric_tp: bool = False,
+                   activation_recompute: bool | None = None, progress: bool = True,
+                   tp_degrees: list[int] | None = None, max_stages: int | None = None,
+                   seeds: Sequence[Candidate] = (), baselines: bool = True,
+                   work_budget: int = WORK_BUDGET,
+                   on_candidate: Callable[[Candidate], None] | None = None,
+                   distributed_optimizer: bool = False,
+                   memory_headroom: float = DEFAULT_MEMORY_HEADROOM,
+                   sub_fleets: bool = True) -> Candidate:
+    """search() with objective "throughput", its safety net a clock() ``deadline``;
+    ``sub_fleets`` False searches the whole fleet only (:class:`SubFleets`: for a caller that
+    searches every set of GPU types itself)."""
     seq_length = seq_length or model.seq_length
     profile = resolve_profile(cluster, model, profile, micro_batch_size, seq_length)
     problem = Problem(cluster, model, profile, global_batch_size, micro_batch_size, seq_length,
                       distributed_optimizer=distributed_optimizer,
                       memory_headroom=check_memory_headroom(memory_headroom))
     check_batch(problem)
-    gpus = list(dict.fromkeys(n.gpu for n in cluster.nodes))
-    max_node = max(n.num_gpus for n in cluster.nodes)
-    degrees = [t for t in model.valid_tp_degrees(max_node)
+    degrees = [t for t in model.valid_tp_degrees(max(n.num_gpus for n in cluster.nodes))
                if tp_degrees is None or t in tp_degrees]
     recompute_modes = [False, True] if activation_recompute is None else [activation_recompute]
-    search_bb = BranchAndBound(problem, clock() + time_limit_s, work_budget, max_stages,
-                               skip_needless_recompute=activation_recompute is None,
-                               on_candidate=on_candidate)
-    for seed in seeds:
-        search_bb.offer(seed)
-    for baseline in all_baselines(problem, recompute_modes, tp_degrees=degrees,
-                                  max_stages=max_stages) if baselines else ():
-        if baseline.plan is not None:
-            plan = baseline.plan
-            tp = {plan.ranks[s.ranks[0]].gpu: s.tp for p in plan.pipelines for s in p.stages}
-            search_bb.offer(Candidate(plan, baseline.cost, tp, plan.activation_recompute))
-
-    def configs_for(tp_of_gpu: dict[str, int]) -> list[Config]:
-        configs = [make_config(problem, tp_of_gpu, recompute) for recompute in recompute_modes]
-        return [c for c in configs if c is not None]
-
+    fleets = SubFleets(problem, degrees, recompute_modes, deadline, work_budget, max_stages,
+                       allow_asymmetric_tp, baselines, sub_fleets)
     with tqdm(desc="planning", unit="branch", disable=not progress, delay=0.5,
-              leave=False) as bar:
-        search_bb.run([c for t in degrees for c in configs_for({g: t for g in gpus})], bar)
-        if allow_asymmetric_tp:
-            per_gpu = {g: [t for t in degrees
-                           if any(n.num_gpus % t == 0 for n in cluster.nodes if n.gpu == g)]
-                       for g in gpus}
-            best = search_bb.best
-            current = dict(best.tp_of_gpu) if best else {g: per_gpu[g][0] for g in gpus}
+              leave=False) as fleets.bar:
+        best = fleets.fastest(frozenset(n.gpu for n in cluster.nodes), seeds, on_candidate)
+    if best is None:
+        raise no_plan_fits(problem, degrees, recompute_modes)
+    return dataclasses.replace(best, stopped_by=fleets.stopped_by, work=fleets.work)
+
+
+class SubFleets:
+    """The throughput search of a fleet and, as its incumbents, of every fleet it holds minus
+    one GPU type (recursively, each set of types searched once): a fleet's plan is then never
+    slower than the plan of any of its sub-fleets (it can leave the added GPUs idle, and does
+    when that is faster), which the search's own space alone does not guarantee (its option
+    and split heuristics, SCIP's node limit and the pruning tolerance depend on the pools).
+
+    Each set of types is searched as a fleet of its own would be (same space, budget, its own
+    baselines), so ``fastest(types)`` is the plan the search returns for that sub-fleet, and
+    the smallest fleets, the cheapest searches, give the large ones incumbents before their
+    own search starts. Every search shares one wall-clock deadline; none starts after it.
+    """
+
+    def __init__(self, problem: Problem, degrees: list[int], recompute_modes: list[bool],
+                 deadline: float, work_budget: int, max_stages: int | None,
+                 allow_asymmetric_tp: bool, baselines: bool, recurse: bool = True):
+        self.problem, self.degrees, self.recompute_modes = problem, degrees, recompute_modes
+        self.deadline, self.work_budget, self.max_stages = deadline, work_budget, max_stages
+        self.allow_asymmetric_tp, self.baselines = allow_asymmetric_tp, baselines
+        self.recurse = recurse
+        self.solved: dict[frozenset[str], Candidate | None] = {}
+        self.work = 0
+        self.stopped_by = STOP_COMPLETE
+        self.bar = None
+
+    def _stopped(self, why: str) -> None:
+        if why != STOP_COMPLETE and self.stopped_by != STOP_TIME:
+            self.stopped_by = why
+
+    def fastest(self, types: frozenset[str], seeds: Sequence[Candidate] = (),
+                on_candidate: Callable[[Candidate], None] | None = None) -> Candidate | None:
+        """The plan of the fleet's nodes of these GPU types (None: none fits in memory)."""
+        if types in self.solved:
+            return self.solved[types]
+        whole = self.problem.cluster
+        cluster = whole.subset([n.name for n in whole.nodes if n.gpu in types])
+        problem = dataclasses.replace(self.problem, cluster=cluster)
+        search_bb = BranchAndBound(problem, self.deadline, self.work_budget, self.max_stages,
+                                   skip_needless_recompute=len(self.recompute_modes) > 1,
+                                   on_candidate=on_candidate)
+        for seed in seeds:
+            search_bb.offer(seed)
+        for baseline in all_baselines(problem, self.recompute_modes, tp_degrees=self.degrees,
+                                      max_stages=self.max_stages) if self.baselines else ():
+            if baseline.plan is not None:
+                plan = baseline.plan
+                tp = {plan.ranks[s.ranks[0]].gpu: s.tp for p in plan.pipelines for s in p.stages}
+                search_bb.offer(Candidate(plan, baseline.cost, tp, plan.activation_recompute))
+        for gpu in sorted(types) if self.recurse and len(types) > 1 else ():
+            if clock() >= self.deadline:
+                self._stopped(STOP_TIME)
+                break
+            sub = self.fastest(types - {gpu})
+            if sub is not None:
+                plan = copy.deepcopy(sub.plan)
+                search_bb.offer(dataclasses.replace(sub, plan=plan, cost=evaluate(problem, plan)))
+        if search_bb.may_continue():
+            self._search(problem, search_bb)
+        self._stopped(search_bb.stopped_by)
+        self.work += search_bb.work
+        best = search_bb.best
+        if best is not None:
+            plan, cost = choose_warmups(best.plan, best.cost, cluster, problem.profile,
+                                        problem.memory_headroom)
+            best = dataclasses.replace(best, plan=plan, cost=cost,
+                                       stopped_by=search_bb.stopped_by, work=search_bb.work)
+        self.solved[types] = best
+        return best
+
+    def _search(self, problem: Problem, search_bb: BranchAndBound) -> None:
+        """The branch and bound of one fleet over its TP configs (module doc)."""
+        cluster = problem.cluster
+        gpus = list(dict.fromkeys(n.gpu for n in cluster.nodes))
+
+        def configs_for(tp_of_gpu: dict[str, int]) -> list[Config]:
+            configs = [make_config(problem, tp_of_gpu, recompute)
+                       for recompute in self.recompute_modes]
+            return [c for c in configs if c is not None]
+
+        search_bb.run([c for t in self.degrees for c in configs_for({g: t for g in gpus})],
+                      self.bar)
+        if not self.allow_asymmetric_tp:
+            return
+        per_gpu = {g: [t for t in self.degrees
+                       if any(n.num_gpus % t == 0 for n in cluster.nodes if n.gpu == g)]
+                   for g in gpus}
+        best = search_bb.best
+        current = dict(best.tp_of_gpu) if best else {g: per_gpu[g][0] for g in gpus}
+        for g in gpus:
+            current.setdefault(g, per_gpu[g][0])
+        improved = True
+        while improved and search_bb.may_continue():
+            improved = False
             for g in gpus:
-                current.setdefault(g, per_gpu[g][0])
-            improved = True
-            while improved and search_bb.may_continue():
-                improved = False
-                for g in gpus:
-                    before = search_bb.best
-                    trials = [dict(current, **{g: t}) for t in per_gpu[g] if t != current[g]]
-                    search_bb.run([c for trial in trials for c in configs_for(trial)], bar)
-                    if search_bb.best is not before and search_bb.best is not None:
-                        current.update(search_bb.best.tp_of_gpu)
-                        improved = True
-    if search_bb.best is None:
-        raise ConfigError(cluster.name, "nodes", f"no plan for {model.name} fits in memory with "
-                          f"global batch {global_batch_size} and micro-batch {micro_batch_size} "
-                          f"(TP degrees tried: {degrees}, recompute: {recompute_modes})",
-                          "more or larger GPUs, activation recompute, a smaller micro-batch or "
-                          "sequence length, or a global batch with a micro-batch per pipeline")
-    best = search_bb.best
-    plan, cost = choose_warmups(best.plan, best.cost, cluster, problem.profile,
-                                problem.memory_headroom)
-    return dataclasses.replace(best, plan=plan, cost=cost, stopped_by=search_bb.stopped_by,
-                               work=search_bb.work)
+                before = search_bb.best
+                trials = [dict(current, **{g: t}) for t in per_gpu[g] if t != current[g]]
+                search_bb.run([c for trial in trials for c in configs_for(trial)], self.bar)
+                if search_bb.best is not before and search_bb.best is not None:
+                    current.update(search_bb.best.tp_of_gpu)
+                    improved = True
+
+
+def no_plan_fits(problem: Problem, degrees: list[int], recompute_modes: list[bool]
+                 ) -> ConfigError:
+    """The error when no plan fits in memory: what was tried, and only the remedies that were
+    not (no recompute suggested after recompute was tried, no TP degree after the widest)."""
+    cluster, model = problem.cluster, problem.model
+    tried = (f"TP degrees tried: {', '.join(map(str, degrees)) or 'none the nodes allow'}; "
+             "activation recompute tried: "
+             + " and ".join("on" if r else "off" for r in recompute_modes))
+    remedies = ["more or larger GPUs"]
+    wider = [t for t in model.valid_tp_degrees(max(n.num_gpus for n in cluster.nodes))
+             if t > max(degrees, default=0)]
+    if wider:
+        remedies.append(f"a wider TP degree ({', '.join(map(str, wider))})")
+    if True not in recompute_modes:
+        remedies.append("activation recompute")
+    if problem.micro_batch_size > 1:
+        remedies.append(f"a micro-batch below {problem.micro_batch_size}")
+    remedies.append(f"a sequence length below {problem.seq_length}")
+    if problem.memory_headroom > 0:
+        remedies.append(f"a memory headroom below {problem.memory_headroom}")
+    return ConfigError(cluster.name, "nodes", f"no plan for {model.name} fits in memory with "
+                       f"global batch {problem.global_batch_size} and micro-batch "
+                       f"{problem.micro_batch_size} ({tried})", ", ".join(remedies))
 
 
 def check_prices(cluster: Cluster, file=None) -> None:
@@ -756,7 +923,7 @@ def usd_per_million_tokens(cand: Candidate) -> float:
 
 def cheapest(cluster: Cluster, model: ModelSpec, profile: Profile | None,
              global_batch_size: int, micro_batch_size: int, seq_length: int | None = None, *,
-             on_candidate: Callable[[Candidate], None] | None = None, time_limit_s: float = 60.0,
+             on_candidate: Callable[[Candidate], None] | None = None, deadline: float,
              tp_degrees: list[int] | None = None, seeds: Sequence[Candidate] = (),
              **options) -> Candidate:
     """search() with objective "cost" (module doc): the judged plan with the fewest USD per
@@ -772,7 +939,6 @@ def cheapest(cluster: Cluster, model: ModelSpec, profile: Profile | None,
                if tp_degrees is None or t in tp_degrees]
     # With asymmetric TP the search mixes degrees itself: one search over all of them.
     per_search = [degrees] if options.get("allow_asymmetric_tp") else [[t] for t in degrees]
-    deadline = clock() + time_limit_s
     winners: list[Candidate] = []
     stops, work = [], 0
     for size in range(len(gpus), 0, -1):
@@ -784,10 +950,10 @@ def cheapest(cluster: Cluster, model: ModelSpec, profile: Profile | None,
             mine = [c for c in seeds if {r.node for r in c.plan.ranks} <= runs_on
                     and set(c.tp_of_gpu.values()) <= set(tps)]
             try:
-                best = search(sub, model, resolved, global_batch_size, micro_batch_size,
-                              seq_length, time_limit_s=max(0.0, deadline - clock()),
-                              on_candidate=judged.append, tp_degrees=tps, seeds=mine,
-                              **options)
+                best = fastest_before(sub, model, resolved, global_batch_size,
+                                      micro_batch_size, seq_length, deadline,
+                                      on_candidate=judged.append, tp_degrees=tps, seeds=mine,
+                                      sub_fleets=False, **options)
             except ConfigError:
                 continue            # no plan of these GPU types and degrees fits in memory
             judged.append(best)
@@ -798,8 +964,8 @@ def cheapest(cluster: Cluster, model: ModelSpec, profile: Profile | None,
             winners.append(_thin(problem, dataclasses.replace(
                 cheap, cost=evaluate(problem, cheap.plan))))
     if not winners:
-        raise ConfigError(cluster.name, "nodes", f"no plan for {model.name} fits in memory",
-                          "more or larger GPUs, activation recompute, a smaller micro-batch")
+        raise no_plan_fits(problem, degrees, [False, True] if options.get(
+            "activation_recompute") is None else [options["activation_recompute"]])
     best = min(winners, key=usd_per_million_tokens)
     if on_candidate is not None:
         on_candidate(best)

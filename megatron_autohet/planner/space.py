@@ -315,11 +315,15 @@ def _sync_terms(problem: Problem, pool: Pool, first: bool, last: bool,
             unit * tied / tied_bandwidth_gbs)
 
 
-# Layer splits tried above the smallest feasible period: looser caps move layers to the faster
-# stages (shorter fill, fewer parameters on slow GPUs) at the price of a longer period.
+# Layer splits tried above the smallest feasible period when there are too many stage periods to
+# try each (below): looser caps move layers to the faster stages (shorter fill, fewer parameters
+# on slow GPUs) at the price of a longer period.
 PERIOD_SLACKS = (0.0, 0.03, 0.08, 0.15, 0.3)
 # Sequences with at most this many layer splits get every split (small models, short pipelines).
 ALL_SPLITS_UP_TO = 84
+# Sequences of S stages and L layers with S * L at most this get the split of every period cap a
+# stage period can take: exact for the pipeline time (layer_splits).
+EVERY_PERIOD_UP_TO = 160
 
 
 def layer_splits(num_layers: int, fixed: np.ndarray, per_layer: np.ndarray, limits: np.ndarray
@@ -329,13 +333,18 @@ def layer_splits(num_layers: int, fixed: np.ndarray, per_layer: np.ndarray, limi
     ``limits[i]`` layers per stage. Returns (row of each split, splits (k, S)), rows ascending,
     each row's splits in the order below.
 
-    Every split when there are at most ALL_SPLITS_UP_TO of them; otherwise the min-period split
-    and a few looser ones: for a period cap P a stage holds at most
-    ``min(memory cap, (P - fixed) / per_layer)`` layers, and each split fills every stage with
-    one layer and hands the rest to the fastest stages first (smallest fill time under that
-    cap). The smallest P is the greedy min-max (each next layer to the stage whose period grows
-    least, exact for increasing per-stage costs): every stage's one-layer period, and the
-    (L - S)-th smallest of the periods stages reach with 2, 3, ... layers.
+    Every split when there are at most ALL_SPLITS_UP_TO of them. Otherwise, for a period cap P
+    a stage holds at most ``min(memory cap, (P - fixed) / per_layer)`` layers, and the split of
+    P fills every stage with one layer and hands the rest to the fastest stages first: of the
+    splits whose period is at most P it has the smallest fill (the sum of stage periods), since
+    each layer costs a stage its own ``per_layer``. The pipeline's time ``fill + (m - 1)
+    period`` for any m is therefore smallest at the split of some cap P among the stage periods
+    ``fixed + per_layer * k`` (the period of the best split is one of them), and every such P
+    from the smallest feasible one up is tried when S * L <= EVERY_PERIOD_UP_TO (duplicates
+    dropped): exact for the pipeline time. Above that, the smallest P and a few looser ones
+    (PERIOD_SLACKS). The smallest P is the greedy min-max (each next layer to the stage whose
+    period grows least, exact for increasing per-stage costs): every stage's one-layer period,
+    and the (L - S)-th smallest of the periods stages reach with 2, 3, ... layers.
     """
     L = num_layers
     n, S = fixed.shape
@@ -347,27 +356,38 @@ def layer_splits(num_layers: int, fixed: np.ndarray, per_layer: np.ndarray, limi
         every = np.array(list(_compositions(L, S)), dtype=np.int64).reshape(-1, S)
         rows, which = np.nonzero(ok[:, None] & (every[None] <= limits[:, None]).all(axis=2))
         return rows, every[which]
-    base = (fixed + per_layer).max(axis=1)
+    single = fixed + per_layer
+    base = single.max(axis=1)
+    grown = np.zeros((n, 0))
     if L > S:
         counts = np.arange(2, L + 1)
         grown = fixed[:, :, None] + counts * per_layer[:, :, None]
         grown = np.where(counts <= limits[:, :, None], grown, np.inf).reshape(n, -1)
         base = np.maximum(base, np.partition(grown, L - S - 1, axis=1)[:, L - S - 1])
+    if S * L <= EVERY_PERIOD_UP_TO:
+        periods = np.concatenate([single, grown], axis=1)
+        periods = np.sort(np.where(periods >= base[:, None], periods, np.inf), axis=1)
+    else:
+        periods = base[:, None] * (1 + np.array(PERIOD_SLACKS))[None, :]
     fastest_first = np.argsort(per_layer, axis=1, kind="stable")
     every_row = np.arange(n)[:, None]
-    splits = np.zeros((n, len(PERIOD_SLACKS), S), dtype=np.int64)
-    valid = np.zeros((n, len(PERIOD_SLACKS)), dtype=bool)
-    for i, slack in enumerate(PERIOD_SLACKS):
-        caps = np.minimum(limits, np.trunc(((base * (1 + slack))[:, None] - fixed) / per_layer
-                                           + 1e-9)).astype(np.int64)
+    splits = np.zeros((n, periods.shape[1], S), dtype=np.int64)
+    valid = np.zeros((n, periods.shape[1]), dtype=bool)
+    for i in range(periods.shape[1]):
+        cap = periods[:, i]
+        finite = np.isfinite(cap)
+        caps = np.minimum(limits, np.trunc((np.where(finite, cap, 0.0)[:, None] - fixed)
+                                           / per_layer + 1e-9)).astype(np.int64)
         extra = np.take_along_axis(caps - 1, fastest_first, axis=1)
         given_before = np.cumsum(extra, axis=1) - extra
         splits[every_row, i, fastest_first] = 1 + np.clip((L - S) - given_before, 0, extra)
-        valid[:, i] = ok & (caps.min(axis=1) >= 1) & (caps.sum(axis=1) >= L)
-        for j in range(i):             # the same split at a looser cap is not tried twice
-            valid[:, i] &= ~(valid[:, j] & (splits[:, j] == splits[:, i]).all(axis=1))
+        valid[:, i] = ok & finite & (caps.min(axis=1) >= 1) & (caps.sum(axis=1) >= L)
     rows, which = np.nonzero(valid)
-    return rows, splits[rows, which]
+    found = splits[rows, which]
+    # The same split at a looser cap is not tried twice (first occurrence kept, order kept).
+    _, first = np.unique(np.column_stack([rows, found]), axis=0, return_index=True)
+    first = np.sort(first)
+    return rows[first], found[first]
 
 
 @dataclass
