@@ -377,7 +377,8 @@ class GpuCheck:
                      f"{losses[-1]:.3f}", "runs, finite losses", attention_note(command.text)))
 
         ratio = predicted["iteration_time_s"] / seconds
-        self.add(self.gpu_row("c. iteration time vs plan", abs(ratio - 1) <= TIME_TOLERANCE,
+        self.add(self.gpu_row("c. iteration time vs plan",
+                              time_meets_target(predicted["iteration_time_s"], seconds),
                               f"{predicted['iteration_time_s']:.3f} s predicted / {seconds:.3f} "
                               f"s measured = {ratio:.3f}",
                               f"prediction within {TIME_TOLERANCE:.0%} of the measured"))
@@ -395,8 +396,7 @@ class GpuCheck:
         else:
             mem_ratio = predicted["peak_memory_gib"] / peak
             self.add(self.gpu_row(
-                "c. peak memory vs plan",
-                abs(mem_ratio - 1) <= MEMORY_TOLERANCE and mem_ratio >= 1 - MEMORY_UNDER_TOLERANCE,
+                "c. peak memory vs plan", memory_meets_target(predicted["peak_memory_gib"], peak),
                 f"{predicted['peak_memory_gib']:.1f} GiB predicted / {peak:.1f} measured = "
                 f"{mem_ratio:.3f}", memory_target))
 
@@ -503,8 +503,7 @@ class GpuCheck:
         precision = training_precision(resumed.text)
         diffs = {r["iteration"]: abs(r["lm_loss"] - before[r["iteration"]])
                  for r in resumed_records}
-        tolerances = {i: BF16_ULPS * bf16_ulp(before[i]) if precision == "bf16" else 0.0
-                      for i in iterations}
+        tolerances = {i: loss_tolerance(before[i], precision) for i in iterations}
         worst = max(iterations, key=lambda i: diffs[i] - tolerances[i])
         self.figures["checkpoint"].update(
             loaded_iteration=int(loaded.group(1)), precision=precision,
@@ -628,6 +627,24 @@ def attention_note(log: str) -> str:
         if "attention" in line.lower() and "warn" not in line.lower():
             return line.strip()[:160]
     return ""
+
+
+def time_meets_target(predicted_s: float, measured_s: float) -> bool:
+    """Issue 18: the predicted iteration time within 10% of the measured one."""
+    return abs(predicted_s / measured_s - 1) <= TIME_TOLERANCE
+
+
+def memory_meets_target(predicted_gib: float, measured_gib: float) -> bool:
+    """Issue 18: the predicted peak memory within 10% of the measured one and never more than 5%
+    below it (a plan that under-predicts memory runs out of it)."""
+    ratio = predicted_gib / measured_gib
+    return abs(ratio - 1) <= MEMORY_TOLERANCE and ratio >= 1 - MEMORY_UNDER_TOLERANCE
+
+
+def loss_tolerance(reference: float, precision: str | None) -> float:
+    """How far a resumed loss may be from the uninterrupted run's: 2 bf16 ulps in bf16 (issue
+    18), nothing in fp32 (the same plan on the same device computes the same numbers)."""
+    return BF16_ULPS * bf16_ulp(reference) if precision == "bf16" else 0.0
 
 
 def bf16_ulp(value: float) -> float:
