@@ -111,7 +111,8 @@ class SDPAttention(DotProductAttention):
         assert packed_seq_params is None, "packed sequences need Transformer Engine's attention"
         assert attention_bias is None, "megatron's core attention takes no attention bias"
         sq, b = query.shape[0], query.shape[1]
-        # [s, b, heads, d] -> [b, heads, s, d]: views; the kernels take any stride but the last.
+        # [s, b, heads, d] -> [b, heads, s, d] as views (SDPA copies an input whose layout a
+        # kernel cannot take; the last dimension, the one every kernel needs dense, already is)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         dropout_p = self.attention_dropout.p if self.training else 0.0
         kwargs = dict(dropout_p=dropout_p, is_causal=self.attn_mask_type == AttnMaskType.causal,
