@@ -5,6 +5,7 @@ launching a job and checkpointing it sit above this package: launch.py, checkpoi
 
 cpu_mode        megatron-core on a CPU-only torch with gloo (device mapping, RNG tracker)
 parallel_state  this rank's process groups: megatron ProcessGroupCollection + parallel_state globals
+attention       torch scaled_dot_product_attention as megatron-core core attention (no TE)
 stage_model     this rank's stage: megatron-core GPTModel with global layer numbers; ParamLayouts
 init            layout-independent initial weights (seeded by global name + full shape)
 p2p             activations and gradients between stages of different TP degrees
@@ -13,7 +14,7 @@ grad_sync       layer-wise data-parallel gradient sync across pipelines of diffe
 optimizer       AdamW with megatron's no-decay rule + megatron-core's LR scheduler (shared)
 distributed_optimizer  --use-distributed-optimizer: Adam state sharded over each bucket's group
 trainer         HeteroTrainer: schedule, grad sync and optimizer step of one iteration
-train_log       Megatron-LM's per-iteration console line and the same fields as JSON lines
+train_log       Megatron-LM's per-iteration console line (throughput, peak memory) and JSON lines
 reference       single-process ground truth: the loss and micro-batch split definitions
 stock           stock megatron-core on a homogeneous plan: the baseline of tests and benchmarks
 """
