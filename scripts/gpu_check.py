@@ -97,7 +97,8 @@ if info["cuda_available"]:
                 gpu_memory_gib=round(props.total_memory / 2**30, 1),
                 compute_capability=f"{props.major}.{props.minor}",
                 cudnn=torch.backends.cudnn.version())
-    if shutil.which("nvidia-smi"):
+    info["nvidia_smi"] = shutil.which("nvidia-smi") is not None
+    if info["nvidia_smi"]:
         out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
                              capture_output=True, text=True)
         info["driver"] = out.stdout.strip().splitlines()[0] if out.returncode == 0 else None
@@ -302,10 +303,12 @@ class GpuCheck:
         missing = [b for b in s.profile_micro_batch_sizes if b not in entries]
         measured = (", ".join(f"mbs {b}: layer {1e3 * (e.layer.forward_s + e.layer.backward_s):.3g}"
                               f" ms" for b, e in sorted(entries.items()))
-                    + f" fwd+bwd ({profile.precision.name}, {command.seconds:.0f} s)")
+                    + f" fwd+bwd ({profile.precision.name}, {profile.attention} attention, "
+                      f"{command.seconds:.0f} s)")
         gpus = sorted({e.gpu for e in entries.values()})
         self.figures["profile"] = {
-            "precision": profile.precision.name, "gpu": gpus, "seconds": command.seconds,
+            "precision": profile.precision.name, "attention": profile.attention, "gpu": gpus,
+            "seconds": command.seconds,
             "layer_ms": {b: 1e3 * (e.layer.forward_s + e.layer.backward_s)
                          for b, e in entries.items()}}
         problems = [f"no entry for micro-batch {b}" for b in missing]
@@ -390,9 +393,13 @@ class GpuCheck:
         memory_target = (f"prediction within {MEMORY_TOLERANCE:.0%}, never "
                          f">{MEMORY_UNDER_TOLERANCE:.0%} below")
         if peak is None:
+            # On a GPU machine: the job ran without CUDA (autohet train counts the GPUs with
+            # nvidia-smi before it starts the ranks).
             self.add(self.gpu_row("c. peak memory vs plan", False, "not in the train log",
                                   memory_target,
-                                  "the metrics have no mem_max_allocated_gigabytes value"))
+                                  "the metrics have no mem_max_allocated_gigabytes value"
+                                  + ("" if self.environment.get("nvidia_smi")
+                                     else "; no nvidia-smi on this machine")))
         else:
             mem_ratio = predicted["peak_memory_gib"] / peak
             self.add(self.gpu_row(
@@ -455,7 +462,8 @@ class GpuCheck:
             return ["-m", "megatron_autohet.cli.main", "train", "--plan", str(plan_path),
                     "--model", str(s.ckpt_model), "--iters", str(2 * half),
                     "--save-interval", str(half), "--autohet-local-ckpt-dir", str(ckpt),
-                    "--load", str(ckpt), "--metrics-jsonl", str(metrics),
+                    "--load", str(ckpt), "--autohet-keep-ckpts", "2",
+                    "--metrics-jsonl", str(metrics),
                     "--data-dir", self.data_dir(), *(["--bf16"] if self.on_gpu else [])]
 
         killed, reached = self.kill_during_save(
@@ -624,7 +632,7 @@ def save_seconds(log: str) -> list[float]:
 def attention_note(log: str) -> str:
     """What the training log says about its attention implementation (first such line)."""
     for line in log.splitlines():
-        if "attention" in line.lower() and "warn" not in line.lower():
+        if "attention" in line.lower():
             return line.strip()[:160]
     return ""
 
