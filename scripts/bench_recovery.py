@@ -802,7 +802,8 @@ def run(args) -> dict:
                                                        local, args.timeout)
                     finally:
                         stop(hogs)
-                    moto_cpu.setdefault(f"{kind} job", []).append(cpu_seconds(moto.pid) - cpu)
+                    moto_cpu.setdefault(f"{kind} job" + (f" +{busy}" if busy else ""),
+                                        []).append(cpu_seconds(moto.pid) - cpu)
                     runs.append(dict(summarize_resume(results, launched, rates),
                                      load_average_1min=load_average))
                     print(f"      {kind}, {busy} busy processes beside it: recover() "
