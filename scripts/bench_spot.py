@@ -399,7 +399,10 @@ def _step_row(d: dict, events: list[dict], records: list[dict], median_s: float)
     stop, evac, plan, recovery = first("stop"), first("evacuate"), last("plan"), last("recovery")
     row = {"trace_s": d["ms"] / 1000.0, "kind": d["kind"], "events": d["events"],
            "removes": sum(e["action"] == "remove" for e in d["events"]),
-           "late_s": d["late_s"], "resumed": resume is not None, "interrupted": True,
+           "late_s": d["late_s"], "interrupted": True,
+           # the job trained again, or had trained its last iteration (a stop right at the end)
+           "resumed": resume is not None or any(e["event"] == "finished" and e["time_unix"] > t
+                                                for e in events),
            "admitted": admitted,
            "detect_s": stop["time_unix"] - t if stop else None,
            "save_s": (evac["time_unix"] - stop["time_unix"]) if evac and stop else None,
@@ -635,7 +638,7 @@ def main() -> None:
                              "fourth column, a notice where it says nothing)")
     parser.add_argument("--quick", action="store_true",
                         help="a short replay: the 4-node synthetic trace (3 events), trace clock "
-                             "x0.5, 150 iterations: about 5 minutes")
+                             "x0.5, 150 iterations: 5-12 minutes on 2 loaded cores")
     parser.add_argument("--workdir", default=None,
                         help="keep the runs' files here (default: a temporary directory)")
     parser.add_argument("--out", default=str(ROOT / "bench-out" / "bench-spot.json"),
