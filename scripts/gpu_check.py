@@ -398,8 +398,8 @@ class GpuCheck:
             self.add(self.gpu_row("c. peak memory vs plan", False, "not in the train log",
                                   memory_target,
                                   "the metrics have no mem_max_allocated_gigabytes value"
-                                  + ("" if self.environment.get("nvidia_smi")
-                                     else "; no nvidia-smi on this machine")))
+                                  + ("; no nvidia-smi on this machine" if self.on_gpu
+                                     and not self.environment.get("nvidia_smi") else "")))
         else:
             mem_ratio = predicted["peak_memory_gib"] / peak
             self.add(self.gpu_row(
@@ -486,15 +486,15 @@ class GpuCheck:
             return
         if steps != [half]:
             self.add(Row(check_e, FAIL, f"committed: {steps}", expected,
-                         "checkpoint ls failed" if steps is None else "a save did not commit"))
+                         "checkpoint ls failed" if steps is None else
+                         (save_failures(killed.text) or ["a save did not commit"])[0]))
             return
         killed_records = iteration_records(killed_jsonl)
         resumed = self.autohet("e-resume", argv(resumed_jsonl)[2:], 300)
         resumed_records = iteration_records(resumed_jsonl)
         loaded = re.search(r"successfully loaded checkpoint: recovered iteration (\d+)",
                            resumed.text)
-        failures = [line.strip() for line in killed.text.splitlines() + resumed.text.splitlines()
-                    if re.search(r"checkpoint of iteration \d+ failed", line)]
+        failures = save_failures(killed.text) + save_failures(resumed.text)
         if resumed.rc != 0 or not loaded or failures or not resumed_records:
             self.add(Row(check_e, FAIL, "no resume", "resumes from the committed step",
                          failures[0] if failures else
@@ -591,6 +591,9 @@ class GpuCheck:
             self.bench(plan)
         if self.has_time("e. kill -9 during a save, resume"):
             self.checkpoint()
+            # The checkpointer's own logs (a failed save's traceback) outlive the work directory.
+            for log in sorted((self.work / "ckpt").glob("*.log")):
+                shutil.copy(log, self.logs / f"e-ckpt-{log.name}")
         # From gpu_check.sh's start (its wheel installation included) when it ran this.
         wall = time.time() - float(os.environ.get("GPU_CHECK_STARTED", self.started_wall))
         self.add(self.gpu_row("total time", wall <= WALL_TARGET_S, f"{wall:.0f} s",
@@ -623,6 +626,12 @@ def log_field(records: list[dict], name: str) -> list[float] | None:
 def training_precision(log: str) -> str | None:
     found = re.search(r"training in (\w+)", log)
     return found.group(1) if found else None
+
+
+def save_failures(log: str) -> list[str]:
+    """The checkpointer's one line per failed save (its root cause)."""
+    return [line.strip()[:300] for line in log.splitlines()
+            if re.search(r"checkpoint of iteration \d+ failed", line)]
 
 
 def save_seconds(log: str) -> list[float]:
