@@ -18,8 +18,8 @@ paired comparison on the same plan.
      alternated in the same processes (bench_runtime.run_plan; target <= 1.02);
   e. a smaller model (``--ckpt-model``, GPT-3 350M by default) saves every ``--ckpt-interval``
      iterations; the job is killed (SIGKILL, launcher and ranks) while its second save is being
-     written; the same command resumes from the step before and its next loss must equal the
-     killed run's (bf16: within 2 bf16 ulps; fp32: bit-identical);
+     written; the same command resumes from the step before and the losses of the iterations it
+     trains again must equal the killed run's (bf16: within 2 bf16 ulps; fp32: bit-identical);
   f. ``autohet checkpoint verify`` of the step the resume loaded and of the step it saved.
 
 On a machine without CUDA every step still runs (fp32, gloo, the profile recorded as the
@@ -508,7 +508,8 @@ class GpuCheck:
             self.add(Row(check_e, FAIL, f"resumed iterations {iterations}",
                          f"iterations {half + 1}-{2 * half}, as the killed run logged them"))
             return
-        precision = training_precision(resumed.text)
+        # What the job's log says it trained in (--bf16 on a GPU, the default fp32 on a CPU).
+        precision = training_precision(resumed.text) or ("bf16" if self.on_gpu else "fp32")
         diffs = {r["iteration"]: abs(r["lm_loss"] - before[r["iteration"]])
                  for r in resumed_records}
         tolerances = {i: loss_tolerance(before[i], precision) for i in iterations}
