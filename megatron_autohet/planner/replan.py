@@ -25,7 +25,8 @@ and a node keeps its name across the change (same name, same machine, same local
 3. **Search**: planner/search.py seeded with the derived and patched plans as incumbents and
    WITHOUT the baselines (on 1024 GPUs the baselines alone cost seconds; the seeds, descended
    from a plan at least as fast as the baselines on the old fleet, take their place in
-   pruning). Its budget is counted in work, REPLAN_WORK_BUDGET SCIP nodes, so the same
+   pruning) or the sub-fleet searches (search.SubFleets: each costs about a whole search, and
+   the choice below trades iteration time for state moved anyway). Its budget is counted in work, REPLAN_WORK_BUDGET SCIP nodes, so the same
    fleet change gives the same plan on an idle or a loaded machine; the wall-clock
    ``time_limit_s`` is only a safety net (``Replan.stopped_by`` says when it cut). The budget
    is small because a re-plan is on the recovery path: measured on 1024 GPUs (a node of A100
@@ -333,7 +334,7 @@ def replan(previous: Plan, cluster: Cluster, model: ModelSpec, profile: Profile 
                   activation_recompute=activation_recompute, time_limit_s=time_limit_s,
                   work_budget=work_budget, progress=progress, tp_degrees=tp_degrees,
                   max_stages=max_stages,
-                  seeds=seeds, baselines=not seeds,
+                  seeds=seeds, baselines=not seeds, sub_fleets=False,
                   distributed_optimizer=previous.use_distributed_optimizer,
                   memory_headroom=headroom, on_candidate=judged.append)
     # The warm-up post-pass changed the best plan in place: its cost is the returned one.

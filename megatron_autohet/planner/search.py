@@ -74,9 +74,9 @@ non-linearly in an outer enumeration, and leaves an exact integer program to SCI
    pass, the baselines never (Megatron-LM has no such option).
 
 8. **Never slower than a sub-fleet** (:class:`SubFleets`): the plan of every fleet the fleet
-   holds minus one GPU type (recursively, each set of types searched once, smallest first) is an
-   incumbent, as are the baselines and, for the re-planner, the previous plan adapted to the
-   fleet. The search's own space holds those plans (GPUs may stay idle), but its heuristics
+   holds minus one GPU type (recursively, each set of types searched once, and only where its
+   lower bound is below the best plan found by then) is a candidate, as are the baselines and,
+   for the re-planner, the previous plan adapted to the fleet. The search's own space holds those plans (GPUs may stay idle), but its heuristics
    (option and split selection, SCIP's node limit, the pruning tolerance, pools that change with
    the fleet) do not guarantee it finds them: a 32-GPU fleet of H100, A100, V100 and T4 found a
    plan 2.8% slower than the same fleet without its V100s. With them, adding GPUs never slows
@@ -715,14 +715,17 @@ def search(cluster: Cluster, model: ModelSpec, profile: Profile | None, global_b
            objective: str = "throughput",
            on_candidate: Callable[[Candidate], None] | None = None,
            distributed_optimizer: bool = False,
-           memory_headroom: float = DEFAULT_MEMORY_HEADROOM) -> Candidate:
+           memory_headroom: float = DEFAULT_MEMORY_HEADROOM,
+           sub_fleets: bool = True) -> Candidate:
     """make_plan, returning the plan with its cost and the TP/recompute choice.
 
     For the re-planner (planner/replan.py): ``seeds`` are extra incumbents (plans of this
     cluster and batch, evaluated), ``baselines`` False skips the baseline plans (they cost
-    seconds on large fleets; the seeds take their place), and ``on_candidate`` sees every plan
-    the search judges that fits in memory (the warm-up post-pass then still changes the best
-    one's plan in place).
+    seconds on large fleets; the seeds take their place), ``sub_fleets`` False skips the
+    sub-fleet searches (:class:`SubFleets`; a re-plan trades iteration time for state moved
+    anyway, and is on the recovery path), and ``on_candidate`` sees every plan the search
+    judges that fits in memory (the warm-up post-pass then still changes the best one's plan
+    in place).
     """
     if objective not in OBJECTIVES:
         raise ConfigError("<arguments>", "objective", f"got {objective!r}", ", ".join(OBJECTIVES))
@@ -744,7 +747,7 @@ def search(cluster: Cluster, model: ModelSpec, profile: Profile | None, global_b
                           tp_degrees=tp_degrees, max_stages=max_stages, seeds=seeds,
                           baselines=baselines, work_budget=work_budget,
                           on_candidate=on_candidate, distributed_optimizer=distributed_optimizer,
-                          memory_headroom=memory_headroom)
+                          memory_headroom=memory_headroom, sub_fleets=sub_fleets)
 
 
 def fastest_before(cluster: Cluster, model: ModelSpec, profile: Profile | None,
@@ -788,9 +791,11 @@ class SubFleets:
     and split heuristics, SCIP's node limit and the pruning tolerance depend on the pools).
 
     Each set of types is searched as a fleet of its own would be (same space, budget, its own
-    baselines), so ``fastest(types)`` is the plan the search returns for that sub-fleet, and
-    the smallest fleets, the cheapest searches, give the large ones incumbents before their
-    own search starts. Every search shares one wall-clock deadline; none starts after it.
+    baselines), so ``fastest(types)`` is the plan the search returns for that sub-fleet. A
+    sub-fleet is searched only when its lower bound (:meth:`lower_bound_s`) is below the best
+    plan found by then: otherwise its plan cannot be faster, so the guarantee holds without it
+    (on three types of 1024 GPUs most sub-fleets without the fastest type are skipped so).
+    Every search shares one wall-clock deadline; none starts after it.
     """
 
     def __init__(self, problem: Problem, degrees: list[int], recompute_modes: list[bool],
@@ -828,26 +833,56 @@ class SubFleets:
                 plan = baseline.plan
                 tp = {plan.ranks[s.ranks[0]].gpu: s.tp for p in plan.pipelines for s in p.stages}
                 search_bb.offer(Candidate(plan, baseline.cost, tp, plan.activation_recompute))
-        for gpu in sorted(types) if self.recurse and len(types) > 1 else ():
+        if search_bb.may_continue():
+            self._search(problem, search_bb)
+        self._stopped(search_bb.stopped_by)
+        sub_plans: set[int] = set()     # plans of sub-fleets: warmed up already
+        subs = sorted((self.lower_bound_s(types - {gpu}), gpu) for gpu in types
+                      ) if self.recurse and len(types) > 1 else []
+        for bound_s, gpu in subs:
+            if search_bb.best is not None and bound_s >= search_bb.best.cost.iteration_time_s:
+                break               # no plan of this sub-fleet (or the next) can be faster
             if clock() >= self.deadline:
                 self._stopped(STOP_TIME)
                 break
             sub = self.fastest(types - {gpu})
             if sub is not None:
-                plan = copy.deepcopy(sub.plan)
-                search_bb.offer(dataclasses.replace(sub, plan=plan, cost=evaluate(problem, plan)))
-        if search_bb.may_continue():
-            self._search(problem, search_bb)
-        self._stopped(search_bb.stopped_by)
+                # Its iteration time on this fleet is the same (the cost model sees only the
+                # nodes a plan uses); what this fleet adds, its idle GPUs, is priced when it
+                # wins, or now when a caller sees every candidate.
+                sub = self._costed(problem, sub) if on_candidate else sub
+                sub_plans.add(id(sub.plan))
+                search_bb.offer(sub)
         self.work += search_bb.work
         best = search_bb.best
-        if best is not None:
+        if best is not None and id(best.plan) in sub_plans:
+            best = best if on_candidate else self._costed(problem, best)
+        elif best is not None:
             plan, cost = choose_warmups(best.plan, best.cost, cluster, problem.profile,
                                         problem.memory_headroom)
             best = dataclasses.replace(best, plan=plan, cost=cost,
                                        stopped_by=search_bb.stopped_by, work=search_bb.work)
         self.solved[types] = best
         return best
+
+    @staticmethod
+    def _costed(problem: Problem, sub: Candidate) -> Candidate:
+        """A sub-fleet's plan costed on this fleet (a copy: the plan records its idle GPUs)."""
+        plan = copy.deepcopy(sub.plan)
+        return dataclasses.replace(sub, plan=plan, cost=evaluate(problem, plan))
+
+    def lower_bound_s(self, types: frozenset[str]) -> float:
+        """No plan of the fleet's nodes of these types is faster: the smallest fluid bound of
+        its configs (the warm-up pass only reorders the same work, so it cannot beat it
+        either); with asymmetric TP no bound (0)."""
+        if self.allow_asymmetric_tp:
+            return 0.0
+        whole = self.problem.cluster
+        problem = dataclasses.replace(self.problem, cluster=whole.subset(
+            [n.name for n in whole.nodes if n.gpu in types]))
+        configs = [make_config(problem, {g: t for g in types}, recompute)
+                   for t in self.degrees for recompute in self.recompute_modes]
+        return min((c.fluid_bound_s for c in configs if c is not None), default=math.inf)
 
     def _search(self, problem: Problem, search_bb: BranchAndBound) -> None:
         """The branch and bound of one fleet over its TP configs (module doc)."""
