@@ -2,6 +2,7 @@
 """Planner benchmark: solve time vs cluster size, plan quality vs baselines and vs brute force.
 
     python scripts/bench_planner.py [--json bench-out/bench_planner.json] [--quick]
+    python scripts/bench_planner.py --optimality-only 300     # table 5 alone, 300 seeds each
 
 Seven tables, all predictions from the same cost model (megatron_autohet/cost_model.py):
 1. solve time of make_plan on generated fleets of 8-4096 GPUs over three GPU types (8-GPU nodes;
@@ -16,7 +17,8 @@ Seven tables, all predictions from the same cost model (megatron_autohet/cost_mo
    fleets;
 4. gap to the exhaustive optimum on small clusters (<= 16 GPUs, 8-layer GPT-3 1.3B);
 5. the gap's distribution over seeded random small fleets (planner/random_fleets.py; more
-   seeds than tests/test_planner_optimality.py runs), general and memory-bound ones;
+   seeds than tests/test_planner_optimality.py runs), general, memory-bound and odd-count ones
+   (2-4 types of 1 or 3 GPUs, 7-13 layers), with each search's CPU seconds;
 6. `autohet compare` (search + baselines) time on 2048 GPUs;
 7. the cost objective: USD per million tokens of the fastest and of the cheapest plan on priced
    fleets (spot prices in PRICES), the GPUs the cheapest leaves idle, and how its search ended.
@@ -36,7 +38,7 @@ from megatron_autohet.cost_model import fleet_ideal_tokens_per_s
 from megatron_autohet.errors import ConfigError
 from megatron_autohet.planner import compare, search
 from megatron_autohet.planner.exhaustive import exhaustive_search
-from megatron_autohet.planner.random_fleets import memory_bound_case, random_case
+from megatron_autohet.planner.random_fleets import memory_bound_case, odd_case, random_case
 from megatron_autohet.planner.search import resolve_profile
 from megatron_autohet.planner.replan import REPLAN_WORK_BUDGET, replan
 from megatron_autohet.spec import load_cluster, load_model
@@ -84,29 +86,33 @@ def efficiency(cluster: Cluster, model, tokens_per_s: float, micro_batch_size: i
 
 def gap_distribution(make_case, seeds) -> dict:
     """The planner's gap to the exhaustive optimum on each seed's case (the cases no plan fits
-    are counted apart: both searches must refuse them)."""
-    gaps, infeasible, disagreements, seconds = [], 0, [], [0.0, 0.0]
+    are counted apart: both searches must refuse them), after each one's warm-up pass and on
+    the closed form (Case.closed_form_s)."""
+    gaps, infeasible, disagreements, seconds, closed = [], 0, [], [0.0, 0.0], []
     for seed in seeds:
         case = make_case(seed)
         args = (case.cluster, case.model, None, case.global_batch_size, case.micro_batch_size)
-        start = time.perf_counter()
+        start = time.process_time()
         try:
             best = exhaustive_search(*args, **case.space())
         except ConfigError:
             best = None
-        seconds[1] += time.perf_counter() - start
-        start = time.perf_counter()
+        seconds[1] += time.process_time() - start
+        start = time.process_time()
         try:
             ours = search(*args, progress=False, **case.space())
         except ConfigError:
             ours = None
-        seconds[0] += time.perf_counter() - start
+        seconds[0] += time.process_time() - start
         if best is None or ours is None:
             infeasible += 1
             if (best is None) != (ours is None):
                 disagreements.append(seed)
             continue
         gaps.append((ours.cost.iteration_time_s / best.cost.iteration_time_s - 1, seed))
+        optimum = case.closed_form_s(best.plan)
+        closed.append((ours.cost.iteration_time_s / optimum - 1,
+                       case.closed_form_s(ours.plan) / optimum - 1))
     gaps.sort()
     values = [g for g, _ in gaps]
 
@@ -119,7 +125,42 @@ def gap_distribution(make_case, seeds) -> dict:
             "median_gap": quantile(0.5), "p90_gap": quantile(0.9), "p99_gap": quantile(0.99),
             "over_1_percent": sum(g > 0.01 for g in values),
             "below_zero": sum(g < -1e-9 for g in values),
+            # against the closed-form optimum (standard warm-ups, what the brute force
+            # enumerates): our plan after its warm-up pass, and our plan's own closed form,
+            # which a true brute force never beats
+            "closed_form_max_gap": max((g for g, _ in closed), default=None),
+            "closed_form_over_1_percent": sum(g > 0.01 for g, _ in closed),
+            "closed_form_below_zero": sum(c < -1e-9 for _, c in closed),
             "planner_s": seconds[0], "exhaustive_s": seconds[1]}
+
+
+def random_gap_table(result: dict, args) -> None:
+    """Table 5: the gap's distribution over each kind of seeded random small fleet."""
+    print("\n== gap to the exhaustive optimum on seeded random small fleets "
+          "(planner/random_fleets.py)")
+    print(f"{'fleets':>16} {'cases':>5} {'no fit':>6} {'median':>7} {'p90':>7} {'p99':>7} "
+          f"{'max':>7} {'>1%':>4} {'<0':>3} {'worst':>5} {'ours_cpu':>8} {'brute_cpu':>9}")
+    for label, make_case, seeds in (
+            ("random", random_case, range(40 if args.quick else 300)),
+            ("memory-bound", memory_bound_case, range(40 if args.quick else 200)),
+            ("odd counts", odd_case, range(40 if args.quick else 300))):
+        if args.optimality_only is not None:
+            seeds = range(args.optimality_only)
+        row = {"fleets": label, "seeds": [seeds.start, seeds.stop],
+               **gap_distribution(make_case, seeds)}
+        result["random_gaps"].append(row)
+        print(f"{label:>16} {row['cases']:>5} {row['no_plan_fits']:>6} "
+              f"{100 * row['median_gap']:>6.2f}% {100 * row['p90_gap']:>6.2f}% "
+              f"{100 * row['p99_gap']:>6.2f}% {100 * row['max_gap']:>6.2f}% "
+              f"{row['over_1_percent']:>4} {row['below_zero']:>3} {row['worst_seed']:>5} "
+              f"{row['planner_s']:>8.1f} {row['exhaustive_s']:>9.1f}")
+        print(f"{'':>16} against the closed-form optimum: max "
+              f"{100 * (row['closed_form_max_gap'] or 0):.2f}%, "
+              f"{row['closed_form_over_1_percent']} over 1%; our closed form below it: "
+              f"{row['closed_form_below_zero']}")
+        if row["feasibility_disagrees"]:
+            print(f"{'':>16} seeds where only one search found a plan: "
+                  f"{row['feasibility_disagrees']}")
 
 
 def main() -> None:
@@ -127,11 +168,17 @@ def main() -> None:
     parser.add_argument("--json", default=str(ROOT / "bench-out" / "bench_planner.json"),
                         help="where to write the results (default bench-out/, gitignored)")
     parser.add_argument("--quick", action="store_true", help="fewer sizes and cases")
+    parser.add_argument("--optimality-only", type=int, default=None, metavar="SEEDS",
+                        help="only table 5, with this many seeds of each kind of random fleet")
     args = parser.parse_args()
     result = {"scaling": [], "replan": [], "baselines": [], "exhaustive": [],
               "random_gaps": [], "compare": [], "cost": []}
     models = {n: load_model(ROOT / f"configs/models/{n}.yaml")
               for n in ("gpt3-1.3b", "gpt3-2.7b", "llama2-7b")}
+    if args.optimality_only is not None:
+        random_gap_table(result, args)
+        write_json(result, args.json)
+        return
 
     print("== solve time vs cluster size (global batch = max(64, 2 x GPUs), micro-batch 1); "
           f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
@@ -230,24 +277,7 @@ def main() -> None:
         print(f"{label:>26} {ours.cost.iteration_time_s:>9.5f} {best.cost.iteration_time_s:>9.5f} "
               f"{100 * gap:>6.2f}% {t_ours:>7.2f} {t_best:>7.2f}")
 
-    print("\n== gap to the exhaustive optimum on seeded random small fleets "
-          "(planner/random_fleets.py)")
-    print(f"{'fleets':>16} {'cases':>5} {'no fit':>6} {'median':>7} {'p90':>7} {'p99':>7} "
-          f"{'max':>7} {'>1%':>4} {'<0':>3} {'worst':>5} {'ours_t':>7} {'brute_t':>7}")
-    for label, make_case, seeds in (
-            ("random", random_case, range(40 if args.quick else 300)),
-            ("memory-bound", memory_bound_case, range(40 if args.quick else 200))):
-        row = {"fleets": label, "seeds": [seeds.start, seeds.stop],
-               **gap_distribution(make_case, seeds)}
-        result["random_gaps"].append(row)
-        print(f"{label:>16} {row['cases']:>5} {row['no_plan_fits']:>6} "
-              f"{100 * row['median_gap']:>6.2f}% {100 * row['p90_gap']:>6.2f}% "
-              f"{100 * row['p99_gap']:>6.2f}% {100 * row['max_gap']:>6.2f}% "
-              f"{row['over_1_percent']:>4} {row['below_zero']:>3} {row['worst_seed']:>5} "
-              f"{row['planner_s']:>7.1f} {row['exhaustive_s']:>7.1f}")
-        if row["feasibility_disagrees"]:
-            print(f"{'':>16} seeds where only one search found a plan: "
-                  f"{row['feasibility_disagrees']}")
+    random_gap_table(result, args)
 
     print("\n== autohet compare (search + baselines) on 2048 GPUs, three types")
     print(f"{'model':>10} {'wall_s':>8} {'cpu_s':>7} {'ours_s':>8} {'megatron':>9} {'whale':>7} "
@@ -289,7 +319,11 @@ def main() -> None:
                   f"{cheap.cost.iteration_time_s:>10.3f} {idle:>24} {cpu:>7.2f} "
                   f"{cheap.stopped_by:>11}")
 
-    out = Path(args.json)
+    write_json(result, args.json)
+
+
+def write_json(result: dict, path: str) -> None:
+    out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     print(f"\nwrote {out}")

@@ -1,5 +1,7 @@
 """Seeded random small planning problems: the planner's optimality is checked on them against the
-exhaustive search (tests/test_planner_optimality.py, scripts/bench_planner.py).
+exhaustive search (tests/test_planner_optimality.py, scripts/bench_planner.py): general ones
+(:func:`random_case`), ones where memory decides (:func:`memory_bound_case`) and ones where the
+order of GPU types along a pipeline and the layer split decide (:func:`odd_case`).
 
 A case is a fleet of 2-4 GPU types drawn over realistic datasheet ranges (a catalog of its own,
 so types the bundled catalog lacks are covered too), at most 16 GPUs in nodes of 1-8 GPUs, every
@@ -17,7 +19,9 @@ import math
 import random
 from dataclasses import dataclass
 
-from megatron_autohet.cost_model import DEFAULT_MEMORY_HEADROOM
+from megatron_autohet.cost_model import DEFAULT_MEMORY_HEADROOM, evaluate_plan
+from megatron_autohet.plan import Plan
+from megatron_autohet.profiling.estimate import estimate_profile
 from megatron_autohet.spec.cluster import Cluster, cluster_from_dict
 from megatron_autohet.spec.gpus import GPUType
 from megatron_autohet.spec.model import ModelSpec
@@ -43,6 +47,19 @@ class Case:
         """The search space both searches get (keyword arguments)."""
         return {"tp_degrees": self.tp_degrees, "max_stages": self.max_stages,
                 "activation_recompute": self.activation_recompute}
+
+    def closed_form_s(self, plan: Plan) -> float:
+        """The plan's iteration time with the standard 1F1B warm-up depths: the cost model's
+        closed form, which both searches optimise (the HAPT warm-up pass runs after each, on
+        its best plan only, so it can turn a plan 0.85% slower into one 6.9% faster or
+        slower: odd_case seed 20)."""
+        plain = dataclasses.replace(plan, pipelines=[
+            dataclasses.replace(pipe, stages=[dataclasses.replace(s, warmup_microbatches=None)
+                                              for s in pipe.stages])
+            for pipe in plan.pipelines])
+        profile = estimate_profile(self.model, self.cluster, self.micro_batch_size,
+                                   self.model.seq_length)
+        return evaluate_plan(plain, self.cluster, profile, with_timeline=False).iteration_time_s
 
     def describe(self) -> str:
         nodes = ", ".join(f"{n.name}:{n.gpu}x{n.num_gpus}(intra {n.intra_node_bandwidth_gbs:.0f}, "
@@ -145,3 +162,40 @@ def memory_bound_case(seed: int) -> Case:
                       num_attention_heads=16, ffn_hidden_size=4096, vocab_size=50257,
                       seq_length=2048, num_query_groups=16)
     return Case(seed, cluster, model, 4 * rng.choice((2, 3)), 4, [1], 4, False)
+
+
+def odd_case(seed: int) -> Case:
+    """A case where the order of GPU types along a pipeline and the layer split decide: 2-4
+    types with odd GPU counts (1 or 3 each, at most MAX_TP_GROUPS GPUs), as one node per type
+    or as one-GPU nodes (each with its own NIC, so a type's GPUs are several pools), TP 1, no
+    recompute, a GPT of 7-13 layers (7-10 on five GPUs: more layer splits of a 3-4 stage
+    pipeline than the planner enumerates one by one, space.ALL_SPLITS_UP_TO) with GPU memory
+    around the model's state (a type may hold a few layers, the model, or nothing), 2-9
+    micro-batches."""
+    rng = random.Random(seed)
+    counts = rng.choice([(1, 1), (1, 3), (3, 1), (1, 1, 1), (3, 1, 1), (1, 3, 1), (1, 1, 3),
+                         (1, 1, 1, 1)])
+    hidden = rng.choice((1024, 1536, 2048))
+    # (five GPUs with 13 layers take the exhaustive search a minute)
+    layers = rng.randint(7, 13 if sum(counts) <= 4 else 10)
+    model = ModelSpec(name=f"gpt-odd-{seed}", num_layers=layers, hidden_size=hidden,
+                      num_attention_heads=16, ffn_hidden_size=4 * hidden, vocab_size=50257,
+                      seq_length=rng.choice((1024, 2048)), num_query_groups=16,
+                      tie_embeddings=rng.random() < 0.7)
+    scale = _state_gib(model)
+    types = {f"G{i}": GPUType(name=f"G{i}", dense_tflops=_log_uniform(rng, 30, 1000),
+                              memory_gib=1.5 + scale * _log_uniform(rng, 0.4, 3.0),
+                              memory_bandwidth_gbs=_log_uniform(rng, 300, 4800),
+                              intra_node_bandwidth_gbs=_log_uniform(rng, 16, 450))
+             for i in range(len(counts))}
+    one_node = rng.random() < 0.5
+    nodes = []
+    for (name, gpu), count in zip(types.items(), counts):
+        for i in range(1 if one_node else count):
+            nodes.append({"name": f"n{name}-{i}", "gpu": name, "gpus": count if one_node else 1,
+                          "intra_node_bandwidth_gbs": gpu.intra_node_bandwidth_gbs,
+                          "inter_node_bandwidth_gbs": _log_uniform(rng, 1, 50)})
+    rng.shuffle(nodes)
+    cluster = cluster_from_dict({"name": f"odd-{seed}", "inter_node_bandwidth_gbs": 25,
+                                 "nodes": nodes}, catalog=types)
+    return Case(seed, cluster, model, rng.randint(2, 9), 1, [1], 4, False)
