@@ -214,11 +214,10 @@ def spawn(cmd: list[str], ns: str | None = None, env: dict | None = None,
           log: Path | None = None) -> subprocess.Popen:
     """Start ``cmd`` (in namespace ``ns``) in a process group of its own, output to ``log``.
     Not a session of its own: with Linux's autogroup scheduling (on in most distributions) every
-    session is one scheduling group, and the groups share the CPU equally whatever the nice
-    values of their threads, so the emulated nodes' background work (recovery's own-disk
-    hashing and loading, at a lower priority) would take CPU from another node's transfer as
-    equals - a contention separate machines do not have. In one session, priorities apply
-    across the nodes' processes as among one machine's threads."""
+    session is one scheduling group, and the groups share the CPU equally, so a node's process
+    would get a fixed share however busy the others are - unlike processes on one machine. In
+    one session (the busy processes of --background-load included) they compete as one
+    machine's processes do."""
     full = (["ip", "netns", "exec", ns] if ns else []) + cmd
     out = open(log, "w") if log else subprocess.DEVNULL
     try:

@@ -75,7 +75,6 @@ from megatron_autohet.errors import JobConfigError
 
 
 S3_DOWNLOAD_CONCURRENCY = 8       # ranged GETs in flight per rank (the S3 client's pool has 10)
-YIELDING_NICE = 10                # the fetch's local work beside the transfer, below
 EXCHANGE_PIECE_BYTES = 2**20      # a chunk crosses to a peer in messages of at most this size
 # Threads reading and hashing this rank's own-disk chunks (hashlib releases the GIL, so they
 # hash at once; more than a few would only compete with the transfer and the load).
@@ -327,7 +326,6 @@ def _fetch_and_load(state_dict: dict, staging: Path, manifest: Manifest, iterati
 
         def load() -> dict:
             enter_device(device)
-            _yield_to_the_network()
             try:
                 return load_streamed(state_dict, staging, board, chunk_at,
                                      {index: n for n, index in enumerate(order)})
@@ -467,7 +465,7 @@ def _fetch_round(fetches, rank: int, iteration: int, local_paths: dict[str, Path
     own_lock = threading.Lock()
     with byte_progress(sum(f.copy.length for f in downloads), f"download "
                        f"{step_dir_name(iteration)} (rank {rank})", show=rank == 0) as bar, \
-            ThreadPoolExecutor(VERIFY_THREADS, initializer=_yield_to_the_network) as disk, \
+            ThreadPoolExecutor(VERIFY_THREADS) as disk, \
             ThreadPoolExecutor(S3_DOWNLOAD_CONCURRENCY) as pool:
         # in arrival order: the load takes them in that order (_arrival_order)
         verified = [disk.submit(verify_own, f) for f in own]
@@ -484,16 +482,6 @@ def _fetch_round(fetches, rank: int, iteration: int, local_paths: dict[str, Path
         report.seconds[tier] = report.seconds.get(tier, 0.0) + end - start
     report.seconds["fetch"] = report.seconds.get("fetch", 0.0) + time.perf_counter() - start
     return out
-
-
-def _yield_to_the_network() -> None:
-    """Lower this thread's CPU priority (Linux: nice is per thread): the peers' transfer is
-    what recovery waits for, so where cores are scarce the own-disk reads, hashing and loading
-    that run beside it take the CPU the transfer leaves."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), YIELDING_NICE)
-    except (AttributeError, OSError):       # not Linux, or not allowed: no matter
-        pass
 
 
 def _good(raw: bytes | memoryview, record: ItemRecord) -> bool:
