@@ -537,7 +537,9 @@ def test_a_region_no_chunk_holds_is_found_before_anything_is_fetched():
 def _train_reading_two_chunks_at_once(rank, world, the_plan, batches, options):
     """A resume in which the first two own-disk chunk reads of each rank wait for each other:
     it completes only if two reads run at the same time (a single reader thread would wait
-    for a second read that never starts, until the barrier's timeout breaks it)."""
+    for a second read that never starts, until the barrier's timeout breaks it). The readers
+    run at the process's CPU priority (a lowered one starved them beside busy processes)."""
+    import os
     import threading
 
     from megatron_autohet.checkpoint import recovery
@@ -548,6 +550,8 @@ def _train_reading_two_chunks_at_once(rank, world, the_plan, batches, options):
     original = recovery.read_item
 
     def read_item(f, item):
+        assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == \
+            os.getpriority(os.PRIO_PROCESS, os.getpid()), "a chunk reader runs niced"
         calls.append(item)
         if len(calls) <= 2:
             both.wait()
