@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from megatron_autohet.cost_model import PlanCost, stage_compute_s
@@ -110,7 +111,9 @@ def _grid_bound_s(problem: Problem, tp: int, pp: int, dp: int, recompute: bool,
 
 
 def _best(problem: Problem, name: str, proportional: bool, recompute_modes: list[bool],
-          tp_degrees: list[int] | None = None, max_stages: int | None = None) -> Baseline:
+          tp_degrees: list[int] | None = None, max_stages: int | None = None,
+          out_of_time: Callable[[], bool] = lambda: False) -> Baseline:
+    """The fastest grid that fits, of those costed before ``out_of_time`` says stop."""
     M = problem.num_microbatches
     best: Baseline | None = None
     grids = sorted((_grid_bound_s(problem, tp, pp, dp, recompute, proportional), tp, pp, dp,
@@ -119,7 +122,7 @@ def _best(problem: Problem, name: str, proportional: bool, recompute_modes: list
                    if dp <= M and (proportional or M % dp == 0)
                    for recompute in recompute_modes)
     for bound, tp, pp, dp, recompute in grids:
-        if best is not None and bound >= best.cost.iteration_time_s:
+        if best is not None and bound >= best.cost.iteration_time_s or out_of_time():
             break       # sorted by bound: no later grid can win either
         plan = grid_plan(problem, tp, pp, dp, [M // dp] * dp if M % dp == 0
                          else _proportional([1.0] * dp, M), recompute)
@@ -150,7 +153,8 @@ def fastest_type_only(problem: Problem, recompute_modes: list[bool], **space) ->
                           problem.micro_batch_size, problem.seq_length,
                           distributed_optimizer=problem.distributed_optimizer,
                           memory_headroom=problem.memory_headroom)
-    best = _best(sub_problem, f"megatron-lm ({fastest} only)", False, recompute_modes, **space)
+    best = _best(sub_problem, f"megatron-lm ({fastest} only)", False, recompute_modes,
+                 **space)
     if best.plan is not None:
         # judged on the whole fleet, so its cost (and the plan's record) counts the idle GPUs
         best.cost = evaluate(problem, best.plan)
@@ -158,9 +162,10 @@ def fastest_type_only(problem: Problem, recompute_modes: list[bool], **space) ->
 
 
 def all_baselines(problem: Problem, recompute_modes: list[bool], *,
-                  tp_degrees: list[int] | None = None,
-                  max_stages: int | None = None) -> list[Baseline]:
-    """The baselines, restricted to these TP degrees and pipeline depths (None: any)."""
-    space = {"tp_degrees": tp_degrees, "max_stages": max_stages}
+                  tp_degrees: list[int] | None = None, max_stages: int | None = None,
+                  out_of_time: Callable[[], bool] = lambda: False) -> list[Baseline]:
+    """The baselines, restricted to these TP degrees and pipeline depths (None: any); each
+    stops costing grids once ``out_of_time`` says so (a sub-fleet search's safety net)."""
+    space = {"tp_degrees": tp_degrees, "max_stages": max_stages, "out_of_time": out_of_time}
     return [megatron_lm(problem, recompute_modes, **space), whale(problem, recompute_modes, **space),
             fastest_type_only(problem, recompute_modes, **space)]
