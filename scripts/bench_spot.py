@@ -164,6 +164,15 @@ class Agents:
     def start(self, node: str) -> None:
         self.fleet.add(node, self.gpus.of(node))
 
+    def follow(self, events) -> None:
+        """The nodes a trace step adds are up from now on; the ones it removes are gone."""
+        for e in events:
+            if e.action == "add":
+                self.up.append(e.node)
+            else:
+                self.up.remove(e.node)
+                self.gpus.removed(e.node)
+
     def check(self) -> None:
         if self.finished():
             return
@@ -312,12 +321,7 @@ def replay(mode: str, workdir: Path, trace_steps, initial: list[str], args,
                         fleet.kill(e.node)
                     elif k == "join":
                         agents.start(e.node)
-                for e in events:
-                    if e.action == "add":
-                        agents.up.append(e.node)
-                    else:
-                        agents.up.remove(e.node)
-                        agents.gpus.removed(e.node)
+                agents.follow(events)
                 if "kill" in kinds:
                     record["iteration_before"] = fleet.iteration()
                 record["left_before_deadline"] = {node: fleet.reclaim_when_left(node)
@@ -329,12 +333,7 @@ def replay(mode: str, workdir: Path, trace_steps, initial: list[str], args,
                 for node_dir in workdir.iterdir():                  # the local tier is gone
                     if (node_dir / "ckpt").is_dir():
                         shutil.rmtree(node_dir / "ckpt")
-                for e in events:
-                    if e.action == "add":
-                        agents.up.append(e.node)
-                    else:
-                        agents.up.remove(e.node)
-                        agents.gpus.removed(e.node)
+                agents.follow(events)
                 start_round()
             delivered.append(record)
             what = ", ".join(f"{e['action']} {e['node']} ({e['kind']})" for e in record["events"])
