@@ -207,15 +207,22 @@ def run_worker(plan: Plan, plan_path: str | Path, model: ModelSpec, options: Tra
     try:
         train_job(plan, str(plan_path), model, options, rank=env.rank, local_rank=env.local_rank)
     except JobConfigError as err:
-        # Every rank raised it (a resume no step can serve...): one line from rank 0, which the
-        # barrier lets print before any rank exits (torchrun then stops the others).
-        if env.rank == 0:
-            print(f"autohet train: error: {err}", file=sys.stderr, flush=True)
-        dist.barrier()
-        return 2
+        return report_job_config_error(err, env.rank)
     finally:
         dist.destroy_process_group()
     return 0
+
+
+def report_job_config_error(err: JobConfigError, rank: int) -> int:
+    """Every rank raised ``err`` together (a resume no step can serve, ranks that disagree on
+    the layer spec...): one line from rank 0, which the barrier lets print before any rank
+    exits (torchrun then stops the others); the exit status is 2, as for any bad input."""
+    import torch.distributed as dist
+
+    if rank == 0:
+        print(f"autohet train: error: {err}", file=sys.stderr, flush=True)
+    dist.barrier()
+    return 2
 
 
 def init_backend(on_cpu: bool) -> None:

@@ -57,7 +57,7 @@ from megatron_autohet.checkpoint.state import (RNG_KEY, TrainingProgress, common
                                                SnapshotBuffers, rank_sharded_state_dict,
                                                rng_sharded_object, snapshot)
 from megatron_autohet.checkpoint.writer import SaveFailed, StepDirs, on_every_rank, write_step
-from megatron_autohet.errors import ConfigError, JobConfigError
+from megatron_autohet.errors import JobConfigError
 from megatron_autohet.runtime.device import enter_device, thread_device
 
 # Collectives of a save wait at most this long for a peer (a dead peer fails the save instead of
@@ -162,8 +162,8 @@ class Checkpointer:
         """Load the newest complete step (checkpoint/recovery.py; ``--ckpt-step``: that one),
         or start at iteration 0. A step this job cannot take as the flags say (``--ckpt-step``
         committed nowhere, another schedule without --override-/--use-checkpoint-opt-param-
-        scheduler) is a :class:`ConfigError` naming the flag, the same on every rank; so is no
-        step at all with ``--exit-on-missing-checkpoint`` (a JobConfigError: printed once)."""
+        scheduler, no step at all with ``--exit-on-missing-checkpoint``) is a JobConfigError
+        naming the flag, raised on every rank alike and printed once by the job."""
         from megatron_autohet.checkpoint.recovery import recover
         from megatron_autohet.checkpoint.state import ScheduleMismatch
         from megatron_autohet.runtime.optimizer import SCHEDULE_CHOICE, SCHEDULE_FLAGS
@@ -177,8 +177,8 @@ class Checkpointer:
                              options=self.options)
         except ScheduleMismatch as err:
             flags = self.schedule_flags or SCHEDULE_FLAGS
-            raise ConfigError("<command line>", flags[err.field], str(err),
-                              SCHEDULE_CHOICE) from None
+            raise JobConfigError("<command line>", flags[err.field], str(err),
+                                 SCHEDULE_CHOICE) from None
         if result is None and self.options.exit_on_missing_checkpoint:
             raise JobConfigError("<command line>", "--load",
                                  f"no complete checkpoint in {self.options.load}"

@@ -54,7 +54,7 @@ from megatron_autohet.elastic.events import EventLog
 from megatron_autohet.elastic.fleet import Member, fleet_cluster, plan_ranks
 from megatron_autohet.elastic.hold import hold_file_from_env, wait_while_held
 from megatron_autohet.elastic.stop import StopDecision
-from megatron_autohet.errors import ConfigError
+from megatron_autohet.errors import ConfigError, JobConfigError
 from megatron_autohet.plan import Plan, plan_from_dict
 from megatron_autohet.planner.replan import replan
 from megatron_autohet.spec.cluster import Cluster
@@ -229,7 +229,7 @@ class ElasticWorker:
     def run(self) -> int:
         import torch.distributed as dist
 
-        from megatron_autohet.launch import init_backend
+        from megatron_autohet.launch import init_backend, report_job_config_error
         from megatron_autohet.runtime.cpu_mode import cpu_mode_required
         from megatron_autohet.runtime.device import select_device
 
@@ -256,6 +256,8 @@ class ElasticWorker:
                                                            store))
             try:
                 ended = self._generation(plan, plan_rank, members)
+            except JobConfigError as err:
+                return report_job_config_error(err, plan_rank)
             finally:
                 dist.destroy_process_group()
             if ended.decision is None:
