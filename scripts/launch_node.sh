@@ -346,7 +346,9 @@ cleanup() {
     for _ in $(seq 20); do kill -0 "$WATCHER_PID" 2>/dev/null || break; sleep 0.1; done
     kill -s KILL "$WATCHER_PID" 2>/dev/null || true
   fi
-  [ -n "$SLEEP_PID" ] && kill "$SLEEP_PID" 2>/dev/null
+  # A pause's sleep, by its parent pid: a signal handled between `sleep &` and `SLEEP_PID=$!`
+  # leaves SLEEP_PID empty, and an orphaned sleep would hold this script's stdout open.
+  pkill -P "$$" -x sleep 2>/dev/null || true
   rm -f "$PID_FILE"
   exit "$status"
 }
