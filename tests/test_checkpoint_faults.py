@@ -188,6 +188,39 @@ def test_write_error_inside_dcp_is_reported_with_its_cause(tmp_path, capfd):
     assert _partials(tmp_path) == [] and committed_steps(tmp_path) == []
 
 
+def _io_error_under_the_serializer(rank, checkpointer):
+    """On rank 1 only, DCP's writer fails as torch's zip serializer does over a failing disk:
+    its own RuntimeError raised while handling the OSError underneath."""
+    import torch.distributed.checkpoint.filesystem as filesystem
+
+    def failing(*args, **kwargs):
+        try:
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        except OSError:
+            raise RuntimeError("[enforce fail at inline_container.cc] unexpected pos 704 vs 598")
+
+    if rank == 1:
+        filesystem._write_item = failing
+
+
+def test_write_error_names_the_failing_ranks_own_cause_not_the_serializers(tmp_path, capfd):
+    """DCP hands every rank each failed rank's exception pickled, which drops its chain: the line
+    must still name the OSError under the serializer's message (the failing rank raises DCP's
+    exception from its own), on a disk that is not full."""
+    options = CheckpointOptions(save=str(tmp_path), save_interval=2)
+    results = run_on_ranks(PLAN.world_size, _job, options, 6,
+                           patch=_io_error_under_the_serializer)
+    console = _console(capfd)
+    _no_traceback(console)
+    assert [r["code"] for r in results] == [1, 1] and results[0]["failed"] == [2, 4]
+    errors = _lines(console, "ERROR: checkpoint of iteration 4 failed: writing iteration 4 to "
+                             f"{tmp_path} failed: OSError: [Errno 5] Input/output error "
+                             "(rank 1)")
+    assert len(errors) == 1, console
+    assert "unexpected pos" not in errors[0]
+    assert _partials(tmp_path) == [] and committed_steps(tmp_path) == []
+
+
 def test_last_save_failing_stops_the_job_saying_which_steps_are_complete(small_disk, one_step,
                                                                          capfd):
     """One step fits, two do not: step 2 commits, the run's last save (3) fails: status 1 (not

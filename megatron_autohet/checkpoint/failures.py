@@ -6,9 +6,10 @@
 top of it. torch DCP's ``CheckpointException`` (a ``BaseException``) carries each failed rank's
 exception, pickled without its chain: its causes are theirs, deduplicated.
 
-``full_disk(directory) -> str | None``: DCP's writer loses a full disk's OSError that way (each
-rank's exception crosses a pickle before it is raised), so a rank whose DCP write failed on a
-filesystem left without free space reports it as the OSError it was.
+``full_disk(directory) -> str | None``: a DCP failure outside the rank's own file writes (the
+coordinator's index, say) reaches the other ranks pickled, chain lost (the writer raises a
+rank's own write errors from themselves: checkpoint/writer.py ``_dcp_save``), so a rank whose
+DCP save failed on a filesystem left without free space reports it as the OSError it was.
 
 ``log_traceback(root, text) -> Path | None`` appends a traceback to ``root/ERROR_LOG`` (beside the
 steps), or to the temporary directory when ``root`` cannot take it (the disk that failed the

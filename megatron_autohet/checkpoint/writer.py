@@ -87,7 +87,11 @@ def _dcp_save(state_dict: dict, directory: Path, group) -> tuple[object, dict]:
     The chunk locations come from this rank's own write results, not from the returned
     Metadata: its ``storage_data`` is filled in by the coordinator's ``FileSystemWriter.finish``,
     which since torch 2.11 fills a copy (``dataclasses.replace``), so the Metadata ``save``
-    returns has ``storage_data = None`` on every rank."""
+    returns has ``storage_data = None`` on every rank.
+
+    When this rank's own write fails, DCP raises a CheckpointException on every rank that carries
+    each rank's exception pickled, its chain (the OSError under torch's serializer error) lost;
+    here the CheckpointException is raised from this rank's own exception, chain intact."""
     from megatron.core.dist_checkpointing.strategies.torch import (
         MCoreSavePlanner, _replace_state_dict_keys_with_sharded_keys, mcore_to_pyt_state_dict)
     from torch.distributed.checkpoint import FileSystemWriter
@@ -95,18 +99,29 @@ def _dcp_save(state_dict: dict, directory: Path, group) -> tuple[object, dict]:
 
     class ChunkRecordingWriter(FileSystemWriter):
         chunks: dict = {}
+        error: BaseException | None = None
 
         def write_data(self, plan, planner):
-            future = super().write_data(plan, planner)
-            self.chunks = {result.index: result.storage_data for result in future.wait()}
+            try:        # thread_count=1: the files are written here, in the calling thread
+                future = super().write_data(plan, planner)
+                self.chunks = {result.index: result.storage_data for result in future.wait()}
+            except BaseException as err:
+                self.error = err
+                raise
             return future
 
     flat, _, _ = _replace_state_dict_keys_with_sharded_keys(state_dict, keep_only_main_replica=True)
     pyt_state_dict = mcore_to_pyt_state_dict(flat, False)
     writer = ChunkRecordingWriter(directory, single_file_per_rank=True, sync_files=True,
                                   thread_count=1, overwrite=True)
-    metadata = dcp_save(pyt_state_dict, storage_writer=writer,
-                        planner=MCoreSavePlanner(flatten_state_dict=False), process_group=group)
+    try:
+        metadata = dcp_save(pyt_state_dict, storage_writer=writer,
+                            planner=MCoreSavePlanner(flatten_state_dict=False),
+                            process_group=group)
+    except CheckpointException as err:
+        if writer.error is None:
+            raise
+        raise err from writer.error
     return metadata, writer.chunks
 
 
@@ -278,12 +293,16 @@ def on_every_rank(local, group, what: str) -> list:
 
 
 def _dcp_failed(err: CheckpointException, directory: Path, group, what: str) -> NoReturn:
-    """DCP raised ``err`` on every rank alike: SaveFailed with each failed rank's root cause,
-    a full disk named as such (checkpoint/failures.py ``full_disk``). ``err.failures`` names at
-    least one rank, so every rank raises."""
+    """DCP raised ``err`` on every rank alike: SaveFailed with each failed rank's root cause:
+    its own write error's (``err.__cause__``, :func:`_dcp_save`), else - a failure elsewhere in
+    DCP, whose chain the pickle lost - a full disk named as such (checkpoint/failures.py
+    ``full_disk``) or DCP's message. ``err.failures`` names at least one rank, so every rank
+    raises."""
     mine = err.failures.get(dist.get_rank(group))
     cause = None
-    if mine is not None:
+    if err.__cause__ is not None:
+        cause = root_cause(err.__cause__)
+    elif mine is not None:
         cause = full_disk(directory) or root_cause(mine[0] if isinstance(mine, tuple) else mine)
     _agree(None, err, cause, group, what)
 
