@@ -393,13 +393,10 @@ class GpuCheck:
         memory_target = (f"prediction within {MEMORY_TOLERANCE:.0%}, never "
                          f">{MEMORY_UNDER_TOLERANCE:.0%} below")
         if peak is None:
-            # On a GPU machine: the job ran without CUDA (autohet train counts the GPUs with
-            # nvidia-smi before it starts the ranks).
+            # On a GPU machine: the job ran without CUDA.
             self.add(self.gpu_row("c. peak memory vs plan", False, "not in the train log",
                                   memory_target,
-                                  "the metrics have no mem_max_allocated_gigabytes value"
-                                  + ("; no nvidia-smi on this machine" if self.on_gpu
-                                     and not self.environment.get("nvidia_smi") else "")))
+                                  "the metrics have no mem_max_allocated_gigabytes value"))
         else:
             mem_ratio = predicted["peak_memory_gib"] / peak
             self.add(self.gpu_row(

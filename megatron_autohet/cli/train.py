@@ -397,11 +397,9 @@ def check_resume(checkpoint: CheckpointOptions, plan, optimizer: OptimizerSettin
 
 
 def _gpu_count() -> int:
-    """GPUs visible here, without importing torch in the launcher (nvidia-smi, if installed)."""
-    import shutil
-    import subprocess
+    """The CUDA GPUs this process sees, as torch counts them: ``CUDA_VISIBLE_DEVICES`` honoured,
+    and a machine without nvidia-smi still counts its GPUs. Called at launch, which imports
+    torch's elastic agent next anyway; bad flags are refused before torch is imported."""
+    import torch
 
-    if not shutil.which("nvidia-smi"):
-        return 0
-    out = subprocess.run(["nvidia-smi", "--list-gpus"], capture_output=True, text=True)
-    return len(out.stdout.splitlines()) if out.returncode == 0 else 0
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
