@@ -16,7 +16,7 @@ Seven tables, all predictions from the same cost model (megatron_autohet/cost_mo
 3. predicted iteration time, efficiency and speedup over the baselines on the bundled 3-type
    fleets;
 4. gap to the exhaustive optimum on small clusters (<= 16 GPUs, 8-layer GPT-3 1.3B);
-5. the gap's distribution over seeded random small fleets (planner/random_fleets.py; more
+5. the gap's distribution over seeded random small fleets (testing/random_fleets.py; more
    seeds than tests/test_planner_optimality.py runs), general, memory-bound and odd-count ones
    (2-4 types of 1 or 3 GPUs, 7-13 layers), with each search's CPU seconds;
 6. `autohet compare` (search + baselines) time on 2048 GPUs;
@@ -37,8 +37,8 @@ from pathlib import Path
 from megatron_autohet.cost_model import fleet_ideal_tokens_per_s
 from megatron_autohet.errors import ConfigError
 from megatron_autohet.planner import compare, search
-from megatron_autohet.planner.exhaustive import exhaustive_search
-from megatron_autohet.planner.random_fleets import memory_bound_case, odd_case, random_case
+from megatron_autohet.testing.exhaustive import exhaustive_search
+from megatron_autohet.testing.random_fleets import memory_bound_case, odd_case, random_case
 from megatron_autohet.planner.search import resolve_profile
 from megatron_autohet.planner.replan import REPLAN_WORK_BUDGET, replan
 from megatron_autohet.spec import load_cluster, load_model
@@ -137,7 +137,7 @@ def gap_distribution(make_case, seeds) -> dict:
 def random_gap_table(result: dict, args) -> None:
     """Table 5: the gap's distribution over each kind of seeded random small fleet."""
     print("\n== gap to the exhaustive optimum on seeded random small fleets "
-          "(planner/random_fleets.py)")
+          "(testing/random_fleets.py)")
     print(f"{'fleets':>16} {'cases':>5} {'no fit':>6} {'median':>7} {'p90':>7} {'p99':>7} "
           f"{'max':>7} {'>1%':>4} {'<0':>3} {'worst':>5} {'ours_cpu':>8} {'brute_cpu':>9}")
     for label, make_case, seeds in (

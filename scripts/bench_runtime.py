@@ -2,7 +2,7 @@
 """Benchmark the heterogeneous runtime: overhead vs stock megatron-core, and each proof plan.
 
 1. Homogeneous layout (configs/plans/tiny-homogeneous.yaml, TP1 x PP2 x DP2): stock megatron-core
-   (runtime/stock.py: its own parallel_state, GPTModel, 1F1B schedule and P2P,
+   (testing/stock.py: its own parallel_state, GPTModel, 1F1B schedule and P2P,
    DistributedDataParallel grad all-reduce, megatron optimizer with clipping) and our runtime
    (HeteroTrainer: parallel state from the plan, hetero P2P, layer-wise grad sync, Adam) live in
    the SAME processes and take turns iteration by iteration (order ABBA, so neither always runs
@@ -23,7 +23,7 @@
    grad norms of stock and ours with it, and of ours with and without it, must agree as in 1.
    Reported: paired ratios ours/stock with the distributed optimizer, and ours with/without.
 4. bf16 (Megatron's --bf16 mixed precision) on the homogeneous plan, with and without the
-   distributed optimizer: stock megatron-core in bf16 (runtime/stock.py: ``Float16Module``, DDP
+   distributed optimizer: stock megatron-core in bf16 (testing/stock.py: ``Float16Module``, DDP
    with ``grad_reduce_in_fp32``, ``Float16OptimizerWithFloat16Params`` or its
    DistributedOptimizer on fp32 master shards; all run on CPU and gloo) against ours in bf16,
    the same fairness check with the bf16 proofs' tolerance for the first iterations (the two
@@ -119,7 +119,7 @@ def _trainers(plan, plan_path, rank, kinds):
         distributed = kind.endswith("-distopt")
         precision = BF16 if "-bf16" in kind else FP32
         if kind in STOCK_KINDS:
-            from megatron_autohet.runtime.stock import StockMegatronTrainer
+            from megatron_autohet.testing.stock import StockMegatronTrainer
             trainer = StockMegatronTrainer(plan, rank=rank, seed=SEED, optimizer=OPTIMIZER,
                                            distributed_optimizer=distributed,
                                            precision=precision)

@@ -4,7 +4,7 @@ restart-everything-from-S3 baseline on the same trace in the same run.
 
 Both runs train the tiny GPT (configs/models/tiny.yaml) with the cluster file
 configs/clusters/spot-4.yaml, each node a real `autohet node` (torchrun agent, CPU workers) +
-`autohet watch` on this machine (megatron_autohet/elastic/emulate.py), with checkpoints every
+`autohet watch` on this machine (megatron_autohet/testing/emulate.py), with checkpoints every
 ``--save-interval`` iterations to the nodes' disks and to S3 (moto's server, started here, in
 this process). The trace (``ms,add|remove,node[,notice|no-notice]``, megatron_autohet/elastic/
 trace.py; events at 0 ms are the starting fleet; default configs/traces/churn-4node-5h.csv, the
@@ -243,7 +243,7 @@ def replay(mode: str, workdir: Path, trace_steps, initial: list[str], args,
     analysis reads the job's files afterwards). Nothing here ends the benchmark: an agent that
     exits is recorded and restarted, a job that does not train again within EVENT_TIMEOUT is
     recorded and the rest of the trace skipped."""
-    from megatron_autohet.elastic.emulate import EmulatedFleet
+    from megatron_autohet.testing.emulate import EmulatedFleet
 
     endpoint, bucket = s3
     train_args = ["--plan", str(workdir.parent / "plan.yaml"), "--model", str(MODEL),
@@ -445,7 +445,7 @@ def _step_row(d: dict, events: list[dict], records: list[dict], median_s: float)
 
 
 def analyse(mode: str, workdir: Path, run: dict) -> dict:
-    from megatron_autohet.elastic.emulate import read_jsonl
+    from megatron_autohet.testing.emulate import read_jsonl
 
     events = read_jsonl(workdir / "events.jsonl")
     records = read_jsonl(workdir / "metrics.jsonl")
@@ -648,7 +648,7 @@ def main() -> None:
     args.iters = args.iters or (150 if args.quick else 1000)
 
     silence_known_megatron_warnings()
-    from megatron_autohet.elastic.trace import load_trace, steps
+    from megatron_autohet.testing.trace import load_trace, steps
     from s3_server import moto_s3_server
 
     trace = load_trace(args.trace)

@@ -57,7 +57,7 @@ sys.path.insert(0, str(ROOT))       # run as `python scripts/gpu_check.py` witho
 
 from megatron_autohet.checkpoint.manifest import step_dir_name  # noqa: E402
 from megatron_autohet.cli._table import format_table            # noqa: E402
-from megatron_autohet.elastic.emulate import kill_tree          # noqa: E402
+from megatron_autohet.testing.emulate import kill_tree          # noqa: E402
 from megatron_autohet.errors import ConfigError                 # noqa: E402
 from megatron_autohet.plan import load_plan                     # noqa: E402
 from megatron_autohet.profiling.profile import Profile          # noqa: E402

@@ -38,7 +38,7 @@ def main() -> int:
                         help="send node2 its notice once this iteration is logged (default 8)")
     args = parser.parse_args()
 
-    from megatron_autohet.elastic.emulate import EmulatedFleet
+    from megatron_autohet.testing.emulate import EmulatedFleet
 
     out = Path(args.out)
     shutil.rmtree(out, ignore_errors=True)

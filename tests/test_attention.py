@@ -119,8 +119,8 @@ def _stage_attention(rank, world):
     from megatron_autohet.runtime.optimizer import OptimizerSettings
     from megatron_autohet.runtime.parallel_state import build_parallel_state
     from megatron_autohet.runtime.stage_model import build_stage_model, layer_spec_name
-    from megatron_autohet.runtime.stock import StockMegatronTrainer
-    from megatron_autohet.runtime.reference import reference_plan
+    from megatron_autohet.testing.stock import StockMegatronTrainer
+    from megatron_autohet.testing.reference import reference_plan
 
     plan = reference_plan(TINY, micro_batch_size=2, num_microbatches=1, seq_length=16)
     model = build_stage_model(plan.model, build_parallel_state(plan, rank), seed=1)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_autohet.elastic.trace import TraceEvent
+from megatron_autohet.testing.trace import TraceEvent
 
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 

@@ -1,6 +1,6 @@
 """bf16 mixed precision (Megatron-LM's ``--bf16``): heterogeneous plans against the bf16 reference.
 
-The runtime and runtime/reference.py both train in bf16 with fp32 main gradients, fp32 master
+The runtime and testing/reference.py both train in bf16 with fp32 main gradients, fp32 master
 weights and fp32 Adam state. What can differ between them is only the ORDER of arithmetic:
 
 * fp32 sums: the main gradients of different micro-batches and pipelines are added in another
@@ -63,7 +63,7 @@ NORM_REL = 2 * BF16_UNIT_ROUNDOFF
 
 
 def _reference(rank, world, plan, batches, precision, optimizer=OPTIMIZER, model=None):
-    from megatron_autohet.runtime.reference import run_reference
+    from megatron_autohet.testing.reference import run_reference
 
     model = model or plan.model
     steps = run_reference(model, batches, micro_batch_size=plan.micro_batch_size, seed=SEED,

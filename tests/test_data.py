@@ -154,7 +154,7 @@ def _train_reading(rank, world_size, batches, iters):
 
 def _reference_losses(rank, world_size, tensors):
     from megatron_autohet.runtime.optimizer import OptimizerSettings
-    from megatron_autohet.runtime.reference import run_reference
+    from megatron_autohet.testing.reference import run_reference
     from megatron_autohet.runtime.stage_model import plan_padded_vocab_size
 
     plan = _per_rank_plan()

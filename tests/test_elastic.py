@@ -2,7 +2,7 @@
 a node joining - against an uninterrupted run.
 
 Four nodes (each its own `autohet node` torchrun agent, `autohet watch` and local checkpoint
-directory; megatron_autohet/elastic/emulate.py) train the tiny GPT with checkpoints every
+directory; megatron_autohet/testing/emulate.py) train the tiny GPT with checkpoints every
 ``SAVE`` iterations to their disks and to S3 (moto). Then:
 
 1. node2 gets an AWS spot interruption notice (its watcher polls a fake IMDSv2 server with the
@@ -36,7 +36,7 @@ import numpy as np
 import pytest
 
 from fake_metadata import FakeAws
-from megatron_autohet.elastic.emulate import EmulatedFleet
+from megatron_autohet.testing.emulate import EmulatedFleet
 from megatron_autohet.elastic.hold import HOLD_FILE_ENV, hold_after
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -97,7 +97,7 @@ def reference(tmp_path_factory):
     done = autohet("train", "--plan", plan, "--model", MODEL, "--iters", ITERS,
                    "--data-dir", tmp / "data", "--metrics-jsonl", metrics, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    from megatron_autohet.elastic.emulate import read_jsonl
+    from megatron_autohet.testing.emulate import read_jsonl
     return plan, tmp / "data", {r["iteration"]: r for r in read_jsonl(metrics)}
 
 

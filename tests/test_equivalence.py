@@ -4,7 +4,7 @@ For each proof plan (configs/plans/tiny-*.yaml) the tiny GPT trains ITERS iterat
 (decoupled weight decay, none on biases and 1-D parameters), gradient clipping and megatron-core's
 learning-rate schedule (warm-up, then cosine decay to a minimum) on the same global batches, from the same layout-independent initial
 weights, (1) with our runtime on one gloo process per planned GPU and (2) in one process
-(runtime/reference.py). Required (fp32): every iteration's loss and grad norm within a relative
+(testing/reference.py). Required (fp32): every iteration's loss and grad norm within a relative
 1e-5 of the reference, every rank reporting the same metrics, and after the run every replica's
 copy of every parameter (TP shards merged by global name) equal to the reference's parameter.
 The homogeneous plan is also trained with stock megatron-core (its own parallel_state, schedule,
@@ -54,7 +54,7 @@ def global_batches(plan, count: int, seed: int = 0) -> list[dict]:
 
 
 def _reference(rank, world, plan, batches):
-    from megatron_autohet.runtime.reference import run_reference
+    from megatron_autohet.testing.reference import run_reference
     from megatron_autohet.runtime.stage_model import plan_padded_vocab_size
 
     params: dict = {}
@@ -207,8 +207,8 @@ def check_plan_trains_like_one_process(plan, sequence_parallel, record_property,
 
 def _stock_megatron(rank, world, plan, batches):
     """TP1 x PP2 x DP2 with megatron-core's own parallel_state, GPTModel, schedule, DDP and
-    optimizer, from the same layout-independent weights (runtime/stock.py)."""
-    from megatron_autohet.runtime.stock import StockMegatronTrainer
+    optimizer, from the same layout-independent weights (testing/stock.py)."""
+    from megatron_autohet.testing.stock import StockMegatronTrainer
 
     trainer = StockMegatronTrainer(plan, rank=rank, seed=SEED, optimizer=OPTIMIZER)
     steps, _ = _scheduled_steps(trainer, batches)
@@ -258,7 +258,7 @@ def _eval_batches(plan) -> dict[int, list[dict]]:
 
 
 def _reference_with_eval(rank, world, plan, batches, evals):
-    from megatron_autohet.runtime.reference import run_reference
+    from megatron_autohet.testing.reference import run_reference
     from megatron_autohet.runtime.stage_model import plan_padded_vocab_size
 
     steps = run_reference(plan.model, batches, micro_batch_size=plan.micro_batch_size, seed=SEED,

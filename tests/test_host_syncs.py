@@ -32,7 +32,7 @@ class ScalarReads(TorchDispatchMode):
 
 
 def _scalar_reads(rank, world, num_microbatches):
-    from megatron_autohet.runtime.reference import reference_plan
+    from megatron_autohet.testing.reference import reference_plan
     from megatron_autohet.runtime.trainer import HeteroTrainer
 
     plan = reference_plan(TINY, micro_batch_size=1, num_microbatches=num_microbatches,

@@ -1,7 +1,7 @@
 """The trainer's loss is masked cross-entropy, computed here without the runtime's definition.
 
 The trainer, the stock baseline and the single-process reference share one loss definition
-(runtime/reference.py ``masked_token_mean``), so the equivalence tests cannot catch a wrong
+(runtime/loss.py ``masked_token_mean``), so the equivalence tests cannot catch a wrong
 mask: every side would be wrong the same way. This test pins the objective itself: the logits
 of the model's own output layer, ``torch.nn.functional.cross_entropy(reduction="none")`` and a
 masked mean written out here must give the loss ``HeteroTrainer`` reports, on a plan of two

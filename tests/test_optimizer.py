@@ -26,7 +26,7 @@ def _groups(rank, world, model_spec):
 
     from megatron_autohet.runtime.optimizer import make_optimizer
     from megatron_autohet.runtime.parallel_state import build_parallel_state
-    from megatron_autohet.runtime.reference import reference_plan
+    from megatron_autohet.testing.reference import reference_plan
     from megatron_autohet.runtime.stage_model import build_stage_model, param_layouts
 
     plan = reference_plan(model_spec, micro_batch_size=1, num_microbatches=1, seq_length=16)

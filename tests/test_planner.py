@@ -7,7 +7,7 @@ import pytest
 
 from megatron_autohet.errors import ConfigError
 from megatron_autohet.planner import compare, make_plan, search
-from megatron_autohet.planner.exhaustive import exhaustive_search
+from megatron_autohet.testing.exhaustive import exhaustive_search
 from megatron_autohet.spec import load_cluster, load_model
 from megatron_autohet.spec.cluster import cluster_from_dict
 

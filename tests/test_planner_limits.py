@@ -16,7 +16,7 @@ from megatron_autohet.cli.main import main
 from megatron_autohet.errors import ConfigError
 from megatron_autohet.planner import scip_model
 from megatron_autohet.planner.baselines import all_baselines
-from megatron_autohet.planner.random_fleets import random_case
+from megatron_autohet.testing.random_fleets import random_case
 from megatron_autohet.planner.search import STOP_TIME, resolve_profile, search
 from megatron_autohet.planner.space import Problem
 from megatron_autohet.spec import load_model

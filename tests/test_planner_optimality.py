@@ -1,5 +1,5 @@
 """The planner is optimal on small fleets: within 1% of the exhaustive search on every one of
-many seeded random fleets (planner/random_fleets.py). Both searches price plans with the same
+many seeded random fleets (testing/random_fleets.py). Both searches price plans with the same
 cost model over the same TP degrees and pipeline depth, so any gap is a plan the planner's space
 or pruning misses: a bug, not noise. scripts/bench_planner.py runs many more seeds and reports
 the gap distribution.
@@ -21,8 +21,8 @@ import pytest
 from megatron_autohet.cost_model import GIB, stage_memory_bytes, usable_memory_gib
 from megatron_autohet.errors import ConfigError
 from megatron_autohet.planner import search
-from megatron_autohet.planner.exhaustive import exhaustive_search
-from megatron_autohet.planner.random_fleets import memory_bound_case, odd_case, random_case
+from megatron_autohet.testing.exhaustive import exhaustive_search
+from megatron_autohet.testing.random_fleets import memory_bound_case, odd_case, random_case
 from megatron_autohet.profiling.estimate import estimate_entry
 from megatron_autohet.spec.cluster import cluster_from_dict
 from megatron_autohet.spec.gpus import GPUType

@@ -16,7 +16,7 @@ from megatron_autohet.cli.main import main
 from megatron_autohet.errors import ConfigError
 from megatron_autohet.planner.baselines import (_best, _grid_bound_s, _grids, _proportional,
                                                 grid_plan)
-from megatron_autohet.planner.exhaustive import exhaustive_search
+from megatron_autohet.testing.exhaustive import exhaustive_search
 from megatron_autohet.planner.scip_model import SOLVE_TIME_SAFETY_S
 from megatron_autohet.planner.search import STOP_TIME, STOP_WORK, resolve_profile, search
 from megatron_autohet.planner.space import Problem, evaluate

@@ -305,7 +305,7 @@ def test_job_killed_during_its_multipart_upload(tmp_path, s3_endpoint, s3_uri, m
     from megatron_autohet.checkpoint.s3_store import S3Store, parse_s3_uri
     from megatron_autohet.checkpoint.upload import files_to_upload
     from megatron_autohet.cli.main import main as cli
-    from megatron_autohet.elastic.emulate import kill_tree
+    from megatron_autohet.testing.emulate import kill_tree
     from test_checkpoint_cli import table
 
     endpoint, bucket = s3_endpoint
@@ -432,7 +432,7 @@ def test_job_killed_while_writing_a_step_resumes_from_the_previous_one(tmp_path)
     import sys
     import time
 
-    from megatron_autohet.elastic.emulate import kill_tree
+    from megatron_autohet.testing.emulate import kill_tree
 
     root = Path(__file__).resolve().parents[1]
     local = tmp_path / "local" / "{node}"

@@ -20,7 +20,9 @@ from dist_utils import RankFailed, run_on_ranks
 from megatron_autohet.errors import ConfigError
 from megatron_autohet.layout.topology import rank_role
 from megatron_autohet.plan import Pipeline, Plan, RankInfo, Stage
-from megatron_autohet.runtime.reference import masked_token_mean, microbatches, reference_plan
+from megatron_autohet.data.batches import microbatches
+from megatron_autohet.runtime.loss import masked_token_mean
+from megatron_autohet.testing.reference import reference_plan
 from megatron_autohet.spec.model import ModelSpec
 
 MODEL = ModelSpec(name="schedule-test", num_layers=4, hidden_size=64, num_attention_heads=4,

@@ -2,7 +2,7 @@
 
 The central proof: stock megatron-core on TP2 x PP2 (its own parallel_state, DDP, schedule,
 optimizer and tied-embedding handling) started from our layout-independent weights trains exactly
-like runtime/reference.py in one process. It can only pass if the init slices every parameter the
+like testing/reference.py in one process. It can only pass if the init slices every parameter the
 way megatron shards it (fused QKV, row/column parallel, vocab-parallel embedding, tied output).
 """
 
@@ -54,7 +54,7 @@ def one_pipeline_plan(model, stages, num_microbatches, micro_batch_size=2):
 
 
 def _reference(rank, world, model, batches, padded_vocab, micro_batch_size=2):
-    from megatron_autohet.runtime.reference import run_reference
+    from megatron_autohet.testing.reference import run_reference
     return run_reference(model, batches, micro_batch_size=micro_batch_size, seed=SEED,
                          optimizer=OPTIMIZER, padded_vocab=padded_vocab)
 
@@ -62,7 +62,7 @@ def _reference(rank, world, model, batches, padded_vocab, micro_batch_size=2):
 # ---- stock megatron-core TP2 x PP2 ----------------------------------------------------------
 
 def _stock_megatron_tp2_pp2(rank, world, batches):
-    from megatron_autohet.runtime.stock import StockMegatronTrainer
+    from megatron_autohet.testing.stock import StockMegatronTrainer
 
     # Megatron's rank order for TP2 x PP2: TP groups {0,1}, {2,3}; stage 0 = {0,1}.
     plan = one_pipeline_plan(TINY, [([0, 1], (0, 3)), ([2, 3], (3, 6))], num_microbatches=4)
@@ -133,7 +133,7 @@ def test_heterogeneous_stages_hold_slices_of_the_same_model():
 def _grads_of_one_stage(rank, world, model_spec, batch, sequence_parallel=False):
     from megatron_autohet.runtime.parallel_state import build_parallel_state
     from megatron_autohet.runtime.stage_model import build_stage_model, param_layouts
-    from megatron_autohet.runtime.reference import masked_token_mean
+    from megatron_autohet.runtime.loss import masked_token_mean
     plan = one_pipeline_plan(model_spec, [(list(range(world)), (0, model_spec.num_layers))], 1)
     state = build_parallel_state(plan, rank)
     model = build_stage_model(model_spec, state, seed=SEED, padded_vocab=512,
@@ -224,7 +224,7 @@ def test_padded_vocab_is_shared_by_every_tp_degree_of_a_plan():
 
 
 def test_stock_baseline_refuses_plans_megatron_cannot_express():
-    from megatron_autohet.runtime.stock import check_homogeneous
+    from megatron_autohet.testing.stock import check_homogeneous
     check_homogeneous(load_plan(PLAN_FILE.with_name("tiny-homogeneous.yaml")))
     with pytest.raises(ValueError, match="not homogeneous"):
         check_homogeneous(load_plan(PLAN_FILE))                  # [TP2 | TP1] next to [TP1]

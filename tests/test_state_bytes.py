@@ -215,6 +215,6 @@ def test_saved_activations_of_a_bf16_layer_match_the_estimate():
 
 
 def _one_rank(plan):
-    from megatron_autohet.runtime.reference import reference_plan
+    from megatron_autohet.testing.reference import reference_plan
     return reference_plan(plan.model, micro_batch_size=plan.micro_batch_size,
                           num_microbatches=1, seq_length=plan.seq_length)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_autohet.elastic.trace import (TraceEvent, TraceStep, fleet_over_time, load_trace,
+from megatron_autohet.testing.trace import (TraceEvent, TraceStep, fleet_over_time, load_trace,
                                             steps)
 from megatron_autohet.errors import ConfigError
 
@@ -140,7 +140,7 @@ def test_missing_file(tmp_path):
 
 
 def test_elastic_package_is_torch_free():
-    code = ("import sys, megatron_autohet.elastic.notices, megatron_autohet.elastic.trace; "
+    code = ("import sys, megatron_autohet.elastic.notices, megatron_autohet.testing.trace; "
             "print(sorted(m for m in ('torch', 'megatron', 'boto3') if m in sys.modules))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             env={"PYTHONPATH": str(SYNTHETIC.parents[2])})

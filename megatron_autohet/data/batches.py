@@ -138,6 +138,14 @@ def batch_rows(global_batch, start: int, end: int) -> dict:
     return {key: global_batch[key][start:end] for key in BATCH_KEYS}
 
 
+def microbatches(global_batch, micro_batch_size: int, first: int, count: int) -> list[dict]:
+    """Micro-batches ``[first, first + count)`` of a global batch (dicts of its rows): micro-batch
+    ``i`` is rows ``[i * micro_batch_size, (i + 1) * micro_batch_size)``; only those rows are
+    materialised (:func:`batch_rows`)."""
+    return [batch_rows(global_batch, i * micro_batch_size, (i + 1) * micro_batch_size)
+            for i in range(first, first + count)]
+
+
 def resolve_data_path(options: DataOptions) -> Path:
     """The indexed dataset to read: the user's ``--data-path``, or the built-in corpus."""
     from megatron_autohet.data.corpus import build_corpus

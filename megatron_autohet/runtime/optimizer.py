@@ -25,8 +25,8 @@ Public API
 
 Design (why)
 ------------
-* One definition. runtime/reference.py (the ground truth), runtime/trainer.py and
-  runtime/stock.py's hyper-parameters all come from here, so the runtime, the reference and stock
+* One definition. testing/reference.py (the ground truth), runtime/trainer.py and
+  testing/stock.py's hyper-parameters all come from here, so the runtime, the reference and stock
   megatron-core cannot drift apart. The module imports torch and megatron lazily: the CLI
   validates settings before any process (or torch) exists.
 * AdamW, decoupled decay (Megatron's ``decoupled_weight_decay=True`` default;

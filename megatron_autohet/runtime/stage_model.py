@@ -42,7 +42,7 @@ Design (why)
   torch's scaled_dot_product_attention as core attention (runtime/attention.py: flash /
   memory-efficient / cuDNN kernels instead of megatron's unfused scores and softmax, which on
   one H100 ran 2.19x slower and held 18 GiB more for GPT-3 1.3B). The profiler
-  (profiling/measure.py) and the stock baseline (runtime/stock.py) build the same layer.
+  (profiling/measure.py) and the stock baseline (testing/stock.py) build the same layer.
   The TE layer names its parameters differently (norms inside ``linear_qkv``/``linear_fc1``,
   ``_extra_state``), so one job runs one spec: ``agree_layer_spec`` refuses a fleet where some
   nodes import TE and others do not (their name-sorted gradient buckets would pair different

@@ -27,7 +27,7 @@ and a rank materialises only those (``reference.microbatches``).
 
 Loss and scaling. The loss of an iteration is the mean over ALL ``M`` micro-batches of the global
 batch of each micro-batch's masked-token-mean cross-entropy, and the gradient is the gradient of
-that (runtime/reference.py computes the same in one process). Megatron's schedule divides each
+that (testing/reference.py computes the same in one process). Megatron's schedule divides each
 micro-batch loss by the LOCAL count ``m_p`` before backward (pipeline_parallel/schedules.py,
 ``forward_step_calc_loss``), which would make every replica's gradient a per-replica mean, wrong as
 soon as replicas run different counts. The loss function therefore multiplies each micro-batch
@@ -37,9 +37,9 @@ over replicas with no rescaling pass. Doing it in the loss (not in ``config.grad
 which belongs to the mixed-precision loss scaler, and not as a scaling of the synced buckets)
 costs one scalar multiply per micro-batch.
 
-The objective (``masked_token_mean``) and the global-batch split (``microbatches``) are defined by
-runtime/reference.py, the ground truth, and imported here; the optimizer by runtime/optimizer.py,
-which the reference uses too.
+The objective is runtime/loss.py's ``masked_token_mean``, the global-batch split
+data/batches.py's ``microbatches``, the optimizer runtime/optimizer.py's: the single-process
+reference the tests compare against uses the same three.
 
 Precision (spec/precision.py, runtime/mixed_precision.py): Megatron-LM's ``--bf16`` mixed
 precision or fp32. In bf16 the stage model's weights, activations and P2P messages are bf16;
@@ -77,13 +77,14 @@ import torch
 import torch.distributed as dist
 from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 
+from megatron_autohet.data.batches import microbatches
 from megatron_autohet.plan import Plan
 from megatron_autohet.runtime.distributed_optimizer import DistributedOptimizer
 from megatron_autohet.runtime.grad_sync import DEFAULT_BUCKET_NUMEL, GradSync
+from megatron_autohet.runtime.loss import masked_token_mean
 from megatron_autohet.runtime.mixed_precision import MasterWeights
-from megatron_autohet.runtime.parallel_state import build_parallel_state
 from megatron_autohet.runtime.optimizer import OptimizerSettings, make_optimizer
-from megatron_autohet.runtime.reference import masked_token_mean, microbatches
+from megatron_autohet.runtime.parallel_state import build_parallel_state
 from megatron_autohet.runtime.schedule import run_schedule
 from megatron_autohet.runtime.stage_model import (agree_layer_spec, build_stage_model,
                                                   param_layouts, plan_padded_vocab_size,

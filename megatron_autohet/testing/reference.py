@@ -17,15 +17,10 @@ Public API
     step's ``eval_loss`` is the forward-only mean loss over their micro-batches.
 ``reference_plan(model_spec, *, micro_batch_size, num_microbatches, seq_length) -> Plan``
     The one-rank plan the reference trains.
-``masked_token_mean(per_token_loss, loss_mask)``, ``microbatches(global_batch, micro_batch_size,
-first, count)``
-    The loss definition and the micro-batch split of the global-batch contract, shared with the
-    runtime. Global batch: dict of ``data.batches.BATCH_KEYS`` (``tokens``, ``labels``,
-    ``loss_mask``, ``position_ids``) tensors, each ``[global_batch_size, seq]``, or a
-    ``data.batches.GlobalBatch`` that reads rows from the dataset on demand; micro-batch i =
-    rows [i*mbs, (i+1)*mbs). The keys are defined in data/batches.py, where the batches are made;
-    the reference and the runtime read them through ``microbatches``, so a rank materialises only
-    its own micro-batches. The reference trains on whole batches: dicts (``GlobalBatch.tensors()``).
+Global batch: dict of ``data.batches.BATCH_KEYS`` (``tokens``, ``labels``, ``loss_mask``,
+``position_ids``) tensors, each ``[global_batch_size, seq]``; the reference trains on whole
+batches (``GlobalBatch.tensors()``), split into micro-batches by ``data.batches.microbatches`` as
+the runtime splits them.
 
 Design (why)
 ------------
@@ -34,9 +29,9 @@ Design (why)
   the layout-independent initial weights of ``runtime/init.py``. Any parallel run of the same
   model and seed starts from TP/PP slices of exactly these weights. ``padded_vocab`` must be the
   parallel plan's (``stage_model.plan_padded_vocab_size``): padding rows enter the softmax.
-* The objective is defined HERE, and the runtime (``runtime/trainer.py``) imports it, so the
-  ground truth does not import the system under test: ``masked_token_mean`` (one micro-batch's
-  loss), ``microbatches`` (the global-batch split). The optimizer and schedule come from
+* The objective is the runtime's own (runtime/loss.py ``masked_token_mean``, checked against an
+  independent cross-entropy by the objective tests); what the reference writes out separately is
+  the parallel machinery it must not share: no pipeline, no TP, no gradient sync. The optimizer and schedule come from
   runtime/optimizer.py (``make_optimizer``: AdamW with megatron's no-decay rule on global names;
   ``make_lr_scheduler``: megatron-core's OptimizerParamScheduler), which the runtime and the
   stock baseline use too; it holds no parallel logic. Iteration loss = mean over ALL
@@ -52,7 +47,7 @@ Design (why)
   the sums autograd's own accumulation would make.
 * It needs its own process (world size 1): if ``torch.distributed`` is not initialised it starts a
   one-rank gloo world on an in-memory store and tears it down afterwards; tests call it through
-  ``tests/dist_utils.run_on_ranks(1, ...)``.
+  ``run_on_ranks(1, ...)`` (tests/helpers/dist_utils.py).
 """
 
 from __future__ import annotations
@@ -62,25 +57,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megatron_autohet.data.batches import batch_rows
+from megatron_autohet.data.batches import microbatches
 from megatron_autohet.plan import Pipeline, Plan, RankInfo, Stage
+from megatron_autohet.runtime.loss import masked_token_mean
 from megatron_autohet.runtime.optimizer import (OptimizerSettings, make_lr_scheduler,
                                                 make_optimizer)
 from megatron_autohet.spec.model import ModelSpec
 from megatron_autohet.spec.precision import FP32, Precision
-
-
-def masked_token_mean(per_token_loss: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
-    """One micro-batch's loss: cross-entropy averaged over the tokens the mask keeps."""
-    mask = loss_mask.reshape(-1).float()
-    return torch.sum(per_token_loss.float().reshape(-1) * mask) / mask.sum().clamp(min=1.0)
-
-
-def microbatches(global_batch, micro_batch_size: int, first: int, count: int) -> list[dict]:
-    """Micro-batches ``[first, first + count)`` of a global batch (dicts of its rows); only
-    those rows are materialised (``data.batches.batch_rows``)."""
-    return [batch_rows(global_batch, i * micro_batch_size, (i + 1) * micro_batch_size)
-            for i in range(first, first + count)]
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ Public API
 
 What is ours, and why: the initial weights are the layout-independent ones of runtime/init.py
 (copied in before DDP wraps the model), the loss and global-batch split are
-runtime/reference.py's, and the AdamW hyper-parameters (weight decay included) are the same
+testing/reference.py's, and the AdamW hyper-parameters (weight decay included) are the same
 ``OptimizerSettings`` our runtime gets. Which parameters are decayed is decided by megatron's own
 ``_get_param_groups`` here (biases and 1-D parameters are not), by runtime/optimizer.py's
 ``applies_weight_decay`` in ours: the same rule, so with weight decay on, a matching run also
@@ -171,7 +171,7 @@ class StockMegatronTrainer:
     def train_step(self, global_batch: dict) -> StockStep:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        from megatron_autohet.runtime.reference import microbatches
+        from megatron_autohet.data.batches import microbatches
 
         plan, role = self.plan, self.role
         count = role.stage.num_microbatches
@@ -197,7 +197,7 @@ class StockMegatronTrainer:
 
 
 def _loss_func(loss_mask, per_token_loss):
-    from megatron_autohet.runtime.reference import masked_token_mean
+    from megatron_autohet.runtime.loss import masked_token_mean
     loss = masked_token_mean(per_token_loss, loss_mask)
     return loss, {"lm loss": loss.detach().clone()}
 
