@@ -161,7 +161,11 @@ class ElasticWorker:
         node, gpu = node_identity(self.local_rank)
         self.me = Member(node, gpu, self.local_rank)
         self.events_jsonl = events_jsonl
-        self.events = EventLog(events_jsonl, enabled=self.rank == 0)
+        self.events = self._log(self.rank == 0)
+
+    def _log(self, reporting: bool) -> EventLog:
+        """The job's event log, written only where ``reporting`` (one rank at a time)."""
+        return EventLog(self.events_jsonl, enabled=reporting, node=self.me.node)
 
     # ---- 1-2: who is here, which plan ----------------------------------------------------
 
@@ -200,6 +204,14 @@ class ElasticWorker:
             world_size=plan.world_size, pipelines=len(plan.pipelines), idle=list(idle),
             restart=int(self.round), **({"warm": True} if warm else {}))
 
+    def _emit_fleet(self, cluster: Cluster, gone: list[str], joined: list[str]) -> None:
+        self.events.emit("fleet", ", ".join(f"{n.name} ({n.num_gpus} x {n.gpu})"
+                                            for n in cluster.nodes)
+                         + (f"; gone: {', '.join(gone)}" if gone else "")
+                         + (f"; new: {', '.join(joined)}" if joined else ""),
+                         nodes={n.name: {"gpu": n.gpu, "gpus": n.num_gpus}
+                                for n in cluster.nodes}, gone=gone, joined=joined)
+
     def _decide(self, members: list[Member], steps: list[dict]) -> tuple[Plan, str]:
         cluster = fleet_cluster(members, self.template)
         newest = max(steps, key=lambda s: s["iteration"], default=None) or \
@@ -210,12 +222,7 @@ class ElasticWorker:
         before = {info.node for info in previous.ranks}
         present = {n.name for n in cluster.nodes}
         gone, joined = sorted(before - present), sorted(present - before)
-        self.events.emit("fleet", ", ".join(f"{n.name} ({n.num_gpus} x {n.gpu})"
-                                            for n in cluster.nodes)
-                         + (f"; gone: {', '.join(gone)}" if gone else "")
-                         + (f"; new: {', '.join(joined)}" if joined else ""),
-                         nodes={n.name: {"gpu": n.gpu, "gpus": n.num_gpus}
-                                for n in cluster.nodes}, gone=gone, joined=joined)
+        self._emit_fleet(cluster, gone, joined)
         found = replan(previous, cluster, self.model)
         source = f"step {newest['iteration']}'s plan" if newest else "the initial plan"
         if found.unchanged:
@@ -237,7 +244,7 @@ class ElasticWorker:
         plan, members, ranks = self.agree(store)
         plan_rank = ranks[self.rank]
         # From here on the plan's rank 0 reports (torchrun's rank 0 may be idle).
-        self.events = EventLog(self.events_jsonl, enabled=plan_rank == 0)
+        self.events = self._log(plan_rank == 0)
         if None in ranks:
             self._hand_over(store, plan, members)
         if plan_rank is None:
@@ -275,7 +282,7 @@ class ElasticWorker:
             plan_rank = plan_ranks(plan, members)[members.index(self.me)]
             finishers = len(members)
             generation += 1
-            self.events = EventLog(self.events_jsonl, enabled=plan_rank == 0)
+            self.events = self._log(plan_rank == 0)
 
     def _generation(self, plan: Plan, plan_rank: int, members: list[Member]) -> _Ended:
         """Train ``plan`` on the initialised default group until the job ends or stops; after a
@@ -327,8 +334,9 @@ class ElasticWorker:
         host = next(r for r in sorted(by_rank) if by_rank[r].node not in leaving)
         message = [None]
         server = None
+        cluster = fleet_cluster(staying, self.template)
         if plan_rank == host:
-            found = replan(plan, fleet_cluster(staying, self.template), self.model)
+            found = replan(plan, cluster, self.model)
             idle = [m for m, r in zip(staying, plan_ranks(found.plan, staying)) if r is None]
             if not idle:
                 from megatron_autohet.launch import free_port
@@ -350,7 +358,11 @@ class ElasticWorker:
                                         is_master=False, timeout=_STORE_TIMEOUT)
         seconds = time.monotonic() - start
         self.started = time.monotonic()
+        # The host reports the re-plan: the old plan's rank 0, which reported until now, may be
+        # on a node that leaves. From the new generation on the new plan's rank 0 reports.
+        self.events = self._log(plan_rank == host)
         if plan_rank == host:
+            self._emit_fleet(cluster, leaving, [])
             self._emit_plan("re-planned in-process", staying, new, seconds, warm=True,
                             detail=f", predicted iteration {message[0]['iteration_time_s']:.3g}"
                             f" s, recovery moves {message[0]['recovery_bytes'] / 2**20:.1f} "
