@@ -41,6 +41,7 @@ import yaml
 
 from megatron_autohet.errors import ConfigError
 from megatron_autohet.spec._yaml import check_keys, get_field, read_yaml_mapping
+from megatron_autohet.spec.cluster import trains_in
 from megatron_autohet.spec.gpus import GPUType
 from megatron_autohet.spec.model import ModelSpec, model_from_dict
 
@@ -342,20 +343,22 @@ def check_bf16_support(plan: Plan, catalog: dict[str, GPUType], file: str | Path
     ``bf16: false``: V100, T4); GPU types the catalog does not know are not judged.
 
     bf16 is the one 16-bit precision the runtime trains in (one P2P dtype per job): fp16 needs
-    a dynamic loss scaler, which it does not have. ``autohet plan`` plans bf16 without such GPUs
-    (spec/cluster.py ``bf16_fleet``); ``autohet train`` refuses a plan that would train bf16 on
-    them (a hand-written one, or one priced from an fp32 profile), with one line naming the
-    first such stage."""
+    a dynamic loss scaler, which it does not have. Every planning path plans bf16 without such
+    GPUs (spec/cluster.py ``trainable_fleet``, the same ``trains_in`` test); ``autohet
+    train`` refuses a plan that would train bf16 on them (a hand-written one, or one priced
+    from an fp32 profile), with one line naming the first such stage."""
+    def unsupported(gpu: str) -> bool:
+        return gpu in catalog and not trains_in(catalog[gpu], "bf16")
+
     for p, pipe in enumerate(plan.pipelines):
         for s, stage in enumerate(pipe.stages):
             gpu = plan.ranks[stage.ranks[0]].gpu
-            if gpu in catalog and not catalog[gpu].bf16:
-                unsupported = sorted({i.gpu for i in plan.ranks
-                                      if i.gpu in catalog and not catalog[i.gpu].bf16})
+            if unsupported(gpu):
+                names = sorted({i.gpu for i in plan.ranks if unsupported(i.gpu)})
                 raise ConfigError(
                     file, f"pipelines[{p}].stages[{s}]",
                     f"plan stage {s} of pipeline {p} on {gpu}: bf16 not supported (the GPU "
                     f"catalog says bf16: false), and this runtime trains 16-bit only in bf16 "
                     f"(fp16 needs a dynamic loss scaler it does not have)",
-                    f"a plan without {', '.join(unsupported)} GPUs: take their nodes out of the "
+                    f"a plan without {', '.join(names)} GPUs: take their nodes out of the "
                     f"cluster file and plan again")

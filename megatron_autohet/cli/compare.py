@@ -31,7 +31,8 @@ def run(args) -> int:
 
     cluster, model, profile = load_planning_inputs(args)
     result = compare(cluster, model, profile, args.global_batch_size, args.micro_batch_size,
-                     args.seq_length, progress=not args.json, **planning_options(args))
+                     args.seq_length, progress=not args.json, cluster_file=args.cluster,
+                     **planning_options(args))
     if args.output:
         result.plan.save(args.output)
     if args.json:

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import dataclasses
 import time
 
 from megatron_autohet.cli._common import (add_planning_arguments, format_idle,
                                           format_plan_table, format_prediction,
                                           load_planning_inputs, planning_options, search_end)
 from megatron_autohet.cost_model import annotate_plan
-from megatron_autohet.spec.cluster import bf16_fleet
-from megatron_autohet.spec.precision import PLANNING_PRECISION
+from megatron_autohet.spec.cluster import trainable_fleet
 
 
 def register(subparsers) -> None:
@@ -36,14 +34,12 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    from megatron_autohet.planner.search import search
+    from megatron_autohet.planner.search import priced_precision, search, with_left_out
 
     cluster, model, profile = load_planning_inputs(args)
-    left_out: dict[str, int] = {}
-    # Priced in bf16 (estimates, GPU profiles), the plan trains in bf16, which V100s and T4s
-    # lack: it is made without them, and they count as its idle GPUs.
-    if (profile.precision if profile else PLANNING_PRECISION).name == "bf16":
-        cluster, left_out = bf16_fleet(cluster, args.cluster)
+    # The plan trains in the precision it is priced in: GPUs that cannot (V100s and T4s in
+    # bf16) are left out of it and count as its idle GPUs.
+    cluster, left_out = trainable_fleet(cluster, priced_precision(profile), args.cluster)
     print(f"> planning {model.name} on {cluster.name}: {cluster.world_size} GPUs "
           f"({', '.join(f'{n} x {g}' for g, n in cluster.counts_by_type().items())}"
           + (f"; left out, no bf16: {format_idle(left_out)}" if left_out else "")
@@ -53,13 +49,8 @@ def run(args) -> int:
                   args.seq_length, tp_degrees=args.tp,
                   distributed_optimizer=args.use_distributed_optimizer, **planning_options(args))
     elapsed = time.perf_counter() - started
-    cost = best.cost
-    if left_out:
-        idle = dict(cost.idle_gpus)
-        for gpu, count in left_out.items():
-            idle[gpu] = idle.get(gpu, 0) + count
-        cost = dataclasses.replace(cost, idle_gpus=idle)
-        annotate_plan(best.plan, cost)
+    cost = with_left_out(best.cost, left_out)
+    annotate_plan(best.plan, cost)
     best.plan.save(args.output)
     print(format_plan_table(best.plan, cost))
     print(format_prediction(best.plan, cost))

@@ -91,7 +91,8 @@ def run(args) -> int:
           f"global batch {previous.global_batch_size}")
     started = time.perf_counter()
     result = replan(previous, cluster, model, profile, tolerance=args.tolerance,
-                    time_limit_s=args.time_limit or REPLAN_TIME_LIMIT_S)
+                    time_limit_s=args.time_limit or REPLAN_TIME_LIMIT_S,
+                    cluster_file=args.cluster)
     elapsed = time.perf_counter() - started
     result.plan.save(args.output)
     print(format_plan_table(result.plan, result.cost))

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_autohet.cost_model import DEFAULT_MEMORY_HEADROOM, PlanCost
+from megatron_autohet.cost_model import DEFAULT_MEMORY_HEADROOM, PlanCost, annotate_plan
 from megatron_autohet.plan import Plan
 from megatron_autohet.planner.baselines import all_baselines
-from megatron_autohet.planner.search import resolve_profile, search
+from megatron_autohet.planner.search import (priced_precision, resolve_profile, search,
+                                             with_left_out)
 from megatron_autohet.planner.space import Problem, check_batch
 from megatron_autohet.profiling.profile import Profile
-from megatron_autohet.spec.cluster import Cluster
+from megatron_autohet.spec.cluster import Cluster, trainable_fleet
 from megatron_autohet.spec.model import ModelSpec
 
 
@@ -56,11 +57,14 @@ def compare(cluster: Cluster, model: ModelSpec, profile: Profile | None, global_
             allow_asymmetric_tp: bool = False, activation_recompute: bool | None = None,
             time_limit_s: float = 60.0, progress: bool = True,
             memory_headroom: float = DEFAULT_MEMORY_HEADROOM,
-            objective: str = "throughput") -> Comparison:
+            objective: str = "throughput", cluster_file: str = "<cluster>") -> Comparison:
     """Plan with make_plan's search and evaluate the baselines (planner/baselines.py) on the
     same cluster, model, profile and batch; speedup = baseline time / our time. Every plan
-    carries its USD per million tokens when the nodes have prices."""
+    carries its USD per million tokens when the nodes have prices. All of them run on the GPUs
+    that can train in the profile's precision (spec/cluster.py ``trainable_fleet``: a bf16 job
+    of any kind has no use for V100s and T4s), the others counted idle."""
     seq_length = seq_length or model.seq_length
+    cluster, left_out = trainable_fleet(cluster, priced_precision(profile), cluster_file)
     best = search(cluster, model, profile, global_batch_size, micro_batch_size, seq_length,
                   allow_asymmetric_tp=allow_asymmetric_tp,
                   activation_recompute=activation_recompute, time_limit_s=time_limit_s,
@@ -74,5 +78,8 @@ def compare(cluster: Cluster, model: ModelSpec, profile: Profile | None, global_
     results = []
     for b in all_baselines(problem, modes):
         speedup = b.cost.iteration_time_s / best.cost.iteration_time_s if b.cost else None
-        results.append(BaselineResult(b.name, b.note, b.plan, b.cost, speedup))
-    return Comparison(best.plan, best.cost, results)
+        results.append(BaselineResult(b.name, b.note, b.plan,
+                                      b.cost and with_left_out(b.cost, left_out), speedup))
+    cost = with_left_out(best.cost, left_out)
+    annotate_plan(best.plan, cost)          # the plan --output writes records its idle GPUs
+    return Comparison(best.plan, cost, results)

@@ -7,6 +7,9 @@ recovery moves across nodes (planner/state_moves.py), the fastest iteration time
 many plans were compared. The model, global batch, micro-batch and sequence length are the
 previous plan's (training continues with the same batch); the cluster is the fleet present now,
 and a node keeps its name across the change (same name, same machine, same local checkpoint).
+The new plan uses only the GPUs that can train in the job's precision (spec/cluster.py
+``trainable_fleet``, as ``autohet plan`` does: no V100 or T4 in a bf16 job); the others are
+among its idle GPUs.
 
 1. **Unchanged fleet**: every GPU the previous plan used is present with its type, and the GPUs
    it left idle are exactly those it recorded as idle (``predicted.idle_gpus``; a plan without
@@ -51,15 +54,17 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from megatron_autohet.cost_model import PlanCost, evaluate_plan, plan_memory_headroom
+from megatron_autohet.cost_model import (PlanCost, annotate_plan, evaluate_plan,
+                                         plan_memory_headroom)
 from megatron_autohet.errors import ConfigError
 from megatron_autohet.plan import Pipeline, Plan, RankInfo
-from megatron_autohet.planner.search import Candidate, resolve_profile, search
+from megatron_autohet.planner.search import (Candidate, priced_precision, resolve_profile,
+                                             search, with_left_out)
 from megatron_autohet.planner.space import Problem, evaluate
 from megatron_autohet.planner.state_moves import StateMap
 from megatron_autohet.planner.warmup import choose_warmups
 from megatron_autohet.profiling.profile import Profile
-from megatron_autohet.spec.cluster import Cluster
+from megatron_autohet.spec.cluster import Cluster, trainable_fleet
 from megatron_autohet.spec.model import ModelSpec
 
 
@@ -304,26 +309,37 @@ def replan(previous: Plan, cluster: Cluster, model: ModelSpec, profile: Profile 
            *, tolerance: float = 0.02, time_limit_s: float = REPLAN_TIME_LIMIT_S,
            work_budget: int = REPLAN_WORK_BUDGET, progress: bool = False,
            allow_asymmetric_tp: bool = False, activation_recompute: bool | None = None,
-           tp_degrees: list[int] | None = None, max_stages: int | None = None) -> Replan:
+           tp_degrees: list[int] | None = None, max_stages: int | None = None,
+           precision: str | None = None, cluster_file: str = "<cluster>") -> Replan:
     """The plan to restart with on ``cluster`` after ``previous`` (module doc).
 
     ``model`` must be ``previous.model``; ``profile`` None plans on analytic estimates;
     ``tolerance`` is the fraction of iteration time traded for less state moved;
     ``work_budget`` the search's budget in SCIP nodes and ``time_limit_s`` its wall-clock
-    safety net; the other options are
+    safety net; ``precision`` the one the job trains in (None: the one the plans are priced
+    in, search.priced_precision): the new plan uses only GPUs that can train in it
+    (spec/cluster.py ``trainable_fleet``, ``cluster_file`` names the cluster in its error) and
+    counts the others idle; the other options are
     :func:`~megatron_autohet.planner.search.search`'s. Raises ConfigError on a model
-    mismatch, a negative tolerance, or when no plan fits in memory.
+    mismatch, a negative tolerance, no GPU that trains in ``precision``, or when no plan fits
+    in memory.
     """
     _check_inputs(previous, model, tolerance)
     mbs, seq = previous.micro_batch_size, previous.seq_length
-    resolved = resolve_profile(cluster, model, profile, mbs, seq)
+    precision = precision or priced_precision(profile)
+    trainable, left_out = trainable_fleet(cluster, precision, cluster_file)
     # The new plan keeps the previous one's optimizer (the job's flags do not change) and the
     # memory headroom it was made with.
     headroom = plan_memory_headroom(previous)
-    if fleet_unchanged(previous, cluster):
-        cost = evaluate_plan(previous, cluster, resolved, with_timeline=False,
-                             memory_headroom=headroom)
+    # (the GPUs left out are among the idle ones a plan made on this fleet recorded; a previous
+    # plan on one of them, made for another precision, is re-planned)
+    if fleet_unchanged(previous, cluster) and \
+            not {r.gpu for r in previous.ranks} & set(left_out):
+        cost = evaluate_plan(previous, cluster, resolve_profile(cluster, model, profile, mbs, seq),
+                             with_timeline=False, memory_headroom=headroom)
         return Replan(previous, cost, 0, cost.iteration_time_s, 0, True)
+    cluster = trainable                 # from here on, the fleet the new plan may use
+    resolved = resolve_profile(cluster, model, profile, mbs, seq)
     problem = Problem(cluster, model, resolved, previous.global_batch_size, mbs, seq,
                       previous.use_distributed_optimizer, headroom)
     derived = derived_plan(previous, problem)
@@ -351,5 +367,8 @@ def replan(previous: Plan, cluster: Cluster, model: ModelSpec, profile: Profile 
     chosen = warm_up(chosen)
     # (the warm-up pass may have made the chosen plan the fastest one)
     fastest = min(c.cost.iteration_time_s for c in [*judged, chosen])
-    return Replan(chosen.plan, chosen.cost, moved, fastest, len(judged), False, best.stopped_by,
+    cost = with_left_out(chosen.cost, left_out)
+    if left_out:
+        annotate_plan(chosen.plan, cost)
+    return Replan(chosen.plan, cost, moved, fastest, len(judged), False, best.stopped_by,
                   best.work)

@@ -141,6 +141,7 @@ from megatron_autohet.profiling.estimate import estimate_profile
 from megatron_autohet.profiling.profile import Profile
 from megatron_autohet.spec.cluster import Cluster
 from megatron_autohet.spec.model import ModelSpec
+from megatron_autohet.spec.precision import PLANNING_PRECISION
 
 # Pipelines up to this many stages take every order of pools (module doc, step 2); longer
 # ones contiguous runs of at most MAX_TYPES_PER_PIPELINE pools.
@@ -207,6 +208,25 @@ def resolve_profile(cluster: Cluster, model: ModelSpec, profile: Profile | None,
     estimate = estimate_profile(model, cluster, micro_batch_size, seq_length,
                                 attention=profile.attention)
     return profile.calibrated_over(estimate)
+
+
+def priced_precision(profile: Profile | None) -> str:
+    """The precision a plan made from ``profile`` is priced in, hence the one it is made to train
+    in (spec/cluster.py ``trainable_fleet`` chooses its GPUs by it): the profile's, else the
+    analytic estimates' (spec/precision.py PLANNING_PRECISION, bf16)."""
+    return (profile.precision if profile is not None else PLANNING_PRECISION).name
+
+
+def with_left_out(cost: PlanCost, left_out: dict[str, int]) -> PlanCost:
+    """``cost`` with the GPUs ``trainable_fleet`` left out among its idle GPUs: a plan records
+    every GPU of its cluster it leaves idle (the re-planner's unchanged-fleet test compares the
+    fleet with that record)."""
+    if not left_out:
+        return cost
+    idle = dict(cost.idle_gpus)
+    for gpu, count in left_out.items():
+        idle[gpu] = idle.get(gpu, 0) + count
+    return dataclasses.replace(cost, idle_gpus=idle)
 
 
 def default_max_stages(problem: Problem, pools: list[Pool]) -> int:

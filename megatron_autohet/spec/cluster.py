@@ -149,21 +149,34 @@ def cluster_from_dict(data: dict, file="<cluster>", catalog: dict[str, GPUType] 
     return Cluster(name, tuple(nodes), types)
 
 
-def bf16_fleet(cluster: Cluster, file: str | Path = "<cluster>") -> tuple[Cluster, dict[str, int]]:
-    """The cluster without its nodes whose GPU type has no bf16 (the catalog's ``bf16: false``:
-    V100, T4), under the same name, and the GPUs left out by type: what a bf16 plan may use.
-    The runtime trains 16-bit only in bf16 (fp16 needs a dynamic loss scaler it does not have),
-    so a planner pricing bf16 plans around those GPUs; a cluster with none left is a
-    ConfigError."""
-    left_out: dict[str, int] = {}
+def trains_in(gpu: GPUType, precision: str) -> bool:
+    """Whether a job may train on ``gpu`` in ``precision`` (a spec/precision.py name): bf16 only
+    where the GPU has it (the catalog's ``bf16: false``: V100, T4). The one test every planning
+    path (:func:`trainable_fleet`) and ``autohet train`` (plan.py ``check_bf16_support``) apply;
+    fp16 never gets here (flags refuse it: the runtime has no loss scaler)."""
+    return precision != "bf16" or gpu.bf16
+
+
+def trainable_fleet(cluster: Cluster, precision: str, file: str | Path = "<cluster>"
+                    ) -> tuple[Cluster, dict[str, int]]:
+    """The cluster without its nodes whose GPU type cannot train in ``precision`` (a
+    spec/precision.py name; :func:`trains_in`: bf16 needs the catalog's ``bf16: true``, which
+    V100 and T4 lack), under the same name, and the GPUs left out by type: what a plan in that
+    precision may use. The runtime trains 16-bit only in bf16 (fp16 needs a dynamic loss scaler
+    it does not have), so every planning path (``autohet plan``, ``compare``, ``replan``, the
+    elastic re-plan) plans on this fleet; a cluster with none left is a ConfigError."""
+    kept, left_out = [], {}
     for node in cluster.nodes:
-        if not cluster.gpu_types[node.gpu].bf16:
+        if trains_in(cluster.gpu_types[node.gpu], precision):
+            kept.append(node.name)
+        else:
             left_out[node.gpu] = left_out.get(node.gpu, 0) + node.num_gpus
-    kept = [node.name for node in cluster.nodes if cluster.gpu_types[node.gpu].bf16]
+    if not left_out:
+        return cluster, {}
     if not kept:
-        raise ConfigError(file, "nodes", f"no GPU with bf16 ({', '.join(sorted(left_out))} "
-                          f"have bf16: false in the GPU catalog), and this runtime trains 16-bit "
-                          f"only in bf16 (fp16 needs a dynamic loss scaler it does not have)",
-                          "nodes with bf16 GPUs (A100, H100, L4, ...), or a profile measured "
-                          "in fp32 (autohet profile on a CPU) for fp32 plans")
+        raise ConfigError(file, "nodes", f"no GPU with {precision} ({', '.join(sorted(left_out))} "
+                          f"have {precision}: false in the GPU catalog), and this runtime trains "
+                          f"16-bit only in bf16 (fp16 needs a dynamic loss scaler it does not "
+                          f"have)", "nodes with bf16 GPUs (A100, H100, L4, ...), or a profile "
+                          "measured in fp32 (autohet profile on a CPU) for fp32 plans")
     return cluster.subset(kept), left_out
