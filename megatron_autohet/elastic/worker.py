@@ -223,13 +223,22 @@ class ElasticWorker:
         present = {n.name for n in cluster.nodes}
         gone, joined = sorted(before - present), sorted(present - before)
         self._emit_fleet(cluster, gone, joined)
-        found = replan(previous, cluster, self.model)
+        found = self._replan(previous, cluster)
         source = f"step {newest['iteration']}'s plan" if newest else "the initial plan"
         if found.unchanged:
             return found.plan, f"kept {source}"
         return found.plan, (f"re-planned from {source} (predicted iteration "
                             f"{found.cost.iteration_time_s:.3g} s, recovery moves "
                             f"{found.recovery_bytes / 2**20:.1f} MiB across nodes)")
+
+    def _replan(self, previous: Plan, cluster: Cluster):
+        """planner/replan.py's re-plan for the fleet present, on the GPUs that can train in this
+        job's precision (a bf16 job leaves V100s and T4s idle, as ``autohet plan`` does and
+        ``autohet train`` demands)."""
+        from megatron_autohet.launch import job_precision
+
+        return replan(previous, cluster, self.model,
+                      precision=job_precision(self.options)[0].name, cluster_file="<fleet>")
 
     # ---- 3-4: train, stop -------------------------------------------------------------------
 
@@ -336,7 +345,7 @@ class ElasticWorker:
         server = None
         cluster = fleet_cluster(staying, self.template)
         if plan_rank == host:
-            found = replan(plan, cluster, self.model)
+            found = self._replan(plan, cluster)
             idle = [m for m, r in zip(staying, plan_ranks(found.plan, staying)) if r is None]
             if not idle:
                 from megatron_autohet.launch import free_port
