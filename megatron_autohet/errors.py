@@ -1,4 +1,4 @@
-"""The one error type for bad user input.
+"""The one error type for bad user input, and the value checks both front ends share.
 
 Every message names the file, the field and what is allowed, so a user can fix the input without
 reading a traceback. The CLI prints ``str(err)`` and exits with status 2.
@@ -26,3 +26,10 @@ class JobConfigError(ConfigError):
     flags, plan and agreed checkpoint step (a resume that no step can serve, a ``--ckpt-step``
     committed nowhere): the job prints it once and every rank exits with status 2
     (launch.run_worker, megatron/hooks.stop_job), instead of one traceback per rank."""
+
+
+def probability(value: float, flag: str) -> None:
+    """A dropout probability (``autohet train`` and ``pretrain_gpt.py`` take the same flags):
+    torch's dropout takes [0, 1]; 1 would zero every activation."""
+    if not 0 <= value < 1:
+        raise ConfigError("<command line>", flag, f"got {value}", "a probability in [0, 1)")

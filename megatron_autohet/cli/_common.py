@@ -67,12 +67,6 @@ def positive(value: int | float | None, flag: str) -> None:
     raise ConfigError("<command line>", flag, problem, "a number > 0")
 
 
-def probability(value: float, flag: str) -> None:
-    """A dropout probability: torch's dropout takes [0, 1]; 1 would zero every activation."""
-    if not 0 <= value < 1:
-        raise ConfigError("<command line>", flag, f"got {value}", "a probability in [0, 1)")
-
-
 def check_output_path(path: str | None, flag: str) -> None:
     """Before any work: the file ``path`` can be created (its directory exists), so a typo costs
     a second instead of the search or measurement it would end."""

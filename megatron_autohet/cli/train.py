@@ -14,8 +14,8 @@ import argparse
 
 from megatron_autohet.checkpoint.options import (DEFAULT_KEEP, DEFAULT_MAX_FAILED_SAVES,
                                                  CheckpointOptions, check_scheduler_flags)
-from megatron_autohet.cli._common import check_output_path, positive, probability
-from megatron_autohet.errors import ConfigError
+from megatron_autohet.cli._common import check_output_path, positive
+from megatron_autohet.errors import ConfigError, probability
 from megatron_autohet.plan import check_bf16_support
 from megatron_autohet.spec.gpus import load_gpu_catalog
 from megatron_autohet.runtime.optimizer import LR_DECAY_STYLES, OptimizerSettings

@@ -56,8 +56,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from megatron_autohet.checkpoint.options import CheckpointOptions, check_scheduler_flags
-from megatron_autohet.cli._common import probability
-from megatron_autohet.errors import ConfigError
+from megatron_autohet.errors import ConfigError, probability
 from megatron_autohet.plan import Plan, load_plan
 from megatron_autohet.runtime.optimizer import MEGATRON_SCHEDULE_FLAGS, OptimizerSettings
 
