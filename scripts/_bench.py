@@ -3,20 +3,13 @@
 from __future__ import annotations
 
 import json
-import warnings
 from pathlib import Path
 
-# megatron-core's warnings that are known and say nothing about a benchmark: Apex / Transformer
-# Engine missing (on CPU it falls back to torch) and the deprecation its own TransformerConfig
-# default (cuda_graph_scope "full") triggers.
-KNOWN_MEGATRON_WARNINGS = (r".*Apex (is|are) not installed", r"full scope is deprecated")
+from megatron_autohet.known_warnings import ignore_known_warnings
 
-
-def silence_known_megatron_warnings() -> None:
-    """Every rank repeats those warnings (once per module), which buried the tables; only the
-    benchmarks' processes drop them, the product keeps them."""
-    for message in KNOWN_MEGATRON_WARNINGS:
-        warnings.filterwarnings("ignore", message=message, category=UserWarning)
+# megatron-core's known-benign warnings: the product's own list and filter
+# (megatron_autohet/known_warnings.py), for the benchmarks' processes that run no `autohet` main.
+silence_known_megatron_warnings = ignore_known_warnings
 
 
 def write_json(result: dict, path: str) -> None:

@@ -14,6 +14,7 @@ import sys
 
 from megatron_autohet import __version__
 from megatron_autohet.errors import ConfigError
+from megatron_autohet.known_warnings import ignore_known_warnings
 
 COMMANDS = ("checkpoint", "compare", "node", "plan", "profile", "rendezvous", "replan", "show",
             "train", "watch")
@@ -32,6 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Before any sub-command imports megatron-core: its known-benign warnings would repeat on
+    # every rank (torchrun's workers run this main too).
+    ignore_known_warnings()
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):

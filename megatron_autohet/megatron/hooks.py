@@ -44,8 +44,9 @@ Evaluation: ``--eval-interval`` / ``--eval-iters`` run the runtime's forward-onl
 (runtime/trainer.py) on the validation documents of ``--split`` (data/batches.py), logged in
 Megatron's format.
 
-Warnings megatron-core gives (Apex or Transformer Engine missing, deprecations) come from every
-process; once :func:`prepare_process` runs, ranks other than the first ignore Python warnings.
+megatron-core's known-benign warnings (known_warnings.py: Apex or Transformer Engine missing, its
+own deprecated default) are ignored on every rank from the top of the patched ``pretrain_gpt.py``;
+once :func:`prepare_process` runs, ranks other than the first ignore all Python warnings.
 """
 
 from __future__ import annotations

@@ -48,11 +48,11 @@ import re
 import socket
 import statistics
 import time
-import warnings
 import weakref
 from dataclasses import asdict, dataclass
 
 from megatron_autohet.errors import ConfigError
+from megatron_autohet.known_warnings import ignore_known_warnings
 from megatron_autohet.profiling.profile import OpCost, Profile, entry_from_dict
 from megatron_autohet.spec.gpus import GPUType
 from megatron_autohet.spec.model import ModelSpec
@@ -181,10 +181,9 @@ def _worker(rank: int, request: MeasureRequest, done) -> None:
     # compute the way it will in training (read when CUDA initialises, so set first).
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(request.master_port),
                       CUDA_DEVICE_MAX_CONNECTIONS="1")
-    # megatron-core warns at import about every missing optional fused kernel; rank 0 prints
-    # which layer spec was measured instead.
-    warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).*not installed.*")
-    warnings.filterwarnings("ignore", message=r".*full scope is deprecated.*")
+    # A spawned process: megatron-core's known-benign warnings are filtered here again, before
+    # it is imported (rank 0 prints which layer spec was measured instead).
+    ignore_known_warnings()
     import torch
     import torch.distributed as dist
 
