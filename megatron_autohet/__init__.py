@@ -13,9 +13,20 @@ Package layout follows the data flow (see README.md):
                  optimizer (AdamW + Megatron's LR schedule), the trainer
     checkpoint/  layout-independent checkpoints (megatron-core torch_dist files + manifest),
                  local tier and S3 tier, loading into any plan
-    launch       `autohet train`'s job: checks, local process launch, the per-rank worker
-    megatron/    glue for Megatron-LM's pretrain_gpt.py
+    job          a training job on a process group: options, precision, data + trainer +
+                 checkpointer, the one assembly both launchers use
+    elastic/     spot fleets: notices, stop requests, membership, the elastic worker
+    launch       `autohet train`'s ranks: checks, local process launch, the per-rank worker
     cli/         the `autohet` command
+    megatron/    glue for Megatron-LM's pretrain_gpt.py (an adapter at the edge, like cli/)
+    testing/     oracles for tests and benchmarks; product code never imports it
+    known_warnings  megatron-core's known-benign warnings, ignored in every process we start
+
+Imports go up this list, never down, function-local ones included, except that plan, layout/,
+data/ and runtime/ come before profiling/ in the import order: the plan's dataclasses and its
+parameter layout are what the cost model and the planner build, and the profiler measures
+runtime/'s layers. The import-graph test (test_import_graph.py) checks the order and that the
+graph has no cycle.
 
 Nothing in spec/, cost_model, planner/ or plan imports torch or megatron; nothing in layout/ does
 at import time (ParamLayout imports torch only to concatenate shards).

@@ -15,16 +15,11 @@ Three pieces, used by ``autohet train`` (cli/train.py):
   the environment against the plan (``WORLD_SIZE`` = plan ranks; on GPUs ``LOCAL_RANK`` = the plan's
   ``local_rank`` of this rank), picks NCCL + the GPU of ``LOCAL_RANK`` among those the process sees
   (runtime/device.py: one GPU per task works too) when this process has a GPU and
-  gloo + the CPU mode otherwise, opens the data on every rank (identical global batches), builds
-  the :class:`HeteroTrainer` with megatron-core's learning-rate scheduler on its optimizer
-  (runtime/optimizer.py ``make_lr_scheduler``, counting samples as Megatron-LM does, stepped
-  by the global batch size after every iteration) and runs
-  ``trainer.train_iterations``, which logs each iteration from rank 0 (the trainer's metrics are
-  the same on every rank), with the checkpoint hook (checkpoint/checkpointer.py) when the job
-  saves or loads.
+  gloo + the CPU mode otherwise, and trains (job.py ``train_job``), stopping on a signal with
+  ``--exit-signal-handler`` (:func:`signal_stop_check`).
 
-It sits above runtime/ and checkpoint/ (it wires the two together), not inside either; elastic
-jobs (elastic/worker.py) use its :func:`train_job` too.
+It sits above job.py and elastic/ (whose stop check it uses); the elastic workers
+(elastic/worker.py) start their ranks their own way and share job.py, not this module.
 """
 
 from __future__ import annotations
@@ -32,40 +27,13 @@ from __future__ import annotations
 import os
 import socket
 import sys
-from dataclasses import asdict, dataclass, fields
-from datetime import timedelta
+from dataclasses import dataclass, fields
 from pathlib import Path
 
-from megatron_autohet.checkpoint.options import CheckpointOptions
 from megatron_autohet.errors import ConfigError, JobConfigError
+from megatron_autohet.job import TrainOptions, init_backend, report_job_config_error, train_job
 from megatron_autohet.plan import Plan, load_plan
-from megatron_autohet.runtime.optimizer import OptimizerSettings, make_lr_scheduler
 from megatron_autohet.spec.model import ModelSpec, load_model
-
-
-@dataclass(frozen=True)
-class TrainOptions:
-    iters: int
-    seed: int
-    optimizer: OptimizerSettings
-    metrics_jsonl: str | None = None
-    data_path: str | None = None
-    data_dir: str | None = None
-    checkpoint: CheckpointOptions = CheckpointOptions()
-    exit_interval: int | None = None
-    exit_signal_handler: bool = False
-    distributed_timeout_minutes: float = 10.0
-    eval_interval: int | None = None       # Megatron-LM's --eval-interval (None: no evaluation)
-    eval_iters: int = 100                  # validation global batches per evaluation
-    split: str | None = None               # Megatron-LM's --split (data/batches.default_split)
-    distributed_optimizer: bool = False        # --use-distributed-optimizer
-    precision: str | None = None        # "bf16" or "fp32"; None: bf16 on CUDA GPUs, fp32 on CPU
-    hidden_dropout: float = 0.0         # Megatron-LM's --hidden-dropout / --attention-dropout
-    attention_dropout: float = 0.0
-
-    @property
-    def timeout(self) -> timedelta:
-        return timedelta(minutes=self.distributed_timeout_minutes)
 
 
 @dataclass(frozen=True)
@@ -163,30 +131,6 @@ def launch_local(plan: Plan, worker_argv: list[str], *, gpus_available: int = 0)
     return 0
 
 
-def train_args(options: TrainOptions) -> dict:
-    """The arguments a checkpoint records (plain values; ``autohet checkpoint ls`` shows them)."""
-    return {"iters": options.iters, "seed": options.seed, "data_path": options.data_path,
-            "optimizer": asdict(options.optimizer), "precision": options.precision,
-            "hidden_dropout": options.hidden_dropout,
-            "attention_dropout": options.attention_dropout}
-
-
-def job_precision(options: TrainOptions):
-    """The precision the job trains in (spec/precision.py) and why: the flag's, else bf16 on
-    CUDA GPUs (what the planner priced the plan for) and fp32 on CPU (bit-comparable proofs),
-    with or without the distributed optimizer."""
-    import torch
-
-    from megatron_autohet.runtime.cpu_mode import cpu_mode_enabled
-    from megatron_autohet.spec.precision import default_precision
-    from megatron_autohet.spec.precision import PRECISIONS
-
-    if options.precision is not None:
-        return PRECISIONS[options.precision], f"--{options.precision}"
-    on_gpu = torch.cuda.is_available() and not cpu_mode_enabled()
-    return default_precision(on_gpu), "the default on " + ("CUDA GPUs" if on_gpu else "CPU")
-
-
 # ---- worker --------------------------------------------------------------------------------
 
 def run_worker(plan: Plan, plan_path: str | Path, model: ModelSpec, options: TrainOptions,
@@ -205,7 +149,8 @@ def run_worker(plan: Plan, plan_path: str | Path, model: ModelSpec, options: Tra
     dist.init_process_group("gloo" if on_cpu else "nccl", rank=env.rank,
                             world_size=env.world_size, timeout=options.timeout)
     try:
-        train_job(plan, str(plan_path), model, options, rank=env.rank, local_rank=env.local_rank)
+        train_job(plan, str(plan_path), model, options, rank=env.rank, local_rank=env.local_rank,
+                  make_stop_check=signal_stop_check(options))
     except JobConfigError as err:
         return report_job_config_error(err, env.rank)
     finally:
@@ -213,78 +158,16 @@ def run_worker(plan: Plan, plan_path: str | Path, model: ModelSpec, options: Tra
     return 0
 
 
-def report_job_config_error(err: JobConfigError, rank: int) -> int:
-    """Every rank raised ``err`` together (a resume no step can serve, ranks that disagree on
-    the layer spec...): one line from rank 0, which the barrier lets print before any rank
-    exits (torchrun then stops the others); the exit status is 2, as for any bad input."""
-    import torch.distributed as dist
+def signal_stop_check(options: TrainOptions):
+    """``--exit-signal-handler``: the ``make_stop_check`` of job.train_job by which every rank
+    stops after the same iteration once one got SIGTERM (and saves it, with checkpointing); None
+    without the flag. No notice file: that is the elastic workers' (elastic/worker.py)."""
+    if not options.exit_signal_handler:
+        return None
 
-    if rank == 0:
-        print(f"autohet train: error: {err}", file=sys.stderr, flush=True)
-    dist.barrier()
-    return 2
-
-
-def init_backend(on_cpu: bool) -> None:
-    """Before the process group: megatron-core's CPU mode when this process has no GPU."""
-    if on_cpu:
-        from megatron_autohet.runtime.cpu_mode import enable_cpu_mode
-        enable_cpu_mode()
-
-
-def train_job(plan: Plan, plan_label: str, model: ModelSpec, options: TrainOptions, *, rank: int,
-              local_rank: int, make_stop_check=None) -> int:
-    """Train on an initialised default process group whose ranks are the plan's; returns the last
-    iteration trained. ``make_stop_check(checkpointer)`` (the checkpointer or None) returns the
-    ``stop_check`` of runtime/trainer.train_iterations."""
-    from megatron_autohet.data.batches import DataOptions, default_split, open_global_batches
-    from megatron_autohet.runtime.stage_model import LAYER_SPECS
-    from megatron_autohet.runtime.trainer import (Evaluation, HeteroTrainer, train_iterations,
-                                                  validation_batches_needed)
-
-    valid_batches = validation_batches_needed(options.iters, options.eval_interval,
-                                              options.eval_iters)
-    data = DataOptions(seq_length=plan.seq_length, global_batch_size=plan.global_batch_size,
-                       num_iterations=options.iters, seed=options.seed,
-                       data_path=options.data_path, data_dir=options.data_dir,
-                       split=default_split(options.split, valid_batches > 0),
-                       valid_batches=valid_batches)
-    batches, valid = open_global_batches(data, model.vocab_size, local_rank)
-    evaluation = (Evaluation(options.eval_interval, options.eval_iters, valid)
-                  if valid is not None else None)
-    distributed_optimizer = options.distributed_optimizer or plan.use_distributed_optimizer
-    precision, why = job_precision(options)
-    if rank == 0:
-        print(f"training in {precision.name} ({why}): "
-              + ("bf16 weights and activations, fp32 main gradients, master weights and Adam "
-                 "state" if precision.master_bytes else "fp32 weights, gradients and Adam state"),
-              flush=True)
-    trainer = HeteroTrainer(plan, model, rank=rank, seed=options.seed,
-                            optimizer=options.optimizer, plan_file=plan_label,
-                            distributed_optimizer=distributed_optimizer, precision=precision,
-                            hidden_dropout=options.hidden_dropout,
-                            attention_dropout=options.attention_dropout)
-    if rank == 0:
-        print(f"layer: {LAYER_SPECS[trainer.layer_spec]}", flush=True)
-    if trainer.distributed_optimizer and rank == 0:
-        print(trainer.optimizer.summary(), flush=True)
-    # Counting samples, as Megatron-LM does (runtime/optimizer.py): checkpoints of this job
-    # load into the pretrain_gpt.py path and stock Megatron-LM, and theirs into this job.
-    scheduler = make_lr_scheduler(trainer.optimizer, options.optimizer, options.iters,
-                                  plan.global_batch_size)
-    checkpointer = None
-    if options.checkpoint.saving or options.checkpoint.load is not None:
-        from megatron_autohet.checkpoint.checkpointer import Checkpointer
-        checkpointer = Checkpointer(options.checkpoint, trainer, scheduler, seed=options.seed,
-                                    train_args=train_args(options))
-    if make_stop_check is None and options.exit_signal_handler:
+    def make_stop_check(checkpointer):
+        # torch: a rank's code, not the launcher's
         from megatron_autohet.elastic.stop import StopRequests, stop_group
 
-        def make_stop_check(checkpointer):
-            return StopRequests(stop_group(options.timeout), notice_file=None).check
-    stop_check = make_stop_check(checkpointer) if make_stop_check else None
-    return train_iterations(trainer, batches, scheduler, train_iters=options.iters,
-                            scheduler_increment=plan.global_batch_size, log=rank == 0,
-                            metrics_jsonl=options.metrics_jsonl, checkpointer=checkpointer,
-                            exit_interval=options.exit_interval, stop_check=stop_check,
-                            evaluation=evaluation)
+        return StopRequests(stop_group(options.timeout), notice_file=None).check
+    return make_stop_check

@@ -16,7 +16,10 @@ from megatron_autohet.checkpoint.options import (DEFAULT_KEEP, DEFAULT_MAX_FAILE
                                                  CheckpointOptions, check_scheduler_flags)
 from megatron_autohet.cli._common import check_output_path, positive
 from megatron_autohet.errors import ConfigError, probability
+from megatron_autohet.job import TrainOptions, job_precision
+from megatron_autohet.launch import DistEnv, launch_local, load_job, run_worker
 from megatron_autohet.plan import check_bf16_support
+from megatron_autohet.spec.cluster import load_cluster
 from megatron_autohet.spec.gpus import load_gpu_catalog
 from megatron_autohet.runtime.optimizer import LR_DECAY_STYLES, OptimizerSettings
 
@@ -210,9 +213,6 @@ def worker_argv(args: argparse.Namespace) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatron_autohet.launch import (DistEnv, TrainOptions, job_precision, launch_local,
-                                         load_job, run_worker)
-
     positive(args.iters, "--iters")
     probability(args.hidden_dropout, "--hidden-dropout")
     probability(args.attention_dropout, "--attention-dropout")
@@ -246,8 +246,8 @@ def run(args: argparse.Namespace) -> int:
     if job_precision(options)[0].name == "bf16":
         check_bf16_support(plan, load_gpu_catalog(), args.plan)
     if args.elastic:
+        # torch and pyscipopt: only in an elastic worker, not at the command's start-up
         from megatron_autohet.elastic.worker import ElasticWorker
-        from megatron_autohet.spec.cluster import load_cluster
 
         return ElasticWorker(initial_plan=plan, template=load_cluster(args.cluster), model=model,
                              options=options, notice_file=args.autohet_notice_file,

@@ -55,6 +55,7 @@ from megatron_autohet.elastic.fleet import Member, fleet_cluster, plan_ranks
 from megatron_autohet.elastic.hold import hold_file_from_env, wait_while_held
 from megatron_autohet.elastic.stop import StopDecision
 from megatron_autohet.errors import ConfigError, JobConfigError
+from megatron_autohet.job import init_backend, job_precision, report_job_config_error, train_job
 from megatron_autohet.plan import Plan, plan_from_dict
 from megatron_autohet.planner.replan import replan
 from megatron_autohet.spec.cluster import Cluster
@@ -235,8 +236,6 @@ class ElasticWorker:
         """planner/replan.py's re-plan for the fleet present, on the GPUs that can train in this
         job's precision (a bf16 job leaves V100s and T4s idle, as ``autohet plan`` does and
         ``autohet train`` demands)."""
-        from megatron_autohet.launch import job_precision
-
         return replan(previous, cluster, self.model,
                       precision=job_precision(self.options)[0].name, cluster_file="<fleet>")
 
@@ -245,7 +244,6 @@ class ElasticWorker:
     def run(self) -> int:
         import torch.distributed as dist
 
-        from megatron_autohet.launch import init_backend, report_job_config_error
         from megatron_autohet.runtime.cpu_mode import cpu_mode_required
         from megatron_autohet.runtime.device import select_device
 
@@ -299,7 +297,6 @@ class ElasticWorker:
         generation's model: its trainer, optimizer and buffers are freed before the files move
         and the re-plan, so the next generation in this process starts from the memory the
         first one had (survivors that take more layers need it)."""
-        from megatron_autohet.launch import train_job
         from megatron_autohet.runtime.device import free_memory
 
         stop = None
@@ -348,13 +345,12 @@ class ElasticWorker:
             found = self._replan(plan, cluster)
             idle = [m for m, r in zip(staying, plan_ranks(found.plan, staying)) if r is None]
             if not idle:
-                from megatron_autohet.launch import free_port
-
                 addr = os.environ.get("AUTOHET_LOCAL_ADDR") or socket.gethostname()
-                port = free_port()
-                server = dist.TCPStore(addr, port, is_master=True, wait_for_workers=False,
+                # Port 0: the store binds a port the system picks (no window for another
+                # process to take it between choosing and binding).
+                server = dist.TCPStore(addr, 0, is_master=True, wait_for_workers=False,
                                        timeout=_STORE_TIMEOUT)
-                message = [{"plan": found.plan.to_dict(), "addr": addr, "port": port,
+                message = [{"plan": found.plan.to_dict(), "addr": addr, "port": server.port,
                             "recovery_bytes": found.recovery_bytes,
                             "iteration_time_s": found.cost.iteration_time_s}]
         dist.broadcast_object_list(message, src=host)

@@ -1,7 +1,7 @@
 """Training from a plan on megatron-core.
 
 Modules in data-flow order (a rank's start, one iteration, then the baselines it is checked with;
-launching a job and checkpointing it sit above this package: launch.py, checkpoint/):
+assembling a job and checkpointing it sit above this package: job.py, checkpoint/):
 
 cpu_mode        megatron-core on a CPU-only torch with gloo (device mapping, RNG tracker)
 parallel_state  this rank's process groups: megatron ProcessGroupCollection + parallel_state globals

@@ -1,0 +1,155 @@
+"""A training job from a plan, on a process group that exists: options, precision, assembly.
+
+:func:`train_job` wires the pieces together on every rank: the data (identical global batches on
+every rank, data/batches.py), the :class:`HeteroTrainer` with megatron-core's learning-rate
+scheduler on its optimizer (runtime/optimizer.py ``make_lr_scheduler``, counting samples as
+Megatron-LM does, stepped by the global batch size after every iteration), the checkpoint hook
+(checkpoint/checkpointer.py) when the job saves or loads, and ``trainer.train_iterations``,
+which logs each iteration from rank 0 (the trainer's metrics are the same on every rank).
+
+It sits above runtime/ and checkpoint/ (it wires the two together) and below the two ways of
+starting ranks: launch.py (``autohet train``: a plan's ranks under torchrun) and
+elastic/worker.py (``autohet train --elastic``: the workers agree on a plan first). Whoever starts
+the ranks decides when they stop: it passes the stop check (elastic/stop.py), which this module
+does not import.
+
+torch and megatron-core are imported inside the functions that use them: ``autohet train``
+imports this module at start-up, long before (and in the launcher, without) any training.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+
+from megatron_autohet.checkpoint.options import CheckpointOptions
+from megatron_autohet.data.batches import DataOptions, default_split, open_global_batches
+from megatron_autohet.errors import JobConfigError
+from megatron_autohet.plan import Plan
+from megatron_autohet.runtime.optimizer import OptimizerSettings, make_lr_scheduler
+from megatron_autohet.spec.model import ModelSpec
+from megatron_autohet.spec.precision import PRECISIONS, default_precision
+
+
+@dataclass(frozen=True)
+class TrainOptions:
+    iters: int
+    seed: int
+    optimizer: OptimizerSettings
+    metrics_jsonl: str | None = None
+    data_path: str | None = None
+    data_dir: str | None = None
+    checkpoint: CheckpointOptions = CheckpointOptions()
+    exit_interval: int | None = None
+    exit_signal_handler: bool = False   # read by the launcher, which passes the stop check
+    distributed_timeout_minutes: float = 10.0
+    eval_interval: int | None = None       # Megatron-LM's --eval-interval (None: no evaluation)
+    eval_iters: int = 100                  # validation global batches per evaluation
+    split: str | None = None               # Megatron-LM's --split (data/batches.default_split)
+    distributed_optimizer: bool = False        # --use-distributed-optimizer
+    precision: str | None = None        # "bf16" or "fp32"; None: bf16 on CUDA GPUs, fp32 on CPU
+    hidden_dropout: float = 0.0         # Megatron-LM's --hidden-dropout / --attention-dropout
+    attention_dropout: float = 0.0
+
+    @property
+    def timeout(self) -> timedelta:
+        return timedelta(minutes=self.distributed_timeout_minutes)
+
+
+def train_args(options: TrainOptions) -> dict:
+    """The arguments a checkpoint records (plain values; ``autohet checkpoint ls`` shows them)."""
+    return {"iters": options.iters, "seed": options.seed, "data_path": options.data_path,
+            "optimizer": asdict(options.optimizer), "precision": options.precision,
+            "hidden_dropout": options.hidden_dropout,
+            "attention_dropout": options.attention_dropout}
+
+
+def job_precision(options: TrainOptions):
+    """The precision the job trains in (spec/precision.py) and why: the flag's, else bf16 on
+    CUDA GPUs (what the planner priced the plan for) and fp32 on CPU (bit-comparable proofs),
+    with or without the distributed optimizer."""
+    if options.precision is not None:
+        return PRECISIONS[options.precision], f"--{options.precision}"
+    # torch: only once a precision has to be chosen (see the module's docstring)
+    import torch
+
+    from megatron_autohet.runtime.cpu_mode import cpu_mode_enabled
+
+    on_gpu = torch.cuda.is_available() and not cpu_mode_enabled()
+    return default_precision(on_gpu), "the default on " + ("CUDA GPUs" if on_gpu else "CPU")
+
+
+def report_job_config_error(err: JobConfigError, rank: int) -> int:
+    """Every rank raised ``err`` together (a resume no step can serve, ranks that disagree on
+    the layer spec...): one line from rank 0, which the barrier lets print before any rank
+    exits (torchrun then stops the others); the exit status is 2, as for any bad input."""
+    import torch.distributed as dist     # torch: a rank's code (see the module's docstring)
+
+    if rank == 0:
+        print(f"autohet train: error: {err}", file=sys.stderr, flush=True)
+    dist.barrier()
+    return 2
+
+
+def init_backend(on_cpu: bool) -> None:
+    """Before the process group: megatron-core's CPU mode when this process has no GPU."""
+    if on_cpu:
+        # torch: a rank's code (see the module's docstring)
+        from megatron_autohet.runtime.cpu_mode import enable_cpu_mode
+        enable_cpu_mode()
+
+
+def train_job(plan: Plan, plan_label: str, model: ModelSpec, options: TrainOptions, *, rank: int,
+              local_rank: int, make_stop_check=None) -> int:
+    """Train on an initialised default process group whose ranks are the plan's; returns the last
+    iteration trained. ``make_stop_check(checkpointer)`` (the checkpointer or None) returns the
+    ``stop_check`` of runtime/trainer.train_iterations; it is called on every rank right after
+    the checkpointer is made (a stop check's process group is made there, collectively)."""
+    # torch and megatron-core: a rank's code (see the module's docstring)
+    from megatron_autohet.runtime.stage_model import LAYER_SPECS
+    from megatron_autohet.runtime.trainer import (Evaluation, HeteroTrainer, train_iterations,
+                                                  validation_batches_needed)
+
+    valid_batches = validation_batches_needed(options.iters, options.eval_interval,
+                                              options.eval_iters)
+    data = DataOptions(seq_length=plan.seq_length, global_batch_size=plan.global_batch_size,
+                       num_iterations=options.iters, seed=options.seed,
+                       data_path=options.data_path, data_dir=options.data_dir,
+                       split=default_split(options.split, valid_batches > 0),
+                       valid_batches=valid_batches)
+    batches, valid = open_global_batches(data, model.vocab_size, local_rank)
+    evaluation = (Evaluation(options.eval_interval, options.eval_iters, valid)
+                  if valid is not None else None)
+    distributed_optimizer = options.distributed_optimizer or plan.use_distributed_optimizer
+    precision, why = job_precision(options)
+    if rank == 0:
+        print(f"training in {precision.name} ({why}): "
+              + ("bf16 weights and activations, fp32 main gradients, master weights and Adam "
+                 "state" if precision.master_bytes else "fp32 weights, gradients and Adam state"),
+              flush=True)
+    trainer = HeteroTrainer(plan, model, rank=rank, seed=options.seed,
+                            optimizer=options.optimizer, plan_file=plan_label,
+                            distributed_optimizer=distributed_optimizer, precision=precision,
+                            hidden_dropout=options.hidden_dropout,
+                            attention_dropout=options.attention_dropout)
+    if rank == 0:
+        print(f"layer: {LAYER_SPECS[trainer.layer_spec]}", flush=True)
+    if trainer.distributed_optimizer and rank == 0:
+        print(trainer.optimizer.summary(), flush=True)
+    # Counting samples, as Megatron-LM does (runtime/optimizer.py): checkpoints of this job
+    # load into the pretrain_gpt.py path and stock Megatron-LM, and theirs into this job.
+    scheduler = make_lr_scheduler(trainer.optimizer, options.optimizer, options.iters,
+                                  plan.global_batch_size)
+    checkpointer = None
+    if options.checkpoint.saving or options.checkpoint.load is not None:
+        # torch: a rank's code (see the module's docstring)
+        from megatron_autohet.checkpoint.checkpointer import Checkpointer
+        checkpointer = Checkpointer(options.checkpoint, trainer, scheduler, seed=options.seed,
+                                    train_args=train_args(options))
+    stop_check = make_stop_check(checkpointer) if make_stop_check else None
+    return train_iterations(trainer, batches, scheduler, train_iters=options.iters,
+                            scheduler_increment=plan.global_batch_size, log=rank == 0,
+                            metrics_jsonl=options.metrics_jsonl, checkpointer=checkpointer,
+                            exit_interval=options.exit_interval, stop_check=stop_check,
+                            evaluation=evaluation)
