@@ -453,6 +453,7 @@ def apply_loaded(trainer, scheduler, loaded: dict, *, load_optim: bool = True,
                    for key in ADAM_STATE_KEYS}}
     if load_optim:
         scheduler.load_state_dict(loaded["opt_param_scheduler"])
+    trainer.weights_set = True          # every weight and master came from the checkpoint
     rng = loaded.get(RNG_KEY)
     if rng is not None:
         torch.set_rng_state(rng["torch"])

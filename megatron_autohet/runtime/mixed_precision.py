@@ -86,6 +86,14 @@ class MasterWeights:
         return list(self.by_name.values())
 
     @torch.no_grad()
+    def copy_weights(self) -> None:
+        """The masters from the 16-bit weights, as when constructed (after the weights were
+        initialised late: runtime/trainer.py ``initialize_weights``)."""
+        if self._copies:
+            params, masters = zip(*self._copies)
+            torch._foreach_copy_(list(masters), list(params))
+
+    @torch.no_grad()
     def write_back(self) -> None:
         """The 16-bit weights from the masters (after an optimizer step or a checkpoint load)."""
         if self._copies:

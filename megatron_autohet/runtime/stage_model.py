@@ -10,9 +10,10 @@ Public API
     ``precision``'s dtype (spec/precision.py; ``bf16``/``fp16`` set as Megatron-LM's flags do). ``pipeline_layers``: the [start, end) layer
     ranges of every stage of this rank's pipeline (None: the whole model in one stage).
 ``build_stage_model(model_spec, state, *, seed, sequence_parallel=False, padded_vocab=None,
-                    precision=FP32, **config_overrides) -> GPTModel``
-    ``state``: runtime.parallel_state.HeteroParallelState. Layout-independent initial weights;
-    also seeds megatron's dropout RNG streams (``model_parallel_cuda_manual_seed``) as
+                    precision=FP32, initialize=True, **config_overrides) -> GPTModel``
+    ``state``: runtime.parallel_state.HeteroParallelState. Layout-independent initial weights
+    (runtime/init.py), or with ``initialize`` False none at all (the values are whatever the
+    allocation held: for a job that loads a checkpoint over them, below); also seeds megatron's dropout RNG streams (``model_parallel_cuda_manual_seed``) as
     Megatron-LM does (below). Dropout is off unless ``hidden_dropout``/``attention_dropout``
     are given (Megatron-LM's flags of those names).
 ``recompute_config(activation_recompute) -> dict``
@@ -67,6 +68,13 @@ Design (why)
   Masks therefore depend on the plan: with dropout a plan is not bit-comparable with another
   plan or the single-process reference (the proofs train without it), but one plan resumed from
   its own checkpoint continues bit for bit (the RNG states are saved per rank).
+* Initialisation is runtime/init.py's alone: megatron's init methods are no-ops here, since
+  every value they would draw is overwritten (megatron's CPU path still runs for the TP
+  attributes it sets); that saves its draws in every build (so the default CPU generator, the
+  dropout stream in CPU mode, no longer advances by them). runtime/init.py draws from
+  generators of its own, so a build with ``initialize`` False - for a resume, whose checkpoint
+  replaces every weight, skipping the full fp32 tensors runtime/init.py draws (together about 4
+  of 6 CPU-s per rank of GPT-3 350M) - leaves every RNG stream where a build with it does.
 * Tied embeddings: megatron's own all-reduce initialisation over ``pg_collection.embd`` is off
   (embd is None, see parallel_state); both copies get the same layout-independent values instead.
 """
@@ -242,9 +250,13 @@ def agree_layer_spec(device, file: str = "<fleet>") -> str:
     return name
 
 
+def _no_init(tensor: torch.Tensor) -> None:
+    """megatron's init method here: runtime/init.py sets the values (module doc)."""
+
+
 def build_stage_model(model_spec: ModelSpec, state, *, seed: int, sequence_parallel: bool = False,
                       padded_vocab: int | None = None, precision: Precision = FP32,
-                      **config_overrides):
+                      initialize: bool = True, **config_overrides):
     from megatron.core import tensor_parallel
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
@@ -257,7 +269,9 @@ def build_stage_model(model_spec: ModelSpec, state, *, seed: int, sequence_paral
     config = transformer_config(model_spec, role.stage.tp_size,
                                 sequence_parallel=sequence_parallel,
                                 pipeline_layers=[s.layers for s in pipeline.stages],
-                                precision=precision, **config_overrides)
+                                precision=precision, **{
+                                    "init_method": _no_init, "output_layer_init_method": _no_init,
+                                    "embedding_init_method": _no_init, **config_overrides})
     layer_spec, final_norm = stage_layer_spec(config)
     block_spec = TransformerBlockSubmodules(
         layer_specs=[layer_spec] * (role.stage.layers[1] - role.stage.layers[0]),
@@ -280,9 +294,10 @@ def build_stage_model(model_spec: ModelSpec, state, *, seed: int, sequence_paral
         if layer.layer_number != expected:              # megatron's offset logic disagrees
             raise RuntimeError(f"stage layer {local_index} got megatron layer_number "
                                f"{layer.layer_number}, expected global {expected}")
-    layouts = param_layouts(model, state)
-    initialize_parameters(((p, layouts[n]) for n, p in model.named_parameters()), model_spec,
-                          seed)
+    if initialize:
+        layouts = param_layouts(model, state)
+        initialize_parameters(((p, layouts[n]) for n, p in model.named_parameters()), model_spec,
+                              seed)
     return model
 
 

@@ -81,6 +81,7 @@ from megatron_autohet.data.batches import microbatches
 from megatron_autohet.plan import Plan
 from megatron_autohet.runtime.distributed_optimizer import DistributedOptimizer
 from megatron_autohet.runtime.grad_sync import DEFAULT_BUCKET_NUMEL, GradSync
+from megatron_autohet.runtime.init import initialize_parameters
 from megatron_autohet.runtime.loss import masked_token_mean
 from megatron_autohet.runtime.mixed_precision import MasterWeights
 from megatron_autohet.runtime.optimizer import OptimizerSettings, make_optimizer
@@ -122,15 +123,23 @@ class HeteroTrainer:
         precision: the numerics (spec/precision.py ``PRECISIONS``): bf16 mixed precision or fp32.
         hidden_dropout, attention_dropout: Megatron-LM's dropout probabilities (default off;
             runtime/stage_model.py says how the masks are seeded).
+        initialize: give the weights (and masters) the seed's initial values now; False for a
+            job that loads a checkpoint over them, which saves drawing every parameter's full
+            fp32 tensor (runtime/init.py) on every (re)start. Such a trainer trains only once its weights are set: by a
+            checkpoint load (checkpoint/state.py ``apply_loaded``) or, when there was none to
+            load, by :meth:`initialize_weights`, which gives exactly what ``initialize`` would
+            have (train_iterations calls it after the resume).
     """
 
     def __init__(self, plan: Plan, model_spec: ModelSpec | None = None, *, rank: int, seed: int,
                  optimizer: OptimizerSettings, sequence_parallel: bool = False,
                  bucket_numel: int = DEFAULT_BUCKET_NUMEL, plan_file: str = "<plan>",
                  distributed_optimizer: bool = False, precision: Precision = FP32,
-                 hidden_dropout: float = 0.0, attention_dropout: float = 0.0):
+                 hidden_dropout: float = 0.0, attention_dropout: float = 0.0,
+                 initialize: bool = True):
         optimizer.validate(source=plan_file)
         self.plan = plan
+        self.seed = seed
         self.precision = precision
         self.clip_grad = optimizer.clip_grad
         self.state = build_parallel_state(plan, rank, model=model_spec, plan_file=plan_file)
@@ -138,8 +147,9 @@ class HeteroTrainer:
         self.model = build_stage_model(plan.model, self.state, seed=seed,
                                        sequence_parallel=sequence_parallel, precision=precision,
                                        hidden_dropout=hidden_dropout,
-                                       attention_dropout=attention_dropout,
+                                       attention_dropout=attention_dropout, initialize=initialize,
                                        **recompute_config(plan.activation_recompute))
+        self.weights_set = initialize       # (class doc: ``initialize``)
         self.sequence_parallel = sequence_parallel
         self.device = next(self.model.parameters()).device
         # One layer spec on every rank (parameter names, hence gradient buckets, depend on it).
@@ -166,7 +176,26 @@ class HeteroTrainer:
         # The global-batch scaling of every micro-batch loss (module doc): m_p / M.
         self.loss_scale = role.stage.num_microbatches / plan.num_microbatches_total
 
+    @torch.no_grad()
+    def initialize_weights(self) -> None:
+        """The seed's initial weights (runtime/init.py) and the masters derived from them, as a
+        trainer built with ``initialize`` holds them: for a trainer built without, when no
+        checkpoint was loaded."""
+        initialize_parameters(((p, self.layouts[n]) for n, p in self.model.named_parameters()),
+                              self.plan.model, self.seed)
+        if self.distributed_optimizer:
+            self.optimizer.load()           # the master shards from the weights, as when built
+        else:
+            self.masters.copy_weights()
+        self.weights_set = True
+
+    def _check_weights_set(self) -> None:
+        if not self.weights_set:
+            raise RuntimeError("the trainer was built with initialize=False and its weights "
+                               "were never set: load a checkpoint or call initialize_weights()")
+
     def train_step(self, global_batch) -> StepMetrics:
+        self._check_weights_set()
         role, plan = self.state.role, self.plan
         self.model.train()
         self.grad_sync.zero_grad()
@@ -192,6 +221,7 @@ class HeteroTrainer:
     def evaluate(self, global_batches) -> float:
         """Forward-only over ``global_batches`` (each as in :meth:`train_step`): the mean loss
         over all their micro-batches, the same on every rank."""
+        self._check_weights_set()
         role, plan = self.state.role, self.plan
         self.model.eval()
         sums = torch.zeros(1, dtype=torch.float64, device=self.device)
@@ -297,6 +327,8 @@ def train_iterations(trainer: HeteroTrainer, batches, scheduler, *, train_iters:
     flops_per_iteration = num_floating_point_operations(
         plan.model, plan.global_batch_size, plan.seq_length, plan_padded_vocab_size(plan))
     first = checkpointer.resume().iteration if checkpointer else 0
+    if not trainer.weights_set:         # built for a checkpoint that was not there
+        trainer.initialize_weights()
     # A resumed job appends to the metrics of the run it continues.
     logger = IterationLogger(metrics_jsonl, append=first > 0) if log else None
     iteration = first
