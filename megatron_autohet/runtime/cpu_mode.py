@@ -1,4 +1,4 @@
-"""Run megatron-core 0.16.1 on a CPU-only torch build with gloo, without editing installed files.
+"""Run megatron-core on a CPU-only torch build with gloo, without editing installed files.
 
 Public API
 ----------
@@ -17,12 +17,12 @@ Public API
 
 Design (why it looks like this)
 -------------------------------
-megatron-core 0.16.1 assumes a CUDA device in three ways (file:line sites below):
+megatron-core (0.16 to 0.19) assumes a CUDA device in these ways:
 
 1. *Device arguments*: ``torch.empty(..., device=torch.cuda.current_device())``,
    ``torch.zeros(..., device="cuda")``, ``tensor.cuda()``, ``tensor.to("cuda")``. Many of these are
-   literals that no ``torch.cuda.*`` patch can reach (schedules.py:596, optimizer.py:481,
-   clip_grads.py:103, language_module.py:244, ...). A ``torch.overrides.TorchFunctionMode`` sees
+   literals that no ``torch.cuda.*`` patch can reach (in the schedules, the optimizer, grad
+   clipping, the language module, ...). A ``torch.overrides.TorchFunctionMode`` sees
    every torch call with its arguments, so :class:`_CudaAsCpuMode` rewrites any CUDA device (string,
    ``torch.device``, or a bare int, which torch reads as ``cuda:N``) to ``cpu`` and turns
    ``Tensor.cuda()`` into the identity. One interception point covers all sites, including ones
@@ -35,7 +35,9 @@ megatron-core 0.16.1 assumes a CUDA device in three ways (file:line sites below)
    sequence-parallel gathers - outside the torch function mode, so this site must be CPU without
    the mode's help), ``synchronize`` (no-op: CPU ops are synchronous), and the RNG
    functions (``manual_seed``/``get_rng_state``/``set_rng_state``), which act on the CPU default
-   generator: in CPU mode the CPU generator *is* the device generator.
+   generator: in CPU mode the CPU generator *is* the device generator; ``current_stream``
+   (torch's CPU stream, whose waits are no-ops: megatron-core 0.19's DDP takes it before every
+   gradient all-reduce).
 3. *Autograd*: custom ``torch.autograd.Function`` backward methods run with an empty torch
    function mode stack, so the mode is also entered around ``BackwardCFunction.apply``, the
    engine's entry into every Python backward (megatron's TP/SP communication ops, activation
@@ -182,10 +184,13 @@ def _install_rng_tracker() -> None:
 
 def _install_torch_cuda_shims() -> None:
     # A device object, not 0: the autograd engine runs custom Functions' backward (e.g. the
-    # sequence-parallel all-gather in tensor_parallel/layers.py:552) without the torch function
+    # sequence-parallel all-gather in tensor_parallel/layers.py) without the torch function
     # mode, so `device=torch.cuda.current_device()` must already mean the CPU there.
     torch.cuda.current_device = lambda: torch.device("cpu")
     torch.cuda.synchronize = lambda device=None: None
+    # megatron-core 0.19's DDP waits on the current stream for CUDA-graph replays before every
+    # gradient all-reduce; torch's CPU stream has the same wait_event/wait_stream, as no-ops.
+    torch.cuda.current_stream = lambda device=None: torch.cpu.current_stream()
     # torch.manual_seed itself calls torch.cuda.manual_seed_all (left alone: a lazy no-op on a
     # CPU build), so the shim seeds the CPU generator directly.
     torch.cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))

@@ -28,7 +28,7 @@ Without sequence parallelism every TP rank of a stage holds the full stage outpu
 op of each layer is a row-parallel linear whose output is all-reduced, and the residual adds are
 replicated. The same holds backwards: without sequence parallelism megatron's
 ``ColumnParallelLinear`` all-reduces its input gradient across the TP group
-(``allreduce_dgrad``, tensor_parallel/layers.py:920 and :353/:544 in megatron-core 0.16.1), and
+(``allreduce_dgrad`` in tensor_parallel/layers.py), and
 the residual and layer-norm paths are replicated computation on identical data, so the gradient
 of a stage's input is identical on all its TP ranks. A receiver therefore needs one copy of
 each sequence range, not one per sender: receiver TP rank j takes each range it needs from the
@@ -82,12 +82,17 @@ would, by the same kind of argument, also forbid a stage running more than two m
 ahead of its successor (``w_{s+1} >= w_s - 2``; derived, not exercised, since this communicator
 never blocks on a send). The standard depths ``w_s = n - s - 1`` satisfy both.
 
-Megatron computes the warm-up depth inside the schedule as
-``p2p_communicator.pp_group.size() - p2p_communicator.pp_group.rank() - 1`` and reads the same
-object only through ``rank()``/``size()`` (first stage: ``rank() == 0``; last stage:
-``rank() == size() - 1``; grad-sync hook: ``rank == 0``). :class:`SchedulePosition` answers
-``rank() = stage`` and ``size() = stage + warmup + 1``: with the default depth that is exactly the
-pipeline's real rank and size, and with a plan's depth megatron runs that depth, unpatched.
+The warm-up depth: how it reaches megatron's schedule. Megatron computes it inside
+``forward_backward_pipelining_without_interleaving`` as "stages - this stage - 1", and there is
+no argument to pass a depth. megatron-core 0.16 reads ``p2p_communicator.pp_group.size() -
+p2p_communicator.pp_group.rank() - 1`` (first stage: ``rank() == 0``; last: ``rank() == size() -
+1``); 0.17 and later read the communicator's own ``total_stages - current_stage - 1`` and
+``is_pp_first_stage`` / ``is_pp_last_stage`` properties, which megatron's P2PCommunicator
+defines on its ``pp_group`` in exactly that way. :class:`HeteroP2PCommunicator` has both: its
+``pp_group`` is a :class:`SchedulePosition` answering ``rank() = stage`` and ``size() = stage +
+warmup + 1``, and the four properties answer from it. With the default depth that is exactly the
+pipeline's real rank and size; with a plan's depth megatron runs that depth, unpatched, on both
+versions (tests/test_schedule.py checks the calls megatron makes in warm-up on either).
 
 One group per direction. Peers are global ranks; the group is the boundary's group of the
 direction (``links``): activations to the next stage and from the previous one on that
@@ -292,6 +297,26 @@ class HeteroP2PCommunicator:
         # micro-batch order; a forward-only run receives no gradients.
         self._activations = _ReceiveQueue(from_prev, m) if from_prev else None
         self._gradients = _ReceiveQueue(from_next, m) if from_next and not forward_only else None
+
+    # ---- where megatron's 1F1B reads this stage's position ------------------------------------
+    # megatron-core 0.16 reads ``pp_group.rank()``/``size()``; 0.17 and later read these
+    # properties of the communicator (P2PCommunicator defines them on its pp_group the same way).
+    # Both answer from the one SchedulePosition, so the warm-up depth is the plan's on both.
+    @property
+    def current_stage(self) -> int:
+        return self.pp_group.rank()
+
+    @property
+    def total_stages(self) -> int:
+        return self.pp_group.size()
+
+    @property
+    def is_pp_first_stage(self) -> bool:
+        return self.pp_group.rank() == 0
+
+    @property
+    def is_pp_last_stage(self) -> bool:
+        return self.pp_group.rank() == self.pp_group.size() - 1
 
     # ---- the methods megatron's non-interleaved schedule calls --------------------------------
     def recv_forward(self, tensor_shapes, is_first_stage: bool):
