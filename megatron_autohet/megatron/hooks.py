@@ -395,7 +395,9 @@ def pretrain_from_plan(args) -> None:
                             distributed_optimizer=(args.use_distributed_optimizer
                                                    or plan.use_distributed_optimizer),
                             hidden_dropout=args.hidden_dropout,
-                            attention_dropout=args.attention_dropout)
+                            attention_dropout=args.attention_dropout,
+                            # a checkpoint to load replaces the initial weights (trainer doc)
+                            initialize=checkpoint.load is None)
     if trainer.distributed_optimizer and rank == 0:
         print(trainer.optimizer.summary(), flush=True)
     # Megatron-LM's own warm-up/decay and weight-decay schedule, stepping our param_groups by
