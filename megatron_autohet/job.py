@@ -132,7 +132,9 @@ def train_job(plan: Plan, plan_label: str, model: ModelSpec, options: TrainOptio
                             optimizer=options.optimizer, plan_file=plan_label,
                             distributed_optimizer=distributed_optimizer, precision=precision,
                             hidden_dropout=options.hidden_dropout,
-                            attention_dropout=options.attention_dropout)
+                            attention_dropout=options.attention_dropout,
+                            # a checkpoint to load replaces the initial weights (trainer doc)
+                            initialize=options.checkpoint.load is None)
     if rank == 0:
         print(f"layer: {LAYER_SPECS[trainer.layer_spec]}", flush=True)
     if trainer.distributed_optimizer and rank == 0:
