@@ -12,7 +12,15 @@ torchrun's defaults, and why:
 * ``last_call_timeout=1, keep_alive_interval=1, keep_alive_max_attempt=3`` and a 0.1 s monitor
   interval: a lost node is out of the rendezvous in about 3 s, not 30 (2 attempts is unsafe:
   live nodes get declared dead);
-* many restarts: every preemption uses one on every surviving node.
+* many restarts: every preemption uses one on every surviving node;
+* the rendezvous backend ``autohet-c10d`` (megatron_autohet/elastic/rendezvous.py): torchrun's
+  c10d rendezvous, but an agent whose round fails (its join timeout while it waits as a standby
+  node, a round's rank 0 reclaimed before it published the workers' store) joins the next round,
+  where torchrun's agent would exit and close the rendezvous for the whole job.
+
+When the job is over, every agent ends: the nodes of its last round once their workers are done,
+a standby node (never admitted, or waiting for the next round) when it finds the rendezvous
+closed - which is the job's end, not a failure: exit status 0.
 
 The node's name and GPU type reach the workers as ``AUTOHET_NODE`` / ``AUTOHET_GPU``. When this
 node got a preemption notice (``--notice-file`` holds one when the agent ends; a rebalance
@@ -61,7 +69,7 @@ def register(subparsers) -> None:
     p.set_defaults(func=run)
 
 
-def torchrun_argv(args: argparse.Namespace) -> list[str]:
+def torchrun_argv(args: argparse.Namespace, rdzv_backend: str) -> list[str]:
     train_args = list(args.train_args)
     if train_args[:1] == ["--"]:
         train_args = train_args[1:]
@@ -71,7 +79,7 @@ def torchrun_argv(args: argparse.Namespace) -> list[str]:
     if "--elastic" not in train_args:
         train_args.append("--elastic")
     argv = ["--nnodes", args.nnodes, "--nproc-per-node", str(args.nproc_per_node),
-            "--rdzv-backend", "c10d", "--rdzv-endpoint", args.rendezvous,
+            "--rdzv-backend", rdzv_backend, "--rdzv-endpoint", args.rendezvous,
             "--rdzv-id", args.job_id, "--rdzv-conf", RDZV_CONF,
             "--max-restarts", str(args.max_restarts), "--monitor-interval", "0.1",
             "--signals-to-handle", "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"]
@@ -81,8 +89,11 @@ def torchrun_argv(args: argparse.Namespace) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from torch.distributed.elastic.rendezvous import RendezvousClosedError
     from torch.distributed.run import get_args_parser
     from torch.distributed.run import run as torchrun
+
+    from megatron_autohet.elastic.rendezvous import register as register_rendezvous
 
     if args.nproc_per_node < 1:
         raise ConfigError("<command line>", "--nproc-per-node", f"got {args.nproc_per_node}",
@@ -93,9 +104,13 @@ def run(args: argparse.Namespace) -> int:
     if args.gpu is not None:
         os.environ["AUTOHET_GPU"] = args.gpu
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    argv = torchrun_argv(args, register_rendezvous())
     status = 0
     try:
-        torchrun(get_args_parser().parse_args(torchrun_argv(args)))
+        torchrun(get_args_parser().parse_args(argv))
+    except RendezvousClosedError:
+        print(f"autohet node: {os.environ['AUTOHET_NODE']}: the job's rendezvous is closed: the "
+              "job has ended", file=sys.stderr)
     except SystemExit as exit_:
         status = exit_.code if isinstance(exit_.code, int) else 1
     except Exception as err:            # noqa: BLE001 - the agent's failure, already logged
