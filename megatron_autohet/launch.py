@@ -27,6 +27,7 @@ from __future__ import annotations
 import os
 import socket
 import sys
+import uuid
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -101,8 +102,6 @@ def launch_local(plan: Plan, worker_argv: list[str], *, gpus_available: int = 0)
     Returns 0 when every rank exits 0, else the first failing rank's status (the agent stops
     the others). With fewer GPUs than ranks every process runs on the CPU.
     """
-    import uuid
-
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch

@@ -53,12 +53,17 @@ import torch.distributed as dist
 from megatron_autohet.checkpoint.failures import log_traceback, root_cause
 from megatron_autohet.checkpoint.manifest import committed_steps, remove_old_steps, step_dir_name
 from megatron_autohet.checkpoint.options import CheckpointOptions
-from megatron_autohet.checkpoint.state import (RNG_KEY, TrainingProgress, common_state,
-                                               SnapshotBuffers, rank_sharded_state_dict,
-                                               rng_sharded_object, snapshot)
+from megatron_autohet.checkpoint.recovery import recover
+from megatron_autohet.checkpoint.state import (RNG_KEY, ScheduleMismatch, SnapshotBuffers,
+                                               TrainingProgress, common_state,
+                                               rank_sharded_state_dict, rng_sharded_object,
+                                               snapshot)
+from megatron_autohet.checkpoint.upload import upload_step
 from megatron_autohet.checkpoint.writer import SaveFailed, StepDirs, on_every_rank, write_step
 from megatron_autohet.errors import JobConfigError
+from megatron_autohet.runtime.cpu_mode import cpu_mode_thread
 from megatron_autohet.runtime.device import enter_device, thread_device
+from megatron_autohet.runtime.optimizer import SCHEDULE_CHOICE, SCHEDULE_FLAGS
 
 # Collectives of a save wait at most this long for a peer (a dead peer fails the save instead of
 # hanging the background writer forever).
@@ -164,10 +169,6 @@ class Checkpointer:
         committed nowhere, another schedule without --override-/--use-checkpoint-opt-param-
         scheduler, no step at all with ``--exit-on-missing-checkpoint``) is a JobConfigError
         naming the flag, raised on every rank alike and printed once by the job."""
-        from megatron_autohet.checkpoint.recovery import recover
-        from megatron_autohet.checkpoint.state import ScheduleMismatch
-        from megatron_autohet.runtime.optimizer import SCHEDULE_CHOICE, SCHEDULE_FLAGS
-
         start = TrainingProgress(iteration=0, consumed_train_samples=0)
         if self.options.load is None:
             return start
@@ -280,8 +281,6 @@ class Checkpointer:
         every exception (torch's CheckpointException is a BaseException; a thread that dies
         prints a traceback and reports nothing, one that raises SystemExit not even that): the
         failure waits in ``_failure`` for the training thread."""
-        from megatron_autohet.runtime.cpu_mode import cpu_mode_thread
-
         root = self.dirs.root(self.rank)
         try:
             enter_device(self.device)
@@ -301,8 +300,6 @@ class Checkpointer:
 
     def _write_step(self, state_dict: dict, common: dict, iteration: int, times: SaveTimes,
                     root: Path) -> None:
-        from megatron_autohet.checkpoint.upload import upload_step
-
         start = time.perf_counter()
         manifest = write_step(state_dict, common, iteration=iteration, plan=self.plan,
                               rank=self.rank, dirs=self.dirs, group=self.group)

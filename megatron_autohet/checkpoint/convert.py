@@ -35,10 +35,14 @@ the scheduler in samples, ``args.consumed_train_samples``).
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 from pathlib import Path
 
+from megatron_autohet.checkpoint.manifest import (LATEST_FILE, MANIFEST_FILE, FileRecord, Manifest,
+                                                  commit_step_dir, partial_dir, sha256_file,
+                                                  step_dir_name, write_atomic)
 from megatron_autohet.errors import ConfigError
 
 STOCK_NODE = "megatron-lm"          # the manifest's node of every file: one shared --save dir
@@ -50,8 +54,6 @@ def _bad(field: str, problem: str, allowed: str | None = None) -> ConfigError:
 
 
 def _step_dir(stock_root: Path, iteration: int | None) -> tuple[Path, int]:
-    from megatron_autohet.checkpoint.manifest import LATEST_FILE, step_dir_name
-
     if not stock_root.is_dir():
         raise _bad("STOCK_DIR", f"{stock_root}: no such directory")
     field = "STOCK_DIR" if iteration is None else "--iteration"
@@ -93,8 +95,6 @@ def _check_common(step: Path, iteration: int) -> dict:
 
 def _check_files(step: Path) -> object:
     """The step's DCP index; every byte range it names must be in its data file."""
-    import json
-
     from torch.distributed.checkpoint import FileSystemReader
 
     for name in (".metadata", "common.pt", "metadata.json"):
@@ -129,9 +129,6 @@ def _stock_layout(common: dict) -> dict:
 
 def convert_step(stock_dir, out_dir, *, iteration: int | None = None):
     """Check, copy, hash and commit one stock step (module docstring); returns our Manifest."""
-    from megatron_autohet.checkpoint.manifest import (MANIFEST_FILE, FileRecord, Manifest,
-                                                      commit_step_dir, partial_dir, sha256_file,
-                                                      write_atomic)
     from megatron_autohet.checkpoint.writer import SMALL_FILES, own_items
 
     stock_root, out_root = Path(stock_dir), Path(out_dir)

@@ -19,6 +19,7 @@ of the step: every listed file must be there.
 
 from __future__ import annotations
 
+import glob
 import hashlib
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -130,8 +131,6 @@ def _latest(raw: bytes | None) -> int | None:
 
 def existing_dirs(location: str) -> list[Path]:
     """The directory if it exists, or every existing directory a ``{node}`` template matches."""
-    import glob
-
     if "{node}" not in location:
         return [Path(location)] if Path(location).is_dir() else []
     pattern = "*".join(glob.escape(part) for part in location.split("{node}"))

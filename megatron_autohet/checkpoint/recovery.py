@@ -43,6 +43,7 @@ resume logs it.
 from __future__ import annotations
 
 import os
+import pickle
 import shutil
 import tempfile
 import threading
@@ -573,8 +574,6 @@ def _stage(staging: Path, small: dict[str, bytes]) -> None:
     """``staging`` as megatron-core's load reads a step: ``common.pt``, ``metadata.json``, DCP's
     index ``.metadata``, and an empty placeholder for every data file the index names (the
     chunk bytes come from the board, checkpoint/loader.py)."""
-    import pickle
-
     for name, raw in small.items():
         (staging / name).write_bytes(raw)
     metadata = pickle.loads(small[".metadata"])     # verified against the manifest

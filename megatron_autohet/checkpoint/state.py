@@ -96,14 +96,14 @@ Design (why)
 from __future__ import annotations
 
 from argparse import Namespace
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from megatron_autohet.layout.owners import is_main_replica
 from megatron_autohet.layout.params import ParamLayout, global_param_name
 from megatron_autohet.runtime.mixed_precision import MASTER_DTYPE, MASTER_KEY
-from megatron_autohet.runtime.optimizer import ADAM_STATE_KEYS
+from megatron_autohet.runtime.optimizer import ADAM_STATE_KEYS, SCHEDULE_FLAGS, schedule_mismatch
 from megatron_autohet.spec.model import VOCAB_PAD_UNIT
 
 MAIN_REPLICA = (0, 0, 0)
@@ -148,8 +148,6 @@ def model_sharded_state_dict(trainer) -> dict:
 def _load_target(entry, like: torch.Tensor, device: torch.device | None):
     """``entry`` over an empty tensor shaped and typed as ``like``, on ``device`` (None:
     ``like``'s)."""
-    from dataclasses import replace
-
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
     data = torch.empty_like(like, device=device)
@@ -396,8 +394,6 @@ class ScheduleMismatch(ValueError):
 def check_schedule(scheduler, saved: dict, iteration: int) -> None:
     """Raise :class:`ScheduleMismatch` where megatron-core's scheduler would assert on
     ``saved`` (a step's ``opt_param_scheduler``): a differing field without either flag."""
-    from megatron_autohet.runtime.optimizer import SCHEDULE_FLAGS, schedule_mismatch
-
     if getattr(scheduler, "override_opt_param_scheduler", False) or \
             getattr(scheduler, "use_checkpoint_opt_param_scheduler", False):
         return

@@ -13,7 +13,10 @@ the first one and backs off.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
+
+from tqdm import tqdm
 
 from megatron_autohet.checkpoint.inspect import is_data_file, s3_files
 from megatron_autohet.checkpoint.manifest import LATEST_FILE, MANIFEST_FILE, Manifest, step_dir_name
@@ -23,10 +26,6 @@ from megatron_autohet.checkpoint.writer import SMALL_FILES, on_every_rank
 def byte_progress(total: int, desc: str, *, show: bool):
     """A tqdm bar over bytes on stderr, for one rank (the others would garble the terminal) and
     only on a terminal; long uploads and downloads show their progress."""
-    import sys
-
-    from tqdm import tqdm
-
     return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024,
                 leave=False, disable=not (show and sys.stderr.isatty()))
 

@@ -41,7 +41,9 @@ from typing import NoReturn
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint import FileSystemWriter, save as dcp_save
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from megatron_autohet.checkpoint.failures import full_disk, root_cause
 from megatron_autohet.checkpoint.manifest import (MANIFEST_FILE, FileRecord, ItemRecord, Manifest,
@@ -94,8 +96,6 @@ def _dcp_save(state_dict: dict, directory: Path, group) -> tuple[object, dict]:
     here the CheckpointException is raised from this rank's own exception, chain intact."""
     from megatron.core.dist_checkpointing.strategies.torch import (
         MCoreSavePlanner, _replace_state_dict_keys_with_sharded_keys, mcore_to_pyt_state_dict)
-    from torch.distributed.checkpoint import FileSystemWriter
-    from torch.distributed.checkpoint import save as dcp_save
 
     class ChunkRecordingWriter(FileSystemWriter):
         chunks: dict = {}
@@ -130,8 +130,6 @@ def own_items(metadata, chunks: dict, directory: Path, rank: int,
     """SHA-256 of every chunk in this rank's data files (DCP names them ``__<rank>_<i>``).
     ``chunks``: chunk locations (DCP ``MetadataIndex`` -> ``_StorageInfo``), this rank's or a
     whole step's; ``metadata``: DCP's index, for each chunk's sizes."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
     prefix = f"__{rank}_"
     items = []
     by_file: dict[str, list] = {}

@@ -11,6 +11,12 @@ from dataclasses import asdict
 from functools import partial
 from pathlib import Path
 
+from tqdm import tqdm
+
+from megatron_autohet.checkpoint.convert import convert_step
+from megatron_autohet.checkpoint.inspect import (committed_s3, existing_dirs, list_local, list_s3,
+                                                 verify_local, verify_s3)
+from megatron_autohet.checkpoint.manifest import committed_steps, step_dir_name
 from megatron_autohet.cli._table import format_table
 from megatron_autohet.errors import ConfigError
 
@@ -71,8 +77,6 @@ def register(subparsers) -> None:
 
 def local_roots(location: str) -> list[Path]:
     """The directory, or every existing directory the ``{node}`` template matches."""
-    from megatron_autohet.checkpoint.inspect import existing_dirs
-
     roots = existing_dirs(location)
     if not roots:
         problem = (f"{location}: no such directory" if "{node}" not in location
@@ -137,8 +141,6 @@ def format_steps(steps) -> str:
 
 @s3_errors_as_config_errors
 def run_ls(args) -> int:
-    from megatron_autohet.checkpoint.inspect import list_local, list_s3
-
     if is_s3(args):
         steps = list_s3(open_store(args))
     else:
@@ -180,11 +182,6 @@ def print_report(report) -> None:
 
 @s3_errors_as_config_errors
 def run_verify(args) -> int:
-    from tqdm import tqdm
-
-    from megatron_autohet.checkpoint.inspect import committed_s3, verify_local, verify_s3
-    from megatron_autohet.checkpoint.manifest import committed_steps, step_dir_name
-
     # Every step is chosen (and a bad --iteration reported) before any byte is read.
     if is_s3(args):
         store = open_store(args)
@@ -224,8 +221,6 @@ def add_convert_action(actions) -> None:
 
 
 def run_convert(args) -> int:
-    from megatron_autohet.checkpoint.convert import convert_step
-
     manifest = convert_step(args.stock_dir, args.out_dir, iteration=args.iteration)
     print(f"converted iteration {manifest.iteration} of {args.stock_dir} "
           f"({manifest.extra['megatron_lm']}): {len(manifest.items)} chunks in "

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import signal
 import threading
+from datetime import timedelta
 
 
 def register(subparsers) -> None:
@@ -24,8 +25,6 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from datetime import timedelta
-
     import torch.distributed as dist
 
     store = dist.TCPStore(args.host, args.port, is_master=True, multi_tenant=True,

@@ -8,6 +8,8 @@ import time
 from megatron_autohet.cli._common import (check_output_path, format_plan_table, format_prediction,
                                           load_profile, positive, search_end)
 from megatron_autohet.errors import ConfigError
+from megatron_autohet.plan import load_plan
+from megatron_autohet.spec import load_cluster, load_gpu_catalog, load_model
 
 
 def format_bytes(n: float) -> str:
@@ -75,9 +77,7 @@ def _check_against_plan(previous, model, args) -> None:
 
 
 def run(args) -> int:
-    from megatron_autohet.plan import load_plan
     from megatron_autohet.planner.replan import REPLAN_TIME_LIMIT_S, replan
-    from megatron_autohet.spec import load_cluster, load_gpu_catalog, load_model
 
     check_output_path(args.output, "--output")
     previous = load_plan(args.plan)

@@ -11,7 +11,11 @@ GPU per rank). Started by torchrun (RANK and WORLD_SIZE already set), it is one 
 from __future__ import annotations
 
 import argparse
+import os
 
+from megatron_autohet.checkpoint.inspect import existing_dirs
+from megatron_autohet.checkpoint.manifest import (MODEL_FIELDS, committed_steps, model_mismatch,
+                                                  read_manifest, step_dir_name)
 from megatron_autohet.checkpoint.options import (DEFAULT_KEEP, DEFAULT_MAX_FAILED_SAVES,
                                                  CheckpointOptions, check_scheduler_flags)
 from megatron_autohet.cli._common import check_output_path, positive
@@ -21,7 +25,9 @@ from megatron_autohet.launch import DistEnv, launch_local, load_job, run_worker
 from megatron_autohet.plan import check_bf16_support
 from megatron_autohet.spec.cluster import load_cluster
 from megatron_autohet.spec.gpus import load_gpu_catalog
-from megatron_autohet.runtime.optimizer import LR_DECAY_STYLES, OptimizerSettings
+from megatron_autohet.runtime.optimizer import (LR_DECAY_STYLES, SCHEDULE_CHOICE, SCHEDULE_FLAGS,
+                                                OptimizerSettings, schedule_fields,
+                                                schedule_mismatch)
 
 _WORKER_FLAGS: list[tuple[str, str]] = []     # (dest, option string) forwarded to each rank
 
@@ -273,8 +279,6 @@ def check_precision(args: argparse.Namespace) -> str | None:
 def check_elastic(args: argparse.Namespace, checkpoint: CheckpointOptions) -> None:
     """--elastic needs torchrun, a cluster file and a node-local checkpoint tier; the elastic
     flags need --elastic."""
-    import os
-
     if not args.elastic:
         for flag in ("cluster", "autohet_notice_file", "autohet_events_jsonl"):
             if getattr(args, flag) is not None:
@@ -335,13 +339,6 @@ def check_resume(checkpoint: CheckpointOptions, plan, optimizer: OptimizerSettin
     is refused unless the S3 tier may hold it (the ranks check that again); so is a --load whose
     every step has an unreadable manifest (one with a readable older step resumes that one, and
     recovery says so)."""
-    from megatron_autohet.checkpoint.inspect import existing_dirs
-    from megatron_autohet.checkpoint.manifest import (MODEL_FIELDS, committed_steps,
-                                                      model_mismatch, read_manifest,
-                                                      step_dir_name)
-    from megatron_autohet.runtime.optimizer import (SCHEDULE_CHOICE, SCHEDULE_FLAGS,
-                                                    schedule_fields, schedule_mismatch)
-
     if not checkpoint.load:
         return
     roots = existing_dirs(checkpoint.load)

@@ -7,6 +7,8 @@ runs next to the training job on any node image.
 from __future__ import annotations
 
 from megatron_autohet.cli._common import check_output_path, positive
+from megatron_autohet.elastic import notices
+from megatron_autohet.elastic.notices import SOURCES
 from megatron_autohet.errors import ConfigError
 
 SOURCES_ALLOWED = "aws, gcp, azure, signal (repeat --source for several)"
@@ -53,8 +55,6 @@ def register(subparsers) -> None:
 
 def check_args(args) -> list[str]:
     """The sources to watch, in order, once every flag is known to be usable."""
-    from megatron_autohet.elastic.notices import SOURCES
-
     if not args.notice_file:
         raise ConfigError("<command line>", "--notice-file", "missing", "a file path")
     check_output_path(args.notice_file, "--notice-file")
@@ -83,8 +83,6 @@ def check_args(args) -> list[str]:
 
 
 def run(args) -> int:
-    from megatron_autohet.elastic import notices
-
     sources = check_args(args)
     url = {"base_url": args.metadata_url} if args.metadata_url else {}
     # gcp and signal wait inside poll() for the change, so their notice is seen at once.

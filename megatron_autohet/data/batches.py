@@ -41,7 +41,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatron_autohet.data.corpus import default_data_dir
+from megatron_autohet.data.corpus import build_corpus, byte_tokenizer, default_data_dir
 from megatron_autohet.errors import ConfigError, JobConfigError
 
 # The global-batch contract's keys, defined here where the batches are made (data is upstream of
@@ -148,8 +148,6 @@ def microbatches(global_batch, micro_batch_size: int, first: int, count: int) ->
 
 def resolve_data_path(options: DataOptions) -> Path:
     """The indexed dataset to read: the user's ``--data-path``, or the built-in corpus."""
-    from megatron_autohet.data.corpus import build_corpus
-
     if options.data_path is None:
         return build_corpus(options.data_dir)
     prefix = Path(options.data_path)
@@ -228,8 +226,6 @@ def build_splits(options: DataOptions,
     from megatron.core.datasets.blended_megatron_dataset_builder import (
         BlendedMegatronDatasetBuilder)
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
-
-    from megatron_autohet.data.corpus import byte_tokenizer
 
     prefix = resolve_data_path(options)
     config = GPTDatasetConfig(

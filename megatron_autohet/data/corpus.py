@@ -26,6 +26,8 @@ import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy
+
 from megatron_autohet.errors import ConfigError
 
 CORPUS_FORMAT = 1                     # bump when the extraction below changes
@@ -90,7 +92,6 @@ def build_corpus(data_dir: str | Path | None = None,
         return prefix
     prefix.parent.mkdir(parents=True, exist_ok=True)
 
-    import numpy
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
     tokenizer = byte_tokenizer(512)       # ids are bytes: independent of the model's vocab

@@ -50,15 +50,24 @@ from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
+import torch
+import torch.distributed as dist
+
+from megatron_autohet.checkpoint.inspect import committed_s3, newest_manifest
+from megatron_autohet.checkpoint.manifest import MANIFEST_FILE, Manifest, step_dir_name
 from megatron_autohet.elastic.events import EventLog
-from megatron_autohet.elastic.fleet import Member, fleet_cluster, plan_ranks
+from megatron_autohet.elastic.fleet import Member, fleet_cluster, gpu_type_of_device, plan_ranks
+from megatron_autohet.elastic.handover import hand_over, move_files
 from megatron_autohet.elastic.hold import hold_file_from_env, wait_while_held
-from megatron_autohet.elastic.stop import StopDecision
+from megatron_autohet.elastic.stop import StopDecision, StopRequests, stop_group
 from megatron_autohet.errors import ConfigError, JobConfigError
 from megatron_autohet.job import init_backend, job_precision, report_job_config_error, train_job
 from megatron_autohet.plan import Plan, plan_from_dict
 from megatron_autohet.planner.replan import replan
+from megatron_autohet.runtime.cpu_mode import cpu_mode_required
+from megatron_autohet.runtime.device import device_index, free_memory, select_device
 from megatron_autohet.spec.cluster import Cluster
+from megatron_autohet.spec.gpus import load_gpu_catalog
 from megatron_autohet.spec.model import ModelSpec
 
 # Exit status of a worker that stopped for a re-plan (torchrun restarts it in a new round).
@@ -71,15 +80,10 @@ def node_identity(local_rank: int) -> tuple[str, str]:
     """(node name, GPU type): ``AUTOHET_NODE`` / ``AUTOHET_GPU`` where set (launch_node.sh sets
     them; emulated nodes must), else the hostname and the CUDA device name matched to the
     catalog."""
-    from megatron_autohet.elastic.fleet import gpu_type_of_device
-    from megatron_autohet.runtime.device import device_index
-    from megatron_autohet.spec.gpus import load_gpu_catalog
-
     node = os.environ.get("AUTOHET_NODE") or socket.gethostname()
     gpu = os.environ.get("AUTOHET_GPU")
     catalog = sorted(load_gpu_catalog())
     if gpu is None:
-        import torch
         if not torch.cuda.is_available():
             raise ConfigError("<environment>", "AUTOHET_GPU", "not set and this process has no "
                               "GPU to detect", f"a GPU type of the catalog: {', '.join(catalog)}")
@@ -97,8 +101,6 @@ def node_identity(local_rank: int) -> tuple[str, str]:
 def _worker_store(rank: int):
     """The store torchrun names for the workers (MASTER_ADDR/MASTER_PORT): hosted by worker 0
     unless the agent shares its own (TORCHELASTIC_USE_AGENT_STORE)."""
-    import torch.distributed as dist
-
     host_here = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
     return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                          is_master=host_here, timeout=_STORE_TIMEOUT, wait_for_workers=False)
@@ -106,8 +108,6 @@ def _worker_store(rank: int):
 
 def _local_step(local_dir: str | None, node: str) -> dict | None:
     """The newest committed step on this node's disk: {"iteration", "plan"}, or None."""
-    from megatron_autohet.checkpoint.inspect import newest_manifest
-
     if local_dir is None:
         return None
     found = newest_manifest(local_dir.replace("{node}", node))
@@ -119,8 +119,6 @@ def _local_step(local_dir: str | None, node: str) -> dict | None:
 
 def _s3_step(options) -> dict | None:
     """The newest step committed in S3 (its plan), when no disk has one."""
-    from megatron_autohet.checkpoint.inspect import committed_s3
-    from megatron_autohet.checkpoint.manifest import MANIFEST_FILE, Manifest, step_dir_name
     from megatron_autohet.checkpoint.s3_store import S3Error, S3Store
 
     if options.s3_uri is None:
@@ -242,11 +240,6 @@ class ElasticWorker:
     # ---- 3-4: train, stop -------------------------------------------------------------------
 
     def run(self) -> int:
-        import torch.distributed as dist
-
-        from megatron_autohet.runtime.cpu_mode import cpu_mode_required
-        from megatron_autohet.runtime.device import select_device
-
         store = _worker_store(self.rank)
         plan, members, ranks = self.agree(store)
         plan_rank = ranks[self.rank]
@@ -297,8 +290,6 @@ class ElasticWorker:
         generation's model: its trainer, optimizer and buffers are freed before the files move
         and the re-plan, so the next generation in this process starts from the memory the
         first one had (survivors that take more layers need it)."""
-        from megatron_autohet.runtime.device import free_memory
-
         stop = None
 
         def make_stop_check(checkpointer):
@@ -330,8 +321,6 @@ class ElasticWorker:
         a new store; everyone learns both by one broadcast. Returns (plan, members, store,
         hosting) for the staying ranks, or None when the re-plan leaves GPUs idle (then the
         job restarts through torchrun, whose round puts idle GPUs on hold)."""
-        import torch.distributed as dist
-
         start = time.monotonic()
         by_rank = {r: m for r, m in zip(plan_ranks(plan, members), members)}
         staying = [by_rank[r] for r in sorted(by_rank) if by_rank[r].node not in leaving]
@@ -378,8 +367,6 @@ class ElasticWorker:
         """After the emergency save: files of the step that only leaving nodes hold go to the
         nodes that stay, over ``group`` (the stop check's gloo group of every plan rank: the
         files travel as CPU tensors)."""
-        from megatron_autohet.elastic.handover import move_files
-
         start = time.monotonic()
         first_of_node = min(i.rank for i in plan.ranks if i.node == self.me.node) == plan_rank
         local_dir = self.options.checkpoint.local_dir
@@ -391,8 +378,6 @@ class ElasticWorker:
 
     def _hand_over(self, store, plan: Plan, members: list[Member]) -> None:
         """Some GPUs are idle in this plan: their nodes' files go to training nodes first."""
-        from megatron_autohet.elastic.handover import hand_over
-
         start = time.monotonic()
         training_nodes = {info.node for info in plan.ranks}
         local_dir = self.options.checkpoint.local_dir
@@ -409,8 +394,6 @@ class ElasticWorker:
                              bytes=moved, seconds=round(time.monotonic() - start, 3))
 
     def _idle(self, store) -> int:
-        import torch.distributed as dist
-
         while True:
             try:
                 store.wait([f"{_PREFIX}finished"], timedelta(minutes=1))
@@ -439,8 +422,6 @@ class _StopCheck:
     """The stop check of an elastic job, also reporting recovery and the first iteration."""
 
     def __init__(self, worker: ElasticWorker, checkpointer):
-        from megatron_autohet.elastic.stop import StopRequests, stop_group
-
         self.worker = worker
         self.checkpointer = checkpointer
         notice = worker.notice_template
@@ -472,8 +453,6 @@ class _StopCheck:
         return action
 
     def _report_stop(self, iteration: int) -> None:
-        import torch.distributed as dist
-
         decision = self.requests.decision
         leaving = [None] * dist.get_world_size()
         dist.all_gather_object(leaving, self.worker.me.node if decision.leaving else None,

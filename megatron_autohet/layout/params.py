@@ -45,6 +45,8 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import torch
+
 from megatron_autohet.spec.model import ModelSpec
 
 if TYPE_CHECKING:
@@ -63,7 +65,6 @@ def global_param_name(local_name: str, first_layer: int, tied: bool) -> str:
 
 
 def _cat(tensors: list[torch.Tensor], dim: int) -> torch.Tensor:
-    import torch
     return torch.cat(tensors, dim=dim)
 
 

@@ -24,10 +24,15 @@ matter (e.g. the model shape) against the plan. Megatron's default dropout of 0.
 
 from __future__ import annotations
 
+import argparse
+import os
+import sys
+import time
 from pathlib import Path
 from typing import NamedTuple
 
 from megatron_autohet.errors import ConfigError
+from megatron_autohet.megatron.args import add_autohet_args
 
 CHECKED = "checked against the plan"
 SCHEDULER = "drives Megatron's learning-rate scheduler"
@@ -206,11 +211,7 @@ _NOT_HONOURED = ("its default (README, 'Megatron-LM flags with --autohet-plan', 
 
 def megatron_parser():
     """Megatron-LM's own parser with the ``--autohet-*`` flags, as ``pretrain_gpt.py`` builds it."""
-    import argparse
-
     from megatron.training.arguments import add_megatron_arguments
-
-    from megatron_autohet.megatron.args import add_autohet_args
 
     return add_autohet_args(add_megatron_arguments(
         argparse.ArgumentParser(description="Megatron-LM Arguments", allow_abbrev=False)))
@@ -257,10 +258,6 @@ def stop_before_start(err: ConfigError, prog: str) -> None:
     line, as argparse would, and every rank exits with status 2. The others wait a few seconds
     first, so that torchrun, which ends a job as soon as one of its processes exits, does not
     stop the first rank before it printed."""
-    import os
-    import sys
-    import time
-
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"{Path(prog).name}: error: {err}", file=sys.stderr, flush=True)
     else:

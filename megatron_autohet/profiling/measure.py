@@ -51,6 +51,8 @@ import time
 import weakref
 from dataclasses import asdict, dataclass
 
+from tqdm import tqdm
+
 from megatron_autohet.errors import ConfigError
 from megatron_autohet.known_warnings import ignore_known_warnings
 from megatron_autohet.profiling.profile import OpCost, Profile, entry_from_dict
@@ -113,7 +115,6 @@ def measure_profile(model: ModelSpec, tp_degrees: list[int], micro_batch_sizes: 
     Raises ConfigError for a TP degree the model cannot be split by, or more TP ranks than GPUs.
     """
     import torch.multiprocessing as mp
-    from tqdm import tqdm
 
     accelerator = local_accelerator()
     for tp in tp_degrees:

@@ -85,11 +85,14 @@ import dataclasses
 import re
 
 import torch
+import torch.distributed as dist
 
 from megatron_autohet.errors import JobConfigError
 from megatron_autohet.layout.params import ParamLayout, global_param_name
 from megatron_autohet.plan import Plan
+from megatron_autohet.runtime.cpu_mode import cpu_mode_enabled
 from megatron_autohet.runtime.init import INIT_METHOD_STD, initialize_parameters
+from megatron_autohet.runtime.mixed_precision import param_dtype
 from megatron_autohet.spec.model import ModelSpec
 from megatron_autohet.spec.precision import FP32, Precision
 
@@ -102,8 +105,6 @@ def transformer_config(model_spec: ModelSpec, tp_size: int, *, sequence_parallel
                        pipeline_layers: list[tuple[int, int]] | None = None,
                        precision: Precision = FP32, **overrides):
     from megatron.core.transformer import TransformerConfig
-
-    from megatron_autohet.runtime.mixed_precision import param_dtype
 
     num_stages = len(pipeline_layers) if pipeline_layers else 1
     layout = None
@@ -174,7 +175,6 @@ class TorchNorm:
 
 
 def _use_transformer_engine() -> bool:
-    from megatron_autohet.runtime.cpu_mode import cpu_mode_enabled
     if cpu_mode_enabled() or not torch.cuda.is_available():
         return False
     try:
@@ -231,8 +231,6 @@ def agree_layer_spec(device, file: str = "<fleet>") -> str:
     ``linear_qkv``/``linear_fc1``), so ranks of one job on different specs would pair different
     parameters in the name-sorted gradient buckets; a mismatch is a JobConfigError on every rank
     (the job prints it once and exits with status 2)."""
-    import torch.distributed as dist
-
     name = layer_spec_name()
     specs = list(LAYER_SPECS)
     mine = torch.tensor([specs.index(name)], dtype=torch.int64, device=device)
@@ -303,7 +301,6 @@ def build_stage_model(model_spec: ModelSpec, state, *, seed: int, sequence_paral
 
 def model_device() -> torch.device:
     """Where a stage model lives: this process's current CUDA device, or the CPU (CPU mode)."""
-    from megatron_autohet.runtime.cpu_mode import cpu_mode_enabled
     if torch.cuda.is_available() and not cpu_mode_enabled():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")

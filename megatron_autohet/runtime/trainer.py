@@ -90,6 +90,8 @@ from megatron_autohet.runtime.schedule import run_schedule
 from megatron_autohet.runtime.stage_model import (agree_layer_spec, build_stage_model,
                                                   param_layouts, plan_padded_vocab_size,
                                                   recompute_config)
+from megatron_autohet.runtime.train_log import (IterationLogger, IterationRecord,
+                                                num_floating_point_operations)
 from megatron_autohet.spec.model import ModelSpec
 from megatron_autohet.spec.precision import FP32, Precision
 
@@ -320,9 +322,6 @@ def train_iterations(trainer: HeteroTrainer, batches, scheduler, *, train_iters:
     it and go on) or None. ``evaluation``: the validation loss after every ``interval``-th
     iteration (before that iteration's checkpoint), logged in Megatron's format. Returns the last
     iteration trained."""
-    from megatron_autohet.runtime.train_log import (IterationLogger, IterationRecord,
-                                                    num_floating_point_operations)
-
     plan = trainer.plan
     flops_per_iteration = num_floating_point_operations(
         plan.model, plan.global_batch_size, plan.seq_length, plan_padded_vocab_size(plan))
