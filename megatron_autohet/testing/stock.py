@@ -1,6 +1,6 @@
 """The stock megatron-core baseline for a homogeneous plan.
 
-The equivalence tests (tests/test_equivalence.py, tests/test_stage_model.py) and the runtime
+The equivalence tests (tests/runtime/test_equivalence.py, tests/runtime/test_stage_model.py) and the runtime
 benchmark (scripts/bench_runtime.py) compare our runtime against what megatron-core does on its
 own when the plan is one regular TP x PP x DP grid. This module is that baseline, written once.
 

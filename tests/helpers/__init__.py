@@ -1,0 +1,1 @@
+"""What several test modules share; pytest.ini puts tests/ on the path (`from helpers.X import`)."""

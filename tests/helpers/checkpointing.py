@@ -1,0 +1,67 @@
+"""What the checkpoint tests share: one training job with a Checkpointer (the loop `autohet
+train` runs), the plan after a node is lost, and the run lengths of the resume proofs."""
+
+from __future__ import annotations
+
+from megatron_autohet.plan import plan_from_dict
+from megatron_autohet.runtime.mixed_precision import MASTER_KEY
+from megatron_autohet.spec.precision import FP32
+
+from helpers.training import OPTIMIZER, SEED, plan
+
+
+TOTAL, HALF = 8, 4         # iterations of a run; where the resume proofs stop and resume
+REL = 1e-6                 # another layout sums in another order
+
+
+def one_node_lost():
+    """tiny-two-pipelines without its H20 node: one pipeline [TP2 on a100 | TP1 on h800]."""
+    data = plan("tiny-two-pipelines").to_dict()
+    data["ranks"] = data["ranks"][:3]
+    data["pipelines"] = [dict(data["pipelines"][0], num_microbatches=4)]
+    return plan_from_dict(data, "<one node lost>")
+
+
+class Batches:
+    def __init__(self, batches):
+        self.batches = batches
+
+    def batch(self, iteration):
+        return self.batches[iteration]
+
+
+def train_job(rank, world, the_plan, batches, options, exit_interval=None, precision=FP32,
+           total=TOTAL, masters=None, stop=None, distributed_optimizer=False, dropout=0.0):
+    """One job: resume per ``options``, train to ``total`` (or the exit interval, or ``stop``);
+    the metrics, and with ``masters`` (any dict) this rank's master weights at the end."""
+    from megatron_autohet.checkpoint.checkpointer import Checkpointer
+    from megatron_autohet.runtime.optimizer import make_lr_scheduler
+    from megatron_autohet.runtime.trainer import HeteroTrainer, train_iterations
+
+    trainer = HeteroTrainer(the_plan, the_plan.model, rank=rank, seed=SEED, optimizer=OPTIMIZER,
+                            precision=precision, distributed_optimizer=distributed_optimizer,
+                            hidden_dropout=dropout, attention_dropout=dropout)
+    scheduler = make_lr_scheduler(trainer.optimizer, OPTIMIZER, total, the_plan.global_batch_size)
+    checkpointer = Checkpointer(options, trainer, scheduler, seed=SEED, train_args={})
+    metrics = []
+    original = trainer.train_step
+
+    def recording_step(batch):
+        step = original(batch)
+        metrics.append((step.loss, step.grad_norm, trainer.optimizer.param_groups[0]["lr"]))
+        return step
+
+    trainer.train_step = recording_step
+    train_iterations(trainer, Batches(batches), scheduler, train_iters=stop or total,
+                     scheduler_increment=the_plan.global_batch_size, log=False,
+                     checkpointer=checkpointer,
+                     exit_interval=exit_interval)
+    if masters is not None:
+        if trainer.masters is not None:
+            held = trainer.masters.by_name
+        else:       # the distributed optimizer's master shards, gathered (a collective)
+            held = {name: states[MASTER_KEY]
+                    for name, states in trainer.optimizer.param_states().items()}
+        return metrics, {trainer.layouts[name].global_name: (trainer.layouts[name], m.clone())
+                         for name, m in held.items()}
+    return metrics
