@@ -102,6 +102,7 @@ def launch_local(plan: Plan, worker_argv: list[str], *, gpus_available: int = 0)
     Returns 0 when every rank exits 0, else the first failing rank's status (the agent stops
     the others). With fewer GPUs than ranks every process runs on the CPU.
     """
+    # torch: not at `autohet` start-up
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -135,6 +136,7 @@ def launch_local(plan: Plan, worker_argv: list[str], *, gpus_available: int = 0)
 def run_worker(plan: Plan, plan_path: str | Path, model: ModelSpec, options: TrainOptions,
                env: DistEnv) -> int:
     """One rank of a job whose ranks are the plan's (torchrun's RANK = the plan rank)."""
+    # torch: not at `autohet` start-up
     import torch.distributed as dist
 
     from megatron_autohet.runtime.cpu_mode import cpu_mode_required

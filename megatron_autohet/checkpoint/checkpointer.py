@@ -128,6 +128,7 @@ class Checkpointer:
         self.decisions = dist.new_group(backend="gloo", timeout=CHECKPOINT_GROUP_TIMEOUT)
         self.s3 = None
         if options.s3_uri is not None:
+            # boto3: optional, on first use
             from megatron_autohet.checkpoint.s3_store import S3Store
             self.s3 = S3Store(options.s3_uri, endpoint_url=options.s3_endpoint_url)
         self.last_saved: int | None = None

@@ -95,6 +95,7 @@ def _check_common(step: Path, iteration: int) -> dict:
 
 def _check_files(step: Path) -> object:
     """The step's DCP index; every byte range it names must be in its data file."""
+    # torch: not at `autohet` start-up
     from torch.distributed.checkpoint import FileSystemReader
 
     for name in (".metadata", "common.pt", "metadata.json"):
@@ -129,6 +130,7 @@ def _stock_layout(common: dict) -> dict:
 
 def convert_step(stock_dir, out_dir, *, iteration: int | None = None):
     """Check, copy, hash and commit one stock step (module docstring); returns our Manifest."""
+    # torch: not at `autohet` start-up
     from megatron_autohet.checkpoint.writer import SMALL_FILES, own_items
 
     stock_root, out_root = Path(stock_dir), Path(out_dir)

@@ -109,6 +109,7 @@ class CheckpointOptions:
             raise ConfigError(source, "--async-save", "given without a place to save",
                               "--save DIR or --autohet-local-ckpt-dir DIR")
         if self.s3_uri is not None:
+            # boto3: not at `autohet` start-up
             from megatron_autohet.checkpoint.s3_store import parse_s3_uri
             parse_s3_uri(self.s3_uri)
             if not self.saving and self.load is None:

@@ -148,6 +148,7 @@ def model_sharded_state_dict(trainer) -> dict:
 def _load_target(entry, like: torch.Tensor, device: torch.device | None):
     """``entry`` over an empty tensor shaped and typed as ``like``, on ``device`` (None:
     ``like``'s)."""
+    # megatron-core: on first use, not with this module
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
     data = torch.empty_like(like, device=device)
@@ -164,6 +165,7 @@ def rank_sharded_state_dict(trainer, *, for_load: bool = False,
                             masters: bool | None = None) -> dict:
     """``{"model": ..., "optimizer": ...}``: weights, Adam moments and fp32 masters of this rank
     (module doc); ``masters`` (loads only): whether to ask for master entries."""
+    # megatron-core: on first use, not with this module
     from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
 
     model = model_sharded_state_dict(trainer)
@@ -326,6 +328,7 @@ def snapshot(state_dict: dict, buffers: SnapshotBuffers | None = None) -> dict:
     Host tensors are cloned on a CPU job (a state dict without CUDA tensors), where they are
     the live state; beside CUDA tensors they are copies made for this save (the distributed
     optimizer's gathered state, 12 B per parameter in bf16) and are kept as they are."""
+    # megatron-core: on first use, not with this module
     from megatron.core.dist_checkpointing.dict_utils import nested_values
 
     entries = [entry for entry in nested_values(state_dict)
@@ -353,6 +356,7 @@ def snapshot(state_dict: dict, buffers: SnapshotBuffers | None = None) -> dict:
 
 
 def rng_sharded_object(trainer, world_size: int):
+    # megatron-core: on first use, not with this module
     from megatron.core import tensor_parallel
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
@@ -416,6 +420,7 @@ def apply_loaded(trainer, scheduler, loaded: dict, *, load_optim: bool = True,
     ``--finetune``) leaves the Adam state and the scheduler as they are (fresh); ``finetune``
     starts at iteration 0 with no consumed samples. RNG states are applied when the load asked
     for them (``RNG_KEY`` in ``loaded``)."""
+    # megatron-core: on first use, not with this module
     from megatron.core import tensor_parallel
 
     iteration = int(loaded["iteration"])

@@ -94,6 +94,7 @@ def _dcp_save(state_dict: dict, directory: Path, group) -> tuple[object, dict]:
     When this rank's own write fails, DCP raises a CheckpointException on every rank that carries
     each rank's exception pickled, its chain (the OSError under torch's serializer error) lost;
     here the CheckpointException is raised from this rank's own exception, chain intact."""
+    # megatron-core: on first use, not with this module
     from megatron.core.dist_checkpointing.strategies.torch import (
         MCoreSavePlanner, _replace_state_dict_keys_with_sharded_keys, mcore_to_pyt_state_dict)
 
@@ -158,6 +159,7 @@ def own_items(metadata, chunks: dict, directory: Path, rank: int,
 
 def _contains(entry, item: ItemRecord) -> bool:
     """Whether this rank's (non-main) entry holds all of the main chunk ``item``."""
+    # megatron-core: on first use, not with this module
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     if isinstance(entry, ShardedObject):
@@ -171,6 +173,7 @@ def _contains(entry, item: ItemRecord) -> bool:
 
 def _replica_candidates(sharded: dict, items: list[ItemRecord]) -> dict[int, object]:
     """Main chunks this rank can write a byte-identical copy of: item index -> its entry."""
+    # megatron-core: on first use, not with this module
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedObject, is_main_replica
 
@@ -191,6 +194,7 @@ def _replica_candidates(sharded: dict, items: list[ItemRecord]) -> dict[int, obj
 def _chunk_bytes(entry, item: ItemRecord) -> bytes:
     """The bytes DCP stores for ``item``, produced from a replica's entry: megatron's object
     serialization, or ``torch.save`` of the chunk (what DCP's FileSystemWriter writes)."""
+    # megatron-core: on first use, not with this module
     from megatron.core.dist_checkpointing.mapping import ShardedObject
     from megatron.core.dist_checkpointing.strategies.torch import mcore_to_pyt_state_dict
 
@@ -325,6 +329,7 @@ def write_step(state_dict: dict, common: dict, *, iteration: int, plan, rank: in
 
 def _write_and_commit(state_dict: dict, common: dict, *, iteration: int, plan, rank: int,
                       dirs: StepDirs, group, node: str, root: Path, staged: Path) -> Manifest:
+    # megatron-core: on first use, not with this module
     from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
     from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
 

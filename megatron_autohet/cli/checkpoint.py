@@ -87,6 +87,7 @@ def local_roots(location: str) -> list[Path]:
 
 def open_store(args):
     """An S3Store for an s3:// location (boto3 is imported only then)."""
+    # boto3: not at `autohet` start-up
     from megatron_autohet.checkpoint.s3_store import S3Store, parse_s3_uri
 
     parse_s3_uri(args.location, LOCATION)
@@ -108,6 +109,7 @@ def s3_errors_as_config_errors(fn):
     def wrapped(args) -> int:
         if not is_s3(args):
             return fn(args)
+        # boto3: not at `autohet` start-up
         from megatron_autohet.checkpoint.s3_store import S3Error
         try:
             return fn(args)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from megatron_autohet import __version__
@@ -64,8 +65,6 @@ UNFINALIZED = ("node", "train")
 def end_process(status: int) -> None:
     """Exit now with ``status``, after flushing stdout and stderr (not a library call: only the
     command line's own process, ``main()`` without ``argv``, ends this way)."""
-    import os
-
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)

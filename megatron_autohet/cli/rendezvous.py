@@ -25,6 +25,7 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # torch: not at `autohet` start-up
     import torch.distributed as dist
 
     store = dist.TCPStore(args.host, args.port, is_master=True, multi_tenant=True,

@@ -77,6 +77,7 @@ def _check_against_plan(previous, model, args) -> None:
 
 
 def run(args) -> int:
+    # torch, pyscipopt: not at `autohet` start-up
     from megatron_autohet.planner.replan import REPLAN_TIME_LIMIT_S, replan
 
     check_output_path(args.output, "--output")

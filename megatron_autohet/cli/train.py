@@ -397,6 +397,7 @@ def _gpu_count() -> int:
     """The CUDA GPUs this process sees, as torch counts them: ``CUDA_VISIBLE_DEVICES`` honoured,
     and a machine without nvidia-smi still counts its GPUs. Called at launch, which imports
     torch's elastic agent next anyway; bad flags are refused before torch is imported."""
+    # torch: not at `autohet` start-up
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0

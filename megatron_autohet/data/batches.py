@@ -97,6 +97,7 @@ class GlobalBatches:
 
     def read(self, iteration: int, start: int, end: int) -> dict:
         """Rows ``[start, end)`` of global batch ``iteration``, read from the dataset."""
+        # torch: not at `autohet` start-up
         import torch
 
         first = iteration * self.global_batch_size
@@ -168,6 +169,7 @@ def open_global_batches(options: DataOptions, vocab_size: int,
     """:func:`build_splits` for a job (``torch.distributed`` initialised, every rank calls it):
     local rank 0 of each node builds the built-in corpus first, once per node, and every rank
     must see global rank 0's index cache (:func:`check_shared_cache`)."""
+    # torch: not at `autohet` start-up
     import torch.distributed as dist
 
     if local_rank == 0:
@@ -182,6 +184,7 @@ def check_shared_cache(cache: Path) -> None:
     megatron-core builds the indices that the other ranks then read; else every rank raises the
     same JobConfigError (printed once by the job). Rank 0 writes a marker of a fresh name, each
     rank looks for it: one broadcast and one all-gather (object collectives: NCCL takes them)."""
+    # torch: not at `autohet` start-up
     import torch.distributed as dist
 
     rank = dist.get_rank()
@@ -223,6 +226,7 @@ def build_splits(options: DataOptions,
     """The training batches (``num_iterations`` global batches) and, when
     ``options.valid_batches``, the validation ones from the split's validation documents (a
     ConfigError naming --split when the split leaves none). Call on every rank."""
+    # megatron-core: not at `autohet` start-up
     from megatron.core.datasets.blended_megatron_dataset_builder import (
         BlendedMegatronDatasetBuilder)
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig

@@ -53,6 +53,7 @@ def byte_tokenizer(vocab_size: int, file: str | Path | None = None):
     if vocab_size < BYTE_VOCAB:
         raise ConfigError(file, "vocab_size", f"{vocab_size} is too small for the byte-level "
                           "tokenizer of the built-in corpus", f">= {BYTE_VOCAB}")
+    # megatron-core: not at `autohet` start-up
     from megatron.core.tokenizers import MegatronTokenizer
 
     return MegatronTokenizer.from_pretrained(
@@ -92,6 +93,7 @@ def build_corpus(data_dir: str | Path | None = None,
         return prefix
     prefix.parent.mkdir(parents=True, exist_ok=True)
 
+    # megatron-core: not at `autohet` start-up
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
     tokenizer = byte_tokenizer(512)       # ids are bytes: independent of the model's vocab

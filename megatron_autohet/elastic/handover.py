@@ -102,6 +102,7 @@ def move_files(root: Path | None, *, rank: int, speaks_for_node: bool, receives:
     travel as CPU tensors, which NCCL - the default group on GPUs - refuses): nodes that do not
     ``receive`` send the files of the newest step that no receiving node holds to receiving
     nodes. Returns the bytes moved (all nodes)."""
+    # torch: on first use, not with this module
     import torch
     import torch.distributed as dist
 
@@ -139,6 +140,7 @@ def hand_over(store, *, rank: int, world_size: int, speaks_for_node: bool, train
               root: Path | None, timeout: timedelta) -> int:
     """:func:`move_files` from idle to training nodes, on a gloo group of every worker of the
     job (made from the workers' store, before the training group exists)."""
+    # torch: on first use, not with this module
     import torch.distributed as dist
 
     dist.init_process_group("gloo", store=dist.PrefixStore("autohet/handover/", store),

@@ -119,6 +119,7 @@ def _local_step(local_dir: str | None, node: str) -> dict | None:
 
 def _s3_step(options) -> dict | None:
     """The newest step committed in S3 (its plan), when no disk has one."""
+    # boto3: optional, on first use
     from megatron_autohet.checkpoint.s3_store import S3Error, S3Store
 
     if options.s3_uri is None:

@@ -211,6 +211,7 @@ _NOT_HONOURED = ("its default (README, 'Megatron-LM flags with --autohet-plan', 
 
 def megatron_parser():
     """Megatron-LM's own parser with the ``--autohet-*`` flags, as ``pretrain_gpt.py`` builds it."""
+    # Megatron-LM's training package: in a Megatron-LM tree only
     from megatron.training.arguments import add_megatron_arguments
 
     return add_autohet_args(add_megatron_arguments(

@@ -51,15 +51,21 @@ once :func:`prepare_process` runs, ranks other than the first ignore all Python 
 
 from __future__ import annotations
 
+import logging
+import os
 import sys
+import warnings
 from datetime import timedelta
 from pathlib import Path
 from typing import NoReturn
 
 from megatron_autohet.checkpoint.options import CheckpointOptions, check_scheduler_flags
+from megatron_autohet.data.batches import DataOptions, default_split, open_global_batches
 from megatron_autohet.errors import ConfigError, probability
+from megatron_autohet.megatron.flags import check_flags, megatron_parser, stop_before_start
 from megatron_autohet.plan import Plan, load_plan
 from megatron_autohet.runtime.optimizer import MEGATRON_SCHEDULE_FLAGS, OptimizerSettings
+from megatron_autohet.spec.precision import PRECISIONS
 
 
 def prepare_process(argv: list[str] | None = None) -> None:
@@ -71,7 +77,7 @@ def prepare_process(argv: list[str] | None = None) -> None:
         _print_help_with_autohet_flags(Path(argv[0]).name)
     if not any(a == "--autohet-plan" or a.startswith("--autohet-plan=") for a in argv):
         return
-    from megatron_autohet.megatron.flags import check_flags, stop_before_start
+    # torch: in the ranks of pretrain_gpt.py only
     from megatron_autohet.runtime.cpu_mode import cpu_mode_required, enable_cpu_mode
 
     _quiet_other_ranks()
@@ -92,10 +98,6 @@ def _quiet_other_ranks() -> None:
     INFO logging, so each line appears once per job. The warnings megatron-core gives while
     ``pretrain_gpt.py`` imports it are already once per job: stock ``pretrain_gpt.py`` ignores
     ``UserWarning``/``FutureWarning`` on ranks other than 0 before its imports."""
-    import logging
-    import os
-    import warnings
-
     if int(os.environ.get("RANK", "0")) > 0:
         warnings.simplefilter("ignore")
         logging.getLogger("megatron_autohet").setLevel(logging.WARNING)
@@ -109,6 +111,7 @@ def _size_megatron_batch_calculator_for_plans() -> None:
     plan ``autohet train`` runs - global batch 4, micro-batch 2 on 4 ranks - would be refused.
     The calculator is used only by Megatron's own loop, which the plan path replaces: it is given
     a data-parallel size of 1, and counts the plan's micro-batches of all pipelines together."""
+    # megatron-core: in the ranks of pretrain_gpt.py only
     import megatron.training.global_vars as global_vars
 
     original = global_vars.init_num_microbatches_calculator
@@ -125,8 +128,6 @@ def _print_help_with_autohet_flags(prog: str) -> None:
     """``pretrain_gpt.py --help`` is answered by the first parse of the command line, the one
     ``maybe_wrap_for_inprocess_restart`` makes without ``extra_args_provider``, so it would not
     list ``--autohet-*``: print Megatron's help with them instead, and exit as argparse does."""
-    from megatron_autohet.megatron.flags import megatron_parser
-
     parser = megatron_parser()
     parser.prog = prog
     parser.print_help()
@@ -143,6 +144,7 @@ def _adapt_megatron_lm_initialization_to_cpu() -> None:
     * ``_compile_dependencies`` builds the legacy fused CUDA kernels with nvcc: there is no CUDA
       toolkit, and nothing on the plan path uses them, so their loader is skipped.
     """
+    # megatron-core: in the ranks of pretrain_gpt.py only
     import megatron.legacy.fused_kernels as fused_kernels
     import megatron.training.initialize as initialize
     from megatron.core import parallel_state as mpu
@@ -166,6 +168,7 @@ def _adapt_megatron_lm_initialization_to_cpu() -> None:
 
 def cpu_mode_on() -> bool:
     """``initialize_megatron(allow_no_cuda=...)``: CUDA is optional once the CPU mode is on."""
+    # torch: in the ranks of pretrain_gpt.py only
     from megatron_autohet.runtime.cpu_mode import cpu_mode_enabled
 
     return cpu_mode_enabled()
@@ -305,6 +308,7 @@ def make_checkpointer(args, options: CheckpointOptions, trainer, scheduler,
     """
     if not options.saving and options.load is None:
         return None
+    # torch: in the ranks of pretrain_gpt.py only
     from megatron_autohet.checkpoint.checkpointer import Checkpointer
 
     class MegatronLMCheckpointer(Checkpointer):
@@ -331,6 +335,7 @@ def stop_job(err: ConfigError) -> NoReturn:
     step the ranks agreed on): rank 0 prints its one line as argparse would, and every rank exits
     with status 2 - not one traceback per rank. The barrier keeps the others alive until rank 0
     has printed: torchrun kills the rest of a job as soon as one rank has exited."""
+    # torch: in the ranks of pretrain_gpt.py only
     import torch.distributed as dist
 
     if dist.get_rank() == 0:
@@ -343,20 +348,18 @@ def megatron_precision(args):
     """Megatron-LM's ``--bf16`` (spec/precision.py); without it fp32, as in Megatron-LM
     (``--fp16`` never gets here: megatron/flags.py refuses it before Megatron starts), with or
     without the distributed optimizer."""
-    from megatron_autohet.spec.precision import PRECISIONS
-
     return PRECISIONS["bf16" if getattr(args, "bf16", False) else "fp32"]
 
 
 def pretrain_from_plan(args) -> None:
     """Train ``args.train_iters`` iterations of the plan after ``initialize_megatron``."""
+    # torch, megatron-core: in the ranks of pretrain_gpt.py only
     import torch.distributed as dist
     from megatron.core import parallel_state as mpu
     from megatron.training.training import get_optimizer_param_scheduler
 
     from megatron.training import get_tokenizer
 
-    from megatron_autohet.data.batches import DataOptions, default_split, open_global_batches
     from megatron_autohet.runtime.trainer import (Evaluation, HeteroTrainer, train_iterations,
                                                   validation_batches_needed)
 

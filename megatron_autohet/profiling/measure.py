@@ -99,6 +99,7 @@ def catalog_name_for_device(device_name: str, memory_gib: float,
 
 def local_accelerator() -> tuple[str, float, int] | None:
     """(device name, memory GiB, device count) of the local CUDA GPUs, or None on a CPU."""
+    # torch: in the measuring processes only
     import torch
 
     if not torch.cuda.is_available():
@@ -114,6 +115,7 @@ def measure_profile(model: ModelSpec, tp_degrees: list[int], micro_batch_sizes: 
 
     Raises ConfigError for a TP degree the model cannot be split by, or more TP ranks than GPUs.
     """
+    # torch: in the measuring processes only
     import torch.multiprocessing as mp
 
     accelerator = local_accelerator()
@@ -185,6 +187,7 @@ def _worker(rank: int, request: MeasureRequest, done) -> None:
     # A spawned process: megatron-core's known-benign warnings are filtered here again, before
     # it is imported (rank 0 prints which layer spec was measured instead).
     ignore_known_warnings()
+    # torch: in the measuring processes only
     import torch
     import torch.distributed as dist
 
@@ -192,9 +195,11 @@ def _worker(rank: int, request: MeasureRequest, done) -> None:
     if on_gpu:
         torch.cuda.set_device(rank)
     else:
+        # torch: in the measuring processes only
         from megatron_autohet.runtime.cpu_mode import enable_cpu_mode
         enable_cpu_mode()
     dist.init_process_group("nccl" if on_gpu else "gloo", rank=rank, world_size=request.tp)
+    # megatron-core: in the measuring processes only
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
@@ -220,6 +225,7 @@ class _Bench:
     """Builds the three parts once per TP degree and times them for each batch shape."""
 
     def __init__(self, request: MeasureRequest, on_gpu: bool):
+        # torch, megatron-core: in the measuring processes only
         from megatron.core.transformer.spec_utils import build_module
 
         from megatron_autohet.runtime.attention import attention_kind
@@ -253,6 +259,7 @@ class _Bench:
 
     # -- building megatron-core modules --------------------------------------------------------
     def _build_embedding(self):
+        # megatron-core: in the measuring processes only
         from megatron.core.models.common.embeddings.language_model_embedding import \
             LanguageModelEmbedding
 
@@ -264,6 +271,7 @@ class _Bench:
             position_embedding_type=model.position_embedding_type)
 
     def _build_output_layer(self):
+        # megatron-core: in the measuring processes only
         from megatron.core import tensor_parallel
 
         # GPTModel's output layer: column-parallel over the vocabulary, logits stay split.
@@ -276,6 +284,7 @@ class _Bench:
     def _rotary(self, seq: int):
         if self.request.model.position_embedding_type != "rope":
             return None
+        # megatron-core: in the measuring processes only
         from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
         rope = RotaryEmbedding(kv_channels=self.config.kv_channels, rotary_percent=1.0)
@@ -283,6 +292,7 @@ class _Bench:
 
     # -- one entry -----------------------------------------------------------------------------
     def measure_entry(self, mbs: int, seq: int) -> dict:
+        # torch: in the measuring processes only
         import torch
 
         model, h = self.request.model, self.config.hidden_size
@@ -301,6 +311,7 @@ class _Bench:
             return out
 
         def run_output(x):
+            # megatron-core: in the measuring processes only
             from megatron.core import tensor_parallel
 
             logits, _ = self.output_layer(self.final_norm(x))
@@ -320,6 +331,7 @@ class _Bench:
         """Time forward/backward of ``forward()`` and count its activations, with and without
         full recompute (``recompute_fn(x)`` under megatron's checkpoint; None: nothing to
         recompute, the input is token ids)."""
+        # torch: in the measuring processes only
         import torch
         import torch.distributed as dist
 
@@ -347,6 +359,7 @@ class _Bench:
         if recompute_fn is None:
             recompute = activation
         else:
+            # megatron-core: in the measuring processes only
             from megatron.core import tensor_parallel
 
             recompute = self._activation_bytes(
@@ -358,6 +371,7 @@ class _Bench:
 
     def _activation_bytes(self, forward, params) -> int:
         """Bytes one micro-batch keeps alive from forward to backward on this rank."""
+        # torch: in the measuring processes only
         import torch
 
         if self.on_gpu:
@@ -389,6 +403,7 @@ class _Bench:
         return sum(alive.values())
 
     def _clock(self):
+        # torch: in the measuring processes only
         import torch
 
         if self.on_gpu:

@@ -63,7 +63,8 @@ import logging
 import threading
 
 import torch
-from torch.overrides import TorchFunctionMode
+from torch.autograd.function import BackwardCFunction
+from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
 logger = logging.getLogger(__name__)
 
@@ -165,6 +166,7 @@ class _CpuRNGStatesTrackerMixin:
 
 
 def _install_rng_tracker() -> None:
+    # megatron-core: on first use, not with this module
     from megatron.core.tensor_parallel import random as mp_random
 
     stock = mp_random.CudaRNGStatesTracker
@@ -201,7 +203,6 @@ def _install_torch_cuda_shims() -> None:
 
 
 def _mode_active() -> bool:
-    from torch.overrides import _get_current_function_mode_stack
     return any(isinstance(m, _CudaAsCpuMode) for m in _get_current_function_mode_stack())
 
 
@@ -220,8 +221,6 @@ def _install_backward_hook() -> None:
     engine does not carry modes over), which would leave every device literal inside backward -
     and inside activation recomputation, which reruns the forward there - unmapped. The engine
     calls ``BackwardCFunction.apply`` for each of them; entering the mode around it fixes that."""
-    from torch.autograd.function import BackwardCFunction
-
     stock_apply = BackwardCFunction.apply
     if getattr(stock_apply, "_autohet_cpu_mode", False):
         return

@@ -144,6 +144,7 @@ def applies_weight_decay(layout) -> bool:
 def make_optimizer(model, layouts: dict, settings: OptimizerSettings, masters=None):
     """AdamW over ``model``'s parameters (or their ``masters``); ``layouts``: local name ->
     ParamLayout."""
+    # torch: not at `autohet` start-up
     import torch
 
     settings.validate()
@@ -226,6 +227,7 @@ def make_lr_scheduler(optimizer, settings: OptimizerSettings, train_iters: int,
     """megatron-core's OptimizerParamScheduler for ``train_iters`` iterations of
     ``global_batch_size`` samples, counting samples (module docstring); sets the first
     iteration's learning rate now, ``step(global_batch_size)`` after each optimizer step."""
+    # megatron-core: not at `autohet` start-up
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     settings.validate(train_iters)

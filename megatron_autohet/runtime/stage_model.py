@@ -104,6 +104,7 @@ def plan_padded_vocab_size(plan: Plan) -> int:
 def transformer_config(model_spec: ModelSpec, tp_size: int, *, sequence_parallel: bool = False,
                        pipeline_layers: list[tuple[int, int]] | None = None,
                        precision: Precision = FP32, **overrides):
+    # megatron-core: on first use, not with this module
     from megatron.core.transformer import TransformerConfig
 
     num_stages = len(pipeline_layers) if pipeline_layers else 1
@@ -200,14 +201,17 @@ def layer_spec_name() -> str:
 def stage_layer_spec(config):
     """(layer spec, final-norm module) for this stage's TransformerBlock (:func:`layer_spec_name`
     says which)."""
+    # megatron-core: on first use, not with this module
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
     if layer_spec_name() == "te":
+        # megatron-core: on first use, not with this module
         from megatron.core.extensions.transformer_engine import TENorm
         from megatron.core.models.gpt.gpt_layer_specs import \
             get_gpt_layer_with_transformer_engine_spec
         # TE's norms follow config.normalization; the layer norms are fused into the linears.
         return get_gpt_layer_with_transformer_engine_spec(), TENorm
+    # megatron-core: on first use, not with this module
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     from megatron_autohet.runtime.attention import SDPAttention
@@ -255,6 +259,7 @@ def _no_init(tensor: torch.Tensor) -> None:
 def build_stage_model(model_spec: ModelSpec, state, *, seed: int, sequence_parallel: bool = False,
                       padded_vocab: int | None = None, precision: Precision = FP32,
                       initialize: bool = True, **config_overrides):
+    # megatron-core: on first use, not with this module
     from megatron.core import tensor_parallel
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
