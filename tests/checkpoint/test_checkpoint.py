@@ -19,9 +19,6 @@ import torch
 
 from megatron_autohet.checkpoint.manifest import MANIFEST_FILE, read_manifest, step_dir_name
 from megatron_autohet.checkpoint.options import CheckpointOptions
-from megatron_autohet.plan import load_plan, plan_from_dict
-from megatron_autohet.runtime.mixed_precision import MASTER_KEY
-from megatron_autohet.runtime.optimizer import OptimizerSettings
 from megatron_autohet.spec.precision import BF16, FP32
 from helpers.dist_utils import RankFailed, run_on_ranks
 from helpers.checkpointing import HALF, REL, TOTAL, one_node_lost, train_job

@@ -18,7 +18,6 @@ from megatron_autohet.checkpoint.manifest import (LATEST_FILE, MANIFEST_FILE, re
                                                   step_dir_name)
 from megatron_autohet.checkpoint.options import CheckpointOptions
 from megatron_autohet.checkpoint.s3_store import S3Store
-from megatron_autohet.cli.main import main
 from helpers.dist_utils import run_on_ranks
 from megatron_autohet.testing.s3_server import free_port
 from helpers.checkpointing import HALF, TOTAL, train_job

@@ -20,14 +20,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
 
 from megatron_autohet.layout.topology import rank_role
 from megatron_autohet.plan import load_plan, plan_from_dict
-from megatron_autohet.runtime.optimizer import OptimizerSettings
 from helpers.dist_utils import run_on_ranks
 from helpers.training import CLIP, OPTIMIZER, PLANS, SEED, global_batches, rel, scheduled_steps
 
