@@ -32,6 +32,7 @@ class CorruptCheckpoint(RuntimeError):
 
 def wanted_regions(sharded_state_dict: dict) -> list[Wanted]:
     """The tensor regions and objects a sharded state dict asks for (factories applied)."""
+    # megatron-core: on first use, not with this module
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
     from megatron.core.dist_checkpointing.state_dict_utils import load_preprocess
@@ -86,6 +87,7 @@ class ChunkBoard:
 
 def _board_reader(step_dir: str | Path, board: ChunkBoard, chunk_at: dict[tuple[str, int], int],
                   order: dict[int, int]):
+    # torch: on first use, not with this module
     from torch.distributed.checkpoint import FileSystemReader
 
     class BoardReader(FileSystemReader):
@@ -122,16 +124,20 @@ def load_streamed(state_dict: dict, step_dir: str | Path, board: ChunkBoard,
     :func:`~megatron_autohet.checkpoint.state.rank_sharded_state_dict` for loading) from
     ``step_dir`` (``common.pt``, ``metadata.json``, DCP's ``.metadata`` and a placeholder per
     data file) with the chunk bytes from ``board`` (module doc)."""
+    # megatron-core: on first use, not with this module
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
 
     class StreamedLoad(TorchDistLoadShardedStrategy):
-        """megatron-core 0.16.1's torch_dist load with two changes: DCP reads through the
-        board, and without collectives (``no_dist``: each rank plans its own reads, which is
-        all a load needs), so that it runs in a thread while recovery's fetch uses the process
-        group. The steps are megatron's own ``TorchDistLoadShardedStrategy.load``."""
+        """megatron-core's torch_dist load with two changes: DCP reads through the board, and
+        without collectives (``no_dist``: each rank plans its own reads, which is all a load
+        needs), so that it runs in a thread while recovery's fetch uses the process group. The
+        steps are megatron's own ``TorchDistLoadShardedStrategy.load`` (0.16.1 to 0.19.x)."""
 
-        def load(self, sharded_state_dict, checkpoint_dir):
+        # megatron-core 0.19 also passes ``async_strategy``, which picks its file reader: the
+        # reader here is the board's, so it has nothing to choose.
+        def load(self, sharded_state_dict, checkpoint_dir, async_strategy=None):
+            # torch, megatron-core: on first use, not with this module
             from megatron.core.dist_checkpointing.dict_utils import nested_values
             from megatron.core.dist_checkpointing.mapping import ShardedTensor
             from megatron.core.dist_checkpointing.strategies import torch as mcore

@@ -38,8 +38,8 @@ Design
   ``new_group`` orders members by global rank, not by stage. megatron-core reads only
   ``rank()``/``size()`` of it when building the model and running the schedules
   (``get_pg_rank``/``get_pg_size``/``is_pp_first_stage`` in transformer_block.py, gpt_model.py,
-  language_module.py and schedules.py via ``p2p_communicator.pp_group``); activations travel
-  through ``runtime/p2p.py`` with global ranks.
+  language_module.py); activations travel through ``runtime/p2p.py`` with global ranks, and the
+  schedules read the stage position from the P2P communicator (runtime/p2p.py).
 * P2P groups: every pipeline boundary (the TP groups of stages s and s+1, which hold
   every rank pair the communicator's ``transfer_plan`` uses there) gets two groups over both
   stages' ranks, one for the activations going forward and one for the gradients coming back.
@@ -66,11 +66,13 @@ Design
   group, ``dp_group`` / ``dp_cp`` is the sync group of this rank's first layer run (in a
   symmetric plan exactly Megatron's DP group), and the DP rank/size globals report the pipeline
   index / number of pipelines (what a data-parallel replica index means in a plan).
-* Megatron globals (``_install_megatron_globals``): TP group/ranks/rank/size, PP rank/size (as
-  overrides, since the PP "group" is a StagePosition), pipeline global ranks (for each stage the
-  rank holding the same fraction of the TP dimension as this rank), model-parallel group = this
-  pipeline, embedding groups = this rank's embedding sync groups, the global memory buffer
-  (sequence parallel uses it), expert parallel = 1.
+* Megatron globals: what megatron reads from ``megatron.core.parallel_state``'s private module
+  globals, with no parameter to pass a group, is written by ``_install_megatron_globals`` (TP,
+  PP rank/size as overrides since the PP "group" is a StagePosition, this pipeline as the model
+  parallel group, DP as above, embedding groups, expert parallel = 1, the sequence-parallel
+  buffer); the section above ``_megatron_globals`` lists each with who reads it. It is the only
+  module that writes megatron-core's private state, and the only version difference there
+  (0.17+'s DP aliases) is handled beside the list.
 """
 
 from __future__ import annotations
@@ -283,44 +285,93 @@ def build_parallel_state(plan: Plan, rank: int | None = None, *, model: ModelSpe
     return state
 
 
-def _install_megatron_globals(state: HeteroParallelState, dp_ranks: list[int]) -> None:
-    from megatron.core import parallel_state as mps
+# ---- megatron.core.parallel_state's private globals ---------------------------------------------
+# megatron-core takes our groups as ``pg_collection`` wherever it accepts one (GPTModel and its
+# layers, the schedules, sharded_state_dict's ``dp_cp_group``, the RNG seeding's ranks). What
+# still reads the module-level globals of ``megatron.core.parallel_state`` has no parameter to
+# hand it a group, and megatron-core has no public setter (``initialize_model_parallel`` builds
+# one regular TP x PP x DP grid, which a plan is not), so this is the one place that writes them.
+# Each entry says who reads it. Values are this rank's: its stage's TP group, its pipeline, and
+# for "data parallel" the sync group of its first layer (module doc). Supported: megatron-core
+# 0.16.1 to 0.19.x (setup.py); a name missing here means another version, and is refused.
 
-    mps.destroy_model_parallel()
+
+def _megatron_globals(state: HeteroParallelState, dp_ranks: list[int]) -> dict[str, object]:
     role, plan = state.role, state.plan
     word, pos = state.word_embedding_sync, state.position_embedding_sync
-    values = {
+    return {
+        # Tensor parallelism. RowParallelLinear's forward hands its matmul ``tp_group=None``,
+        # which looks this group up; 0.16's GPTModel loss (vocab_parallel_cross_entropy) takes
+        # no group and reads group, rank and size here; get_tensor_model_parallel_src_rank
+        # reads the ranks (Megatron-LM's training loop).
         "_TENSOR_MODEL_PARALLEL_GROUP": state.tp_group,
         "_TENSOR_MODEL_PARALLEL_GLOBAL_RANKS": list(role.stage.ranks),
         "_MPU_TENSOR_MODEL_PARALLEL_WORLD_SIZE": role.stage.tp_size,
         "_MPU_TENSOR_MODEL_PARALLEL_RANK": role.tp_rank,
+        # Pipeline. The layer numbering (0.19's get_transformer_layer_offset does not pass its
+        # pp_rank on to the layer layout, which reads get_pipeline_model_parallel_rank) and
+        # is_pipeline_first/last_stage (Megatron-LM's training loop) read rank and size as
+        # overrides, since the "group" is a StagePosition; first/last/next/prev-rank read the
+        # pipeline's ranks, one per stage holding this rank's TP fraction.
         "_PIPELINE_MODEL_PARALLEL_GROUP": state.pp_group,
         "_PIPELINE_GLOBAL_RANKS": list(state.pp_group.ranks),
         "_MPU_PIPELINE_MODEL_PARALLEL_WORLD_SIZE": role.stage.num_stages,
         "_MPU_PIPELINE_MODEL_PARALLEL_RANK": role.stage.stage,
+        # Model parallel = this pipeline: get_model_parallel_group() (megatron's optimizer
+        # wrappers and Megatron-LM's reductions of the gradient norm over a model replica).
         "_MODEL_PARALLEL_GROUP": state.pipeline_group,
         "_MODEL_PARALLEL_GLOBAL_RANKS": list(plan.pipelines[role.stage.pipeline].ranks),
+        # No context parallelism: the CP getters (size 1) that megatron-core code not handed a
+        # pg_collection and Megatron-LM's batch slicing call.
         "_CONTEXT_PARALLEL_GROUP": state.cp_group,
         "_CONTEXT_PARALLEL_GLOBAL_RANKS": [state.rank],
         "_TENSOR_AND_CONTEXT_PARALLEL_GROUP": state.tp_group,
+        # Data parallel. parallel_state.is_initialized() is "the DP group is set": without it
+        # megatron treats the process as uninitialised. The DP rank feeds the replica ids of
+        # megatron's sharded state dicts (overwritten by checkpoint/state.py from the owner map)
+        # and Megatron-LM's data sampler and logging: pipeline index / number of pipelines.
         "_DATA_PARALLEL_GROUP": state.dp_group,
         "_DATA_PARALLEL_GROUP_WITH_CP": state.dp_group,
         "_DATA_PARALLEL_GLOBAL_RANKS": list(dp_ranks),
         "_DATA_PARALLEL_GLOBAL_RANKS_WITH_CP": list(dp_ranks),
         "_MPU_DATA_PARALLEL_WORLD_SIZE": len(plan.pipelines),
         "_MPU_DATA_PARALLEL_RANK": role.stage.pipeline,
+        # Tied embeddings: is_rank_in_embedding_group() and the embedding getters (Megatron-LM's
+        # training loop); the tied-weight sync itself is runtime/grad_sync.py's.
         "_EMBEDDING_GROUP": word.group if word else None,
         "_EMBEDDING_GLOBAL_RANKS": list(word.ranks) if word and word.ranks else None,
         "_POSITION_EMBEDDING_GROUP": pos.group if pos else None,
         "_POSITION_EMBEDDING_GLOBAL_RANKS": list(pos.ranks) if pos and pos.ranks else None,
+        # No experts: the expert getters answer 1 / 0 (expert TP = TP) without a group.
         "_MPU_EXPERT_MODEL_PARALLEL_WORLD_SIZE": 1,
         "_MPU_EXPERT_MODEL_PARALLEL_RANK": 0,
         "_MPU_EXPERT_TENSOR_PARALLEL_WORLD_SIZE": role.stage.tp_size,
         "_MPU_EXPERT_TENSOR_PARALLEL_RANK": role.tp_rank,
     }
+
+
+# The one version difference in the globals: megatron-core 0.17 added a "GTP weight
+# rematerialisation" variant of the DP groups, and get_data_parallel_group() returns it by default
+# (0.19's sharded_state_dict asks for it unless given a dp_cp_group). Without that feature it is
+# the plain DP group, as initialize_model_parallel sets it.
+_DP_ALIASES_SINCE_0_17 = {
+    "_DATA_PARALLEL_GROUP_WITH_GTP_REMAT": "_DATA_PARALLEL_GROUP",
+    "_DATA_PARALLEL_GROUP_WITH_CP_WITH_GTP_REMAT": "_DATA_PARALLEL_GROUP_WITH_CP",
+}
+
+
+def _install_megatron_globals(state: HeteroParallelState, dp_ranks: list[int]) -> None:
+    from megatron.core import package_info
+    from megatron.core import parallel_state as mps
+
+    mps.destroy_model_parallel()
+    values = _megatron_globals(state, dp_ranks)
+    if hasattr(mps, next(iter(_DP_ALIASES_SINCE_0_17))):
+        values.update({alias: values[name] for alias, name in _DP_ALIASES_SINCE_0_17.items()})
     for name, value in values.items():
         if not hasattr(mps, name):
             raise RuntimeError(f"megatron.core.parallel_state has no {name}: megatron-core "
-                               f"version mismatch (built against 0.16.1)")
+                               f"{package_info.__version__} is not supported (0.16.1 to 0.19.x)")
         setattr(mps, name, value)
+    # Sequence parallelism's all-gather buffer (tensor_parallel/layers.py asks for it by getter).
     mps._set_global_memory_buffer()
