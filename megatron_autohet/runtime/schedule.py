@@ -17,28 +17,30 @@ forward_only=False) -> list``
     micro-batch, in order; ``[]`` elsewhere. Gradients are accumulated into ``param.grad``
     (or megatron DDP's buffers if the model is wrapped); syncing them is the caller's job.
 
-What megatron's schedule does with our objects (megatron-core 0.16.1, pipeline_parallel/)
------------------------------------------------------------------------------------------
-* Calls on the communicator (schedules.py:2146-2292): ``recv_forward`` and ``send_forward``
-  (warm-up), ``send_forward_recv_backward``, ``send_backward_recv_forward``, ``send_backward``
-  (steady 1F1B; ``send_forward``/``recv_forward`` there when ``forward_only``),
-  ``recv_backward`` and ``send_backward`` (cool-down); it asserts ``.config`` and reads
-  ``.pp_group`` only through ``rank()``/``size()``.
-* Reads from ``pg_collection`` (asserts ``tp``, ``cp``, ``embd``, ``pos_embd``, ``pp``,
-  ``dp_cp`` exist): ``tp`` and ``cp`` for the tensor shapes, ``cp.size()`` for the loss, and the
+What megatron's schedule does with our objects (megatron-core 0.16.1 to 0.19.x)
+------------------------------------------------------------------------------
+* Calls on the communicator: ``recv_forward`` and ``send_forward`` (warm-up),
+  ``send_forward_recv_backward``, ``send_backward_recv_forward``, ``send_backward`` (steady 1F1B;
+  ``send_forward``/``recv_forward`` there when ``forward_only``), ``recv_backward`` and
+  ``send_backward`` (cool-down); it asserts ``.config`` and reads the stage position from
+  ``.pp_group`` (0.16) or the ``total_stages`` / ``current_stage`` / ``is_pp_first_stage`` /
+  ``is_pp_last_stage`` properties (0.17 and later), which the communicator answers from the same
+  object.
+* Reads from ``pg_collection`` (asserts ``tp``, ``cp`` exist; 0.16 also ``embd``, ``pos_embd``,
+  ``pp``, ``dp_cp``): ``tp`` and ``cp`` for the tensor shapes, ``cp.size()`` for the loss, and the
   whole collection is handed to ``config.finalize_model_grads_func`` when one is set.
-* Tensor shapes (schedules.py:1946): ``(seq_length // cp // (tp if sequence_parallel), mbs,
-  hidden)`` from the model's config, i.e. this stage's own layout; the communicator derives the
-  neighbour's layout from the same numbers, so nothing is exchanged besides the tensors.
-* Warm-up depth (schedules.py:2093): ``min(pp_group.size() - pp_group.rank() - 1,
-  num_microbatches)``; the communicator's ``pp_group`` is a
-  :class:`~megatron_autohet.runtime.p2p.SchedulePosition` that makes this the plan's per-stage
-  depth (``role.stage.warmup_microbatches``; the standard depth when the plan sets none). No
-  patch of megatron-core is needed; the allowed depths and the deadlock-freedom argument are in
-  runtime/p2p.py and enforced by plan validation.
-* Loss scaling (schedules.py:218-270): on the last stage the first value ``loss_func`` returns
-  is divided in place by ``num_microbatches`` (the pipeline's own count, which is what is passed
-  here) before backward; a 3-tuple ``(loss, num_tokens, ...)`` is also divided by the token
+* Tensor shapes: ``(seq_length // cp // (tp if sequence_parallel), mbs, hidden)`` from the
+  model's config, i.e. this stage's own layout; the communicator derives the neighbour's layout
+  from the same numbers, so nothing is exchanged besides the tensors.
+* Warm-up depth: ``min(stages - stage - 1, num_microbatches)`` with "stages" and "stage" read from
+  the communicator (above); its :class:`~megatron_autohet.runtime.p2p.SchedulePosition` makes
+  this the plan's per-stage depth (``role.stage.warmup_microbatches``; the standard depth when the
+  plan sets none). No patch of megatron-core is needed on either version; the mechanism, the
+  allowed depths and the deadlock-freedom argument are in runtime/p2p.py, enforced by plan
+  validation, and tests/runtime/test_schedule.py checks that megatron ran each depth.
+* Loss scaling (``forward_step_calc_loss``): on the last stage the first value ``loss_func``
+  returns is divided in place by ``num_microbatches`` (the pipeline's own count, which is what is
+  passed here) before backward; a 3-tuple ``(loss, num_tokens, ...)`` is also divided by the token
   count. Callers that need the global-batch mean over pipelines of different micro-batch counts
   scale in their ``loss_func`` (runtime/trainer.py does), and must log a detached clone.
 """

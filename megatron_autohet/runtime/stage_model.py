@@ -51,7 +51,7 @@ Design (why)
   unfused local layer name the norms TE-style (``linear_qkv.layer_norm_weight``) in
   ``sharded_state_dict`` (tests/test_attention.py).
 * megatron's torch-norm fallback (``WrappedTorchNorm``, used when Apex is absent) refuses
-  ``sequence_parallel`` (transformer/torch_norm.py:32); :class:`TorchNorm` is the same torch norm
+  ``sequence_parallel`` (transformer/torch_norm.py); :class:`TorchNorm` is the same torch norm
   but tags its parameters ``.sequence_parallel`` as Megatron's fused norms do, so the grad sync
   sums their partial gradients over TP (runtime/grad_sync.py). This is not a CPU issue (a GPU
   without Apex/TE hits it too), so it lives here and not in cpu_mode.
