@@ -36,7 +36,8 @@ import yaml
 
 from megatron_autohet.errors import ConfigError
 from megatron_autohet.spec._yaml import check_keys, get_field
-from megatron_autohet.spec.precision import PLANNING_PRECISION, PRECISIONS, Precision
+from megatron_autohet.spec.precision import (PLANNING_PRECISION, PRECISIONS, TRAINED_PRECISIONS,
+                                             Precision)
 
 # measured: timed on a device; estimated: datasheet rates (profiling/estimate.py); calibrated: an
 # estimate scaled by the measured-to-estimated ratio of measured entries (Profile.calibrated_over).
@@ -194,8 +195,10 @@ class Profile:
         if not isinstance(entries, list):
             raise ConfigError(file, "entries", "missing or not a list", "a list of entries")
         precision = get_field(data, "precision", str, file, default=PLANNING_PRECISION.name)
-        if precision not in PRECISIONS:
-            raise ConfigError(file, "precision", f"got {precision!r}", ", ".join(PRECISIONS))
+        if precision not in TRAINED_PRECISIONS:
+            raise ConfigError(file, "precision", f"got {precision!r}" + (
+                ": not built (fp16 needs a dynamic loss scaler, which this runtime does not "
+                "have)" if precision in PRECISIONS else ""), ", ".join(TRAINED_PRECISIONS))
         attention = get_field(data, "attention", str, file, default=DEFAULT_ATTENTION)
         if attention not in ATTENTIONS:
             raise ConfigError(file, "attention", f"got {attention!r}", ", ".join(ATTENTIONS))

@@ -153,7 +153,7 @@ def trains_in(gpu: GPUType, precision: str) -> bool:
     """Whether a job may train on ``gpu`` in ``precision`` (a spec/precision.py name): bf16 only
     where the GPU has it (the catalog's ``bf16: false``: V100, T4). The one test every planning
     path (:func:`trainable_fleet`) and ``autohet train`` (plan.py ``check_bf16_support``) apply;
-    fp16 never gets here (flags refuse it: the runtime has no loss scaler)."""
+    fp16 never gets here (profiles and flags refuse it: the runtime has no loss scaler)."""
     return precision != "bf16" or gpu.bf16
 
 

@@ -58,6 +58,9 @@ BF16 = Precision("bf16", 2)
 FP16 = Precision("fp16", 2)
 FP32 = Precision("fp32", 4)
 PRECISIONS = {p.name: p for p in (BF16, FP16, FP32)}
+# What the runtime trains in: fp16 needs a dynamic loss scaler it does not have, so a profile
+# or flag asking for fp16 is refused (GPUs without bf16 train in fp32 or not at all).
+TRAINED_PRECISIONS = ("bf16", "fp32")
 # What plans are priced for: Megatron-LM GPT training on modern GPUs runs --bf16.
 PLANNING_PRECISION = BF16
 

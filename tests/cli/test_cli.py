@@ -358,7 +358,11 @@ def test_show_figure_in_an_unknown_format(capsys, tmp_path):
     ("model: llama2-7b\nentries: []\n", "field 'model': profile is for 'llama2-7b', the model "
      "is 'gpt3-1.3b' (allowed: a profile of 'gpt3-1.3b')"),
     ("model: gpt3-1.3b\nprecision: fp8\nentries: []\n", "field 'precision': got 'fp8' "
-     "(allowed: bf16, fp16, fp32)")])
+     "(allowed: bf16, fp32)"),
+    # the runtime cannot train in fp16 (no loss scaler): no plan is priced for it
+    ("model: gpt3-1.3b\nprecision: fp16\nentries: []\n", "field 'precision': got 'fp16': "
+     "not built (fp16 needs a dynamic loss scaler, which this runtime does not have) (allowed: "
+     "bf16, fp32)")])
 def test_bad_profile_file(capsys, tmp_path, text, error):
     profile = tmp_path / "p.yaml"
     profile.write_text(text)
