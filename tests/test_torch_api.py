@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parent.parent
 API_LIST = ROOT / "tests" / "fixtures" / "torch-2.11-api.txt"
@@ -83,12 +82,14 @@ def scanned_files() -> list[Path]:
     return sorted(path for top in SCANNED for path in (ROOT / top).rglob("*.py"))
 
 
+@pytest.mark.unit
 def test_list_covers_the_checked_roots():
     names, namespaces = load_api()
     assert set(CHECKED_ROOTS) <= namespaces
     assert "torch.distributed.all_gather_into_tensor" in names
 
 
+@pytest.mark.integration
 def test_code_uses_only_torch_2_11_names():
     names, namespaces = load_api()
     problems = [f"{path.relative_to(ROOT)}:{line}: {why}"
@@ -98,6 +99,7 @@ def test_code_uses_only_torch_2_11_names():
     assert not problems, "\n".join(problems)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("source, bad", [
     ("import torch.distributed as dist\ndist.all_gather_single(a, b)\n",
      "torch.distributed.all_gather_single"),
@@ -116,6 +118,7 @@ def test_a_name_newer_than_2_11_is_caught(source, bad):
     assert found and all(bad in why for why in found)
 
 
+@pytest.mark.unit
 def test_names_present_in_2_11_pass():
     names, namespaces = load_api()
     source = ("import torch\nimport torch.distributed as dist\n"

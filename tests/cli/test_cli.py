@@ -134,7 +134,7 @@ def test_the_plan_file_keeps_its_memory_headroom_for_show_and_replan(capsys, tmp
 
 # ---- compare --------------------------------------------------------------------------------
 
-@pytest.mark.unit
+@pytest.mark.integration
 def test_compare_json(capsys, tmp_path):
     rc, out, _ = run_cli(capsys, "compare", "--cluster", H3, "--model", GPT,
                          "--global-batch-size", 64, "--json", "-o", tmp_path / "ours.yaml")
@@ -171,7 +171,7 @@ def test_compare_table(capsys):
 
 # ---- show -----------------------------------------------------------------------------------
 
-@pytest.mark.unit
+@pytest.mark.integration
 def test_show_table_and_figure(capsys, tmp_path):
     figure = tmp_path / "plan.png"
     rc, out, _ = run_cli(capsys, "show", EXAMPLE_PLAN, "--figure", figure)
@@ -258,7 +258,7 @@ def test_show_recomputes_a_planned_file(capsys, tmp_path):
     assert rc == 0 and f"{stored:,.0f} tokens/s" in out
 
 
-@pytest.mark.unit
+@pytest.mark.integration
 def test_plan_for_the_distributed_optimizer(capsys, tmp_path):
     """--use-distributed-optimizer is recorded in the plan, priced by the cost model (less
     memory per GPU than the same plan without it) and shown."""

@@ -41,7 +41,7 @@ def test_corpus_is_cached_and_deterministic(corpus, tmp_path):
         assert other.with_suffix(suffix).read_bytes() == corpus.with_suffix(suffix).read_bytes()
 
 
-@pytest.mark.unit
+@pytest.mark.integration
 def test_global_batches_deterministic_and_identical_across_opens(corpus, tmp_path):
     options = DataOptions(seq_length=32, global_batch_size=6, num_iterations=4, seed=7,
                           data_path=str(corpus), data_dir=str(tmp_path))

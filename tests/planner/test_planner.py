@@ -43,7 +43,7 @@ def test_tiny_on_local_cluster():
     _check(plan, cluster)
 
 
-@pytest.mark.unit
+@pytest.mark.integration
 def test_symmetric_tp_by_default_and_asymmetric_on_request():
     cluster = load_cluster("configs/clusters/a100-v100-t4.yaml")
     sym = search(cluster, GPT13, None, 64, 1, progress=False)
@@ -53,7 +53,7 @@ def test_symmetric_tp_by_default_and_asymmetric_on_request():
     assert asym.cost.iteration_time_s <= sym.cost.iteration_time_s * (1 + 1e-9)
 
 
-@pytest.mark.unit
+@pytest.mark.integration
 def test_speedup_over_megatron_on_three_type_fleet():
     cluster = load_cluster("configs/clusters/a100-h800-h20.yaml")
     result = compare(cluster, GPT13, None, 64, 1, progress=False)
@@ -91,7 +91,7 @@ EXHAUSTIVE_CASES = {
 }
 
 
-@pytest.mark.unit
+@pytest.mark.integration
 @pytest.mark.parametrize("case", sorted(EXHAUSTIVE_CASES))
 def test_within_two_percent_of_brute_force(case):
     path, nodes, model, gbs, mbs, tps = EXHAUSTIVE_CASES[case]
@@ -102,7 +102,7 @@ def test_within_two_percent_of_brute_force(case):
     assert ours.cost.iteration_time_s <= 1.02 * best.cost.iteration_time_s
 
 
-@pytest.mark.unit
+@pytest.mark.integration
 @pytest.mark.parametrize("name", ["a100-h800-h20", "a100-v100-t4"])
 def test_no_baseline_beats_our_plan(name):
     cluster = load_cluster(f"configs/clusters/{name}.yaml")
@@ -186,7 +186,7 @@ def test_warmup_post_pass_takes_the_shallowest_step_close_to_the_fastest():
     assert deepest < makespan < 1.01 * deepest < 0.99 * simulate_1f1b(stages, m)
 
 
-@pytest.mark.unit
+@pytest.mark.integration
 def test_warmup_post_pass_gives_valid_depths_within_memory_and_a_shorter_iteration():
     from megatron_autohet.cost_model import evaluate_plan
     from megatron_autohet.planner.search import resolve_profile
@@ -232,7 +232,7 @@ def test_measured_activation_bytes_decide_the_split():
     assert ours.cost.iteration_time_s <= best.cost.iteration_time_s * 1.01
 
 
-@pytest.mark.unit
+@pytest.mark.integration
 def test_composition_model_keeps_only_the_columns_that_matter_and_stays_exact():
     """The per-solve SCIP model drops options other columns dominate (same or fewer GPUs of every
     pool, at least the capacity); whether a composition finishes the batch by tau must not
@@ -317,7 +317,7 @@ def test_layer_splits_start_at_the_smallest_period():
     assert checked > 20
 
 
-@pytest.mark.unit
+@pytest.mark.integration
 def test_layer_splits_give_the_fastest_pipeline_for_every_microbatch_count():
     """Above ALL_SPLITS_UP_TO splits, layer_splits still holds a split with the smallest
     ``fill + (m - 1) period`` any split within the memory limits has, for every m (brute force):

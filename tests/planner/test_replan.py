@@ -22,7 +22,6 @@ from megatron_autohet.profiling.estimate import layer_param_count
 from megatron_autohet.spec import load_cluster, load_model
 from megatron_autohet.spec.cluster import cluster_from_dict
 
-pytestmark = pytest.mark.unit
 
 TINY = load_model("configs/models/tiny.yaml")
 PLANS = ["tiny-homogeneous", "tiny-three-pipelines", "tiny-tp-change", "tiny-two-pipelines"]
@@ -42,6 +41,7 @@ def _cluster(name: str, nodes: list[tuple[str, str, int]]):
         {"name": n, "gpu": gpu, "gpus": count} for n, gpu, count in nodes]})
 
 
+@pytest.mark.unit
 def test_tiny_parameter_counts():
     assert sum(_numel(x) for x in layer_param_layouts(TINY, 0)) == LAYER == \
         layer_param_count(TINY, 1)
@@ -60,12 +60,14 @@ def _numel(layout) -> int:
     return n
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("name", PLANS)
 def test_a_plan_against_itself_moves_nothing(name):
     plan = _plan(name)
     assert recovery_bytes(plan, plan, TINY) == 0
 
 
+@pytest.mark.unit
 def test_hand_checked_between_two_shipped_plans():
     two, homogeneous = _plan("tiny-two-pipelines"), _plan("tiny-homogeneous")
     # two-pipelines -> homogeneous: a100's TP1 layers 0-2 were held as both TP2 halves there;
@@ -80,6 +82,7 @@ def test_hand_checked_between_two_shipped_plans():
         "h20": (3 * LAYER + POSITIONS) * B}
 
 
+@pytest.mark.unit
 def test_a_vanished_node_costs_exactly_its_state():
     """h20 of tiny-two-pipelines (the whole model at TP1, the only copy of none of it) is gone
     and a spare machine takes its ranks: the spare needs everything h20 held, nothing else moves.
@@ -100,6 +103,7 @@ def _renamed_all(plan: Plan) -> Plan:
                                             for r in plan.ranks])
 
 
+@pytest.mark.unit
 def test_a_narrower_shard_needs_only_what_the_node_did_not_hold():
     """Element ranges along the split dimension: a TP2 rank-0 shard on a node that held TP4
     shard 0 of the layer needs the other quarter of every split tensor (the replicated ones are
@@ -115,6 +119,7 @@ def test_a_narrower_shard_needs_only_what_the_node_did_not_hold():
         (split // 2 + REPLICATED) * B
 
 
+@pytest.mark.integration
 def test_unchanged_fleet_returns_the_identical_plan():
     cluster = load_cluster("configs/clusters/local-4.yaml")
     planned = make_plan(cluster, TINY, None, 8, 2, progress=False)
@@ -127,6 +132,7 @@ def test_unchanged_fleet_returns_the_identical_plan():
     assert planned.to_dict() == before
 
 
+@pytest.mark.unit
 def test_losing_a_node_gives_a_valid_plan_on_the_survivors():
     previous = _plan("tiny-three-pipelines")
     survivors = load_cluster("configs/clusters/local-8.yaml").subset(["a100", "h800"])
@@ -148,6 +154,7 @@ def test_losing_a_node_gives_a_valid_plan_on_the_survivors():
     assert recovery_bytes(previous, derived.plan, TINY) == 0
 
 
+@pytest.mark.integration
 def test_replan_budget_is_work_not_wall_time(monkeypatch):
     """A re-plan on a stalled clock (no wall-clock limit can cut) with its default and a huge
     safety net gives the same plan: REPLAN_WORK_BUDGET binds, and it binds before the
@@ -170,6 +177,7 @@ def test_replan_budget_is_work_not_wall_time(monkeypatch):
     assert complete.stopped_by == STOP_COMPLETE and complete.work > REPLAN_WORK_BUDGET
 
 
+@pytest.mark.unit
 def test_cli_states_the_replan_budget(capsys):
     with pytest.raises(SystemExit):
         main(["replan", "--help"])
@@ -178,6 +186,7 @@ def test_cli_states_the_replan_budget(capsys):
     assert f"({REPLAN_WORK_BUDGET} SCIP nodes)" in help_text
 
 
+@pytest.mark.unit
 def test_a_joined_node_replaces_a_lost_one_of_its_type():
     """h20 is preempted and h20-b (same type and size) joins: the previous plan with h20's
     ranks on h20-b is a candidate; it moves exactly what h20 held for them."""
@@ -199,6 +208,7 @@ def test_a_joined_node_replaces_a_lost_one_of_its_type():
     assert result.candidates >= 2 and result.recovery_bytes <= whole_model * B
 
 
+@pytest.mark.unit
 def test_a_pipeline_that_lost_a_stage_is_patched_onto_free_gpus():
     """Two pipelines over nodes a | b, a spare GPU on c; b is lost. The derived plan has
     nothing left (both pipelines touched b); the patched plan keeps pipeline 0's first stage
@@ -245,6 +255,7 @@ def _two_node_candidates():
     return plan("n0", "n1"), plan("n1", "n0")
 
 
+@pytest.mark.unit
 def test_among_equally_fast_plans_the_one_moving_less_wins():
     kept, swapped = _two_node_candidates()
     assert kept.cost.iteration_time_s == pytest.approx(swapped.cost.iteration_time_s, rel=1e-12)
@@ -259,6 +270,7 @@ def test_among_equally_fast_plans_the_one_moving_less_wins():
     assert least_moving([swapped, slow], state, tolerance=0.1)[0] is slow
 
 
+@pytest.mark.integration
 def test_the_choice_compares_plans_after_the_warm_up_pass():
     """The search's best arrives with HAPT warm-ups; a plan that keeps the state where it is
     but lost its warm-ups (its micro-batch counts changed) must get the pass before it is
@@ -294,6 +306,7 @@ def test_the_choice_compares_plans_after_the_warm_up_pass():
     assert chosen.cost.iteration_time_s == pytest.approx(moving.cost.iteration_time_s, rel=1e-9)
 
 
+@pytest.mark.unit
 def test_a_joined_node_can_be_used():
     """GPT-3 1.3B ran on a lone H20; an H800 joins. The new plan uses it, although that moves
     state, because keeping the old plan would be far slower than the tolerance allows (the
@@ -308,6 +321,7 @@ def test_a_joined_node_can_be_used():
     assert result.cost.iteration_time_s < 0.5 * previous.predicted["iteration_time_s"]
 
 
+@pytest.mark.unit
 def test_bad_inputs():
     previous = _plan("tiny-two-pipelines")
     cluster = load_cluster("configs/clusters/local-4.yaml")
@@ -319,6 +333,7 @@ def test_bad_inputs():
 
 # ---- autohet replan --------------------------------------------------------------------------
 
+@pytest.mark.unit
 def test_cli_after_a_preemption(capsys, tmp_path):
     """tiny-two-pipelines ran on local-4; h20 is gone: the new plan runs on a100 and h800 only
     (the first pipeline, all micro-batches), and nothing has to move."""
@@ -339,6 +354,7 @@ def test_cli_after_a_preemption(capsys, tmp_path):
            "on 2 of 3 nodes)" in out
 
 
+@pytest.mark.unit
 def test_cli_batch_mismatch_is_one_line(capsys, tmp_path):
     rc = main(["replan", "--plan", "configs/plans/tiny-two-pipelines.yaml", "--cluster",
                "configs/clusters/local-4.yaml", "--model", "configs/models/tiny.yaml",

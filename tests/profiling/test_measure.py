@@ -30,7 +30,7 @@ def measured(tmp_path_factory):
     return Profile.load(out)
 
 
-@pytest.mark.unit
+@pytest.mark.integration
 def test_measured_entries_are_real_and_positive(measured):
     for seq in (32, 64):
         entry = measured.get("A100-80GB", 1, 1, seq)
@@ -40,7 +40,7 @@ def test_measured_entries_are_real_and_positive(measured):
             assert part.activation_bytes > 0 and part.param_count > 0
 
 
-@pytest.mark.unit
+@pytest.mark.integration
 def test_activation_bytes_grow_with_sequence_length(measured):
     short, long = measured.get("A100-80GB", 1, 1, 32), measured.get("A100-80GB", 1, 1, 64)
     for part in ("layer", "embedding", "output"):
@@ -52,7 +52,7 @@ def test_activation_bytes_grow_with_sequence_length(measured):
     assert long.layer.activation_bytes == 2 * short.layer.activation_bytes
 
 
-@pytest.mark.unit
+@pytest.mark.integration
 def test_recompute_keeps_only_the_layer_input(measured):
     model = load_model(TINY)
     for seq in (32, 64):
@@ -62,7 +62,7 @@ def test_recompute_keeps_only_the_layer_input(measured):
         assert layer.activation_bytes > 10 * layer.activation_bytes_recompute
 
 
-@pytest.mark.unit
+@pytest.mark.integration
 def test_parameter_counts_match_megatron_shapes(measured):
     model = load_model(TINY)
     entry = measured.get("A100-80GB", 1, 1, 64)
@@ -149,7 +149,7 @@ def test_llama_style_layer_is_measured_as_the_runtime_builds_it():
                                           estimate.output.param_count)
 
 
-@pytest.mark.unit
+@pytest.mark.integration
 def test_cluster_types_not_measured_are_calibrated_estimates(measured):
     """The types `autohet profile --cluster` could not measure are estimated, then scaled by
     how far the estimate missed on the measured type (Profile.calibrated_over)."""
@@ -159,7 +159,7 @@ def test_cluster_types_not_measured_are_calibrated_estimates(measured):
     assert len(measured.entries) == 6
 
 
-@pytest.mark.unit
+@pytest.mark.integration
 def test_a_cpu_profile_is_in_the_precision_the_cpu_trains_in(measured, tmp_path):
     """Measured on a CPU, where the runtime trains fp32: the profile says so (and keeps it
     through the calibrated estimates and a save/load), so the cost model counts fp32 bytes."""
