@@ -8,6 +8,8 @@ what the neighbouring stage sent, for every micro-batch.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from megatron.core.model_parallel_config import ModelParallelConfig
@@ -15,8 +17,8 @@ from megatron.core.pipeline_parallel.utils import is_pp_first_stage, is_pp_last_
 
 from helpers.dist_utils import run_on_ranks
 from megatron_autohet.layout.topology import RankRole, StageRole
-from megatron_autohet.runtime.p2p import (HeteroP2PCommunicator, SchedulePosition, StageLayout,
-                                          transfer_plan)
+from megatron_autohet.runtime.p2p import (BoundaryGroups, HeteroP2PCommunicator, SchedulePosition,
+                                          StageLayout, StageLinks, transfer_plan)
 
 SEQ, MBS, HIDDEN = 8, 2, 4
 
@@ -190,10 +192,43 @@ def test_schedule_position_gives_megatron_the_plan_depth():
     for stage, warmup, first, last in [(0, 1, True, False), (0, 3, True, False),
                                        (1, 2, False, False), (2, 0, False, True)]:
         pos = SchedulePosition(stage, warmup)
-        assert pos.size() - pos.rank() - 1 == warmup                   # schedules.py:2093
+        assert pos.size() - pos.rank() - 1 == warmup      # megatron's warm-up formula
         assert (pos.rank() == 0) == first and (pos.rank() == pos.size() - 1) == last
     # the standard depth reproduces the real pipeline rank and size
     assert SchedulePosition(1, 4 - 1 - 1).size() == 4
+
+
+@pytest.mark.unit
+def test_communicator_tells_megatron_the_plan_depth_the_way_this_megatron_core_reads_it():
+    """0.16 reads the stage position from ``pp_group``, 0.17+ from the communicator's own
+    properties (module doc, "The warm-up depth"): on either, megatron's formula gives the plan's
+    depth, and where megatron's P2PCommunicator defines those properties (0.17+), its own
+    definitions applied to ours answer the same as ours."""
+    from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+
+    dummy = BoundaryGroups(activations=object(), gradients=object())
+    for warmups in ([2, 1, 0], [3, 3, 0], [1, 1, 0]):
+        for role in chain_roles([2, 1, 1], num_microbatches=4):
+            stage = dataclasses.replace(role.stage, warmup_microbatches=warmups[role.stage.stage])
+            config = ModelParallelConfig(tensor_model_parallel_size=stage.tp_size,
+                                         pipeline_dtype=torch.float32)
+            links = StageLinks(prev=dummy if stage.prev_ranks else None,
+                               next=dummy if stage.next_ranks else None)
+            comm = HeteroP2PCommunicator(dataclasses.replace(role, stage=stage), config,
+                                         links=links, sequence_parallel=False)
+            pp = comm.pp_group                                   # what 0.16 reads
+            assert pp.size() - pp.rank() - 1 == stage.warmup_microbatches
+            assert (pp.rank() == 0, pp.rank() == pp.size() - 1) == (stage.is_first,
+                                                                    stage.is_last)
+            assert comm.total_stages - comm.current_stage - 1 == stage.warmup_microbatches
+            assert (comm.is_pp_first_stage, comm.is_pp_last_stage) == (stage.is_first,
+                                                                       stage.is_last)
+            # megatron's is_pp_*_stage helpers answer for the default group without
+            # torch.distributed, so only the two plain properties are compared here.
+            for name in ("total_stages", "current_stage"):
+                upstream = getattr(P2PCommunicator, name, None)      # a property on 0.17+
+                if upstream is not None:
+                    assert upstream.fget(comm) == getattr(comm, name), name
 
 
 @pytest.mark.unit
