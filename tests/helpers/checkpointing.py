@@ -38,9 +38,12 @@ def train_job(rank, world, the_plan, batches, options, exit_interval=None, preci
     from megatron_autohet.runtime.optimizer import make_lr_scheduler
     from megatron_autohet.runtime.trainer import HeteroTrainer, train_iterations
 
+    # Built as autohet train builds it: without initial weights when it has a checkpoint to load
+    # (so every resume proof holds for that path).
     trainer = HeteroTrainer(the_plan, the_plan.model, rank=rank, seed=SEED, optimizer=OPTIMIZER,
                             precision=precision, distributed_optimizer=distributed_optimizer,
-                            hidden_dropout=dropout, attention_dropout=dropout)
+                            hidden_dropout=dropout, attention_dropout=dropout,
+                            initialize=options.load is None)
     scheduler = make_lr_scheduler(trainer.optimizer, OPTIMIZER, total, the_plan.global_batch_size)
     checkpointer = Checkpointer(options, trainer, scheduler, seed=SEED, train_args={})
     metrics = []
