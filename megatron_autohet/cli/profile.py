@@ -13,6 +13,8 @@ import logging
 from megatron_autohet.cli._common import check_output_path, positive
 from megatron_autohet.cli._table import format_table
 from megatron_autohet.errors import ConfigError
+from megatron_autohet.profiling.estimate import achieved_efficiency
+from megatron_autohet.spec.gpus import set_achieved_efficiency
 
 DEFAULT_WARMUP = 2
 DEFAULT_ITERS = 5
@@ -43,6 +45,11 @@ def register(subparsers) -> None:
                         "(default: measured entries only)")
     p.add_argument("--gpu-catalog", default=None, metavar="G.yaml",
                    help="GPU catalog (default: the bundled configs/gpus.yaml)")
+    p.add_argument("--update-catalog", default=None, metavar="G.yaml",
+                   help="set the measured GPU type's achieved_efficiency (measured / analytic "
+                        "speed, configs/gpus.yaml) in this catalog file, created as a copy of "
+                        "--gpu-catalog if it does not exist; plan with it by passing it as "
+                        "--gpu-catalog (needs a GPU measurement; default: only printed)")
     p.add_argument("--warmup", type=int, default=DEFAULT_WARMUP,
                    help=f"untimed iterations before timing each part (default: {DEFAULT_WARMUP})")
     p.add_argument("--iters", type=int, default=DEFAULT_ITERS,
@@ -69,7 +76,14 @@ def run(args) -> int:
     for seq in seq_lengths:
         model.check_seq_length(seq, "<command line>", "--seq-length")
     check_output_path(args.output, "--output")
-    gpu = _device_type(args.as_gpu, catalog, local_accelerator())
+    check_output_path(args.update_catalog, "--update-catalog")
+    accelerator = local_accelerator()
+    gpu = _device_type(args.as_gpu, catalog, accelerator)
+    if args.update_catalog is not None and (accelerator is None or gpu not in catalog):
+        # A CPU's fp32 timings recorded as a GPU type say nothing of that GPU's bf16 speed.
+        raise ConfigError("<command line>", "--update-catalog", f"measuring {gpu} on "
+                          f"{'a CPU' if accelerator is None else accelerator[0]}",
+                          "a measurement on a GPU of a catalog type")
 
     profile = measure_profile(model, args.tp, args.micro_batch_size, seq_lengths, gpu,
                               warmup=args.warmup, iters=args.iters)
@@ -82,6 +96,15 @@ def run(args) -> int:
                 estimated = estimate_profile(model, cluster, mbs, seq, args.tp,
                                              profile.attention).merged_over(estimated)
         profile = profile.calibrated_over(estimated)
+    if accelerator is not None:
+        for name, value in achieved_efficiency(profile, model, catalog).items():
+            print(f"> {name}: the measured parts ran at {value:.3f} of the analytic "
+                  f"estimate's speed (achieved_efficiency; the catalog has "
+                  f"{catalog[name].achieved_efficiency:g})")
+            if args.update_catalog is not None:
+                set_achieved_efficiency(args.update_catalog, name, value, args.gpu_catalog)
+                print(f"> set {name}'s achieved_efficiency to {value:.3g} in "
+                      f"{args.update_catalog}")
     profile.save(args.output)
     print(format_profile(profile))
     sources = [e.layer.source for e in profile.entries.values()]

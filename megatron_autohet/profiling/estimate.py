@@ -5,7 +5,14 @@ micro-batch through a transformer layer, the embedding and the output layer, and
 time with the GPU catalog's datasheet rates scaled by efficiency factors::
 
     time = max(flops / (peak_flops * MATMUL_EFFICIENCY), bytes / (mem_bw * MEMORY_EFFICIENCY))
-           + TP all-reduce time
+           / achieved_efficiency + TP all-reduce time
+
+``achieved_efficiency`` is the GPU type's entry in the catalog (configs/gpus.yaml, default 1):
+how much of this analytic speed a training step reached when measured on the type. The two
+efficiencies above are generic; a real kernel mix misses them by a type-specific amount (on an
+H100, GPT-3 1.3B with SDPA flash attention trained at 0.705 s per iteration where the
+estimate said 0.562 s). :func:`achieved_efficiency` derives it from a measured profile, and
+``autohet profile --update-catalog`` writes it into a catalog.
 
 Symbols: b micro-batch size, s sequence length, h hidden size, a attention heads, g query groups
 (GQA; g = a without it), f FFN hidden size, V vocabulary (padded as Megatron pads it), t TP degree.
@@ -41,9 +48,11 @@ Every OpCost made here has ``source="estimated"``; measured profiles replace the
 
 from __future__ import annotations
 
+import math
+from dataclasses import replace
 
-from megatron_autohet.profiling.profile import (DEFAULT_ATTENTION, OpCost, Profile, ProfileEntry,
-                                                check_attention)
+from megatron_autohet.profiling.profile import (DEFAULT_ATTENTION, PARTS, OpCost, Profile,
+                                                ProfileEntry, check_attention)
 from megatron_autohet.spec.cluster import Cluster
 from megatron_autohet.spec.gpus import GPUType
 from megatron_autohet.spec.model import ModelSpec
@@ -131,7 +140,7 @@ def layer_activation_bytes(model: ModelSpec, tp: int, micro_batch_size: int, seq
 def _timed(flops: float, traffic_bytes: float, gpu: GPUType) -> float:
     compute = flops / (gpu.dense_tflops * 1e12 * MATMUL_EFFICIENCY)
     memory = traffic_bytes / (gpu.memory_bandwidth_gbs * 1e9 * MEMORY_EFFICIENCY)
-    return max(compute, memory)
+    return max(compute, memory) / gpu.achieved_efficiency
 
 
 def estimate_entry(model: ModelSpec, gpu: GPUType, tp: int, micro_batch_size: int,
@@ -202,3 +211,34 @@ def estimate_profile(model: ModelSpec, cluster: Cluster, micro_batch_size: int, 
             profile.add(estimate_entry(model, gpu, tp, micro_batch_size, seq_length,
                                        node.intra_node_bandwidth_gbs, attention))
     return profile
+
+
+def _micro_batch_s(entry: ProfileEntry, num_layers: int) -> float:
+    """Forward + backward of one micro-batch through the whole model on one TP group."""
+    return sum(op.forward_s + op.backward_s for op in
+               [entry.layer] * num_layers + [entry.embedding, entry.output])
+
+
+def achieved_efficiency(profile: Profile, model: ModelSpec, catalog: dict[str, GPUType]
+                        ) -> dict[str, float]:
+    """Per GPU type of the catalog with measured entries in ``profile`` (every part measured):
+    the ``achieved_efficiency`` that makes the estimate of one micro-batch through the whole
+    model (every layer, the embedding, the output layer) equal the measurement; the geometric
+    mean over the type's entries (TP degrees, micro-batch sizes, sequence lengths). The estimate
+    is ``A / e + B`` (kernels scaled by ``e``, TP all-reduces not), so ``e = A / (measured -
+    B)``; an entry measured faster than its all-reduces alone (B) says nothing and is skipped."""
+    logs: dict[str, list[float]] = {}
+    for entry in profile.entries.values():
+        gpu = catalog.get(entry.gpu)
+        if gpu is None or any(getattr(entry, part).source != "measured" for part in PARTS):
+            continue
+        at = {e: _micro_batch_s(estimate_entry(
+            model, replace(gpu, achieved_efficiency=e), entry.tp, entry.micro_batch_size,
+            entry.seq_length, gpu.intra_node_bandwidth_gbs, profile.attention), model.num_layers)
+            for e in (1.0, 0.5)}
+        kernels = at[0.5] - at[1.0]
+        links = at[1.0] - kernels
+        measured = _micro_batch_s(entry, model.num_layers)
+        if measured > links:
+            logs.setdefault(entry.gpu, []).append(math.log(kernels / (measured - links)))
+    return {g: math.exp(sum(v) / len(v)) for g, v in logs.items()}

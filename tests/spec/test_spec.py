@@ -129,8 +129,9 @@ def test_catalog_negative_bandwidth(tmp_path):
 def test_catalog_unknown_field(tmp_path):
     entry = dict(GOOD_GPU, tflops=1)
     expect_error(load_gpu_catalog, write(tmp_path, "gpus.yaml", {"gpus": {"X1": entry}}),
-                 "field 'gpus.X1.tflops': unknown field (allowed: bf16, dense_tflops, "
-                 "intra_node_bandwidth_gbs, memory_bandwidth_gbs, memory_gib, notes)")
+                 "field 'gpus.X1.tflops': unknown field (allowed: achieved_efficiency, bf16, "
+                 "dense_tflops, intra_node_bandwidth_gbs, memory_bandwidth_gbs, memory_gib, "
+                 "notes)")
 
 
 def test_catalog_entry_not_a_mapping(tmp_path):
