@@ -44,9 +44,13 @@ below are bf16's.
 * **Iteration**: ``T_iter = max_p T_pipe(p) + T_sync + T_opt``; tokens/s = global batch * seq / T_iter,
   where a pipeline whose plan sets non-standard warm-up depths saves what :func:`simulate_1f1b`
   saves at those depths over the standard ones (below).
-* **Price**: with a ``spot_price`` (USD per GPU-hour) on every node the plan uses, USD per
-  million tokens = sum of the used GPUs' prices / 3600 * T_iter / tokens per iteration * 1e6.
-  GPUs the plan leaves idle are not charged: a fleet can release them.
+* **Price**: with a ``spot_price`` (USD per GPU-hour) on every node the plan uses, the plan's
+  rate in USD per hour is, by the plan's ``charge`` (CHARGES): ``per-node`` (the default) every
+  GPU of every node that holds a rank of the plan, since spot capacity is rented by the node (a
+  partly used node is paid whole, its idle GPUs included); ``per-gpu`` only the GPUs holding a
+  rank, for fleets that rent single GPUs. Nodes without a rank are not charged either way (a
+  fleet can release them). USD per million tokens = rate / 3600 * T_iter / tokens per iteration
+  * 1e6.
 * **Sources**: which figures of the profile the plan's GPU types and TP degrees were priced
   from: measured, calibrated or estimated (profiling/profile.py).
 * **Memory** of a GPU of stage s: ``params * 18 B`` (bf16 weight 2, fp32 gradient 4, fp32 master
@@ -129,6 +133,9 @@ MEMORY_RESERVED_GIB = 1.5
 # transients beside the ones counted here. 10% covers the fragmentation with some margin for
 # the estimates, so a plan that "fits" does not fill a GPU to its last byte.
 DEFAULT_MEMORY_HEADROOM = 0.1
+# How a plan's GPUs are paid for (module doc, "Price"): spot capacity is rented by the node.
+CHARGES = ("per-node", "per-gpu")
+DEFAULT_CHARGE = "per-node"
 
 
 def usable_memory_gib(gpu: GPUType, memory_headroom: float = DEFAULT_MEMORY_HEADROOM) -> float:
@@ -140,6 +147,19 @@ def plan_memory_headroom(plan: Plan) -> float:
     """The headroom a plan was made with (its file records it under ``predicted``, checked by
     plan.py), the default for a plan file without one."""
     return plan.predicted.get("memory_headroom", DEFAULT_MEMORY_HEADROOM)
+
+
+def check_charge(value: str, flag: str = "--charge", file: str = "<arguments>") -> str:
+    if value not in CHARGES:
+        raise ConfigError(file, flag, f"got {value!r}", ", ".join(CHARGES))
+    return value
+
+
+def plan_charge(plan: Plan) -> str:
+    """How the plan's price was charged (recorded under ``predicted``), the default for a plan
+    file without one."""
+    return check_charge(plan.predicted.get("charge", DEFAULT_CHARGE), "predicted.charge",
+                        "<plan>")
 
 
 def check_memory_headroom(value: float, flag: str = "--memory-headroom") -> float:
@@ -312,6 +332,13 @@ class PlanCost:
     # "<gpu> tp<t>" -> {part: source} for the profile entries the plan used (module doc).
     sources: dict[str, dict[str, str]] = field(default_factory=dict)
     memory_headroom: float = DEFAULT_MEMORY_HEADROOM    # what "fits" left free of each GPU
+    # USD per hour of the GPUs the plan pays for, by ``charge`` (module doc, "Price"); None
+    # when a used node has no spot price.
+    usd_per_hour: float | None = None
+    charge: str = DEFAULT_CHARGE
+
+    def hours_to_train(self, tokens: float) -> float:
+        return tokens / self.tokens_per_s / 3600
 
     @property
     def stages(self) -> list[StageCost]:
@@ -338,6 +365,9 @@ class PlanCost:
                 "usd_per_million_tokens": (None if self.usd_per_million_tokens is None
                                            else round(self.usd_per_million_tokens, 6)),
                 "memory_headroom": self.memory_headroom,
+                "usd_per_hour": (None if self.usd_per_hour is None
+                                 else round(self.usd_per_hour, 6)),
+                "charge": self.charge,
                 "profile_sources": {k: dict(v) for k, v in self.sources.items()}}
 
 
@@ -405,10 +435,11 @@ def _unsharded_state_params(groups: list[tuple]) -> dict[int, float]:
 
 
 def evaluate_plan(plan: Plan, cluster: Cluster, profile: Profile, with_timeline: bool = True,
-                  memory_headroom: float = DEFAULT_MEMORY_HEADROOM) -> PlanCost:
+                  memory_headroom: float = DEFAULT_MEMORY_HEADROOM,
+                  charge: str = DEFAULT_CHARGE) -> PlanCost:
     """Predicted iteration time, throughput, per-stage time and memory of a plan (see module
     doc); a stage fits when its peak is within ``usable_memory_gib`` of its GPU. Bytes are
-    counted in the profile's precision (the job's)."""
+    counted in the profile's precision (the job's); the price is charged by ``charge``."""
     model = plan.model
     precision = profile.precision
     node_of = [r.node for r in plan.ranks]
@@ -493,11 +524,23 @@ def evaluate_plan(plan: Plan, cluster: Cluster, profile: Profile, with_timeline:
     for d in cluster.devices():
         if (d.node, d.local_rank) not in used:
             idle[d.gpu] = idle.get(d.gpu, 0) + 1
-    prices = [cluster.node(r.node).spot_price for r in plan.ranks]
-    usd = (None if None in prices
-           else sum(prices) / 3600 * iteration / (plan.global_batch_size * plan.seq_length) * 1e6)
+    rate = usd_per_hour(plan, cluster, charge)
+    usd = None if rate is None else rate / 3600 / tokens * 1e6
     return PlanCost(iteration, pipeline_time, sync, opt, tokens, pipelines, idle, usd, sources,
-                    memory_headroom)
+                    memory_headroom, rate, charge)
+
+
+def usd_per_hour(plan: Plan, cluster: Cluster, charge: str = DEFAULT_CHARGE) -> float | None:
+    """What the GPUs the plan pays for cost per hour (module doc, "Price"); None when a node it
+    uses has no spot price."""
+    check_charge(charge)
+    if charge == "per-gpu":
+        prices = [cluster.node(r.node).spot_price for r in plan.ranks]
+        return None if None in prices else sum(prices)
+    nodes = [cluster.node(name) for name in dict.fromkeys(r.node for r in plan.ranks)]
+    if any(n.spot_price is None for n in nodes):
+        return None
+    return sum(n.spot_price * n.num_gpus for n in nodes)
 
 
 def simulate_1f1b(stages: list[StageCost], num_microbatches: int,

@@ -10,7 +10,8 @@ import math
 from pathlib import Path
 
 from megatron_autohet.cli._table import format_table
-from megatron_autohet.cost_model import DEFAULT_MEMORY_HEADROOM, check_memory_headroom
+from megatron_autohet.cost_model import (CHARGES, DEFAULT_CHARGE, DEFAULT_MEMORY_HEADROOM,
+                                         check_memory_headroom)
 from megatron_autohet.errors import ConfigError
 from megatron_autohet.spec.gpus import CONFIG_DIR
 
@@ -50,8 +51,24 @@ def add_planning_arguments(parser) -> None:
     parser.add_argument("--objective", choices=("throughput", "cost"), default="throughput",
                         help="throughput: the shortest iteration; cost: the fewest USD per "
                              "million tokens from the nodes' spot_price (USD per GPU-hour, "
-                             "needed on every node), possibly leaving expensive, slow nodes "
-                             "idle (default: throughput)")
+                             "needed on every node) among the plans that reach a throughput "
+                             "floor (--min-tokens-per-s, or --deadline-hours with "
+                             "--train-tokens; one is required), possibly leaving expensive, "
+                             "slow nodes idle (default: throughput)")
+    parser.add_argument("--min-tokens-per-s", type=float, default=None, metavar="X",
+                        help="with --objective cost: the plan must train at least X tokens/s")
+    parser.add_argument("--deadline-hours", type=float, default=None, metavar="H",
+                        help="with --objective cost and --train-tokens: the plan must train "
+                             "them within H hours (a floor of T / 3600 H tokens/s)")
+    parser.add_argument("--train-tokens", type=float, default=None, metavar="T",
+                        help="tokens the job trains (e.g. 3e10): the output adds each plan's "
+                             "time and, with prices, USD to train them; the deadline's tokens")
+    parser.add_argument("--charge", choices=CHARGES, default=None,
+                        help="how prices are charged: per-node, every GPU of every node a plan "
+                             "uses (spot capacity is rented by the node, a partly used node is "
+                             "paid whole); per-gpu, only the GPUs holding a rank (fleets that "
+                             "rent single GPUs); needs spot_price on every node (default: "
+                             f"{DEFAULT_CHARGE})")
     parser.add_argument("--memory-headroom", type=float, default=DEFAULT_MEMORY_HEADROOM,
                         metavar="FRACTION",
                         help="fraction of every GPU's memory a plan leaves free for the "
@@ -93,8 +110,12 @@ def load_planning_inputs(args):
 
     for flag, value in (("--global-batch-size", args.global_batch_size),
                         ("--micro-batch-size", args.micro_batch_size),
-                        ("--seq-length", args.seq_length), ("--time-limit", args.time_limit)):
+                        ("--seq-length", args.seq_length), ("--time-limit", args.time_limit),
+                        ("--min-tokens-per-s", args.min_tokens_per_s),
+                        ("--deadline-hours", args.deadline_hours),
+                        ("--train-tokens", args.train_tokens)):
         positive(value, flag)
+    throughput_floor(args)
     if args.global_batch_size % args.micro_batch_size:
         raise ConfigError("<command line>", "--global-batch-size",
                           f"{args.global_batch_size} is not a multiple of --micro-batch-size "
@@ -108,11 +129,64 @@ def load_planning_inputs(args):
     if args.seq_length is not None:
         model.check_seq_length(args.seq_length, "<command line>", "--seq-length")
     profile = load_profile(args.profile, model.name) if args.profile else None
-    if args.objective == "cost":
+    if args.objective == "cost" or args.charge is not None:
         from megatron_autohet.planner.search import check_prices
 
-        check_prices(cluster, args.cluster)
+        check_prices(cluster, args.cluster, "--objective cost" if args.objective == "cost"
+                     else "--charge")
     return cluster, model, profile
+
+
+def throughput_floor(args) -> float | None:
+    """The cost objective's floor in tokens/s from --min-tokens-per-s or --deadline-hours and
+    --train-tokens (None with the throughput objective); every combination that would leave a
+    flag without effect, or the cost objective without a floor, is an error."""
+    if args.deadline_hours is not None and args.train_tokens is None:
+        raise ConfigError("<command line>", "--deadline-hours", "no --train-tokens: the "
+                          "deadline is for training that many tokens", "with --train-tokens T")
+    if args.min_tokens_per_s is not None and args.deadline_hours is not None:
+        raise ConfigError("<command line>", "--min-tokens-per-s", "given with --deadline-hours",
+                          "one throughput floor: --min-tokens-per-s X, or --deadline-hours H "
+                          "with --train-tokens T")
+    given = "--min-tokens-per-s" if args.min_tokens_per_s is not None else (
+        "--deadline-hours" if args.deadline_hours is not None else None)
+    if args.objective != "cost":
+        if given:
+            raise ConfigError("<command line>", given, "without --objective cost (the throughput "
+                              "objective's plan is the fastest anyway)", "with --objective cost")
+        return None
+    if given is None:
+        raise ConfigError("<command line>", "--objective", "cost without a throughput floor: "
+                          "the cheapest plan would train on a few GPUs for as long as it takes",
+                          "with --min-tokens-per-s X, or --deadline-hours H and --train-tokens T")
+    if args.min_tokens_per_s is not None:
+        return args.min_tokens_per_s
+    return args.train_tokens / (3600 * args.deadline_hours)
+
+
+def floor_error(args, exc) -> ConfigError:
+    """A planner.search.FloorNotMet in the words of the flag that set the floor."""
+    fastest = exc.fastest_tokens_per_s
+    if args.deadline_hours is None:
+        return ConfigError("<command line>", "--min-tokens-per-s",
+                           f"{args.min_tokens_per_s:,.0f} tokens/s is more than the fastest "
+                           f"plan found reaches ({fastest:,.0f})",
+                           f"at most {fastest:,.0f}, or more GPUs")
+    hours = args.train_tokens / fastest / 3600
+    return ConfigError("<command line>", "--deadline-hours",
+                       f"{format_tokens(args.train_tokens)} tokens in "
+                       f"{args.deadline_hours:g} h need {throughput_floor(args):,.0f} tokens/s; "
+                       f"the fastest plan found reaches {fastest:,.0f} ({format_hours(hours)})",
+                       f"at least {format_hours(hours)}, fewer tokens, or more GPUs")
+
+
+def format_hours(hours: float) -> str:
+    return f"{hours:,.3g} h" if hours < 48 else f"{hours / 24:,.3g} days"
+
+
+def format_tokens(tokens: float) -> str:
+    """3e10, not 3e+10: as the flags take it."""
+    return f"{tokens:.4g}".replace("e+", "e")
 
 
 def planning_options(args) -> dict:
@@ -120,7 +194,9 @@ def planning_options(args) -> dict:
     return {"allow_asymmetric_tp": args.allow_asymmetric_tp,
             "activation_recompute": RECOMPUTE_CHOICES[args.recompute],
             "time_limit_s": args.time_limit, "objective": args.objective,
-            "memory_headroom": check_memory_headroom(args.memory_headroom)}
+            "memory_headroom": check_memory_headroom(args.memory_headroom),
+            "min_tokens_per_s": throughput_floor(args),
+            "charge": args.charge or DEFAULT_CHARGE}
 
 
 # ---- plans against clusters ------------------------------------------------------------------------
@@ -202,8 +278,9 @@ def format_idle(idle_gpus: dict[str, int]) -> str:
     return ", ".join(f"{n} x {gpu}" for gpu, n in idle_gpus.items()) or "none"
 
 
-def format_prediction(plan, cost=None) -> str:
-    """One paragraph: iteration time, tokens/s and their parts."""
+def format_prediction(plan, cost=None, train_tokens: float | None = None) -> str:
+    """One paragraph: iteration time, tokens/s and their parts; with ``train_tokens``, the time
+    (and price) to train them."""
     if cost is not None:
         predicted = cost.predicted()
     else:
@@ -223,9 +300,19 @@ def format_prediction(plan, cost=None) -> str:
                      + ("" if predicted.get("fits_memory", True) else " (DOES NOT FIT)"))
     if predicted.get("idle_gpus"):
         lines.append(f"  idle GPUs (no rank in this plan): {format_idle(predicted['idle_gpus'])}")
-    if predicted.get("usd_per_million_tokens") is not None:
-        lines.append(f"  price: ${predicted['usd_per_million_tokens']:.4g} per million tokens "
-                     "(spot prices of the GPUs used)")
+    usd = predicted.get("usd_per_million_tokens")
+    if usd is not None:
+        charge = predicted.get("charge", DEFAULT_CHARGE)
+        lines.append(f"  price: ${usd:.4g} per million tokens, "
+                     + (f"${predicted['usd_per_hour']:,.4g} per hour " if "usd_per_hour" in
+                        predicted else "")
+                     + ("(spot prices of every GPU of the nodes used, idle ones included: "
+                        "--charge per-node)" if charge == "per-node" else
+                        "(spot prices of the GPUs used: --charge per-gpu)"))
+    if train_tokens is not None:
+        hours = train_tokens / predicted["tokens_per_s"] / 3600
+        lines.append(f"  {format_tokens(train_tokens)} tokens train in {format_hours(hours)}"
+                     + ("" if usd is None else f" for ${usd * train_tokens / 1e6:,.0f}"))
     if predicted.get("profile_sources"):
         lines.append("  stage costs from: " + "; ".join(
             f"{key} " + "/".join(dict.fromkeys(parts.values()))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from megatron_autohet.cli._common import (add_planning_arguments, format_idle,
+from megatron_autohet.cli._common import (add_planning_arguments, floor_error, format_idle,
                                           format_plan_table, format_prediction,
                                           load_planning_inputs, planning_options, search_end)
 from megatron_autohet.cost_model import annotate_plan
@@ -34,7 +34,9 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    from megatron_autohet.planner.search import priced_precision, search, with_left_out
+    # pyscipopt (the planner's SCIP) only when a command plans, not at `autohet` start-up
+    from megatron_autohet.planner.search import (FloorNotMet, priced_precision, search,
+                                                 with_left_out)
 
     cluster, model, profile = load_planning_inputs(args)
     # The plan trains in the precision it is priced in: GPUs that cannot (V100s and T4s in
@@ -44,16 +46,23 @@ def run(args) -> int:
           f"({', '.join(f'{n} x {g}' for g, n in cluster.counts_by_type().items())}"
           + (f"; left out, no bf16: {format_idle(left_out)}" if left_out else "")
           + f"), global batch {args.global_batch_size}, micro-batch {args.micro_batch_size}")
+    options = planning_options(args)
+    if options["min_tokens_per_s"] is not None:
+        print(f"> the cheapest plan ({options['charge']}) training at least "
+              f"{options['min_tokens_per_s']:,.0f} tokens/s")
     started = time.perf_counter()
-    best = search(cluster, model, profile, args.global_batch_size, args.micro_batch_size,
-                  args.seq_length, tp_degrees=args.tp,
-                  distributed_optimizer=args.use_distributed_optimizer, **planning_options(args))
+    try:
+        best = search(cluster, model, profile, args.global_batch_size, args.micro_batch_size,
+                      args.seq_length, tp_degrees=args.tp,
+                      distributed_optimizer=args.use_distributed_optimizer, **options)
+    except FloorNotMet as exc:
+        raise floor_error(args, exc) from None
     elapsed = time.perf_counter() - started
     cost = with_left_out(best.cost, left_out)
     annotate_plan(best.plan, cost)
     best.plan.save(args.output)
     print(format_plan_table(best.plan, cost))
-    print(format_prediction(best.plan, cost))
+    print(format_prediction(best.plan, cost, args.train_tokens))
     tp = ", ".join(f"{g} TP{t}" for g, t in best.tp_of_gpu.items())
     print(f"> searched in {elapsed:.1f} s ({tp}; {search_end(best)}); wrote {args.output}")
     return 0

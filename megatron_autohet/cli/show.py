@@ -77,7 +77,7 @@ def check_figure_path(path: str) -> None:
 
 def predict(plan, args):
     """PlanCost with timelines, or None when no cluster is known."""
-    from megatron_autohet.cost_model import evaluate_plan, plan_memory_headroom
+    from megatron_autohet.cost_model import evaluate_plan, plan_charge, plan_memory_headroom
     from megatron_autohet.planner.search import resolve_profile
     from megatron_autohet.spec import load_cluster, load_gpu_catalog
 
@@ -92,7 +92,7 @@ def predict(plan, args):
     profile = load_profile(args.profile, plan.model.name) if args.profile else None
     profile = resolve_profile(cluster, plan.model, profile, plan.micro_batch_size, plan.seq_length)
     return evaluate_plan(plan, cluster, profile, with_timeline=True,
-                         memory_headroom=plan_memory_headroom(plan))
+                         memory_headroom=plan_memory_headroom(plan), charge=plan_charge(plan))
 
 
 def identical_pipelines(cost) -> list[list[int]]:

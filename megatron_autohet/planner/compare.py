@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_autohet.cost_model import DEFAULT_MEMORY_HEADROOM, PlanCost, annotate_plan
+from megatron_autohet.cost_model import (DEFAULT_CHARGE, DEFAULT_MEMORY_HEADROOM, PlanCost,
+                                         annotate_plan)
 from megatron_autohet.plan import Plan
 from megatron_autohet.planner.baselines import all_baselines
 from megatron_autohet.planner.search import (priced_precision, resolve_profile, search,
@@ -29,6 +30,7 @@ class BaselineResult:
                 "tokens_per_s": self.cost.tokens_per_s if self.cost else None,
                 "usd_per_million_tokens": (self.cost.usd_per_million_tokens if self.cost
                                            else None),
+                "usd_per_hour": self.cost.usd_per_hour if self.cost else None,
                 "speedup": self.speedup,
                 "idle_gpus": dict(self.cost.idle_gpus) if self.cost else None}
 
@@ -46,6 +48,8 @@ class Comparison:
         return {"autohet": {"iteration_time_s": self.cost.iteration_time_s,
                             "tokens_per_s": self.cost.tokens_per_s,
                             "usd_per_million_tokens": self.cost.usd_per_million_tokens,
+                            "usd_per_hour": self.cost.usd_per_hour,
+                            "charge": self.cost.charge,
                             "pipelines": len(self.plan.pipelines),
                             "activation_recompute": self.plan.activation_recompute,
                             "idle_gpus": dict(self.cost.idle_gpus)},
@@ -57,10 +61,12 @@ def compare(cluster: Cluster, model: ModelSpec, profile: Profile | None, global_
             allow_asymmetric_tp: bool = False, activation_recompute: bool | None = None,
             time_limit_s: float = 60.0, progress: bool = True,
             memory_headroom: float = DEFAULT_MEMORY_HEADROOM,
-            objective: str = "throughput", cluster_file: str = "<cluster>") -> Comparison:
+            objective: str = "throughput", cluster_file: str = "<cluster>",
+            min_tokens_per_s: float | None = None, charge: str = DEFAULT_CHARGE) -> Comparison:
     """Plan with make_plan's search and evaluate the baselines (planner/baselines.py) on the
     same cluster, model, profile and batch; speedup = baseline time / our time. Every plan
-    carries its USD per million tokens when the nodes have prices. All of them run on the GPUs
+    carries its USD per million tokens when the nodes have prices, charged by ``charge``
+    (``min_tokens_per_s``: the cost objective's floor, search.py). All of them run on the GPUs
     that can train in the profile's precision (spec/cluster.py ``trainable_fleet``: a bf16 job
     of any kind has no use for V100s and T4s), the others counted idle."""
     seq_length = seq_length or model.seq_length
@@ -68,11 +74,12 @@ def compare(cluster: Cluster, model: ModelSpec, profile: Profile | None, global_
     best = search(cluster, model, profile, global_batch_size, micro_batch_size, seq_length,
                   allow_asymmetric_tp=allow_asymmetric_tp,
                   activation_recompute=activation_recompute, time_limit_s=time_limit_s,
-                  progress=progress, memory_headroom=memory_headroom, objective=objective)
+                  progress=progress, memory_headroom=memory_headroom, objective=objective,
+                  min_tokens_per_s=min_tokens_per_s, charge=charge)
     problem = Problem(cluster, model, resolve_profile(cluster, model, profile, micro_batch_size,
                                                       seq_length),
                       global_batch_size, micro_batch_size, seq_length,
-                      memory_headroom=memory_headroom)
+                      memory_headroom=memory_headroom, charge=charge)
     check_batch(problem)
     modes = [False, True] if activation_recompute is None else [activation_recompute]
     results = []

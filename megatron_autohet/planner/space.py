@@ -31,9 +31,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from megatron_autohet.cost_model import (DEFAULT_MEMORY_HEADROOM, GIB, GRAD_BYTES_PER_PARAM,
-                                         PlanCost, annotate_plan, evaluate_plan,
-                                         grad_allreduce_s, optimizer_step_s, p2p_s,
+from megatron_autohet.cost_model import (DEFAULT_CHARGE, DEFAULT_MEMORY_HEADROOM, GIB,
+                                         GRAD_BYTES_PER_PARAM, PlanCost, annotate_plan,
+                                         evaluate_plan, grad_allreduce_s, optimizer_step_s, p2p_s,
                                          stage_compute_s, stage_memory_bytes, stage_param_count,
                                          sync_group_elements, usable_memory_gib)
 from megatron_autohet.errors import ConfigError
@@ -68,6 +68,7 @@ class Problem:
     # Plans for --use-distributed-optimizer: priced with sharded Adam state (cost_model.py)
     distributed_optimizer: bool = False
     memory_headroom: float = DEFAULT_MEMORY_HEADROOM
+    charge: str = DEFAULT_CHARGE        # how plans are priced (cost_model.py, "Price")
 
     @property
     def num_microbatches(self) -> int:
@@ -549,6 +550,6 @@ def evaluate(problem: Problem, plan: Plan) -> PlanCost:
     """Validate, cost and annotate a plan built in this space."""
     plan.validate()
     cost = evaluate_plan(plan, problem.cluster, problem.profile, with_timeline=False,
-                         memory_headroom=problem.memory_headroom)
+                         memory_headroom=problem.memory_headroom, charge=problem.charge)
     annotate_plan(plan, cost)
     return cost

@@ -130,6 +130,6 @@ def choose_warmups(plan: Plan, cost: PlanCost, cluster: Cluster, profile: Profil
             stage.warmup_microbatches = w
     plan.validate()
     new_cost = evaluate_plan(plan, cluster, profile, with_timeline=False,
-                             memory_headroom=memory_headroom)
+                             memory_headroom=memory_headroom, charge=cost.charge)
     annotate_plan(plan, new_cost)
     return plan, new_cost

@@ -27,8 +27,10 @@ The work explodes quickly; ``max_evaluations`` guards against runaway cases.
 from __future__ import annotations
 
 import itertools
+import math
 
-from megatron_autohet.cost_model import DEFAULT_MEMORY_HEADROOM, annotate_plan, evaluate_plan
+from megatron_autohet.cost_model import (DEFAULT_CHARGE, DEFAULT_MEMORY_HEADROOM, annotate_plan,
+                                         evaluate_plan)
 from megatron_autohet.errors import ConfigError
 from megatron_autohet.plan import Pipeline, Plan, RankInfo, Stage
 from megatron_autohet.planner.search import Candidate, check_prices, resolve_profile
@@ -141,16 +143,21 @@ def exhaustive_search(cluster: Cluster, model: ModelSpec, profile: Profile | Non
                       allow_asymmetric_tp: bool = False,
                       max_evaluations: int = 200_000,
                       memory_headroom: float = DEFAULT_MEMORY_HEADROOM,
-                      objective: str = "throughput") -> Candidate:
+                      objective: str = "throughput", charge: str = DEFAULT_CHARGE,
+                      min_tokens_per_s: float | None = None) -> Candidate:
     """The cost model's optimum over the space in the module doc (ConfigError when too big):
-    the shortest iteration, or with ``objective`` "cost" the fewest USD per million tokens
-    (the micro-batch split that minimises the iteration time minimises the price too: the
-    arrangement fixes the GPUs paid for)."""
+    the shortest iteration, or with ``objective`` "cost" the fewest USD per million tokens,
+    charged by ``charge``, among the plans reaching ``min_tokens_per_s`` (the micro-batch split
+    that minimises the iteration time minimises the price too: the arrangement fixes the GPUs
+    paid for)."""
     if objective == "cost":
         check_prices(cluster)
 
     def score(cost) -> float:
-        return cost.iteration_time_s if objective == "throughput" else cost.usd_per_million_tokens
+        if objective == "throughput":
+            return cost.iteration_time_s
+        return (cost.usd_per_million_tokens if cost.tokens_per_s >= (min_tokens_per_s or 0)
+                else math.inf)
 
     seq_length = seq_length or model.seq_length
     if global_batch_size % micro_batch_size:
@@ -202,7 +209,7 @@ def exhaustive_search(cluster: Cluster, model: ModelSpec, profile: Profile | Non
                     counts = best_microbatch_split(fills, periods, M)
                     plan = _plan(cluster, model, groups, arrangement, splits, counts, *args)
                     cost = evaluate_plan(plan, cluster, profile, with_timeline=False,
-                                         memory_headroom=memory_headroom)
+                                         memory_headroom=memory_headroom, charge=charge)
                     if not cost.fits_memory:
                         # A pipeline running m < S micro-batches keeps fewer in flight: the
                         # best split within what each pipeline's memory allows.
@@ -213,7 +220,7 @@ def exhaustive_search(cluster: Cluster, model: ModelSpec, profile: Profile | Non
                             continue
                         plan = _plan(cluster, model, groups, arrangement, splits, counts, *args)
                         cost = evaluate_plan(plan, cluster, profile, with_timeline=False,
-                                             memory_headroom=memory_headroom)
+                                             memory_headroom=memory_headroom, charge=charge)
                         if not cost.fits_memory:
                             continue
                     if best is None or score(cost) < score(best.cost):
@@ -223,6 +230,8 @@ def exhaustive_search(cluster: Cluster, model: ModelSpec, profile: Profile | Non
     if best is None:
         raise ConfigError(cluster.name, "nodes", f"no plan for {model.name} fits in memory",
                           "more or larger GPUs, activation recompute, a smaller micro-batch")
+    if score(best.cost) == math.inf:
+        raise ConfigError("<arguments>", "min_tokens_per_s", "no plan reaches it")
     plan, cost = choose_warmups(best.plan, best.cost, cluster, profile,   # the same post-pass
                                 memory_headroom)
     return Candidate(plan, cost, best.tp_of_gpu, best.recompute)
