@@ -19,6 +19,7 @@ imports this module at start-up, long before (and in the launcher, without) any 
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import asdict, dataclass
 from datetime import timedelta
@@ -93,7 +94,12 @@ def report_job_config_error(err: JobConfigError, rank: int) -> int:
 
 
 def init_backend(on_cpu: bool) -> None:
-    """Before the process group: megatron-core's CPU mode when this process has no GPU."""
+    """Before the rank's device and process group: one CUDA work queue, as Megatron-LM's launch
+    scripts set and the profiler measures (profiling/measure.py), so tensor-parallel
+    communication overlaps compute in order (megatron-core warns without it; CUDA reads it when
+    the device is first set; a value the user set stays); megatron-core's CPU mode when this
+    process has no GPU."""
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     if on_cpu:
         # torch: a rank's code (see the module's docstring)
         from megatron_autohet.runtime.cpu_mode import enable_cpu_mode

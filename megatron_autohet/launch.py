@@ -144,9 +144,9 @@ def run_worker(plan: Plan, plan_path: str | Path, model: ModelSpec, options: Tra
 
     on_cpu = cpu_mode_required()
     check_env(plan, plan_path, env, uses_gpus=not on_cpu)
+    init_backend(on_cpu)
     if not on_cpu:
         select_device(env.local_rank)
-    init_backend(on_cpu)
     dist.init_process_group("gloo" if on_cpu else "nccl", rank=env.rank,
                             world_size=env.world_size, timeout=options.timeout)
     try:

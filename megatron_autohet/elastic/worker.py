@@ -251,9 +251,9 @@ class ElasticWorker:
         if plan_rank is None:
             return self._idle(store)
         on_cpu = cpu_mode_required()
+        init_backend(on_cpu)
         if not on_cpu:
             select_device(self.local_rank)
-        init_backend(on_cpu)
         # The workers that finish the job, and who hosts the store they finish on.
         finishers, store_host = self.world_size, self.rank == 0
         generation = 0

@@ -28,6 +28,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from megatron_autohet.launch import free_port
+
 
 def _children() -> dict[int, list[int]]:
     tree: dict[int, list[int]] = {}
@@ -41,6 +43,17 @@ def _children() -> dict[int, list[int]]:
         ppid = int(stat.rsplit(")", 1)[1].split()[1])
         tree.setdefault(ppid, []).append(int(entry.name))
     return tree
+
+
+def _workers(agent: int) -> list[int]:
+    """The worker processes of a node's agent: its children but its warm fork server (each
+    worker the server forked keeps its client, a child of the agent, until it ends)."""
+    def cmdline(pid: int) -> bytes:
+        try:
+            return Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            return b""
+    return [p for p in _children().get(agent, []) if b"--serve" not in cmdline(p)]
 
 
 def kill_tree(pid: int) -> None:
@@ -117,8 +130,6 @@ class EmulatedFleet:
         return [sys.executable, "-m", "megatron_autohet.cli.main", *args]
 
     def start(self) -> None:
-        from megatron_autohet.launch import free_port
-
         self.port = self.port or free_port()
         self._rendezvous = subprocess.Popen(
             self._autohet("rendezvous", "--host", "127.0.0.1", "--port", str(self.port)),
@@ -170,8 +181,9 @@ class EmulatedFleet:
         deadline = time.monotonic() + deadline_s
         left = False
         while time.monotonic() < deadline:
-            # The agent waits in torchrun's exit barrier once its workers are gone.
-            if entry.process.poll() is not None or not _children().get(entry.process.pid):
+            # The agent waits in torchrun's exit barrier once its workers are gone; its warm
+            # fork server (megatron_autohet/elastic/warm.py) stays until the agent ends.
+            if entry.process.poll() is not None or not _workers(entry.process.pid):
                 left = True
                 break
             time.sleep(0.05)

@@ -60,8 +60,11 @@ import torch.distributed as dist
 from megatron_autohet.data.batches import microbatches
 from megatron_autohet.plan import Pipeline, Plan, RankInfo, Stage
 from megatron_autohet.runtime.loss import masked_token_mean
+from megatron_autohet.runtime.mixed_precision import MAIN_GRAD_DTYPE, MasterWeights
 from megatron_autohet.runtime.optimizer import (OptimizerSettings, make_lr_scheduler,
                                                 make_optimizer)
+from megatron_autohet.runtime.parallel_state import build_parallel_state
+from megatron_autohet.runtime.stage_model import build_stage_model, param_layouts
 from megatron_autohet.spec.model import ModelSpec
 from megatron_autohet.spec.precision import FP32, Precision
 
@@ -101,6 +104,7 @@ def run_reference(model_spec: ModelSpec, global_batches, *, micro_batch_size: in
                       precision)
     finally:
         if own_world:
+            # megatron-core: on first use, not with this module
             from megatron.core import parallel_state
             parallel_state.destroy_model_parallel()
             dist.destroy_process_group()
@@ -108,12 +112,9 @@ def run_reference(model_spec: ModelSpec, global_batches, *, micro_batch_size: in
 
 def _train(model_spec, global_batches, micro_batch_size, seed, settings, padded_vocab,
            sequence_parallel, final_params, eval_batches, precision) -> list[ReferenceStep]:
+    # megatron-core: on first use, not with this module
     from megatron.core.optimizer.clip_grads import (clip_grad_by_total_norm_fp32,
                                                     get_grad_norm_fp32)
-
-    from megatron_autohet.runtime.mixed_precision import MAIN_GRAD_DTYPE, MasterWeights
-    from megatron_autohet.runtime.parallel_state import build_parallel_state
-    from megatron_autohet.runtime.stage_model import build_stage_model, param_layouts
 
     if not global_batches:
         return []

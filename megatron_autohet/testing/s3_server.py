@@ -42,6 +42,7 @@ def free_port() -> int:
 def moto_s3_server(bucket: str = BUCKET) -> Iterator[tuple[str, str]]:
     """Start moto's server with dummy credentials in the environment, create ``bucket``, yield
     ``(endpoint_url, bucket)``; stop the server and restore the environment after."""
+    # boto3, moto: the test extra, on first use
     import boto3
     from moto.server import ThreadedMotoServer
 
@@ -74,6 +75,7 @@ def moto_s3_server(bucket: str = BUCKET) -> Iterator[tuple[str, str]]:
 def seed_objects(bucket: str, objects: dict[str, bytes]) -> None:
     """Write objects straight into the running server's in-memory store (same process), for tests
     that need thousands of objects: each PUT over HTTP costs about 10 ms here."""
+    # moto: the test extra, on first use
     from moto.core import DEFAULT_ACCOUNT_ID
     from moto.s3.models import s3_backends
 

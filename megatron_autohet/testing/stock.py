@@ -53,8 +53,16 @@ from types import SimpleNamespace
 
 import torch
 
+from megatron_autohet.data.batches import microbatches
+from megatron_autohet.layout.topology import rank_role
 from megatron_autohet.plan import Plan
+from megatron_autohet.runtime.init import initialize_parameters
+from megatron_autohet.runtime.loss import masked_token_mean
+from megatron_autohet.runtime.mixed_precision import param_dtype
 from megatron_autohet.runtime.optimizer import OptimizerSettings
+from megatron_autohet.runtime.stage_model import (model_device, param_layouts,
+                                                  plan_padded_vocab_size, stage_layer_spec,
+                                                  transformer_config)
 from megatron_autohet.spec.precision import FP32, Precision
 
 
@@ -95,6 +103,7 @@ class StockMegatronTrainer:
 
     def __init__(self, plan: Plan, *, rank: int, seed: int, optimizer: OptimizerSettings,
                  distributed_optimizer: bool = False, precision: Precision = FP32):
+        # megatron-core: on first use, not with this module
         from megatron.core import parallel_state as mps
         from megatron.core import tensor_parallel
         from megatron.core.distributed import (DistributedDataParallel,
@@ -103,13 +112,6 @@ class StockMegatronTrainer:
         from megatron.core.models.gpt import GPTModel
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.transformer.module import Float16Module
-
-        from megatron_autohet.layout.topology import rank_role
-        from megatron_autohet.runtime.init import initialize_parameters
-        from megatron_autohet.runtime.mixed_precision import param_dtype
-        from megatron_autohet.runtime.stage_model import (model_device, param_layouts,
-                                                          plan_padded_vocab_size,
-                                                          stage_layer_spec, transformer_config)
 
         check_homogeneous(plan)
         self.plan = plan
@@ -169,9 +171,8 @@ class StockMegatronTrainer:
             group["weight_decay"] = optimizer.weight_decay * group["wd_mult"]
 
     def train_step(self, global_batch: dict) -> StockStep:
+        # megatron-core: on first use, not with this module
         from megatron.core.pipeline_parallel import get_forward_backward_func
-
-        from megatron_autohet.data.batches import microbatches
 
         plan, role = self.plan, self.role
         count = role.stage.num_microbatches
@@ -192,12 +193,12 @@ class StockMegatronTrainer:
         return StockStep(losses=losses, grad_norm=grad_norm)
 
     def close(self) -> None:
+        # megatron-core: on first use, not with this module
         from megatron.core import parallel_state as mps
         mps.destroy_model_parallel()
 
 
 def _loss_func(loss_mask, per_token_loss):
-    from megatron_autohet.runtime.loss import masked_token_mean
     loss = masked_token_mean(per_token_loss, loss_mask)
     return loss, {"lm loss": loss.detach().clone()}
 

@@ -4,6 +4,7 @@ Megatron's learning-rate schedule (the logged rates are megatron-core's schedule
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from dataclasses import replace
@@ -131,6 +132,8 @@ def test_train_two_pipelines_three_iterations(tmp_path, distributed_optimizer):
                       "--lr-decay-style", "cosine", "--weight-decay", "0.1",
                       "--metrics-jsonl", str(metrics), "--data-dir", str(tmp_path / "data"))
     assert result.returncode == 0, result.stderr[-3000:]
+    # known_warnings.py: the launcher and its four ranks print no warning of megatron-core's
+    assert not re.search(r"megatron/core/\S+:\d+: \w*Warning", result.stdout + result.stderr)
     assert ("training in bf16 (--bf16)" if distributed_optimizer == "bf16"
             else "training in fp32 (the default on CPU)") in result.stdout
     assert result.stdout.count("layer: megatron-core's local layer spec with torch "

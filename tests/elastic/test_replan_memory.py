@@ -44,7 +44,7 @@ def _preempted_generation(rank, world_size, tmp: Path):
     check (the generation's model alive) and when the re-plan runs."""
     import megatron_autohet.elastic.worker as worker_module
     from megatron_autohet.elastic.stop import StopRequests
-    from megatron_autohet.launch import TrainOptions
+    from megatron_autohet.job import TrainOptions
 
     plan = two_ranks()
     info = plan.ranks[rank]

@@ -69,7 +69,7 @@ def _notice_then_evacuate(rank, world_size, tmp: Path):
     """One worker of an elastic job after its emergency save: the stop check sees node h20's
     preemption notice, every rank stops, and h20's files go to the nodes that stay."""
     from megatron_autohet.elastic.worker import ElasticWorker, _StopCheck
-    from megatron_autohet.launch import TrainOptions
+    from megatron_autohet.job import TrainOptions
 
     plan = load_plan(PLAN)
     info = plan.ranks[rank]
@@ -108,14 +108,16 @@ def test_a_notice_stops_and_evacuates_on_gloo_groups_only(tmp_path):
 
 def _train_with_stop_check(rank, world_size, plan, tmp: Path, checkpoint: CheckpointOptions,
                            hold_writer: bool):
-    """train_job with --exit-signal-handler, every StopRequests.check under NCCL's rule. With
+    """train_job with --exit-signal-handler's stop check (launch.signal_stop_check), every
+    StopRequests.check under NCCL's rule. With
     ``hold_writer`` the save of iteration 1 runs a collective on the checkpoint group first, and
     the ranks enter it in opposite orders relative to their stop check of iteration 1: rank 1's
     writer is inside it before rank 1 checks, rank 0's writer enters only after rank 0 checked.
     Sharing one group, the two threads' collectives would pair up crosswise."""
     import megatron_autohet.checkpoint.checkpointer as checkpointer_module
     from megatron_autohet.elastic.stop import StopRequests
-    from megatron_autohet.launch import TrainOptions, train_job
+    from megatron_autohet.job import TrainOptions, train_job
+    from megatron_autohet.launch import signal_stop_check
 
     writer_inside = threading.Event()
     checked = threading.Event()
@@ -154,7 +156,8 @@ def _train_with_stop_check(rank, world_size, plan, tmp: Path, checkpoint: Checkp
                            exit_signal_handler=True, distributed_timeout_minutes=1.0)
     with nccl_semantics() as strict:
         strict.armed = False          # megatron-core trains on the harness's (gloo) group
-        last = train_job(plan, "<two ranks>", plan.model, options, rank=rank, local_rank=0)
+        last = train_job(plan, "<two ranks>", plan.model, options, rank=rank, local_rank=0,
+                         make_stop_check=signal_stop_check(options))
     return last, calls
 
 
