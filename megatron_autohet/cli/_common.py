@@ -13,6 +13,8 @@ from megatron_autohet.cli._table import format_table
 from megatron_autohet.cost_model import (CHARGES, DEFAULT_CHARGE, DEFAULT_MEMORY_HEADROOM,
                                          check_memory_headroom)
 from megatron_autohet.errors import ConfigError
+from megatron_autohet.profiling.profile import Profile
+from megatron_autohet.spec import load_cluster, load_gpu_catalog, load_model
 from megatron_autohet.spec.gpus import CONFIG_DIR
 
 RECOMPUTE_CHOICES = {"auto": None, "on": True, "off": False}
@@ -95,8 +97,6 @@ def check_output_path(path: str | None, flag: str) -> None:
 
 def load_profile(path: str, model_name: str):
     """The profile file at ``path``, made for the model ``model_name``."""
-    from megatron_autohet.profiling.profile import Profile
-
     profile = Profile.load(path)
     if profile.model != model_name:
         raise ConfigError(path, "model", f"profile is for {profile.model!r}, the model is "
@@ -106,8 +106,6 @@ def load_profile(path: str, model_name: str):
 
 def load_planning_inputs(args):
     """(cluster, model, profile or None) from the shared arguments, cross-checked."""
-    from megatron_autohet.spec import load_cluster, load_gpu_catalog, load_model
-
     for flag, value in (("--global-batch-size", args.global_batch_size),
                         ("--micro-batch-size", args.micro_batch_size),
                         ("--seq-length", args.seq_length), ("--time-limit", args.time_limit),
@@ -130,6 +128,7 @@ def load_planning_inputs(args):
         model.check_seq_length(args.seq_length, "<command line>", "--seq-length")
     profile = load_profile(args.profile, model.name) if args.profile else None
     if args.objective == "cost" or args.charge is not None:
+        # pyscipopt: not at `autohet` start-up
         from megatron_autohet.planner.search import check_prices
 
         check_prices(cluster, args.cluster, "--objective cost" if args.objective == "cost"
@@ -322,6 +321,7 @@ def format_prediction(plan, cost=None, train_tokens: float | None = None) -> str
 
 def search_end(cand) -> str:
     """How the search that found ``cand`` ended, in words."""
+    # pyscipopt: not at `autohet` start-up
     from megatron_autohet.planner.search import STOP_TIME, STOP_WORK
 
     if cand.stopped_by == STOP_TIME:

@@ -13,7 +13,11 @@ import logging
 from megatron_autohet.cli._common import check_output_path, positive
 from megatron_autohet.cli._table import format_table
 from megatron_autohet.errors import ConfigError
-from megatron_autohet.profiling.estimate import achieved_efficiency
+from megatron_autohet.profiling.estimate import achieved_efficiency, estimate_profile
+from megatron_autohet.profiling.measure import (catalog_name_for_device, local_accelerator,
+                                                measure_profile)
+from megatron_autohet.profiling.profile import SOURCES, Profile
+from megatron_autohet.spec import load_cluster, load_gpu_catalog, load_model
 from megatron_autohet.spec.gpus import set_achieved_efficiency
 
 DEFAULT_WARMUP = 2
@@ -60,10 +64,6 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    from megatron_autohet.profiling.measure import local_accelerator, measure_profile
-    from megatron_autohet.profiling.profile import SOURCES, Profile
-    from megatron_autohet.spec import load_cluster, load_gpu_catalog, load_model
-
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     model = load_model(args.model)
     catalog = load_gpu_catalog(args.gpu_catalog)
@@ -88,8 +88,6 @@ def run(args) -> int:
     profile = measure_profile(model, args.tp, args.micro_batch_size, seq_lengths, gpu,
                               warmup=args.warmup, iters=args.iters)
     if cluster is not None:
-        from megatron_autohet.profiling.estimate import estimate_profile
-
         estimated = Profile(model.name, attention=profile.attention)
         for mbs in args.micro_batch_size:
             for seq in seq_lengths:
@@ -115,8 +113,6 @@ def run(args) -> int:
 
 def _device_type(as_gpu, catalog, accelerator) -> str:
     """The GPU type entries are recorded as (see --as-gpu)."""
-    from megatron_autohet.profiling.measure import catalog_name_for_device
-
     if as_gpu is not None:
         if as_gpu not in catalog and as_gpu != "CPU":
             raise ConfigError("<command line>", "--as-gpu", f"unknown GPU type {as_gpu!r}",

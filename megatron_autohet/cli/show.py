@@ -14,10 +14,15 @@ readable.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from megatron_autohet.cli._common import (bundled_cluster_path, check_output_path,
                                           check_plan_on_cluster, format_plan_table,
                                           format_prediction, layer_range, load_profile, rank_list)
+from megatron_autohet.cost_model import evaluate_plan, plan_charge, plan_memory_headroom
 from megatron_autohet.errors import ConfigError
+from megatron_autohet.plan import load_plan
+from megatron_autohet.spec import load_cluster, load_gpu_catalog
 
 # Colours per GPU type (matplotlib's tab10, in order of first appearance in the plan).
 PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2",
@@ -46,8 +51,6 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    from megatron_autohet.plan import load_plan
-
     plan = load_plan(args.plan)
     if args.figure:
         check_figure_path(args.figure)
@@ -64,8 +67,7 @@ def run(args) -> int:
 
 def check_figure_path(path: str) -> None:
     """A writable place and an image format matplotlib knows (ConfigError naming --figure)."""
-    from pathlib import Path
-
+    # matplotlib: not at `autohet` start-up
     from matplotlib.figure import Figure
 
     check_output_path(path, "--figure")
@@ -77,9 +79,8 @@ def check_figure_path(path: str) -> None:
 
 def predict(plan, args):
     """PlanCost with timelines, or None when no cluster is known."""
-    from megatron_autohet.cost_model import evaluate_plan, plan_charge, plan_memory_headroom
+    # pyscipopt: not at `autohet` start-up
     from megatron_autohet.planner.search import resolve_profile
-    from megatron_autohet.spec import load_cluster, load_gpu_catalog
 
     cluster_file = args.cluster or bundled_cluster_path(plan.cluster)
     if cluster_file is None:
@@ -109,9 +110,11 @@ def identical_pipelines(cost) -> list[list[int]]:
 
 def draw_plan(plan, cost, path) -> None:
     """Write the figure described in the module docstring (without ``cost``: the plan panel)."""
+    # matplotlib: not at `autohet` start-up
     import matplotlib
 
     matplotlib.use("Agg")
+    # after matplotlib.use: pyplot takes the file-only backend (no display needed)
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 

@@ -272,6 +272,7 @@ def build_parallel_state(plan: Plan, rank: int | None = None, *, model: ModelSpe
     pp_position = StagePosition(role.stage.stage, role.stage.num_stages,
                                 _pipeline_chain(role, plan))
 
+    # megatron-core: on first use, not with this module
     from megatron.core.process_groups_config import ProcessGroupCollection
     pg_collection = ProcessGroupCollection(
         tp=tp_group, pp=pp_position, mp=pipeline_group, embd=None, pos_embd=None, cp=cp_group,
@@ -361,6 +362,7 @@ _DP_ALIASES_SINCE_0_17 = {
 
 
 def _install_megatron_globals(state: HeteroParallelState, dp_ranks: list[int]) -> None:
+    # megatron-core: on first use, not with this module
     from megatron.core import package_info
     from megatron.core import parallel_state as mps
 
