@@ -25,8 +25,10 @@ Package layout follows the data flow (see README.md):
 Imports go up this list, never down, function-local ones included, except that plan, layout/,
 data/ and runtime/ come before profiling/ in the import order: the plan's dataclasses and its
 parameter layout are what the cost model and the planner build, and the profiler measures
-runtime/'s layers. The import-graph test (test_import_graph.py) checks the order and that the
-graph has no cycle.
+runtime/'s layers. A function-local import only keeps an optional or heavy dependency (torch
+at `autohet` start-up, megatron-core, pyscipopt, boto3, matplotlib) out of its module's import,
+with a comment saying so. tests/test_import_graph.py checks both rules and that the graph, with
+function-local imports, has no cycle.
 
 Nothing in spec/, cost_model, planner/ or plan imports torch or megatron; nothing in layout/ does
 at import time (ParamLayout imports torch only to concatenate shards).

@@ -89,6 +89,7 @@ def torchrun_argv(args: argparse.Namespace, rdzv_backend: str) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    # torch: not at `autohet` start-up
     from torch.distributed.elastic.rendezvous import RendezvousClosedError
     from torch.distributed.run import get_args_parser
     from torch.distributed.run import run as torchrun
