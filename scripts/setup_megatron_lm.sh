@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Prepare a Megatron-LM checkout at tag core_v0.16.1 for `pretrain_gpt.py --autohet-plan`.
+# Prepare a Megatron-LM checkout at tag core_v0.16.1 (or core_v0.19.0, see patches/README.md) for
+# `pretrain_gpt.py --autohet-plan`.
 #
 #   scripts/setup_megatron_lm.sh [--python PYTHON] MEGATRON_LM_DIR
 #
