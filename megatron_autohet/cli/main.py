@@ -52,14 +52,15 @@ def main(argv: list[str] | None = None) -> int:
     return status
 
 
-# Processes that ran a training job or its torchrun agent end without Python's finalization:
+# Processes that ran a training job, its torchrun agent or the rendezvous store end without
+# Python's finalization:
 # with torch and megatron-core imported it costs about 1.2 CPU-s (freeing every module's
 # objects), 7-15 s of wall time on a loaded machine, and at an elastic job's end each node waits
 # for it twice in a row (its workers, then its agent) - 22 s from the job's `finished` to the
 # agents' exit on 4 emulated nodes at load average 20. Nothing is left to finalize by then: the
 # last checkpoint is written and uploaded, the process groups are destroyed, every log line
-# and JSON line is flushed as it is written.
-UNFINALIZED = ("node", "train")
+# and JSON line is flushed as it is written (the rendezvous store: nothing but the store).
+UNFINALIZED = ("node", "rendezvous", "train")
 
 
 def end_process(status: int) -> None:

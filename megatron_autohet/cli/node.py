@@ -16,7 +16,12 @@ torchrun's defaults, and why:
 * the rendezvous backend ``autohet-c10d`` (megatron_autohet/elastic/rendezvous.py): torchrun's
   c10d rendezvous, but an agent whose round fails (its join timeout while it waits as a standby
   node, a round's rank 0 reclaimed before it published the workers' store) joins the next round,
-  where torchrun's agent would exit and close the rendezvous for the whole job.
+  where torchrun's agent would exit and close the rendezvous for the whole job;
+* warm workers (megatron_autohet/elastic/warm.py): the node first starts a fork server that
+  imports what a worker imports, and enters the rendezvous once it is ready; every worker of
+  every round is then a fork of it, so a restart - a join above all - does not wait for Python,
+  torch and megatron-core to load in each new process (``--cold-workers``: torchrun's fresh
+  interpreters).
 
 When the job is over, every agent ends: the nodes of its last round once their workers are done,
 a standby node (never admitted, or waiting for the next round) when it finds the rendezvous
@@ -32,10 +37,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import socket
+import subprocess
 import sys
+import tempfile
 
 from megatron_autohet.elastic.notices import preempt_notice_in
+from megatron_autohet.elastic.warm import READY, SOCKET_ENV
 from megatron_autohet.errors import ConfigError
 
 RDZV_CONF = "is_host=false,last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3"
@@ -61,6 +70,9 @@ def register(subparsers) -> None:
     p.add_argument("--notice-file", default=None,
                    help="the preemption-notice file of this node (as given to `autohet watch` "
                         "and `autohet train --autohet-notice-file`)")
+    p.add_argument("--cold-workers", action="store_true",
+                   help="start each worker in a fresh Python interpreter, as torchrun does "
+                        "(default: forks of this node's warm fork server, imports done)")
     p.add_argument("--max-restarts", type=int, default=1000,
                    help="restarts of this node's workers before the agent gives up "
                         "(default 1000: each preemption uses one)")
@@ -85,7 +97,8 @@ def torchrun_argv(args: argparse.Namespace, rdzv_backend: str) -> list[str]:
             "--signals-to-handle", "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"]
     if args.local_addr:
         argv += ["--local-addr", args.local_addr]
-    return argv + ["-m", "megatron_autohet.cli.main", "train", *train_args]
+    entry = "megatron_autohet.cli.main" if args.cold_workers else "megatron_autohet.elastic.warm"
+    return argv + ["-m", entry, "train", *train_args]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -106,6 +119,7 @@ def run(args: argparse.Namespace) -> int:
         os.environ["AUTOHET_GPU"] = args.gpu
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     argv = torchrun_argv(args, register_rendezvous())
+    server = None if args.cold_workers else start_fork_server()
     status = 0
     try:
         torchrun(get_args_parser().parse_args(argv))
@@ -118,8 +132,35 @@ def run(args: argparse.Namespace) -> int:
         print(f"autohet node: the torchrun agent ended: {type(err).__name__}: {err}",
               file=sys.stderr)
         status = 1
+    finally:
+        if server is not None:
+            stop_fork_server(*server)
     if args.notice_file and preempt_notice_in(args.notice_file):
         print(f"autohet node: {os.environ['AUTOHET_NODE']} left the job after its preemption "
               "notice", file=sys.stderr)
         return 0
     return status
+
+
+def start_fork_server():
+    """This node's warm fork server, ready (its imports done) when this returns: (process, its
+    socket's directory). None when it failed to start: the workers then start cold."""
+    where = tempfile.mkdtemp(prefix="autohet-warm-")
+    path = os.path.join(where, "fork.sock")
+    server = subprocess.Popen([sys.executable, "-m", "megatron_autohet.elastic.warm", "--serve",
+                               path], stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
+    said = server.stdout.readline()
+    if said != READY:
+        print(f"autohet node: the warm fork server did not start (status {server.wait()}): "
+              "workers start cold", file=sys.stderr)
+        os.environ.pop(SOCKET_ENV, None)
+        shutil.rmtree(where, ignore_errors=True)
+        return None
+    os.environ[SOCKET_ENV] = path         # torchrun's workers inherit it: the client finds it
+    return server, where
+
+
+def stop_fork_server(server, where: str) -> None:
+    server.terminate()
+    server.wait()
+    shutil.rmtree(where, ignore_errors=True)

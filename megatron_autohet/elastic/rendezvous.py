@@ -42,7 +42,7 @@ def register() -> str:
     return BACKEND
 
 
-def _create_handler(params: RendezvousParameters) -> "PersistentRendezvous":
+def _create_handler(params: RendezvousParameters) -> PersistentRendezvous:
     c10d = RendezvousParameters("c10d", params.endpoint, params.run_id, params.min_nodes,
                                 params.max_nodes, params.local_addr, **params.config)
     return PersistentRendezvous(rendezvous_handler_registry.create_handler(c10d))

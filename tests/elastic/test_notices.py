@@ -455,5 +455,6 @@ def test_cli_node_status_after_its_agent_failed(kind, status, tmp_path, monkeypa
         write_notice(notice, Notice("aws", kind, None, 1.0, {}))
     assert main(["node", "--rendezvous", "127.0.0.1:29400", "--job-id", "job1", "--nnodes",
                  "1:2", "--node-name", "n1", "--gpu", "H800", "--notice-file", str(notice),
+                 "--cold-workers",          # no workers start: a warm fork server would idle
                  "--", "--plan", "plan.yaml"]) == status
     assert preempt_notice_in(notice) is (kind == "preempt")
