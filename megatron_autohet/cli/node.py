@@ -17,7 +17,7 @@ torchrun's defaults, and why:
   c10d rendezvous, but an agent whose round fails (its join timeout while it waits as a standby
   node, a round's rank 0 reclaimed before it published the workers' store) joins the next round,
   where torchrun's agent would exit and close the rendezvous for the whole job;
-* warm workers (megatron_autohet/elastic/warm.py): the node first starts a fork server that
+* warm workers (megatron_autohet/cli/warm.py): the node first starts a fork server that
   imports what a worker imports, and enters the rendezvous once it is ready; every worker of
   every round is then a fork of it, so a restart - a join above all - does not wait for Python,
   torch and megatron-core to load in each new process (``--cold-workers``: torchrun's fresh
@@ -43,8 +43,8 @@ import subprocess
 import sys
 import tempfile
 
+from megatron_autohet.cli.warm import READY, SOCKET_ENV
 from megatron_autohet.elastic.notices import preempt_notice_in
-from megatron_autohet.elastic.warm import READY, SOCKET_ENV
 from megatron_autohet.errors import ConfigError
 
 RDZV_CONF = "is_host=false,last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3"
@@ -97,7 +97,7 @@ def torchrun_argv(args: argparse.Namespace, rdzv_backend: str) -> list[str]:
             "--signals-to-handle", "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"]
     if args.local_addr:
         argv += ["--local-addr", args.local_addr]
-    entry = "megatron_autohet.cli.main" if args.cold_workers else "megatron_autohet.elastic.warm"
+    entry = "megatron_autohet.cli.main" if args.cold_workers else "megatron_autohet.cli.warm"
     return argv + ["-m", entry, "train", *train_args]
 
 
@@ -147,7 +147,7 @@ def start_fork_server():
     socket's directory). None when it failed to start: the workers then start cold."""
     where = tempfile.mkdtemp(prefix="autohet-warm-")
     path = os.path.join(where, "fork.sock")
-    server = subprocess.Popen([sys.executable, "-m", "megatron_autohet.elastic.warm", "--serve",
+    server = subprocess.Popen([sys.executable, "-m", "megatron_autohet.cli.warm", "--serve",
                                path], stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
     said = server.stdout.readline()
     if said != READY:

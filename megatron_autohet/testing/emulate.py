@@ -182,7 +182,7 @@ class EmulatedFleet:
         left = False
         while time.monotonic() < deadline:
             # The agent waits in torchrun's exit barrier once its workers are gone; its warm
-            # fork server (megatron_autohet/elastic/warm.py) stays until the agent ends.
+            # fork server (megatron_autohet/cli/warm.py) stays until the agent ends.
             if entry.process.poll() is not None or not _workers(entry.process.pid):
                 left = True
                 break

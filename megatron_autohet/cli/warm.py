@@ -1,5 +1,8 @@
 """Warm workers: each node's training processes start from a fork server whose imports are done.
 
+Not a sub-command: the entry point of `autohet node`'s workers (``python -m
+megatron_autohet.cli.warm train ...``) and of its fork server (``--serve``).
+
 A join (and any restart through torchrun) stops every worker and starts new ones in a new
 rendezvous round. Cold, each new worker pays for Python, torch and megatron-core's imports before
 it can say who it is - 20-55 s of the job's downtime on 2 loaded cores, the most of a join's.
@@ -8,7 +11,7 @@ that imports what a worker imports (nothing else: no tensor op, no CUDA, no proc
 forking it is safe) and then waits. Only once it is ready does the node's agent enter the
 rendezvous, so a node that joins is announced when it can start at once, and the job trains on
 meanwhile. torchrun then starts, per worker, this module's client (``python -m
-megatron_autohet.elastic.warm train ...``: the standard library only, a few tens of ms), which
+megatron_autohet.cli.warm train ...``: the standard library only, a few tens of ms), which
 hands its arguments, environment, working directory and standard streams to the server; the
 server forks a child that becomes the worker (``autohet train`` in the already imported
 interpreter). The client stays what torchrun sees: it passes torchrun's signals on to the child
@@ -34,6 +37,10 @@ import selectors
 import signal
 import socket
 import sys
+import traceback
+
+from megatron_autohet.cli.main import build_parser, main
+from megatron_autohet.known_warnings import ignore_known_warnings
 
 SOCKET_ENV = "AUTOHET_WARM_SOCKET"
 READY = b"ready\n"
@@ -105,8 +112,6 @@ def client(argv: list[str]) -> int:
 
 def _preload() -> None:
     """Import what a worker imports, so that its fork starts training at once."""
-    from megatron_autohet.known_warnings import ignore_known_warnings
-
     ignore_known_warnings()
     # torch, megatron-core and what the worker runs: in the server only, never in the client
     import torch.distributed  # noqa: F401
@@ -114,10 +119,8 @@ def _preload() -> None:
     import megatron_autohet.checkpoint.checkpointer
     import megatron_autohet.checkpoint.s3_store
     import megatron_autohet.elastic.worker
-    import megatron_autohet.job
     import megatron_autohet.runtime.stage_model
     import megatron_autohet.runtime.trainer  # noqa: F401
-    from megatron_autohet.cli.main import build_parser
 
     build_parser()                      # every sub-command module
 
@@ -148,14 +151,10 @@ def _become_worker(server_fds: list, request: dict, fds: list[int]) -> None:
             import torch
             torch.set_num_threads(int(threads))
         sys.argv = ["autohet", *request["argv"]]
-        from megatron_autohet.cli.main import main
-
         status = main()                 # an elastic worker ends in main() (end_process)
     except SystemExit as exit_:
         status = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
     except BaseException:               # noqa: BLE001 - printed as the cold worker would
-        import traceback
-
         traceback.print_exc()
         status = 1
     finally:
