@@ -6,6 +6,9 @@ reading a traceback. The CLI prints ``str(err)`` and exits with status 2.
 
 from __future__ import annotations
 
+import math
+from pathlib import Path
+
 
 class ConfigError(ValueError):
     """Bad input in a YAML/JSON file (or a CLI value standing in for one)."""
@@ -33,3 +36,20 @@ def probability(value: float, flag: str) -> None:
     torch's dropout takes [0, 1]; 1 would zero every activation."""
     if not 0 <= value < 1:
         raise ConfigError("<command line>", flag, f"got {value}", "a probability in [0, 1)")
+
+
+def positive(value: float | None, flag: str, source: str = "<command line>") -> None:
+    """A count, interval or limit: > 0 and finite (nan and inf are no limit, not a value)."""
+    if value is None or 0 < value < math.inf:
+        return
+    problem = f"got {value}" if math.isfinite(value) else f"got {value}, not a finite number"
+    raise ConfigError(source, flag, problem, "a number > 0")
+
+
+def check_output_path(path: str | None, flag: str) -> None:
+    """Before any work: the file ``path`` can be created (its directory exists), so a typo costs
+    a second instead of the search, measurement or training it would end."""
+    if path is not None and not Path(path).expanduser().absolute().parent.is_dir():
+        raise ConfigError("<command line>", flag, f"{path}: directory "
+                          f"{Path(path).expanduser().absolute().parent} does not exist",
+                          "a file in an existing directory")

@@ -7,11 +7,17 @@ Megatron-LM does, stepped by the global batch size after every iteration), the c
 (checkpoint/checkpointer.py) when the job saves or loads, and ``trainer.train_iterations``,
 which logs each iteration from rank 0 (the trainer's metrics are the same on every rank).
 
-It sits above runtime/ and checkpoint/ (it wires the two together) and below the two ways of
-starting ranks: launch.py (``autohet train``: a plan's ranks under torchrun) and
-elastic/worker.py (``autohet train --elastic``: the workers agree on a plan first). Whoever starts
-the ranks decides when they stop: it passes the stop check (elastic/stop.py), which this module
-does not import.
+It is the one assembly of a job. It sits above runtime/ and checkpoint/ (it wires the two
+together) and below everything that starts ranks: launch.py (``autohet train``: a plan's ranks
+under torchrun), elastic/worker.py (``autohet train --elastic``: the workers agree on a plan
+first) and megatron/hooks.py (``pretrain_gpt.py --autohet-plan``: Megatron-LM's ranks, its
+learning-rate scheduler). Whoever starts the ranks decides when they stop: it passes the stop
+check (elastic/stop.py), which this module does not import.
+
+:class:`TrainOptions` is the one validation layer of a job's options (with the dataclasses it
+holds: runtime/optimizer.py ``OptimizerSettings``, checkpoint/options.py ``CheckpointOptions``):
+the front ends translate their flags into it and call :meth:`TrainOptions.validate`, which names
+the flag of a bad value as that front end spells it (:data:`FLAGS`).
 
 torch and megatron-core are imported inside the functions that use them: ``autohet train``
 imports this module at start-up, long before (and in the launcher, without) any training.
@@ -24,13 +30,22 @@ import sys
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 
-from megatron_autohet.checkpoint.options import CheckpointOptions
+from megatron_autohet.checkpoint.options import CheckpointOptions, check_scheduler_flags
 from megatron_autohet.data.batches import DataOptions, default_split, open_global_batches
-from megatron_autohet.errors import JobConfigError
+from megatron_autohet.errors import (ConfigError, JobConfigError, check_output_path, positive,
+                                     probability)
 from megatron_autohet.plan import Plan
 from megatron_autohet.runtime.optimizer import OptimizerSettings, make_lr_scheduler
 from megatron_autohet.spec.model import ModelSpec
-from megatron_autohet.spec.precision import PRECISIONS, default_precision
+from megatron_autohet.spec.precision import PRECISIONS, TRAINED_PRECISIONS, default_precision
+
+# The flag that sets each checked TrainOptions field, as `autohet train` spells it; the
+# Megatron-LM path passes its own spelling where it differs (megatron/hooks.py).
+FLAGS = {"iters": "--iters", "metrics_jsonl": "--metrics-jsonl",
+         "exit_interval": "--exit-interval", "eval_interval": "--eval-interval",
+         "eval_iters": "--eval-iters", "log_interval": "--log-interval",
+         "distributed_timeout_minutes": "--distributed-timeout-minutes",
+         "precision": "--bf16"}
 
 
 @dataclass(frozen=True)
@@ -52,10 +67,38 @@ class TrainOptions:
     precision: str | None = None        # "bf16" or "fp32"; None: bf16 on CUDA GPUs, fp32 on CPU
     hidden_dropout: float = 0.0         # Megatron-LM's --hidden-dropout / --attention-dropout
     attention_dropout: float = 0.0
+    log_interval: int = 1               # Megatron-LM's --log-interval (autohet train: every one)
 
     @property
     def timeout(self) -> timedelta:
         return timedelta(minutes=self.distributed_timeout_minutes)
+
+    def validate(self, source: str = "<command line>",
+                 flags: dict | None = None) -> "TrainOptions":
+        """Every value of the job's options, before any process exists: ConfigError naming the
+        flag (``flags``: the front end's spelling of :data:`FLAGS`, ``source``: its input) with
+        the optimizer's and the checkpoints' own checks; returns the options."""
+        flags = {**FLAGS, **(flags or {})}
+        positive(self.iters, flags["iters"], source)
+        # probability(): "<command line>", both front ends' dropout flags are spelled alike
+        probability(self.hidden_dropout, "--hidden-dropout")
+        probability(self.attention_dropout, "--attention-dropout")
+        if self.precision is not None and self.precision not in TRAINED_PRECISIONS:
+            raise ConfigError(source, flags["precision"], f"got precision {self.precision!r}",
+                              ", ".join(TRAINED_PRECISIONS))
+        check_output_path(self.metrics_jsonl, flags["metrics_jsonl"])
+        self.optimizer.validate(train_iters=self.iters, source=source)
+        self.checkpoint.validate(source)
+        check_scheduler_flags(self.checkpoint,
+                              override=self.optimizer.override_opt_param_scheduler,
+                              use_checkpoint=self.optimizer.use_checkpoint_opt_param_scheduler,
+                              source=source)
+        for field in ("exit_interval", "eval_interval", "eval_iters", "log_interval"):
+            positive(getattr(self, field), flags[field], source)
+        if not self.distributed_timeout_minutes > 0:
+            raise ConfigError(source, flags["distributed_timeout_minutes"],
+                              f"got {self.distributed_timeout_minutes}", "minutes > 0")
+        return self
 
 
 def train_args(options: TrainOptions) -> dict:
@@ -71,7 +114,8 @@ def job_precision(options: TrainOptions):
     CUDA GPUs (what the planner priced the plan for) and fp32 on CPU (bit-comparable proofs),
     with or without the distributed optimizer."""
     if options.precision is not None:
-        return PRECISIONS[options.precision], f"--{options.precision}"
+        why = "--bf16" if options.precision == "bf16" else "without --bf16, as Megatron-LM"
+        return PRECISIONS[options.precision], why
     # torch: only once a precision has to be chosen (see the module's docstring)
     import torch
 
@@ -107,11 +151,18 @@ def init_backend(on_cpu: bool) -> None:
 
 
 def train_job(plan: Plan, plan_label: str, model: ModelSpec, options: TrainOptions, *, rank: int,
-              local_rank: int, make_stop_check=None) -> int:
+              local_rank: int, make_stop_check=None, make_scheduler=None,
+              schedule_flags: dict | None = None, recorded_args: dict | None = None) -> int:
     """Train on an initialised default process group whose ranks are the plan's; returns the last
     iteration trained. ``make_stop_check(checkpointer)`` (the checkpointer or None) returns the
     ``stop_check`` of runtime/trainer.train_iterations; it is called on every rank right after
-    the checkpointer is made (a stop check's process group is made there, collectively)."""
+    the checkpointer is made (a stop check's process group is made there, collectively).
+
+    The Megatron-LM path brings its own learning-rate schedule: ``make_scheduler(optimizer)``
+    (Megatron's ``get_optimizer_param_scheduler``, reading every ``--lr-*`` flag; default: the
+    options' schedule), ``schedule_flags`` (which of its flags sets each scheduler field, for a
+    resume's mismatch message; default ``autohet train``'s) and ``recorded_args`` (what a
+    checkpoint records of the job; default :func:`train_args`)."""
     # torch and megatron-core: a rank's code (see the module's docstring)
     from megatron_autohet.runtime.stage_model import LAYER_SPECS
     from megatron_autohet.runtime.trainer import (Evaluation, HeteroTrainer, train_iterations,
@@ -147,17 +198,20 @@ def train_job(plan: Plan, plan_label: str, model: ModelSpec, options: TrainOptio
         print(trainer.optimizer.summary(), flush=True)
     # Counting samples, as Megatron-LM does (runtime/optimizer.py): checkpoints of this job
     # load into the pretrain_gpt.py path and stock Megatron-LM, and theirs into this job.
-    scheduler = make_lr_scheduler(trainer.optimizer, options.optimizer, options.iters,
-                                  plan.global_batch_size)
+    scheduler = (make_scheduler(trainer.optimizer) if make_scheduler else
+                 make_lr_scheduler(trainer.optimizer, options.optimizer, options.iters,
+                                   plan.global_batch_size))
     checkpointer = None
     if options.checkpoint.saving or options.checkpoint.load is not None:
         # torch: a rank's code (see the module's docstring)
         from megatron_autohet.checkpoint.checkpointer import Checkpointer
         checkpointer = Checkpointer(options.checkpoint, trainer, scheduler, seed=options.seed,
-                                    train_args=train_args(options))
+                                    train_args=(train_args(options) if recorded_args is None
+                                                else recorded_args),
+                                    schedule_flags=schedule_flags)
     stop_check = make_stop_check(checkpointer) if make_stop_check else None
     return train_iterations(trainer, batches, scheduler, train_iters=options.iters,
                             scheduler_increment=plan.global_batch_size, log=rank == 0,
                             metrics_jsonl=options.metrics_jsonl, checkpointer=checkpointer,
                             exit_interval=options.exit_interval, stop_check=stop_check,
-                            evaluation=evaluation)
+                            evaluation=evaluation, log_interval=options.log_interval)

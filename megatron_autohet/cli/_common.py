@@ -6,13 +6,12 @@ and reads as ``autohet <cmd>: error: <file>: field '<f>': ...``, never as a trac
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 from megatron_autohet.cli._table import format_table
 from megatron_autohet.cost_model import (CHARGES, DEFAULT_CHARGE, DEFAULT_MEMORY_HEADROOM,
                                          check_memory_headroom)
-from megatron_autohet.errors import ConfigError
+from megatron_autohet.errors import ConfigError, check_output_path, positive
 from megatron_autohet.profiling.profile import Profile
 from megatron_autohet.spec import load_cluster, load_gpu_catalog, load_model
 from megatron_autohet.spec.gpus import CONFIG_DIR
@@ -76,23 +75,6 @@ def add_planning_arguments(parser) -> None:
                         help="fraction of every GPU's memory a plan leaves free for the "
                              "allocator's fragmentation (default: "
                              f"{DEFAULT_MEMORY_HEADROOM})")
-
-
-def positive(value: int | float | None, flag: str) -> None:
-    """A count, interval or limit: > 0 and finite (nan and inf are no limit, not a value)."""
-    if value is None or 0 < value < math.inf:
-        return
-    problem = f"got {value}" if math.isfinite(value) else f"got {value}, not a finite number"
-    raise ConfigError("<command line>", flag, problem, "a number > 0")
-
-
-def check_output_path(path: str | None, flag: str) -> None:
-    """Before any work: the file ``path`` can be created (its directory exists), so a typo costs
-    a second instead of the search or measurement it would end."""
-    if path is not None and not Path(path).expanduser().absolute().parent.is_dir():
-        raise ConfigError("<command line>", flag, f"{path}: directory "
-                          f"{Path(path).expanduser().absolute().parent} does not exist",
-                          "a file in an existing directory")
 
 
 def load_profile(path: str, model_name: str):

@@ -17,9 +17,8 @@ from megatron_autohet.checkpoint.inspect import existing_dirs
 from megatron_autohet.checkpoint.manifest import (MODEL_FIELDS, committed_steps, model_mismatch,
                                                   read_manifest, step_dir_name)
 from megatron_autohet.checkpoint.options import (DEFAULT_KEEP, DEFAULT_MAX_FAILED_SAVES,
-                                                 CheckpointOptions, check_scheduler_flags)
-from megatron_autohet.cli._common import check_output_path, positive
-from megatron_autohet.errors import ConfigError, probability
+                                                 CheckpointOptions)
+from megatron_autohet.errors import ConfigError
 from megatron_autohet.job import TrainOptions, job_precision
 from megatron_autohet.launch import DistEnv, launch_local, load_job, run_worker
 from megatron_autohet.plan import check_bf16_support
@@ -219,36 +218,11 @@ def worker_argv(args: argparse.Namespace) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    positive(args.iters, "--iters")
-    probability(args.hidden_dropout, "--hidden-dropout")
-    probability(args.attention_dropout, "--attention-dropout")
-    precision = check_precision(args)
-    check_output_path(args.metrics_jsonl, "--metrics-jsonl")
-    optimizer = optimizer_settings(args).validate(train_iters=args.iters, source="<command line>")
-    checkpoint = checkpoint_options(args)
-    check_scheduler_flags(checkpoint, override=args.override_opt_param_scheduler,
-                          use_checkpoint=args.use_checkpoint_opt_param_scheduler)
-    positive(args.exit_interval, "--exit-interval")
-    positive(args.eval_interval, "--eval-interval")
-    positive(args.eval_iters, "--eval-iters")
-    if args.distributed_timeout_minutes <= 0:
-        raise ConfigError("<command line>", "--distributed-timeout-minutes",
-                          f"got {args.distributed_timeout_minutes}", "minutes > 0")
-    check_elastic(args, checkpoint)
+    options = train_options(args).validate()
+    check_elastic(args, options.checkpoint)
     plan, model = load_job(args.plan, args.model)
     if not args.elastic:
-        check_resume(checkpoint, plan, optimizer, args.iters, args.model)
-    options = TrainOptions(iters=args.iters, seed=args.seed, optimizer=optimizer,
-                           metrics_jsonl=args.metrics_jsonl, data_path=args.data_path,
-                           data_dir=args.data_dir, checkpoint=checkpoint,
-                           exit_interval=args.exit_interval,
-                           exit_signal_handler=args.exit_signal_handler,
-                           distributed_timeout_minutes=args.distributed_timeout_minutes,
-                           eval_interval=args.eval_interval, eval_iters=args.eval_iters,
-                           split=args.split,
-                           distributed_optimizer=args.use_distributed_optimizer,
-                           precision=precision, hidden_dropout=args.hidden_dropout,
-                           attention_dropout=args.attention_dropout)
+        check_resume(options.checkpoint, plan, options.optimizer, args.iters, args.model)
     if job_precision(options)[0].name == "bf16":
         check_bf16_support(plan, load_gpu_catalog(), args.plan)
     if args.elastic:
@@ -262,6 +236,21 @@ def run(args: argparse.Namespace) -> int:
     if env is None:
         return launch_local(plan, worker_argv(args), gpus_available=_gpu_count())
     return run_worker(plan, args.plan, model, options, env)
+
+
+def train_options(args: argparse.Namespace) -> TrainOptions:
+    """The job's options from the flags, not yet validated (TrainOptions.validate: the one
+    place that checks them); the precision flags are read here (--fp16 is refused)."""
+    return TrainOptions(iters=args.iters, seed=args.seed, optimizer=optimizer_settings(args),
+                        metrics_jsonl=args.metrics_jsonl, data_path=args.data_path,
+                        data_dir=args.data_dir, checkpoint=checkpoint_options(args),
+                        exit_interval=args.exit_interval,
+                        exit_signal_handler=args.exit_signal_handler,
+                        distributed_timeout_minutes=args.distributed_timeout_minutes,
+                        eval_interval=args.eval_interval, eval_iters=args.eval_iters,
+                        split=args.split, distributed_optimizer=args.use_distributed_optimizer,
+                        precision=check_precision(args), hidden_dropout=args.hidden_dropout,
+                        attention_dropout=args.attention_dropout)
 
 
 def check_precision(args: argparse.Namespace) -> str | None:
@@ -315,7 +304,8 @@ def optimizer_settings(args: argparse.Namespace) -> OptimizerSettings:
 
 
 def checkpoint_options(args: argparse.Namespace) -> CheckpointOptions:
-    """The checkpoint flags, validated; an elastic worker always resumes from its local tier."""
+    """The checkpoint flags (validated with the job's options); an elastic worker always resumes
+    from its local tier."""
     load = args.load or (args.autohet_local_ckpt_dir if args.elastic else None)
     return CheckpointOptions(save=args.save, save_interval=args.save_interval, load=load,
                              local_dir=args.autohet_local_ckpt_dir, keep=args.autohet_keep_ckpts,
@@ -324,8 +314,7 @@ def checkpoint_options(args: argparse.Namespace) -> CheckpointOptions:
                              ckpt_step=args.ckpt_step, no_load_optim=args.no_load_optim,
                              no_load_rng=args.no_load_rng, finetune=args.finetune,
                              max_failed_saves=args.autohet_max_failed_saves,
-                             exit_on_missing_checkpoint=args.exit_on_missing_checkpoint
-                             ).validate()
+                             exit_on_missing_checkpoint=args.exit_on_missing_checkpoint)
 
 
 def check_resume(checkpoint: CheckpointOptions, plan, optimizer: OptimizerSettings,

@@ -14,10 +14,12 @@ Division of labour (patches/README.md has the line-by-line patch):
 * megatron-autohet takes over the iteration: Megatron's ``train_step`` assumes one homogeneous
   TP x PP x DP grid (it wraps the model in DDP over one DP group, calls the schedule without a
   communicator, and its optimizer clips over mpu groups), none of which can describe pipelines of
-  different depth and TP degree. So after initialisation :func:`pretrain_from_plan` runs the
-  plan's :class:`HeteroTrainer` (parallel_state from the plan, stage model, hetero P2P + 1F1B,
-  layer-wise grad sync) on the same global batches ``autohet train`` uses, and logs Megatron's
-  iteration line.
+  different depth and TP degree. So after initialisation :func:`pretrain_from_plan` translates
+  Megatron's flags into the job's options (:func:`train_options`: job.TrainOptions) and runs the
+  job ``autohet train`` runs (job.train_job: the plan's :class:`HeteroTrainer` - parallel_state
+  from the plan, stage model, hetero P2P + 1F1B, layer-wise grad sync - on the same global
+  batches, with the same checkpoints), with Megatron's scheduler, logging Megatron's iteration
+  line.
 
 Checkpoints are megatron-autohet's (checkpoint/: torch_dist, layout-independent), driven by
 Megatron's own flags: ``--save``, ``--save-interval``, ``--load``, ``--exit-interval``,
@@ -35,10 +37,11 @@ Flags are checked twice. Before Megatron-LM initialises anything, :func:`prepare
 every flag set to a value other than Megatron's default that the plan path does not honour
 (megatron/flags.py: the one table of honoured flags and how). After ``initialize_megatron``,
 :func:`check_megatron_args` checks the honoured model, batch and runtime flags against the plan
-(model dimensions, vocabulary, normalization, biases, dropout, recompute, batch sizes, sequence
-length, world size, trivial Megatron grid, optimizer) and raises :class:`ConfigError` naming the
-flag; every rank raises the same one, so :func:`stop_job` prints it once and every rank exits
-with status 2.
+(model dimensions, vocabulary, normalization, biases, recompute, batch sizes, sequence length,
+world size, trivial Megatron grid, optimizer), and :func:`train_options` validates the job's
+options as ``autohet train``'s are (job.TrainOptions.validate: iterations, dropout, optimizer,
+checkpoint and resume flags, intervals); each raises :class:`ConfigError` naming the flag. Every
+rank raises the same one, so :func:`stop_job` prints it once and every rank exits with status 2.
 
 Evaluation: ``--eval-interval`` / ``--eval-iters`` run the runtime's forward-only evaluation
 (runtime/trainer.py) on the validation documents of ``--split`` (data/batches.py), logged in
@@ -55,17 +58,16 @@ import logging
 import os
 import sys
 import warnings
-from datetime import timedelta
 from pathlib import Path
 from typing import NoReturn
 
-from megatron_autohet.checkpoint.options import CheckpointOptions, check_scheduler_flags
-from megatron_autohet.data.batches import DataOptions, default_split, open_global_batches
-from megatron_autohet.errors import ConfigError, probability
+from megatron_autohet.checkpoint.options import CheckpointOptions
+from megatron_autohet.errors import ConfigError
+from megatron_autohet.job import TrainOptions, train_job
+from megatron_autohet.launch import signal_stop_check
 from megatron_autohet.megatron.flags import check_flags, megatron_parser, stop_before_start
 from megatron_autohet.plan import Plan, load_plan
 from megatron_autohet.runtime.optimizer import MEGATRON_SCHEDULE_FLAGS, OptimizerSettings
-from megatron_autohet.spec.precision import PRECISIONS
 
 
 def prepare_process(argv: list[str] | None = None) -> None:
@@ -216,8 +218,6 @@ def check_megatron_args(args, plan: Plan, plan_path: str | Path,
                           f"vocab_size {model.vocab_size}",
                           f"a tokenizer of {model.vocab_size} tokens (NullTokenizer: --vocab-size "
                           f"{model.vocab_size - 1}, the EOD token is added)")
-    probability(args.hidden_dropout, "--hidden-dropout")
-    probability(args.attention_dropout, "--attention-dropout")
     check_recompute_args(args, plan, plan_path)
     expect("--micro-batch-size", args.micro_batch_size, plan.micro_batch_size)
     expect("--global-batch-size", args.global_batch_size, plan.global_batch_size)
@@ -232,12 +232,11 @@ def check_megatron_args(args, plan: Plan, plan_path: str | Path,
     if not args.train_iters:
         raise ConfigError(plan_path, "--train-iters", "missing",
                           "an iteration count (--train-samples is not supported with a plan)")
+    if args.lr is None:
+        raise ConfigError(plan_path, "--lr", "missing", "a peak learning rate > 0")
     if args.data_path and len(args.data_path) != 1:
         raise ConfigError(plan_path, "--data-path", f"got {args.data_path}",
                           "one indexed-dataset prefix (blends are not supported with a plan)")
-    if args.eval_interval is not None and args.eval_iters <= 0:
-        raise ConfigError(plan_path, "--eval-iters", f"got {args.eval_iters} with "
-                          "--eval-interval", "a number > 0 of validation batches")
 
 
 # What the plan's activation_recompute means in megatron-core's TransformerConfig
@@ -266,68 +265,61 @@ def check_recompute_args(args, plan: Plan, plan_path: str | Path) -> None:
                               f"layer", f"{want!r} or not set")
 
 
-def checkpoint_options(args, plan_path: str | Path) -> CheckpointOptions:
-    """The job's checkpoint flags, validated as ``autohet train`` validates them (the resume
-    flags and --override-/--use-checkpoint-opt-param-scheduler included)."""
-    options = CheckpointOptions(save=args.save, save_interval=args.save_interval, load=args.load,
-                                local_dir=args.autohet_local_ckpt_dir,
-                                keep=args.autohet_keep_ckpts, async_save=bool(args.async_save),
-                                s3_uri=args.autohet_s3_uri,
-                                s3_endpoint_url=args.autohet_s3_endpoint_url,
-                                ckpt_step=args.ckpt_step, no_load_optim=bool(args.no_load_optim),
-                                no_load_rng=bool(args.no_load_rng),
-                                finetune=bool(args.finetune),
-                                max_failed_saves=args.autohet_max_failed_saves
-                                ).validate(str(plan_path))
-    # Before Megatron's scheduler exists: it asserts (a traceback per rank) on both flags.
-    check_scheduler_flags(options, override=bool(args.override_opt_param_scheduler),
-                          use_checkpoint=bool(args.use_checkpoint_opt_param_scheduler),
-                          source=str(plan_path))
-    return options
+# TrainOptions fields whose Megatron-LM flag is spelled unlike `autohet train`'s (job.FLAGS).
+MEGATRON_FLAGS = {"iters": "--train-iters", "metrics_jsonl": "--autohet-metrics-jsonl"}
+
+
+def train_options(args, plan_path: str | Path) -> TrainOptions:
+    """Megatron-LM's validated flags as the job's options, validated as ``autohet train``'s are
+    (job.TrainOptions.validate, errors naming Megatron's flag and the plan file). Megatron's
+    ``--lr-*`` schedule flags are not among them: its own scheduler reads them
+    (:func:`pretrain_from_plan`)."""
+    checkpoint = CheckpointOptions(save=args.save, save_interval=args.save_interval,
+                                   load=args.load, local_dir=args.autohet_local_ckpt_dir,
+                                   keep=args.autohet_keep_ckpts, async_save=bool(args.async_save),
+                                   s3_uri=args.autohet_s3_uri,
+                                   s3_endpoint_url=args.autohet_s3_endpoint_url,
+                                   ckpt_step=args.ckpt_step,
+                                   no_load_optim=bool(args.no_load_optim),
+                                   no_load_rng=bool(args.no_load_rng),
+                                   finetune=bool(args.finetune),
+                                   max_failed_saves=args.autohet_max_failed_saves,
+                                   exit_on_missing_checkpoint=bool(
+                                       args.exit_on_missing_checkpoint))
+    optimizer = OptimizerSettings(
+        lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
+        adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
+        clip_grad=args.clip_grad,
+        # Megatron's scheduler applies these two itself; here they are checked against --load
+        override_opt_param_scheduler=bool(args.override_opt_param_scheduler),
+        use_checkpoint_opt_param_scheduler=bool(args.use_checkpoint_opt_param_scheduler))
+    return TrainOptions(
+        iters=args.train_iters, seed=args.seed, optimizer=optimizer,
+        metrics_jsonl=args.autohet_metrics_jsonl, data_path=_data_path(args),
+        data_dir=args.autohet_data_dir, checkpoint=checkpoint, exit_interval=args.exit_interval,
+        exit_signal_handler=bool(args.exit_signal_handler),
+        distributed_timeout_minutes=args.distributed_timeout_minutes,
+        eval_interval=args.eval_interval, eval_iters=args.eval_iters,
+        # With --data-path, Megatron's validate_args has already set its default --split.
+        split=args.split, distributed_optimizer=bool(args.use_distributed_optimizer),
+        # fp32 without --bf16, as Megatron-LM (--fp16 never gets here: megatron/flags.py
+        # refuses it before Megatron starts)
+        precision="bf16" if getattr(args, "bf16", False) else "fp32",
+        hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
+        log_interval=args.log_interval).validate(str(plan_path), MEGATRON_FLAGS)
 
 
 def _data_path(args) -> str | None:
     return args.data_path[0] if args.data_path else None
 
 
-def train_args(args) -> dict:
-    """What a checkpoint records of the job (plain values; ``autohet checkpoint ls`` shows them)."""
+def recorded_args(args) -> dict:
+    """What a checkpoint records of the job (plain values; ``autohet checkpoint ls`` shows them):
+    Megatron's schedule flags, which its scheduler reads, rather than the options'."""
     return {"train_iters": args.train_iters, "seed": args.seed, "data_path": _data_path(args),
             "lr": args.lr, "min_lr": args.min_lr, "lr_decay_style": args.lr_decay_style,
             "lr_warmup_iters": args.lr_warmup_iters, "lr_decay_iters": args.lr_decay_iters,
             "weight_decay": args.weight_decay}
-
-
-def make_checkpointer(args, options: CheckpointOptions, trainer, scheduler,
-                      plan_path: str | Path):
-    """The checkpoint hook of the job, or None when it neither saves nor loads.
-
-    ``--exit-on-missing-checkpoint`` is Megatron's "exit instead of random initialization" when
-    ``--load`` holds no checkpoint; the ranks agree on the step to resume in
-    ``Checkpointer.resume``, so all of them stop there together.
-    """
-    if not options.saving and options.load is None:
-        return None
-    # torch: in the ranks of pretrain_gpt.py only
-    from megatron_autohet.checkpoint.checkpointer import Checkpointer
-
-    class MegatronLMCheckpointer(Checkpointer):
-        def resume(self):
-            try:
-                progress = super().resume()
-            except ConfigError as err:
-                # The same on every rank (one step, one common.pt, the same flags): one line.
-                stop_job(err)
-            if self.last_report is None and options.load and args.exit_on_missing_checkpoint:
-                stop_job(ConfigError(plan_path, "--load",
-                                     f"no complete checkpoint in {options.load}",
-                                     "a directory holding one, as --exit-on-missing-checkpoint "
-                                     "is set"))
-            return progress
-
-    return MegatronLMCheckpointer(options, trainer, scheduler, seed=args.seed,
-                                  train_args=train_args(args),
-                                  schedule_flags=MEGATRON_SCHEDULE_FLAGS)
 
 
 def stop_job(err: ConfigError) -> NoReturn:
@@ -344,79 +336,34 @@ def stop_job(err: ConfigError) -> NoReturn:
     sys.exit(2)
 
 
-def megatron_precision(args):
-    """Megatron-LM's ``--bf16`` (spec/precision.py); without it fp32, as in Megatron-LM
-    (``--fp16`` never gets here: megatron/flags.py refuses it before Megatron starts), with or
-    without the distributed optimizer."""
-    return PRECISIONS["bf16" if getattr(args, "bf16", False) else "fp32"]
-
-
 def pretrain_from_plan(args) -> None:
-    """Train ``args.train_iters`` iterations of the plan after ``initialize_megatron``."""
+    """Train ``args.train_iters`` iterations of the plan after ``initialize_megatron``: the job
+    ``autohet train`` runs (job.train_job), with Megatron's learning-rate scheduler."""
     # torch, megatron-core: in the ranks of pretrain_gpt.py only
     import torch.distributed as dist
     from megatron.core import parallel_state as mpu
-    from megatron.training.training import get_optimizer_param_scheduler
-
     from megatron.training import get_tokenizer
-
-    from megatron_autohet.runtime.trainer import (Evaluation, HeteroTrainer, train_iterations,
-                                                  validation_batches_needed)
+    from megatron.training.training import get_optimizer_param_scheduler
 
     plan_path = args.autohet_plan
     try:
         plan = load_plan(plan_path)
         check_megatron_args(args, plan, plan_path, tokenizer_vocab_size=get_tokenizer().vocab_size)
-        checkpoint = checkpoint_options(args, plan_path)
-        precision = megatron_precision(args)
+        options = train_options(args, plan_path)
     except ConfigError as err:
         stop_job(err)
-    rank = dist.get_rank()
-    valid_batches = validation_batches_needed(args.train_iters, args.eval_interval,
-                                              args.eval_iters)
-    # With --data-path, Megatron's validate_args has already set its default --split.
-    data = DataOptions(seq_length=plan.seq_length, global_batch_size=plan.global_batch_size,
-                       num_iterations=args.train_iters, seed=args.seed,
-                       data_path=_data_path(args), data_dir=args.autohet_data_dir,
-                       split=default_split(args.split, valid_batches > 0),
-                       valid_batches=valid_batches)
-    try:
-        batches, valid = open_global_batches(data, plan.model.vocab_size, args.local_rank or 0)
-    except ConfigError as err:          # a --split without the documents it needs, on all ranks
-        stop_job(err)
-    evaluation = (Evaluation(args.eval_interval, args.eval_iters, valid)
-                  if valid is not None else None)
     # Megatron's homogeneous groups are replaced by the plan's (build_parallel_state installs
     # this rank's heterogeneous values in megatron.core.parallel_state).
     mpu.destroy_model_parallel()
-    # The schedule fields of OptimizerSettings stay unused here: Megatron's scheduler runs it.
-    optimizer = OptimizerSettings(lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
-                                  adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2,
-                                  adam_eps=args.adam_eps, clip_grad=args.clip_grad)
-    trainer = HeteroTrainer(plan, plan.model, rank=rank, seed=args.seed, optimizer=optimizer,
-                            plan_file=str(plan_path), precision=precision,
-                            distributed_optimizer=(args.use_distributed_optimizer
-                                                   or plan.use_distributed_optimizer),
-                            hidden_dropout=args.hidden_dropout,
-                            attention_dropout=args.attention_dropout,
-                            # a checkpoint to load replaces the initial weights (trainer doc)
-                            initialize=checkpoint.load is None)
-    if trainer.distributed_optimizer and rank == 0:
-        print(trainer.optimizer.summary(), flush=True)
-    # Megatron-LM's own warm-up/decay and weight-decay schedule, stepping our param_groups by
-    # the samples of each iteration, as Megatron's train_step does; its state (in samples) is
-    # what a checkpoint saves and a resume loads back.
-    scheduler = get_optimizer_param_scheduler(trainer.optimizer)
-    checkpointer = make_checkpointer(args, checkpoint, trainer, scheduler, plan_path)
-    stop_check = None
-    if args.exit_signal_handler:
-        # Megatron's flag: SIGTERM -> every rank stops after the same iteration and saves it.
-        from megatron_autohet.elastic.stop import StopRequests, stop_group
-        stop_check = StopRequests(
-            stop_group(timedelta(minutes=args.distributed_timeout_minutes)),
-            notice_file=None).check
-    train_iterations(trainer, batches, scheduler, train_iters=args.train_iters,
-                     scheduler_increment=plan.global_batch_size, log=rank == 0,
-                     metrics_jsonl=args.autohet_metrics_jsonl, checkpointer=checkpointer,
-                     exit_interval=args.exit_interval, stop_check=stop_check,
-                     evaluation=evaluation, log_interval=args.log_interval)
+    try:
+        # Megatron-LM's own warm-up/decay and weight-decay schedule steps our param_groups by
+        # the samples of each iteration, as Megatron's train_step does; its state (in samples)
+        # is what a checkpoint saves and a resume loads back.
+        train_job(plan, str(plan_path), plan.model, options, rank=dist.get_rank(),
+                  local_rank=args.local_rank or 0, make_stop_check=signal_stop_check(options),
+                  make_scheduler=get_optimizer_param_scheduler,
+                  schedule_flags=MEGATRON_SCHEDULE_FLAGS, recorded_args=recorded_args(args))
+    except ConfigError as err:
+        # The same on every rank: a --split without the documents it needs, a resume no step
+        # can serve (JobConfigError) - one line, every rank exits 2.
+        stop_job(err)

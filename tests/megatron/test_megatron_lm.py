@@ -333,19 +333,22 @@ def test_pretrain_gpt_stops_with_one_error_line(case, tree, data_dir, tmp_path):
     checked on Megatron's tokenizer, after it."""
     flags, problem = {
         "refused flag": (["--ckpt-format", "torch"],
-                         "field '--ckpt-format': 'torch' is not supported with --autohet-plan "
-                         "(allowed: torch_dist, the format megatron-autohet writes)"),
+                         f"{PLAN}: field '--ckpt-format': 'torch' is not supported with "
+                         "--autohet-plan (allowed: torch_dist, the format megatron-autohet "
+                         "writes)"),
         "vocabulary": (["--vocab-size", "1000"],
-                       "field '--vocab-size': Megatron-LM's NullTokenizer has 1001 tokens but the "
-                       "plan's model has vocab_size 512 (allowed: a tokenizer of 512 tokens "
-                       "(NullTokenizer: --vocab-size 511, the EOD token is added))"),
+                       f"{PLAN}: field '--vocab-size': Megatron-LM's NullTokenizer has 1001 "
+                       "tokens but the plan's model has vocab_size 512 (allowed: a tokenizer of "
+                       "512 tokens (NullTokenizer: --vocab-size 511, the EOD token is added))"),
+        # the resume's error (job.train_job's checkpointer), as autohet train words it
         "missing checkpoint": (["--load", tmp_path, "--exit-on-missing-checkpoint"],
-                               f"field '--load': no complete checkpoint in {tmp_path} (allowed: "
-                               "a directory holding one, as --exit-on-missing-checkpoint is set)"),
+                               f"<command line>: field '--load': no complete checkpoint in "
+                               f"{tmp_path} (allowed: a directory holding one, as "
+                               "--exit-on-missing-checkpoint is set)"),
     }[case]
     result = _torchrun(tree, PLAN, [*flags, "--autohet-data-dir", data_dir])
     assert result.returncode != 0
-    line = f"pretrain_gpt.py: error: {PLAN}: {problem}\n"
+    line = f"pretrain_gpt.py: error: {problem}\n"
     assert result.stderr.count(line) == 1, output_tail(result)
     assert "ConfigError" not in result.stderr, output_tail(result)           # no traceback
     # torchrun exits 1 when a worker fails; its summary names each worker's status.
@@ -463,23 +466,23 @@ def _flag_checks_in_tree(tmp: str) -> None:
         args = megatron_args(*flags)
         try:
             hooks.check_megatron_args(args, plan, PLAN)
-            hooks.checkpoint_options(args, PLAN)
+            hooks.train_options(args, PLAN)
         except ConfigError as err:
             return str(err)
         return None
 
     assert error() is None
-    assert hooks.checkpoint_options(megatron_args(), PLAN) == CheckpointOptions()
+    assert hooks.train_options(megatron_args(), PLAN).checkpoint == CheckpointOptions()
     honoured = megatron_args("--save", tmp, "--save-interval", "2", "--load", tmp,
                              "--exit-interval", "2", "--autohet-keep-ckpts", "3",
                              "--exit-on-missing-checkpoint", "--use-checkpoint-opt-param-scheduler",
                              "--use-dist-ckpt")
     hooks.check_megatron_args(honoured, plan, PLAN)
-    assert hooks.checkpoint_options(honoured, PLAN) == CheckpointOptions(
-        save=tmp, save_interval=2, load=tmp, keep=3)
+    assert hooks.train_options(honoured, PLAN).checkpoint == CheckpointOptions(
+        save=tmp, save_interval=2, load=tmp, keep=3, exit_on_missing_checkpoint=True)
     resume = megatron_args("--load", tmp, "--ckpt-step", "2", "--no-load-optim", "--no-load-rng",
                            "--finetune")
-    assert hooks.checkpoint_options(resume, PLAN) == CheckpointOptions(
+    assert hooks.train_options(resume, PLAN).checkpoint == CheckpointOptions(
         load=tmp, ckpt_step=2, no_load_optim=True, no_load_rng=True, finetune=True)
     assert error("--finetune") == (f"{PLAN}: field '--finetune': given without --load "
                                    "(allowed: with --load DIR (it says what a resume takes from "
@@ -490,7 +493,7 @@ def _flag_checks_in_tree(tmp: str) -> None:
         "--use-checkpoint-opt-param-scheduler (allowed: one of them: this run's schedule "
         "(override) or the checkpoint's)")
     local = megatron_args("--autohet-local-ckpt-dir", f"{tmp}/{{node}}", "--save-interval", "2")
-    assert hooks.checkpoint_options(local, PLAN) == CheckpointOptions(
+    assert hooks.train_options(local, PLAN).checkpoint == CheckpointOptions(
         local_dir=f"{tmp}/{{node}}", save_interval=2)
     with pytest.raises(ConfigError) as no_place:              # CheckpointOptions' own error
         CheckpointOptions(save_interval=2).validate(str(PLAN))
@@ -504,7 +507,7 @@ def _flag_checks_in_tree(tmp: str) -> None:
     background = megatron_args("--async-save", "--use-persistent-ckpt-worker", "--save", tmp,
                                "--save-interval", "2", "--autohet-s3-uri", "s3://bucket/run",
                                "--autohet-s3-endpoint-url", "http://127.0.0.1:9")
-    assert hooks.checkpoint_options(background, PLAN) == CheckpointOptions(
+    assert hooks.train_options(background, PLAN).checkpoint == CheckpointOptions(
         save=tmp, save_interval=2, async_save=True, s3_uri="s3://bucket/run",
         s3_endpoint_url="http://127.0.0.1:9")
 
