@@ -137,7 +137,10 @@ def _layout_of(trainer, local_name: str) -> ParamLayout:
 
 def model_sharded_state_dict(trainer) -> dict:
     """megatron-core's sharded state dict of this rank's stage, replica ids from the owner map."""
-    state_dict = trainer.model.sharded_state_dict()
+    # The DP group megatron records in the entries (replica ids, rewritten below) is passed, not
+    # looked up in megatron-core's globals (0.19 would ask for its GTP-remat variant there).
+    state_dict = trainer.model.sharded_state_dict(
+        metadata={"dp_cp_group": trainer.state.pg_collection.dp_cp})
     rank = trainer.state.role.rank
     for local_name, entry in state_dict.items():
         main = is_main_replica(trainer.plan, rank, _layout_of(trainer, local_name))
