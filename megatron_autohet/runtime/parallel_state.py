@@ -353,8 +353,9 @@ def _megatron_globals(state: HeteroParallelState, dp_ranks: list[int]) -> dict[s
 
 # The one version difference in the globals: megatron-core 0.17 added a "GTP weight
 # rematerialisation" variant of the DP groups, and get_data_parallel_group() returns it by default
-# (0.19's sharded_state_dict asks for it unless given a dp_cp_group). Without that feature it is
-# the plain DP group, as initialize_model_parallel sets it.
+# (to megatron code that looks the DP group up: sharded_state_dict without a dp_cp_group, which
+# checkpoint/state.py passes, Megatron-LM's training loop). Without that feature it is the plain
+# DP group, as initialize_model_parallel sets it.
 _DP_ALIASES_SINCE_0_17 = {
     "_DATA_PARALLEL_GROUP_WITH_GTP_REMAT": "_DATA_PARALLEL_GROUP",
     "_DATA_PARALLEL_GROUP_WITH_CP_WITH_GTP_REMAT": "_DATA_PARALLEL_GROUP_WITH_CP",
