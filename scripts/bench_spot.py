@@ -621,7 +621,7 @@ def main() -> None:
                         help="seconds per trace second (default 0.02: the churn trace's 4.7 "
                              "hours in about 6 minutes of training; --quick 0.5)")
     parser.add_argument("--iters", type=int, default=None,
-                        help="iterations of each job (default 1000; --quick 150): enough that "
+                        help="iterations of each job (default 1000; --quick 400): enough that "
                              "the job is still training when the last event comes (events "
                              "after the job's end are listed as not replayed)")
     parser.add_argument("--save-interval", type=int, default=10,
@@ -636,7 +636,10 @@ def main() -> None:
                              "fourth column, a notice where it says nothing)")
     parser.add_argument("--quick", action="store_true",
                         help="a short replay: the 4-node synthetic trace (3 events), trace clock "
-                             "x0.5, 150 iterations: 5-12 minutes on 2 loaded cores")
+                             "x0.5, 400 iterations (a joining node is announced once its "
+                             "warm fork server has loaded torch: about a minute on 2 loaded "
+                             "cores, and 150 iterations were over by then): 10-20 minutes "
+                             "on 2 loaded cores")
     parser.add_argument("--workdir", default=None,
                         help="keep the runs' files here (default: a temporary directory)")
     parser.add_argument("--out", default=str(ROOT / "bench-out" / "bench-spot.json"),
@@ -644,7 +647,7 @@ def main() -> None:
     args = parser.parse_args()
     args.trace = args.trace or str(QUICK_TRACE if args.quick else CHURN_TRACE)
     args.time_scale = args.time_scale or (0.5 if args.quick else 0.02)
-    args.iters = args.iters or (150 if args.quick else 1000)
+    args.iters = args.iters or (400 if args.quick else 1000)
 
     silence_known_megatron_warnings()
     from megatron_autohet.testing.trace import load_trace, steps
