@@ -103,10 +103,12 @@ def torchrun_argv(args: argparse.Namespace, rdzv_backend: str) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     # torch: not at `autohet` start-up
+    from torch.distributed import DistStoreError
     from torch.distributed.elastic.rendezvous import RendezvousClosedError
     from torch.distributed.run import get_args_parser
     from torch.distributed.run import run as torchrun
 
+    from megatron_autohet.elastic.rendezvous import close as close_rendezvous
     from megatron_autohet.elastic.rendezvous import register as register_rendezvous
 
     if args.nproc_per_node < 1:
@@ -122,7 +124,19 @@ def run(args: argparse.Namespace) -> int:
     server = None if args.cold_workers else start_fork_server()
     status = 0
     try:
-        torchrun(get_args_parser().parse_args(argv))
+        while True:
+            try:
+                torchrun(get_args_parser().parse_args(argv))
+                break
+            except DistStoreError as err:
+                # A store read that timed out after the rendezvous (a round's agent died before
+                # the workers' ranks were assigned): not the job's end - the next round.
+                said = str(err).strip().splitlines()
+                print("autohet node: a rendezvous round failed after it completed (DistStoreError"
+                      + (f": {said[0]}" if said else "") + "); joining the next round",
+                      file=sys.stderr, flush=True)
+        if not (args.notice_file and preempt_notice_in(args.notice_file)):
+            close_rendezvous()        # this node's workers finished the job
     except RendezvousClosedError:
         print(f"autohet node: {os.environ['AUTOHET_NODE']}: the job's rendezvous is closed: the "
               "job has ended", file=sys.stderr)

@@ -16,10 +16,17 @@ reasons that say nothing about the job:
   ``read_timeout`` (``DistStoreError: wait timeout after 60000ms, keys:
   /torch.rendezvous.JOB.N/MASTER_ADDR``).
 
+* a round's agent that dies before the agents have assigned their workers' ranks: the others
+  time out reading its entry (the same ``read_timeout``), after the rendezvous, in torchrun's
+  agent, where no handler sees it - `autohet node` starts its agent again (cli/node.py).
+
 Here such an agent leaves the failed round (its first step of every round) and waits in the next
-one: a standby node until it is admitted, whatever the wait. A closed rendezvous still ends the
-agent (RendezvousClosedError, also for a node waiting beyond ``--nnodes``' maximum): the job is
-over - `autohet node` then exits 0.
+one: a standby node until it is admitted, whatever the wait. And an agent that ends never closes
+the rendezvous on its way out (``shutdown`` only stops its keep-alive: a node whose agent ended
+drops out of the rendezvous within a few seconds, as a lost node does); `autohet node` closes it
+(:func:`close`) when its workers finished the job, so nodes still waiting learn that the job is
+over. A closed rendezvous ends the agent (RendezvousClosedError, also for a node waiting beyond
+``--nnodes``' maximum): `autohet node` then exits 0.
 """
 
 from __future__ import annotations
@@ -42,10 +49,20 @@ def register() -> str:
     return BACKEND
 
 
+def close() -> None:
+    """The job is over: close its rendezvous (through this process's newest handler)."""
+    if _CREATED:
+        _CREATED[-1].inner.set_closed()
+
+
+_CREATED: list[PersistentRendezvous] = []       # an agent (re)started in this process: its own
+
+
 def _create_handler(params: RendezvousParameters) -> PersistentRendezvous:
     c10d = RendezvousParameters("c10d", params.endpoint, params.run_id, params.min_nodes,
                                 params.max_nodes, params.local_addr, **params.config)
-    return PersistentRendezvous(rendezvous_handler_registry.create_handler(c10d))
+    _CREATED.append(PersistentRendezvous(rendezvous_handler_registry.create_handler(c10d)))
+    return _CREATED[-1]
 
 
 class PersistentRendezvous(RendezvousHandler):
@@ -93,4 +110,7 @@ class PersistentRendezvous(RendezvousHandler):
         return self.inner.get_run_id()
 
     def shutdown(self) -> bool:
-        return self.inner.shutdown()
+        # torchrun's handler would also close the rendezvous for every other agent; only its
+        # keep-alive stops (a private method of torch's c10d handler, in 2.11-2.13 alike).
+        self.inner._stop_heartbeats()
+        return True
