@@ -185,7 +185,8 @@ def plan_from_dict(data: dict, file: str | Path = "<plan>") -> Plan:
         check_keys(raw, {"rank", "node", "local_rank", "gpu"}, file, where)
         ranks.append(RankInfo(rank=get_field(raw, "rank", int, file, where, min_value=0),
                               node=get_field(raw, "node", str, file, where),
-                              local_rank=get_field(raw, "local_rank", int, file, where, min_value=0),
+                              local_rank=get_field(raw, "local_rank", int, file, where,
+                                                   min_value=0),
                               gpu=get_field(raw, "gpu", str, file, where)))
     pipelines = []
     for p, raw in enumerate(get_field(data, "pipelines", list, file)):
@@ -278,8 +279,9 @@ def validate_plan(plan: Plan, file: str | Path = "<plan>") -> None:
     for info in plan.ranks:
         key = (info.node, info.local_rank)
         if key in seen_gpu:
-            raise ConfigError(file, f"ranks[{info.rank}]", f"node {info.node} GPU {info.local_rank} "
-                              f"is already rank {seen_gpu[key]}", "each physical GPU once")
+            raise ConfigError(file, f"ranks[{info.rank}]",
+                              f"node {info.node} GPU {info.local_rank} is already rank "
+                              f"{seen_gpu[key]}", "each physical GPU once")
         seen_gpu[key] = info.rank
     if not plan.pipelines:
         raise ConfigError(file, "pipelines", "empty", "at least one pipeline")
@@ -316,7 +318,8 @@ def validate_plan(plan: Plan, file: str | Path = "<plan>") -> None:
                                   f"layer {expected_start}",
                                   f"[{expected_start}, e) with e > {expected_start}: stages cover "
                                   f"the model's layers in order")
-            if stage.warmup_microbatches is not None and stage.warmup_microbatches > pipe.num_microbatches:
+            if (stage.warmup_microbatches is not None
+                    and stage.warmup_microbatches > pipe.num_microbatches):
                 raise ConfigError(file, f"{swhere}.warmup_microbatches",
                                   f"{stage.warmup_microbatches} > the pipeline's "
                                   f"{pipe.num_microbatches} micro-batches",
@@ -332,9 +335,9 @@ def validate_plan(plan: Plan, file: str | Path = "<plan>") -> None:
                           "every rank in exactly one stage")
     total = plan.micro_batch_size * plan.num_microbatches_total
     if total != plan.global_batch_size:
-        raise ConfigError(file, "global_batch_size", f"{plan.global_batch_size} != micro_batch_size "
-                          f"{plan.micro_batch_size} x {plan.num_microbatches_total} micro-batches",
-                          f"{total}")
+        raise ConfigError(file, "global_batch_size",
+                          f"{plan.global_batch_size} != micro_batch_size {plan.micro_batch_size} "
+                          f"x {plan.num_microbatches_total} micro-batches", f"{total}")
 
 
 def check_bf16_support(plan: Plan, catalog: dict[str, GPUType], file: str | Path = "<plan>"

@@ -180,7 +180,7 @@ def planning_options(args) -> dict:
             "charge": args.charge or DEFAULT_CHARGE}
 
 
-# ---- plans against clusters ------------------------------------------------------------------------
+# ---- plans against clusters ----------------------------------------------------------------------
 
 def bundled_cluster_path(name: str) -> Path | None:
     path = CONFIG_DIR / "clusters" / f"{name}.yaml"
@@ -205,7 +205,7 @@ def check_plan_on_cluster(plan, cluster, cluster_file) -> None:
                               f"({plan.cluster!r})")
 
 
-# ---- output ----------------------------------------------------------------------------------------
+# ---- output --------------------------------------------------------------------------------------
 
 def rank_list(ranks) -> str:
     """'0-3' for consecutive ranks, else '0,2,5'."""
@@ -276,7 +276,8 @@ def format_prediction(plan, cost=None, train_tokens: float | None = None) -> str
              + (", distributed optimizer" if plan.use_distributed_optimizer else "") + ")"]
     if "pipeline_time_s" in predicted:
         lines.append(f"  = pipelines {predicted['pipeline_time_s']:.4g} s + gradient sync "
-                     f"{predicted['grad_sync_s']:.4g} s + optimizer {predicted['optimizer_s']:.4g} s; "
+                     f"{predicted['grad_sync_s']:.4g} s + optimizer "
+                     f"{predicted['optimizer_s']:.4g} s; "
                      f"peak memory {predicted['peak_memory_gib']:.1f} GiB"
                      + ("" if predicted.get("fits_memory", True) else " (DOES NOT FIT)"))
     if predicted.get("idle_gpus"):

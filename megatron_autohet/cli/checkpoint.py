@@ -62,8 +62,8 @@ def register(subparsers) -> None:
                     "SHA-256 in the step's manifest: each problem is one line (file, byte range, "
                     "checkpoint key, 'sha256 mismatch' / 'truncated' / 'missing file'; a data "
                     "file cut short is one line), then a summary. Data files of other nodes' "
-                    "ranks are not expected in a node-local directory. Exit status: 0 everything present checks out, 1 corruption "
-                    "found, 2 bad input.")
+                    "ranks are not expected in a node-local directory. Exit status: 0 everything "
+                    "present checks out, 1 corruption found, 2 bad input.")
     verify.add_argument("location", metavar=LOCATION, help=LOCATION_HELP)
     verify.add_argument("--iteration", type=int, default=None, metavar="N",
                         help="the step to verify (default: the newest committed step, i.e. the "

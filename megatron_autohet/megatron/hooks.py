@@ -1,4 +1,4 @@
-"""What the Megatron-LM patch calls: run ``pretrain_gpt.py --autohet-plan plan.yaml`` on our runtime.
+"""What the Megatron-LM patch calls to run ``pretrain_gpt.py --autohet-plan`` on our runtime.
 
 Division of labour (patches/README.md has the line-by-line patch):
 

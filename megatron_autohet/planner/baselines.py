@@ -1,10 +1,10 @@
-"""Plans a user would run without us, expressed as ordinary Plans so the same cost model judges them.
+"""Plans a user would run without us, as ordinary Plans, so that the same cost model judges them.
 
 * **Megatron-LM**: one TP x PP x DP grid for the whole fleet, Megatron's rank order (TP fastest,
   then DP, then PP), uniform layers per stage (when PP does not divide the layers, the first
   stages get one fewer, as Megatron's num_layers_in_first_pipeline_stage allows), the same
-  number of micro-batches per replica (DP must divide them, as Megatron requires). The best grid (and recompute choice) that fits
-  every GPU's memory is found by enumeration.
+  number of micro-batches per replica (DP must divide them, as Megatron requires). The best grid
+  (and recompute choice) that fits every GPU's memory is found by enumeration.
 * **Whale-style**: the same uniform grids, but each replica's micro-batches proportional to its
   speed (1 / its slowest stage period), as Whale's hardware-aware data parallelism does.
 * **Homogeneous (fastest type only)**: Megatron-LM's best grid on only the nodes of the GPU type
@@ -131,7 +131,8 @@ def _best(problem: Problem, name: str, proportional: bool, recompute_modes: list
             speeds = [1.0 / max(s.time_s + s.p2p_s for s in p.stages) for p in cost.pipelines]
             plan = grid_plan(problem, tp, pp, dp, _proportional(speeds, M), recompute)
             cost = evaluate(problem, plan)
-        if cost.fits_memory and (best is None or cost.iteration_time_s < best.cost.iteration_time_s):
+        if cost.fits_memory and (best is None
+                                 or cost.iteration_time_s < best.cost.iteration_time_s):
             best = Baseline(name, plan, cost, f"TP={tp} PP={pp} DP={dp}"
                             + (" recompute" if recompute else ""))
     return best or Baseline(name, None, None, "no uniform grid fits in memory or divides the batch")
@@ -167,5 +168,6 @@ def all_baselines(problem: Problem, recompute_modes: list[bool], *,
     """The baselines, restricted to these TP degrees and pipeline depths (None: any); each
     stops costing grids once ``out_of_time`` says so (a sub-fleet search's safety net)."""
     space = {"tp_degrees": tp_degrees, "max_stages": max_stages, "out_of_time": out_of_time}
-    return [megatron_lm(problem, recompute_modes, **space), whale(problem, recompute_modes, **space),
+    return [megatron_lm(problem, recompute_modes, **space),
+            whale(problem, recompute_modes, **space),
             fastest_type_only(problem, recompute_modes, **space)]

@@ -29,14 +29,14 @@ among its idle GPUs.
    WITHOUT the baselines (on 1024 GPUs the baselines alone cost seconds; the seeds, descended
    from a plan at least as fast as the baselines on the old fleet, take their place in
    pruning) or the sub-fleet searches (search.SubFleets: each costs about a whole search, and
-   the choice below trades iteration time for state moved anyway). Its budget is counted in work, REPLAN_WORK_BUDGET SCIP nodes, so the same
-   fleet change gives the same plan on an idle or a loaded machine; the wall-clock
-   ``time_limit_s`` is only a safety net (``Replan.stopped_by`` says when it cut). The budget
-   is small because a re-plan is on the recovery path: measured on 1024 GPUs (a node of A100
-   or H20 lost, 2 cores), 10 nodes re-plan GPT-3 1.3B in 0.4-0.5 s and LLaMA-2 7B in 0.5-0.6
-   s (most of it building the pipeline options), and the plan chosen is the one the complete
-   search (48-183 nodes, 0.8-1.7 s) chooses: the faster plans it finds (by up to 1.8%, inside
-   the default tolerance) move more state. When there is neither a derived nor a patched plan
+   the choice below trades iteration time for state moved anyway). Its budget is counted in work,
+   REPLAN_WORK_BUDGET SCIP nodes, so the same fleet change gives the same plan on an idle or a
+   loaded machine; the wall-clock ``time_limit_s`` is only a safety net (``Replan.stopped_by`` says
+   when it cut). The budget is small because a re-plan is on the recovery path: measured on 1024
+   GPUs (a node of A100 or H20 lost, 2 cores), 10 nodes re-plan GPT-3 1.3B in 0.4-0.5 s and LLaMA-2
+   7B in 0.5-0.6 s (most of it building the pipeline options), and the plan chosen is the one the
+   complete search (48-183 nodes, 0.8-1.7 s) chooses: the faster plans it finds (by up to 1.8%,
+   inside the default tolerance) move more state. When there is neither a derived nor a patched plan
    (every pipeline lost, no free GPUs), the search runs with the baselines as incumbents.
 4. **Choice**: of every plan judged (the seeds, every plan the search built), those
    within ``tolerance`` of the fastest iteration time; among them the one whose recovery moves

@@ -179,9 +179,11 @@ class Profile:
     def load(cls, path: str | Path) -> "Profile":
         path = Path(path)
         if not path.is_file():
-            raise ConfigError(path, "<file>", "file not found", "a profile written by `autohet profile`")
+            raise ConfigError(path, "<file>", "file not found",
+                              "a profile written by `autohet profile`")
         try:
-            data = json.loads(path.read_text()) if path.suffix == ".json" else yaml.safe_load(path.read_text())
+            text = path.read_text()
+            data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
         except (json.JSONDecodeError, yaml.YAMLError, UnicodeDecodeError) as exc:
             raise ConfigError(path, "<file>", f"cannot parse: {exc}") from None
         return cls.from_dict(data, path)

@@ -28,8 +28,8 @@ megatron-core (0.16 to 0.19) assumes a CUDA device in these ways:
    ``Tensor.cuda()`` into the identity. One interception point covers all sites, including ones
    added by future megatron releases. It also answers ``Tensor.type()`` with the CUDA type name
    (``torch.cuda.FloatTensor``) because the optimizer and grad clipping assert on it; the CPU
-   tensor then reports the type megatron expects for a device tensor, and ``Tensor.type("torch.cuda.X")``
-   maps back to the CPU type so a round trip stays on the CPU.
+   tensor then reports the type megatron expects for a device tensor, and
+   ``Tensor.type("torch.cuda.X")`` maps back to the CPU type so a round trip stays on the CPU.
 2. *``torch.cuda`` functions* that fail on a CPU-only build: ``current_device`` (returns
    ``torch.device("cpu")``: the autograd engine runs custom ``Function.backward`` - megatron's
    sequence-parallel gathers - outside the torch function mode, so this site must be CPU without
@@ -50,10 +50,11 @@ megatron-core (0.16 to 0.19) assumes a CUDA device in these ways:
 
 Not covered: code that formats ``current_device()`` into ``"cuda:N"`` or ``torch.device("cuda",
 N)`` (megatron-FSDP, the inference engines); the training path of GPTModel, the schedules, DDP
-and the optimizer does not. ``torch.cuda.is_available()`` keeps answering False on purpose: megatron code that branches on it
-(timers, memory reports) takes its CPU path. Nothing here is a TE/Apex shim: the stage model uses
-the local (non-TE) layer spec on CPU. The torch-norm refusal of ``sequence_parallel`` is not a
-CPU issue (it also hits GPUs without Apex/TE) and is handled in ``runtime/stage_model.py``.
+and the optimizer does not. ``torch.cuda.is_available()`` keeps answering False on purpose: megatron
+code that branches on it (timers, memory reports) takes its CPU path. Nothing here is a TE/Apex
+shim: the stage model uses the local (non-TE) layer spec on CPU. The torch-norm refusal of
+``sequence_parallel`` is not a CPU issue (it also hits GPUs without Apex/TE) and is handled in
+``runtime/stage_model.py``.
 """
 
 from __future__ import annotations

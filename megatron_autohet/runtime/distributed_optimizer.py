@@ -1,4 +1,4 @@
-"""The distributed optimizer (Megatron-LM's ``--use-distributed-optimizer``) on layer-wise sync groups.
+"""Megatron-LM's distributed optimizer (``--use-distributed-optimizer``) on layer-wise sync groups.
 
 Megatron's ``DistributedOptimizer`` shards the master weights and Adam moments over the one
 data-parallel group of a homogeneous model. Here every gradient bucket of

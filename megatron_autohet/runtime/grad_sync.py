@@ -19,8 +19,8 @@ run and the final norm of the last stages) share buckets, so a rank pays one col
 distinct group and bucket, as Megatron's DP all-reduce does with one grad buffer. This is
 consistent across ranks because a spec's groups are a property of the spec: every member of a
 group maps the same specs to it, so all members build the same buckets (specs in plan order, each
-in global-name order). Each parameter's ``main_grad`` is a view into its bucket, so a symmetric bucket is all-reduced
-with no copy at all.
+in global-name order). Each parameter's ``main_grad`` is a view into its bucket, so a symmetric
+bucket is all-reduced with no copy at all.
 
 Main gradients (Megatron's mixed precision, ``--accumulate-allreduce-grads-in-fp32``): the buckets
 are fp32 whatever the parameters' dtype, and every backward's gradient is added into the

@@ -189,7 +189,8 @@ def transfer_plan(src: StageLayout, dst: StageLayout, seq_length: int) -> tuple[
     for layout in (src, dst):
         if seq_length % layout.seq_chunks:
             raise ValueError(f"sequence length {seq_length} is not divisible by the "
-                             f"{layout.seq_chunks} sequence-parallel slices of stage {layout.ranks}")
+                             f"{layout.seq_chunks} sequence-parallel slices of stage "
+                             f"{layout.ranks}")
     transfers = []
     for j, dst_rank in enumerate(dst.ranks):
         lo, hi = dst.held_range(j, seq_length)
@@ -357,8 +358,9 @@ class HeteroP2PCommunicator:
                 for work in queue.ahead[1]:   # the peer sends all its micro-batches: this ends
                     work.wait()
                 queue.ahead = None
-                raise RuntimeError(f"the schedule took {queue.taken} of {queue.total} micro-batches "
-                                   f"from ranks {queue.link.peer.ranks}; a receive was left posted")
+                raise RuntimeError(f"the schedule took {queue.taken} of {queue.total} "
+                                   f"micro-batches from ranks {queue.link.peer.ranks}; a receive "
+                                   f"was left posted")
 
     # ---- internals ---------------------------------------------------------------------------
     def _communicate(self, tensor_shapes, queue: _ReceiveQueue | None, *, sends=None,

@@ -7,15 +7,17 @@ Public API
 ``transformer_config(model_spec, tp_size, *, sequence_parallel=False, pipeline_layers=None,
                      precision=FP32, **overrides) -> TransformerConfig``
     CPU-safe megatron config of one stage whose weights, activations and P2P messages are in
-    ``precision``'s dtype (spec/precision.py; ``bf16``/``fp16`` set as Megatron-LM's flags do). ``pipeline_layers``: the [start, end) layer
-    ranges of every stage of this rank's pipeline (None: the whole model in one stage).
+    ``precision``'s dtype (spec/precision.py; ``bf16``/``fp16`` set as Megatron-LM's flags do).
+    ``pipeline_layers``: the [start, end) layer ranges of every stage of this rank's pipeline (None:
+    the whole model in one stage).
 ``build_stage_model(model_spec, state, *, seed, sequence_parallel=False, padded_vocab=None,
                     precision=FP32, initialize=True, **config_overrides) -> GPTModel``
     ``state``: runtime.parallel_state.HeteroParallelState. Layout-independent initial weights
     (runtime/init.py), or with ``initialize`` False none at all (the values are whatever the
-    allocation held: for a job that loads a checkpoint over them, below); also seeds megatron's dropout RNG streams (``model_parallel_cuda_manual_seed``) as
-    Megatron-LM does (below). Dropout is off unless ``hidden_dropout``/``attention_dropout``
-    are given (Megatron-LM's flags of those names).
+    allocation held: for a job that loads a checkpoint over them, below); also seeds megatron's
+    dropout RNG streams (``model_parallel_cuda_manual_seed``) as Megatron-LM does (below). Dropout
+    is off unless ``hidden_dropout``/``attention_dropout`` are given (Megatron-LM's flags of those
+    names).
 ``recompute_config(activation_recompute) -> dict``
     The TransformerConfig fields of a plan's ``activation_recompute``: megatron-core's full
     recompute of every layer (``recompute_granularity="full"``, ``recompute_method="uniform"``,

@@ -117,8 +117,8 @@ def megatron_line(rec: IterationRecord) -> str:
 
 
 class IterationLogger:
-    """Prints the Megatron line (where ``console``); appends the record to ``metrics_jsonl`` when given (a new file,
-    or the end of an existing one with ``append``)."""
+    """Prints the Megatron line (where ``console``); appends the record to ``metrics_jsonl``
+    when given (a new file, or the end of an existing one with ``append``)."""
 
     def __init__(self, metrics_jsonl: str | Path | None = None, stream: TextIO | None = None,
                  append: bool = False):

@@ -58,13 +58,14 @@ once). AdamW is elementwise, so AdamW on shards equals AdamW on the full tensors
 needs the whole model, and that is what GradSync provides. With ``distributed_optimizer``
 (``--use-distributed-optimizer``) runtime/distributed_optimizer.py replaces both: it
 reduce-scatters the gradient buckets, steps AdamW on each rank's shards of them and all-gathers
-the weights; ``.optimizer`` is then that object and ``.grads`` (sync, norm, clip) too. The learning-rate schedule is the
-caller's, between iterations: megatron-core's ``OptimizerParamScheduler`` on ``.optimizer``
-(``make_lr_scheduler`` for ``autohet train``, Megatron-LM's own ``get_optimizer_param_scheduler``
-on the ``pretrain_gpt.py`` path), stepped after each :meth:`HeteroTrainer.train_step`. megatron-core's ``MegatronOptimizer`` was not used because it computes the
-norm over one model-parallel group with ``param.shared`` / TP-duplicate filters that assume every
-replica has the same shape, and its distributed optimizer needs megatron DDP's single DP group;
-on a machine without Apex/TE it falls back to the same torch Adam(W) anyway.
+the weights; ``.optimizer`` is then that object and ``.grads`` (sync, norm, clip) too. The
+learning-rate schedule is the caller's, between iterations: megatron-core's
+``OptimizerParamScheduler`` on ``.optimizer`` (``make_lr_scheduler`` for ``autohet train``,
+Megatron-LM's own ``get_optimizer_param_scheduler`` on the ``pretrain_gpt.py`` path), stepped after
+each :meth:`HeteroTrainer.train_step`. megatron-core's ``MegatronOptimizer`` was not used because it
+computes the norm over one model-parallel group with ``param.shared`` / TP-duplicate filters that
+assume every replica has the same shape, and its distributed optimizer needs megatron DDP's single
+DP group; on a machine without Apex/TE it falls back to the same torch Adam(W) anyway.
 """
 
 from __future__ import annotations
@@ -127,10 +128,10 @@ class HeteroTrainer:
             runtime/stage_model.py says how the masks are seeded).
         initialize: give the weights (and masters) the seed's initial values now; False for a
             job that loads a checkpoint over them, which saves drawing every parameter's full
-            fp32 tensor (runtime/init.py) on every (re)start. Such a trainer trains only once its weights are set: by a
-            checkpoint load (checkpoint/state.py ``apply_loaded``) or, when there was none to
-            load, by :meth:`initialize_weights`, which gives exactly what ``initialize`` would
-            have (train_iterations calls it after the resume).
+            fp32 tensor (runtime/init.py) on every (re)start. Such a trainer trains only once its
+            weights are set: by a checkpoint load (checkpoint/state.py ``apply_loaded``) or, when
+            there was none to load, by :meth:`initialize_weights`, which gives exactly what
+            ``initialize`` would have (train_iterations calls it after the resume).
     """
 
     def __init__(self, plan: Plan, model_spec: ModelSpec | None = None, *, rank: int, seed: int,

@@ -37,8 +37,10 @@ def check_keys(data: dict, allowed: set[str], file, where: str) -> None:
 
 
 def get_field(data: dict, key: str, kind: type | tuple, file, where: str = "",
-              default: Any = _MISSING, positive: bool = False, min_value: float | None = None) -> Any:
-    """Return ``data[key]`` checked against ``kind``; a missing key returns ``default`` or raises."""
+              default: Any = _MISSING, positive: bool = False,
+              min_value: float | None = None) -> Any:
+    """Return ``data[key]`` checked against ``kind``; a missing key returns ``default`` or
+    raises."""
     field = f"{where}.{key}" if where else key
     if key not in data or data[key] is None:
         if default is _MISSING:

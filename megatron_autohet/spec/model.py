@@ -51,7 +51,7 @@ class ModelSpec:
 
     @property
     def normalization(self) -> str:
-        """The norm megatron-core builds: RMSNorm for SwiGLU (LLaMA-family) models, else LayerNorm."""
+        """The norm megatron-core builds: RMSNorm for SwiGLU (LLaMA) models, else LayerNorm."""
         return "RMSNorm" if self.gated_linear_unit else "LayerNorm"
 
     @property

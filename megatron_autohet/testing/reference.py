@@ -9,10 +9,10 @@ Public API
     ``optimizer`` (an ``OptimizerSettings``: AdamW, weight decay, clipping and the learning-rate
     schedule over ``len(global_batches)`` iterations) and returns each iteration's
     ``ReferenceStep(loss, grad_norm, learning_rate)``; the grad norm is taken before clipping, as
-    the runtime reports it, the learning rate is the one the iteration used. ``final_params``: a dict to fill with the trained
-    parameters, full tensors keyed by global name (tests compare every layout's final weights;
-    in a 16-bit precision the fp32 master weights). ``precision`` (spec/precision.py): bf16 runs
-    Megatron's mixed precision as the runtime does (below).
+    the runtime reports it, the learning rate is the one the iteration used. ``final_params``: a
+    dict to fill with the trained parameters, full tensors keyed by global name (tests compare every
+    layout's final weights; in a 16-bit precision the fp32 master weights). ``precision``
+    (spec/precision.py): bf16 runs Megatron's mixed precision as the runtime does (below).
     ``eval_batches``: {iteration: validation global batches}; after that (1-based) iteration the
     step's ``eval_loss`` is the forward-only mean loss over their micro-batches.
 ``reference_plan(model_spec, *, micro_batch_size, num_microbatches, seq_length) -> Plan``
@@ -30,11 +30,11 @@ Design (why)
   model and seed starts from TP/PP slices of exactly these weights. ``padded_vocab`` must be the
   parallel plan's (``stage_model.plan_padded_vocab_size``): padding rows enter the softmax.
 * The objective is the runtime's own (runtime/loss.py ``masked_token_mean``, checked against an
-  independent cross-entropy by the objective tests); what the reference writes out separately is
-  the parallel machinery it must not share: no pipeline, no TP, no gradient sync. The optimizer and schedule come from
-  runtime/optimizer.py (``make_optimizer``: AdamW with megatron's no-decay rule on global names;
-  ``make_lr_scheduler``: megatron-core's OptimizerParamScheduler), which the runtime and the
-  stock baseline use too; it holds no parallel logic. Iteration loss = mean over ALL
+  independent cross-entropy by the objective tests); what the reference writes out separately is the
+  parallel machinery it must not share: no pipeline, no TP, no gradient sync. The optimizer and
+  schedule come from runtime/optimizer.py (``make_optimizer``: AdamW with megatron's no-decay rule
+  on global names; ``make_lr_scheduler``: megatron-core's OptimizerParamScheduler), which the
+  runtime and the stock baseline use too; it holds no parallel logic. Iteration loss = mean over ALL
   micro-batches of the global batch of the masked-token-mean cross-entropy; gradients = the
   gradient of that (each micro-batch's backward is scaled by 1/M and accumulated); grad norm and
   clipping with megatron-core's ``get_grad_norm_fp32`` / ``clip_grad_by_total_norm_fp32``.

@@ -1,12 +1,13 @@
 """The stock megatron-core baseline for a homogeneous plan.
 
-The equivalence tests (tests/runtime/test_equivalence.py, tests/runtime/test_stage_model.py) and the runtime
-benchmark (scripts/bench_runtime.py) compare our runtime against what megatron-core does on its
-own when the plan is one regular TP x PP x DP grid. This module is that baseline, written once.
+The equivalence tests (tests/runtime/test_equivalence.py, tests/runtime/test_stage_model.py) and the
+runtime benchmark (scripts/bench_runtime.py) compare our runtime against what megatron-core does on
+its own when the plan is one regular TP x PP x DP grid. This module is that baseline, written once.
 
 Public API
 ----------
-``StockMegatronTrainer(plan, *, rank, seed, optimizer, distributed_optimizer=False, precision=FP32)``
+``StockMegatronTrainer(plan, *, rank, seed, optimizer, distributed_optimizer=False,
+                       precision=FP32)``
     ``torch.distributed`` must be initialised with the plan's world size. Builds, with
     megatron-core's own machinery only: ``parallel_state.initialize_model_parallel``, a
     ``GPTModel`` of this rank's stage (the runtime's layer spec, runtime/stage_model.py
