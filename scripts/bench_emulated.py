@@ -60,8 +60,8 @@ from datetime import timedelta
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import emulate_cluster as emu  # noqa: E402  (puts the repository on sys.path)
-from _bench import silence_known_megatron_warnings, write_json  # noqa: E402
+import emulate_cluster as emu  # puts the repository on sys.path
+from _bench import silence_known_megatron_warnings, write_json
 
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -74,7 +74,7 @@ OURS = "autohet (ours)"
 PHASES = ("schedule", "sync", "norm", "optimizer")     # train_step's parts, in order
 
 
-# ---- the report's arithmetic (pure) -----------------------------------------------------------------
+# ---- the report's arithmetic (pure) --------------------------------------------------------------
 
 def relative_error(predicted: float, measured: float) -> float:
     """(predicted - measured) / measured: positive when the model is pessimistic."""
@@ -169,10 +169,11 @@ def plan_summary(name: str, predicted: dict, wall_per_rank: list[list[float]],
 
 
 def error_contributions(summary: dict) -> dict[str, float]:
-    """The iteration-time error (predicted - measured seconds) split by term; the parts add up
-    to the whole. compute: the profile vs the in-run compute; schedule: the 1F1B formula (bubble, P2P overlap) vs the measured schedule; sync,
-    norm (unpriced), optimizer: predicted vs measured phase; rest: what the phases do not cover
-    (the slowest rank's iteration vs the latest phase ends)."""
+    """The iteration-time error (predicted - measured seconds) split by term; the parts add up to
+    the whole. compute: the profile vs the in-run compute; schedule: the 1F1B formula (bubble, P2P
+    overlap) vs the measured schedule; sync, norm (unpriced), optimizer: predicted vs measured
+    phase; rest: what the phases do not cover (the slowest rank's iteration vs the latest phase
+    ends)."""
     t = summary["terms"]
     pipe = t["pipeline"]
     parts = {"compute": pipe["predicted_s"] - pipe["repriced_s"],
@@ -193,7 +194,7 @@ def predicted_figures(cost) -> dict:
                        for s in cost.stages]}
 
 
-# ---- one emulated GPU (runs inside its namespace and cgroup) ----------------------------------------
+# ---- one emulated GPU (runs inside its namespace and cgroup) -------------------------------------
 
 def store_barrier(store, key: str, world: int, busy=None) -> None:
     """Wait until all ``world`` processes arrived at ``key``, calling ``busy()`` meanwhile."""
@@ -326,7 +327,7 @@ def worker(args) -> None:
     store_barrier(store, "exit", world)      # rank 0 hosts the store: it leaves last
 
 
-# ---- the driver -------------------------------------------------------------------------------------
+# ---- the driver ----------------------------------------------------------------------------------
 
 def progress(message: str) -> None:
     print(f"> {time.strftime('%H:%M:%S')} {message}", flush=True)

@@ -24,8 +24,8 @@ on both ranks at once after the run) and the link's rate, so model and measureme
 compared. The 1-minute load average before and after is recorded (other jobs on the machine
 show up there).
 
-    sudo python scripts/bench_hapt.py [--iters 30] [--microbatches 8] [--rate-mbit 20] [--queue-ms 20]
-        [--warmups 1,2,4,8] [--json bench-out/bench_hapt.json]
+    sudo python scripts/bench_hapt.py [--iters 30] [--microbatches 8] [--rate-mbit 20]
+        [--queue-ms 20] [--warmups 1,2,4,8] [--json bench-out/bench_hapt.json]
 
 ``--rate-mbit 0`` runs the same over an unshaped veth (the control).
 """
@@ -169,7 +169,7 @@ def stage_compute_s(trainer, batch: dict, micro_batch_size: int, repeats: int = 
     return statistics.median(forward), statistics.median(backward)
 
 
-# ---- the driver -----------------------------------------------------------------------------------
+# ---- the driver ----------------------------------------------------------------------------------
 
 def simulate_pipeline(stage_s: list[tuple[float, float]], num_microbatches: int, warmup: int,
                       rate_mbit: float) -> float:
@@ -271,8 +271,9 @@ def print_table(result: dict) -> None:
                          for s, (f, b) in enumerate(result["stage_compute_ms"]))
     print(f"2-stage pipeline, {result['num_microbatches']} micro-batches, "
           f"{result['activation_bytes'] / 1024:.0f} KiB per activation; link: "
-          f"{link['shaping']}, rate {link['rate_mbit']} Mbit/s ({link['activation_transfer_ms']:.1f}"
-          f" ms per activation at that rate); load average {result['load_average_1min']}")
+          f"{link['shaping']}, rate {link['rate_mbit']} Mbit/s "
+          f"({link['activation_transfer_ms']:.1f} ms per activation at that rate); "
+          f"load average {result['load_average_1min']}")
     print(f"measured compute per micro-batch (forward + backward ms): {stage_ms}; simulated = "
           "cost_model.simulate_1f1b of the schedule alone (no all-reduce, no optimizer step)")
     print("saved = the standard variant's time minus this one's (measured: median of the paired "

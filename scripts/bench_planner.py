@@ -16,9 +16,9 @@ Seven tables, all predictions from the same cost model (megatron_autohet/cost_mo
 3. predicted iteration time, efficiency and speedup over the baselines on the bundled 3-type
    fleets;
 4. gap to the exhaustive optimum on small clusters (<= 16 GPUs, 8-layer GPT-3 1.3B);
-5. the gap's distribution over seeded random small fleets (testing/random_fleets.py; more
-   seeds than tests/planner/test_planner_optimality.py runs), general, memory-bound and odd-count ones
-   (2-4 types of 1 or 3 GPUs, 7-13 layers), with each search's CPU seconds;
+5. the gap's distribution over seeded random small fleets (testing/random_fleets.py; more seeds than
+   tests/planner/test_planner_optimality.py runs), general, memory-bound and odd-count ones (2-4
+   types of 1 or 3 GPUs, 7-13 layers), with each search's CPU seconds;
 6. `autohet compare` (search + baselines) time on 2048 GPUs;
 7. the cost objective: USD per million tokens of the fastest and of the cheapest plan on priced
    fleets (spot prices in PRICES), the GPUs the cheapest leaves idle, and how its search ended.

@@ -23,16 +23,16 @@
    grad norms of stock and ours with it, and of ours with and without it, must agree as in 1.
    Reported: paired ratios ours/stock with the distributed optimizer, and ours with/without.
 4. bf16 (Megatron's --bf16 mixed precision) on the homogeneous plan, with and without the
-   distributed optimizer: stock megatron-core in bf16 (testing/stock.py: ``Float16Module``, DDP
-   with ``grad_reduce_in_fp32``, ``Float16OptimizerWithFloat16Params`` or its
-   DistributedOptimizer on fp32 master shards; all run on CPU and gloo) against ours in bf16,
-   the same fairness check with the bf16 proofs' tolerance for the first iterations (the two
-   systems round bf16 sums in another order). Reported: paired ratios ours/stock in bf16 and in bf16 with the
-   distributed optimizer (target <= 1.03, as in 1.). On a CPU without bf16 units bf16 matmuls are
-   emulated and slower than fp32; the rows show the systems' overhead, not a GPU speed-up.
-   Every run of ours without the distributed optimizer (fp32 and bf16) also counts each rank's
-   live state bytes (weights, fp32 main-gradient buckets, masters, Adam moments) against the
-   cost model's ``Precision.state_bytes_per_param() * stage_param_count``.
+   distributed optimizer: stock megatron-core in bf16 (testing/stock.py: ``Float16Module``, DDP with
+   ``grad_reduce_in_fp32``, ``Float16OptimizerWithFloat16Params`` or its DistributedOptimizer on
+   fp32 master shards; all run on CPU and gloo) against ours in bf16, the same fairness check with
+   the bf16 proofs' tolerance for the first iterations (the two systems round bf16 sums in another
+   order). Reported: paired ratios ours/stock in bf16 and in bf16 with the distributed optimizer
+   (target <= 1.03, as in 1.). On a CPU without bf16 units bf16 matmuls are emulated and slower than
+   fp32; the rows show the systems' overhead, not a GPU speed-up. Every run of ours without the
+   distributed optimizer (fp32 and bf16) also counts each rank's live state bytes (weights, fp32
+   main-gradient buckets, masters, Adam moments) against the cost model's
+   ``Precision.state_bytes_per_param() * stage_param_count``.
 
 Timed: an iteration's time is the slowest rank's wall time of ``train_step``, each rank timing
 from the barrier before it (the next iteration cannot start before the slowest rank is done);
@@ -74,9 +74,9 @@ WARMUP = 3
 SEED = 1234
 # AdamW at Megatron's default weight decay, constant lr (no scheduler: timing only).
 OPTIMIZER = OptimizerSettings(lr=1e-3, clip_grad=1.0, lr_decay_style="constant")
-# Same model, same data: the grad norms agree like the proofs' (tests/runtime/test_equivalence.py: 1e-5 for
-# 5 iterations); over many Adam steps fp32 rounding differences grow (Adam turns rounding in
-# near-zero gradients into lr-sized steps), so later iterations only have to stay on the same
+# Same model, same data: the grad norms agree like the proofs' (tests/runtime/test_equivalence.py:
+# 1e-5 for 5 iterations); over many Adam steps fp32 rounding differences grow (Adam turns rounding
+# in near-zero gradients into lr-sized steps), so later iterations only have to stay on the same
 # trajectory.
 SAME_NORM_ITERS, SAME_NORM_REL, DRIFT_NORM_REL = 5, 1e-5, 1e-2
 # In bf16 the two systems round the same sums in another order from the first update on: two bf16
@@ -203,7 +203,7 @@ def _rank_main(rank, world, port, plan_path, kinds, iters, data_dir, results):
                 out[kind]["state_bytes"] = _state_bytes(trainer)
         dist.destroy_process_group()
         results.put((rank, True, out))
-    except BaseException:
+    except BaseException:  # noqa: BLE001 - reported to the parent, which fails the run
         results.put((rank, False, traceback.format_exc()))
     finally:
         results.close()

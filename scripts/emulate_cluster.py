@@ -65,7 +65,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _netns  # noqa: E402
+import _netns
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -90,7 +90,7 @@ DEFAULT_QUEUE_MS = 20.0
 PRIORITY_SHARES = 262144
 
 
-# ---- the emulated fleet (pure) ----------------------------------------------------------------------
+# ---- the emulated fleet (pure) -------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class EmulatedFleet:
@@ -279,7 +279,7 @@ def confined_command(p: Placement, cmd: list[str]) -> list[str]:
             *_netns.in_netns(cmd, p.namespace)]
 
 
-# ---- what was created, and its removal --------------------------------------------------------------
+# ---- what was created, and its removal -----------------------------------------------------------
 
 @dataclass
 class Ledger:
@@ -298,7 +298,7 @@ class Ledger:
             kind, name = self.entries.pop()
             try:
                 remove(kind, name)
-            except Exception as exc:          # keep removing the rest
+            except Exception as exc:  # noqa: BLE001 - keep removing the rest
                 errors.append(f"{kind} {name}: {exc}")
         return errors
 
@@ -315,7 +315,7 @@ def stale_resources(prefix: str, namespaces: list[str], cgroups: list[Path],
     return groups + mine
 
 
-# ---- side effects -----------------------------------------------------------------------------------
+# ---- side effects --------------------------------------------------------------------------------
 
 class EmulatedCluster:
     """Build the fleet's network and cgroups; start confined rank processes; remove it all.

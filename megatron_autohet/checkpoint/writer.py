@@ -289,7 +289,7 @@ def on_every_rank(local, group, what: str) -> list:
         value, error = local(), None
     except (KeyboardInterrupt, SystemExit):
         raise
-    except BaseException as err:             # torch's CheckpointException is a BaseException
+    except BaseException as err:  # noqa: BLE001 - torch's CheckpointException is a BaseException
         value, error = None, err
     return _agree(value, error, root_cause(error) if error is not None else None, group, what)
 
