@@ -98,6 +98,12 @@ def _commented(lines: list[str], body: list[ast.stmt], index: int) -> bool:
     return above >= 0 and lines[above].strip().startswith("#")
 
 
+def _type_checking_only(node: ast.AST) -> bool:
+    test = getattr(node, "test", None) if isinstance(node, ast.If) else None
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
 def _imports() -> list[_Import]:
     found = []
     for module, path in MODULES.items():
@@ -115,6 +121,9 @@ def _imports() -> list[_Import]:
                                              _commented(lines, body, index)))
                     elif isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
                         visit(child, child.name)
+                    elif _type_checking_only(child):
+                        # ``if TYPE_CHECKING:`` imports never run: annotations only
+                        visit(ast.Module(body=child.orelse, type_ignores=[]), function)
                     else:
                         visit(child, function)
 

@@ -45,8 +45,6 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import torch
-
 from megatron_autohet.spec.model import ModelSpec
 
 if TYPE_CHECKING:
@@ -65,6 +63,8 @@ def global_param_name(local_name: str, first_layer: int, tied: bool) -> str:
 
 
 def _cat(tensors: list[torch.Tensor], dim: int) -> torch.Tensor:
+    import torch        # torch only when shards are merged: the cost model imports layout/
+
     return torch.cat(tensors, dim=dim)
 
 

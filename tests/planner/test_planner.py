@@ -105,12 +105,19 @@ def test_within_two_percent_of_brute_force(case):
 @pytest.mark.integration
 @pytest.mark.parametrize("name", ["a100-h800-h20", "a100-v100-t4"])
 def test_no_baseline_beats_our_plan(name):
+    """On A100 + H800 + H20 the plan beats Megatron-LM's by 30% or more; on A100 + V100 + T4 a
+    bf16 job (the estimates' precision) trains on the A100s alone, as every baseline does: the
+    V100s and T4s cannot train bf16 and stay idle, so the plans tie."""
     cluster = load_cluster(f"configs/clusters/{name}.yaml")
     result = compare(cluster, GPT13, None, 64, 1, progress=False)
     for b in result.baselines:
         if b.cost is not None:
             assert result.cost.iteration_time_s <= b.cost.iteration_time_s * (1 + 1e-9), b.name
-    assert result.baseline("megatron-lm").speedup >= 1.3
+    if name == "a100-v100-t4":
+        assert result.cost.idle_gpus == {"V100-32GB": 8, "T4": 8}
+        assert {rank.gpu for rank in result.plan.ranks} == {"A100-40GB"}
+    else:
+        assert result.baseline("megatron-lm").speedup >= 1.3
 
 
 @pytest.mark.unit
@@ -265,7 +272,7 @@ def test_composition_model_keeps_only_the_columns_that_matter_and_stays_exact():
             caps = [o.cap(max((m for m in range(1, total + 1)
                                if tau is None or o.time_s(m) <= tau + 1e-9 * o.period_s),
                               default=0)) for o in options]
-            ranges = [range(0, min(high, total) + 1) if a else range(1) for a in allowed]
+            ranges = [range(min(high, total) + 1) if a else range(1) for a in allowed]
             exists = any(
                 low <= sum(x) <= min(high, total)
                 and all(sum(n * o.pools.count(k) for n, o in zip(x, options)) <= pools[k]
