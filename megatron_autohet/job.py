@@ -25,10 +25,12 @@ imports this module at start-up, long before (and in the launcher, without) any 
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from dataclasses import asdict, dataclass
 from datetime import timedelta
+from pathlib import Path
 
 from megatron_autohet.checkpoint.options import CheckpointOptions, check_scheduler_flags
 from megatron_autohet.data.batches import DataOptions, default_split, open_global_batches
@@ -72,6 +74,18 @@ class TrainOptions:
     @property
     def timeout(self) -> timedelta:
         return timedelta(minutes=self.distributed_timeout_minutes)
+
+    def write(self, path: str | Path) -> None:
+        """The options as data (JSON), for the ranks of a job: ``autohet train``'s launcher writes
+        them once and every rank reads them (:meth:`read`), not a command line to parse again."""
+        Path(path).write_text(json.dumps(asdict(self), indent=1) + "\n")
+
+    @classmethod
+    def read(cls, path: str | Path) -> "TrainOptions":
+        """The options :meth:`write` wrote (validated by the launcher that wrote them)."""
+        data = json.loads(Path(path).read_text())
+        return cls(**{**data, "optimizer": OptimizerSettings(**data["optimizer"]),
+                      "checkpoint": CheckpointOptions(**data["checkpoint"])})
 
     def validate(self, source: str = "<command line>",
                  flags: dict | None = None) -> "TrainOptions":

@@ -7,9 +7,11 @@ Three pieces, used by ``autohet train`` (cli/train.py):
   made for the ``--model`` given (every dimension equal; a layer-count mismatch names
   ``model.num_layers``). Errors are :class:`ConfigError` naming the file and field.
 * :func:`launch_local` - torchrun on one machine: torch.distributed.elastic's agent starts
-  ``plan.world_size`` copies of the same ``autohet train`` command with ``RANK``/``WORLD_SIZE``/
-  ``LOCAL_RANK``/``MASTER_*`` set and stops the others when one fails. Local rank = global rank
-  (one node); a multi-node plan run on one machine is the CPU quick start.
+  ``plan.world_size`` ranks, ``autohet train --plan P --model M --job-file F`` with ``RANK``/
+  ``WORLD_SIZE``/``LOCAL_RANK``/``MASTER_*`` set, and stops the others when one fails. The job's
+  options reach the ranks as data: the launcher writes its validated :class:`TrainOptions` to the
+  job file (JSON) and every rank reads them from it. Local rank = global rank (one node); a
+  multi-node plan run on one machine is the CPU quick start.
 * :func:`run_worker` - what each rank runs, whether started by :func:`launch_local` or by
   ``torchrun`` on a GPU cluster (multi-node command: see README "Training from a plan"). It checks
   the environment against the plan (``WORLD_SIZE`` = plan ranks; on GPUs ``LOCAL_RANK`` = the plan's
@@ -25,8 +27,10 @@ It sits above job.py and elastic/ (whose stop check it uses); the elastic worker
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import sys
+import tempfile
 import uuid
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -94,10 +98,12 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def launch_local(plan: Plan, worker_argv: list[str], *, gpus_available: int = 0) -> int:
-    """Run ``python -m megatron_autohet.cli.main *worker_argv`` once per planned rank, under
-    torch.distributed.elastic's agent on this machine (``torchrun --standalone``: the launcher
-    elastic jobs use on every node, here with one node and no restarts).
+def launch_local(plan: Plan, plan_path: str | Path, model_path: str | Path,
+                 options: TrainOptions, *, gpus_available: int = 0) -> int:
+    """Run one rank per planned GPU, ``python -m megatron_autohet.cli.main train --plan
+    plan_path --model model_path --job-file F`` where F holds ``options`` (TrainOptions.write),
+    under torch.distributed.elastic's agent on this machine (``torchrun --standalone``: the
+    launcher elastic jobs use on every node, here with one node and no restarts).
 
     Returns 0 when every rank exits 0, else the first failing rank's status (the agent stops
     the others). With fewer GPUs than ranks every process runs on the CPU.
@@ -116,9 +122,13 @@ def launch_local(plan: Plan, worker_argv: list[str], *, gpus_available: int = 0)
                           run_id=f"autohet-{uuid.uuid4().hex[:8]}", rdzv_backend="c10d",
                           rdzv_endpoint="127.0.0.1:0", max_restarts=0, monitor_interval=0.1,
                           local_addr="127.0.0.1")
+    job_dir = tempfile.mkdtemp(prefix="autohet-job-")
+    job_file = os.path.join(job_dir, "options.json")
+    options.write(job_file)
     try:
         elastic_launch(config, entrypoint=sys.executable)(
-            "-m", "megatron_autohet.cli.main", *worker_argv)
+            "-m", "megatron_autohet.cli.main", "train", "--plan", str(plan_path),
+            "--model", str(model_path), "--job-file", job_file)
     except ChildFailedError as failed:
         first = min(failed.failures.values(), key=lambda f: f.timestamp)
         return first.exitcode if first.exitcode > 0 else 1
@@ -128,6 +138,8 @@ def launch_local(plan: Plan, worker_argv: list[str], *, gpus_available: int = 0)
         return 128 + int(stopped.sigval)
     except KeyboardInterrupt:
         return 130
+    finally:
+        shutil.rmtree(job_dir, ignore_errors=True)
     return 0
 
 

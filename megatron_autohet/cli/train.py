@@ -28,7 +28,9 @@ from megatron_autohet.runtime.optimizer import (LR_DECAY_STYLES, SCHEDULE_CHOICE
                                                 OptimizerSettings, schedule_fields,
                                                 schedule_mismatch)
 
-_WORKER_FLAGS: list[tuple[str, str]] = []     # (dest, option string) forwarded to each rank
+# (dest, option string, default) of every option but --plan/--model: a rank that reads its
+# options from --job-file takes no other (it would be ignored).
+_OPTIONS: list[tuple[str, str, object]] = []
 
 
 def register(subparsers) -> None:
@@ -199,25 +201,19 @@ def register(subparsers) -> None:
             default=None, help="with --elastic: append the job's events (fleet, plan, "
                                "recovery, stop, ...) to this file as JSON lines")),
     ]
-    _WORKER_FLAGS.clear()
+    _OPTIONS.clear()
     for flags, kwargs in opts:
         action = p.add_argument(*flags, **kwargs)
-        _WORKER_FLAGS.append((action.dest, flags[0]))
+        if action.dest not in ("plan", "model"):
+            _OPTIONS.append((action.dest, flags[0], action.default))
+    # Internal: how launch_local's ranks get the job's options, as data (job.TrainOptions.write).
+    p.add_argument("--job-file", default=None, help=argparse.SUPPRESS)
     p.set_defaults(func=run)
 
 
-def worker_argv(args: argparse.Namespace) -> list[str]:
-    argv = ["train"]
-    for dest, flag in _WORKER_FLAGS:
-        value = getattr(args, dest)
-        if value is True:                      # store_true flags
-            argv.append(flag)
-        elif value is not None and value is not False:
-            argv += [flag, str(value)]
-    return argv
-
-
 def run(args: argparse.Namespace) -> int:
+    if args.job_file is not None:
+        return run_launched_rank(args)
     options = train_options(args).validate()
     check_elastic(args, options.checkpoint)
     plan, model = load_job(args.plan, args.model)
@@ -234,8 +230,25 @@ def run(args: argparse.Namespace) -> int:
                              events_jsonl=args.autohet_events_jsonl).run()
     env = DistEnv.from_environ()
     if env is None:
-        return launch_local(plan, worker_argv(args), gpus_available=_gpu_count())
+        return launch_local(plan, args.plan, args.model, options,
+                            gpus_available=_gpu_count())
     return run_worker(plan, args.plan, model, options, env)
+
+
+def run_launched_rank(args: argparse.Namespace) -> int:
+    """A rank launch_local started: the options are the launcher's, checked and written to
+    ``--job-file`` before any rank started; the command line names only the plan and model."""
+    for dest, flag, default in _OPTIONS:
+        if getattr(args, dest) != default:
+            raise ConfigError("<command line>", flag, "given with --job-file",
+                              "only --plan and --model: a launched rank's options are the job "
+                              "file's")
+    env = DistEnv.from_environ()
+    if env is None:
+        raise ConfigError("<command line>", "--job-file", "not in a rank of a job",
+                          "only in the ranks `autohet train` starts")
+    plan, model = load_job(args.plan, args.model)
+    return run_worker(plan, args.plan, model, TrainOptions.read(args.job_file), env)
 
 
 def train_options(args: argparse.Namespace) -> TrainOptions:
