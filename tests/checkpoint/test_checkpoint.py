@@ -171,7 +171,8 @@ def test_llama_style_model_resumes_from_asymmetric_to_homogeneous(tmp_path):
     full = run_on_ranks(a.world_size, train_job, a, batches, CheckpointOptions())[0]
     run_on_ranks(a.world_size, train_job, a, batches,
                  CheckpointOptions(save=str(tmp_path), save_interval=HALF), exit_interval=HALF)
-    rest = run_on_ranks(b.world_size, train_job, b, batches, CheckpointOptions(load=str(tmp_path)))[0]
+    rest = run_on_ranks(b.world_size, train_job, b, batches,
+                        CheckpointOptions(load=str(tmp_path)))[0]
     diffs = [max(rel(x[0], y[0]), rel(x[1], y[1])) for x, y in zip(full[:HALF] + rest, full)]
     assert max(diffs) <= REL, diffs
 
@@ -279,7 +280,8 @@ def test_manifest_lists_every_chunk_once_with_its_checksum(uninterrupted_and_sav
 
 def test_common_pt_has_stock_megatron_lm_layout(uninterrupted_and_saved):
     """What stock Megatron-LM's load_checkpoint reads from common.pt, read as it reads it
-    (weights_only, megatron's safe globals); tests/megatron/test_megatron_interop.py has stock load it."""
+    (weights_only, megatron's safe globals); tests/megatron/test_megatron_interop.py has stock
+    load it."""
     import argparse
 
     import megatron.core  # noqa: F401  megatron's safe globals

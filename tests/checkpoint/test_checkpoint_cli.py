@@ -318,13 +318,13 @@ def test_s3_unreachable_endpoint_is_one_line_and_exit_2(capsys, s3_endpoint, s3_
         f"\"{url}/{s3_uri.removeprefix('s3://')}/{LATEST_FILE}\""]
 
 
-# ---- convert --------------------------------------------------------------------------------------
+# ---- convert -------------------------------------------------------------------------------------
 
 @pytest.mark.integration
 def test_convert_adopts_a_torch_dist_step_and_keeps_its_bytes(capsys, shared, tmp_path):
     """Our own steps are torch_dist steps in stock Megatron-LM's layout, so `convert` must take
-    one as it takes stock's (tests/megatron/test_megatron_interop.py runs a real stock one): every chunk
-    of the copy hashes as the original manifest says, and `verify` passes on the result."""
+    one as it takes stock's (tests/megatron/test_megatron_interop.py runs a real stock one): every
+    chunk of the copy hashes as the original manifest says, and `verify` passes on the result."""
     out = tmp_path / "adopted"
     step = shared / step_dir_name(HALF)
     original = {item.region: item.sha256 for item in read_manifest(step).items}

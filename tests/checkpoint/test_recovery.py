@@ -43,7 +43,8 @@ def survivors_plan(nodes: list[str], cuts: list[int] | None = None):
     cuts = cuts or ([0, 4, 6] if len(stage_ranks) == 2 else [0, 6])
     data["ranks"] = ranks
     data["pipelines"] = [{"num_microbatches": 4, "stages": [
-        {"ranks": ranks_, "layers": [cuts[i], cuts[i + 1]]} for i, ranks_ in enumerate(stage_ranks)]}]
+        {"ranks": ranks_, "layers": [cuts[i], cuts[i + 1]]}
+        for i, ranks_ in enumerate(stage_ranks)]}]
     return plan_from_dict(data, f"<survivors {nodes}>")
 
 
@@ -302,9 +303,10 @@ def test_job_killed_during_its_multipart_upload(tmp_path, s3_endpoint, s3_uri, m
     """A real kill during an upload: `autohet train` with the S3 tier gets SIGKILL (launcher and
     every rank) while a multipart upload of step 8 is in flight - moto's server (in this
     process) holds the first part it gets until the job is dead; every file of the step that its
-    rank does not upload after the held one is in S3 by then. Step 8 has no manifest in S3, `autohet checkpoint ls` shows it incomplete,
-    step 4 loads from S3 alone (every node's disk lost) and the resumed job trains iterations
-    5-8 exactly as the killed one did and uploads step 8 completely."""
+    rank does not upload after the held one is in S3 by then. Step 8 has no manifest in S3,
+    `autohet checkpoint ls` shows it incomplete, step 4 loads from S3 alone (every node's disk
+    lost) and the resumed job trains iterations 5-8 exactly as the killed one did and uploads
+    step 8 completely."""
     import json
     import subprocess
     import sys

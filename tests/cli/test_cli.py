@@ -60,7 +60,7 @@ def test_plan_each_bundled_cluster(capsys, tmp_path, cluster_file):
                for p in plan.pipelines for s in p.stages)
     lines = out.splitlines()
     assert lines[1].split()[:4] == ["pipe", "stage", "ranks", "node"]
-    rows = [l for l in lines[3:] if l[:1].isdigit() or l[:1] == " "]
+    rows = [line for line in lines[3:] if line[:1].isdigit() or line[:1] == " "]
     assert len(rows) >= sum(len(p.stages) for p in plan.pipelines)
     tokens = plan.predicted["tokens_per_s"]
     assert f"{tokens:,.0f} tokens/s" in out
@@ -154,7 +154,8 @@ def test_compare_json(capsys, tmp_path):
     fastest = next(b for b in data["baselines"] if b["name"].endswith(" only)"))
     assert fastest["idle_gpus"] == {"A100-80GB": 8, "H20": 8}
     assert megatron["idle_gpus"] == {} and isinstance(data["autohet"]["idle_gpus"], dict)
-    assert load_plan(tmp_path / "ours.yaml").predicted["iteration_time_s"] == pytest.approx(ours, rel=1e-5)
+    predicted = load_plan(tmp_path / "ours.yaml").predicted
+    assert predicted["iteration_time_s"] == pytest.approx(ours, rel=1e-5)
 
 
 @pytest.mark.unit
@@ -165,8 +166,8 @@ def test_compare_table(capsys):
     lines = out.splitlines()
     assert lines[1].split()[:3] == ["plan", "iteration", "s"]
     assert lines[3].startswith("autohet (ours)") and "1.00x" in lines[3]
-    assert any(l.startswith("megatron-lm ") for l in lines)
-    assert any(l.startswith("whale ") for l in lines)
+    assert any(line.startswith("megatron-lm ") for line in lines)
+    assert any(line.startswith("whale ") for line in lines)
 
 
 # ---- show -----------------------------------------------------------------------------------
@@ -220,8 +221,11 @@ def test_figure_groups_pipelines_only_with_identical_timelines():
     tiny = yaml.safe_load(EXAMPLE_PLAN.read_text())["model"]
     ranks = [{"rank": d.rank, "node": d.node, "local_rank": d.local_rank, "gpu": d.gpu}
              for d in cluster.devices()]
-    pipe = lambda a100, h800: {"num_microbatches": 4, "stages": [
-        {"ranks": [a100], "layers": [0, 3]}, {"ranks": [h800], "layers": [3, 6]}]}
+
+    def pipe(a100, h800):
+        return {"num_microbatches": 4, "stages": [
+            {"ranks": [a100], "layers": [0, 3]}, {"ranks": [h800], "layers": [3, 6]}]}
+
     raw = {"cluster": "local-8", "model": tiny, "micro_batch_size": 2, "global_batch_size": 16,
            "seq_length": 64, "ranks": ranks[:1] + ranks[1:2] + ranks[4:6],
            "pipelines": [pipe(0, 2), pipe(1, 3)]}
@@ -289,7 +293,8 @@ def test_plan_for_the_distributed_optimizer(capsys, tmp_path):
 @pytest.mark.unit
 def test_unknown_gpu_type_in_cluster(capsys, tmp_path):
     bad = tmp_path / "c.yaml"
-    bad.write_text("name: c\ninter_node_bandwidth_gbs: 25\nnodes:\n  - {name: n, gpu: B200, gpus: 8}\n")
+    bad.write_text("name: c\ninter_node_bandwidth_gbs: 25\n"
+                   "nodes:\n  - {name: n, gpu: B200, gpus: 8}\n")
     rc, _, err = run_cli(capsys, "plan", "--cluster", bad, "--model", GPT,
                          "--global-batch-size", 8, "-o", tmp_path / "p.yaml")
     assert rc == 2

@@ -43,7 +43,8 @@ def _plan(recompute=False) -> Plan:
              RankInfo(2, "b", 0, "H800")]
     return Plan("hand", MODEL, 1, 4, 32, ranks, [
         Pipeline([Stage([0], (0, 2)), Stage([1], (2, 4))], num_microbatches=3),
-        Pipeline([Stage([2], (0, 4))], num_microbatches=1)], activation_recompute=recompute).validate()
+        Pipeline([Stage([2], (0, 4))], num_microbatches=1)],
+        activation_recompute=recompute).validate()
 
 
 def _allreduce(params, holders, bw):

@@ -102,9 +102,9 @@ def test_token_beyond_the_vocab_is_a_config_error_in_the_batches_that_read_it(tm
         with pytest.raises(ConfigError) as info:
             batches.batch(i).tensors()
         assert str(info.value) == (
-            f"<input>: field '--data-path': {prefix} holds token id 300 (read by global batch {i}), "
-            "beyond the model's vocab_size 256 (allowed: a dataset tokenized for this model's "
-            "vocabulary)")
+            f"<input>: field '--data-path': {prefix} holds token id 300 "
+            f"(read by global batch {i}), beyond the model's vocab_size 256 "
+            "(allowed: a dataset tokenized for this model's vocabulary)")
         failed.append(i)
     assert 1 <= len(failed) < len(batches)
 

@@ -50,15 +50,23 @@ for arg in "$@"; do
   prev="$arg"
 done
 signals="$STUB_DIR/signals.log"
+preempt_notice() {  # $1: the source; the notice as the watcher writes it
+  printf '{"source": "%s", "kind": "preempt", ' "$1"
+  printf '"deadline_unix": null, "received_unix": 1, "detail": {}}\n'
+}
+rebalance_notice() {  # keys sorted, as the aws watcher writes a rebalance notice
+  printf '{"deadline_unix": null, "detail": {}, "kind": "rebalance", '
+  printf '"received_unix": 1, "source": "aws"}\n'
+}
 case "$1" in
   watch)
-    write() { printf '{"source": "signal", "kind": "preempt", "deadline_unix": null, "received_unix": 1, "detail": {}}\n' >"$notice.tmp"; mv "$notice.tmp" "$notice"; }
+    write() { preempt_notice signal >"$notice.tmp"; mv "$notice.tmp" "$notice"; }
     trap 'echo "watch TERM" >>"$signals"; write; exit 0' TERM
     trap 'echo "watch USR1" >>"$signals"; write; exit 0' USR1
     trap 'echo "watch HUP" >>"$signals"; exit 129' HUP
     if [ "${STUB_WATCH_MODE:-}" = crash ]; then echo "watch crash" >>"$signals"; exit 3; fi
     if [ "${STUB_WATCH_MODE:-}" = rebalance ]; then
-      printf '{"deadline_unix": null, "detail": {}, "kind": "rebalance", "received_unix": 1, "source": "aws"}\n' >"$notice.tmp"
+      rebalance_notice >"$notice.tmp"
       mv "$notice.tmp" "$notice"
     fi
     echo "$$" >"$STUB_DIR/watch.ready"
@@ -75,10 +83,11 @@ case "$1" in
     case "$mode" in
       ok) exit 0 ;;
       fail) exit 3 ;;
-      notice-fail) printf '{"source": "aws", "kind": "preempt", "deadline_unix": null, "received_unix": 1, "detail": {}}\n' >"$notice"; exit 1 ;;
-      rebalance-fail) printf '{"deadline_unix": null, "detail": {}, "kind": "rebalance", "received_unix": 1, "source": "aws"}\n' >"$notice"; exit 1 ;;
+      notice-fail) preempt_notice aws >"$notice"; exit 1 ;;
+      rebalance-fail) rebalance_notice >"$notice"; exit 1 ;;
       wait-notice) while [ ! -e "$notice" ]; do sleep 0.05; done; exit 0 ;;
-      wait-preempt) until grep -q '"kind": "preempt"' "$notice" 2>/dev/null; do sleep 0.05; done; exit 0 ;;
+      wait-preempt)
+        until grep -q '"kind": "preempt"' "$notice" 2>/dev/null; do sleep 0.05; done; exit 0 ;;
     esac ;;
 esac
 exit 0

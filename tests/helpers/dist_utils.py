@@ -7,14 +7,15 @@ Public API
     local port), enables the runtime's CPU mode when the machine has no GPU, and calls
     ``fn(rank, world_size, *args, **kwargs)``. Returns the results in rank order (they must be
     picklable). If a process raises, the others are stopped and a ``RankFailed`` carrying the
-    formatted traceback of every failed child is raised here; a process that hangs past ``timeout`` seconds
-    (e.g. a collective whose peer died) fails the same way instead of hanging the test suite.
+    formatted traceback of every failed child is raised here; a process that hangs past ``timeout``
+    seconds (e.g. a collective whose peer died) fails the same way instead of hanging the test
+    suite.
 ``free_port() -> int``
 
 Design: processes are forked, not spawned, so children inherit the already-imported torch and
-megatron-core (imported here, before any fork: an import costs ~5 s per process on 2 cores) and ``fn`` may be any callable,
-closures included. Each child uses one intra-op thread: N processes share 2 cores, and
-oversubscription makes small runs several times slower.
+megatron-core (imported here, before any fork: an import costs ~5 s per process on 2 cores) and
+``fn`` may be any callable, closures included. Each child uses one intra-op thread: N processes
+share 2 cores, and oversubscription makes small runs several times slower.
 """
 
 from __future__ import annotations
@@ -28,9 +29,9 @@ import time
 import traceback
 
 # Imported before forking so every child inherits them instead of paying ~5 s each on 2 cores.
-import megatron.core.distributed  # noqa: F401
-import megatron.core.models.gpt  # noqa: F401
-import megatron.core.optimizer  # noqa: F401
+import megatron.core.distributed
+import megatron.core.models.gpt
+import megatron.core.optimizer
 import megatron.core.pipeline_parallel  # noqa: F401
 import torch.distributed  # noqa: F401
 
@@ -61,7 +62,7 @@ def _child(rank, world_size, port, results, fn, args, kwargs):
         # Plain pickle (by value): the queue's ForkingPickler would share tensors through file
         # descriptors that die with this process.
         results.put((rank, True, pickle.dumps(value)))
-    except BaseException:                                          # report everything, then die
+    except BaseException:  # noqa: BLE001 - report everything, then die
         results.put((rank, False, traceback.format_exc()))
     finally:
         results.close()

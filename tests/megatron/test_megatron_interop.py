@@ -1,8 +1,8 @@
 """Stock Megatron-LM and our plans continue each other's training from torch_dist checkpoints.
 
 Needs a Megatron-LM checkout at tag core_v0.16.1 named by MEGATRON_LM_DIR (as
-tests/megatron/test_megatron_lm.py, whose helpers make the copy); skipped otherwise. One chain of real jobs,
-TOTAL iterations of the tiny model on the built-in corpus:
+tests/megatron/test_megatron_lm.py, whose helpers make the copy); skipped otherwise. One chain of
+real jobs, TOTAL iterations of the tiny model on the built-in corpus:
 
 1. ``autohet train`` on tiny-two-pipelines (two pipelines of different depth, TP2 and TP1
    stages) trains TOTAL iterations uninterrupted, saving every 2: the reference numbers, and

@@ -190,7 +190,8 @@ def test_show_prices_a_plan_as_it_was_charged(capsys, tmp_path):
     rc, out = planning(capsys, "--charge", "per-gpu", "--objective", "cost", "--min-tokens-per-s",
                       "1e5", tmp_path=tmp_path)
     assert rc == 0, out.err
-    planned = [l for l in out.out.splitlines() if l.strip().startswith("price:")]
+    planned = [line for line in out.out.splitlines() if line.strip().startswith("price:")]
     assert main(["show", str(tmp_path / "plan.yaml"), "--cluster", str(FLEET_24)]) == 0
-    shown = [l for l in capsys.readouterr().out.splitlines() if l.strip().startswith("price:")]
+    shown = [line for line in capsys.readouterr().out.splitlines()
+             if line.strip().startswith("price:")]
     assert planned == shown and "--charge per-gpu" in shown[0]

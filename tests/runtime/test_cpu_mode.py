@@ -57,7 +57,7 @@ def _device_mapping(rank, world):
                     store.append(torch.zeros(1, device="cuda").device.type)
             else:
                 store.append(torch.zeros(1, device="cuda").device.type)
-        except Exception as exc:                       # a CPU-only torch refuses cuda tensors
+        except Exception as exc:  # noqa: BLE001 - a CPU-only torch refuses cuda tensors
             store.append(type(exc).__name__)
 
     for use_helper in (False, True):

@@ -86,4 +86,5 @@ def test_autohet_train_refuses_a_dropout_outside_0_1(flag, capsys):
 
     assert main(["train", "--plan", "x.yaml", "--model", "x.yaml", flag, "1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == [f"autohet train: error: <command line>: field '{flag}': got 1.0 (allowed: a probability in [0, 1))"]
+    assert err == [f"autohet train: error: <command line>: field '{flag}': got 1.0 "
+                   "(allowed: a probability in [0, 1))"]

@@ -2,13 +2,14 @@
 
 For each proof plan (configs/plans/tiny-*.yaml) the tiny GPT trains ITERS iterations with AdamW
 (decoupled weight decay, none on biases and 1-D parameters), gradient clipping and megatron-core's
-learning-rate schedule (warm-up, then cosine decay to a minimum) on the same global batches, from the same layout-independent initial
-weights, (1) with our runtime on one gloo process per planned GPU and (2) in one process
-(testing/reference.py). Required (fp32): every iteration's loss and grad norm within a relative
-1e-5 of the reference, every rank reporting the same metrics, and after the run every replica's
-copy of every parameter (TP shards merged by global name) equal to the reference's parameter.
-The homogeneous plan is also trained with stock megatron-core (its own parallel_state, schedule,
-DistributedDataParallel grad all-reduce and optimizer) for the same losses.
+learning-rate schedule (warm-up, then cosine decay to a minimum) on the same global batches, from
+the same layout-independent initial weights, (1) with our runtime on one gloo process per planned
+GPU and (2) in one process (testing/reference.py). Required (fp32): every iteration's loss and grad
+norm within a relative 1e-5 of the reference, every rank reporting the same metrics, and after the
+run every replica's copy of every parameter (TP shards merged by global name) equal to the
+reference's parameter. The homogeneous plan is also trained with stock megatron-core (its own
+parallel_state, schedule, DistributedDataParallel grad all-reduce and optimizer) for the same
+losses.
 
 Learning rate and clipping are chosen so that clipping is active in the first iterations and not
 in the later ones, and the weights move far enough (peak lr 3e-3) that a wrong gradient shows.
@@ -258,7 +259,8 @@ def _hetero_with_eval(rank, world, plan, batches, evals):
         counting[0] = True
         steps.append((metrics.loss, metrics.grad_norm, eval_loss))
     layers = len(trainer.model.decoder.layers)
-    return steps, calls["train"] / (layers * trainer.state.role.stage.num_microbatches * len(batches))
+    layer_forwards = layers * trainer.state.role.stage.num_microbatches * len(batches)
+    return steps, calls["train"] / layer_forwards
 
 
 def test_recompute_and_evaluation_match_one_process():

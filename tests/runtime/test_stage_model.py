@@ -214,7 +214,8 @@ def test_param_layout_shard_merge_round_trip_with_chunks():
     assert shards[0][:, 0].tolist() == [0, 3, 12, 15]       # rows 0,1 of each half
     assert torch.equal(layouts[0].merge(shards), full)
     row = ParamLayout("y", (2, 4), 1, 1, 2)
-    assert row.local_shape == (2, 2) and torch.equal(row.shard(torch.eye(2, 4)), torch.eye(2, 4)[:, 2:])
+    assert row.local_shape == (2, 2)
+    assert torch.equal(row.shard(torch.eye(2, 4)), torch.eye(2, 4)[:, 2:])
     with pytest.raises(ValueError, match="expected"):
         row.shard(torch.zeros(3, 4))
 

@@ -112,7 +112,8 @@ def test_ranks_map_to_their_nodes_namespace_and_a_cgroup_each(tmp_path):
         assert p.cgroup == tmp_path / "t" / f"rank{p.rank}"
         assert p.quota_us / p.period_us == pytest.approx(fleet.cpu_share[p.gpu], rel=1e-3)
     env = emu.rank_env(placed[2], placed[0], 1234)
-    assert env["MASTER_ADDR"] == nets["slow"].address and env["GLOO_SOCKET_IFNAME"] == nets["mid"].device
+    assert env["MASTER_ADDR"] == nets["slow"].address
+    assert env["GLOO_SOCKET_IFNAME"] == nets["mid"].device
     assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"], env["MASTER_PORT"]) == (
         "2", "3", "1", "1234")
     assert env["OMP_NUM_THREADS"] == "1"
@@ -181,7 +182,7 @@ def test_stale_resources_are_only_this_prefixes_children_before_parents(tmp_path
                      ("netns", "t-n0"), ("netns", "t-fabric")]
 
 
-# ---- the report's arithmetic ----------------------------------------------------------------------
+# ---- the report's arithmetic ---------------------------------------------------------------------
 
 @pytest.mark.unit
 def test_iteration_and_phase_times_take_the_latest_rank():

@@ -55,7 +55,8 @@ def test_bundled_catalog_has_the_required_types():
     assert catalog["V100-32GB"].bf16 is False and catalog["A100-80GB"].bf16 is True
 
 
-@pytest.mark.parametrize("path", sorted((CONFIGS / "clusters").glob("*.yaml")), ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", sorted((CONFIGS / "clusters").glob("*.yaml")),
+                         ids=lambda p: p.stem)
 def test_bundled_clusters_load(path):
     cluster = load_cluster(path)
     assert cluster.world_size == len(cluster.devices()) > 0
@@ -196,7 +197,8 @@ def test_cluster_negative_node_bandwidth(tmp_path):
 
 def test_cluster_negative_spot_price(tmp_path):
     path = cluster_file(tmp_path, [{"name": "n", "gpu": "T4", "gpus": 1, "spot_price": -0.1}])
-    expect_error(load_cluster, path, "field 'nodes[0].spot_price': got -0.1 (allowed: a number >= 0)")
+    expect_error(load_cluster, path,
+                 "field 'nodes[0].spot_price': got -0.1 (allowed: a number >= 0)")
 
 
 def test_cluster_duplicate_node_name(tmp_path):
