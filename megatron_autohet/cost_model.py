@@ -413,11 +413,13 @@ def _sync_group_params(plan: Plan) -> list[tuple]:
     out = []
     for spec in sync_group_specs(plan):
         n_layers = spec.layers[1] - spec.layers[0] if spec.kind == "layers" else 0
+        # per TP degree, not per rank: a group of a 4096-GPU plan has hundreds of members
+        of_tp = {t: sync_group_elements(model, spec.kind, n_layers, t, vocab)
+                 for t in {len(h) for h in spec.holders}}
         for group in spec.groups():
             if len(group) < 2:
                 continue
-            local = {r: sync_group_elements(model, spec.kind, n_layers, tp_of_rank[r], vocab)
-                     for r in group}
+            local = {r: of_tp[tp_of_rank[r]] for r in group}
             params = (local[group[0]] if spec.symmetric
                       else sync_group_elements(model, spec.kind, n_layers, 1, vocab))
             out.append((spec, group, params, local))
@@ -434,13 +436,36 @@ def _unsharded_state_params(groups: list[tuple]) -> dict[int, float]:
     return away
 
 
+def _stage_shape(plan: Plan, cluster: Cluster, profile: Profile, memory_headroom: float,
+                 sources: dict[str, dict[str, str]], gpu: str, tp: int, num_layers: int,
+                 first: bool, last: bool, bw: float | None, in_flight: int, away: float
+                 ) -> tuple:
+    """(forward, backward, P2P seconds, parameters, peak GiB, usable GiB, optimizer seconds) of
+    a stage of this shape (evaluate_plan); records its profile entry's sources."""
+    model, precision = plan.model, profile.precision
+    entry = profile.get(gpu, tp, plan.micro_batch_size, plan.seq_length)
+    if f"{gpu} tp{tp}" not in sources:
+        sources[f"{gpu} tp{tp}"] = {part: getattr(entry, part).source for part in PARTS}
+    fwd, bwd = stage_compute_s(entry, num_layers, first, last, plan.activation_recompute)
+    comm = 0.0 if bw is None else p2p_s(model, plan.micro_batch_size, plan.seq_length, bw,
+                                        precision)
+    params = stage_param_count(entry, model, num_layers, first, last)
+    # the elements whose master weight and moments this GPU keeps (all without sharding)
+    state_params = params - away
+    memory = stage_memory_bytes(entry, model, num_layers, first, last,
+                                plan.activation_recompute, in_flight, precision,
+                                optimizer_shards=params / state_params)
+    gpu_type = cluster.gpu_types[gpu]
+    return (fwd, bwd, comm, params, memory / GIB, usable_memory_gib(gpu_type, memory_headroom),
+            optimizer_step_s(state_params, gpu_type.memory_bandwidth_gbs, precision))
+
+
 def evaluate_plan(plan: Plan, cluster: Cluster, profile: Profile, with_timeline: bool = True,
                   memory_headroom: float = DEFAULT_MEMORY_HEADROOM,
                   charge: str = DEFAULT_CHARGE) -> PlanCost:
     """Predicted iteration time, throughput, per-stage time and memory of a plan (see module
     doc); a stage fits when its peak is within ``usable_memory_gib`` of its GPU. Bytes are
     counted in the profile's precision (the job's); the price is charged by ``charge``."""
-    model = plan.model
     precision = profile.precision
     node_of = [r.node for r in plan.ranks]
     groups = _sync_group_params(plan)
@@ -448,47 +473,59 @@ def evaluate_plan(plan: Plan, cluster: Cluster, profile: Profile, with_timeline:
     pipelines: list[PipelineCost] = []
     stage_of_rank: dict[int, StageCost] = {}
     sources: dict[str, dict[str, str]] = {}
+    # A stage's figures depend only on its shape (GPU type, TP degree, layers, position, link
+    # to the next stage, micro-batches in flight, optimizer state moved away): computed once
+    # per shape, since a plan of thousands of GPUs repeats a few shapes hundreds of times.
+    shapes: dict[tuple, tuple] = {}
+    links: dict[tuple[str, str], float] = {}
+    simulated: dict[tuple, tuple[float, list[list[TimelineEvent]]]] = {}
     for p, pipe in enumerate(plan.pipelines):
         S, m = len(pipe.stages), pipe.num_microbatches
         depths = pipe.warmup_depths()
         stages: list[StageCost] = []
         for s, stage in enumerate(pipe.stages):
-            gpu = plan.ranks[stage.ranks[0]].gpu
-            entry = profile.get(gpu, stage.tp, plan.micro_batch_size, plan.seq_length)
-            sources.setdefault(f"{gpu} tp{stage.tp}",
-                               {part: getattr(entry, part).source for part in PARTS})
+            gpu, tp = plan.ranks[stage.ranks[0]].gpu, len(stage.ranks)
             first, last = s == 0, s == S - 1
-            fwd, bwd = stage_compute_s(entry, stage.num_layers, first, last,
-                                       plan.activation_recompute)
             bw = None
-            comm = 0.0
             if not last:
-                bw = cluster.link_bandwidth_gbs(node_of[stage.ranks[0]],
-                                                node_of[pipe.stages[s + 1].ranks[0]])
-                comm = p2p_s(model, plan.micro_batch_size, plan.seq_length, bw, precision)
+                pair = (node_of[stage.ranks[0]], node_of[pipe.stages[s + 1].ranks[0]])
+                bw = links.get(pair)
+                if bw is None:
+                    bw = links[pair] = cluster.link_bandwidth_gbs(*pair)
             in_flight = min(depths[s] + 1, m)
-            params = stage_param_count(entry, model, stage.num_layers, first, last)
-            # the elements whose master weight and moments this GPU keeps (all without sharding)
-            state_params = params - unsharded.get(stage.ranks[0], 0.0)
-            memory = stage_memory_bytes(entry, model, stage.num_layers, first, last,
-                                        plan.activation_recompute, in_flight, precision,
-                                        optimizer_shards=params / state_params)
-            gpu_type = cluster.gpu_types[gpu]
-            cost = StageCost(p, s, gpu, stage.tp, stage.layers, fwd, bwd, comm, bw, in_flight,
-                             params, memory / GIB,
-                             usable_memory_gib(gpu_type, memory_headroom), 0.0,
-                             optimizer_step_s(state_params, gpu_type.memory_bandwidth_gbs,
-                                              precision))
+            away = unsharded.get(stage.ranks[0], 0.0)
+            key = (gpu, tp, stage.layers[1] - stage.layers[0], first, last, bw, in_flight, away)
+            shape = shapes.get(key)
+            if shape is None:
+                shape = shapes[key] = _stage_shape(plan, cluster, profile, memory_headroom,
+                                                   sources, *key)
+            fwd, bwd, comm, params, memory_gib, limit_gib, optimizer_s = shape
+            cost = StageCost(p, s, gpu, tp, stage.layers, fwd, bwd, comm, bw, in_flight,
+                             params, memory_gib, limit_gib, 0.0, optimizer_s)
             stages.append(cost)
             for r in stage.ranks:
                 stage_of_rank[r] = cost
         time = pipeline_time_s([c.time_s + c.p2p_s for c in stages], m)
-        if depths != pipe.standard_warmup_depths():
-            # HAPT depths: the simulated saving over the standard depths (module doc); the
-            # second simulation leaves the plan's own timeline in the stages
-            time -= simulate_1f1b(stages, m) - simulate_1f1b(stages, m, depths)
-        elif with_timeline:
-            simulate_1f1b(stages, m, depths)
+        standard = depths == pipe.standard_warmup_depths()
+        if not standard or with_timeline:
+            # Pipelines of equal stage times, micro-batches and depths have one schedule:
+            # simulated once, its timeline copied (a plan may hold hundreds of them).
+            key = (tuple((c.forward_s, c.backward_s, c.p2p_s) for c in stages), m,
+                   tuple(depths))
+            done = simulated.get(key)
+            if done is None:
+                if standard:
+                    saving = 0.0
+                    simulate_1f1b(stages, m, depths)
+                else:
+                    # HAPT depths: the simulated saving over the standard depths (module
+                    # doc); the second simulation leaves the plan's own timeline in the stages
+                    saving = simulate_1f1b(stages, m) - simulate_1f1b(stages, m, depths)
+                done = simulated[key] = (saving, [c.timeline for c in stages])
+            else:
+                for c, events in zip(stages, done[1]):
+                    c.timeline = list(events)
+            time -= done[0]
         pipelines.append(PipelineCost(m, time, stages))
 
     # Layer-wise gradient sync: charge each group's collectives to every GPU in it (the TP ranks
@@ -544,8 +581,9 @@ def usd_per_hour(plan: Plan, cluster: Cluster, charge: str = DEFAULT_CHARGE) -> 
 
 
 def simulate_1f1b(stages: list[StageCost], num_microbatches: int,
-                  warmups: list[int] | None = None) -> float:
-    """Fill ``stage.timeline`` with the event-level 1F1B schedule; returns its makespan.
+                  warmups: list[int] | None = None, record: bool = True) -> float:
+    """Fill ``stage.timeline`` with the event-level 1F1B schedule (``record`` False: leave the
+    timelines alone); returns its makespan.
 
     The runtime's semantics (module doc, "Warm-up depth"), op by op: stage s runs its
     ``warmups[s]`` forwards (standard depths by default), then alternates one forward / one
@@ -557,52 +595,62 @@ def simulate_1f1b(stages: list[StageCost], num_microbatches: int,
     """
     S, m = len(stages), num_microbatches
     depths = warmups if warmups is not None else standard_warmup_depths(S, m)
-    orders: list[list[tuple[str, int]]] = []
+    # Per stage its ops in order: (forward?, micro-batch).
+    orders: list[list[tuple[bool, int]]] = []
     for s in range(S):
         w = min(depths[s], m)
-        order = [("fwd", i) for i in range(w)]
+        order = [(True, i) for i in range(w)]
         for i in range(m - w):
-            order += [("fwd", w + i), ("bwd", i)]
-        order += [("bwd", i) for i in range(m - w, m)]
+            order += [(True, w + i), (False, i)]
+        order += [(False, i) for i in range(m - w, m)]
         orders.append(order)
-    arrival: dict[tuple[int, str, int], float] = {}   # input of (stage, op, micro-batch) is there
-    link_free = {(s, kind): 0.0 for s in range(S) for kind in ("fwd", "bwd")}
+    # When the input of (stage, micro-batch) is there, per direction (None: not yet); the first
+    # stage's forward inputs are there from the start.
+    arrive_fwd: list[list[float | None]] = [[None] * m for _ in range(S)]
+    arrive_fwd[0] = [0.0] * m
+    arrive_bwd: list[list[float | None]] = [[None] * m for _ in range(S)]
+    # When each boundary's link is free, per direction.
+    link_fwd, link_bwd = [0.0] * S, [0.0] * S
+    half_p2p = [st.p2p_s / 2 for st in stages]
     free = [0.0] * S
     nxt = [0] * S
-    for st in stages:
-        st.timeline = []
-    remaining = sum(len(o) for o in orders)
+    events: list[list[tuple[float, float, bool, int]]] = [[] for _ in range(S)]
+    remaining = S * 2 * m
     while remaining:
         progressed = False
         for s in range(S):
-            while nxt[s] < len(orders[s]):
-                kind, i = orders[s][nxt[s]]
-                if kind == "fwd":
-                    dep = 0.0 if s == 0 else arrival.get((s, kind, i))
-                    duration = stages[s].forward_s
-                else:
-                    dep = arrival.get((s, kind, i))
-                    duration = stages[s].backward_s
+            order, forward_s, backward_s = orders[s], stages[s].forward_s, stages[s].backward_s
+            done = events[s]
+            while nxt[s] < 2 * m:
+                fwd, i = order[nxt[s]]
+                dep = arrive_fwd[s][i] if fwd else arrive_bwd[s][i]
                 if dep is None:
                     break
                 start = max(free[s], dep)
-                end = start + duration
+                end = start + (forward_s if fwd else backward_s)
                 free[s] = end
-                stages[s].timeline.append(TimelineEvent(start, end, kind, i))
+                done.append((start, end, fwd, i))
                 # Post the send (activation forward, gradient backward) or hand over locally.
-                if kind == "fwd" and s == S - 1:
-                    arrival[(s, "bwd", i)] = end
-                elif kind == "fwd" or s > 0:
-                    boundary, peer = (s, s + 1) if kind == "fwd" else (s - 1, s - 1)
-                    leave = max(end, link_free[(boundary, kind)]) + stages[boundary].p2p_s / 2
-                    link_free[(boundary, kind)] = leave
-                    arrival[(peer, kind, i)] = leave
+                if fwd and s == S - 1:
+                    arrive_bwd[s][i] = end
+                elif fwd:
+                    leave = max(end, link_fwd[s]) + half_p2p[s]
+                    link_fwd[s] = leave
+                    arrive_fwd[s + 1][i] = leave
+                elif s > 0:
+                    leave = max(end, link_bwd[s - 1]) + half_p2p[s - 1]
+                    link_bwd[s - 1] = leave
+                    arrive_bwd[s - 1][i] = leave
                 nxt[s] += 1
                 remaining -= 1
                 progressed = True
         if not progressed:  # cannot happen for a valid warm-up; guard against a silent hang
             raise ConfigError("<plan>", "warmup_microbatches", "the 1F1B order deadlocks",
                               "warm-up depths that let every stage make progress")
+    if record:
+        for st, done in zip(stages, events):
+            st.timeline = [TimelineEvent(a, b, "fwd" if fwd else "bwd", i)
+                           for a, b, fwd, i in done]
     return max(free)
 
 

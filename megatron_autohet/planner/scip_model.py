@@ -88,6 +88,7 @@ class CompositionModel:
         self.solves = 0
         self.nodes = 0              # branch-and-bound nodes over all solves: the search's work
         self.timed_out = False      # some solve was cut by the wall-clock safety net
+        self._scip: Model | None = None
         # GPU groups each option takes from every pool, and which options share that vector.
         self.usage = np.array([[o.pools.count(k) for k in range(len(pool_counts))]
                                for o in options], dtype=np.int64).reshape(len(options), -1)
@@ -146,7 +147,14 @@ class CompositionModel:
         if not len(cols) or int(caps[cols].max()) * high < self.total:
             self.nodes += 1
             return None
-        m = Model("autohet-composition")
+        # One SCIP instance per composition model, its problem replaced at each solve: creating
+        # an instance (loading SCIP's plugins) cost as much as solving these small models.
+        if self._scip is None:
+            self._scip = Model("autohet-composition")
+        else:
+            self._scip.freeProb()
+            self._scip.createProbBasic("autohet-composition")
+        m = self._scip
         m.hideOutput()
         # Deterministic limits: the same model gives the same answer on any machine and load
         # (SCIP runs single-threaded with a fixed random seed by default).

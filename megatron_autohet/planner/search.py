@@ -133,7 +133,8 @@ plan on an idle or a loaded machine. The wall-clock ``time_limit_s`` (a finite n
 only a safety net; when it cuts the search (or a single SCIP solve), :attr:`Candidate.stopped_by`
 says so, since the plan then depends on the machine's speed. It is checked before every SCIP
 solve (whose own limit is what the search has left), between branches, sub-fleet searches,
-a sub-fleet's baseline grids, every SEQUENCES_PER_CHECK stage sequences of an option build,
+a sub-fleet's baseline grids, each block of stage sequences of an option build (one length, or
+one micro-batch cap),
 every block of the pair pricing and every stacked plan costed, and a cut search skips the
 warm-up pass: at most 0.4 CPU-s between two checks on a 32-GPU fleet of four types, 0.8 CPU-s
 on 4096 GPUs of four types (LLaMA-2 7B). The fleet's own baselines always run, first (they are
@@ -165,7 +166,7 @@ from megatron_autohet.planner.scip_model import BOUND_TOLERANCE, Composition, Co
 from megatron_autohet.planner.space import (OptionTable, PipelineOption, Pool, Problem,
                                             assign_microbatches, build_plan, check_batch, evaluate,
                                             layer_sync_s, make_pools, ring_factor,
-                                            sequence_options, stage_coefficients)
+                                            sequence_options, sequence_terms)
 from megatron_autohet.planner.warmup import choose_warmups
 from megatron_autohet.profiling.estimate import estimate_profile
 from megatron_autohet.profiling.profile import Profile
@@ -192,8 +193,6 @@ PRUNE_TOLERANCE = 1e-3
 KEEP_FOR_COUNTS = (1, 2, 4, 8, 32, 1024)
 # Two-pipeline plans with node-local layer sync judged by the cost model per config.
 PAIRS_TRIED = 3
-# Stage sequences built between two checks of the wall-clock safety net.
-SEQUENCES_PER_CHECK = 512
 # Elements of the pair matrix (and of the per-pair layer arrays) priced at once.
 PAIR_BLOCK_ELEMENTS = 1 << 20
 # Stacks of up to this many identical pipelines are tried with their stages sharing nodes,
@@ -302,14 +301,25 @@ def _keep_best(table: OptionTable, group: np.ndarray, cap: np.ndarray, problem: 
     micro-batch cap ``cap``), those that are best for a pipeline running its share of the batch
     (at most the cap) for some pipeline count (KEEP_FOR_COUNTS), or best in period alone; in
     group order (groups numbered by first appearance), then option order."""
-    total, index = problem.num_microbatches, np.arange(len(group))
+    total = problem.num_microbatches
 
-    def best_per_group(*keys: np.ndarray) -> np.ndarray:
-        order = np.lexsort((index, *keys[::-1], group))    # ties: the first option
-        first = np.append(True, group[order][1:] != group[order][:-1])
-        return order[first]
+    # Options by group (stable: option order within a group) and where each group starts.
+    by_group = np.argsort(group, kind="stable")
+    starts = np.flatnonzero(np.append(True, group[by_group][1:] != group[by_group][:-1]))
 
-    keep = [best_per_group(table.period_s, table.fill_s)]
+    def best_per_group(key: np.ndarray) -> np.ndarray:
+        """Per group, its first option of the smallest key."""
+        values = key[by_group]
+        smallest = np.minimum.reduceat(values, starts)
+        at_min = by_group[values == np.repeat(smallest, np.diff(np.append(starts,
+                                                                          len(values))))]
+        _, first = np.unique(group[at_min], return_index=True)
+        return at_min[first]
+
+    # best in period, ties by fill
+    by_period = best_per_group(table.period_s)
+    keep = [best_per_group(np.where(table.period_s == table.period_s[by_period][
+        np.searchsorted(group[by_period], group)], table.fill_s, np.inf))]
     for d in KEEP_FOR_COUNTS:
         share = math.ceil(total / d)
         extras = table.extras_s(d)
@@ -385,51 +395,67 @@ def make_config(problem: Problem, tp_of_gpu: dict[str, int], recompute: bool) ->
 def build_options(problem: Problem, config: Config, max_stages: int | None,
                   out_of_time: Callable[[], bool] = lambda: False) -> bool:
     """The config's pipeline options (module doc, step 2) and whether memory limited a split;
-    False, the config left unbuilt, when ``out_of_time`` says so (checked every
-    SEQUENCES_PER_CHECK sequences)."""
-    pools = config.pools
+    False, the config left unbuilt, when ``out_of_time`` says so (checked before each block of
+    sequences: the sequences of one length, or those of one micro-batch cap)."""
+    pools, K = config.pools, len(config.pools)
     stages = max_stages or default_max_stages(problem, pools)
     L = problem.model.num_layers
     M = problem.num_microbatches
-    sequences: list[tuple[tuple[int, ...], int | None]] = []
-    coefficients: list[list] = []
-    groups: dict[tuple, int] = {}       # (GPU-count vector, cap) -> number, by first appearance
-    group_of: list[int] = []            # per sequence
+    found = stage_sequences(pools, min(stages, L))
+    by_length: dict[int, list[int]] = {}
+    for i, seq in enumerate(found):
+        by_length.setdefault(len(seq), []).append(i)
+    # Entries (a sequence, uncapped or capped at m micro-batches) by block: their sequences,
+    # their cap (0: none), their stage terms and their GPU-count vectors.
+    blocks: list[tuple[np.ndarray, int, np.ndarray, np.ndarray]] = []
     memory_bound = False
-
-    def add(seq: tuple[int, ...], coeffs: list, cap: int | None) -> None:
-        key = (tuple(seq.count(k) for k in range(len(pools))), cap)
-        group_of.append(groups.setdefault(key, len(groups)))
-        sequences.append((seq, cap))
-        coefficients.append(coeffs)
-
-    for i, seq in enumerate(stage_sequences(pools, min(stages, L))):
-        if i % SEQUENCES_PER_CHECK == 0 and out_of_time():
+    for S, members in by_length.items():
+        if out_of_time():
             return False
-        coeffs = stage_coefficients(problem, pools, seq, config.recompute)
-        limits = None if coeffs is None else [c.max_layers for c in coeffs]
-        if coeffs is None or any(n < L for n in limits):
-            memory_bound = True
-            # With m < S micro-batches the first stages keep fewer in flight: splits memory
-            # allows only then are options capped at m.
-            for cap in range(min(len(seq), M) - 1, 0, -1):
-                capped = stage_coefficients(problem, pools, seq, config.recompute, cap)
-                if capped is None or (limits is not None and all(
-                        c.max_layers <= n for c, n in zip(capped, limits))):
-                    continue
-                add(seq, capped, cap)
-        if coeffs is not None:
-            add(seq, coeffs, None)
+        index = np.array(members)
+        seqs = np.array([found[i] for i in members], dtype=np.int64).reshape(len(members), S)
+        terms, fits = sequence_terms(problem, pools, seqs, config.recompute)
+        limits = terms[:, :, 2]
+        counts = (seqs[:, :, None] == np.arange(K)).sum(axis=1)
+        blocks.append((index[fits], 0, terms[fits], counts[fits]))
+        bound = np.flatnonzero(~fits | (limits < L).any(axis=1))
+        memory_bound |= len(bound) > 0
+        # With m < S micro-batches the first stages keep fewer in flight: splits memory allows
+        # only then are options capped at m (where some stage then holds more layers).
+        for cap in range(min(S, M) - 1, 0, -1) if len(bound) else ():
+            if out_of_time():
+                return False
+            capped, ok = sequence_terms(problem, pools, seqs[bound], config.recompute, cap)
+            more = ok & ~(fits[bound] & (capped[:, :, 2] <= limits[bound]).all(axis=1))
+            blocks.append((index[bound][more], cap, capped[more], counts[bound][more]))
     config.memory_bound = memory_bound
     config.options, config.table = [], None
-    if not sequences:
+    seq_of = np.concatenate([b[0] for b in blocks]) if blocks else np.zeros(0, dtype=np.int64)
+    if not len(seq_of):
         return True
-    built = sequence_options(problem, sequences, coefficients)
+    cap_of = np.concatenate([np.full(len(b[0]), b[1]) for b in blocks])
+    # Entries in sequence order, each sequence's capped ones first (largest cap first).
+    order = np.lexsort((np.where(cap_of == 0, 1, -cap_of), seq_of))
+    rank = np.empty_like(order)
+    rank[order] = np.arange(len(order))
+    sequences = [(found[i], int(c) or None) for i, c in zip(seq_of[order].tolist(),
+                                                          cap_of[order].tolist())]
+    # One block per length, as layer_splits is cheapest on few large blocks.
+    starts = np.cumsum([0] + [len(b[0]) for b in blocks])
+    by_stages: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {}
+    for a, b, block in zip(starts[:-1], starts[1:], blocks):
+        by_stages.setdefault(block[2].shape[1], []).append((rank[a:b], block[2]))
+    built = sequence_options(problem, sequences, [
+        (np.concatenate([r for r, _ in parts]), np.concatenate([t for _, t in parts]))
+        for parts in by_stages.values()])
     if not len(built.sequence):
         return True
-    caps = np.array([np.iinfo(np.int64).max if cap is None else cap for _, cap in sequences])
-    kept = _keep_best(built.table, np.array(group_of)[built.sequence], caps[built.sequence],
-                      problem)
+    # Groups of equal GPU-count vector and cap, numbered by first appearance (entry order).
+    keys = np.column_stack([np.concatenate([b[3] for b in blocks])[order], cap_of[order]])
+    _, first, inverse = np.unique(keys, axis=0, return_index=True, return_inverse=True)
+    group_of = np.argsort(np.argsort(first))[inverse.reshape(-1)]
+    caps = np.where(cap_of[order] == 0, np.iinfo(np.int64).max, cap_of[order])
+    kept = _keep_best(built.table, group_of[built.sequence], caps[built.sequence], problem)
     config.options = [built.option(j) for j in kept]
     config.table = built.table.subset(kept, problem)
     return True
@@ -654,36 +680,71 @@ class BranchAndBound:
             return
         use = np.array([[o.pools.count(k) for k in range(len(pools))] for o in options])
         counts = np.array([p.count for p in pools])
+        # Whether two options fit the pools together, per pair of GPU-count vectors.
+        vectors, vector_of = np.unique(use, axis=0, return_inverse=True)
+        vector_of = vector_of.reshape(-1)
+        fit_vectors = ((vectors[:, None, :] + vectors[None, :, :]) <= counts).all(axis=2)
         layer_pool = np.array([[k for k, c in zip(o.pools, o.layers) for _ in range(c)]
                                for o in options])
         width = table.shared.shape[1]
         bounds = np.array([list(itertools.accumulate(o.layers, initial=0))
                            + [L] * (width - len(o.layers)) for o in options])
         tied_factor = np.where(table.multi_stage, ring_factor(4), ring_factor(2))
-        best: list[tuple[float, int, int]] = []         # (estimate, i, j), the best few
-        # Rows of the n x n pair matrix a block at a time, pairs a batch at a time: the memory
-        # stays bounded and the safety net is checked between blocks.
-        rows_per_block = max(1, PAIR_BLOCK_ELEMENTS // n)
-        for first in range(0, n, rows_per_block):
-            if clock() >= self.deadline:
-                return
-            rows = np.arange(first, min(n, first + rows_per_block))
-            fill_i, period_i = table.fill_s[rows, None], table.period_s[rows, None]
-            fill_j, period_j = table.fill_s[None, :], table.period_s[None, :]
+        fill, period, optimizer = table.fill_s, table.period_s, table.optimizer_s
+
+        def makespan_of(fill_i, period_i, fill_j, period_j):
+            """Two pipelines' makespan under the best split (the crossing point, rounded both
+            ways; the exact integer optimum, as each side's time is linear in its share)."""
             crossing = (fill_j - fill_i + period_i + (M - 1) * period_j) / (period_i + period_j)
-            makespan = np.full((len(rows), n), math.inf)
+            out = np.full(np.shape(crossing), math.inf)
             for m in (np.floor(crossing), np.ceil(crossing)):
                 m = np.clip(m, 1, M - 1)
-                makespan = np.minimum(makespan, np.maximum(fill_i + (m - 1) * period_i,
-                                                           fill_j + (M - m - 1) * period_j))
-            makespan += np.maximum(table.optimizer_s[rows, None], table.optimizer_s[None, :])
-            fits = ((use[rows, None, :] + use[None, :, :]) <= counts).all(axis=2)
+                out = np.minimum(out, np.maximum(fill_i + (m - 1) * period_i,
+                                                 fill_j + (M - m - 1) * period_j))
+            return out
+
+        # Lower bounds that prune without changing the pairs judged: per option, its busiest
+        # stage's sync were every layer it holds co-held (the most a partner saves it), and its
+        # estimate beside a partner of the smallest fill, period and optimizer step of all.
+        held = np.array([list(o.layers) + [0] * (width - len(o.layers)) for o in options])
+        pool_at = np.array([list(o.pools) + [0] * (width - len(o.pools)) for o in options])
+        sync_floor = (ring_factor(2) * (table.shared - held * saving[pool_at])
+                      + tied_factor[:, None] * table.tied).max(axis=1)
+        alone = (makespan_of(fill, period, fill.min(), period.min())
+                 + optimizer + sync_floor)
+        # (bounds and estimates round differently: a relative margin far above rounding)
+        live = np.flatnonzero(alone < best_s * (1 + 1e-9))
+        best: list[tuple[float, int, int]] = []         # (estimate, i, j), the best few
+
+        def threshold() -> float:
+            """A pair whose estimate is not below this is not judged (nor, being after the
+            best few in (estimate, i, j) order, kept)."""
+            return min(best_s, best[-1][0]) if len(best) == PAIRS_TRIED else best_s
+
+        # Rows of the live x live pair matrix a block at a time, pairs a batch at a time (the
+        # memory stays bounded, the safety net is checked between blocks), each block's pairs
+        # in the order of their lower bound, until the bound reaches the best few.
+        rows_per_block = max(1, PAIR_BLOCK_ELEMENTS // max(1, len(live)))
+        per_batch = PAIR_BLOCK_ELEMENTS // max(1, L)
+        for first in range(0, len(live), rows_per_block):
+            if clock() >= self.deadline:
+                return
+            rows = live[first:first + rows_per_block]
+            makespan = makespan_of(fill[rows, None], period[rows, None], fill[None, live],
+                                   period[None, live])
+            makespan += np.maximum(optimizer[rows, None], optimizer[None, live])
+            fits = fit_vectors[vector_of[rows][:, None], vector_of[live][None, :]]
             # Pairs (i < j) that fit and could beat the best plan even with no sync at all.
-            r, j_all = np.nonzero(fits & (makespan < best_s)
-                                  & (np.arange(n)[None, :] > rows[:, None]))
-            for batch in range(0, len(r), PAIR_BLOCK_ELEMENTS // max(1, L)):
-                sel = slice(batch, batch + PAIR_BLOCK_ELEMENTS // max(1, L))
-                i, j = rows[r[sel]], j_all[sel]
+            r, c = np.nonzero(fits & (makespan < best_s) & (live[None, :] > rows[:, None]))
+            i_all, j_all = rows[r], live[c]
+            bound = makespan[r, c] + np.maximum(sync_floor[i_all], sync_floor[j_all])
+            by_bound = np.argsort(bound, kind="stable")
+            for batch in range(0, len(by_bound), per_batch):
+                sel = by_bound[batch:batch + per_batch]
+                sel = sel[bound[sel] < threshold() * (1 + 1e-9)]
+                if not len(sel):
+                    break
+                i, j = i_all[sel], j_all[sel]
                 # Per pair, the seconds (ring factor 1) each side saves on its co-held layers.
                 save = np.where(layer_pool[i] == layer_pool[j], saving[layer_pool[i]], 0.0)
                 cum = np.concatenate([np.zeros((len(i), 1)), np.cumsum(save, axis=1)], axis=1)
@@ -694,8 +755,9 @@ class BranchAndBound:
                     return (ring_factor(2) * (table.shared[side] - stage_save)
                             + tied_factor[side, None] * table.tied[side]).max(axis=1)
 
-                estimate = makespan[r[sel], j] + np.maximum(busiest_sync(i), busiest_sync(j))
-                top = np.argsort(estimate, kind="stable")[:PAIRS_TRIED]
+                estimate = makespan[r[sel], c[sel]] + np.maximum(busiest_sync(i),
+                                                                 busiest_sync(j))
+                top = np.lexsort((j, i, estimate))[:PAIRS_TRIED]
                 best = sorted(best + [(float(estimate[p]), int(i[p]), int(j[p]))
                                       for p in top])[:PAIRS_TRIED]
         for estimate, i, j in best:

@@ -213,50 +213,77 @@ class StageCoefficients:
     optimizer_per_layer_s: float
 
 
-def colocated_ends(pools: list[Pool], sequence: tuple[int, ...]) -> bool:
-    """Whether placement puts the first and the last stage on one node (same pool, and the
-    first and last runs together fit in a node)."""
-    S = len(sequence)
-    if S < 2 or sequence[0] != sequence[-1]:
-        return False
-    k = sequence[0]
-    if all(x == k for x in sequence):
-        return S <= pools[k].groups_per_node
-    head = next(i for i, x in enumerate(sequence) if x != k)
-    tail = next(i for i, x in enumerate(reversed(sequence)) if x != k)
-    return head + tail <= pools[k].groups_per_node
+# The columns of sequence_terms (StageCoefficients' figures).
+TERMS = ("time_fixed", "time_per_layer", "max_layers", "sync_fixed_s", "sync_per_layer_s",
+         "sync_tied_s", "sync_tied_own_s", "optimizer_fixed_s", "optimizer_per_layer_s")
 
 
-def stage_coefficients(problem: Problem, pools: list[Pool], sequence: tuple[int, ...],
-                       recompute: bool, max_microbatches: int | None = None
-                       ) -> list[StageCoefficients] | None:
-    """Per-stage linear coefficients; None if some stage cannot hold even one layer. Stage s
-    keeps ``S - s`` micro-batches in flight, or the pipeline's most micro-batches when fewer
-    (``max_microbatches``, at most the batch's)."""
-    S = len(sequence)
-    out = []
-    run_pos = 0
-    ends_together = colocated_ends(pools, sequence)
-    for s, k in enumerate(sequence):
-        pool = pools[k]
-        first, last = s == 0, s == S - 1
-        run_pos = run_pos + 1 if s > 0 and sequence[s - 1] == k else 0
-        link = None
-        if not last:
-            nxt = sequence[s + 1]
-            if nxt == k and (run_pos + 1) % pool.groups_per_node != 0:
-                link = pool.intra_gbs
-            else:
-                link = min(pool.nic_gbs, pools[nxt].nic_gbs)
-        tied_bw = (pool.intra_gbs if ends_together
-                   else min(pool.nic_gbs, pools[sequence[-1 if first else 0]].nic_gbs))
-        in_flight = min(S - s, max_microbatches or problem.num_microbatches)
-        coeff = _stage_coefficients(problem, pool, first, last, recompute, in_flight, link,
-                                    tied_bw)
-        if coeff is None:
-            return None
-        out.append(coeff)
-    return out
+def sequence_terms(problem: Problem, pools: list[Pool], sequences: np.ndarray, recompute: bool,
+                   max_microbatches: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Per-stage linear coefficients of n stage sequences of S stages at once (rows of pool
+    indices): their TERMS (n, S, len(TERMS)), and whether every stage can hold one layer (n,;
+    the terms of a row that cannot are meaningless). Stage s keeps ``S - s`` micro-batches in
+    flight, or the pipeline's most micro-batches when fewer (``max_microbatches``, at most the
+    batch's). A stage's terms depend on its pool, its position, the micro-batches it keeps, its
+    link to the next stage (inside its node while a run of its pool fills the node, else the
+    slower NIC) and its tied-embedding link (inside the node when placement puts both ends on
+    one node, else the slower NIC of the two ends): each distinct stage is priced once
+    (:func:`_stage_coefficients`), where the search builds tens of thousands of sequences."""
+    n, S = sequences.shape
+    groups = np.array([p.groups_per_node for p in pools])
+    intra = np.array([p.intra_gbs for p in pools], dtype=float)
+    nic = np.array([p.nic_gbs for p in pools], dtype=float)
+    # Position of each stage in its run of one pool, and its outgoing link (-1: none).
+    run_pos = np.zeros((n, S), dtype=np.int64)
+    link = np.full((n, S), -1.0)
+    for s in range(S - 1):
+        k, nxt = sequences[:, s], sequences[:, s + 1]
+        run_pos[:, s + 1] = np.where(nxt == k, run_pos[:, s] + 1, 0)
+        inside = (nxt == k) & ((run_pos[:, s] + 1) % groups[k] != 0)
+        link[:, s] = np.where(inside, intra[k], np.minimum(nic[k], nic[nxt]))
+    # Both ends on one node (placement puts a pipeline's first and last runs of one pool
+    # together when they fit a node).
+    first, last = sequences[:, 0], sequences[:, -1]
+    differs = sequences != first[:, None]
+    head, tail = differs.argmax(axis=1), differs[:, ::-1].argmax(axis=1)
+    together = (S >= 2) & (first == last) & (
+        np.where(differs.any(axis=1), head + tail, S) <= groups[first])
+    other_end = np.where(np.arange(S) == 0, last[:, None], first[:, None])
+    tied = np.where(together[:, None], intra[sequences],
+                    np.minimum(nic[sequences], nic[other_end]))
+    # One integer per distinct stage: pool, position (first, last), in flight, both links.
+    position = np.array([(s == 0) + 2 * (s == S - 1) for s in range(S)])
+    in_flight = np.minimum(S - np.arange(S), max_microbatches or problem.num_microbatches)
+    links, link_of = np.unique(link, return_inverse=True)
+    tieds, tied_of = np.unique(tied, return_inverse=True)
+    code = (((sequences * 4 + position) * (S + 1) + in_flight) * len(links)
+            + link_of.reshape(n, S)) * len(tieds) + tied_of.reshape(n, S)
+    distinct, index = np.unique(code, return_inverse=True)
+    table = np.zeros((len(distinct), len(TERMS)))
+    holds = np.zeros(len(distinct), dtype=bool)
+    for u, c in enumerate(distinct.tolist()):
+        c, tied_i = divmod(c, len(tieds))
+        c, link_i = divmod(c, len(links))
+        c, flight = divmod(c, S + 1)
+        k, pos = divmod(c, 4)
+        bw = float(links[link_i])
+        terms = _stage_terms(problem, pools[k], bool(pos & 1), bool(pos & 2), recompute, flight,
+                             None if bw < 0 else bw, float(tieds[tied_i]))
+        if terms is not None:
+            holds[u] = True
+            table[u] = terms
+    index = index.reshape(n, S)
+    return table[index], holds[index].all(axis=1)
+
+
+@functools.lru_cache(maxsize=65536)
+def _stage_terms(problem: Problem, pool: Pool, first: bool, last: bool, recompute: bool,
+                 in_flight: int, link_gbs: float | None, tied_bw: float
+                 ) -> tuple[float, ...] | None:
+    """One stage's TERMS (memoised: every build of a config asks for the same few hundred)."""
+    coeff = _stage_coefficients(problem, pool, first, last, recompute, in_flight, link_gbs,
+                                tied_bw)
+    return None if coeff is None else tuple(getattr(coeff, t) for t in TERMS)
 
 
 @functools.lru_cache(maxsize=65536)
@@ -412,20 +439,17 @@ class SequenceOptions:
 
 
 def sequence_options(problem: Problem, sequences: list[tuple[tuple[int, ...], int | None]],
-                     coefficients: list[list[StageCoefficients]]) -> SequenceOptions:
+                     blocks: list[tuple[np.ndarray, np.ndarray]]) -> SequenceOptions:
     """Every layer split (:func:`layer_splits`) of every stage sequence (its pools and its
-    micro-batch cap) with its stage coefficients, priced at once; the options come in the
-    order of the sequences, each sequence's splits in layer_splits's order."""
+    micro-batch cap) with its stage terms, priced at once; the options come in the order of
+    the sequences, each sequence's splits in layer_splits's order. ``blocks``: sequences of one
+    length, (their indices in ``sequences``, their :func:`sequence_terms`)."""
     width = max(len(pools) for pools, _ in sequences)
-    by_length: dict[int, list[int]] = {}
-    for i, (pools, _) in enumerate(sequences):
-        by_length.setdefault(len(pools), []).append(i)
     parts = []
-    for S, members in by_length.items():
-        terms = np.array([[(c.time_fixed, c.time_per_layer, c.max_layers, c.sync_fixed_s,
-                            c.sync_per_layer_s, c.sync_tied_s, c.sync_tied_own_s,
-                            c.optimizer_fixed_s, c.optimizer_per_layer_s)
-                           for c in coefficients[i]] for i in members])       # (n, S, 9)
+    for members, terms in blocks:
+        if not len(members):
+            continue
+        S = terms.shape[1]
         fixed, per_layer, limits = terms[..., 0], terms[..., 1], terms[..., 2].astype(np.int64)
         rows, layers = layer_splits(problem.model.num_layers, fixed, per_layer, limits)
         periods = fixed[rows] + per_layer[rows] * layers
@@ -433,7 +457,7 @@ def sequence_options(problem: Problem, sequences: list[tuple[tuple[int, ...], in
         for s in range(1, S):          # summed stage by stage, as the cost model sums them
             fill += periods[:, s]
         pad = ((0, 0), (0, width - S))
-        parts.append((np.array(members, dtype=np.int64)[rows], np.pad(layers, pad),
+        parts.append((np.asarray(members, dtype=np.int64)[rows], np.pad(layers, pad),
                       fill, periods.max(axis=1),
                       np.pad(terms[rows, :, 3] + terms[rows, :, 4] * layers, pad),
                       np.pad(terms[rows, :, 5], pad), np.pad(terms[rows, :, 6], pad),
@@ -465,15 +489,37 @@ def assign_microbatches(options: list[PipelineOption], total: int,
                           f"{len(options)} pipelines", "at least one micro-batch per pipeline, "
                           "at most what each pipeline's memory allows")
     offsets = offsets or [0.0] * len(options)
-    counts = [1] * len(options)
-    heap = [(o.time_s(2) + d, i) for i, (o, d) in enumerate(zip(options, offsets))
-            if o.cap(2) == 2]
+    # Runs of consecutive pipelines of one option and offset take their micro-batches in turn
+    # (equal times, ties to the lower index), so the greedy steps a run at a time: plans of
+    # thousands of GPUs have hundreds of pipelines of a few options. (first, size) per run.
+    runs: list[list[int]] = []
+    for i, (o, d) in enumerate(zip(options, offsets)):
+        if runs and options[runs[-1][0]] is o and offsets[runs[-1][0]] == d:
+            runs[-1][1] += 1
+        else:
+            runs.append([i, 1])
+    level = [1] * len(runs)                 # micro-batches each member of a run has
+    heap = [(options[i].time_s(2) + offsets[i], i, r) for r, (i, _) in enumerate(runs)
+            if options[i].cap(2) == 2]
     heapq.heapify(heap)
-    for _ in range(total - len(options)):
-        _, i = heapq.heappop(heap)
-        counts[i] += 1
-        if options[i].cap(counts[i] + 1) > counts[i]:
-            heapq.heappush(heap, (options[i].time_s(counts[i] + 1) + offsets[i], i))
+    left = total - len(options)
+    while left > 0:
+        _, i, r = heapq.heappop(heap)
+        size = runs[r][1]
+        if size > left:
+            # the last micro-batches go to the run's first members (ties to the lower index)
+            runs.append([i, left])
+            level.append(level[r])
+            runs[r][0], runs[r][1] = i + left, size - left
+            level[-1] += 1
+            break
+        left -= size
+        level[r] += 1
+        if options[i].cap(level[r] + 1) > level[r]:
+            heapq.heappush(heap, (options[i].time_s(level[r] + 1) + offsets[i], i, r))
+    counts = [0] * len(options)
+    for (first, size), m in zip(runs, level):
+        counts[first:first + size] = [m] * size
     return counts
 
 
@@ -509,18 +555,31 @@ def place_pipelines(cluster: Cluster, pools: list[Pool],
             runs[0] = runs[-1] + runs[0]        # last run, then the first: they share a node
             runs.pop()
         blocks += [(run, p, seq[run[0]]) for run in runs]
+    # Per pool, its nodes by free TP groups: heaps of node indices per count, so the best fit
+    # (the first node, in cluster order, of the fewest free groups that hold the run; else the
+    # first of the most) is found without scanning every node (plans of thousands of GPUs).
+    by_free: dict[int, dict[int, list[int]]] = {}
+    for k, nodes in free.items():
+        by_free[k] = {}
+        for i, node in enumerate(nodes):
+            if node:
+                by_free[k].setdefault(len(node), []).append(i)
     placed: list[list] = [[None] * len(seq) for seq in sequences]
     for run, p, k in sorted(blocks, key=lambda b: (-len(b[0]), b[1], b[0][0])):
         todo = list(run)
         while todo:
-            nodes = [n for n in free[k] if n]
-            if not nodes:
+            sizes = [n for n, heap in by_free[k].items() if heap]
+            if not sizes:
                 raise ConfigError("<plan>", "pipelines", f"more {pools[k].gpu} TP groups than "
                                   "the cluster has", f"{pools[k].count}")
-            fitting = [n for n in nodes if len(n) >= len(todo)]
-            node = min(fitting, key=len) if fitting else max(nodes, key=len)
+            fitting = [n for n in sizes if n >= len(todo)]
+            size = min(fitting) if fitting else max(sizes)
+            i = heapq.heappop(by_free[k][size])
+            node = free[k][i]
             for _ in range(min(len(todo), len(node))):
                 placed[p][todo.pop(0)] = node.pop(0)
+            if node:
+                heapq.heappush(by_free[k].setdefault(len(node), []), i)
     return placed
 
 

@@ -80,7 +80,8 @@ def best_warmups(stages, num_microbatches: int, max_depths: list[int]) -> tuple[
     """Greedy depths for one pipeline (module doc) and their simulated makespan."""
     m, S = num_microbatches, len(stages)
     depths = standard_warmup_depths(S, m)
-    best = simulate_1f1b(stages, m, depths)
+    # makespans only: the timelines are the cost model's, for the depths chosen
+    best = simulate_1f1b(stages, m, depths, record=False)
     extras = sorted({1 << k for k in range(m.bit_length())} | {m})
     while True:
         steps = []                                   # (makespan, depths) that gain > MIN_GAIN
@@ -89,7 +90,7 @@ def best_warmups(stages, num_microbatches: int, max_depths: list[int]) -> tuple[
                 trial = [min(w + extra, m) if s <= b else w for s, w in enumerate(depths)]
                 if trial == depths or any(w > cap for w, cap in zip(trial, max_depths)):
                     continue
-                makespan = simulate_1f1b(stages, m, trial)
+                makespan = simulate_1f1b(stages, m, trial, record=False)
                 if makespan < best * (1 - MIN_GAIN):
                     steps.append((makespan, trial))
         if not steps:
@@ -112,7 +113,7 @@ def choose_warmups(plan: Plan, cost: PlanCost, cluster: Cluster, profile: Profil
         key = (tuple((s.forward_s, s.backward_s, s.p2p_s) for s in pcost.stages),
                pipe.num_microbatches, tuple(caps))
         if key not in cache:
-            standard = simulate_1f1b(pcost.stages, pipe.num_microbatches)
+            standard = simulate_1f1b(pcost.stages, pipe.num_microbatches, record=False)
             depths, makespan = best_warmups(pcost.stages, pipe.num_microbatches, caps)
             cache[key] = ((depths, standard - makespan) if makespan < standard * (1 - MIN_GAIN)
                           else None)
