@@ -41,9 +41,9 @@ below are bf16's.
 * **Optimizer**: Adam on fp32 master weights is memory-bound. Per parameter it reads the fp32
   gradient (4 B), reads and writes the master weight (8 B) and both moments (16 B) and writes the
   bf16 weight (2 B): 30 B / (memory bandwidth * MEMORY_EFFICIENCY); ``T_opt`` = max over GPUs.
-* **Iteration**: ``T_iter = max_p T_pipe(p) + T_sync + T_opt``; tokens/s = global batch * seq / T_iter,
-  where a pipeline whose plan sets non-standard warm-up depths saves what :func:`simulate_1f1b`
-  saves at those depths over the standard ones (below).
+* **Iteration**: ``T_iter = max_p T_pipe(p) + T_sync + T_opt``; tokens/s = global batch * seq /
+  T_iter, where a pipeline whose plan sets non-standard warm-up depths saves what
+  :func:`simulate_1f1b` saves at those depths over the standard ones (below).
 * **Price**: with a ``spot_price`` (USD per GPU-hour) on every node the plan uses, the plan's
   rate in USD per hour is, by the plan's ``charge`` (CHARGES): ``per-node`` (the default) every
   GPU of every node that holds a rank of the plan, since spot capacity is rented by the node (a
@@ -169,7 +169,7 @@ def check_memory_headroom(value: float, flag: str = "--memory-headroom") -> floa
     return value
 
 
-# ---- per-stage formulas (the planner calls these directly) ----------------------------------------
+# ---- per-stage formulas (the planner calls these directly) ---------------------------------------
 
 def stage_compute_s(entry: ProfileEntry, num_layers: int, first: bool, last: bool,
                     recompute: bool) -> tuple[float, float]:
@@ -273,7 +273,7 @@ def grad_reduce_scatter_all_gather_s(param_count: float, holders: int, bandwidth
                                bandwidth_gbs)) / 2
 
 
-# ---- whole-plan evaluation ------------------------------------------------------------------------
+# ---- whole-plan evaluation -----------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class TimelineEvent:
@@ -326,7 +326,8 @@ class PlanCost:
     optimizer_s: float
     tokens_per_s: float
     pipelines: list[PipelineCost]
-    idle_gpus: dict[str, int] = field(default_factory=dict)   # GPUs of the cluster the plan leaves out, per type
+    # GPUs of the cluster the plan leaves out, per type
+    idle_gpus: dict[str, int] = field(default_factory=dict)
     # USD per million tokens (module doc, "Price"); None when a used node has no spot price.
     usd_per_million_tokens: float | None = None
     # "<gpu> tp<t>" -> {part: source} for the profile entries the plan used (module doc).

@@ -76,11 +76,12 @@ non-linearly in an outer enumeration, and leaves an exact integer program to SCI
 8. **Never slower than a sub-fleet** (:class:`SubFleets`): the plan of every fleet the fleet
    holds minus one GPU type (recursively, each set of types searched once, and only where its
    lower bound is below the best plan found by then) is a candidate, as are the baselines and,
-   for the re-planner, the previous plan adapted to the fleet. The search's own space holds those plans (GPUs may stay idle), but its heuristics
-   (option and split selection, SCIP's node limit, the pruning tolerance, pools that change with
-   the fleet) do not guarantee it finds them: a 32-GPU fleet of H100, A100, V100 and T4 found a
-   plan 2.8% slower than the same fleet without its V100s. With them, adding GPUs never slows
-   the plan, which tests/test_planner_limits.py checks on random fleets.
+   for the re-planner, the previous plan adapted to the fleet. The search's own space holds those
+   plans (GPUs may stay idle), but its heuristics (option and split selection, SCIP's node limit,
+   the pruning tolerance, pools that change with the fleet) do not guarantee it finds them: a 32-GPU
+   fleet of H100, A100, V100 and T4 found a plan 2.8% slower than the same fleet without its V100s.
+   With them, adding GPUs never slows the plan, which tests/test_planner_limits.py checks on random
+   fleets.
 
 Bounded work: options depend on the GPU types and ``max_stages``, the SCIP model has one
 integer per option and one row per GPU type, the bins grow logarithmically with the GPU count;
@@ -1077,8 +1078,8 @@ def check_prices(cluster: Cluster, file=None, needed_by: str = "--objective cost
     cluster file in the error (default: the cluster's name), ``needed_by`` what needs them."""
     for i, node in enumerate(cluster.nodes):
         if node.spot_price is None:
-            raise ConfigError(file or cluster.name, f"nodes[{i}].spot_price", f"node {node.name} has "
-                              f"no price; {needed_by} needs one on every node",
+            raise ConfigError(file or cluster.name, f"nodes[{i}].spot_price",
+                              f"node {node.name} has no price; {needed_by} needs one on every node",
                               "USD per GPU-hour, a number >= 0")
 
 
