@@ -11,15 +11,18 @@ Seven tables, all predictions from the same cost model (megatron_autohet/cost_mo
    deterministic figure, the times depend on the machine and its load), and the plan's
    efficiency: its tokens/s over the fleet's ideal (cost_model.fleet_ideal_tokens_per_s, the
    sum of every GPU's lone forward+backward token rate for the whole model);
+   Then the same for every bundled fleet (configs/clusters/) with every bundled model
+   (configs/models/), global batch 512, micro-batch 1;
 2. re-plan time (planner/replan.py) of the 1024-GPU plans: fleet unchanged, and one node lost
-   (the first A100 node, or the last H20 node), with the bytes the recovery would move;
+   (the first A100 node, or the last H20 node), with the bytes the recovery would move and how
+   its search ended;
 3. predicted iteration time, efficiency and speedup over the baselines on the bundled 3-type
    fleets;
 4. gap to the exhaustive optimum on small clusters (<= 16 GPUs, 8-layer GPT-3 1.3B);
 5. the gap's distribution over seeded random small fleets (testing/random_fleets.py; more seeds than
    tests/planner/test_planner_optimality.py runs), general, memory-bound and odd-count ones (2-4
    types of 1 or 3 GPUs, 7-13 layers), with each search's CPU seconds;
-6. `autohet compare` (search + baselines) time on 2048 GPUs;
+6. `autohet compare` (search + baselines) time on 2048 GPUs, and how its search ended;
 7. the cost objective: USD per million tokens of the fastest and of the cheapest plan on priced
    fleets (spot prices in PRICES), the GPUs the cheapest leaves idle, and how its search ended.
 Writes JSON to --json (default bench-out/, gitignored by the repository's bench-out/ rule).
@@ -163,6 +166,41 @@ def random_gap_table(result: dict, args) -> None:
                   f"{row['feasibility_disagrees']}")
 
 
+def bundled_table(result: dict, args) -> None:
+    """Table 1, second part: every bundled fleet with every bundled model (global batch 512,
+    micro-batch 1; --quick: the three-type fleets with two models)."""
+    print("\n== solve time on the bundled fleets x bundled models (global batch 512, "
+          f"micro-batch 1); load average {os.getloadavg()[0]:.1f}")
+    print(f"{'cluster':>14} {'model':>11} {'wall_s':>7} {'cpu_s':>6} {'work':>5} {'ended':>11} "
+          f"{'iter_s':>9}")
+    clusters = sorted((ROOT / "configs/clusters").glob("*.yaml"))
+    names = sorted((ROOT / "configs/models").glob("*.yaml"))
+    if args.quick:
+        clusters = [ROOT / f"configs/clusters/{c}.yaml" for c in ("a100-h800-h20", "a100-v100-t4")]
+        names = [ROOT / f"configs/models/{m}.yaml" for m in ("gpt3-1.3b", "gpt3-6.7b")]
+    for path in clusters:
+        cluster = load_cluster(path)
+        for model_path in names:
+            model = load_model(model_path)
+            start, cpu = time.perf_counter(), time.process_time()
+            try:
+                cand = search(cluster, model, None, 512, 1, progress=False)
+            except ConfigError:
+                cand = None         # no plan fits in memory (one GPU of 80 GB and a 13B model)
+            elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
+            row = {"cluster": path.stem, "model": model.name, "solve_s": elapsed, "cpu_s": cpu,
+                   "work": cand.work if cand else None,
+                   "stopped_by": cand.stopped_by if cand else "no plan fits",
+                   "iteration_time_s": cand.cost.iteration_time_s if cand else None}
+            result["bundled"].append(row)
+            print(f"{path.stem:>14} {model.name:>11} {elapsed:>7.2f} {cpu:>6.2f} "
+                  f"{row['work'] if cand else '-':>5} {row['stopped_by']:>11} "
+                  + (f"{row['iteration_time_s']:>9.4f}" if cand else f"{'-':>9}"))
+    rows = [r for r in result["bundled"] if r["work"] is not None]
+    print(f"{'':>14} most CPU-s {max(r['cpu_s'] for r in rows):.2f}; searches not complete: "
+          f"{sum(r['stopped_by'] != 'complete' for r in rows)} of {len(rows)}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", default=str(ROOT / "bench-out" / "bench_planner.json"),
@@ -171,7 +209,7 @@ def main() -> None:
     parser.add_argument("--optimality-only", type=int, default=None, metavar="SEEDS",
                         help="only table 5, with this many seeds of each kind of random fleet")
     args = parser.parse_args()
-    result = {"scaling": [], "replan": [], "baselines": [], "exhaustive": [],
+    result = {"scaling": [], "bundled": [], "replan": [], "baselines": [], "exhaustive": [],
               "random_gaps": [], "compare": [], "cost": []}
     models = {n: load_model(ROOT / f"configs/models/{n}.yaml")
               for n in ("gpt3-1.3b", "gpt3-2.7b", "llama2-7b")}
@@ -211,10 +249,12 @@ def main() -> None:
                   f"{row['iteration_time_s']:>8.3f} {row['tokens_per_s']:>10.0f} "
                   f"{100 * row['efficiency']:>5.1f}%")
 
+    bundled_table(result, args)
+
     print("\n== re-plan of the 1024-GPU plans (default tolerance 2%, work budget "
           f"{REPLAN_WORK_BUDGET} SCIP nodes)")
     print(f"{'model':>10} {'fleet now':>16} {'wall_s':>7} {'cpu_s':>6} {'judged':>6} "
-          f"{'iter_s':>8} {'fastest_s':>9} {'moves GiB':>9}")
+          f"{'iter_s':>8} {'fastest_s':>9} {'moves GiB':>9} {'ended':>11}")
     cluster = fleet(1024)
     names = [n.name for n in cluster.nodes]
     for name in ("gpt3-1.3b", "llama2-7b"):
@@ -225,11 +265,12 @@ def main() -> None:
             elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
             row = {"model": name, "fleet": label, "replan_s": elapsed, "cpu_s": cpu,
                    "candidates": new.candidates, "iteration_time_s": new.cost.iteration_time_s,
-                   "fastest_s": new.best_iteration_time_s, "recovery_bytes": new.recovery_bytes}
+                   "fastest_s": new.best_iteration_time_s, "recovery_bytes": new.recovery_bytes,
+                   "stopped_by": new.stopped_by}
             result["replan"].append(row)
             print(f"{name:>10} {label:>16} {elapsed:>7.2f} {cpu:>6.2f} {new.candidates:>6} "
                   f"{new.cost.iteration_time_s:>8.4f} {new.best_iteration_time_s:>9.4f} "
-                  f"{new.recovery_bytes / 2**30:>9.2f}")
+                  f"{new.recovery_bytes / 2**30:>9.2f} {new.stopped_by or 'no search':>11}")
 
     print("\n== speedup over baselines on the bundled 3-type fleets")
     print(f"{'cluster':>14} {'model':>10} {'gbs':>4} {'mbs':>3} {'ours_s':>8} {'effic':>6} "
@@ -281,16 +322,16 @@ def main() -> None:
 
     print("\n== autohet compare (search + baselines) on 2048 GPUs, three types")
     print(f"{'model':>10} {'wall_s':>8} {'cpu_s':>7} {'ours_s':>8} {'megatron':>9} {'whale':>7} "
-          f"{'fastest':>8}")
+          f"{'fastest':>8} {'ended':>11}")
     for name in ("gpt3-1.3b",) if args.quick else ("gpt3-1.3b", "llama2-7b"):
         start, cpu = time.perf_counter(), time.process_time()
         comp = compare(fleet(2048), models[name], None, 4096, 1, progress=False)
         elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
         result["compare"].append({"gpus": 2048, "model": name, "compare_s": elapsed,
-                                  "cpu_s": cpu, **comp.to_dict()})
+                                  "cpu_s": cpu, "stopped_by": comp.stopped_by, **comp.to_dict()})
         fmt = [f"{b.speedup:.2f}x" if b.speedup else "none" for b in comp.baselines]
         print(f"{name:>10} {elapsed:>8.2f} {cpu:>7.2f} {comp.cost.iteration_time_s:>8.3f} "
-              f"{fmt[0]:>9} {fmt[1]:>7} {fmt[2]:>8}")
+              f"{fmt[0]:>9} {fmt[1]:>7} {fmt[2]:>8} {comp.stopped_by:>11}")
 
     print("\n== cost objective: USD per million tokens, fastest plan vs cheapest plan "
           f"(spot prices {PRICES})")

@@ -40,6 +40,7 @@ class Comparison:
     plan: Plan
     cost: PlanCost
     baselines: list[BaselineResult]
+    stopped_by: str = "complete"    # how our search ended (search.Candidate.stopped_by)
 
     def baseline(self, name: str) -> BaselineResult:
         return next(b for b in self.baselines if b.name == name)
@@ -89,4 +90,4 @@ def compare(cluster: Cluster, model: ModelSpec, profile: Profile | None, global_
                                       b.cost and with_left_out(b.cost, left_out), speedup))
     cost = with_left_out(best.cost, left_out)
     annotate_plan(best.plan, cost)          # the plan --output writes records its idle GPUs
-    return Comparison(best.plan, cost, results)
+    return Comparison(best.plan, cost, results, best.stopped_by)
