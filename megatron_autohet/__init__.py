@@ -1,6 +1,6 @@
 """megatron-autohet: heterogeneous, preemptible GPT training on megatron-core.
 
-Package layout follows the data flow (see README.md):
+Package layout follows the data flow (docs/architecture.md has one line per module):
 
     spec/        GPU catalog, cluster and model descriptions (YAML -> dataclasses, validated)
     profiling/   per-layer costs: measured on the local device, or estimated from the catalog

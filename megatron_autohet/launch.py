@@ -13,7 +13,7 @@ Three pieces, used by ``autohet train`` (cli/train.py):
   job file (JSON) and every rank reads them from it. Local rank = global rank (one node); a
   multi-node plan run on one machine is the CPU quick start.
 * :func:`run_worker` - what each rank runs, whether started by :func:`launch_local` or by
-  ``torchrun`` on a GPU cluster (multi-node command: see README "Training from a plan"). It checks
+  ``torchrun`` on a GPU cluster (multi-node command: docs/runtime.md, "Devices and several nodes"). It checks
   the environment against the plan (``WORLD_SIZE`` = plan ranks; on GPUs ``LOCAL_RANK`` = the plan's
   ``local_rank`` of this rank), picks NCCL + the GPU of ``LOCAL_RANK`` among those the process sees
   (runtime/device.py: one GPU per task works too) when this process has a GPU and

@@ -11,7 +11,7 @@ fi
 . .venv/bin/activate
 python -m pip install -q --upgrade pip
 # torch first, pinned, so no dependency range ever pulls a multi-GB CUDA build on a CPU machine.
-# On a GPU machine, install your CUDA torch beforehand; a satisfied torch>=2.6 is kept.
+# On a GPU machine, install your CUDA torch beforehand; a satisfied torch>=2.11 is kept.
 python -c "import torch" 2>/dev/null || python -m pip install -q "torch==2.13.0"
 # megatron-core next, pinned to the version the whole suite runs on (setup.py allows 0.16.1 to
 # 0.19.x; scripts/test_mcore019.sh runs the subset on 0.19.x). An installed one is kept.

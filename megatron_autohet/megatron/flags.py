@@ -205,7 +205,7 @@ FLAGS: dict[str, FlagRule] = {
     "--exit-duration-in-mins": FlagRule(REFUSED, "not set (--exit-interval N)"),
 }
 
-_NOT_HONOURED = ("its default (README, 'Megatron-LM flags with --autohet-plan', lists the flags "
+_NOT_HONOURED = ("its default (docs/megatron-lm.md, 'Megatron-LM flags with --autohet-plan', lists the flags "
                  "the plan path honours)")
 
 
