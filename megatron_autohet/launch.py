@@ -13,12 +13,12 @@ Three pieces, used by ``autohet train`` (cli/train.py):
   job file (JSON) and every rank reads them from it. Local rank = global rank (one node); a
   multi-node plan run on one machine is the CPU quick start.
 * :func:`run_worker` - what each rank runs, whether started by :func:`launch_local` or by
-  ``torchrun`` on a GPU cluster (multi-node command: docs/runtime.md, "Devices and several nodes"). It checks
-  the environment against the plan (``WORLD_SIZE`` = plan ranks; on GPUs ``LOCAL_RANK`` = the plan's
-  ``local_rank`` of this rank), picks NCCL + the GPU of ``LOCAL_RANK`` among those the process sees
-  (runtime/device.py: one GPU per task works too) when this process has a GPU and
-  gloo + the CPU mode otherwise, and trains (job.py ``train_job``), stopping on a signal with
-  ``--exit-signal-handler`` (:func:`signal_stop_check`).
+  ``torchrun`` on a GPU cluster (multi-node command: docs/runtime.md, "Devices and several
+  nodes"). It checks the environment against the plan (``WORLD_SIZE`` = plan ranks; on GPUs
+  ``LOCAL_RANK`` = the plan's ``local_rank`` of this rank), picks NCCL + the GPU of
+  ``LOCAL_RANK`` among those the process sees (runtime/device.py: one GPU per task works too)
+  when this process has a GPU and gloo + the CPU mode otherwise, and trains (job.py
+  ``train_job``), stopping on a signal with ``--exit-signal-handler`` (:func:`signal_stop_check`).
 
 It sits above job.py and elastic/ (whose stop check it uses); the elastic workers
 (elastic/worker.py) start their ranks their own way and share job.py, not this module.

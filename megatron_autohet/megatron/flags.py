@@ -205,8 +205,8 @@ FLAGS: dict[str, FlagRule] = {
     "--exit-duration-in-mins": FlagRule(REFUSED, "not set (--exit-interval N)"),
 }
 
-_NOT_HONOURED = ("its default (docs/megatron-lm.md, 'Megatron-LM flags with --autohet-plan', lists the flags "
-                 "the plan path honours)")
+_NOT_HONOURED = ("its default (docs/megatron-lm.md, 'Megatron-LM flags with --autohet-plan', "
+                 "lists the flags the plan path honours)")
 
 
 def megatron_parser():

@@ -544,8 +544,8 @@ def _allow_list_checks(tmp: str) -> None:
 
     assert refusal("--tensorboard-dir", tmp) == (
         f"{PLAN}: field '--tensorboard-dir': {tmp!r} is not supported with --autohet-plan "
-        "(allowed: its default (docs/megatron-lm.md, 'Megatron-LM flags with --autohet-plan', lists the flags "
-        "the plan path honours))")
+        "(allowed: its default (docs/megatron-lm.md, 'Megatron-LM flags with --autohet-plan', "
+        "lists the flags the plan path honours))")
     assert refusal("--fp16") == (f"{PLAN}: field '--fp16': not yet supported with --autohet-plan "
                                  "(allowed: not set (fp16 needs a dynamic loss scaler, which the "
                                  "plan runtime does not have; --bf16 trains in bf16 mixed "
