@@ -402,10 +402,11 @@ def sync_group_elements(model: ModelSpec, kind: str, n_layers: int, tp: int, voc
     return norm_param_count(model) + output
 
 
-def _sync_group_params(plan: Plan) -> list[tuple]:
+def _sync_group_params(plan: Plan, with_local: bool = True) -> list[tuple]:
     """``(spec, group ranks, parameters, {rank: elements it holds})`` of every sync group of 2+
     ranks. ``parameters`` are the elements one member reduces: one TP shard when symmetric, the
-    full tensors (TP-replicated ones once) when asymmetric."""
+    full tensors (TP-replicated ones once) when asymmetric. ``with_local`` False leaves the
+    per-rank elements out (None): only the distributed optimizer's state needs them."""
     model = plan.model
     tp_of_rank = {r: stage.tp for pipe in plan.pipelines for stage in pipe.stages
                   for r in stage.ranks}
@@ -420,8 +421,8 @@ def _sync_group_params(plan: Plan) -> list[tuple]:
         for group in spec.groups():
             if len(group) < 2:
                 continue
-            local = {r: of_tp[tp_of_rank[r]] for r in group}
-            params = (local[group[0]] if spec.symmetric
+            local = {r: of_tp[tp_of_rank[r]] for r in group} if with_local else None
+            params = (of_tp[tp_of_rank[group[0]]] if spec.symmetric
                       else sync_group_elements(model, spec.kind, n_layers, 1, vocab))
             out.append((spec, group, params, local))
     return out
@@ -469,7 +470,7 @@ def evaluate_plan(plan: Plan, cluster: Cluster, profile: Profile, with_timeline:
     counted in the profile's precision (the job's); the price is charged by ``charge``."""
     precision = profile.precision
     node_of = [r.node for r in plan.ranks]
-    groups = _sync_group_params(plan)
+    groups = _sync_group_params(plan, with_local=plan.use_distributed_optimizer)
     unsharded = _unsharded_state_params(groups) if plan.use_distributed_optimizer else {}
     pipelines: list[PipelineCost] = []
     stage_of_rank: dict[int, StageCost] = {}
@@ -480,9 +481,15 @@ def evaluate_plan(plan: Plan, cluster: Cluster, profile: Profile, with_timeline:
     shapes: dict[tuple, tuple] = {}
     links: dict[tuple[str, str], float] = {}
     simulated: dict[tuple, tuple[float, list[list[TimelineEvent]]]] = {}
+    standards: dict[tuple[int, int], list[int]] = {}
     for p, pipe in enumerate(plan.pipelines):
         S, m = len(pipe.stages), pipe.num_microbatches
-        depths = pipe.warmup_depths()
+        if (S, m) not in standards:
+            standards[S, m] = standard_warmup_depths(S, m)
+        # the plan's depths where it sets them, else the standard ones (read, never changed)
+        standard_depths = standards[S, m]
+        explicit = any(st.warmup_microbatches is not None for st in pipe.stages)
+        depths = pipe.warmup_depths() if explicit else standard_depths
         stages: list[StageCost] = []
         for s, stage in enumerate(pipe.stages):
             gpu, tp = plan.ranks[stage.ranks[0]].gpu, len(stage.ranks)
@@ -507,7 +514,7 @@ def evaluate_plan(plan: Plan, cluster: Cluster, profile: Profile, with_timeline:
             for r in stage.ranks:
                 stage_of_rank[r] = cost
         time = pipeline_time_s([c.time_s + c.p2p_s for c in stages], m)
-        standard = depths == pipe.standard_warmup_depths()
+        standard = depths == standard_depths
         if not standard or with_timeline:
             # Pipelines of equal stage times, micro-batches and depths have one schedule:
             # simulated once, its timeline copied (a plan may hold hundreds of them).
