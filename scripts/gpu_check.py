@@ -20,7 +20,10 @@ paired comparison on the same plan.
      iterations; the job is killed (SIGKILL, launcher and ranks) while its second save is being
      written; the same command resumes from the step before and the losses of the iterations it
      trains again must equal the killed run's (bf16: within 2 bf16 ulps; fp32: bit-identical);
-  f. ``autohet checkpoint verify`` of the step the resume loaded and of the step it saved.
+  f. ``autohet checkpoint verify`` of the step the resume loaded and of the step it saved;
+  g. the checkpoint snapshot's stall per GB (scripts/bench_snapshot.py: a stage's state copied
+     to the host, as every save does before it writes): through pinned host buffers that the next
+     save reuses, against pageable copies (target: reused pinned buffers stall less per GB).
 
 On a machine without CUDA every step still runs (fp32, gloo, the profile recorded as the
 cluster's GPU type), and the rows whose target is a GPU figure (prediction vs measured time and
@@ -569,6 +572,21 @@ class GpuCheck:
                      "; ".join(f"step {step}: {line}" for step, _, line in results),
                      "every chunk's SHA-256 matches"))
 
+    def snapshot(self) -> None:
+        check = "g. snapshot stall per GB"
+        out = self.work / "bench_snapshot.json"
+        command = self.run("g-bench-snapshot", ["scripts/bench_snapshot.py", "--gb", "2",
+                                                "--json", str(out)], 300)
+        if command.rc != 0 or not out.is_file():
+            self.add(Row(check, FAIL, "bench_snapshot failed", "a measurement", command.why()))
+            return
+        modes = json.loads(out.read_text())["modes"]
+        measured = ", ".join(f"{mode} {m['stall_s_per_gb']:.3f} s/GB" for mode, m in modes.items())
+        pinned, pageable = modes.get("pinned, reused"), modes.get("pageable")
+        self.add(self.gpu_row(check, bool(pinned and pageable and pinned["stall_s_per_gb"]
+                                          <= pageable["stall_s_per_gb"]), measured,
+                              "reused pinned buffers <= pageable copies"))
+
     def data_dir(self) -> str:
         return str(self.work / "data")
 
@@ -592,6 +610,8 @@ class GpuCheck:
             # The checkpointer's own logs (a failed save's traceback) outlive the work directory.
             for log in sorted((self.work / "ckpt").glob("*.log")):
                 shutil.copy(log, self.logs / f"e-ckpt-{log.name}")
+        if self.has_time("g. snapshot stall per GB"):
+            self.snapshot()
         # From gpu_check.sh's start (its wheel installation included) when it ran this.
         wall = time.time() - float(os.environ.get("GPU_CHECK_STARTED", self.started_wall))
         self.add(self.gpu_row("total time", wall <= WALL_TARGET_S, f"{wall:.0f} s",

@@ -46,9 +46,11 @@ def test_cpu_mode_runs_every_step_and_skips_only_the_gpu_targets(tmp_path):
     assert list(rows) == ["a. autohet profile", "b. autohet plan", "c. autohet train",
                           *GPU_TARGETS[:4], "e. autohet plan (tiny)",
                           "e. kill -9 during a save, resume", "f. autohet checkpoint verify",
-                          "total time"]
+                          "g. snapshot stall per GB", "total time"]
     for check in GPU_TARGETS:
         assert rows[check]["result"] == "skip" and rows[check]["note"].startswith(NOT_ON_CPU)
+    snapshot = rows["g. snapshot stall per GB"]           # measured on the CPU, judged on a GPU
+    assert snapshot["result"] == "skip" and "clone (CPU)" in snapshot["measured"], snapshot
     for check in ("a. autohet profile", "b. autohet plan", "c. autohet train",
                   "e. autohet plan (tiny)", "f. autohet checkpoint verify"):
         assert rows[check]["result"] == "pass", rows[check]
