@@ -21,7 +21,7 @@ from megatron_autohet.checkpoint.manifest import (MANIFEST_FILE, FileRecord, Man
                                                   step_dir_name)
 from megatron_autohet.checkpoint.options import CheckpointOptions
 from megatron_autohet.elastic.notices import Notice, write_notice
-from megatron_autohet.plan import load_plan, plan_from_dict
+from megatron_autohet.plan import load_plan
 from megatron_autohet.runtime.optimizer import OptimizerSettings
 from helpers.nccl_semantics import NcclRefusal, nccl_semantics
 from helpers.training import two_ranks
