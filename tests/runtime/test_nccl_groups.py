@@ -1,8 +1,8 @@
 """What gloo hides: the distributed paths that move CPU tensors use explicit gloo groups.
 
-On GPUs the default group is NCCL, which refuses CPU tensors; here every group is gloo. These
-tests run the paths under tests/helpers/nccl_semantics.py, which refuses what NCCL would, and run the
-stop check while the background checkpoint writer is inside a collective.
+On GPUs the default group is NCCL, which refuses CPU tensors; here every group is gloo. These tests
+run the paths under tests/helpers/nccl_semantics.py, which refuses what NCCL would, and run the stop
+check while the background checkpoint writer is inside a collective.
 """
 
 from __future__ import annotations
