@@ -50,7 +50,7 @@ Design (why)
   plan's owner map (layout/owners.py): main ``(0, 0, 0)`` on exactly one holder of each chunk,
   ``(1, 0, 0)`` elsewhere. megatron's per-rank ``validate_access_integrity`` assumes one local
   shape per key, which mixed TP degrees break, so it is off and the owner map is what guarantees
-  exactly one writer per chunk (tests/test_layout.py checks it for every proof plan).
+  exactly one writer per chunk (tests/layout/test_layout.py checks it for every proof plan).
 * The distributed optimizer (runtime/distributed_optimizer.py) writes and reads the same
   entries: a save all-gathers its moment (and, 16-bit, master) shards into per-parameter
   tensors, a load scatters the per-parameter tensors back into its shards, so one checkpoint
@@ -75,7 +75,7 @@ Design (why)
 * ``common.pt`` is stock Megatron-LM's (core_v0.16.1, ``megatron/training/checkpointing.py``
   ``generate_state_dict`` / ``load_checkpoint``), so that stock Megatron-LM (homogeneous TP x PP,
   ``--ckpt-format torch_dist``, ``--transformer-impl local``, fp32) loads our steps and continues,
-  and our plans load stock's (tests/test_megatron_interop.py proves both):
+  and our plans load stock's (tests/megatron/test_megatron_interop.py proves both):
 
   - ``optimizer`` is what megatron-core's non-distributed fp32 optimizer
     (``FP32Optimizer.sharded_state_dict``) leaves in the common part: the step shared by all

@@ -26,7 +26,7 @@ padded_vocab) -> dict[str, list[ParamLayout]]``
 Torch-free at import (this package is shared with the cost model and checkpoints): the methods
 use tensor methods, and torch itself is imported only where shards are concatenated.
 
-Shard layout (verified against megatron-core 0.16.1 in tests/test_stage_model.py):
+Shard layout (verified against megatron-core 0.16.1 in tests/runtime/test_stage_model.py):
 * ColumnParallelLinear (``linear_qkv``, ``linear_fc1``, ``output_layer``): dim 0; RowParallelLinear
   (``linear_proj``, ``linear_fc2``): dim 1, bias replicated; VocabParallelEmbedding: dim 0.
 * ``linear_qkv``: megatron stores the fused QKV rows group-major (for each query group: its query

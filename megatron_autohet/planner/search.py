@@ -33,7 +33,7 @@ non-linearly in an outer enumeration, and leaves an exact integer program to SCI
    every order plus the wrap-around give every pair of end types. Otherwise (memory binds, or
    a NIC is faster than a node's fabric) an interleaved order can win, so pipelines of up to
    ALL_ORDERS_UP_TO stages take every order and the planner is exact there (the randomized
-   check against the exhaustive search, tests/test_planner_optimality.py); longer ones are a
+   check against the exhaustive search, tests/planner/test_planner_optimality.py); longer ones are a
    heuristic, since the orders grow as K^S. A
    pool is one kind of node (GPU type, size, intra-node link, NIC), so the links an option is
    priced with are the ones its stages get. Where memory limits a split, the splits that fit
@@ -66,8 +66,8 @@ non-linearly in an outer enumeration, and leaves an exact integer program to SCI
    embedding too when the pipelines have one stage), the STACKS_TRIED best per D
    (:meth:`BranchAndBound._stacks`), and every pair of options that fits the pools, with the
    layers both hold on one pool synced at the intra-node rate (:meth:`BranchAndBound._pairs`).
-   tests/test_planner_optimality.py checks the result against the exhaustive search on random
-   small fleets: within 1% on every one.
+   tests/planner/test_planner_optimality.py checks the result against the exhaustive search on
+   random small fleets: within 1% on every one.
 7. **HAPT warm-up post-pass** (planner/warmup.py): the best plan's pipelines that set the
    iteration time get deeper 1F1B warm-ups where the event-level simulation says they overlap
    a slow boundary with compute, within memory; the exhaustive search's best gets the same
@@ -80,8 +80,8 @@ non-linearly in an outer enumeration, and leaves an exact integer program to SCI
    plans (GPUs may stay idle), but its heuristics (option and split selection, SCIP's node limit,
    the pruning tolerance, pools that change with the fleet) do not guarantee it finds them: a 32-GPU
    fleet of H100, A100, V100 and T4 found a plan 2.8% slower than the same fleet without its V100s.
-   With them, adding GPUs never slows the plan, which tests/test_planner_limits.py checks on random
-   fleets.
+   With them, adding GPUs never slows the plan, which tests/planner/test_planner_limits.py checks
+   on random fleets.
 
 Bounded work: options depend on the GPU types and ``max_stages``, the SCIP model has one
 integer per option and one row per GPU type, the bins grow logarithmically with the GPU count;

@@ -32,13 +32,13 @@ fills that time with forwards it must do anyway (towards GPipe's order). Example
 GPT-3 1.3B, m = 47; f/b ms: 3.1/6.0, 3.0/6.0, three stages 3.9/6.6, 3.4/6.0, links free):
 standard 540.9 ms, every stage +2 reaches 532.6 ms, the bound of the last slow stage working
 without a gap (its predecessors' forwards + 47 x 10.5 + their backwards), which no order can
-beat; the post-pass takes +1 (534.2 ms), within MIN_GAIN of it (tests/test_planner.py). The memory
-is the price: ``min(w + 1, m)`` micro-batches of activations. Taking simply the fastest step picked
-depth 47 (all forwards first) on that pipeline with its real links (0.07-0.67 ms per micro-batch),
-0.9% faster than +2 (533.7 vs 538.4 ms) for 47 instead of 7 micro-batches held; differences that
-small are below what the model resolves (the simulation itself assumes eager delivery;
-scripts/bench_hapt.py compares it with a measurement), so a step must beat the shallower ones by
-MIN_GAIN to be taken.
+beat; the post-pass takes +1 (534.2 ms), within MIN_GAIN of it (tests/planner/test_planner.py).
+The memory is the price: ``min(w + 1, m)`` micro-batches of activations. Taking simply the
+fastest step picked depth 47 (all forwards first) on that pipeline with its real links
+(0.07-0.67 ms per micro-batch), 0.9% faster than +2 (533.7 vs 538.4 ms) for 47 instead of 7
+micro-batches held; differences that small are below what the model resolves (the simulation
+itself assumes eager delivery; scripts/bench_hapt.py compares it with a measurement), so a step
+must beat the shallower ones by MIN_GAIN to be taken.
 """
 
 from __future__ import annotations

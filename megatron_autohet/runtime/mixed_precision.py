@@ -23,8 +23,8 @@ Design (why)
 * One definition: what is allocated follows spec/precision.py, which the cost model prices from
   (``Precision.element_bytes`` the weight dtype, ``master_bytes`` whether a master copy exists,
   ``MAIN_GRAD_BYTES`` the gradient buffers); the import-time checks below keep the torch dtypes
-  and those byte counts from drifting apart, and tests/test_state_bytes.py counts the live
-  tensors of every rank against the cost model's figure.
+  and those byte counts from drifting apart, and tests/cost_model/test_state_bytes.py counts the
+  live tensors of every rank against the cost model's figure.
 * Megatron-core's ``Float16OptimizerWithFloat16Params`` is this scheme (fp32 ``main_param`` per
   16-bit parameter whose ``.grad`` is the ``main_grad``, torch AdamW on the fp32 tensors,
   ``_copy_main_params_to_model_params`` after the step). It is not used itself for the reason

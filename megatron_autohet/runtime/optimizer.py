@@ -42,7 +42,8 @@ Design (why)
   (:class:`~megatron_autohet.layout.params.ParamLayout`), never on a local shard, so every rank of
   every layout and the one-process reference put a parameter in the same group. TP never changes
   a tensor's number of dimensions, so this is exactly megatron's per-rank decision.
-  tests/test_optimizer.py checks it against megatron's ``_get_param_groups`` on the tiny GPTs.
+  tests/runtime/test_optimizer.py checks it against megatron's ``_get_param_groups`` on the tiny
+  GPTs.
 * The groups carry ``wd_mult`` as megatron's do, so megatron-core's ``OptimizerParamScheduler``
   (ours here, or Megatron-LM's ``get_optimizer_param_scheduler`` on the ``pretrain_gpt.py`` path)
   writes ``weight_decay = wd * wd_mult`` and the scheduled ``lr`` into them; there is no second

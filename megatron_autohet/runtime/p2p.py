@@ -92,7 +92,7 @@ defines on its ``pp_group`` in exactly that way. :class:`HeteroP2PCommunicator` 
 ``pp_group`` is a :class:`SchedulePosition` answering ``rank() = stage`` and ``size() = stage +
 warmup + 1``, and the four properties answer from it. With the default depth that is exactly the
 pipeline's real rank and size; with a plan's depth megatron runs that depth, unpatched, on both
-versions (tests/test_schedule.py checks the calls megatron makes in warm-up on either).
+versions (tests/runtime/test_schedule.py checks the calls megatron makes in warm-up on either).
 
 One group per direction. Peers are global ranks; the group is the boundary's group of the
 direction (``links``): activations to the next stage and from the previous one on that

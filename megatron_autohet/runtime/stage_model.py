@@ -51,7 +51,7 @@ Design (why)
   nodes import TE and others do not (their name-sorted gradient buckets would pair different
   parameters). Checkpoint keys do not depend on the core attention: both the SDPA and the
   unfused local layer name the norms TE-style (``linear_qkv.layer_norm_weight``) in
-  ``sharded_state_dict`` (tests/test_attention.py).
+  ``sharded_state_dict`` (tests/runtime/test_attention.py).
 * megatron's torch-norm fallback (``WrappedTorchNorm``, used when Apex is absent) refuses
   ``sequence_parallel`` (transformer/torch_norm.py); :class:`TorchNorm` is the same torch norm
   but tags its parameters ``.sequence_parallel`` as Megatron's fused norms do, so the grad sync
