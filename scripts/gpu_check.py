@@ -17,7 +17,8 @@ paired comparison on the same plan.
   d. ours / stock megatron-core on the same plan, iterations paired and the two trainers' order
      alternated in the same processes (bench_runtime.run_plan; target <= 1.02);
   e. a smaller model (``--ckpt-model``, GPT-3 350M by default) saves every ``--ckpt-interval``
-     iterations; the job is killed (SIGKILL, launcher and ranks) while its second save is being
+     iterations, with dropout 0.1 (so the resume must restore every RNG, the CUDA generator
+     included); the job is killed (SIGKILL, launcher and ranks) while its second save is being
      written; the same command resumes from the step before and the losses of the iterations it
      trains again must equal the killed run's (bf16: within 2 bf16 ulps; fp32: bit-identical);
   f. ``autohet checkpoint verify`` of the step the resume loaded and of the step it saved;
@@ -464,6 +465,9 @@ class GpuCheck:
                     "--save-interval", str(half), "--autohet-local-ckpt-dir", str(ckpt),
                     "--load", str(ckpt), "--autohet-keep-ckpts", "2",
                     "--metrics-jsonl", str(metrics),
+                    # dropout draws from every RNG a rank has (the CUDA generator on a GPU): the
+                    # resumed losses equal the killed run's only if the checkpoint restores them
+                    "--hidden-dropout", "0.1", "--attention-dropout", "0.1",
                     "--data-dir", self.data_dir(), *(["--bf16"] if self.on_gpu else [])]
 
         killed, reached = self.kill_during_save(
