@@ -292,6 +292,16 @@ def test_signal_watcher_needs_the_main_thread():
 
 # ---- watch() -----------------------------------------------------------------------------------
 
+def _join_pollers() -> None:
+    """watch() returns without waiting for its pollers (daemon threads, one per source): one in
+    the middle of a request finishes it first, and once the test's fake server is gone it would
+    log a warning into whichever test runs next. Wait for them to end."""
+    for thread in threading.enumerate():
+        if thread.name.startswith("notice-"):
+            thread.join(timeout=20)
+            assert not thread.is_alive(), thread.name
+
+
 @pytest.mark.unit
 def test_watch_rebalance_then_preempt(aws, gcp, tmp_path):
     notice_file, events = tmp_path / "notice.json", tmp_path / "events.jsonl"
@@ -312,6 +322,8 @@ def test_watch_rebalance_then_preempt(aws, gcp, tmp_path):
     aws.wait_for_requests(len(aws.requests) + 4)     # it polls on after the rebalance
     aws.schedule_preemption("terminate", AWS_TIME)
     watcher.join(timeout=20)
+    gcp.schedule_preemption()             # answers GCP's waiting poll, so its thread ends too
+    _join_pollers()
     notice = result[0]
     assert (notice.source, notice.kind, notice.deadline_unix) == ("aws", "preempt", AWS_DEADLINE)
     assert read_notice(notice_file) == notice
@@ -330,6 +342,7 @@ def test_watch_returns_none_when_stopped(aws, tmp_path):
     stop = threading.Event()
     stop.set()
     assert watch([AwsWatcher(aws.url)], tmp_path / "n.json", stop=stop) is None
+    _join_pollers()
     assert not (tmp_path / "n.json").exists()
 
 
