@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import sys
 import tempfile
 import uuid
@@ -91,12 +90,6 @@ def check_env(plan: Plan, plan_path: str | Path, env: DistEnv, *, uses_gpus: boo
 
 
 # ---- local launcher ------------------------------------------------------------------------
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
 
 def launch_local(plan: Plan, plan_path: str | Path, model_path: str | Path,
                  options: TrainOptions, *, gpus_available: int = 0) -> int:

@@ -45,7 +45,6 @@ import logging
 import os
 import queue as queue_module
 import re
-import socket
 import statistics
 import time
 import weakref
@@ -56,6 +55,7 @@ from tqdm import tqdm
 from megatron_autohet.errors import ConfigError
 from megatron_autohet.known_warnings import ignore_known_warnings
 from megatron_autohet.profiling.profile import OpCost, Profile, entry_from_dict
+from megatron_autohet.runtime.ports import free_port
 from megatron_autohet.spec.gpus import GPUType
 from megatron_autohet.spec.model import ModelSpec
 from megatron_autohet.spec.precision import default_precision
@@ -140,7 +140,7 @@ def measure_profile(model: ModelSpec, tp_degrees: list[int], micro_batch_sizes: 
     with tqdm(total=total, desc="measuring", unit="entry", disable=not progress) as bar:
         for tp in tp_degrees:
             request = MeasureRequest(model, tp, tuple(micro_batch_sizes), tuple(seq_lengths), gpu,
-                                     warmup, iters, _free_port())
+                                     warmup, iters, free_port())
             done = context.Queue()
             workers = mp.start_processes(_worker, args=(request, done), nprocs=tp, join=False,
                                          start_method="spawn")
@@ -169,12 +169,6 @@ def measure_profile(model: ModelSpec, tp_degrees: list[int], micro_batch_sizes: 
     for entry in entries:
         profile.add(entry)
     return profile
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---- child process ---------------------------------------------------------------------------

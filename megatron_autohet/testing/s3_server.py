@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
+
+from megatron_autohet.runtime.ports import free_port
 
 BUCKET = "autohet-test"
 ACCESS_KEY_ID = "testing"
@@ -29,13 +30,6 @@ ENVIRONMENT = {
 }
 UNSET = ("AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_REGION", "AWS_ENDPOINT_URL",
          "AWS_ENDPOINT_URL_S3")
-
-
-def free_port() -> int:
-    """A port nothing listens on right now (also used as an unreachable endpoint)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @contextmanager

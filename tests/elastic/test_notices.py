@@ -28,7 +28,7 @@ from megatron_autohet.elastic.notices import (AwsWatcher, AzureWatcher, GcpWatch
                                               SignalWatcher, preempt_notice_in, read_notice, watch,
                                               write_notice)
 from megatron_autohet.errors import ConfigError
-from megatron_autohet.testing.s3_server import free_port
+from megatron_autohet.runtime.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 AWS_TIME = "2026-11-23T08:22:00Z"

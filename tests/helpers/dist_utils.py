@@ -10,7 +10,6 @@ Public API
     formatted traceback of every failed child is raised here; a process that hangs past ``timeout``
     seconds (e.g. a collective whose peer died) fails the same way instead of hanging the test
     suite.
-``free_port() -> int``
 
 Design: processes are forked, not spawned, so children inherit the already-imported torch and
 megatron-core (imported here, before any fork: an import costs ~5 s per process on 2 cores) and
@@ -24,7 +23,6 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
-import socket
 import time
 import traceback
 
@@ -35,15 +33,11 @@ import megatron.core.optimizer
 import megatron.core.pipeline_parallel  # noqa: F401
 import torch.distributed  # noqa: F401
 
+from megatron_autohet.runtime.ports import free_port
+
 
 class RankFailed(RuntimeError):
     """A child process raised (or hung); the message holds its traceback."""
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _child(rank, world_size, port, results, fn, args, kwargs):
