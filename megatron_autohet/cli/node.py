@@ -16,7 +16,11 @@ torchrun's defaults, and why:
 * the rendezvous backend ``autohet-c10d`` (megatron_autohet/elastic/rendezvous.py): torchrun's
   c10d rendezvous, but an agent whose round fails (its join timeout while it waits as a standby
   node, a round's rank 0 reclaimed before it published the workers' store) joins the next round,
-  where torchrun's agent would exit and close the rendezvous for the whole job;
+  where torchrun's agent would exit and close the rendezvous for the whole job; and a member of
+  the round lost without notice (its keep-alive expired) makes every agent kill its workers
+  (SIGKILL: they are blocked in a collective with the lost node's) and start the next round at
+  once, where torchrun's agents wait for their workers to fail (up to the process group's
+  timeout, 10 minutes by default);
 * warm workers (megatron_autohet/cli/warm.py): the node first starts a fork server that
   imports what a worker imports, and enters the rendezvous once it is ready; every worker of
   every round is then a fork of it, so a restart - a join above all - does not wait for Python,
@@ -38,6 +42,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -120,8 +125,10 @@ def run(args: argparse.Namespace) -> int:
     if args.gpu is not None:
         os.environ["AUTOHET_GPU"] = args.gpu
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-    argv = torchrun_argv(args, register_rendezvous())
     server = None if args.cold_workers else start_fork_server()
+    spare = {server[0].pid} if server else set()
+    argv = torchrun_argv(args, register_rendezvous(notice_file=args.notice_file,
+                                                   stop_workers=lambda: kill_children(spare)))
     status = 0
     try:
         while True:
@@ -178,3 +185,24 @@ def stop_fork_server(server, where: str) -> None:
     server.terminate()
     server.wait()
     shutil.rmtree(where, ignore_errors=True)
+
+
+def kill_children(spare: set[int]) -> None:
+    """SIGKILL this process's children but ``spare`` (the fork server): torchrun's workers, each
+    with its process group (torchrun starts each in a session of its own). A warm worker goes
+    with its client: the fork server kills it when the client's connection drops."""
+    me = os.getpid()
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit() or int(entry.name) in spare:
+            continue
+        try:
+            with open(os.path.join(entry.path, "stat")) as stat:
+                parent = int(stat.read().rsplit(")", 1)[1].split()[1])
+            if parent == me:
+                pid = int(entry.name)
+                if os.getpgid(pid) == pid:
+                    os.killpg(pid, signal.SIGKILL)
+                else:
+                    os.kill(pid, signal.SIGKILL)
+        except (OSError, ValueError, IndexError):      # gone meanwhile
+            continue

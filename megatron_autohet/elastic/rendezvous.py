@@ -27,11 +27,30 @@ drops out of the rendezvous within a few seconds, as a lost node does); `autohet
 (:func:`close`) when its workers finished the job, so nodes still waiting learn that the job is
 over. A closed rendezvous ends the agent (RendezvousClosedError, also for a node waiting beyond
 ``--nnodes``' maximum): `autohet node` then exits 0.
+
+A node lost without notice (its processes killed, its network cut): torchrun's agents restart
+their workers only when one of their own workers fails or a node waits to join. The survivors'
+workers are blocked in a collective with the lost node's: when its processes died, gloo's
+closed connections may fail them at once, but often do not (a rank that only talks to live
+peers waits for them, and they for it); when its network is cut nothing fails. They then wait
+for the process group's timeout (``--distributed-timeout-minutes``, 10 minutes by default), and
+would then fail their checkpoint or stop check. Here every agent also watches the members of its
+round in the rendezvous state it polls anyway (:meth:`PersistentRendezvous.num_nodes_waiting`,
+every 0.1 s): a member whose keep-alive expired (about 3 s after its last one) or who left the
+round, and who had not announced that it was leaving, is lost. The agent then kills its own
+workers (``stop_workers``: SIGKILL - they cannot save a step the lost node's ranks hold, and a
+worker blocked in a collective would not see SIGTERM, which torchrun follows with SIGKILL only
+30 s later) and restarts them in the next round; the job goes on from the newest checkpoint,
+losing at most the iterations since the last save. A node that got a preemption notice announces
+in the store that it is leaving (``notice_file``) before its workers stop: the others re-plan
+in-process and train on, and its agent's later end is no loss. A node waiting to join comes
+first: the workers then stop at an iteration boundary and save (SIGTERM), as torchrun does.
 """
 
 from __future__ import annotations
 
 import sys
+from typing import Callable
 
 from torch.distributed import DistStoreError
 from torch.distributed.elastic.rendezvous import (RendezvousClosedError,
@@ -40,11 +59,18 @@ from torch.distributed.elastic.rendezvous import (RendezvousClosedError,
                                                   RendezvousTimeoutError,
                                                   rendezvous_handler_registry)
 
+from megatron_autohet.elastic.notices import preempt_notice_in
+
 BACKEND = "autohet-c10d"
 
 
-def register() -> str:
-    """Make ``--rdzv-backend autohet-c10d`` known to torchrun in this process; returns the name."""
+def register(*, notice_file: str | None = None,
+             stop_workers: Callable[[], None] | None = None) -> str:
+    """Make ``--rdzv-backend autohet-c10d`` known to torchrun in this process; returns the name.
+    ``notice_file``: this node's preemption-notice file (a preempt notice there: the node
+    announces that it leaves); ``stop_workers``: ends this node's workers at once when a member
+    of the round is lost."""
+    _NODE.update(notice_file=notice_file, stop_workers=stop_workers)
     rendezvous_handler_registry.register(BACKEND, _create_handler)
     return BACKEND
 
@@ -56,27 +82,41 @@ def close() -> None:
 
 
 _CREATED: list[PersistentRendezvous] = []       # an agent (re)started in this process: its own
+_NODE: dict = {"notice_file": None, "stop_workers": None}      # register()'s, for new handlers
 
 
 def _create_handler(params: RendezvousParameters) -> PersistentRendezvous:
     c10d = RendezvousParameters("c10d", params.endpoint, params.run_id, params.min_nodes,
                                 params.max_nodes, params.local_addr, **params.config)
-    _CREATED.append(PersistentRendezvous(rendezvous_handler_registry.create_handler(c10d)))
+    _CREATED.append(PersistentRendezvous(rendezvous_handler_registry.create_handler(c10d),
+                                         **_NODE))
     return _CREATED[-1]
 
 
 class PersistentRendezvous(RendezvousHandler):
     """torchrun's c10d handler ``inner``, whose ``next_rendezvous`` joins again after a failed
-    round (everything else is the inner handler's)."""
+    round and whose ``num_nodes_waiting`` also counts the round's lost members (everything else
+    is the inner handler's). Reads private attributes of torch's c10d handler (its state holder,
+    node, store; torch 2.13)."""
 
-    def __init__(self, inner: RendezvousHandler):
+    def __init__(self, inner: RendezvousHandler, *, notice_file: str | None = None,
+                 stop_workers: Callable[[], None] | None = None):
         self.inner = inner
+        self.notice_file = notice_file
+        self.stop_workers = stop_workers
         self.failed_rounds = 0
+        self.lost_rounds = 0
+        self._round: tuple[int, frozenset] | None = None    # (round, members) this agent runs
+        self._departed: set = set()                         # members that announced it
+        self._announced = False
 
     def next_rendezvous(self):
         while True:
             try:
-                return self.inner.next_rendezvous()
+                info = self.inner.next_rendezvous()
+                state = self.inner._state_holder.state
+                self._round = (state.round, frozenset(state.participants))
+                return info
             except RendezvousGracefulExitError as err:
                 # A node beyond --nnodes' maximum finds the rendezvous closed: the same end as
                 # any other (torchrun's agent returns no result for it, and its launcher fails
@@ -104,7 +144,47 @@ class PersistentRendezvous(RendezvousHandler):
         return self.inner.set_closed()
 
     def num_nodes_waiting(self) -> int:
-        return self.inner.num_nodes_waiting()
+        """Nodes waiting to join (torchrun's agent restarts its workers when > 0; it asks every
+        monitor interval while they run), else the lost members of this agent's round, whose
+        workers this ends first (``stop_workers``)."""
+        self._announce_departure()
+        # A fresh state, not one cached for a second: a join or a loss is seen 0.1 s later.
+        self.inner._state_holder._last_sync_time = -1
+        waiting = self.inner.num_nodes_waiting()        # syncs: expired keep-alives drop out
+        if waiting:
+            return waiting
+        lost = self.lost_members()
+        if not lost:
+            return 0
+        self.lost_rounds += 1
+        print(f"autohet node: {len(lost)} member(s) of rendezvous round {self._round[0]} lost "
+              f"without notice ({', '.join(sorted(map(repr, lost)))}): ending this node's "
+              "workers, joining the next round", file=sys.stderr, flush=True)
+        self._round = None                              # reported once
+        if self.stop_workers is not None:
+            self.stop_workers()
+        return len(lost)
+
+    def lost_members(self) -> set:
+        """Members of this agent's round (itself included: its own keep-alive may have lapsed)
+        no longer in it, that had not announced their departure."""
+        if self._round is None:
+            return set()
+        number, members = self._round
+        state = self.inner._state_holder.state
+        present = set(state.participants) if state.round == number else set()
+        for member in members - present - self._departed:
+            if self.inner._store.check([_departure_key(self.get_run_id(), member)]):
+                self._departed.add(member)
+        return members - present - self._departed
+
+    def _announce_departure(self) -> None:
+        """Once this node holds a preemption notice: tell the others, before its workers stop,
+        that its agent's end will be no loss."""
+        if self._announced or not self.notice_file or not preempt_notice_in(self.notice_file):
+            return
+        self.inner._store.set(_departure_key(self.get_run_id(), self.inner._this_node), "1")
+        self._announced = True
 
     def get_run_id(self) -> str:
         return self.inner.get_run_id()
@@ -114,3 +194,7 @@ class PersistentRendezvous(RendezvousHandler):
         # keep-alive stops (a private method of torch's c10d handler, in 2.11-2.13 alike).
         self.inner._stop_heartbeats()
         return True
+
+
+def _departure_key(run_id: str, node) -> str:
+    return f"autohet.departed.{run_id}.{node!r}"

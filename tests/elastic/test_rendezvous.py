@@ -1,7 +1,9 @@
 """autohet node's rendezvous (megatron_autohet/elastic/rendezvous.py): an agent whose round
 fails joins the next one, and an agent that ends leaves the rendezvous open, where torchrun's
-own agent would exit and close the job's rendezvous for every other agent. Real c10d handlers on
-a real store, each node a thread."""
+own agent would exit and close the job's rendezvous for every other agent; a member of the
+round lost without notice is seen by the others (its workers' peers are ended), one that
+announced its departure after a preemption notice is not. Real c10d handlers on a real store,
+each node a thread."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import pytest
 import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import RendezvousParameters, rendezvous_handler_registry
 
+from megatron_autohet.elastic.notices import Notice, write_notice
 from megatron_autohet.elastic.rendezvous import close, register
 
 pytestmark = pytest.mark.integration
@@ -80,3 +83,66 @@ def test_an_agent_that_ends_leaves_the_rendezvous_open_until_the_job_is_over(mak
     close()                                     # `autohet node`: the job is over
     assert make_handler("127.0.0.3").is_closed()
     second.shutdown()
+
+
+def a_round_of_two(make_handler):
+    first, second = make_handler("127.0.0.1"), make_handler("127.0.0.2")
+    got = {}
+    both = [threading.Thread(target=join, args=(got, n, h))
+            for n, h in (("first", first), ("second", second))]
+    for thread in both:
+        thread.start()
+    for thread in both:
+        thread.join(timeout=60)
+    assert sorted(got[n].world_size for n in got) == [2, 2], got
+    return first, second
+
+
+def until_gone(watcher, member) -> list[int]:
+    """``watcher.num_nodes_waiting()`` as torchrun's agent calls it (every monitor interval)
+    until the call that finds ``member`` out of the round (its keep-alive expired); every
+    answer, in order."""
+    answers = []
+    deadline = time.monotonic() + 120               # a safety net, not a measurement
+    while True:
+        answers.append(watcher.num_nodes_waiting())
+        if member not in watcher.inner._state_holder.state.participants:
+            return answers
+        assert time.monotonic() < deadline, f"{member} still in the round"
+        time.sleep(0.1)
+
+
+def test_a_member_lost_without_notice_ends_the_others_workers(make_handler):
+    """A node whose processes are killed (or whose network is cut) stops its keep-alive; its
+    peers' workers wait in a collective with its workers. Every other agent sees the member
+    drop out of the round, ends its own workers (stop_workers) and tells torchrun's agent to
+    restart them (num_nodes_waiting > 0) - torchrun's handler reports nothing (no node waits
+    to join) and the workers wait for the process group's timeout."""
+    first, second = a_round_of_two(make_handler)
+    ended = []
+    first.stop_workers = lambda: ended.append(time.monotonic())
+    assert first.num_nodes_waiting() == 0 and not ended          # everyone is there
+    lost = second.inner._this_node
+    second.shutdown()                           # killed: no more keep-alive
+    answers = until_gone(first, lost)
+    assert answers[-1] == 1 and answers.count(1) == 1, answers
+    assert len(ended) == 1 and first.lost_rounds == 1
+    first.shutdown()
+
+
+def test_a_member_that_announced_its_departure_is_not_lost(tmp_path, make_handler):
+    """A node with a preemption notice announces that it leaves (before its workers stop); the
+    others re-plan in-process and train on, so its agent's end later is no loss."""
+    first, second = a_round_of_two(make_handler)
+    ended = []
+    first.stop_workers = lambda: ended.append(time.monotonic())
+    second.notice_file = str(tmp_path / "notice.json")
+    write_notice(second.notice_file, Notice("signal", "rebalance", None, time.time()))
+    assert second.num_nodes_waiting() == 0      # a rebalance recommendation: nothing announced
+    write_notice(second.notice_file, Notice("signal", "preempt", None, time.time()))
+    assert second.num_nodes_waiting() == 0      # announced
+    gone = second.inner._this_node
+    second.shutdown()                           # the machine goes after the workers left
+    assert set(until_gone(first, gone)) == {0}
+    assert not ended and first.lost_rounds == 0
+    first.shutdown()
