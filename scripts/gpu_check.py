@@ -1,10 +1,10 @@
 #!/usr/bin/env python
 """Check the product on one GPU machine against issue 18's targets: one table, pass/fail per row.
 
-Run it through ``scripts/gpu_check.sh`` (which installs megatron-core and pyscipopt from ``.whl/``
-on a machine that lacks them). Every step is the ``autohet`` command as a user types it (run as
-``python -m megatron_autohet.cli.main``, so the package need not be installed), and the rows are
-read from what the commands write (profile YAML, plan YAML, ``--metrics-jsonl``, ``autohet
+Run it through ``scripts/gpu_check.sh`` (which installs megatron-core, pyscipopt and xxhash from
+``.whl/`` on a machine that lacks them). Every step is the ``autohet`` command as a user types it
+(run as ``python -m megatron_autohet.cli.main``, so the package need not be installed), and the
+rows are read from what the commands write (profile YAML, plan YAML, ``--metrics-jsonl``, ``autohet
 checkpoint ls --json``, exit statuses); the ours-vs-stock row runs scripts/bench_runtime.py's
 paired comparison on the same plan.
 
@@ -574,7 +574,7 @@ class GpuCheck:
                             if summary else command.why()))
         self.add(Row(check, PASS if all(c.rc == 0 for _, c, _ in results) else FAIL,
                      "; ".join(f"step {step}: {line}" for step, _, line in results),
-                     "every chunk's SHA-256 matches"))
+                     "every chunk's checksum matches"))
 
     def snapshot(self) -> None:
         check = "g. snapshot stall per GB"

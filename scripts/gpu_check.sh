@@ -4,10 +4,11 @@
 # ($OUT/gpu_check.json when OUT is set, else bench-out/gpu_check.json). Arguments go to
 # scripts/gpu_check.py (--help lists them; the defaults are GPT-3 1.3B on one H100).
 #
-# The machine needs python3 with torch; megatron-core and pyscipopt may come as wheels in .whl/
+# The machine needs python3 with torch; megatron-core, pyscipopt and xxhash may come as wheels in
+# .whl/
 # (python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp
 #  --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64
-#  --platform manylinux_2_17_x86_64 -d .whl megatron-core==0.16.1 pyscipopt==6.3.0),
+#  --platform manylinux_2_17_x86_64 -d .whl megatron-core==0.16.1 pyscipopt==6.3.0 xxhash==4.1.0),
 # installed into a scratch directory; the package itself runs from this checkout (PYTHONPATH).
 # The interpreter: $PYTHON, else the checkout's .venv/bin/python when there is one, else python3.
 # Relative paths in the arguments are from the current directory.
@@ -20,11 +21,11 @@ if [[ -z "${PYTHON:-}" ]]; then
   PYTHON=python3
   if [[ -x "$root/.venv/bin/python" ]]; then PYTHON="$root/.venv/bin/python"; fi
 fi
-if ! "$PYTHON" -c "import megatron.core, pyscipopt" 2>/dev/null; then
+if ! "$PYTHON" -c "import megatron.core, pyscipopt, xxhash" 2>/dev/null; then
   wheels=("$root"/.whl/*.whl)
   if [[ ! -e "${wheels[0]}" ]]; then
-    echo "gpu_check.sh: $PYTHON lacks megatron-core or pyscipopt and .whl/ has no wheels to" \
-         "install (allowed: install them, or put their wheels in .whl/)" >&2
+    echo "gpu_check.sh: $PYTHON lacks megatron-core, pyscipopt or xxhash and .whl/ has no" \
+         "wheels to install (allowed: install them, or put their wheels in .whl/)" >&2
     exit 2
   fi
   scratch="$(mktemp -d "${TMPDIR:-/tmp}/gpu_check-wheels.XXXXXX")"

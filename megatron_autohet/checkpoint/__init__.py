@@ -2,7 +2,7 @@
 
 Modules in data-flow order (what a step is, writing and uploading it, finding and loading it):
 
-manifest        pure: the manifest that commits a step (files, per-chunk SHA-256), atomic writes
+manifest        pure: the manifest that commits a step (files, per-chunk checksums), atomic writes
 options         pure: the checkpoint flags of a job (--save, --load, --save-interval, ...)
 state           what a rank's checkpoint holds, as megatron-core sharded state dicts
 writer          one step: torch DCP files + common.pt + metadata.json, checksums, manifest, commit

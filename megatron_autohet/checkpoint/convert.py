@@ -14,14 +14,15 @@ is our manifest (checkpoint/manifest.py), and a step without one does not exist 
    ``args``, ``opt_param_scheduler`` and ``optimizer``; every data file the index names exists
    and holds every byte range the index gives it. Stock writes a step in place and has no commit
    marker, so this is how a half-written step (an interrupted save) is refused.
-3. Copy the step's files into ``OUT_DIR/iter_N.partial``, hash every chunk of the COPIES (SHA-256
-   per DCP item, the function a save uses: checkpoint/writer.py) and the small files, write the
-   manifest and commit as a save does (rename to ``iter_N``, ``latest_checkpointed_iteration.txt``).
-   The stock directory is left untouched; from then on ``autohet checkpoint ls/verify``, the S3
-   tier and ``autohet train --load OUT_DIR`` treat the step as one of ours.
+3. Copy the step's files into ``OUT_DIR/iter_N.partial``, hash every chunk of the COPIES (a
+   checksum per DCP item, the function a save uses: checkpoint/writer.py) and the small files,
+   write the manifest and commit as a save does (rename to ``iter_N``,
+   ``latest_checkpointed_iteration.txt``). The stock directory is left untouched; from then on
+   ``autohet checkpoint ls/verify``, the S3 tier and ``autohet train --load OUT_DIR`` treat the
+   step as one of ours.
 
 Why a conversion step rather than loading a stock step directly: recovery never deserializes a
-byte it has not checked against the manifest's SHA-256, and plans its reads, the peer exchange
+byte it has not checked against the manifest's checksum, and plans its reads, the peer exchange
 and S3 downloads from the manifest's chunk index. A direct load would have to give up both for
 stock steps (no checksums exist to check against, nothing says the step is complete). A one-time
 conversion keeps every load verified, and does its completeness checks where a person sees them.
@@ -41,7 +42,7 @@ import shutil
 from pathlib import Path
 
 from megatron_autohet.checkpoint.manifest import (LATEST_FILE, MANIFEST_FILE, FileRecord, Manifest,
-                                                  commit_step_dir, partial_dir, sha256_file,
+                                                  checksum_file, commit_step_dir, partial_dir,
                                                   step_dir_name, write_atomic)
 from megatron_autohet.errors import ConfigError
 
@@ -157,7 +158,7 @@ def convert_step(stock_dir, out_dir, *, iteration: int | None = None):
         files.update({f.name: f for f in rank_files})
     for name in SMALL_FILES:
         files[name] = FileRecord(name=name, size=(staged / name).stat().st_size, rank=0,
-                                 node=STOCK_NODE, sha256=sha256_file(staged / name))
+                                 node=STOCK_NODE, digest=checksum_file(staged / name))
     layout = _stock_layout(common)
     world = max(layout["world_size"] or 0, writers[-1] + 1 if writers else 1)
     tp, pp, dp = (layout[k] or 1 for k in ("tensor_model_parallel_size",

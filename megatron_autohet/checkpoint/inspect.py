@@ -20,17 +20,17 @@ of the step: every listed file must be there.
 from __future__ import annotations
 
 import glob
-import hashlib
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from megatron_autohet.checkpoint.manifest import (LATEST_FILE, MANIFEST_FILE, PARTIAL_SUFFIX,
-                                                  ItemRecord, Manifest, committed_steps,
+                                                  Checksum, ItemRecord, Manifest,
+                                                  committed_steps, matches,
                                                   parse_step_dir_name, read_manifest,
-                                                  sha256_bytes, step_dir_name)
+                                                  step_dir_name)
 
-MISMATCH = "sha256 mismatch"
+MISMATCH = "checksum mismatch"
 TRUNCATED = "truncated"
 MISSING = "missing file"
 # Bytes per ranged GET when verifying on S3 (see verify_s3).
@@ -69,8 +69,8 @@ def node_of_file(manifest: Manifest) -> dict[str, str]:
 
 
 def is_data_file(manifest: Manifest, name: str) -> bool:
-    """DCP data files carry per-chunk hashes; the small files one hash for the whole file."""
-    return manifest.files[name].sha256 is None
+    """DCP data files carry per-chunk checksums; the small files one for the whole file."""
+    return manifest.files[name].digest is None
 
 
 def nodes_served(manifest: Manifest, names: set[str]) -> set[str]:
@@ -249,16 +249,16 @@ def item_problem(item: ItemRecord, raw: bytes | memoryview) -> str | None:
     """None when ``raw`` (what was read at the item's place) is the item, else what is wrong."""
     if len(raw) < item.length:
         return TRUNCATED
-    return MISMATCH if sha256_bytes(raw) != item.sha256 else None
+    return None if matches(raw, item.digest) else MISMATCH
 
 
 def read_item(f, item: ItemRecord) -> tuple[memoryview, str | None]:
     """The item's bytes read from the open file ``f``, and what is wrong with them (None: they
     are the item). Hashed block by block as they are read, each block while it is still in the
-    CPU's cache (a chunk is often hundreds of MB: no second pass over it); hashlib releases the
+    CPU's cache (a chunk is often hundreds of MB: no second pass over it); the hash releases the
     GIL for each block, so threads reading other chunks hash at the same time."""
     buffer = memoryview(bytearray(item.length))
-    digest = hashlib.sha256()
+    digest = Checksum(item.digest)
     f.seek(item.offset)
     done = 0
     while done < item.length:
@@ -267,14 +267,14 @@ def read_item(f, item: ItemRecord) -> tuple[memoryview, str | None]:
             return buffer[:done], TRUNCATED
         digest.update(buffer[done:done + n])
         done += n
-    return buffer, None if digest.hexdigest() == item.sha256 else MISMATCH
+    return buffer, None if digest.digest == item.digest else MISMATCH
 
 
-def file_problem(raw: bytes, size: int, sha256: str) -> str | None:
+def file_problem(raw: bytes, size: int, digest: str) -> str | None:
     """None when ``raw`` is the whole file the manifest describes, else what is wrong."""
     if len(raw) < size:
         return TRUNCATED
-    return MISMATCH if sha256_bytes(raw) != sha256 else None
+    return None if matches(raw, digest) else MISMATCH
 
 
 def cut_short(where: str, items: list[ItemRecord], size: int) -> list[BadItem]:
@@ -358,7 +358,7 @@ def verify_local(step_dir: str | Path, progress=None) -> VerifyReport:
         report.bytes_checked += len(raw)
         if progress is not None:
             progress.update(record.size)
-        problem = file_problem(raw, record.size, record.sha256)
+        problem = file_problem(raw, record.size, record.digest)
         if problem:
             report.problems.append(BadItem(str(path), problem))
     report.files_checked = len(present.intersection(due))
@@ -424,7 +424,7 @@ def verify_s3(store, iteration: int, progress=None) -> VerifyReport:
             report.files_checked += 1
             raw = store.get_bytes(key)
             report.bytes_checked += len(raw)
-            problem = file_problem(raw, record.size, record.sha256)
+            problem = file_problem(raw, record.size, record.digest)
             if problem:
                 report.problems.append(BadItem(uri, problem))
         if progress is not None:

@@ -4,15 +4,15 @@ A step directory (``iter_0000004/``, Megatron-LM's name) holds megatron-core's `
 files - torch DCP data files ``__<rank>_<i>.distcp`` and their index ``.metadata``, megatron's
 ``common.pt`` and ``metadata.json`` - and, written last, ``autohet-manifest.json``. A step counts
 only once its manifest is there: readers ignore a directory without one (a save that died half
-way), and every byte they load is checked against the manifest's SHA-256 first.
+way), and every byte they load is checked against the manifest's checksum first.
 
 What the manifest records
 -------------------------
 * ``files``: every file of the step with its size, the rank that wrote it and, for the small
-  files, the SHA-256 of the whole file.
+  files, the checksum of the whole file.
 * ``items``: every chunk DCP stored in a data file - its checkpoint key, the global offsets and
   sizes of the tensor region it holds (None for a serialized object), and where its bytes are
-  (file, byte offset, length) with their SHA-256. Recovery plans from these alone (which chunk a
+  (file, byte offset, length) with their checksum. Recovery plans from these alone (which chunk a
   new layout needs, who holds it) without unpickling DCP's ``.metadata``; a chunk is the unit
   that is verified, fetched from a peer or read from S3 with a ranged GET.
 * ``replicas``: the same chunks again, byte for byte, in ``replica_<rank>.distcp`` files that
@@ -20,6 +20,17 @@ What the manifest records
   node is lost, a survivor's replica saves the download.
 * ``iteration``, the plan and the model it was saved under (``autohet checkpoint ls`` shows them;
   a resume compares the model with its own before any process starts, :func:`model_mismatch`).
+
+Checksums
+---------
+Each is written ``ALGORITHM:HEX`` (OCI's digest form), and a reader checks bytes with the
+algorithm the digest names (:class:`Checksum`), so steps written by earlier versions, whose
+manifests (format version 1) hold bare SHA-256 hex, load and verify as they are. New steps record
+``xxh3_128``, a 128-bit non-cryptographic hash: it guards against what a checksum is for (bit
+rot, torn writes, damaged transfers; an attacker could rewrite the manifest too) at an order of
+magnitude more GB/s per core than SHA-256, whose cost dominated verifying a rank's own chunks in
+a local-first recovery (docs/checkpoints.md has the figures). Both libraries release the GIL
+while they hash, so verifying threads hash in parallel.
 
 Atomic writes: :func:`write_atomic` writes a temporary name in the target directory, fsyncs it,
 renames it over the target and fsyncs the directory, so a crash leaves the old file or the new
@@ -36,10 +47,15 @@ import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import xxhash
+
 MANIFEST_FILE = "autohet-manifest.json"
 LATEST_FILE = "latest_checkpointed_iteration.txt"      # Megatron-LM's name and format
 FORMAT = "megatron-autohet checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+# Versions this code reads; version 1 (no "digest" fields: bare SHA-256 hex in "sha256") is
+# converted to the current form as it is read (Manifest.from_json).
+READABLE_VERSIONS = (1, 2)
 PARTIAL_SUFFIX = ".partial"
 
 
@@ -54,16 +70,44 @@ def parse_step_dir_name(name: str) -> int | None:
     return None
 
 
-def sha256_bytes(data: bytes | memoryview) -> str:
-    return hashlib.sha256(data).hexdigest()
+# Every checksum algorithm a manifest may name; new steps record CHECKSUM.
+HASHERS = {"sha256": hashlib.sha256, "xxh3_128": xxhash.xxh3_128}
+CHECKSUM = "xxh3_128"
 
 
-def sha256_file(path: str | Path) -> str:
-    digest = hashlib.sha256()
+class Checksum:
+    """A running checksum: of the algorithm a recorded ``digest`` names (to verify bytes against
+    it), or of :data:`CHECKSUM` (to record new bytes). Fed block by block with :meth:`update`."""
+
+    def __init__(self, digest: str | None = None):
+        self.algorithm = CHECKSUM if digest is None else digest.partition(":")[0]
+        self._hash = HASHERS[self.algorithm]()
+
+    def update(self, data: bytes | memoryview) -> "Checksum":
+        self._hash.update(data)
+        return self
+
+    @property
+    def digest(self) -> str:
+        return f"{self.algorithm}:{self._hash.hexdigest()}"
+
+
+def checksum(data: bytes | memoryview) -> str:
+    """The digest a new step records for ``data``."""
+    return Checksum().update(data).digest
+
+
+def checksum_file(path: str | Path) -> str:
+    digest = Checksum()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 22), b""):
             digest.update(block)
-    return digest.hexdigest()
+    return digest.digest
+
+
+def matches(data: bytes | memoryview, digest: str) -> bool:
+    """Whether ``data`` is what ``digest`` (a manifest's, any known algorithm) was taken of."""
+    return Checksum(digest).update(data).digest == digest
 
 
 @dataclass(frozen=True)
@@ -76,7 +120,7 @@ class ItemRecord:
     file: str
     offset: int                              # byte offset in the file
     length: int
-    sha256: str
+    digest: str                              # "ALGORITHM:HEX" (Checksum)
 
     @property
     def region(self) -> tuple[str, tuple[int, ...] | None]:
@@ -90,7 +134,7 @@ class FileRecord:
     size: int
     rank: int                                # the rank that wrote it (0 for the small files)
     node: str                                # the plan's node of that rank (whose disk has it)
-    sha256: str | None = None                # whole-file hash of the small files
+    digest: str | None = None                # whole-file checksum of the small files
 
 
 @dataclass
@@ -127,14 +171,16 @@ class Manifest:
         """Parse a manifest; ValueError naming ``source`` when it is not one of ours."""
         try:
             data = json.loads(raw)
-            if data.get("format") != FORMAT or data.get("format_version") != FORMAT_VERSION:
-                raise ValueError(f"format {data.get('format')!r} version "
-                                 f"{data.get('format_version')!r}")
+            version = data.get("format_version")
+            if data.get("format") != FORMAT or version not in READABLE_VERSIONS:
+                raise ValueError(f"format {data.get('format')!r} version {version!r}")
             return cls(
                 iteration=int(data["iteration"]), plan=data["plan"], extra=data.get("extra", {}),
-                files={f["name"]: FileRecord(**f) for f in data["files"]},
-                items=[_item(i) for i in data["items"]],
-                replicas=[_item(i) for i in data["replicas"]])
+                files={f["name"]: FileRecord(name=f["name"], size=f["size"], rank=f["rank"],
+                                             node=f["node"], digest=_digest(f, version))
+                       for f in data["files"]},
+                items=[_item(i, version) for i in data["items"]],
+                replicas=[_item(i, version) for i in data["replicas"]])
         except (ValueError, KeyError, TypeError) as err:
             raise ValueError(f"{source}: not a readable {FORMAT} manifest ({err})") from err
 
@@ -163,9 +209,20 @@ def model_mismatch(saved: dict | None, model: dict) -> tuple[str, object, object
     return None
 
 
-def _item(data: dict) -> ItemRecord:
+def _digest(record: dict, version: int) -> str | None:
+    """A record's checksum in the current form (format version 1 kept bare SHA-256 hex in
+    "sha256"); ValueError for an algorithm this code does not know."""
+    if version == 1:
+        return None if record["sha256"] is None else f"sha256:{record['sha256']}"
+    digest = record["digest"]
+    if digest is not None and digest.partition(":")[0] not in HASHERS:
+        raise ValueError(f"checksum {digest.partition(':')[0]!r} (known: {', '.join(HASHERS)})")
+    return digest
+
+
+def _item(data: dict, version: int) -> ItemRecord:
     return ItemRecord(key=data["key"], file=data["file"], offset=data["offset"],
-                      length=data["length"], sha256=data["sha256"],
+                      length=data["length"], digest=_digest(data, version),
                       offsets=None if data["offsets"] is None else tuple(data["offsets"]),
                       sizes=None if data["sizes"] is None else tuple(data["sizes"]))
 

@@ -19,7 +19,7 @@ can read (its node's local-tier directory, ``--load``); ``s3`` the S3 tier, if c
    downloaded by parallel ranged GETs (each chunk no surviving disk holds is downloaded once,
    by the lowest rank needing it, which forwards it to the others), and one exchange over
    ``group`` (torch.distributed send/recv, a chunk in 1 MiB messages) runs meanwhile. Every
-   chunk is checked against the SHA-256 of the copy it came from before it is used; a copy
+   chunk is checked against the checksum of the copy it came from before it is used; a copy
    that fails (on this disk or a peer's) is dropped for every rank and its chunks
    are planned again from what is left (another disk, S3); a bad or unreadable S3 copy makes
    the step unrecoverable on every rank together, naming the object (the others are told at
@@ -77,7 +77,7 @@ from megatron_autohet.errors import JobConfigError
 
 S3_DOWNLOAD_CONCURRENCY = 8       # ranged GETs in flight per rank (the S3 client's pool has 10)
 EXCHANGE_PIECE_BYTES = 2**20      # a chunk crosses to a peer in messages of at most this size
-# Threads reading and hashing this rank's own-disk chunks (hashlib releases the GIL, so they
+# Threads reading and hashing this rank's own-disk chunks (the hash releases the GIL, so they
 # hash at once; more than a few would only compete with the transfer and the load).
 VERIFY_THREADS = max(1, min(4, os.cpu_count() or 1))
 
@@ -443,7 +443,7 @@ def _fetch_round(fetches, rank: int, iteration: int, local_paths: dict[str, Path
                 out.bad[(rank, f.copy.file)] = (
                     f"{local_paths[f.copy.file]}: bytes {f.copy.offset}-"
                     f"{f.copy.offset + f.copy.length} ({f.copy.key}) do not match their "
-                    "SHA-256 in the manifest")
+                    "checksum in the manifest")
                 out.failed.append(f.index)
 
     def download(f) -> memoryview | None:
@@ -494,7 +494,7 @@ def _download(s3, iteration: int, record: ItemRecord) -> bytes:
     if not _good(raw, record):
         raise CorruptCheckpoint(f"{s3.location.uri(step_dir_name(iteration) + '/' + record.file)}"
                                 f": bytes {record.offset}-{record.offset + record.length} "
-                                f"({record.key}) do not match their SHA-256 in the manifest")
+                                f"({record.key}) do not match their checksum in the manifest")
     return raw
 
 
@@ -560,11 +560,11 @@ def _exchange(fetches, rank: int, local_paths: dict[str, Path], downloaded: dict
         elif f.source == S3:        # verified by the forwarder: damaged on the way, no disk to drop
             out.s3_error = out.s3_error or (
                 f"chunk {f.copy.key} at {f.copy.offsets} forwarded by rank {f.peer} from "
-                f"{f.copy.file} in S3 fails its SHA-256 check on arrival")
+                f"{f.copy.file} in S3 fails its checksum on arrival")
         else:
             out.bad[(f.peer, f.copy.file)] = (f"chunk {f.copy.key} at {f.copy.offsets} received "
                                               f"from rank {f.peer} ({f.copy.file}) fails its "
-                                              "SHA-256 check")
+                                              "checksum")
             out.failed.append(f.index)
     for _, request in sends:
         request.wait()
@@ -603,9 +603,9 @@ def _small_files(manifest: Manifest, local_paths: dict[str, Path], iteration: in
                  for name in SMALL_FILES}
     for name, raw in small.items():
         record = manifest.files[name]
-        if raw is None or file_problem(raw, record.size, record.sha256):
+        if raw is None or file_problem(raw, record.size, record.digest):
             problem = (f"{local_paths.get(name, name)} of iteration {iteration} does not match "
-                       "its SHA-256 in the manifest")
+                       "its checksum in the manifest")
             if len(holders) != len(present):
                 raise _Unrecoverable(problem)
             return small, problem

@@ -2,7 +2,7 @@
 
 This is the only module in the project that imports boto3; everything else talks to S3 through
 :class:`S3Store`, which just moves bytes. Integrity is the caller's job: it checks what comes back
-against the step's manifest (SHA-256 of byte ranges), because an S3 endpoint that is not AWS may
+against the step's manifest (checksums of byte ranges), because an S3 endpoint that is not AWS may
 not verify the checksums a client sends (moto's server, used by the tests, never does).
 
 Layout, for ``--autohet-s3-uri s3://BUCKET/PREFIX`` (keys are relative to PREFIX, which may be

@@ -16,8 +16,8 @@ Steps, on every rank:
    group of its own while training keeps the default group busy (megatron's entry point always
    uses the default group). The files are byte-for-byte megatron's format: DCP files +
    ``.metadata``, megatron's ``common.pt`` and ``metadata.json``.
-3. Each rank hashes the chunks of its own data files (SHA-256 per DCP item); the records are
-   all-gathered so every rank knows the whole manifest.
+3. Each rank hashes the chunks of its own data files (a checksum per DCP item, manifest.py);
+   the records are all-gathered so every rank knows the whole manifest.
 4. Rank 0 wrote ``.metadata``, ``common.pt`` and ``metadata.json``; their bytes are broadcast and
    the leader of every other directory writes them too, so each node-local directory can serve
    a recovery on its own.
@@ -47,7 +47,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from megatron_autohet.checkpoint.failures import full_disk, root_cause
 from megatron_autohet.checkpoint.manifest import (MANIFEST_FILE, FileRecord, ItemRecord, Manifest,
-                                                  commit_step_dir, partial_dir, sha256_bytes,
+                                                  checksum, commit_step_dir, partial_dir,
                                                   write_atomic)
 
 SMALL_FILES = (".metadata", "common.pt", "metadata.json")
@@ -128,7 +128,7 @@ def _dcp_save(state_dict: dict, directory: Path, group) -> tuple[object, dict]:
 
 def own_items(metadata, chunks: dict, directory: Path, rank: int,
               node: str) -> tuple[list[ItemRecord], list[FileRecord]]:
-    """SHA-256 of every chunk in this rank's data files (DCP names them ``__<rank>_<i>``).
+    """The checksum of every chunk in this rank's data files (DCP names them ``__<rank>_<i>``).
     ``chunks``: chunk locations (DCP ``MetadataIndex`` -> ``_StorageInfo``), this rank's or a
     whole step's; ``metadata``: DCP's index, for each chunk's sizes."""
     prefix = f"__{rank}_"
@@ -151,7 +151,7 @@ def own_items(metadata, chunks: dict, directory: Path, rank: int,
                              if tuple(c.offsets) == offsets)
             items.append(ItemRecord(key=index.fqn, offsets=tuple(index.offset) if sizes else None,
                                     sizes=sizes, file=name, offset=info.offset,
-                                    length=info.length, sha256=sha256_bytes(chunk)))
+                                    length=info.length, digest=checksum(chunk)))
     return items, files
 
 
@@ -237,7 +237,7 @@ def _write_replicas(directory: Path, rank: int, node: str, entries: list[tuple[I
             raw = _chunk_bytes(entry, item)
             records.append(ItemRecord(key=item.key, offsets=item.offsets, sizes=item.sizes,
                                       file=name, offset=f.tell(), length=len(raw),
-                                      sha256=sha256_bytes(raw)))
+                                      digest=checksum(raw)))
             f.write(raw)
         size = f.tell()
         f.flush()
@@ -365,7 +365,7 @@ def _write_and_commit(state_dict: dict, common: dict, *, iteration: int, plan, r
     all_files = {f.name: f for (_, files), _ in gathered for f in files}
     for name, raw in small.items():
         all_files[name] = FileRecord(name=name, size=len(raw), rank=0, node=plan.ranks[0].node,
-                                     sha256=sha256_bytes(raw))
+                                     digest=checksum(raw))
 
     candidates = _replica_candidates(sharded, all_items)
     everyone = on_every_rank(lambda: sorted(candidates), group, "planning replicas")

@@ -1,5 +1,5 @@
 """`autohet checkpoint ls | verify`: what checkpoint steps a directory or S3 prefix holds, and
-whether their bytes still match the manifest's SHA-256 - before a job is pointed at them.
+whether their bytes still match the manifest's checksums - before a job is pointed at them.
 
 Torch-free (checkpoint/inspect.py; boto3 only for an s3:// location), so both answer at once.
 """
@@ -32,7 +32,7 @@ ENDPOINT_HELP = ("S3 endpoint for an s3:// location (MinIO, moto, ...); default:
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
-        "checkpoint", help="list checkpoint steps, verify their SHA-256 checksums, adopt a "
+        "checkpoint", help="list checkpoint steps, verify their checksums, adopt a "
                            "stock Megatron-LM step",
         description="Inspect checkpoints written by `autohet train --save/--autohet-local-ckpt-"
                     "dir` or uploaded to S3, without loading them (no torch, no GPU); convert a "
@@ -59,8 +59,9 @@ def register(subparsers) -> None:
         "verify", help="re-hash every chunk of a step against its manifest",
         description="Re-hash every chunk (DCP item) of every data file the copy should hold, "
                     "and the small files (.metadata, common.pt, metadata.json), against the "
-                    "SHA-256 in the step's manifest: each problem is one line (file, byte range, "
-                    "checkpoint key, 'sha256 mismatch' / 'truncated' / 'missing file'; a data "
+                    "checksum in the step's manifest (xxh3_128; SHA-256 in a manifest of format "
+                    "version 1): each problem is one line (file, byte range, checkpoint key, "
+                    "'checksum mismatch' / 'truncated' / 'missing file'; a data "
                     "file cut short is one line), then a summary. Data files of other nodes' "
                     "ranks are not expected in a node-local directory. Exit status: 0 everything "
                     "present checks out, 1 corruption found, 2 bad input.")
@@ -207,7 +208,7 @@ def add_convert_action(actions) -> None:
     convert = actions.add_parser(
         "convert", help="adopt a stock Megatron-LM torch_dist checkpoint step (write our manifest)",
         description="Check that a step of stock Megatron-LM (--ckpt-format torch_dist) is "
-                    "complete, copy it to OUT_DIR, hash every chunk of the copy (SHA-256) and "
+                    "complete, copy it to OUT_DIR, hash every chunk of the copy and "
                     "commit it with our manifest, so that `autohet train --load OUT_DIR` (any "
                     "plan), `autohet checkpoint ls/verify` and the S3 tier accept it. The stock "
                     "directory is not modified.")

@@ -16,12 +16,13 @@ from pathlib import Path
 
 import pytest
 import torch
+import xxhash
 
 from megatron_autohet.checkpoint.manifest import MANIFEST_FILE, read_manifest, step_dir_name
 from megatron_autohet.checkpoint.options import CheckpointOptions
 from megatron_autohet.spec.precision import BF16, FP32
 from helpers.dist_utils import RankFailed, run_on_ranks
-from helpers.checkpointing import HALF, REL, TOTAL, one_node_lost, train_job
+from helpers.checkpointing import HALF, REL, TOTAL, as_format_1, one_node_lost, train_job
 from helpers.training import LOSS_REL, NORM_REL, OPTIMIZER, global_batches, plan, rel
 
 pytestmark = pytest.mark.integration
@@ -229,7 +230,7 @@ def test_flipped_bit_is_reported_with_its_path_and_never_loaded(uninterrupted_an
         run_on_ranks(a.world_size, train_job, a, batches, CheckpointOptions(load=str(load)))
     assert (f"JobConfigError: <command line>: field '--load': no checkpoint step in {load} "
             f"can be recovered: iteration {HALF}: {path}: bytes {item.offset}-"
-            f"{item.offset + item.length} ({item.key}) do not match their SHA-256 in the "
+            f"{item.offset + item.length} ({item.key}) do not match their checksum in the "
             "manifest; so chunk ") in str(failed.value)
 
 
@@ -245,6 +246,19 @@ def test_truncated_file_is_reported(uninterrupted_and_saved, tmp_path):
     assert (f"JobConfigError: <command line>: field '--load': no checkpoint step in {load} "
             f"can be recovered: iteration {HALF}: files missing or of the wrong size on every "
             f"surviving node: {item.file}" in str(failed.value))
+
+
+def test_a_step_saved_with_sha256_checksums_resumes_exactly(uninterrupted_and_saved, tmp_path):
+    """A step saved by a version before xxh3_128 (format-1 manifest: bare SHA-256) loads, every
+    chunk verified against its SHA-256, and resumes bit-identically; a flipped bit in it is
+    caught by that SHA-256 (tests/checkpoint/test_checkpoint_cli.py)."""
+    full, batches, saved = uninterrupted_and_saved
+    load, step = _corrupt_copy(saved, tmp_path)
+    as_format_1(step)
+    assert {item.digest.partition(":")[0] for item in read_manifest(step).items} == {"sha256"}
+    a = plan("tiny-two-pipelines")
+    rest = run_on_ranks(a.world_size, train_job, a, batches, CheckpointOptions(load=str(load)))[0]
+    assert full[:HALF] + rest == full
 
 
 def test_step_without_manifest_is_not_loaded(uninterrupted_and_saved, tmp_path):
@@ -272,6 +286,9 @@ def test_manifest_lists_every_chunk_once_with_its_checksum(uninterrupted_and_sav
         items = manifest.items_in(name)
         if items:
             assert sum(i.length for i in items) == on_disk[name]
+    for item in manifest.items:                       # xxh3_128 of the bytes, computed here
+        raw = (step / item.file).read_bytes()[item.offset:item.offset + item.length]
+        assert item.digest == f"xxh3_128:{xxhash.xxh3_128(raw).hexdigest()}"
     keys = {item.key for item in manifest.items}
     assert "optimizer.state.exp_avg.decoder.layers.self_attention.linear_qkv.weight" in keys
     assert (saved / "latest_checkpointed_iteration.txt").read_text() == str(HALF)

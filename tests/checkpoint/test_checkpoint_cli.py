@@ -20,7 +20,7 @@ from megatron_autohet.checkpoint.options import CheckpointOptions
 from megatron_autohet.checkpoint.s3_store import S3Store
 from helpers.dist_utils import run_on_ranks
 from megatron_autohet.testing.s3_server import free_port
-from helpers.checkpointing import HALF, TOTAL, train_job
+from helpers.checkpointing import HALF, TOTAL, as_format_1, train_job
 from helpers.cli import expect_usage_error, run_cli, table
 from helpers.training import OPTIMIZER, PLANS, global_batches, plan
 
@@ -55,7 +55,7 @@ def largest_item(step: Path):
 
 
 def chunk_count(manifest, names) -> int:
-    return sum(len(manifest.items_in(n)) for n in names if manifest.files[n].sha256 is None)
+    return sum(len(manifest.items_in(n)) for n in names if manifest.files[n].digest is None)
 
 
 def ok_line(where, manifest, names, bytes_checked) -> str:
@@ -155,8 +155,14 @@ def test_verify_each_node_directory_checks_only_its_files(capsys, saved):
 
 
 @pytest.mark.integration
-def test_verify_names_a_flipped_bit_by_file_range_and_key(capsys, shared):
+@pytest.mark.parametrize("written_by", ["this version", "a version before xxh3_128"])
+def test_verify_names_a_flipped_bit_by_file_range_and_key(capsys, shared, written_by):
+    """Caught by the step's own checksum: xxh3_128, or SHA-256 in a format-1 manifest (which
+    verifies as it is before the bit flips)."""
     step = shared / step_dir_name(HALF)
+    if written_by != "this version":
+        as_format_1(step)
+        assert run_cli(capsys, "checkpoint", "verify", shared)[0] == 0
     item = largest_item(step)
     path = step / item.file
     raw = bytearray(path.read_bytes())
@@ -166,7 +172,7 @@ def test_verify_names_a_flipped_bit_by_file_range_and_key(capsys, shared):
     assert rc == 1
     lines = out.splitlines()
     assert lines[:-1] == [f"{path}: bytes {item.offset}-{item.offset + item.length} "
-                          f"({item.key}): sha256 mismatch"]
+                          f"({item.key}): checksum mismatch"]
     assert lines[-1].startswith(f"> {step}: 1 problem(s); checked ")
 
 
@@ -187,7 +193,7 @@ def test_verify_hashes_every_chunk(capsys, shared):
     rc, out, _ = run_cli(capsys, "checkpoint", "verify", shared)
     assert rc == 1
     assert out.splitlines()[:-1] == [f"{step / name}: bytes {i.offset}-{i.offset + i.length} "
-                                     f"({i.key}): sha256 mismatch" for i in items]
+                                     f"({i.key}): checksum mismatch" for i in items]
 
 
 @pytest.mark.integration
@@ -287,7 +293,7 @@ def test_s3_ls_and_verify(capsys, saved, s3_endpoint, s3_uri, tmp_path, monkeypa
     (tmp_path / name).write_bytes(flip_in_every_item((step / name).read_bytes(), damaged))
     store.upload_file(tmp_path / name, f"{step_dir_name(HALF)}/{name}")
     other = next(n for n in sorted(manifest.files) if n != name
-                 and manifest.files[n].sha256 is None)
+                 and manifest.files[n].digest is None)
     cut_items = sorted(manifest.items_in(other), key=lambda i: i.offset)[-2:]
     (tmp_path / other).write_bytes((step / other).read_bytes()[:cut_items[0].offset + 1])
     store.upload_file(tmp_path / other, f"{step_dir_name(HALF)}/{other}")
@@ -295,7 +301,7 @@ def test_s3_ls_and_verify(capsys, saved, s3_endpoint, s3_uri, tmp_path, monkeypa
     assert rc == 1
     where = f"{s3_uri}/{step_dir_name(HALF)}"
     expected = {name: [f"{where}/{name}: bytes {i.offset}-{i.offset + i.length} ({i.key}): "
-                       "sha256 mismatch" for i in damaged],
+                       "checksum mismatch" for i in damaged],
                 other: [f"{where}/{other}: truncated at byte {cut_items[0].offset + 1} of "
                         f"{cut_items[-1].offset + cut_items[-1].length}: 2 of its "
                         f"{len(manifest.items_in(other))} chunks cut short or missing (from "
@@ -327,12 +333,12 @@ def test_convert_adopts_a_torch_dist_step_and_keeps_its_bytes(capsys, shared, tm
     chunk of the copy hashes as the original manifest says, and `verify` passes on the result."""
     out = tmp_path / "adopted"
     step = shared / step_dir_name(HALF)
-    original = {item.region: item.sha256 for item in read_manifest(step).items}
+    original = {item.region: item.digest for item in read_manifest(step).items}
     (step / MANIFEST_FILE).unlink()                     # as stock writes a step: no manifest
     rc, stdout, _ = run_cli(capsys, "checkpoint", "convert", shared, out)
     assert rc == 0 and stdout.startswith(f"converted iteration {HALF} of {shared}")
     converted = read_manifest(out / step_dir_name(HALF))
-    assert {item.region: item.sha256 for item in converted.items} == original
+    assert {item.region: item.digest for item in converted.items} == original
     assert run_cli(capsys, "checkpoint", "verify", out)[0] == 0
     assert (out / LATEST_FILE).read_text() == str(HALF)
 
@@ -374,10 +380,14 @@ def test_resume_with_another_schedule_or_global_batch_is_refused(capsys, shared)
 
 
 @pytest.mark.unit
-def test_read_item_hashes_a_chunk_block_by_block(monkeypatch, tmp_path):
+@pytest.mark.parametrize("algorithm", ["xxh3_128", "sha256"])
+def test_read_item_hashes_a_chunk_block_by_block(monkeypatch, tmp_path, algorithm):
     """A chunk read in blocks smaller than itself: its bytes, and whether they match, cut
-    short or differ, as a whole-chunk hash says."""
+    short or differ, as a whole-chunk hash of the algorithm its digest names says (sha256:
+    steps written before xxh3_128)."""
     import hashlib
+
+    import xxhash
 
     from megatron_autohet.checkpoint.manifest import ItemRecord
 
@@ -385,8 +395,9 @@ def test_read_item_hashes_a_chunk_block_by_block(monkeypatch, tmp_path):
     data = bytes(range(200)) * 3
     path = tmp_path / "data"
     path.write_bytes(data)
+    whole = {"xxh3_128": xxhash.xxh3_128, "sha256": hashlib.sha256}[algorithm](data[50:150])
     item = ItemRecord(key="w", offsets=(0,), sizes=(100,), file="data", offset=50, length=100,
-                      sha256=hashlib.sha256(data[50:150]).hexdigest())
+                      digest=f"{algorithm}:{whole.hexdigest()}")
     with open(path, "rb") as f:
         raw, problem = inspect.read_item(f, item)
         assert (bytes(raw), problem) == (data[50:150], None)

@@ -148,7 +148,7 @@ def test_corrupt_copy_on_a_peer_is_fetched_again_from_s3(full_and_batches, tmp_p
     _check_equal(full, first, rest)
     assert sum(b["s3"] for b in per_rank) == bad.length          # that chunk, downloaded once
     assert (f"WARNING: chunk {bad.key} at {bad.offsets} received from rank 2 ({bad.file}) fails "
-            "its SHA-256 check; not loaded, fetching the chunk elsewhere") in capfd.readouterr().out
+            "its checksum; not loaded, fetching the chunk elsewhere") in capfd.readouterr().out
 
 
 @pytest.mark.e2e
@@ -182,7 +182,7 @@ def test_a_corrupt_s3_copy_fails_every_rank_together(full_and_batches, tmp_path,
     message = (f"JobConfigError: <command line>: field '--load': no checkpoint step in {local} "
                f"or {s3_uri} can be recovered: iteration {HALF}: {store.location.uri(key)}: "
                f"bytes {bad.offset}-{bad.offset + bad.length} ({bad.key}) do not match their "
-               "SHA-256 in the manifest")
+               "checksum in the manifest")
     reports = str(failed.value).split("--- rank ")[1:]
     assert [r.split(" ", 1)[0] for r in reports] == ["0", "1", "2"]
     assert all(message in r for r in reports), str(failed.value)[-3000:]
@@ -208,7 +208,7 @@ def test_a_corrupt_small_file_on_one_node_fails_every_rank_together(
     assert [r.split(" ", 1)[0] for r in reports] == ["0", "1", "2"]
     message = (f"JobConfigError: <command line>: field '--load': no checkpoint step in {local} "
                f"or {s3_uri} can be recovered: iteration {HALF}: {common} of iteration {HALF} "
-               "does not match its SHA-256")
+               "does not match its checksum")
     assert all(message in r for r in reports), str(failed.value)[-3000:]
 
 
@@ -539,7 +539,7 @@ def test_a_region_no_chunk_holds_is_found_before_anything_is_fetched():
     from megatron_autohet.checkpoint.recovery_plan import Wanted, uncovered
 
     def chunk(key, offsets, sizes):
-        return ItemRecord(key, offsets, sizes, "f.distcp", 0, 1, "0" * 64)
+        return ItemRecord(key, offsets, sizes, "f.distcp", 0, 1, "xxh3_128:" + "0" * 32)
 
     items = [chunk("w", (0, 0), (2, 4)), chunk("w", (2, 0), (2, 4)), chunk("rng", None, None)]
     whole, lower, obj = Wanted("w", (0, 0), (4, 4)), Wanted("w", (1, 2), (3, 2)), \

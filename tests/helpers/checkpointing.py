@@ -68,3 +68,28 @@ def train_job(rank, world, the_plan, batches, options, exit_interval=None, preci
         return metrics, {trainer.layouts[name].global_name: (trainer.layouts[name], m.clone())
                          for name, m in held.items()}
     return metrics
+
+
+def as_format_1(*steps) -> None:
+    """Rewrite the manifest of a step (every copy of it: ``steps``, directories of the same step)
+    as versions before xxh3_128 wrote it: format version 1, each checksum bare SHA-256 hex under
+    "sha256", hashed here from the bytes on disk (a data file from the first copy holding it)."""
+    import hashlib
+    import json
+
+    from megatron_autohet.checkpoint.manifest import MANIFEST_FILE
+
+    def sha256(name: str, offset: int = 0, length: int | None = None) -> str:
+        path = next(step / name for step in steps if (step / name).is_file())
+        raw = path.read_bytes()
+        return hashlib.sha256(raw[offset:None if length is None else offset + length]).hexdigest()
+
+    data = json.loads((steps[0] / MANIFEST_FILE).read_bytes())
+    for record in data["files"]:
+        record["sha256"] = None if record.pop("digest") is None else sha256(record["name"])
+    for record in data["items"] + data["replicas"]:
+        del record["digest"]
+        record["sha256"] = sha256(record["file"], record["offset"], record["length"])
+    data["format_version"] = 1
+    for step in steps:
+        (step / MANIFEST_FILE).write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
