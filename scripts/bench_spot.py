@@ -26,9 +26,11 @@ again, and the delay is reported (``late``).
 * **baseline** (restart everything from S3, Varuna-style checkpoint/restart): the same product
   code, but on every step every node's process tree is killed with SIGKILL (a job without
   notice handling: no emergency save), every node-local checkpoint directory is deleted, and the
-  job is started again on the new fleet (a new rendezvous id, ``--nnodes N:N``). Recovery then
-  reads everything from S3: the newest step whose upload had completed; the iterations after it
-  are lost and re-trained. The restart is immediate (an omniscient job manager).
+  job is started again on the new fleet (a new rendezvous id, ``--nnodes N:N``) with cold
+  workers (``autohet node --cold-workers``: torchrun's fresh interpreters, as a restarted job
+  without warm fork servers has). Recovery then reads everything from S3: the newest step whose
+  upload had completed; the iterations after it are lost and re-trained. The restart is
+  immediate (an omniscient job manager).
 
 Nothing a fleet does ends the benchmark: an agent that exits while its node is in the fleet is
 recorded and started again (as scripts/launch_node.sh does), a job that does not train again
@@ -250,7 +252,8 @@ def replay(mode: str, workdir: Path, trace_steps, initial: list[str], args,
                   "--save-interval", str(args.save_interval),
                   "--autohet-s3-uri", f"s3://{bucket}/{mode}",
                   "--autohet-s3-endpoint-url", endpoint]
-    fleet = EmulatedFleet(workdir, train_args=train_args, nnodes="2:8", job_id=mode)
+    fleet = EmulatedFleet(workdir, train_args=train_args, nnodes="2:8", job_id=mode,
+                          cold_workers=mode == "baseline")
 
     def finished() -> dict | None:
         return next((e for e in fleet.events("finished")), None)
@@ -695,7 +698,8 @@ def main() -> None:
                     "baseline": "on every membership change: SIGKILL of every node's process "
                                 "tree (no emergency save), node-local checkpoint directories "
                                 "deleted, job restarted at once on the new fleet (new "
-                                "rendezvous id, --nnodes N:N); recovery from S3 only",
+                                "rendezvous id, --nnodes N:N, cold workers); recovery from S3 "
+                                "only",
                     "cpu_count": os.cpu_count(), "machine": platform.platform(),
                     "python": platform.python_version(),
                     "load_average_1min": {"before": load_before[0],

@@ -99,6 +99,7 @@ class EmulatedFleet:
     job_id: str = "emulated"
     port: int = 0
     omp_threads: int = 1
+    cold_workers: bool = False         # `autohet node --cold-workers`: no warm fork server
     nodes: dict[str, _Node] = field(default_factory=dict)
     _rendezvous: subprocess.Popen | None = None
     _next_addr: int = 1
@@ -159,7 +160,9 @@ class EmulatedFleet:
             self._autohet("node", "--rendezvous", f"127.0.0.1:{self.port}", "--job-id",
                           self.job_id, "--nnodes", self.nnodes, "--node-name", node,
                           "--gpu", gpu, "--local-addr", addr, "--notice-file",
-                          str(self.notice_file(node)), "--", *self.train_args,
+                          str(self.notice_file(node)),
+                          *(["--cold-workers"] if self.cold_workers else []), "--",
+                          *self.train_args,
                           "--autohet-local-ckpt-dir", str(self.workdir / "{node}" / "ckpt"),
                           "--autohet-notice-file", str(notice),
                           "--autohet-events-jsonl", str(self.events_path),
