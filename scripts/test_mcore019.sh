@@ -7,8 +7,9 @@
 # whole suite in .venv on 0.16.1; this script builds .venv-mcore019 (kept between runs; delete
 # it to start over) with the newest 0.19.x and runs there what differs between the versions:
 # the heterogeneous 1F1B and its warm-up depths, the parallel state, the equivalence with a
-# single process and with stock megatron-core, checkpoints, and one elastic run (preemption,
-# loss and a join). Extra arguments go to pytest, e.g. -x.
+# single process and with stock megatron-core, checkpoints, megatron-core's known-benign warnings
+# and log records, and one elastic run (preemption, loss and a join). Extra arguments go to
+# pytest, e.g. -x.
 #
 # megatron-core 0.17 and later declare Python >= 3.12. On an older Python (this project's
 # machines and CI have 3.11) it is built from its source release with --ignore-requires-python:
@@ -62,4 +63,5 @@ PATH="$ROOT/$VENV/bin:$PATH" "$py" -m pytest -q \
   tests/runtime/test_parallel_state.py \
   tests/runtime/test_equivalence.py \
   tests/checkpoint/test_checkpoint.py \
+  tests/cli/test_known_warnings.py \
   "$@"

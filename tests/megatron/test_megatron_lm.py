@@ -231,7 +231,7 @@ def test_pretrain_gpt_bf16_with_distributed_optimizer_like_autohet_train(tree, d
     assert result.returncode == 0, output_tail(result)
     assert "> distributed optimizer: rank 0 keeps" in result.stdout
     # megatron-core's known-benign warnings: ignored on every rank (known_warnings.py)
-    assert [m for m, _ in KNOWN_WARNINGS if re.search(m, result.stderr)] == []
+    assert [m for m, *_ in KNOWN_WARNINGS if re.search(m, result.stderr)] == []
     assert _repeated_diagnostics(result.stdout + result.stderr) == {}
     ours = tmp_path / "autohet.jsonl"
     assert "training in bf16 (--bf16)" in _autohet_train(PLAN, ours, data_dir, *flags)
