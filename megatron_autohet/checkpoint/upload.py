@@ -1,7 +1,7 @@
 """The S3 tier of a save: one copy of every main chunk, the manifest last and only once.
 
-``upload_step(store, manifest, step_dir, *, rank, group) -> bool`` runs on every rank after a
-step is committed locally (in the background writer when ``--async-save``): each rank uploads
+``upload_step(store, manifest, step_dir, *, rank, keep, group) -> bool`` runs on every rank after
+a step is committed locally (in the background writer when ``--async-save``): each rank uploads
 the main data files it wrote (``__<rank>_<i>.distcp``; replicas stay on local disks: S3 holds
 one copy), rank 0 the small files. When every rank has succeeded, rank 0 writes the manifest
 with ``IfNoneMatch='*'`` - the step now exists in S3, complete - then the ``latest`` pointer, and
@@ -9,15 +9,27 @@ deletes the steps beyond the newest ``keep``. A failed upload (S3 unreachable) i
 leaves no manifest, so the step does not exist in S3; the next save uploads its own step, which
 is how the tier catches up. Two savers racing for the same step: the second manifest write finds
 the first one and backs off.
+
+With a ``deadline`` (a preemption notice's, checkpoint/deadline.py) a rank does not start a file
+whose upload cannot end before it, estimated from the bandwidth its uploads of this step measured
+so far, and stops waiting for one still running when its time is up (the upload goes on in the
+background until the node goes; without the manifest it commits nothing): what follows - the
+re-plan, whose broadcast the leaving ranks take part in - must not miss the deadline. A skipped
+file leaves the step uncommitted in S3 (the manifest goes only over a complete step);
+:func:`upload_step_before` says which files were skipped and why.
 """
 
 from __future__ import annotations
 
 import sys
+import threading
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from tqdm import tqdm
 
+from megatron_autohet.checkpoint.deadline import Deadline, Throughput
 from megatron_autohet.checkpoint.inspect import is_data_file, s3_files
 from megatron_autohet.checkpoint.manifest import LATEST_FILE, MANIFEST_FILE, Manifest, step_dir_name
 from megatron_autohet.checkpoint.writer import SMALL_FILES, on_every_rank
@@ -38,23 +50,66 @@ def files_to_upload(manifest: Manifest, rank: int) -> list[str]:
     return names + (list(SMALL_FILES) if rank == 0 else [])
 
 
+@dataclass(frozen=True)
+class Skipped:
+    """A file a rank did not upload before the deadline."""
+    rank: int
+    name: str
+    size: int
+    why: str
+
+
+@dataclass(frozen=True)
+class Uploaded:
+    """What :func:`upload_step` did: ``committed`` (this call wrote the step's manifest in S3),
+    the files every rank skipped before the deadline, and the bytes every rank sent."""
+    committed: bool
+    skipped: list[Skipped]
+    bytes: int
+
+
 def upload_step(store, manifest: Manifest, step_dir: Path, *, rank: int, keep: int,
                 group=None) -> bool:
     """Upload step ``manifest.iteration``; True when this call committed it in S3."""
+    return upload_step_before(store, manifest, step_dir, rank=rank, keep=keep, group=group,
+                              deadline=None).committed
+
+
+def upload_step_before(store, manifest: Manifest, step_dir: Path, *, rank: int, keep: int,
+                       group=None, deadline: Deadline | None) -> Uploaded:
+    """:func:`upload_step` (collective over ``group``); with ``deadline``, only the files that
+    can be sent before it, and the manifest only when no rank skipped one."""
     prefix = step_dir_name(manifest.iteration)
 
     def upload_mine():
         names = files_to_upload(manifest, rank)
-        with byte_progress(sum(manifest.files[n].size for n in names),
-                           f"upload {prefix} (rank {rank})", show=rank == 0) as bar:
+        sizes = {name: manifest.files[name].size for name in names}
+        skipped, sent, meter = [], 0, Throughput()
+        with byte_progress(sum(sizes.values()), f"upload {prefix} (rank {rank})",
+                           show=rank == 0) as bar:
             for name in names:
-                store.upload_file(step_dir / name, f"{prefix}/{name}", progress=bar.update)
+                if deadline is not None and (skipped or not deadline.fits(sizes[name],
+                                                                          meter.rate)):
+                    skipped.append(Skipped(rank, name, sizes[name], _why_not(
+                        sizes[name], meter.rate, deadline, after_skip=bool(skipped))))
+                    continue
+                start = time.monotonic()
+                if not _upload_by(store, step_dir / name, f"{prefix}/{name}", bar.update,
+                                  deadline):
+                    skipped.append(Skipped(rank, name, sizes[name], "still uploading when the "
+                                           "time before the deadline was up (left running)"))
+                    continue
+                meter.add(sizes[name], time.monotonic() - start)
+                sent += sizes[name]
+        return skipped, sent
 
-    on_every_rank(upload_mine, group, f"uploading iteration {manifest.iteration} to "
-                                       f"{store.location.uri()}")
+    mine = on_every_rank(upload_mine, group, f"uploading iteration {manifest.iteration} to "
+                                             f"{store.location.uri()}")
+    skipped = [s for rank_skipped, _ in mine for s in rank_skipped]
+    sent = sum(rank_sent for _, rank_sent in mine)
 
     def commit():
-        if rank != 0:
+        if rank != 0 or skipped:
             return None
         if not store.put_bytes_if_absent(f"{prefix}/{MANIFEST_FILE}", manifest.to_json()):
             return False                      # another saver committed this step first
@@ -63,7 +118,39 @@ def upload_step(store, manifest: Manifest, step_dir: Path, *, rank: int, keep: i
             store.delete_step(old)
         return True
 
-    return bool(on_every_rank(commit, group, f"committing iteration {manifest.iteration} in "
-                                              f"{store.location.uri()}")[0])
+    committed = on_every_rank(commit, group, f"committing iteration {manifest.iteration} in "
+                                             f"{store.location.uri()}")[0]
+    return Uploaded(bool(committed), skipped, sent)
 
 
+def _upload_by(store, path: Path, key: str, progress, deadline: Deadline | None) -> bool:
+    """Upload ``path``; with ``deadline``, wait for it only while its time lasts. False: still
+    running then (boto3 cannot cancel an upload, and its progress callbacks come as the body is
+    read - for a checksum, all at once - not as it is sent, so neither could stop it)."""
+    if deadline is None:
+        store.upload_file(path, key, progress=progress)
+        return True
+    failed: list[BaseException] = []
+
+    def upload() -> None:
+        try:
+            store.upload_file(path, key, progress=progress)
+        except BaseException as err:  # noqa: BLE001 - raised again in the caller's thread
+            failed.append(err)
+    thread = threading.Thread(target=upload, daemon=True, name=f"upload {key}")
+    thread.start()
+    thread.join(max(0.0, deadline.left()))
+    if thread.is_alive():
+        return False
+    if failed:
+        raise failed[0]
+    return True
+
+
+def _why_not(size: int, rate: float | None, deadline: Deadline, *, after_skip: bool) -> str:
+    if after_skip:
+        return "a file before it was skipped: the step cannot be complete in S3"
+    if rate is None or deadline.left() <= 0:
+        return "no time left before the deadline"
+    return (f"{size / 2**20:.1f} MiB at the {rate / 2**20:.2f} MiB/s measured need "
+            f"{size / rate:.1f} s, {deadline.left():.1f} s left before the deadline")
