@@ -6,7 +6,7 @@ manifest        pure: the manifest that commits a step (files, per-chunk checksu
 options         pure: the checkpoint flags of a job (--save, --load, --save-interval, ...)
 state           what a rank's checkpoint holds, as megatron-core sharded state dicts
 writer          one step: torch DCP files + common.pt + metadata.json, checksums, manifest, commit
-deadline        pure: a preemption notice's deadline, what a copy may still start before it
+deadline        a preemption notice's deadline: what a copy may still start before it
 upload          the S3 tier of a save: main files, then the manifest once, then `latest`
 inspect         pure: what a step holds and re-hashing its chunks (`autohet checkpoint ls/verify`)
 convert         adopt a stock Megatron-LM torch_dist step: check it, copy it, write our manifest
