@@ -573,13 +573,15 @@ def mean(values) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-def summarise(autohet: dict, baseline: dict) -> dict:
+def summarise(autohet: dict, baseline: dict, save_interval: int) -> dict:
     def removes(run, key):
         return [e[key] for e in run["events"] if e["removes"] and e[key] is not None]
     a_down, b_down = (mean(removes(r, "downtime_s")) for r in (autohet, baseline))
     a_cost, b_cost = (mean(removes(r, "cost_s")) for r in (autohet, baseline))
     a_rec, b_rec = (mean(removes(r, "recover_s")) for r in (autohet, baseline))
     lost_notice = [e["iterations_lost"] for e in autohet["events"] if e["kind"] == "notice"]
+    killed = [e for e in autohet["events"] if "kill" in e["kind"].split("+")]
+    lost_kill = [e["iterations_lost"] for e in killed]
     return {
         "autohet_goodput": autohet["goodput"], "baseline_goodput": baseline["goodput"],
         "autohet_mean_recover_per_removal_step_s": a_rec,
@@ -594,6 +596,12 @@ def summarise(autohet: dict, baseline: dict) -> dict:
         "cost_ratio_baseline_over_autohet": b_cost / a_cost if a_cost and b_cost else None,
         "iterations_lost_with_notice": lost_notice,
         "zero_lost_with_notice": all(n == 0 for n in lost_notice),
+        # a step with a removal without notice: its downtime, and at most a save interval lost
+        "downtime_without_notice_s": [e["downtime_s"] for e in killed],
+        "iterations_lost_without_notice": lost_kill,
+        "save_interval": save_interval,
+        "lost_without_notice_within_save_interval": all(
+            n is not None and n <= save_interval for n in lost_kill),
     }
 
 
@@ -610,7 +618,9 @@ def print_summary(s: dict) -> None:
           f"{f(s['autohet_mean_recover_per_removal_step_s'])} s vs "
           f"{f(s['baseline_mean_recover_per_removal_step_s'])} s = "
           f"{f(s['recover_ratio_baseline_over_autohet'])}x; iterations lost with notice: "
-          f"{s['iterations_lost_with_notice']}")
+          f"{s['iterations_lost_with_notice']}; without notice: "
+          f"{s['iterations_lost_without_notice']} (save interval {s['save_interval']}), downtime "
+          + (", ".join(f(v) for v in s["downtime_without_notice_s"]) or "-") + " s")
 
 
 # ---- main ---------------------------------------------------------------------------------------
@@ -681,7 +691,7 @@ def main() -> None:
             runs[mode] = replay(mode, workdir / mode, trace_steps, initial, args, s3)
             analysed[mode] = analyse(mode, workdir / mode, runs[mode])
             print(f"[{mode}] done in {time.time() - started:.0f} s", flush=True)
-    summary = summarise(analysed["autohet"], analysed["baseline"])
+    summary = summarise(analysed["autohet"], analysed["baseline"], args.save_interval)
     print_run("autohet (local checkpoints + peers + S3)", analysed["autohet"])
     print_run("baseline (restart everything from S3: SIGKILL all, local tier wiped, restart)",
               analysed["baseline"])
