@@ -6,6 +6,7 @@ set -euo pipefail
 
 PROG=launch_node.sh
 SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+EXIT_STOPPED=76     # autohet node's status when the job stopped for good (elastic/rendezvous.py)
 
 usage() {
   cat <<'EOF'
@@ -25,8 +26,9 @@ Run this node's part of an elastic megatron-autohet job (what a spot node runs a
      `--autohet-notice-file WORK_DIR/notice.json` and (unless given) `--autohet-local-ckpt-dir
      WORK_DIR/ckpt` added to the training arguments;
   3. when it exits 0 (the job is done, or this node got a notice and is leaving): stop, exit 0;
-     when it fails and there is no preemption notice: start it again after --restart-delay
-     seconds, at most --max-restarts times, then exit with its status.
+     when it exits 76 (the job stopped for good: its checkpoint saves failed): stop, exit 76;
+     when it fails otherwise and there is no preemption notice: start it again after
+     --restart-delay seconds, at most --max-restarts times, then exit with its status.
 
 Every option can also be given as the environment variable in brackets (the option wins).
 
@@ -72,8 +74,9 @@ Optional:
 Everything after -- goes to `autohet train` (--plan, --model, --cluster, --iters,
 --save-interval, --autohet-s3-uri, ...); do not give --autohet-notice-file there, it is set here.
 
-Exit status: 0 when the job finished or this node left after a preemption notice (a launcher
-must not start it again); 2 for bad options; else the last failed `autohet node`'s status.
+Exit status: 0 when the job finished or this node left after a preemption notice, 76 when the
+job stopped for good (a launcher must not start it again after either); 2 for bad options; else
+the last failed `autohet node`'s status.
 
 Example:
   scripts/launch_node.sh --rendezvous head:29400 --job-id gpt-run-1 --nnodes 2:8 \
@@ -420,6 +423,10 @@ while :; do
   if preempted; then
     log "this node got a preemption notice and its agent ended (status $status): leaving, not restarting"
     exit 0
+  fi
+  if [ "$status" = "$EXIT_STOPPED" ]; then
+    log "the job stopped for good (autohet node exited $status: see its line above): not restarting"
+    exit "$status"
   fi
   if [ "$restarts" -ge "$MAX_RESTARTS" ]; then
     log "autohet node failed (status $status) and was restarted $restarts times (--max-restarts $MAX_RESTARTS): giving up"

@@ -96,10 +96,13 @@ class SaveFailure:
 
 class CheckpointStop(SystemExit):
     """The job stops because saving failed (the last save, or too many in a row), on every rank
-    alike; rank 0 has printed why. Exit status 1, no traceback."""
+    alike; rank 0 has printed why (``line``: why, and which steps are complete where, as this
+    rank sees them). Exit status 1, no traceback; an elastic worker stops its job for good with
+    the line (elastic/worker.py)."""
 
-    def __init__(self):
+    def __init__(self, line: str):
         super().__init__(1)
+        self.line = line
 
 
 def _log(message: str, *, file=None) -> None:
@@ -360,11 +363,11 @@ class Checkpointer:
         why = ("it was the last save of the run" if last else
                f"{self.consecutive_failures} saves in a row failed (--autohet-max-failed-saves "
                f"{limit})")
+        line = f"{line}; the job stops: {why}. {self._complete_steps()}"
         if self.rank == 0:
-            _log(f"ERROR: {line}; the job stops: {why}. {self._complete_steps()}",
-                 file=sys.stderr)
+            _log(f"ERROR: {line}", file=sys.stderr)
         dist.barrier(group=self.decisions)      # rank 0 has printed before any rank exits
-        raise CheckpointStop()
+        raise CheckpointStop(line)
 
     def _complete_steps(self) -> str:
         root = self.dirs.root(self.rank)

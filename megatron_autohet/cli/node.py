@@ -29,7 +29,10 @@ torchrun's defaults, and why:
 
 When the job is over, every agent ends: the nodes of its last round once their workers are done,
 a standby node (never admitted, or waiting for the next round) when it finds the rendezvous
-closed - which is the job's end, not a failure: exit status 0.
+closed - which is the job's end, not a failure: exit status 0. A job that stopped for good (its
+checkpoint saves failed: the last one, or --autohet-max-failed-saves in a row) ends every agent
+with one line saying why and which steps are complete where, exit status 76 (EXIT_STOPPED),
+instead of torchrun restarting its workers.
 
 The node's name and GPU type reach the workers as ``AUTOHET_NODE`` / ``AUTOHET_GPU``. When this
 node got a preemption notice (``--notice-file`` holds one when the agent ends; a rebalance
@@ -113,6 +116,7 @@ def run(args: argparse.Namespace) -> int:
     from torch.distributed.run import get_args_parser
     from torch.distributed.run import run as torchrun
 
+    from megatron_autohet.elastic.rendezvous import EXIT_STOPPED, ENDPOINT_ENV, JobStopped
     from megatron_autohet.elastic.rendezvous import close as close_rendezvous
     from megatron_autohet.elastic.rendezvous import register as register_rendezvous
 
@@ -125,6 +129,7 @@ def run(args: argparse.Namespace) -> int:
     if args.gpu is not None:
         os.environ["AUTOHET_GPU"] = args.gpu
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    os.environ[ENDPOINT_ENV] = args.rendezvous      # a worker that stops the job says so there
     server = None if args.cold_workers else start_fork_server()
     spare = {server[0].pid} if server else set()
     argv = torchrun_argv(args, register_rendezvous(notice_file=args.notice_file,
@@ -147,6 +152,10 @@ def run(args: argparse.Namespace) -> int:
     except RendezvousClosedError:
         print(f"autohet node: {os.environ['AUTOHET_NODE']}: the job's rendezvous is closed: the "
               "job has ended", file=sys.stderr)
+    except JobStopped as stopped:
+        print(f"autohet node: {os.environ['AUTOHET_NODE']}: the job stopped for good: {stopped}",
+              file=sys.stderr)
+        status = EXIT_STOPPED
     except SystemExit as exit_:
         status = exit_.code if isinstance(exit_.code, int) else 1
     except Exception as err:            # noqa: BLE001 - the agent's failure, already logged

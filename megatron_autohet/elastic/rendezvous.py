@@ -28,6 +28,14 @@ drops out of the rendezvous within a few seconds, as a lost node does); `autohet
 over. A closed rendezvous ends the agent (RendezvousClosedError, also for a node waiting beyond
 ``--nnodes``' maximum): `autohet node` then exits 0.
 
+A job that stops for good (its checkpoint saves failed: the last one, or
+``--autohet-max-failed-saves`` in a row): torchrun's agents restart workers whatever their exit
+status, so a worker that stops the job (:func:`stop_for_good`) first leaves why in the job's
+rendezvous store, then exits with :data:`EXIT_STOPPED`. Every agent looks for that line before
+it joins a round and when it finds the rendezvous closed; finding it, the agent closes the
+rendezvous (so nodes waiting in it learn too) and raises :class:`JobStopped`: `autohet node`
+prints the line and exits with EXIT_STOPPED, which scripts/launch_node.sh does not restart.
+
 A node lost without notice (its processes killed, its network cut): torchrun's agents restart
 their workers only when one of their own workers fails or a node waits to join. The survivors'
 workers are blocked in a collective with the lost node's: when its processes died, gloo's
@@ -49,10 +57,12 @@ first: the workers then stop at an iteration boundary and save (SIGTERM), as tor
 
 from __future__ import annotations
 
+import os
 import sys
+from datetime import timedelta
 from typing import Callable
 
-from torch.distributed import DistStoreError
+from torch.distributed import DistStoreError, TCPStore
 from torch.distributed.elastic.rendezvous import (RendezvousClosedError,
                                                   RendezvousGracefulExitError,
                                                   RendezvousHandler, RendezvousParameters,
@@ -62,6 +72,26 @@ from torch.distributed.elastic.rendezvous import (RendezvousClosedError,
 from megatron_autohet.elastic.notices import preempt_notice_in
 
 BACKEND = "autohet-c10d"
+# Exit status of a worker, and of `autohet node`, when the job stopped for good.
+EXIT_STOPPED = 76
+# The job's rendezvous endpoint (HOST:PORT), for its workers: `autohet node` sets it.
+ENDPOINT_ENV = "AUTOHET_RENDEZVOUS"
+
+
+class JobStopped(Exception):
+    """The job stopped for good; the message says why (a worker's :func:`stop_for_good`)."""
+
+
+def stop_for_good(line: str) -> int:
+    """In a worker that stops the job for good: leave ``line`` (why, and which steps are
+    complete where) in the job's rendezvous store, where every agent looks before it starts
+    another round (the first worker's line stays); returns EXIT_STOPPED, the worker's status."""
+    endpoint = os.environ.get(ENDPOINT_ENV)
+    if endpoint:                        # else not under `autohet node`: nothing to tell
+        host, port = endpoint.rsplit(":", 1)
+        store = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=60))
+        store.compare_set(_stopped_key(os.environ["TORCHELASTIC_RUN_ID"]), "", line)
+    return EXIT_STOPPED
 
 
 def register(*, notice_file: str | None = None,
@@ -111,16 +141,21 @@ class PersistentRendezvous(RendezvousHandler):
         self._announced = False
 
     def next_rendezvous(self):
+        self._end_if_stopped()
         while True:
             try:
                 info = self.inner.next_rendezvous()
                 state = self.inner._state_holder.state
                 self._round = (state.round, frozenset(state.participants))
                 return info
+            except RendezvousClosedError:
+                self._end_if_stopped()
+                raise
             except RendezvousGracefulExitError as err:
                 # A node beyond --nnodes' maximum finds the rendezvous closed: the same end as
                 # any other (torchrun's agent returns no result for it, and its launcher fails
                 # on that).
+                self._end_if_stopped()
                 raise RendezvousClosedError(str(err)) from err
             except (RendezvousTimeoutError, DistStoreError) as err:
                 # The join timeout, or a store read that timed out: not the job's end.
@@ -186,6 +221,14 @@ class PersistentRendezvous(RendezvousHandler):
         self.inner._store.set(_departure_key(self.get_run_id(), self.inner._this_node), "1")
         self._announced = True
 
+    def _end_if_stopped(self) -> None:
+        """JobStopped when a worker stopped the job for good (:func:`stop_for_good`), after
+        closing the rendezvous for the nodes still waiting in it."""
+        key = _stopped_key(self.get_run_id())
+        if self.inner._store.check([key]):
+            self.inner.set_closed()
+            raise JobStopped(self.inner._store.get(key).decode())
+
     def get_run_id(self) -> str:
         return self.inner.get_run_id()
 
@@ -194,6 +237,10 @@ class PersistentRendezvous(RendezvousHandler):
         # keep-alive stops (a private method of torch's c10d handler, in 2.11-2.13 alike).
         self.inner._stop_heartbeats()
         return True
+
+
+def _stopped_key(run_id: str) -> str:
+    return f"autohet.stopped.{run_id}"
 
 
 def _departure_key(run_id: str, node) -> str:

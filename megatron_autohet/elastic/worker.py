@@ -53,12 +53,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megatron_autohet.checkpoint.checkpointer import CheckpointStop
 from megatron_autohet.checkpoint.inspect import committed_s3, newest_manifest
 from megatron_autohet.checkpoint.manifest import MANIFEST_FILE, Manifest, step_dir_name
 from megatron_autohet.elastic.events import EventLog
 from megatron_autohet.elastic.fleet import Member, fleet_cluster, gpu_type_of_device, plan_ranks
 from megatron_autohet.elastic.handover import hand_over, move_files
 from megatron_autohet.elastic.hold import hold_file_from_env, wait_while_held
+from megatron_autohet.elastic.rendezvous import stop_for_good
 from megatron_autohet.elastic.stop import StopDecision, StopRequests, stop_group
 from megatron_autohet.errors import ConfigError, JobConfigError
 from megatron_autohet.job import init_backend, job_precision, report_job_config_error, train_job
@@ -266,6 +268,8 @@ class ElasticWorker:
                 ended = self._generation(plan, plan_rank, members)
             except JobConfigError as err:
                 return report_job_config_error(err, plan_rank)
+            except CheckpointStop as stop:          # not restarted: torchrun would
+                return stop_for_good(stop.line)
             finally:
                 dist.destroy_process_group()
             if ended.decision is None:

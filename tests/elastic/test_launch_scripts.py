@@ -34,10 +34,10 @@ TIMEOUT_S = 60
 # watcher does) or SIGHUP (the script's clean-up); with STUB_WATCH_MODE=rebalance it first writes
 # an AWS rebalance recommendation (and watches on, as the real one does), with crash it exits 3.
 # `autohet node` does what the next word of $STUB_NODE_MODES says (one word per call): ok / fail
-# (exit 3) / notice-fail (write the notice, exit 1) / rebalance-fail (write a rebalance
-# recommendation, exit 1) / wait-notice (run until the notice file exists, then exit 0, as an
-# agent whose workers stopped on a notice) / wait-preempt (the same, until the file holds a
-# preempt notice). Every call leaves its argv in $STUB_DIR/calls/.
+# (exit 3) / stopped (exit 76: the job stopped for good) / notice-fail (write the notice, exit 1)
+# / rebalance-fail (write a rebalance recommendation, exit 1) / wait-notice (run until the notice
+# file exists, then exit 0, as an agent whose workers stopped on a notice) / wait-preempt (the
+# same, until the file holds a preempt notice). Every call leaves its argv in $STUB_DIR/calls/.
 STUB = r"""#!/usr/bin/env bash
 set -u
 calls="$STUB_DIR/calls"; mkdir -p "$calls"
@@ -83,6 +83,7 @@ case "$1" in
     case "$mode" in
       ok) exit 0 ;;
       fail) exit 3 ;;
+      stopped) exit 76 ;;
       notice-fail) preempt_notice aws >"$notice"; exit 1 ;;
       rebalance-fail) rebalance_notice >"$notice"; exit 1 ;;
       wait-notice) while [ ! -e "$notice" ]; do sleep 0.05; done; exit 0 ;;
@@ -338,6 +339,18 @@ def test_gives_up_after_max_restarts(stub):
     assert result.returncode == 3                       # the agent's status
     assert len(_calls(stub_dir, "node")) == 3
     assert "giving up" in result.stdout
+
+
+@pytest.mark.integration
+def test_a_job_stopped_for_good_is_not_restarted(stub):
+    """`autohet node` exits 76 when its job stopped for good (its checkpoint saves failed):
+    starting it again would train on without saving."""
+    env, stub_dir = stub
+    env["STUB_NODE_MODES"] = "stopped ok"
+    result = _run(env, *BASE, *TRAIN)
+    assert result.returncode == 76, result.stdout + result.stderr
+    assert len(_calls(stub_dir, "node")) == 1
+    assert "the job stopped for good (autohet node exited 76" in result.stdout
 
 
 @pytest.mark.integration

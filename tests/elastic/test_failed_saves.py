@@ -1,0 +1,68 @@
+"""An elastic job whose checkpoint saves fail stops for good, on every node (issue 19).
+
+torchrun's agents restart their workers whatever status they exit with: a worker that stopped
+the job because its saves failed (exit 1) was started again in a new round, which found no step,
+trained from scratch and failed its saves again - until the agents' restarts (1000) ran out.
+Here every node's local checkpoint directory is a plain file, so every save fails; the second in
+a row (--autohet-max-failed-saves 2) must end every node's `autohet node` with status 76 and the
+one line saying why and which steps are complete where, after one round only.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from megatron_autohet.elastic.rendezvous import EXIT_STOPPED
+from megatron_autohet.testing.emulate import EmulatedFleet
+
+pytestmark = pytest.mark.e2e
+
+ROOT = Path(__file__).resolve().parents[2]
+MODEL = ROOT / "configs/models/tiny.yaml"
+CLUSTER = ROOT / "configs/clusters/spot-4.yaml"
+GPUS = {"node0": "A100-80GB", "node2": "H800"}
+
+
+def test_failed_saves_stop_the_elastic_job_on_every_node_for_good(tmp_path):
+    plan = tmp_path / "plan.yaml"
+    done = subprocess.run([sys.executable, "-m", "megatron_autohet.cli.main", "plan",
+                           "--cluster", str(CLUSTER), "--model", str(MODEL),
+                           "--global-batch-size", "8", "--micro-batch-size", "1", "-o",
+                           str(plan)], capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr
+    fleet = EmulatedFleet(tmp_path / "job", train_args=[
+        "--plan", str(plan), "--model", str(MODEL), "--cluster", str(CLUSTER),
+        "--iters", "8", "--save-interval", "2", "--autohet-max-failed-saves", "2",
+        "--data-dir", str(tmp_path / "data")])
+    for node in GPUS:           # the fleet's --autohet-local-ckpt-dir: a file, not a directory
+        (fleet.workdir / node).mkdir(parents=True)
+        (fleet.workdir / node / "ckpt").write_text("not a directory\n")
+    with fleet:
+        for node, gpu in GPUS.items():
+            fleet.add(node, gpu)
+
+        def over() -> bool:         # every agent ended, or the job restarted (a second round)
+            return (all(n.process.poll() is not None for n in fleet.nodes.values())
+                    or len(fleet.events("first_iteration")) > 1)
+        deadline = time.monotonic() + 600           # a safety net, not a measurement
+        while not over() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert [e["iteration"] for e in fleet.events("first_iteration")] == [1], \
+            "\n".join(fleet.tail(n) for n in GPUS)                      # never restarted
+        codes = fleet.wait_all(timeout=60)
+    logs = {node: (fleet.workdir / f"{node}.log").read_text() for node in GPUS}
+    assert codes == dict.fromkeys(GPUS, EXIT_STOPPED), "\n".join(fleet.tail(n) for n in GPUS)
+    lines = {node: [line for line in log.splitlines()
+                    if line.startswith(f"autohet node: {node}: the job stopped for good: ")]
+             for node, log in logs.items()}
+    for node, said in lines.items():
+        assert len(said) == 1, logs[node][-3000:]
+        assert "checkpoint of iteration 4 failed: " in said[0], said[0]
+        assert "2 saves in a row failed (--autohet-max-failed-saves 2)" in said[0], said[0]
+        assert "No complete step in " in said[0], said[0]
+    assert [m["iteration"] for m in fleet.metrics()] == [1, 2, 3, 4]
