@@ -51,6 +51,15 @@ FLAGS = {"iters": "--iters", "metrics_jsonl": "--metrics-jsonl",
 
 
 @dataclass(frozen=True)
+class ElasticOptions:
+    """What an elastic worker needs beyond a job's options (``autohet train --elastic``,
+    elastic/worker.py); ``{node}`` in a path becomes the node's name."""
+    cluster: str                        # the cluster file: the nodes the job may get
+    notice_file: str | None = None      # the preemption-notice file `autohet watch` writes
+    events_jsonl: str | None = None     # the job's events, as JSON lines
+
+
+@dataclass(frozen=True)
 class TrainOptions:
     iters: int
     seed: int
@@ -70,14 +79,16 @@ class TrainOptions:
     hidden_dropout: float = 0.0         # Megatron-LM's --hidden-dropout / --attention-dropout
     attention_dropout: float = 0.0
     log_interval: int = 1               # Megatron-LM's --log-interval (autohet train: every one)
+    elastic: ElasticOptions | None = None   # None: a job whose ranks are the plan's
 
     @property
     def timeout(self) -> timedelta:
         return timedelta(minutes=self.distributed_timeout_minutes)
 
     def write(self, path: str | Path) -> None:
-        """The options as data (JSON), for the ranks of a job: ``autohet train``'s launcher writes
-        them once and every rank reads them (:meth:`read`), not a command line to parse again."""
+        """The options as data (JSON), for the ranks of a job: ``autohet train``'s launcher and
+        ``autohet node`` write them once and every rank reads them (:meth:`read`), not a command
+        line to parse again."""
         Path(path).write_text(json.dumps(asdict(self), indent=1) + "\n")
 
     @classmethod
@@ -85,7 +96,8 @@ class TrainOptions:
         """The options :meth:`write` wrote (validated by the launcher that wrote them)."""
         data = json.loads(Path(path).read_text())
         return cls(**{**data, "optimizer": OptimizerSettings(**data["optimizer"]),
-                      "checkpoint": CheckpointOptions(**data["checkpoint"])})
+                      "checkpoint": CheckpointOptions(**data["checkpoint"]),
+                      "elastic": data["elastic"] and ElasticOptions(**data["elastic"])})
 
     def validate(self, source: str = "<command line>",
                  flags: dict | None = None) -> "TrainOptions":

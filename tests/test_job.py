@@ -88,4 +88,5 @@ def test_a_job_file_outside_a_rank_is_refused(tmp_path, capsys, monkeypatch):
     expect_usage_error(capsys, ["train", "--plan", PLAN, "--model", MODEL,
                                 "--job-file", tmp_path / "options.json"],
                        "autohet train: error: <command line>: field '--job-file': not in a rank "
-                       "of a job (allowed: only in the ranks `autohet train` starts)")
+                       "of a job (allowed: only in the ranks `autohet train` and `autohet "
+                       "node` start)")

@@ -51,6 +51,7 @@ import subprocess
 import sys
 import tempfile
 
+from megatron_autohet.cli.train import node_job
 from megatron_autohet.cli.warm import READY, SOCKET_ENV
 from megatron_autohet.elastic.notices import preempt_notice_in
 from megatron_autohet.errors import ConfigError
@@ -85,19 +86,13 @@ def register(subparsers) -> None:
                    help="restarts of this node's workers before the agent gives up "
                         "(default 1000: each preemption uses one)")
     p.add_argument("train_args", nargs=argparse.REMAINDER,
-                   help="-- then the `autohet train` arguments (--elastic is added)")
+                   help="-- then the `autohet train` arguments (--elastic implied), checked "
+                        "here and handed to the workers as a job file")
     p.set_defaults(func=run)
 
 
-def torchrun_argv(args: argparse.Namespace, rdzv_backend: str) -> list[str]:
-    train_args = list(args.train_args)
-    if train_args[:1] == ["--"]:
-        train_args = train_args[1:]
-    if not train_args:
-        raise ConfigError("<command line>", "--", "no training arguments",
-                          "-- followed by `autohet train` arguments (--plan, --model, ...)")
-    if "--elastic" not in train_args:
-        train_args.append("--elastic")
+def torchrun_argv(args: argparse.Namespace, rdzv_backend: str,
+                  worker_args: list[str]) -> list[str]:
     argv = ["--nnodes", args.nnodes, "--nproc-per-node", str(args.nproc_per_node),
             "--rdzv-backend", rdzv_backend, "--rdzv-endpoint", args.rendezvous,
             "--rdzv-id", args.job_id, "--rdzv-conf", RDZV_CONF,
@@ -106,10 +101,11 @@ def torchrun_argv(args: argparse.Namespace, rdzv_backend: str) -> list[str]:
     if args.local_addr:
         argv += ["--local-addr", args.local_addr]
     entry = "megatron_autohet.cli.main" if args.cold_workers else "megatron_autohet.cli.warm"
-    return argv + ["-m", entry, "train", *train_args]
+    return argv + ["-m", entry, *worker_args]
 
 
 def run(args: argparse.Namespace) -> int:
+    job = node_job(args.train_args)     # bad training arguments: one line, before anything starts
     # torch: not at `autohet` start-up
     from torch.distributed import DistStoreError
     from torch.distributed.elastic.rendezvous import RendezvousClosedError
@@ -132,8 +128,10 @@ def run(args: argparse.Namespace) -> int:
     os.environ[ENDPOINT_ENV] = args.rendezvous      # a worker that stops the job says so there
     server = None if args.cold_workers else start_fork_server()
     spare = {server[0].pid} if server else set()
+    job_dir = tempfile.mkdtemp(prefix="autohet-node-job-")
     argv = torchrun_argv(args, register_rendezvous(notice_file=args.notice_file,
-                                                   stop_workers=lambda: kill_children(spare)))
+                                                   stop_workers=lambda: kill_children(spare)),
+                         job.write(job_dir))
     status = 0
     try:
         while True:
@@ -165,6 +163,7 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if server is not None:
             stop_fork_server(*server)
+        shutil.rmtree(job_dir, ignore_errors=True)
     if args.notice_file and preempt_notice_in(args.notice_file):
         print(f"autohet node: {os.environ['AUTOHET_NODE']} left the job after its preemption "
               "notice", file=sys.stderr)

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import argparse
 import os
+from dataclasses import dataclass
+from pathlib import Path
 
 from megatron_autohet.checkpoint.inspect import existing_dirs
 from megatron_autohet.checkpoint.manifest import (MODEL_FIELDS, committed_steps, model_mismatch,
@@ -19,7 +21,7 @@ from megatron_autohet.checkpoint.manifest import (MODEL_FIELDS, committed_steps,
 from megatron_autohet.checkpoint.options import (DEFAULT_KEEP, DEFAULT_MAX_FAILED_SAVES,
                                                  CheckpointOptions)
 from megatron_autohet.errors import ConfigError
-from megatron_autohet.job import TrainOptions, job_precision
+from megatron_autohet.job import ElasticOptions, TrainOptions, job_precision
 from megatron_autohet.launch import DistEnv, launch_local, load_job, run_worker
 from megatron_autohet.plan import check_bf16_support
 from megatron_autohet.spec.cluster import load_cluster
@@ -214,20 +216,12 @@ def register(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.job_file is not None:
         return run_launched_rank(args)
-    options = train_options(args).validate()
-    check_elastic(args, options.checkpoint)
-    plan, model = load_job(args.plan, args.model)
-    if not args.elastic:
-        check_resume(options.checkpoint, plan, options.optimizer, args.iters, args.model)
-    if job_precision(options)[0].name == "bf16":
-        check_bf16_support(plan, load_gpu_catalog(), args.plan)
+    if args.elastic and "TORCHELASTIC_RUN_ID" not in os.environ:
+        raise ConfigError("<command line>", "--elastic", "not started by torchrun",
+                          "start elastic jobs with `autohet node` on each node")
+    options, plan, model = checked_job(args)
     if args.elastic:
-        # torch and pyscipopt: only in an elastic worker, not at the command's start-up
-        from megatron_autohet.elastic.worker import ElasticWorker
-
-        return ElasticWorker(initial_plan=plan, template=load_cluster(args.cluster), model=model,
-                             options=options, notice_file=args.autohet_notice_file,
-                             events_jsonl=args.autohet_events_jsonl).run()
+        return run_elastic(plan, model, options)
     env = DistEnv.from_environ()
     if env is None:
         return launch_local(plan, args.plan, args.model, options,
@@ -235,9 +229,36 @@ def run(args: argparse.Namespace) -> int:
     return run_worker(plan, args.plan, model, options, env)
 
 
+def checked_job(args: argparse.Namespace):
+    """(options, plan, model) of the flags, every value checked: the one validation of a job's
+    flags, before any process starts (the launcher's ranks and `autohet node`'s workers read the
+    options it returns from a job file)."""
+    options = train_options(args).validate()
+    check_elastic(args, options.checkpoint)
+    plan, model = load_job(args.plan, args.model)
+    if not args.elastic:
+        check_resume(options.checkpoint, plan, options.optimizer, args.iters, args.model)
+    if job_precision(options)[0].name == "bf16":
+        check_bf16_support(plan, load_gpu_catalog(), args.plan)
+    return options, plan, model
+
+
+def run_elastic(plan, model, options: TrainOptions) -> int:
+    """One worker of an elastic job (``options.elastic``: the cluster file is read here, as
+    checked before the workers started)."""
+    # torch and pyscipopt: only in an elastic worker, not at the command's start-up
+    from megatron_autohet.elastic.worker import ElasticWorker
+
+    elastic = options.elastic
+    return ElasticWorker(initial_plan=plan, template=load_cluster(elastic.cluster), model=model,
+                         options=options, notice_file=elastic.notice_file,
+                         events_jsonl=elastic.events_jsonl).run()
+
+
 def run_launched_rank(args: argparse.Namespace) -> int:
-    """A rank launch_local started: the options are the launcher's, checked and written to
-    ``--job-file`` before any rank started; the command line names only the plan and model."""
+    """A rank launch_local or `autohet node` started: the options are the launcher's, checked
+    and written to ``--job-file`` before any rank started; the command line names only the plan
+    and model."""
     for dest, flag, default in _OPTIONS:
         if getattr(args, dest) != default:
             raise ConfigError("<command line>", flag, "given with --job-file",
@@ -246,14 +267,63 @@ def run_launched_rank(args: argparse.Namespace) -> int:
     env = DistEnv.from_environ()
     if env is None:
         raise ConfigError("<command line>", "--job-file", "not in a rank of a job",
-                          "only in the ranks `autohet train` starts")
+                          "only in the ranks `autohet train` and `autohet node` start")
     plan, model = load_job(args.plan, args.model)
-    return run_worker(plan, args.plan, model, TrainOptions.read(args.job_file), env)
+    options = TrainOptions.read(args.job_file)
+    if options.elastic is not None:
+        return run_elastic(plan, model, options)
+    return run_worker(plan, args.plan, model, options, env)
+
+
+class _TrainArgsParser(argparse.ArgumentParser):
+    """`autohet node`'s parser of the `autohet train` arguments after ``--``: a bad one is a
+    ConfigError (one line, status 2), not argparse's usage text."""
+
+    def error(self, message: str):
+        raise ConfigError("<command line>", "-- (the `autohet train` arguments)", message,
+                          "`autohet train --help` lists them")
+
+
+@dataclass(frozen=True)
+class NodeJob:
+    """The job `autohet node` runs, checked: what its workers get."""
+    plan: str
+    model: str
+    options: TrainOptions
+
+    def write(self, job_dir: str | Path) -> list[str]:
+        """The options to a job file in ``job_dir``; returns the workers' arguments, ``train
+        --plan P --model M --job-file F`` (their options are the file's: data, not a command
+        line to parse again)."""
+        job_file = str(Path(job_dir) / "options.json")
+        self.options.write(job_file)
+        return ["train", "--plan", self.plan, "--model", self.model, "--job-file", job_file]
+
+
+def node_job(train_args: list[str]) -> NodeJob:
+    """`autohet node`'s job: the `autohet train` arguments after ``--`` (``--elastic`` implied)
+    parsed and checked here, once, before any worker starts."""
+    if train_args[:1] == ["--"]:
+        train_args = train_args[1:]
+    if not train_args:
+        raise ConfigError("<command line>", "--", "no training arguments",
+                          "-- followed by `autohet train` arguments (--plan, --model, ...)")
+    parser = _TrainArgsParser(prog="autohet node ... --", add_help=False)
+    register(parser.add_subparsers())
+    args = parser.parse_args(["train", *train_args, "--elastic"])
+    if args.job_file is not None:
+        raise ConfigError("<command line>", "--job-file", "given after --",
+                          "the `autohet train` flags but --job-file (autohet node writes it)")
+    options, _, _ = checked_job(args)
+    load_cluster(args.cluster)
+    return NodeJob(args.plan, args.model, options)
 
 
 def train_options(args: argparse.Namespace) -> TrainOptions:
     """The job's options from the flags, not yet validated (TrainOptions.validate: the one
     place that checks them); the precision flags are read here (--fp16 is refused)."""
+    elastic = (ElasticOptions(cluster=args.cluster, notice_file=args.autohet_notice_file,
+                              events_jsonl=args.autohet_events_jsonl) if args.elastic else None)
     return TrainOptions(iters=args.iters, seed=args.seed, optimizer=optimizer_settings(args),
                         metrics_jsonl=args.metrics_jsonl, data_path=args.data_path,
                         data_dir=args.data_dir, checkpoint=checkpoint_options(args),
@@ -263,7 +333,7 @@ def train_options(args: argparse.Namespace) -> TrainOptions:
                         eval_interval=args.eval_interval, eval_iters=args.eval_iters,
                         split=args.split, distributed_optimizer=args.use_distributed_optimizer,
                         precision=check_precision(args), hidden_dropout=args.hidden_dropout,
-                        attention_dropout=args.attention_dropout)
+                        attention_dropout=args.attention_dropout, elastic=elastic)
 
 
 def check_precision(args: argparse.Namespace) -> str | None:
@@ -279,8 +349,8 @@ def check_precision(args: argparse.Namespace) -> str | None:
 
 
 def check_elastic(args: argparse.Namespace, checkpoint: CheckpointOptions) -> None:
-    """--elastic needs torchrun, a cluster file and a node-local checkpoint tier; the elastic
-    flags need --elastic."""
+    """--elastic needs a cluster file and a node-local checkpoint tier (and torchrun: checked
+    where the worker starts); the elastic flags need --elastic."""
     if not args.elastic:
         for flag in ("cluster", "autohet_notice_file", "autohet_events_jsonl"):
             if getattr(args, flag) is not None:
@@ -294,9 +364,6 @@ def check_elastic(args: argparse.Namespace, checkpoint: CheckpointOptions) -> No
                               "given with --elastic",
                               "not with --elastic (every restart resumes the newest step with "
                               "all its state)")
-    if "TORCHELASTIC_RUN_ID" not in os.environ:
-        raise ConfigError("<command line>", "--elastic", "not started by torchrun",
-                          "start elastic jobs with `autohet node` on each node")
     if args.cluster is None:
         raise ConfigError("<command line>", "--cluster", "missing with --elastic",
                           "the cluster file describing the nodes the job may get")
