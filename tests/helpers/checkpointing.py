@@ -3,6 +3,8 @@ train` runs), the plan after a node is lost, and the run lengths of the resume p
 
 from __future__ import annotations
 
+import pytest
+
 from megatron_autohet.plan import plan_from_dict
 from megatron_autohet.runtime.mixed_precision import MASTER_KEY
 from megatron_autohet.spec.precision import FP32
@@ -31,19 +33,34 @@ class Batches:
 
 
 def train_job(rank, world, the_plan, batches, options, exit_interval=None, precision=FP32,
-           total=TOTAL, masters=None, stop=None, distributed_optimizer=False, dropout=0.0):
+              total=TOTAL, masters=None, stop=None, distributed_optimizer=False, dropout=0.0,
+              draws=False):
     """One job: resume per ``options``, train to ``total`` (or the exit interval, or ``stop``);
-    the metrics, and with ``masters`` (any dict) this rank's master weights at the end."""
+    the metrics (loss, grad norm, learning rate per iteration), then with ``masters`` (any dict)
+    this rank's master weights at the end, with ``draws`` how many full initial tensors this
+    rank drew (runtime/init.py ``initial_value``)."""
+    import megatron_autohet.runtime.init as init
     from megatron_autohet.checkpoint.checkpointer import Checkpointer
     from megatron_autohet.runtime.optimizer import make_lr_scheduler
     from megatron_autohet.runtime.trainer import HeteroTrainer, train_iterations
 
+    drawn = []
+    if draws:                   # in this rank's process only (run_on_ranks forks one per rank)
+        original_value = init.initial_value
+
+        def counted(layout, *args):
+            drawn.append(layout.global_name)
+            return original_value(layout, *args)
+        init.initial_value = counted
     # Built as autohet train builds it: without initial weights when it has a checkpoint to load
     # (so every resume proof holds for that path).
     trainer = HeteroTrainer(the_plan, the_plan.model, rank=rank, seed=SEED, optimizer=OPTIMIZER,
                             precision=precision, distributed_optimizer=distributed_optimizer,
                             hidden_dropout=dropout, attention_dropout=dropout,
                             initialize=options.load is None)
+    if draws and options.load is not None:       # its weights come from the load, not before
+        with pytest.raises(RuntimeError, match="initialize=False"):
+            trainer.train_step(batches[0])
     scheduler = make_lr_scheduler(trainer.optimizer, OPTIMIZER, total, the_plan.global_batch_size)
     checkpointer = Checkpointer(options, trainer, scheduler, seed=SEED, train_args={})
     metrics = []
@@ -59,15 +76,18 @@ def train_job(rank, world, the_plan, batches, options, exit_interval=None, preci
                      scheduler_increment=the_plan.global_batch_size, log=False,
                      checkpointer=checkpointer,
                      exit_interval=exit_interval)
+    result = [metrics]
     if masters is not None:
         if trainer.masters is not None:
             held = trainer.masters.by_name
         else:       # the distributed optimizer's master shards, gathered (a collective)
             held = {name: states[MASTER_KEY]
                     for name, states in trainer.optimizer.param_states().items()}
-        return metrics, {trainer.layouts[name].global_name: (trainer.layouts[name], m.clone())
-                         for name, m in held.items()}
-    return metrics
+        result.append({trainer.layouts[name].global_name: (trainer.layouts[name], m.clone())
+                       for name, m in held.items()})
+    if draws:
+        result.append(len(drawn))
+    return tuple(result) if len(result) > 1 else metrics
 
 
 def as_format_1(*steps) -> None:
