@@ -141,6 +141,9 @@ class Checkpointer:
         self.failed_uploads: list[int] = []
         self.skipped_saves: list[int] = []
         self.uploaded: list[int] = []
+        # Set by a preemption notice with a deadline: the next save is written locally only, and
+        # elastic/worker.py uploads what must go to S3 after moving the files to the peers.
+        self.defer_upload = False
         self.consecutive_failures = 0
         self._writer: threading.Thread | None = None
         self._writing: int | None = None         # the iteration the latest save wrote
@@ -319,7 +322,7 @@ class Checkpointer:
                           f"removing steps older than the newest {self.options.keep} in {root}")
         except SaveFailed as err:                   # the step itself is complete
             self._log0(f"WARNING: {err}")
-        if self.s3 is None:
+        if self.s3 is None or self.defer_upload:
             return
         t = time.perf_counter()
         try:

@@ -6,11 +6,12 @@ GPUs), ``handover`` (idle nodes' files sent to training nodes), ``recovery`` (by
 seconds per phase), ``first_iteration`` (seconds from the (re)start to the end of its first
 iteration), ``stop`` (why, which nodes leave), ``saved`` (seconds from the stop until its
 checkpoint was written, and uploaded with an S3 tier), ``evacuate`` (a leaving node's files
-copied to the nodes that stay), ``finished``. One rank writes: the plan's rank 0, except for the
-in-process re-plan after a preemption notice (its ``fleet`` and ``plan``), which the first rank
-that stays writes - the plan's rank 0 may be on a leaving node. Each JSON line names the node
-that wrote it (``reported_by``). The JSONL file is appended to, so the events of every restart
-of a job end up in one file.
+copied to the nodes that stay), ``upload`` (after a notice with a deadline: the S3 upload of
+what exists only on leaving nodes, or why none), ``finished``. One rank writes: the plan's rank
+0, except for the in-process re-plan after a preemption notice (its ``fleet`` and ``plan``),
+which the first rank that stays writes - the plan's rank 0 may be on a leaving node. Each JSON
+line names the node that wrote it (``reported_by``). The JSONL file is appended to, so the
+events of every restart of a job end up in one file.
 """
 
 from __future__ import annotations

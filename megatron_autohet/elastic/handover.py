@@ -6,7 +6,9 @@ train, and both move them first, so recovery finds them on a peer's disk instead
 them from S3 - or losing them:
 
 * a node with a preemption notice, right after the emergency save (:func:`move_files` on a gloo
-  group of the training ranks): its files of that step go to the nodes that stay;
+  group of the training ranks): its files of that step go to the nodes that stay, each one
+  that can arrive before the notice's deadline (checkpoint/deadline.py; what cannot is left to
+  the S3 upload after it, elastic/worker.py);
 * a re-plan that leaves a whole node idle (:func:`hand_over`, every worker of the job on one
   short-lived group before the training group exists).
 
@@ -19,10 +21,13 @@ chunk's SHA-256 as usual, so nothing here is trusted blindly.
 
 from __future__ import annotations
 
+import shutil
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
+from megatron_autohet.checkpoint.deadline import Deadline, Throughput
 from megatron_autohet.checkpoint.manifest import (MANIFEST_FILE, commit_step_dir,
                                                   committed_steps, partial_dir, read_manifest,
                                                   step_dir_name, write_atomic)
@@ -96,12 +101,20 @@ def node_disk(root: Path | None, rank: int, receives: bool, newest: int = 2) -> 
     return NodeDisk(rank, receives, steps)
 
 
+@dataclass(frozen=True)
+class Moved:
+    bytes: int                      # sent, all nodes together
+    skipped: list[Transfer]         # not started: they could not end before the deadline
+
+
 def move_files(root: Path | None, *, rank: int, speaks_for_node: bool, receives: bool,
-               group) -> int:
+               group, deadline: Deadline | None = None) -> Moved:
     """A collective over ``group``, a gloo group whose ranks are the global ranks (the bytes
     travel as CPU tensors, which NCCL - the default group on GPUs - refuses): nodes that do not
     ``receive`` send the files of the newest step that no receiving node holds to receiving
-    nodes. Returns the bytes moved (all nodes)."""
+    nodes. With ``deadline`` (a notice's) a sender does not start a file that cannot end
+    before it, by the bandwidth its sends measured so far; every rank learns what was
+    skipped."""
     # torch: on first use, not with this module
     import torch
     import torch.distributed as dist
@@ -112,28 +125,46 @@ def move_files(root: Path | None, *, rank: int, speaks_for_node: bool, receives:
     dist.all_gather_object(disks, mine, group=group)
     plan = transfers([d for d in disks if d is not None])
     staged: dict[int, Path] = {}
+    meter, skipped = Throughput(), []
     for t in plan:
+        # One integer first: whether the file follows (the receiver cannot tell otherwise).
+        go = torch.ones(1, dtype=torch.int64)
         if rank == t.src:
+            go[0] = deadline is None or deadline.fits(t.size, meter.rate)
+            dist.send(go, dst=t.dst, group=group)
+            if not go[0]:
+                skipped.append(t)
+                continue
+            start = time.monotonic()
             data = (root / step_dir_name(t.iteration) / t.name).read_bytes()
-            for start in range(0, max(len(data), 1), _CHUNK):
-                piece = torch.frombuffer(bytearray(data[start:start + _CHUNK]) or bytearray(1),
-                                         dtype=torch.uint8)
+            for offset in range(0, max(len(data), 1), _CHUNK):
+                piece = torch.frombuffer(bytearray(data[offset:offset + _CHUNK])
+                                         or bytearray(1), dtype=torch.uint8)
                 dist.send(piece, dst=t.dst, group=group)
+            meter.add(t.size, time.monotonic() - start)
         elif rank == t.dst:
+            dist.recv(go, src=t.src, group=group)
+            if not go[0]:
+                continue
             buf = bytearray()
-            for start in range(0, max(t.size, 1), _CHUNK):
-                piece = torch.empty(max(min(_CHUNK, t.size - start), 1), dtype=torch.uint8)
+            for offset in range(0, max(t.size, 1), _CHUNK):
+                piece = torch.empty(max(min(_CHUNK, t.size - offset), 1), dtype=torch.uint8)
                 dist.recv(piece, src=t.src, group=group)
-                buf += piece.numpy().tobytes()[:max(0, t.size - start)]
+                buf += piece.numpy().tobytes()[:max(0, t.size - offset)]
             step = root / step_dir_name(t.iteration)
             if not (step / MANIFEST_FILE).is_file():
                 step = staged.setdefault(t.iteration, partial_dir(root, t.iteration))
                 step.mkdir(parents=True, exist_ok=True)
             write_atomic(step / t.name, bytes(buf))
-    for iteration in staged:
-        commit_step_dir(root, iteration)
-    dist.barrier(group=group)
-    return sum(t.size for t in plan)
+    for iteration, step in staged.items():
+        if (step / MANIFEST_FILE).is_file():
+            commit_step_dir(root, iteration)
+        else:               # the manifest was skipped: without it the files are no step
+            shutil.rmtree(step)
+    everyone: list = [None] * world_size
+    dist.all_gather_object(everyone, skipped, group=group)
+    skipped = [t for rank_skipped in everyone for t in rank_skipped]
+    return Moved(sum(t.size for t in plan) - sum(t.size for t in skipped), skipped)
 
 
 def hand_over(store, *, rank: int, world_size: int, speaks_for_node: bool, training: bool,
@@ -147,6 +178,6 @@ def hand_over(store, *, rank: int, world_size: int, speaks_for_node: bool, train
                             rank=rank, world_size=world_size, timeout=timeout)
     try:
         return move_files(root, rank=rank, speaks_for_node=speaks_for_node, receives=training,
-                          group=dist.group.WORLD)
+                          group=dist.group.WORLD).bytes
     finally:
         dist.destroy_process_group()

@@ -5,7 +5,8 @@ receives SIGTERM (torchrun stopping its workers for a restart, Kubernetes, Slurm
 or finds its node's notice file (written by ``autohet watch``) does not stop on its own: after
 every iteration all ranks reduce their flags, so they stop after the same iteration, save it, and
 exit. A rebalance notice (an early warning) only asks for a checkpoint of the current iteration;
-training goes on.
+training goes on. A stop for a notice carries the earliest deadline of the leaving nodes' notices
+(None when none says one): it bounds what the job does before they go (elastic/worker.py).
 
 ``StopRequests.check()`` is one small all-reduce per iteration on the process group it is given:
 the job's :func:`stop_group`, a gloo group of its own. Of its own because with ``--async-save``
@@ -17,6 +18,7 @@ NCCL - the default group on GPUs - refuses.
 
 from __future__ import annotations
 
+import math
 import signal
 from dataclasses import dataclass
 from datetime import timedelta
@@ -35,6 +37,7 @@ class StopDecision:
     iteration: int
     signalled: bool           # some rank got a signal
     leaving: bool             # THIS rank's node has a preemption notice
+    deadline_unix: float | None = None    # the earliest notice deadline of the leaving nodes
 
 
 def stop_group(timeout: timedelta):
@@ -54,6 +57,7 @@ class StopRequests:
         self.signal_received: int | None = None
         self.decision: StopDecision | None = None
         self._rebalance_seen: float | None = None
+        self._deadline: float | None = None       # of this node's preempt notice
         for sig in signals:
             signal.signal(sig, self._on_signal)
 
@@ -68,6 +72,7 @@ class StopRequests:
         if notice is None:
             return False, False
         if notice.kind == "preempt":
+            self._deadline = notice.deadline_unix
             return True, False
         fresh = notice.received_unix != self._rebalance_seen
         self._rebalance_seen = notice.received_unix
@@ -81,7 +86,12 @@ class StopRequests:
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
         signalled, any_preempt, any_rebalance = (bool(v) for v in flags.tolist())
         if signalled or any_preempt:
-            self.decision = StopDecision(iteration, signalled, preempt)
+            # Once per job: the earliest deadline (inf: this rank knows none).
+            deadline = torch.tensor([self._deadline if preempt and self._deadline is not None
+                                     else math.inf], dtype=torch.float64)
+            dist.all_reduce(deadline, op=dist.ReduceOp.MIN, group=self.group)
+            self.decision = StopDecision(iteration, signalled, preempt,
+                                         None if math.isinf(deadline.item()) else deadline.item())
             return STOP
         if any_rebalance:
             return SAVE

@@ -55,10 +55,14 @@ import torch.distributed as dist
 
 from megatron_autohet.checkpoint.checkpointer import CheckpointStop
 from megatron_autohet.checkpoint.inspect import committed_s3, newest_manifest
-from megatron_autohet.checkpoint.manifest import MANIFEST_FILE, Manifest, step_dir_name
+from megatron_autohet.checkpoint.deadline import Deadline, against
+from megatron_autohet.checkpoint.manifest import (MANIFEST_FILE, Manifest, read_manifest,
+                                                  step_dir_name)
+from megatron_autohet.checkpoint.upload import upload_step_before
+from megatron_autohet.checkpoint.writer import SaveFailed
 from megatron_autohet.elastic.events import EventLog
 from megatron_autohet.elastic.fleet import Member, fleet_cluster, gpu_type_of_device, plan_ranks
-from megatron_autohet.elastic.handover import hand_over, move_files
+from megatron_autohet.elastic.handover import Moved, hand_over, move_files
 from megatron_autohet.elastic.hold import hold_file_from_env, wait_while_held
 from megatron_autohet.elastic.rendezvous import stop_for_good
 from megatron_autohet.elastic.stop import StopDecision, StopRequests, stop_group
@@ -74,6 +78,9 @@ from megatron_autohet.spec.model import ModelSpec
 
 # Exit status of a worker that stopped for a re-plan (torchrun restarts it in a new round).
 EXIT_REPLAN = 75
+# Seconds before a notice's deadline that no copy may use: the leaving ranks still take part in
+# the in-process re-plan's broadcast, then exit.
+EXIT_RESERVE_S = 5.0
 _PREFIX = "autohet/"
 _STORE_TIMEOUT = timedelta(minutes=5)   # waiting for every worker to say who it is
 
@@ -307,14 +314,21 @@ class ElasticWorker:
         if decision is None:
             return _Ended(last, None, None)
         seconds = time.monotonic() - stop.stopped_at
-        self.events.emit("saved", f"iteration {last} saved on every node {seconds:.2f} s after "
-                         "the stop", iteration=last, seconds=round(seconds, 3))
         leaving_nodes, group = stop.leaving_nodes, stop.requests.group
+        deadline = stop.deadline
+        self.events.emit("saved", f"iteration {last} saved on every node {seconds:.2f} s after "
+                         "the stop" + (" (S3: after the evacuation)" if deadline and
+                                       self.options.checkpoint.s3_uri else "")
+                         + against(deadline), iteration=last, seconds=round(seconds, 3),
+                         **_to_deadline(deadline))
         stop = None                 # the last reference to the checkpointer, hence the trainer
         free_memory()
         warm = None
         if leaving_nodes:
-            self._evacuate(plan, plan_rank, decision.leaving, group)
+            moved = self._evacuate(plan, plan_rank, decision.leaving, group, deadline)
+            if deadline is not None:
+                self._upload_stranded(last, plan, plan_rank, leaving_nodes, moved, group,
+                                      deadline)
             if not decision.signalled and len(members) == plan.world_size:
                 warm = self._replan_in_process(plan, plan_rank, members, leaving_nodes)
         return _Ended(last, decision, warm)
@@ -368,18 +382,78 @@ class ElasticWorker:
                             "MiB across nodes")
         return new, staying, store, server is not None
 
-    def _evacuate(self, plan: Plan, plan_rank: int, leaving: bool, group) -> None:
+    def _evacuate(self, plan: Plan, plan_rank: int, leaving: bool, group,
+                  deadline: Deadline | None) -> Moved:
         """After the emergency save: files of the step that only leaving nodes hold go to the
         nodes that stay, over ``group`` (the stop check's gloo group of every plan rank: the
-        files travel as CPU tensors)."""
+        files travel as CPU tensors); with ``deadline``, those that can arrive before it."""
         start = time.monotonic()
         first_of_node = min(i.rank for i in plan.ranks if i.node == self.me.node) == plan_rank
-        local_dir = self.options.checkpoint.local_dir
-        moved = move_files(Path(local_dir.replace("{node}", self.me.node)), rank=plan_rank,
-                           speaks_for_node=first_of_node, receives=not leaving, group=group)
-        self.events.emit("evacuate", f"{moved / 2**20:.1f} MiB that only leaving nodes held "
-                         f"copied to the nodes that stay in {time.monotonic() - start:.2f} s",
-                         bytes=moved, seconds=round(time.monotonic() - start, 3))
+        moved = move_files(self._local_root(), rank=plan_rank, speaks_for_node=first_of_node,
+                           receives=not leaving, group=group, deadline=deadline)
+        seconds = time.monotonic() - start
+        skipped = [f"{t.name} ({t.size / 2**20:.1f} MiB)" for t in moved.skipped]
+        self.events.emit("evacuate", f"{moved.bytes / 2**20:.1f} MiB that only leaving nodes "
+                         f"held copied to the nodes that stay in {seconds:.2f} s"
+                         + (f"; not started, too late for the deadline: {', '.join(skipped)}"
+                            if skipped else "") + against(deadline),
+                         bytes=moved.bytes, seconds=round(seconds, 3),
+                         skipped=[t.name for t in moved.skipped], **_to_deadline(deadline))
+        return moved
+
+    def _upload_stranded(self, iteration: int, plan: Plan, plan_rank: int, leaving: list[str],
+                         moved: Moved, group, deadline: Deadline) -> None:
+        """After the evacuation before a deadline: S3 gets the step when some of its files are
+        still on leaving nodes only (too late for the peers, or no node stays), as far as the
+        deadline allows; a step on the staying nodes' disks waits for their next save (its
+        upload would only keep them waiting)."""
+        staying = sorted({i.node for i in plan.ranks} - set(leaving))
+        stranded = [t.name for t in moved.skipped]
+        options = self.options.checkpoint
+        if staying and not stranded:
+            if options.s3_uri is not None:
+                self.events.emit("upload", f"iteration {iteration} not uploaded to S3 before "
+                                 f"the deadline: not needed, every file of it is on the disks "
+                                 f"of {', '.join(staying)}, whose next save uploads"
+                                 + against(deadline), iteration=iteration, needed=False,
+                                 committed=False, skipped=[], **_to_deadline(deadline))
+            return
+        where = ("only on leaving nodes: " + ", ".join(stranded) if stranded
+                 else "no node stays")
+        if options.s3_uri is None:
+            self.events.emit("upload", f"iteration {iteration}: no S3 tier, and files of it "
+                             f"are lost with the leaving nodes ({where})" + against(deadline),
+                             iteration=iteration, needed=True, committed=False,
+                             skipped=stranded, **_to_deadline(deadline))
+            return
+        # boto3: optional, on first use
+        from megatron_autohet.checkpoint.s3_store import S3Store
+
+        start = time.monotonic()
+        step = self._local_root() / step_dir_name(iteration)
+        try:
+            done = upload_step_before(
+                S3Store(options.s3_uri, endpoint_url=options.s3_endpoint_url),
+                read_manifest(step), step, rank=plan_rank, keep=options.keep, group=group,
+                deadline=deadline)
+        except SaveFailed as err:
+            self.events.emit("upload", f"iteration {iteration} ({where}): {err}"
+                             + against(deadline), iteration=iteration, needed=True,
+                             committed=False, error=str(err), **_to_deadline(deadline))
+            return
+        seconds = time.monotonic() - start
+        skipped = "; ".join(f"{s.name} ({s.size / 2**20:.1f} MiB, rank {s.rank}): {s.why}"
+                            for s in done.skipped)
+        self.events.emit("upload", f"iteration {iteration} ({where}): "
+                         + ("committed in S3" if done.committed else "not committed in S3")
+                         + f", {done.bytes / 2**20:.1f} MiB sent in {seconds:.2f} s"
+                         + (f"; skipped: {skipped}" if skipped else "") + against(deadline),
+                         iteration=iteration, needed=True, committed=done.committed,
+                         bytes=done.bytes, seconds=round(seconds, 3),
+                         skipped=[s.name for s in done.skipped], **_to_deadline(deadline))
+
+    def _local_root(self) -> Path:
+        return Path(self.options.checkpoint.local_dir.replace("{node}", self.me.node))
 
     def _hand_over(self, store, plan: Plan, members: list[Member]) -> None:
         """Some GPUs are idle in this plan: their nodes' files go to training nodes first."""
@@ -423,6 +497,11 @@ class ElasticWorker:
                 time.sleep(0.05)
 
 
+def _to_deadline(deadline: Deadline | None) -> dict:
+    """An event's JSON field: seconds left to the notice's deadline when it was logged."""
+    return {} if deadline is None else {"to_deadline_s": round(deadline.to_deadline(), 3)}
+
+
 class _StopCheck:
     """The stop check of an elastic job, also reporting recovery and the first iteration."""
 
@@ -435,6 +514,7 @@ class _StopCheck:
             notice_file=notice.replace("{node}", worker.me.node) if notice else None)
         self.first = True
         self.leaving_nodes: list[str] = []
+        self.deadline: Deadline | None = None     # of the leaving nodes' notices
         self.stopped_at: float | None = None      # time.monotonic() of the stop decision
 
     def __call__(self, iteration: int) -> str | None:
@@ -464,9 +544,15 @@ class _StopCheck:
                                group=self.requests.group)
         nodes = sorted({n for n in leaving if n})
         self.leaving_nodes = nodes
+        if nodes and decision.deadline_unix is not None:
+            self.deadline = Deadline(decision.deadline_unix, EXIT_RESERVE_S)
+            if self.checkpointer is not None:
+                # Peers first: the save's S3 upload waits for the evacuation (worker._generation)
+                self.checkpointer.defer_upload = True
         why = (f"preemption notice on {', '.join(nodes)}: saving iteration {iteration}, then "
                f"{', '.join(nodes)} leave(s)" if nodes else
                f"signal: saving iteration {iteration} before the restart")
-        self.worker.events.emit("stop", why,
+        self.worker.events.emit("stop", why + against(self.deadline),
                                 iteration=iteration, reason="notice" if nodes else "signal",
-                                leaving=nodes)
+                                leaving=nodes, deadline_unix=decision.deadline_unix,
+                                **_to_deadline(self.deadline))
