@@ -469,5 +469,8 @@ def test_cli_node_status_after_its_agent_failed(kind, status, tmp_path, monkeypa
     assert main(["node", "--rendezvous", "127.0.0.1:29400", "--job-id", "job1", "--nnodes",
                  "1:2", "--node-name", "n1", "--gpu", "H800", "--notice-file", str(notice),
                  "--cold-workers",          # no workers start: a warm fork server would idle
-                 "--", "--plan", "plan.yaml"]) == status
+                 "--", "--plan", str(REPO / "configs/plans/tiny-two-pipelines.yaml"),
+                 "--model", str(REPO / "configs/models/tiny.yaml"),
+                 "--cluster", str(REPO / "configs/clusters/spot-4.yaml"), "--save-interval",
+                 "4", "--autohet-local-ckpt-dir", str(tmp_path / "ckpt")]) == status
     assert preempt_notice_in(notice) is (kind == "preempt")
