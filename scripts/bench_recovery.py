@@ -92,12 +92,18 @@ Reported:
   Checkpointer.save_times. Also the training step time while a background save runs vs. not
   (2 cores: the writer competes).
 
+* with ``--compare-checksum ALGORITHM`` (e.g. sha256, what steps recorded before xxh3_128): the
+  local-first resume also runs with every chunk's checksum in the survivors' manifests rewritten
+  to ALGORITHM (the same bytes, hashed here), alternating run by run with the step as saved, at
+  each background load: what the checksum costs a recovery, at the same load in the same run.
+
 Targets (from the issue): local-first recover() >= 5x faster than restart-from-S3 and <= 1.3x
 its floor on a quiet machine, >= 3x with two busy processes beside it (``--background-load
 2``); stall <= 1.5x the snapshot time.
 
     sudo .venv/bin/python scripts/bench_recovery.py [--peer-mbit 1000] [--s3-mbit 100]
         [--layers 6] [--hidden 768] [--vocab 4096] [--stock-moto] [--repeat 3]
+        [--compare-checksum sha256]
         [--background-load N]
         [--json bench-out/bench_recovery.json]
 
@@ -509,6 +515,34 @@ def disk_rate(root: Path) -> float:
     return rate
 
 
+def manifest_variants(root: Path, algorithm: str) -> dict[str, dict[Path, bytes]]:
+    """Every manifest under ``root`` (the node directories) as saved and with each checksum
+    rewritten to ``algorithm`` (bytes hashed from whichever node directory holds the file of the
+    same step): {"saved": {path: bytes}, algorithm: {path: bytes}}."""
+    from megatron_autohet.checkpoint.manifest import HASHERS, MANIFEST_FILE
+
+    manifests = sorted(root.glob(f"*/iter_*/{MANIFEST_FILE}"))
+    out: dict[str, dict[Path, bytes]] = {"saved": {}, algorithm: {}}
+    for path in manifests:
+        raw = path.read_bytes()
+        data = json.loads(raw)
+        copies = [p.parent for p in manifests if p.parent.name == path.parent.name]
+
+        def digest(name: str, offset: int, length: int | None) -> str:
+            where = next(step / name for step in copies if (step / name).is_file())
+            with open(where, "rb") as f:
+                f.seek(offset)
+                return f"{algorithm}:{HASHERS[algorithm](f.read(length)).hexdigest()}"
+        for record in data["files"]:
+            if record["digest"] is not None:
+                record["digest"] = digest(record["name"], 0, None)
+        for record in data["items"] + data["replicas"]:
+            record["digest"] = digest(record["file"], record["offset"], record["length"])
+        out["saved"][path] = raw
+        out[algorithm][path] = (json.dumps(data, indent=1, sort_keys=True) + "\n").encode()
+    return out
+
+
 # ---- one rank (runs inside its node's namespace) -------------------------------------------------
 
 class Batches:
@@ -729,7 +763,7 @@ def summarize_save(results: list[dict]) -> dict:
 
 
 COMMAND_ARGS = ("peer_mbit", "s3_mbit", "queue_ms", "layers", "hidden", "vocab", "probe_mb",
-                "stock_moto", "repeat", "background_load")
+                "stock_moto", "repeat", "background_load", "compare_checksum")
 
 
 # A busy process beside the resumes (--background-load): one core's worth of CPU demand.
@@ -784,13 +818,21 @@ def run(args) -> dict:
         disk_bytes = {n: sum(p.stat().st_size for p in _files(node_dir(n))) for n in NODES}
         rates["disk"] = disk_rate(node_dir("n1"))
         loads = [0] + ([args.background_load] if args.background_load else [])
+        # with --compare-checksum: the manifests as saved and rewritten (before n3's files go)
+        variants = (manifest_variants(tmp / "local", args.compare_checksum)
+                    if args.compare_checksum else {"saved": {}})
 
-        def resumes(kind: str) -> dict:
-            """``kind``'s resume, ``--repeat`` times at each background load: {load: median}."""
+        def resumes(kind: str, checksums: list[str]) -> dict:
+            """``kind``'s resume, ``--repeat`` times at each background load, with the manifests
+            of each of ``checksums`` (a key of ``variants``) in turn: {(load, checksums):
+            median}."""
             out = {}
             for busy in loads:
-                runs = []
-                for _ in range(args.repeat):
+                runs: dict[str, list] = {c: [] for c in checksums}
+                for _, checksum in ((r, c) for r in range(args.repeat) for c in checksums):
+                    for path, raw in variants[checksum].items():
+                        if path.exists():           # the lost node's are gone
+                            path.write_bytes(raw)
                     if kind == "resume-local":
                         evict(tmp / "local")
                     hogs = [spawn(BUSY_LOOP) for _ in range(busy)]
@@ -803,12 +845,13 @@ def run(args) -> dict:
                         stop(hogs)
                     moto_cpu.setdefault(f"{kind} job" + (f" +{busy}" if busy else ""),
                                         []).append(cpu_seconds(moto.pid) - cpu)
-                    runs.append(dict(summarize_resume(results, launched, rates),
-                                     load_average_1min=load_average))
-                    print(f"      {kind}, {busy} busy processes beside it: recover() "
-                          f"{runs[-1]['recover_s']:.2f} s (1-min load average "
-                          f"{load_average:.1f})", flush=True)
-                out[busy] = median_run(runs)
+                    runs[checksum].append(dict(summarize_resume(results, launched, rates),
+                                               load_average_1min=load_average))
+                    print(f"      {kind}, {busy} busy processes beside it"
+                          + ("" if checksum == "saved" else f", {checksum} checksums")
+                          + f": recover() {runs[checksum][-1]['recover_s']:.2f} s (1-min load "
+                          f"average {load_average:.1f})", flush=True)
+                out.update({(busy, c): median_run(r) for c, r in runs.items()})
             return out
 
         print(f"[4/6] lost {LOST}; local-first resume on the survivors' plan "
@@ -816,12 +859,13 @@ def run(args) -> dict:
               + (f", then as often with {args.background_load} busy processes beside it"
                  if args.background_load else ""), flush=True)
         shutil.rmtree(node_dir(LOST))
-        local_first = resumes("resume-local")
+        compared = resumes("resume-local", list(variants))
+        local_first = {busy: compared[busy, "saved"] for busy in loads}
         print("[5/6] restart-everything-from-S3: every local directory deleted, same plan",
               flush=True)
         for n in SURVIVORS:
             shutil.rmtree(node_dir(n))
-        from_s3 = resumes("resume-s3")
+        from_s3 = {busy: median for (busy, _), median in resumes("resume-s3", ["saved"]).items()}
     finally:
         kill_all()
         net_down()
@@ -859,6 +903,9 @@ def run(args) -> dict:
                 "restart_from_s3": from_s3[background],
                 "speedup_recover": (from_s3[background]["recover_s"]
                                     / local_first[background]["recover_s"])},
+            "compare_checksum": args.compare_checksum and {
+                "algorithm": args.compare_checksum,
+                "local_first": {busy: compared[busy, args.compare_checksum] for busy in loads}},
             "losses_identical": True,
             "load_average_1min": {"before": load_before, "after": os.getloadavg()[0]}}
 
@@ -923,6 +970,17 @@ def print_table(result: dict) -> None:
     if busy:
         print(f"with {busy['busy_processes']} busy processes beside it local-first is "
               f"{busy['speedup_recover']:.1f}x faster in recover() (target >= 3x)")
+    compare = result["compare_checksum"]
+    if compare:
+        saved = {0: lf, **({busy["busy_processes"]: busy["local_first"]} if busy else {})}
+        for load, r in compare["local_first"].items():
+            runs = "/".join(f"{t:.2f}" for t in r["recover_s_runs"])
+            print(f"local-first{f' +{load}' if load else ''} with {compare['algorithm']} chunk "
+                  f"checksums (alternating with the step as saved): recover() {r['recover_s']:.2f}"
+                  f" s (runs {runs}) = {r['recover_over_floor']:.2f}x its floor; as saved "
+                  f"{saved[load]['recover_s']:.2f} s = {saved[load]['recover_over_floor']:.2f}x; "
+                  "verifying local chunks " + ", ".join(
+                      f"{p['node']} {p['verify_local_s'] or 0:.2f}" for p in r["per_rank"]))
     print()
     save = result["save"]
     print(f"{'async save':<10} {'blocked s':>10} {'waited prev s':>14} {'stall s':>8} "
@@ -971,6 +1029,9 @@ def main() -> None:
     parser.add_argument("--background-load", type=int, default=0, metavar="N",
                         help="also measure both resumes (as often) with N busy processes "
                              "beside them, in the same run (default 0: not)")
+    parser.add_argument("--compare-checksum", default=None, metavar="ALGORITHM",
+                        help="also resume local-first with every chunk checksum rewritten to "
+                             "ALGORITHM (e.g. sha256), alternating with the step as saved")
     parser.add_argument("--stock-moto", action="store_true",
                         help="serve ranged GETs as moto does (copying the whole object each time)")
     for mode in ("--moto", "--probe-sink", "--probe-source", "--probe-s3"):
@@ -991,6 +1052,10 @@ def main() -> None:
         raise SystemExit("--layers must be even and >= 4, --hidden a multiple of 64")
     if args.repeat < 1 or args.background_load < 0:
         raise SystemExit("--repeat must be >= 1 and --background-load >= 0")
+    from megatron_autohet.checkpoint.manifest import HASHERS
+    if args.compare_checksum not in (None, *HASHERS):
+        raise SystemExit(f"--compare-checksum: got {args.compare_checksum!r} (allowed: "
+                         f"{', '.join(HASHERS)})")
     # Ctrl-C raises KeyboardInterrupt, SIGTERM SystemExit: either way run()'s finally cleans up.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     signal.signal(signal.SIGINT, signal.default_int_handler)   # even if started with it ignored
