@@ -14,27 +14,38 @@ non-linearly in an outer enumeration, and leaves an exact integer program to SCI
    reaches that bound, so configs that cannot win (often the recompute and the widest-TP ones)
    cost nothing.
 2. **Pipeline options** per config (independent of the cluster size): stage sequences of at most
-   ``max_stages`` TP groups: every order of pools for pipelines of up to ALL_ORDERS_UP_TO stages
-   (so the fast GPUs can sit at both ends, which carry the embedding and the output layer, and
-   share a node for the tied-embedding sync), contiguous runs of at most
-   MAX_TYPES_PER_PIPELINE pools (plus that wrap-around) for longer ones; each with its layer
-   splits (space.py :func:`layer_splits`: all of them for small models, else the min-fill split
-   under every period cap, exact for the pipeline time, or a few caps for long pipelines of
-   deep models), and per GPU-count vector only the options that are best for some pipeline
-   count (:func:`_keep_best`; all of them priced at once as arrays, space.py
-   :func:`sequence_options`). Where the space is exact: a pipeline's time ``fill + (m - 1)
-   period`` does not depend on the order of its stages (fill is their sum, period their
+   ``max_stages`` TP groups: every order of pools for pipelines of up to ALL_ORDERS_UP_TO
+   stages, and for deeper ones at every depth that has at most ALL_ORDERS_BUDGET orders
+   (:func:`orders_of`: three pools of 8+ TP groups get every order up to 7 stages, four up to 5,
+   five one-GPU pools all 120 orders of 5 stages), so the fast GPUs can sit at both ends, which
+   carry the embedding and the output layer, and share a node for the tied-embedding sync; at
+   depths with more orders, contiguous runs of at most MAX_TYPES_PER_PIPELINE pools in every
+   order, plus the same with one stage of the first run moved to the end. Each sequence gets its
+   layer splits (space.py :func:`layer_splits`: all of them for small models, else the min-fill
+   split under every period cap, exact for the pipeline time, or a few caps for long pipelines
+   of deep models), and per GPU-count vector only the options that are best for some pipeline
+   count are kept (:func:`_keep_best`; all of them priced at once as arrays, space.py
+   :func:`sequence_options`). Why every order, not a dominance rule: a pipeline's time ``fill +
+   (m - 1) period`` does not depend on the order of its stages (fill is their sum, period their
    maximum); the order changes only (a) the links between stages, (b) which stages carry the
-   embedding and the output layer (the ends) and (c) memory, since stage s keeps ``S - s``
-   micro-batches in flight. When every node's intra-node link is at least its NIC and memory
-   does not bind, an order is dominated by the contiguous one with the same end types: each
-   stage's outgoing link is then at least as fast (inside a run it stays on a node or crosses
-   its own NIC, where an interleaved stage crosses the slower of two NICs), and the runs in
-   every order plus the wrap-around give every pair of end types. Otherwise (memory binds, or
-   a NIC is faster than a node's fabric) an interleaved order can win, so pipelines of up to
-   ALL_ORDERS_UP_TO stages take every order and the planner is exact there (the randomized
-   check against the exhaustive search, tests/planner/test_planner_optimality.py); longer ones are a
-   heuristic, since the orders grow as K^S. A
+   embedding and the output layer (the ends), (c) the tied embedding's link (inside a node when
+   the first and last runs of one pool fit it together) and (d) memory, since stage s keeps
+   ``S - s`` micro-batches in flight. (d) can part a type's stages: a fast type short of memory
+   wants late stages, which keep few micro-batches in flight, a type with memory to spare early
+   ones, and the output layer's logits may fit on neither. (a) orders one-GPU nodes with their
+   own NICs (each a pool) by their links: a pipeline over five of them is fastest in one of the
+   120 orders of five pools, 9.5% faster than the best contiguous pipeline
+   (tests/planner/test_planner_optimality.py). Where no memory binds, every node's intra-node
+   link is at least its NIC and the ends' runs of one pool fill at most one node, an interleaved
+   order is no better than a contiguous one with the same end stages (an argument, checked by
+   the exhaustive search only up to five stages): each pool's run has at least as many
+   intra-node links as its stages had apart, its other links cross its own NIC where an
+   interleaved stage crosses the slower of two NICs, and the run orders include every pair of
+   end pools. So depths that take every order are exact
+   (tests/planner/test_planner_optimality.py checks the planner against the exhaustive search on
+   random small fleets and on that five-pool pipeline); deeper pipelines rest on that argument
+   under those three conditions and are a heuristic otherwise, since the orders grow as K^S
+   (five pools of 8+ groups: 3125 orders of 5 stages, 390,625 of 8). A
    pool is one kind of node (GPU type, size, intra-node link, NIC), so the links an option is
    priced with are the ones its stages get. Where memory limits a split, the splits that fit
    only when the pipeline runs m < S micro-batches (1F1B then keeps m in flight on its first
@@ -81,7 +92,10 @@ non-linearly in an outer enumeration, and leaves an exact integer program to SCI
    the pruning tolerance, pools that change with the fleet) do not guarantee it finds them: a 32-GPU
    fleet of H100, A100, V100 and T4 found a plan 2.8% slower than the same fleet without its V100s.
    With them, adding GPUs never slows the plan, which tests/planner/test_planner_limits.py checks
-   on random fleets.
+   on random fleets. The fleet's own best plan gets the warm-up pass (step 7) before the
+   sub-fleets' plans, which have had theirs, compete with it: compared at standard depths against
+   a warmed-up sub-fleet plan it lost the bundled quick start (a100-h800-h20, GPT-3 1.3B, global
+   batch 64), 0.2656 s warmed up against the A100 + H800 plan's 0.2744 s.
 
 Bounded work: options depend on the GPU types and ``max_stages``, the SCIP model has one
 integer per option and one row per GPU type, the bins grow logarithmically with the GPU count;
@@ -175,9 +189,11 @@ from megatron_autohet.spec.cluster import Cluster
 from megatron_autohet.spec.model import ModelSpec
 from megatron_autohet.spec.precision import PLANNING_PRECISION
 
-# Pipelines up to this many stages take every order of pools (module doc, step 2); longer
-# ones contiguous runs of at most MAX_TYPES_PER_PIPELINE pools.
+# Pipelines of S stages take every order of pools up to ALL_ORDERS_UP_TO stages, and beyond
+# while there are at most ALL_ORDERS_BUDGET orders of S stages (module doc, step 2); other
+# depths contiguous runs of at most MAX_TYPES_PER_PIPELINE pools.
 ALL_ORDERS_UP_TO = 4
+ALL_ORDERS_BUDGET = 2500
 MAX_TYPES_PER_PIPELINE = 3
 # Upper bound on the default number of stages per pipeline (deeper ones only when memory needs).
 MAX_STAGES_CAP = 16
@@ -206,6 +222,7 @@ STACKS_TRIED = 3
 WORK_BUDGET = 5000
 # Why a search stopped (Candidate.stopped_by).
 STOP_COMPLETE, STOP_WORK, STOP_TIME = "complete", "work budget", "time limit"
+STOP_SETS = "node-set budget"     # the cost objective's MAX_NODE_SETS (per-node charging)
 # The wall clock of the safety net (a module attribute, so tests can play a loaded machine).
 clock = time.monotonic
 OBJECTIVES = ("throughput", "cost")
@@ -218,8 +235,9 @@ class Candidate:
     tp_of_gpu: dict[str, int]
     recompute: bool
     # How the search that returned this candidate ended: STOP_COMPLETE (nothing left that could
-    # beat it), STOP_WORK (the work budget ran out: deterministic) or STOP_TIME (the wall-clock
-    # safety net cut it: the plan may differ on a faster or less loaded machine).
+    # beat it), STOP_WORK (the work budget ran out: deterministic), STOP_SETS (the cost search
+    # searched MAX_NODE_SETS node sets: deterministic) or STOP_TIME (the wall-clock safety net
+    # cut it: the plan may differ on a faster or less loaded machine).
     stopped_by: str = STOP_COMPLETE
     work: int = 0               # SCIP branch-and-bound nodes the search used
 
@@ -272,21 +290,23 @@ def default_max_stages(problem: Problem, pools: list[Pool]) -> int:
 
 
 def stage_sequences(pools: list[Pool], max_stages: int) -> list[tuple[int, ...]]:
-    """Short pipelines in every order of pools (any number of GPU types: a type of one-GPU nodes
-    with their own NICs is several pools); longer ones as contiguous runs of at most
-    MAX_TYPES_PER_PIPELINE pools in every order, and the same with one stage of the first run
-    moved to the end (both ends on the fast GPUs)."""
+    """Pipelines of S stages in every order of pools (any number of GPU types: a type of
+    one-GPU nodes with their own NICs is several pools) up to ALL_ORDERS_UP_TO stages and where
+    the orders of S stages are at most ALL_ORDERS_BUDGET; at other depths contiguous runs of at
+    most MAX_TYPES_PER_PIPELINE pools in every order, and the same with one stage of the first
+    run moved to the end (both ends on the fast GPUs)."""
     K, counts = len(pools), [p.count for p in pools]
     out: dict[tuple[int, ...], None] = {}
-    for S in range(1, min(ALL_ORDERS_UP_TO, max_stages) + 1):
-        for seq in itertools.product(range(K), repeat=S):
-            if all(seq.count(k) <= counts[k] for k in set(seq)):
-                out[seq] = None
+    every = set()
+    for S in range(1, max_stages + 1):
+        if S <= ALL_ORDERS_UP_TO or orders_of(counts, S) <= ALL_ORDERS_BUDGET:
+            every.add(S)
+            out.update(dict.fromkeys(_orders(counts, S)))
     for used in range(1, min(K, MAX_TYPES_PER_PIPELINE) + 1):
         for subset in itertools.combinations(range(K), used):
             ranges = [range(1, min(counts[k], max_stages) + 1) for k in subset]
             for n in itertools.product(*ranges):
-                if not ALL_ORDERS_UP_TO < sum(n) <= max_stages:
+                if sum(n) > max_stages or sum(n) in every:
                     continue
                 for order in itertools.permutations(range(used)):
                     seq = tuple(subset[i] for i in order for _ in range(n[i]))
@@ -294,6 +314,36 @@ def stage_sequences(pools: list[Pool], max_stages: int) -> list[tuple[int, ...]]
                     if used > 1 and n[order[0]] > 1:
                         out[seq[1:] + seq[:1]] = None
     return list(out)
+
+
+def orders_of(counts: list[int], stages: int) -> int:
+    """How many sequences of ``stages`` pools use pool k at most ``counts[k]`` times:
+    ``S! [x^S] prod_k sum_{j <= c_k} x^j / j!``."""
+    poly = [1] + [0] * stages             # exact: integer multiples of 1 / S!
+    for c in counts:
+        poly = [sum(poly[i - j] * math.comb(i, j) for j in range(min(c, i) + 1))
+                for i in range(stages + 1)]
+    return poly[stages]
+
+
+def _orders(counts: list[int], stages: int) -> list[tuple[int, ...]]:
+    """The sequences orders_of counts, in lexicographic order."""
+    out = []
+
+    def extend(prefix: list[int], left: list[int]) -> None:
+        if len(prefix) == stages:
+            out.append(tuple(prefix))
+            return
+        for k, c in enumerate(left):
+            if c:
+                left[k] -= 1
+                prefix.append(k)
+                extend(prefix, left)
+                prefix.pop()
+                left[k] += 1
+
+    extend([], list(counts))
+    return out
 
 
 def _keep_best(table: OptionTable, group: np.ndarray, cap: np.ndarray, problem: Problem
@@ -965,6 +1015,17 @@ class SubFleets:
         if search_bb.may_continue():
             self._search(problem, search_bb)
         self._stopped(search_bb.stopped_by)
+        own = search_bb.best
+        if own is not None and clock() < self.deadline:
+            # Warmed up before the sub-fleets' plans (warmed up already) compete with it: judged
+            # at standard depths it lost the bundled a100-h800-h20 fleet (GPT-3 1.3B, global
+            # batch 64) to its A100 + H800 sub-fleet's plan, 0.2744 s warmed up, though it
+            # was 0.2851 s against that plan's 0.2857 at standard depths and 0.2656 warmed up.
+            plan, cost = choose_warmups(own.plan, own.cost, cluster, problem.profile,
+                                        problem.memory_headroom)
+            search_bb.best = dataclasses.replace(own, plan=plan, cost=cost)
+        elif own is not None:
+            self._stopped(STOP_TIME)    # cut: the plan as judged, without the warm-up pass
         sub_plans: set[int] = set()     # plans of sub-fleets: warmed up already
         subs = sorted((self.lower_bound_s(types - {gpu}), gpu) for gpu in types
                       ) if self.recurse and len(types) > 1 else []
@@ -986,13 +1047,9 @@ class SubFleets:
         best = search_bb.best
         if best is not None and id(best.plan) in sub_plans:
             best = best if on_candidate else self._costed(problem, best)
-        elif best is not None and clock() >= self.deadline:
-            self._stopped(STOP_TIME)    # cut: the plan as judged, without the warm-up pass
         elif best is not None:
-            plan, cost = choose_warmups(best.plan, best.cost, cluster, problem.profile,
-                                        problem.memory_headroom)
-            best = dataclasses.replace(best, plan=plan, cost=cost,
-                                       stopped_by=search_bb.stopped_by, work=search_bb.work)
+            best = dataclasses.replace(best, stopped_by=search_bb.stopped_by,
+                                       work=search_bb.work)
         self.solved[types] = best
         return best
 
@@ -1089,7 +1146,7 @@ def check_prices(cluster: Cluster, file=None, needed_by: str = "--objective cost
 ALL_NODE_COUNTS = 8
 NODE_COUNT_RATIO = 1.25
 # Node sets searched at most (each a throughput search): the deterministic budget of the
-# per-node enumeration (Candidate.stopped_by is STOP_WORK when it binds).
+# per-node enumeration (Candidate.stopped_by is STOP_SETS when it binds).
 MAX_NODE_SETS = 24
 # Rounds of the per-GPU pipeline thinning (module doc), each one pipeline dropped.
 MAX_DROP_ROUNDS = 32
@@ -1153,7 +1210,7 @@ def cheapest(cluster: Cluster, model: ModelSpec, profile: Profile | None,
         on_candidate(best)
     plan, cost = choose_warmups(best.plan, best.cost, cluster, problem.profile,
                                 problem.memory_headroom)
-    stopped = next((s for s in (STOP_TIME, STOP_WORK) if s in stops), STOP_COMPLETE)
+    stopped = next((s for s in (STOP_TIME, STOP_SETS, STOP_WORK) if s in stops), STOP_COMPLETE)
     return dataclasses.replace(best, plan=plan, cost=cost, stopped_by=stopped, work=work)
 
 
@@ -1231,7 +1288,7 @@ def _per_node(problem: Problem, degrees: list[int], floor: float, deadline: floa
         if best is not None and bound[i] >= usd_per_million_tokens(best):
             break
         if searched == MAX_NODE_SETS:
-            stops.append(STOP_WORK)
+            stops.append(STOP_SETS)
             break
         if clock() >= deadline:
             stops.append(STOP_TIME)

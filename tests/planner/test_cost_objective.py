@@ -1,6 +1,7 @@
 """The cost objective: the cheapest plan that reaches a throughput floor, charged per node (a
 partly used node is paid whole) or per GPU, and the flags that ask for it."""
 
+import importlib
 import json
 
 import pytest
@@ -195,3 +196,22 @@ def test_show_prices_a_plan_as_it_was_charged(capsys, tmp_path):
     shown = [line for line in capsys.readouterr().out.splitlines()
              if line.strip().startswith("price:")]
     assert planned == shown and "--charge per-gpu" in shown[0]
+
+
+def test_the_node_set_budget_is_named_when_it_binds(monkeypatch, fastest):
+    """With room for one node set the per-node cost search stops at that budget, and says so
+    (it named the SCIP work budget, which had not bound). At 80% of the fastest plan's
+    throughput it searches three sets."""
+    from megatron_autohet.cli._common import search_end
+    # (the package exports the function under the module's name)
+    search_module = importlib.import_module("megatron_autohet.planner.search")
+
+    floor = 0.8 * fastest.cost.tokens_per_s
+    full = search(CLUSTER, GPT, None, GBS, 1, progress=False, objective="cost",
+                  min_tokens_per_s=floor)
+    assert full.stopped_by == search_module.STOP_COMPLETE
+    monkeypatch.setattr(search_module, "MAX_NODE_SETS", 1)
+    cut = search(CLUSTER, GPT, None, GBS, 1, progress=False, objective="cost",
+                 min_tokens_per_s=floor)
+    assert cut.stopped_by == search_module.STOP_SETS
+    assert search_end(cut).startswith("budget of 1 node sets spent")

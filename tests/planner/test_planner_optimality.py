@@ -123,3 +123,26 @@ def test_a_pipeline_over_one_gpu_nodes_of_two_types_in_any_order():
     assert [len(p.stages) for p in best.plan.pipelines] == [4]
     ours = search(cluster, model, None, 4, 1, progress=False, **space)
     assert ours.cost.iteration_time_s <= best.cost.iteration_time_s * (1 + MAX_GAP)
+
+
+def test_a_pipeline_over_five_one_gpu_nodes_in_any_order():
+    """One fast GPU and four slower one-GPU nodes, each with its own NIC (five pools), TP 1, 5
+    layers, 6 micro-batches: the optimum is one pipeline over all five nodes, the slower
+    nodes first in the order of their links. When pipelines of more than four stages were
+    contiguous runs of at most three pools the planner's best was a 4-stage pipeline, 9.5%
+    slower."""
+    types = {"A": GPUType("A", 163.0, 4.33, 2000, 100),
+             "B": GPUType("B", 69.5, 4.35, 1500, 100)}
+    cluster = cluster_from_dict({"name": "five-one-gpu-nodes", "inter_node_bandwidth_gbs": 25,
+                                 "nodes": [
+        {"name": name, "gpu": gpu, "gpus": 1, "inter_node_bandwidth_gbs": nic}
+        for name, gpu, nic in (("a0", "A", 17.3), ("b0", "B", 19.7), ("b1", "B", 8.39),
+                               ("b2", "B", 11.3), ("b3", "B", 6.17))]}, catalog=types)
+    model = ModelSpec(name="gpt-5", num_layers=5, hidden_size=1536, num_attention_heads=16,
+                      ffn_hidden_size=6144, vocab_size=50257, seq_length=1024,
+                      num_query_groups=16)
+    space = {"tp_degrees": [1], "max_stages": 5, "activation_recompute": False}
+    best = exhaustive_search(cluster, model, None, 6, 1, **space)
+    assert [len(p.stages) for p in best.plan.pipelines] == [5]
+    ours = search(cluster, model, None, 6, 1, progress=False, **space)
+    assert ours.cost.iteration_time_s <= best.cost.iteration_time_s * (1 + MAX_GAP)
