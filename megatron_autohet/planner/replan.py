@@ -54,7 +54,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from megatron_autohet.cost_model import (PlanCost, annotate_plan, evaluate_plan,
+from megatron_autohet.cost_model import (PlanCost, annotate_plan, evaluate_plan, plan_charge,
                                          plan_memory_headroom)
 from megatron_autohet.errors import ConfigError
 from megatron_autohet.plan import Pipeline, Plan, RankInfo
@@ -328,20 +328,22 @@ def replan(previous: Plan, cluster: Cluster, model: ModelSpec, profile: Profile 
     mbs, seq = previous.micro_batch_size, previous.seq_length
     precision = precision or priced_precision(profile)
     trainable, left_out = trainable_fleet(cluster, precision, cluster_file)
-    # The new plan keeps the previous one's optimizer (the job's flags do not change) and the
-    # memory headroom it was made with.
+    # The new plan keeps the previous one's optimizer (the job's flags do not change), the
+    # memory headroom it was made with and how its price is charged: from the plan file, as the
+    # elastic agents re-plan without the flags `autohet plan` had.
     headroom = plan_memory_headroom(previous)
+    charge = plan_charge(previous)
     # (the GPUs left out are among the idle ones a plan made on this fleet recorded; a previous
     # plan on one of them, made for another precision, is re-planned)
     if fleet_unchanged(previous, cluster) and \
             not {r.gpu for r in previous.ranks} & set(left_out):
         cost = evaluate_plan(previous, cluster, resolve_profile(cluster, model, profile, mbs, seq),
-                             with_timeline=False, memory_headroom=headroom)
+                             with_timeline=False, memory_headroom=headroom, charge=charge)
         return Replan(previous, cost, 0, cost.iteration_time_s, 0, True)
     cluster = trainable                 # from here on, the fleet the new plan may use
     resolved = resolve_profile(cluster, model, profile, mbs, seq)
     problem = Problem(cluster, model, resolved, previous.global_batch_size, mbs, seq,
-                      previous.use_distributed_optimizer, headroom)
+                      previous.use_distributed_optimizer, headroom, charge)
     derived = derived_plan(previous, problem)
     seeds = [c for c in (derived, patched_plan(previous, problem)) if c is not None]
     judged: list[Candidate] = []
@@ -352,7 +354,7 @@ def replan(previous: Plan, cluster: Cluster, model: ModelSpec, profile: Profile 
                   max_stages=max_stages,
                   seeds=seeds, baselines=not seeds, sub_fleets=False,
                   distributed_optimizer=previous.use_distributed_optimizer,
-                  memory_headroom=headroom, on_candidate=judged.append)
+                  memory_headroom=headroom, on_candidate=judged.append, charge=charge)
     # The warm-up post-pass changed the best plan in place: its cost is the returned one.
     judged = [best if c.plan is best.plan else c for c in judged]
     warmed: dict[int, Candidate] = {id(best.plan): best}
