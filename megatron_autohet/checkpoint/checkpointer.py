@@ -13,7 +13,8 @@ A save:
    (``clone`` on a CPU; device-to-host on a GPU), with the common state. This is the only part
    training waits for with ``--async-save``.
 2. Write (checkpoint/writer.py) and commit the step in the local tier, keep the newest
-   ``--autohet-keep-ckpts``, then upload it to S3 (checkpoint/upload.py) when configured.
+   ``--autohet-keep-ckpts``, then upload it to S3 (checkpoint/upload.py) when configured -
+   until ``stop_uploading()`` (a preemption notice with a deadline).
    With ``--async-save`` this runs in a background thread on a process group of its own
    (gloo), so its collectives never interleave with training's. A save due while the previous
    one is still being written is skipped (one line; the next interval saves): the ranks agree on
@@ -58,7 +59,7 @@ from megatron_autohet.checkpoint.state import (RNG_KEY, ScheduleMismatch, Snapsh
                                                TrainingProgress, common_state,
                                                rank_sharded_state_dict, rng_sharded_object,
                                                snapshot)
-from megatron_autohet.checkpoint.upload import upload_step
+from megatron_autohet.checkpoint.upload import GIVEN_UP, upload_step
 from megatron_autohet.checkpoint.writer import SaveFailed, StepDirs, on_every_rank, write_step
 from megatron_autohet.errors import JobConfigError
 from megatron_autohet.runtime.cpu_mode import cpu_mode_thread
@@ -141,9 +142,7 @@ class Checkpointer:
         self.failed_uploads: list[int] = []
         self.skipped_saves: list[int] = []
         self.uploaded: list[int] = []
-        # Set by a preemption notice with a deadline: the next save is written locally only, and
-        # elastic/worker.py uploads what must go to S3 after moving the files to the peers.
-        self.defer_upload = False
+        self._give_up = threading.Event()        # stop_uploading()
         self.consecutive_failures = 0
         self._writer: threading.Thread | None = None
         self._writing: int | None = None         # the iteration the latest save wrote
@@ -322,12 +321,13 @@ class Checkpointer:
                           f"removing steps older than the newest {self.options.keep} in {root}")
         except SaveFailed as err:                   # the step itself is complete
             self._log0(f"WARNING: {err}")
-        if self.s3 is None or self.defer_upload:
+        if self.s3 is None:
             return
         t = time.perf_counter()
         try:
-            committed = upload_step(self.s3, manifest, root / step_dir_name(iteration),
-                                    rank=self.rank, keep=self.options.keep, group=self.group)
+            done = upload_step(self.s3, manifest, root / step_dir_name(iteration),
+                               rank=self.rank, keep=self.options.keep, group=self.group,
+                               give_up=self._give_up)
         except SaveFailed as err:
             self.failed_uploads.append(iteration)
             log = log_traceback(root, f"iteration {iteration}, rank {self.rank}:\n"
@@ -335,11 +335,21 @@ class Checkpointer:
             self._log0(f"WARNING: {err}; the local checkpoint of iteration {iteration} is "
                        f"complete and the next save uploads again ({_traceback_where(log)})")
             return
+        if done.skipped:
+            self._log0(f"upload of iteration {iteration} to {self.s3.location.uri()} given up: "
+                       f"{GIVEN_UP}")
+            return
         times.upload_s = time.perf_counter() - t
         self.uploaded.append(iteration)
-        if committed:
+        if done.committed:
             self._log0(f"uploaded iteration {iteration} to {self.s3.location.uri()} "
                        f"({times.upload_s:.2f} s)")
+
+    def stop_uploading(self) -> None:
+        """A preemption notice with a deadline: no save uploads any more - one uploading in the
+        background gives up, the notice's own is written locally only (each says so);
+        elastic/worker.py sends what must go to S3 after moving the files to the peers."""
+        self._give_up.set()
 
     def _settle(self, last: bool) -> None:
         """On the training thread, once the latest save is done on every rank: count its failure

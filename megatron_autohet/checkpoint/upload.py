@@ -1,22 +1,24 @@
 """The S3 tier of a save: one copy of every main chunk, the manifest last and only once.
 
-``upload_step(store, manifest, step_dir, *, rank, keep, group) -> bool`` runs on every rank after
-a step is committed locally (in the background writer when ``--async-save``): each rank uploads
-the main data files it wrote (``__<rank>_<i>.distcp``; replicas stay on local disks: S3 holds
-one copy), rank 0 the small files. When every rank has succeeded, rank 0 writes the manifest
+``upload_step(store, manifest, step_dir, *, rank, keep, group) -> Uploaded`` runs on every rank
+after a step is committed locally (in the background writer when ``--async-save``): each rank
+uploads the main data files it wrote (``__<rank>_<i>.distcp``; replicas stay on local disks: S3
+holds one copy), rank 0 the small files. When every rank has succeeded, rank 0 writes the manifest
 with ``IfNoneMatch='*'`` - the step now exists in S3, complete - then the ``latest`` pointer, and
 deletes the steps beyond the newest ``keep``. A failed upload (S3 unreachable) is reported and
-leaves no manifest, so the step does not exist in S3; the next save uploads its own step, which
-is how the tier catches up. Two savers racing for the same step: the second manifest write finds
-the first one and backs off.
+leaves no manifest, so the step does not exist in S3; the next save uploads its own step, which is
+how the tier catches up. Two savers racing for the same step: the second manifest write finds the
+first one and backs off.
 
 With a ``deadline`` (a preemption notice's, checkpoint/deadline.py) a rank does not start a file
 whose upload cannot end before it, estimated from the bandwidth its uploads of this step measured
 so far, and stops waiting for one still running when its time is up (the upload goes on in the
 background until the node goes; without the manifest it commits nothing): what follows - the
-re-plan, whose broadcast the leaving ranks take part in - must not miss the deadline. A skipped
-file leaves the step uncommitted in S3 (the manifest goes only over a complete step);
-:func:`upload_step_before` says which files were skipped and why.
+re-plan, whose broadcast the leaving ranks take part in - must not miss the deadline. ``give_up``
+(an event) does the same at once when set: a notice's stop does not wait for the upload of an
+older step that a background save is making. A skipped file leaves the step uncommitted in S3
+(the manifest goes only over a complete step); the result says which files were skipped and
+why.
 """
 
 from __future__ import annotations
@@ -50,6 +52,9 @@ def files_to_upload(manifest: Manifest, rank: int) -> list[str]:
     return names + (list(SMALL_FILES) if rank == 0 else [])
 
 
+GIVEN_UP = "a preemption notice's stop came first"
+
+
 @dataclass(frozen=True)
 class Skipped:
     """A file a rank did not upload before the deadline."""
@@ -61,24 +66,20 @@ class Skipped:
 
 @dataclass(frozen=True)
 class Uploaded:
-    """What :func:`upload_step` did: ``committed`` (this call wrote the step's manifest in S3),
-    the files every rank skipped before the deadline, and the bytes every rank sent."""
+    """What :func:`upload_step` did: ``committed`` (this call wrote the step's manifest in S3;
+    False also when another saver had), the files every rank skipped, and the bytes every rank
+    sent."""
     committed: bool
     skipped: list[Skipped]
     bytes: int
 
 
 def upload_step(store, manifest: Manifest, step_dir: Path, *, rank: int, keep: int,
-                group=None) -> bool:
-    """Upload step ``manifest.iteration``; True when this call committed it in S3."""
-    return upload_step_before(store, manifest, step_dir, rank=rank, keep=keep, group=group,
-                              deadline=None).committed
-
-
-def upload_step_before(store, manifest: Manifest, step_dir: Path, *, rank: int, keep: int,
-                       group=None, deadline: Deadline | None) -> Uploaded:
-    """:func:`upload_step` (collective over ``group``); with ``deadline``, only the files that
-    can be sent before it, and the manifest only when no rank skipped one."""
+                group=None, deadline: Deadline | None = None,
+                give_up: threading.Event | None = None) -> Uploaded:
+    """Upload step ``manifest.iteration`` (collective over ``group``); with ``deadline`` or
+    ``give_up``, only the files sent before them, and the manifest only when no rank skipped
+    one."""
     prefix = step_dir_name(manifest.iteration)
 
     def upload_mine():
@@ -88,16 +89,13 @@ def upload_step_before(store, manifest: Manifest, step_dir: Path, *, rank: int, 
         with byte_progress(sum(sizes.values()), f"upload {prefix} (rank {rank})",
                            show=rank == 0) as bar:
             for name in names:
-                if deadline is not None and (skipped or not deadline.fits(sizes[name],
-                                                                          meter.rate)):
-                    skipped.append(Skipped(rank, name, sizes[name], _why_not(
-                        sizes[name], meter.rate, deadline, after_skip=bool(skipped))))
-                    continue
-                start = time.monotonic()
-                if not _upload_by(store, step_dir / name, f"{prefix}/{name}", bar.update,
-                                  deadline):
-                    skipped.append(Skipped(rank, name, sizes[name], "still uploading when the "
-                                           "time before the deadline was up (left running)"))
+                why = _why_not(sizes[name], meter.rate, deadline, give_up, bool(skipped))
+                if why is None:
+                    start = time.monotonic()
+                    why = _upload_by(store, step_dir / name, f"{prefix}/{name}", bar.update,
+                                     deadline, give_up)
+                if why is not None:
+                    skipped.append(Skipped(rank, name, sizes[name], why))
                     continue
                 meter.add(sizes[name], time.monotonic() - start)
                 sent += sizes[name]
@@ -123,13 +121,15 @@ def upload_step_before(store, manifest: Manifest, step_dir: Path, *, rank: int, 
     return Uploaded(bool(committed), skipped, sent)
 
 
-def _upload_by(store, path: Path, key: str, progress, deadline: Deadline | None) -> bool:
-    """Upload ``path``; with ``deadline``, wait for it only while its time lasts. False: still
-    running then (boto3 cannot cancel an upload, and its progress callbacks come as the body is
-    read - for a checksum, all at once - not as it is sent, so neither could stop it)."""
-    if deadline is None:
+def _upload_by(store, path: Path, key: str, progress, deadline: Deadline | None,
+               give_up: threading.Event | None) -> str | None:
+    """Upload ``path``; with ``deadline`` or ``give_up``, wait for it only until the time is
+    up or the event set, and say so (boto3 cannot cancel an upload, and its progress callbacks
+    come as the body is read - for a checksum, all at once - not as it is sent, so neither
+    could stop it). None: uploaded."""
+    if deadline is None and give_up is None:
         store.upload_file(path, key, progress=progress)
-        return True
+        return None
     failed: list[BaseException] = []
 
     def upload() -> None:
@@ -139,17 +139,28 @@ def _upload_by(store, path: Path, key: str, progress, deadline: Deadline | None)
             failed.append(err)
     thread = threading.Thread(target=upload, daemon=True, name=f"upload {key}")
     thread.start()
-    thread.join(max(0.0, deadline.left()))
-    if thread.is_alive():
-        return False
+    while thread.is_alive():
+        if give_up is not None and give_up.is_set():
+            return f"still uploading when given up: {GIVEN_UP} (left running)"
+        if deadline is not None and deadline.left() <= 0:
+            return "still uploading when the time before the deadline was up (left running)"
+        thread.join(0.1)
     if failed:
         raise failed[0]
-    return True
+    return None
 
 
-def _why_not(size: int, rate: float | None, deadline: Deadline, *, after_skip: bool) -> str:
+def _why_not(size: int, rate: float | None, deadline: Deadline | None,
+             give_up: threading.Event | None, after_skip: bool) -> str | None:
+    """Why a file is not started; None: it is."""
+    if give_up is not None and give_up.is_set():
+        return GIVEN_UP
+    if deadline is None:
+        return None
     if after_skip:
         return "a file before it was skipped: the step cannot be complete in S3"
+    if deadline.fits(size, rate):
+        return None
     if rate is None or deadline.left() <= 0:
         return "no time left before the deadline"
     return (f"{size / 2**20:.1f} MiB at the {rate / 2**20:.2f} MiB/s measured need "

@@ -58,7 +58,7 @@ from megatron_autohet.checkpoint.inspect import committed_s3, newest_manifest
 from megatron_autohet.checkpoint.deadline import Deadline, against
 from megatron_autohet.checkpoint.manifest import (MANIFEST_FILE, Manifest, read_manifest,
                                                   step_dir_name)
-from megatron_autohet.checkpoint.upload import upload_step_before
+from megatron_autohet.checkpoint.upload import upload_step
 from megatron_autohet.checkpoint.writer import SaveFailed
 from megatron_autohet.elastic.events import EventLog
 from megatron_autohet.elastic.fleet import Member, fleet_cluster, gpu_type_of_device, plan_ranks
@@ -259,6 +259,11 @@ class ElasticWorker:
             self._hand_over(store, plan, members)
         if plan_rank is None:
             return self._idle(store)
+        hold = hold_file_from_env()
+        if hold is not None:
+            # A test holding the job before it trains (elastic/hold.py): torchrun's SIGTERM, its
+            # default action still, ends the wait with this process.
+            wait_while_held(hold, 0, lambda: False)
         on_cpu = cpu_mode_required()
         init_backend(on_cpu)
         if not on_cpu:
@@ -432,7 +437,7 @@ class ElasticWorker:
         start = time.monotonic()
         step = self._local_root() / step_dir_name(iteration)
         try:
-            done = upload_step_before(
+            done = upload_step(
                 S3Store(options.s3_uri, endpoint_url=options.s3_endpoint_url),
                 read_manifest(step), step, rank=plan_rank, keep=options.keep, group=group,
                 deadline=deadline)
@@ -547,8 +552,8 @@ class _StopCheck:
         if nodes and decision.deadline_unix is not None:
             self.deadline = Deadline(decision.deadline_unix, EXIT_RESERVE_S)
             if self.checkpointer is not None:
-                # Peers first: the save's S3 upload waits for the evacuation (worker._generation)
-                self.checkpointer.defer_upload = True
+                # Peers first: S3 waits until after the evacuation (worker._generation)
+                self.checkpointer.stop_uploading()
         why = (f"preemption notice on {', '.join(nodes)}: saving iteration {iteration}, then "
                f"{', '.join(nodes)} leave(s)" if nodes else
                f"signal: saving iteration {iteration} before the restart")

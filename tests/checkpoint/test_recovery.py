@@ -427,7 +427,7 @@ def test_two_savers_racing_for_one_step_commit_it_once(s3_endpoint, s3_uri, tmp_
             manifest = Manifest(iteration=TOTAL, items=[], plan={"saver": saver}, files={
                 name: FileRecord(name, len(saver), 0, "n") for name in
                 (".metadata", "common.pt", "metadata.json")})
-            results.append(upload_step(store, manifest, step, rank=0, keep=2))
+            results.append(upload_step(store, manifest, step, rank=0, keep=2).committed)
         stored = store.get_bytes(f"{step_dir_name(TOTAL)}/{MANIFEST_FILE}")
         return results, Manifest.from_json(stored, "s3").plan
 

@@ -41,17 +41,17 @@ def _step(directory, sizes: dict[str, int]) -> Manifest:
 
 def _upload(endpoint: str, s3_uri: str, directory, sizes: dict[str, int], seconds_left):
     """Upload the step through the slow link with ``seconds_left`` for copies (None: no
-    deadline); (what upload_step_before returned, the step's keys in S3)."""
+    deadline); (what upload_step returned, the step's keys in S3)."""
     def upload(rank, world):
         from megatron_autohet.checkpoint.s3_store import S3Store
-        from megatron_autohet.checkpoint.upload import upload_step_before
+        from megatron_autohet.checkpoint.upload import upload_step
 
         manifest = _step(directory, sizes)
         with Throttle(endpoint, RATE) as link:
             store = S3Store(s3_uri, endpoint_url=link.url)
             deadline = (None if seconds_left is None else
                         Deadline(time.time() + RESERVE_S + seconds_left, RESERVE_S))
-            done = upload_step_before(store, manifest, directory, rank=0, keep=2,
+            done = upload_step(store, manifest, directory, rank=0, keep=2,
                                       deadline=deadline)
         keys = sorted(S3Store(s3_uri, endpoint_url=endpoint).list_files(7))
         return done, keys

@@ -1,11 +1,13 @@
 """A preemption notice's deadline drives the emergency path (issue 22 item 4): 30 s between the
 notice and the machine going, and a link to S3 (a real moto server behind a throttle) on which
-the state needs longer than that. The leaving node's files go to the node that stays first; S3,
-not needed then, is skipped and said; the node is gone before its deadline, never mid-upload;
-the node that stays goes on in-process from that very iteration.
+the state needs longer than that. The background upload of the save before is given up, the
+leaving node's files go to the node that stays first; S3, not needed then, is skipped and said;
+the node is gone before its deadline, never mid-upload; the node that stays goes on in-process
+from that very iteration.
 
-Before, the stop's save uploaded to S3 first: the machine went mid-upload, before the
-evacuation, with nothing of that iteration committed anywhere but on a disk that was gone.
+Before, the stop waited for the background upload, then the stop's save uploaded to S3 first:
+the machine went mid-upload, before the evacuation, with nothing of that iteration committed
+anywhere but on a disk that was gone.
 """
 
 from __future__ import annotations
@@ -32,16 +34,17 @@ WINDOW_S = 30               # the emulated watcher's --signal-grace
 
 
 def test_a_deadline_shorter_than_the_upload_evacuates_and_skips_s3(tmp_path, monkeypatch):
-    iters, notice_at = 6, 3
+    iters, saved_at, notice_at = 6, 2, 3
     gpus = {"node0": "A100-80GB", "node2": "H800"}
     hold = tmp_path / "hold"
     hold_after(hold, notice_at)
     monkeypatch.setenv(HOLD_FILE_ENV, str(hold))
     with moto_s3_server() as (endpoint, bucket), Throttle(endpoint, RATE) as link:
         s3_uri = f"s3://{bucket}/deadline"
-        # No save before the notice's (--save-interval = --iters): the notice's is the first.
-        fleet = fleet_of(tmp_path, make_plan(tmp_path), iters, iters)
-        fleet.train_args += ["--autohet-s3-uri", s3_uri, "--autohet-s3-endpoint-url", link.url]
+        # The save of iteration 2 is still uploading in the background at the notice.
+        fleet = fleet_of(tmp_path, make_plan(tmp_path), iters, saved_at)
+        fleet.train_args += ["--autohet-s3-uri", s3_uri, "--autohet-s3-endpoint-url", link.url,
+                             "--async-save"]
         with fleet:
             for node, gpu in gpus.items():
                 fleet.add(node, gpu)
@@ -49,6 +52,9 @@ def test_a_deadline_shorter_than_the_upload_evacuates_and_skips_s3(tmp_path, mon
                            what=f"iteration {notice_at}")
             leaving = fleet.events("first_iteration")[0]["reported_by"]     # the plan's rank 0
             staying = next(n for n in gpus if n != leaving)
+            written = f"successfully saved checkpoint from iteration {saved_at:7d}"
+            fleet.wait_for(lambda: written in fleet.workdir.joinpath(f"{leaving}.log").read_text(),
+                           timeout=60, what=f"iteration {saved_at} written, its upload begun")
             fleet.nodes[leaving].watcher.send_signal(signal.SIGTERM)
             fleet.wait_for(lambda: fleet.notice_file(leaving).exists(), timeout=60,
                            what=f"{leaving}'s notice file")
@@ -63,14 +69,15 @@ def test_a_deadline_shorter_than_the_upload_evacuates_and_skips_s3(tmp_path, mon
             codes = fleet.wait_all(timeout=600)
             # The leaving node's step: on the disk of the node that stays, not in S3.
             _, manifest = newest_manifest(str(fleet.workdir / staying / "ckpt"))
-            store = S3Store(s3_uri, endpoint_url=endpoint)
-            in_s3 = store.get_bytes(f"{step_dir_name(notice_at)}/{MANIFEST_FILE}")
+            in_s3 = S3Store(s3_uri, endpoint_url=endpoint).list_steps()
 
     # What the test stands on: the step's S3 upload needs more than twice the window.
     step = read_manifest(fleet.workdir / leaving / "ckpt" / step_dir_name(notice_at))
     assert sum(step.files[name].size for name in s3_files(step)) / RATE > 2 * WINDOW_S
     assert codes == {staying: 0}
-    assert manifest.iteration == iters and in_s3 is None
+    assert manifest.iteration == iters and saved_at not in in_s3 and notice_at not in in_s3
+    assert (f"upload of iteration {saved_at} to {s3_uri} given up: a preemption notice's stop "
+            "came first") in fleet.workdir.joinpath(f"{leaving}.log").read_text()
     events = fleet.events()
     after = events[next(i for i, e in enumerate(events) if e["event"] == "stop"):]
     assert [(e["event"], e["reported_by"]) for e in after] == [
