@@ -16,7 +16,7 @@ them from S3 - or losing them:
 sent once, to the receiving node that got the fewest bytes so far. One worker per node (the one
 on its first GPU) speaks for the node's disk. Received files are written atomically; a receiver
 without the step gets its small files and manifest too and commits it. Recovery verifies every
-chunk's SHA-256 as usual, so nothing here is trusted blindly.
+chunk's checksum as usual, so nothing here is trusted blindly.
 """
 
 from __future__ import annotations
