@@ -28,9 +28,10 @@ algorithm the digest names (:class:`Checksum`), so steps written by earlier vers
 manifests (format version 1) hold bare SHA-256 hex, load and verify as they are. New steps record
 ``xxh3_128``, a 128-bit non-cryptographic hash: it guards against what a checksum is for (bit
 rot, torn writes, damaged transfers; an attacker could rewrite the manifest too) at an order of
-magnitude more GB/s per core than SHA-256, whose cost dominated verifying a rank's own chunks in
-a local-first recovery (docs/checkpoints.md has the figures). Both libraries release the GIL
-while they hash, so verifying threads hash in parallel.
+magnitude more GB/s per core than SHA-256, which took about a third of a local-first recovery's
+own-disk tier (scripts/bench_checksums.py, bench_recovery.py --compare-checksum sha256; figures
+in docs/checkpoints.md). Both libraries release the GIL while they hash, so verifying threads
+hash in parallel.
 
 Atomic writes: :func:`write_atomic` writes a temporary name in the target directory, fsyncs it,
 renames it over the target and fsyncs the directory, so a crash leaves the old file or the new
