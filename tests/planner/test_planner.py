@@ -1,12 +1,15 @@
 """Planner: valid plans, memory limits, flags, errors, and optimality against brute force."""
 
 import dataclasses
+import itertools
 import math
 
 import pytest
 
 from megatron_autohet.errors import ConfigError
 from megatron_autohet.planner import compare, make_plan, search
+from megatron_autohet.planner.search import ALL_ORDERS_BUDGET, orders_of, stage_sequences
+from megatron_autohet.planner.space import Pool
 from megatron_autohet.testing.exhaustive import exhaustive_search
 from megatron_autohet.spec import load_cluster, load_model
 from megatron_autohet.spec.cluster import cluster_from_dict
@@ -372,3 +375,23 @@ def test_layer_splits_give_the_fastest_pipeline_for_every_microbatch_count():
                     min(time_s(sp) for sp in every), rel=1e-12)
                 checked += 1
     assert checked > 200
+
+
+@pytest.mark.unit
+def test_every_order_of_pools_where_a_depth_has_few_orders():
+    """orders_of counts the sequences of S pools within each pool's count (against brute
+    force); stage_sequences holds all of them at every depth up to the budget, a type's stages
+    apart included, and only contiguous runs (and their wrap-around) beyond it."""
+    for counts in ([8, 8, 8], [1, 3, 2], [2, 2], [1] * 5):
+        for depth in range(1, 7):
+            brute = [q for q in itertools.product(range(len(counts)), repeat=depth)
+                     if all(q.count(k) <= c for k, c in enumerate(counts))]
+            assert orders_of(counts, depth) == len(brute)
+    pools = [Pool(g, 1, 8, 8, 25.0, 300.0, 8) for g in ("A", "B", "C")]
+    found = set(stage_sequences(pools, 8))
+    every = [d for d in range(1, 9) if orders_of([8] * 3, d) <= ALL_ORDERS_BUDGET]
+    assert every == list(range(1, 8))
+    for depth in every:
+        assert all(q in found for q in itertools.product(range(3), repeat=depth))
+    assert (0, 1, 0, 2, 0, 1, 0) in found and (0, 1, 0, 2, 0, 1, 0, 1) not in found
+    assert (0, 1, 1, 2, 2, 2, 2, 0) in found            # runs, the first one's stage at the end
