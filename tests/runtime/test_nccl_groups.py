@@ -84,7 +84,8 @@ def _notice_then_evacuate(rank, world_size, tmp: Path):
     with nccl_semantics():
         stop = _StopCheck(worker, None)
         action = stop(4)
-        worker._evacuate(plan, rank, stop.requests.decision.leaving, stop.requests.group)
+        worker._evacuate(plan, rank, stop.requests.decision.leaving, stop.requests.group,
+                         stop.deadline)
     return action, stop.leaving_nodes
 
 
