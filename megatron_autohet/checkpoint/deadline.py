@@ -5,8 +5,9 @@ After a preemption notice the node's state leaves it in order of speed - to the 
 that cannot finish before the node goes is not started: half a file is worth nothing, and the
 time is better left to what follows (the re-plan, whose broadcast the leaving ranks take part
 in). Whether a copy fits is estimated from the bandwidth measured on what this copy's link
-already carried (:class:`Throughput`); before anything was measured, a copy starts and the
-uploads stop themselves at the deadline (:meth:`Deadline.left`).
+already carried (:class:`Throughput`); before anything was measured, a copy starts. An upload
+still running when the time is up is no longer waited for (checkpoint/upload.py); a file on its
+way to a peer (gloo send/recv) cannot be left like that, so the first one is sent whole.
 """
 
 from __future__ import annotations
