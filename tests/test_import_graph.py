@@ -243,3 +243,22 @@ def test_function_local_imports_keep_a_heavy_dependency_out_and_say_so():
             silent.append(f"{imp} ({imp.function}): {', '.join(imp.targets)}")
     assert needless == [], "move these imports to the top of their module"
     assert silent == [], "say in a comment why these imports are inside a function"
+
+
+def test_no_test_module_imports_another():
+    """Tests share code through tests/helpers/ only: a test module imported by another would
+    run its tests' module-level set-up twice and tie two areas of the tree together."""
+    tests = Path(__file__).parent
+    names = {p.stem for p in tests.rglob("test_*.py")}
+    offenders = []
+    for path in sorted(tests.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                targets = [node.module]
+            else:
+                continue
+            offenders += [f"{path.relative_to(tests)}: {t}" for t in targets
+                          if t.split(".")[-1] in names or t.startswith("tests.")]
+    assert offenders == [], "move what they share into tests/helpers/"

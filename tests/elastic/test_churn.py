@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import pickle
 import signal
-import subprocess
-import sys
 from datetime import timedelta
 from pathlib import Path
 
@@ -22,32 +20,11 @@ import pytest
 import torch.distributed as dist
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
 
+from helpers.fleets import fleet_of, make_plan
 from megatron_autohet.elastic.hold import HOLD_FILE_ENV, hold_after
 from megatron_autohet.testing.emulate import EmulatedFleet, _children
 
 pytestmark = pytest.mark.e2e
-
-ROOT = Path(__file__).resolve().parents[2]
-MODEL = ROOT / "configs/models/tiny.yaml"
-CLUSTER = ROOT / "configs/clusters/spot-4.yaml"
-
-
-def make_plan(tmp_path: Path) -> Path:
-    plan = tmp_path / "plan.yaml"
-    done = subprocess.run([sys.executable, "-m", "megatron_autohet.cli.main", "plan",
-                           "--cluster", str(CLUSTER), "--model", str(MODEL),
-                           "--global-batch-size", "8", "--micro-batch-size", "1", "-o",
-                           str(plan)], capture_output=True, text=True, check=False)
-    assert done.returncode == 0, done.stderr
-    return plan
-
-
-def fleet_of(tmp_path: Path, plan: Path, iters: int, save: int, **kwargs) -> EmulatedFleet:
-    return EmulatedFleet(tmp_path / "job", train_args=[
-        "--plan", str(plan), "--model", str(MODEL), "--cluster", str(CLUSTER),
-        "--iters", str(iters), "--save-interval", str(save),
-        "--data-dir", str(tmp_path / "data")], **kwargs)
-
 
 def test_rank_0_leaving_after_a_notice_leaves_no_hole_in_the_events(tmp_path, monkeypatch):
     iters, save, notice_at = 8, 4, 5

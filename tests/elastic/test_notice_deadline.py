@@ -17,6 +17,7 @@ import time
 
 import pytest
 
+from helpers.fleets import fleet_of, make_plan
 from helpers.throttle import Throttle
 from megatron_autohet.checkpoint.inspect import newest_manifest, s3_files
 from megatron_autohet.checkpoint.manifest import MANIFEST_FILE, read_manifest, step_dir_name
@@ -24,8 +25,6 @@ from megatron_autohet.checkpoint.s3_store import S3Store
 from megatron_autohet.elastic.hold import HOLD_FILE_ENV, hold_after
 from megatron_autohet.elastic.notices import read_notice
 from megatron_autohet.testing.s3_server import moto_s3_server
-
-from test_churn import fleet_of, make_plan
 
 pytestmark = pytest.mark.e2e
 
