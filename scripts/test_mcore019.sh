@@ -55,13 +55,13 @@ echo "test_mcore019.sh: $(tr '\n' ' ' < "$pins")in $VENV"
 
 # The venv's bin first on PATH, as scripts/test.sh has it (the tests start `autohet` and torchrun).
 # What megatron-core does in a job - schedule, parallel state, DDP, optimizer, dist_checkpointing -
-# is all in these; the elastic run (tests/elastic/test_elastic.py, pass it as an argument) adds
-# the fleet around them and is left out of CI: on 0.19.2 it failed 1 of 3 times at load average
-# ~35 (a worker still running 120 s after its notice, cause not found), and CI must not flake.
+# is in the first four; the elastic run adds the fleet around them: torchrun's agents, warm
+# workers, a notice, a loss and a join, recovery from the checkpoint tiers.
 PATH="$ROOT/$VENV/bin:$PATH" "$py" -m pytest -q \
   tests/runtime/test_schedule.py \
   tests/runtime/test_parallel_state.py \
   tests/runtime/test_equivalence.py \
   tests/checkpoint/test_checkpoint.py \
   tests/cli/test_known_warnings.py \
+  "tests/elastic/test_elastic.py::test_preemption_loss_and_join_match_an_uninterrupted_run" \
   "$@"

@@ -11,6 +11,10 @@ test triggers the event (writes a notice, kills a node, starts one), then moves 
 
 A signal also releases the hold (torchrun stopping the workers because a node joins): the stop
 it asks for lands after the held iteration.
+
+``0`` holds every (re)started worker before it trains, where SIGTERM still ends the process: a
+test waits there for the round it wants (the nodes of a fleet start at different times, and the
+rendezvous starts a round with the first two) before the job's first iteration.
 """
 
 from __future__ import annotations

@@ -126,7 +126,7 @@ def test_preemption_loss_and_join_match_an_uninterrupted_run(reference, tmp_path
                                                              s3_uri, monkeypatch):
     plan, data_dir, ref = reference
     hold = tmp_path / "hold"
-    hold_after(hold, NOTICE_AT)
+    hold_after(hold, 0)                 # nothing trains before the four nodes are in one round
     monkeypatch.setenv(HOLD_FILE_ENV, str(hold))       # the nodes' agents pass it to the workers
     fleet = EmulatedFleet(tmp_path / "job", train_args=[
         "--plan", str(plan), "--model", str(MODEL), "--cluster", str(CLUSTER),
@@ -135,6 +135,12 @@ def test_preemption_loss_and_join_match_an_uninterrupted_run(reference, tmp_path
     with fleet, FakeAws() as imds:
         for node, gpu in GPUS.items():
             fleet.add(node, gpu, cloud=("aws", imds.url) if node == "node2" else None)
+        # Under load the first nodes whose fork servers are ready start a round of their own (the
+        # rendezvous needs two); it trains nothing, and the next round takes all four.
+        fleet.wait_for(lambda: any(sorted(p["nodes"]) == sorted(GPUS)
+                                   for p in fleet.events("plan")),
+                       timeout=300, what="a round of the four nodes")
+        hold_after(hold, NOTICE_AT)
         fleet.wait_for(lambda: fleet.iteration() >= NOTICE_AT, timeout=300,
                        what=f"iteration {NOTICE_AT}")
         # Start-up rounds that trained nothing do not matter; training from iteration 1 on the
