@@ -26,8 +26,8 @@ ranks. It cannot see GPU types and its ranks are not stable, so on every (re)sta
      machine goes, and joins no new round), and the others build the new plan's process group and
      model in the same processes and recover the saved iteration from their disks. No worker
      restarts and no rendezvous round runs (the agents see nothing), so the job is down for
-     about the save, the re-plan and the recovery, not for a restart. Should the new plan
-     leave GPUs idle, the staying workers exit with :data:`EXIT_REPLAN` instead.
+     about the save, the re-plan and the recovery, not for a restart. A GPU the new plan
+     leaves idle (a V100 in a bf16 job) keeps its worker as a standby, as after a round.
    * A signal (torchrun stopping the workers because a node joins, or a failure elsewhere):
      every worker exits with :data:`EXIT_REPLAN`, and the agents start a new round (steps 1-3
      again, with new processes).
@@ -37,7 +37,10 @@ ranks. It cannot see GPU types and its ranks are not stable, so on every (re)sta
    iterations since the last save.
 
 A GPU the plan leaves idle keeps its worker waiting until the job ends (its agent stays in the
-rendezvous, so the GPU is used at the next re-plan).
+rendezvous, so the GPU is used at the next re-plan). When the fleet present has no plan (no GPU
+that trains in the job's precision, none on which the model fits), the rank that re-planned
+logs why and every worker learns it at once (in the store, or the in-process broadcast) and
+stops the job for good with that line (:class:`NoPlan`): a new round would find the same fleet.
 """
 
 from __future__ import annotations
@@ -154,6 +157,15 @@ class _Ended:
     warm: tuple | None                  # after an in-process re-plan: (plan, members, store, host)
 
 
+class NoPlan(Exception):
+    """The fleet present has no plan (the re-plan's ConfigError); ``line`` says why and where the
+    training state is. Every worker of the job raises it together and stops the job for good."""
+
+    def __init__(self, line: str):
+        super().__init__(line)
+        self.line = line
+
+
 class ElasticWorker:
     def __init__(self, *, initial_plan: Plan, template: Cluster, model: ModelSpec, options,
                  notice_file: str | None, events_jsonl: str | None):
@@ -190,14 +202,21 @@ class ElasticWorker:
             store.wait(keys)
             told = [json.loads(store.get(k)) for k in keys]
             members = [Member.from_dict(t["member"]) for t in told]
-            plan, decision = self._decide(members, [t["step"] for t in told if t["step"]])
+            try:
+                plan, decision = self._decide(members, [t["step"] for t in told if t["step"]])
+            except NoPlan as failed:                # the others learn it in the plan's place
+                store.set(f"{_PREFIX}plan", json.dumps({"no_plan": failed.line}))
+                raise
             store.set(f"{_PREFIX}plan", json.dumps(plan.to_dict()))
             idle = [f"{m.node}:{m.local_rank}" for m, r in zip(members, plan_ranks(plan, members))
                     if r is None]
             self._emit_plan(decision, members, plan, time.monotonic() - start, idle=idle)
         else:
             store.wait([f"{_PREFIX}plan"])
-        plan = plan_from_dict(json.loads(store.get(f"{_PREFIX}plan")), "<elastic plan>")
+        said = json.loads(store.get(f"{_PREFIX}plan"))
+        if "no_plan" in said:
+            raise NoPlan(said["no_plan"])
+        plan = plan_from_dict(said, "<elastic plan>")
         members = [Member.from_dict(json.loads(store.get(f"{_PREFIX}member/{r}"))["member"])
                    for r in range(self.world_size)]
         return plan, members, plan_ranks(plan, members)
@@ -232,7 +251,8 @@ class ElasticWorker:
         present = {n.name for n in cluster.nodes}
         gone, joined = sorted(before - present), sorted(present - before)
         self._emit_fleet(cluster, gone, joined)
-        found = self._replan(previous, cluster)
+        found = self._replan(previous, cluster, f"the newest checkpoint step is "
+                             f"{newest['iteration']}" if newest else "no checkpoint step yet")
         source = f"step {newest['iteration']}'s plan" if newest else "the initial plan"
         if found.unchanged:
             return found.plan, f"kept {source}"
@@ -240,38 +260,51 @@ class ElasticWorker:
                             f"{found.cost.iteration_time_s:.3g} s, recovery moves "
                             f"{found.recovery_bytes / 2**20:.1f} MiB across nodes)")
 
-    def _replan(self, previous: Plan, cluster: Cluster):
+    def _replan(self, previous: Plan, cluster: Cluster, state: str):
         """planner/replan.py's re-plan for the fleet present, on the GPUs that can train in this
         job's precision (a bf16 job leaves V100s and T4s idle, as ``autohet plan`` does and
-        ``autohet train`` demands)."""
-        return replan(previous, cluster, self.model,
-                      precision=job_precision(self.options)[0].name, cluster_file="<fleet>")
+        ``autohet train`` demands). No plan: :class:`NoPlan`, logged here (``state``: where the
+        training state is), on the one rank that re-plans."""
+        try:
+            return replan(previous, cluster, self.model,
+                          precision=job_precision(self.options)[0].name, cluster_file="<fleet>")
+        except ConfigError as err:
+            fleet = ", ".join(f"{n.name} ({n.num_gpus} x {n.gpu})" for n in cluster.nodes)
+            line = f"no plan for the fleet present, {fleet}: {err}; the job stops ({state})"
+            self._log(True).emit("no_plan", line, nodes=[n.name for n in cluster.nodes],
+                                 error=str(err))
+            raise NoPlan(line) from None
 
     # ---- 3-4: train, stop -------------------------------------------------------------------
 
     def run(self) -> int:
         store = _worker_store(self.rank)
-        plan, members, ranks = self.agree(store)
-        plan_rank = ranks[self.rank]
-        # From here on the plan's rank 0 reports (torchrun's rank 0 may be idle).
-        self.events = self._log(plan_rank == 0)
-        if None in ranks:
-            self._hand_over(store, plan, members)
-        if plan_rank is None:
-            return self._idle(store)
-        hold = hold_file_from_env()
-        if hold is not None:
-            # A test holding the job before it trains (elastic/hold.py): torchrun's SIGTERM, its
-            # default action still, ends the wait with this process.
-            wait_while_held(hold, 0, lambda: False)
+        try:
+            plan, members, _ = self.agree(store)
+        except NoPlan as failed:
+            return stop_for_good(failed.line)
         on_cpu = cpu_mode_required()
-        init_backend(on_cpu)
-        if not on_cpu:
-            select_device(self.local_rank)
-        # The workers that finish the job, and who hosts the store they finish on.
-        finishers, store_host = self.world_size, self.rank == 0
+        # Who hosts the store the workers finish on (members: the workers that finish the job).
+        store_host = self.rank == 0
         generation = 0
         while True:
+            ranks = plan_ranks(plan, members)
+            plan_rank = ranks[members.index(self.me)]
+            # From here on the plan's rank 0 reports (torchrun's rank 0 may be idle).
+            self.events = self._log(plan_rank == 0)
+            if None in ranks:
+                self._hand_over(store, plan, members)
+            if plan_rank is None:
+                return self._idle(store, host=store_host, expected=len(members))
+            if generation == 0:
+                hold = hold_file_from_env()
+                if hold is not None:
+                    # A test holding the job before it trains (elastic/hold.py): torchrun's
+                    # SIGTERM, its default action still, ends the wait with this process.
+                    wait_while_held(hold, 0, lambda: False)
+                init_backend(on_cpu)
+                if not on_cpu:
+                    select_device(self.local_rank)
             dist.init_process_group("gloo" if on_cpu else "nccl", rank=plan_rank,
                                     world_size=plan.world_size, timeout=self.options.timeout,
                                     store=dist.PrefixStore(f"{_PREFIX}train/{generation}/",
@@ -282,11 +315,13 @@ class ElasticWorker:
                 return report_job_config_error(err, plan_rank)
             except CheckpointStop as stop:          # not restarted: torchrun would
                 return stop_for_good(stop.line)
+            except NoPlan as failed:
+                return stop_for_good(failed.line)
             finally:
                 dist.destroy_process_group()
             if ended.decision is None:
                 self._finish(store, ended.last if plan_rank == 0 else None, host=store_host,
-                             expected=finishers)
+                             expected=len(members))
                 return 0
             if ended.decision.leaving:
                 # Leave the job: with all its workers done, our agent waits in torchrun's exit
@@ -296,10 +331,7 @@ class ElasticWorker:
             if ended.warm is None:
                 return EXIT_REPLAN
             plan, members, store, store_host = ended.warm
-            plan_rank = plan_ranks(plan, members)[members.index(self.me)]
-            finishers = len(members)
             generation += 1
-            self.events = self._log(plan_rank == 0)
 
     def _generation(self, plan: Plan, plan_rank: int, members: list[Member]) -> _Ended:
         """Train ``plan`` on the initialised default group until the job ends or stops; after a
@@ -335,16 +367,17 @@ class ElasticWorker:
                 self._upload_stranded(last, plan, plan_rank, leaving_nodes, moved, group,
                                       deadline)
             if not decision.signalled and len(members) == plan.world_size:
-                warm = self._replan_in_process(plan, plan_rank, members, leaving_nodes)
+                warm = self._replan_in_process(plan, plan_rank, members, leaving_nodes, last)
         return _Ended(last, decision, warm)
 
     def _replan_in_process(self, plan: Plan, plan_rank: int, members: list[Member],
-                           leaving: list[str]):
+                           leaving: list[str], iteration: int):
         """After a notice, on the old process group: the nodes that stay go on in this process
         - no new workers, no new rendezvous. The first staying rank re-plans for them and hosts
-        a new store; everyone learns both by one broadcast. Returns (plan, members, store,
-        hosting) for the staying ranks, or None when the re-plan leaves GPUs idle (then the
-        job restarts through torchrun, whose round puts idle GPUs on hold)."""
+        a new store; everyone learns both, or why there is no plan (:class:`NoPlan`, raised on
+        every rank), by one broadcast. Returns (plan, members, store, hosting) for the staying
+        ranks - a GPU the new plan leaves idle among them, its worker a standby (run) - and
+        None for the leaving ones."""
         start = time.monotonic()
         by_rank = {r: m for r, m in zip(plan_ranks(plan, members), members)}
         staying = [by_rank[r] for r in sorted(by_rank) if by_rank[r].node not in leaving]
@@ -355,9 +388,12 @@ class ElasticWorker:
         server = None
         cluster = fleet_cluster(staying, self.template)
         if plan_rank == host:
-            found = self._replan(plan, cluster)
-            idle = [m for m, r in zip(staying, plan_ranks(found.plan, staying)) if r is None]
-            if not idle:
+            try:
+                found = self._replan(plan, cluster, f"iteration {iteration} is saved on "
+                                     f"{', '.join(n.name for n in cluster.nodes)}")
+            except NoPlan as failed:
+                message = [{"no_plan": failed.line}]
+            else:
                 addr = os.environ.get("AUTOHET_LOCAL_ADDR") or socket.gethostname()
                 # Port 0: the store binds a port the system picks (no window for another
                 # process to take it between choosing and binding).
@@ -367,8 +403,8 @@ class ElasticWorker:
                             "recovery_bytes": found.recovery_bytes,
                             "iteration_time_s": found.cost.iteration_time_s}]
         dist.broadcast_object_list(message, src=host)
-        if message[0] is None:
-            return None
+        if "no_plan" in message[0]:
+            raise NoPlan(message[0]["no_plan"])
         if self.me.node in leaving:
             return None
         new = plan_from_dict(message[0]["plan"], "<elastic plan>")
@@ -380,8 +416,10 @@ class ElasticWorker:
         # on a node that leaves. From the new generation on the new plan's rank 0 reports.
         self.events = self._log(plan_rank == host)
         if plan_rank == host:
+            idle = [f"{m.node}:{m.local_rank}" for m, r in zip(staying, plan_ranks(new, staying))
+                    if r is None]
             self._emit_fleet(cluster, leaving, [])
-            self._emit_plan("re-planned in-process", staying, new, seconds, warm=True,
+            self._emit_plan("re-planned in-process", staying, new, seconds, idle=idle, warm=True,
                             detail=f", predicted iteration {message[0]['iteration_time_s']:.3g}"
                             f" s, recovery moves {message[0]['recovery_bytes'] / 2**20:.1f} "
                             "MiB across nodes")
@@ -465,7 +503,7 @@ class ElasticWorker:
         start = time.monotonic()
         training_nodes = {info.node for info in plan.ranks}
         local_dir = self.options.checkpoint.local_dir
-        moved = hand_over(store, rank=self.rank, world_size=self.world_size,
+        moved = hand_over(store, rank=members.index(self.me), world_size=len(members),
                              speaks_for_node=self.local_rank == 0,
                              training=self.me.node in training_nodes,
                              root=Path(local_dir.replace("{node}", self.me.node)),
@@ -477,7 +515,8 @@ class ElasticWorker:
                              f"in {time.monotonic() - start:.2f} s", idle_nodes=idle,
                              bytes=moved, seconds=round(time.monotonic() - start, 3))
 
-    def _idle(self, store) -> int:
+    def _idle(self, store, *, host: bool, expected: int) -> int:
+        """A standby: wait for the job's end, then finish (:meth:`_finish`)."""
         while True:
             try:
                 store.wait([f"{_PREFIX}finished"], timedelta(minutes=1))
@@ -485,7 +524,7 @@ class ElasticWorker:
             except dist.DistStoreError as err:  # a timeout: keep waiting (a lost store is a
                 if "timeout" not in str(err).lower():   # DistNetworkError: we restart with it)
                     raise
-        self._finish(store, None, host=self.rank == 0, expected=self.world_size)
+        self._finish(store, None, host=host, expected=expected)
         return 0
 
     def _finish(self, store, last: int | None, *, host: bool, expected: int) -> None:
