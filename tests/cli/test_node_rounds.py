@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import RendezvousParameters, rendezvous_handler_registry
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
 
+from helpers.fleets import CLUSTER, MODEL, make_plan
 from megatron_autohet.elastic.rendezvous import close, register
 
 pytestmark = pytest.mark.e2e
@@ -39,7 +40,9 @@ def test_a_round_that_fails_after_it_completed_is_followed_by_the_next(tmp_path,
         [sys.executable, "-m", "megatron_autohet.cli.main", "node", "--rendezvous",
          f"127.0.0.1:{store.port}", "--job-id", "job1", "--nnodes", "2:2", "--node-name", "n1",
          "--gpu", "A100-80GB", "--local-addr", "127.0.0.1", "--cold-workers", "--",
-         "--plan", "never-read.yaml"], stdout=subprocess.DEVNULL, stderr=open(log, "w"))
+         "--plan", str(make_plan(tmp_path)), "--model", str(MODEL), "--cluster", str(CLUSTER),
+         "--autohet-local-ckpt-dir", str(tmp_path / "{node}"), "--save-interval", "10"],
+        stdout=subprocess.DEVNULL, stderr=open(log, "w"))
     try:
         def until(what, predicate):
             deadline = time.monotonic() + 600                # a safety net, not a measurement

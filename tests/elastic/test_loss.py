@@ -10,30 +10,14 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
+from helpers.fleets import fleet_of, make_plan
 from megatron_autohet.elastic.hold import HOLD_FILE_ENV, hold_after
-from megatron_autohet.testing.emulate import EmulatedFleet, _children
+from megatron_autohet.testing.emulate import _children
 
 pytestmark = pytest.mark.e2e
-
-ROOT = Path(__file__).resolve().parents[2]
-MODEL = ROOT / "configs/models/tiny.yaml"
-CLUSTER = ROOT / "configs/clusters/spot-4.yaml"
-
-
-def _plan(tmp_path: Path) -> Path:
-    plan = tmp_path / "plan.yaml"
-    done = subprocess.run([sys.executable, "-m", "megatron_autohet.cli.main", "plan",
-                           "--cluster", str(CLUSTER), "--model", str(MODEL),
-                           "--global-batch-size", "8", "--micro-batch-size", "1", "-o",
-                           str(plan)], capture_output=True, text=True, check=False)
-    assert done.returncode == 0, done.stderr
-    return plan
 
 
 def _tree(pid: int) -> list[int]:
@@ -50,12 +34,10 @@ def test_a_node_cut_off_mid_collective_costs_at_most_the_save_interval(tmp_path,
     hold = tmp_path / "hold"
     hold_after(hold, 2)
     monkeypatch.setenv(HOLD_FILE_ENV, str(hold))
-    fleet = EmulatedFleet(tmp_path / "job", train_args=[
-        "--plan", str(_plan(tmp_path)), "--model", str(MODEL), "--cluster", str(CLUSTER),
-        "--iters", str(iters), "--save-interval", str(save), "--data-dir", str(tmp_path / "data"),
-        "--distributed-timeout-minutes", "30",
-        # what only the lost node held comes from S3
-        "--autohet-s3-uri", s3_uri, "--autohet-s3-endpoint-url", s3_endpoint[0]])
+    fleet = fleet_of(tmp_path, make_plan(tmp_path), iters, save)
+    fleet.train_args += ["--distributed-timeout-minutes", "30",
+                         # what only the lost node held comes from S3
+                         "--autohet-s3-uri", s3_uri, "--autohet-s3-endpoint-url", s3_endpoint[0]]
     with fleet:
         # Two nodes make the first round (--nnodes 2:8), a third joins it at iteration 2: three
         # nodes train when the job is held after iteration 6.
