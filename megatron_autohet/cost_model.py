@@ -162,6 +162,19 @@ def plan_charge(plan: Plan) -> str:
                         "<plan>")
 
 
+def plan_profile(plan: Plan) -> Profile | None:
+    """The profile the plan was priced on (its file records it), None for analytic estimates."""
+    if plan.profile is None:
+        return None
+    return Profile.from_dict(plan.profile, "<plan>: profile")
+
+
+def record_profile(plan: Plan, profile: Profile | None) -> None:
+    """The plan was priced on ``profile`` (None: analytic estimates): its re-plans price on the
+    same (planner/replan.py), whatever flags the process re-planning has."""
+    plan.profile = None if profile is None else profile.to_dict()
+
+
 def check_memory_headroom(value: float, flag: str = "--memory-headroom") -> float:
     if not 0.0 <= value < 1.0:
         raise ConfigError("<arguments>", flag, f"got {value!r}",

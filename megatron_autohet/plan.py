@@ -27,6 +27,9 @@ File form (``plan.yaml``)::
             predicted_time_s: 0.021      # optional: forward+backward of one micro-batch
             predicted_memory_gib: 31.2   # optional: peak memory of one GPU of the stage
     predicted: {iteration_time_s: 1.93, tokens_per_s: 67900, memory_headroom: 0.1}   # optional
+    profile: {model: gpt3-1.3b, entries: [...]}  # optional: the profile it was priced on (a
+                                   # profile file's mapping; none: the analytic estimates), which
+                                   # its re-plans price on too
 
 The first stage of each pipeline also holds the embedding, the last one the output layer and loss.
 Loading validates everything; a bad plan is a :class:`ConfigError` naming the field.
@@ -110,6 +113,9 @@ class Plan:
     # parameter's holders): the cost model prices it, the runtime trains with it.
     use_distributed_optimizer: bool = False
     predicted: dict = field(default_factory=dict)
+    # The profile file's mapping the plan was priced on (None: analytic estimates); read as a
+    # profile by cost_model.plan_profile, where the layers that know profiles are.
+    profile: dict | None = None
 
     @property
     def world_size(self) -> int:
@@ -146,6 +152,7 @@ class Plan:
             "pipelines": [{"num_microbatches": p.num_microbatches,
                            "stages": [stage_dict(s) for s in p.stages]} for p in self.pipelines],
             "predicted": dict(self.predicted),
+            **({"profile": self.profile} if self.profile is not None else {}),
         }
 
     def save(self, path: str | Path) -> None:
@@ -162,7 +169,7 @@ def load_plan(path: str | Path) -> Plan:
 
 _PLAN_FIELDS = {"format_version", "cluster", "model", "micro_batch_size", "global_batch_size",
                 "seq_length", "activation_recompute", "use_distributed_optimizer", "ranks",
-                "pipelines", "predicted"}
+                "pipelines", "predicted", "profile"}
 _STAGE_FIELDS = {"ranks", "layers", "warmup_microbatches", "predicted_time_s",
                  "predicted_memory_gib"}
 
@@ -232,6 +239,7 @@ def plan_from_dict(data: dict, file: str | Path = "<plan>") -> Plan:
         use_distributed_optimizer=get_field(data, "use_distributed_optimizer", bool, file,
                                             default=False),
         predicted=get_field(data, "predicted", dict, file, default={}),
+        profile=get_field(data, "profile", dict, file, default=None),
     )
     if "memory_headroom" in plan.predicted:      # the planner's, read back by show and replan
         headroom = get_field(plan.predicted, "memory_headroom", float, file, "predicted",

@@ -55,7 +55,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from megatron_autohet.cost_model import (PlanCost, annotate_plan, evaluate_plan, plan_charge,
-                                         plan_memory_headroom)
+                                         plan_memory_headroom, plan_profile, record_profile)
 from megatron_autohet.errors import ConfigError
 from megatron_autohet.plan import Pipeline, Plan, RankInfo
 from megatron_autohet.planner.search import (Candidate, priced_precision, resolve_profile,
@@ -313,7 +313,9 @@ def replan(previous: Plan, cluster: Cluster, model: ModelSpec, profile: Profile 
            precision: str | None = None, cluster_file: str = "<cluster>") -> Replan:
     """The plan to restart with on ``cluster`` after ``previous`` (module doc).
 
-    ``model`` must be ``previous.model``; ``profile`` None plans on analytic estimates;
+    ``model`` must be ``previous.model``; ``profile`` None prices on the profile ``previous``
+    was priced on (its file records it; none recorded: analytic estimates), the new plan
+    recording the one used;
     ``tolerance`` is the fraction of iteration time traded for less state moved;
     ``work_budget`` the search's budget in SCIP nodes and ``time_limit_s`` its wall-clock
     safety net; ``precision`` the one the job trains in (None: the one the plans are priced
@@ -326,6 +328,7 @@ def replan(previous: Plan, cluster: Cluster, model: ModelSpec, profile: Profile 
     """
     _check_inputs(previous, model, tolerance)
     mbs, seq = previous.micro_batch_size, previous.seq_length
+    profile = profile if profile is not None else plan_profile(previous)
     precision = precision or priced_precision(profile)
     trainable, left_out = trainable_fleet(cluster, precision, cluster_file)
     # The new plan keeps the previous one's optimizer (the job's flags do not change), the
@@ -372,5 +375,6 @@ def replan(previous: Plan, cluster: Cluster, model: ModelSpec, profile: Profile 
     cost = with_left_out(chosen.cost, left_out)
     if left_out:
         annotate_plan(chosen.plan, cost)
+    record_profile(chosen.plan, profile)
     return Replan(chosen.plan, cost, moved, fastest, len(judged), False, best.stopped_by,
                   best.work)

@@ -173,7 +173,7 @@ from tqdm import tqdm
 
 from megatron_autohet.cost_model import (DEFAULT_CHARGE, DEFAULT_MEMORY_HEADROOM, PlanCost,
                                          check_charge, check_memory_headroom, stage_compute_s,
-                                         stage_memory_bytes)
+                                         record_profile, stage_memory_bytes)
 from megatron_autohet.errors import ConfigError
 from megatron_autohet.plan import Pipeline, Plan, RankInfo, Stage
 from megatron_autohet.planner.baselines import all_baselines
@@ -907,7 +907,7 @@ def search(cluster: Cluster, model: ModelSpec, profile: Profile | None, global_b
     check_charge(charge, "charge")
     deadline = clock() + time_limit_s
     if objective == "cost":
-        return cheapest(cluster, model, profile, global_batch_size, micro_batch_size, seq_length,
+        best = cheapest(cluster, model, profile, global_batch_size, micro_batch_size, seq_length,
                         allow_asymmetric_tp=allow_asymmetric_tp,
                         activation_recompute=activation_recompute, deadline=deadline,
                         progress=progress, tp_degrees=tp_degrees, max_stages=max_stages,
@@ -915,13 +915,18 @@ def search(cluster: Cluster, model: ModelSpec, profile: Profile | None, global_b
                         on_candidate=on_candidate, distributed_optimizer=distributed_optimizer,
                         memory_headroom=memory_headroom, min_tokens_per_s=min_tokens_per_s,
                         charge=charge)
-    return fastest_before(cluster, model, profile, global_batch_size, micro_batch_size,
-                          seq_length, deadline, allow_asymmetric_tp=allow_asymmetric_tp,
-                          activation_recompute=activation_recompute, progress=progress,
-                          tp_degrees=tp_degrees, max_stages=max_stages, seeds=seeds,
-                          baselines=baselines, work_budget=work_budget,
-                          on_candidate=on_candidate, distributed_optimizer=distributed_optimizer,
-                          memory_headroom=memory_headroom, sub_fleets=sub_fleets, charge=charge)
+    else:
+        best = fastest_before(cluster, model, profile, global_batch_size, micro_batch_size,
+                              seq_length, deadline, allow_asymmetric_tp=allow_asymmetric_tp,
+                              activation_recompute=activation_recompute, progress=progress,
+                              tp_degrees=tp_degrees, max_stages=max_stages, seeds=seeds,
+                              baselines=baselines, work_budget=work_budget,
+                              on_candidate=on_candidate,
+                              distributed_optimizer=distributed_optimizer,
+                              memory_headroom=memory_headroom, sub_fleets=sub_fleets,
+                              charge=charge)
+    record_profile(best.plan, profile)
+    return best
 
 
 def fastest_before(cluster: Cluster, model: ModelSpec, profile: Profile | None,
