@@ -366,6 +366,8 @@ class ElasticWorker:
             if deadline is not None:
                 self._upload_stranded(last, plan, plan_rank, leaving_nodes, moved, group,
                                       deadline)
+            # (with a standby - a worker outside this group, waiting in _idle - only a new
+            # round reaches every worker: EXIT_REPLAN)
             if not decision.signalled and len(members) == plan.world_size:
                 warm = self._replan_in_process(plan, plan_rank, members, leaving_nodes, last)
         return _Ended(last, decision, warm)
