@@ -27,13 +27,17 @@ def make_handler(monkeypatch):
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, multi_tenant=True,
                            wait_for_workers=False)
     backend = register()
+    made = []
 
     def make(addr: str):
-        return rendezvous_handler_registry.create_handler(RendezvousParameters(
+        made.append(rendezvous_handler_registry.create_handler(RendezvousParameters(
             backend, f"127.0.0.1:{server.port}", "job1", 2, 2, addr, is_host="false",
             join_timeout="1", last_call_timeout="1", keep_alive_interval="1",
-            keep_alive_max_attempt="3"))
-    return make
+            keep_alive_max_attempt="3")))
+        return made[-1]
+    yield make
+    for handler in made:        # their keep-alive threads end before the store does
+        handler.shutdown()
 
 
 def join(got: dict, name: str, handler) -> None:
@@ -125,7 +129,8 @@ def test_a_member_lost_without_notice_ends_the_others_workers(make_handler):
     lost = second.inner._this_node
     second.shutdown()                           # killed: no more keep-alive
     answers = until_gone(first, lost)
-    assert answers[-1] == 1 and answers.count(1) == 1, answers
+    # 1: the lost member (2 if this thread's own keep-alive also lapsed meanwhile: lost too)
+    assert answers[-1] >= 1 and not any(answers[:-1]), answers
     assert len(ended) == 1 and first.lost_rounds == 1
     first.shutdown()
 
