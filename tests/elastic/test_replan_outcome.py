@@ -108,21 +108,25 @@ def _in_process_standby(rank, world_size):
     """h800 (rank 0) leaves; v100 (rank 1: the first that stays, so it re-plans and hosts the new
     store) and a100 stay, and the bf16 re-plan trains on a100 alone. v100 waits as a standby
     until a100's worker finishes the job."""
+    import torch.distributed as dist
+
+    from megatron_autohet.elastic.fleet import plan_ranks
+
     plan = _plan(["h800", "v100", "a100"])
     node = plan.ranks[rank].node
     worker = _worker(rank, world_size, node, plan)
     warm = worker._replan_in_process(plan, rank, _members(plan), ["h800"], 3)
-    if warm is None:
-        return node, None
-    from megatron_autohet.elastic.fleet import plan_ranks
-
-    new, members, store, hosting = warm
-    ranks = dict(zip((m.node for m in members), plan_ranks(new, members)))
-    if ranks[node] is None:
-        ended = worker._idle(store, host=hosting, expected=len(members))
-    else:
-        ended = worker._finish(store, 7, host=hosting, expected=len(members))
-    return node, (ranks, hosting, ended, int(store.add("autohet/done", 0)))
+    outcome = None
+    if warm is not None:
+        new, members, store, hosting = warm
+        ranks = dict(zip((m.node for m in members), plan_ranks(new, members)))
+        if ranks[node] is None:
+            ended = worker._idle(store, host=hosting, expected=len(members))
+        else:
+            ended = worker._finish(store, 7, host=hosting, expected=len(members))
+        outcome = (ranks, hosting, ended, int(store.add("autohet/done", 0)))
+    dist.barrier()                      # v100's store outlives the others' reads
+    return node, outcome
 
 
 def test_a_gpu_the_in_process_replan_leaves_idle_waits_as_a_standby():
@@ -130,4 +134,4 @@ def test_a_gpu_the_in_process_replan_leaves_idle_waits_as_a_standby():
     assert h800 == ("h800", None)                   # the leaving node's worker ends
     ranks = {"v100": None, "a100": 0}               # no restart: the same workers train on
     assert v100 == ("v100", (ranks, True, 0, 2))    # the standby hosts the store, sees both done
-    assert a100[0] == "a100" and a100[1][:2] == (ranks, False)
+    assert a100[0] == "a100" and a100[1][:3] == (ranks, False, None)
