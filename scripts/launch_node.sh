@@ -22,7 +22,7 @@ Run this node's part of an elastic megatron-autohet job (what a spot node runs a
      recommendation in that file is no notice (the workers save, training goes on): a
      signal or a termination notice after it is;
   2. `autohet node ... --notice-file WORK_DIR/notice.json -- AUTOHET_TRAIN_ARGS` (the torchrun
-     agent; its workers run `autohet train --elastic AUTOHET_TRAIN_ARGS`), with
+     agent, which checks AUTOHET_TRAIN_ARGS once and hands its workers the job as a file), with
      `--autohet-notice-file WORK_DIR/notice.json` and (unless given) `--autohet-local-ckpt-dir
      WORK_DIR/ckpt` added to the training arguments;
   3. when it exits 0 (the job is done, or this node got a notice and is leaving): stop, exit 0;
