@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Benchmark an elastic job on an emulated spot fleet replaying a preemption trace, against a
-restart-everything-from-S3 baseline on the same trace in the same run.
+restart-everything-from-S3 baseline on the same trace and a run without events in the same run.
 
 Both runs train the tiny GPT (configs/models/tiny.yaml) with the cluster file
 configs/clusters/spot-4.yaml, each node a real `autohet node` (torchrun agent, CPU workers) +
@@ -31,6 +31,9 @@ again, and the delay is reported (``late``).
   without warm fork servers has). Recovery then reads everything from S3: the newest step whose
   upload had completed; the iterations after it are lost and re-trained. The restart is
   immediate (an omniscient job manager).
+* **no events** (the reference; ``--no-reference`` skips it): the autohet run's code path with
+  an empty trace - the same starting fleet, iterations, save interval and checkpoint tiers, so
+  it pays every save, log line and upload the other two pay, and nothing else.
 
 Nothing a fleet does ends the benchmark: an agent that exits while its node is in the fleet is
 recorded and started again (as scripts/launch_node.sh does), a job that does not train again
@@ -57,12 +60,14 @@ Per step, from the events (``WORKDIR/<run>/events.jsonl``, ``time_unix``) and th
 Per kind of step (notice, kill, join, restart-all, or several kinds at once such as
 ``kill+notice``): downtime mean and max, iterations lost. Per run: wall time from the first
 iteration to the ``finished`` event, the fraction of it spent in iterations (``busy``) and in
-iterations that were not re-trained (``useful``), and the goodput: the iterations kept against
-the job's own median iteration time (1.0: never stopped, never re-trained).
+iterations that were not re-trained (``useful``), the iterations kept times the job's own
+median iteration time over that wall time (``at median``: 1.0 never stopped, never re-trained,
+never saved), the ``rate`` (iterations kept per second of that wall time) and the ``goodput``:
+the rate over the no-event run's rate (issue 22's figure: what the events cost, the saves not).
 
     python scripts/bench_spot.py [--quick] [--trace configs/traces/churn-4node-5h.csv]
         [--time-scale 0.02] [--iters 3000] [--clock training|wall] [--save-interval 10]
-        [--no-notice] [--workdir DIR] [--out bench-out/bench-spot.json]
+        [--no-notice] [--no-reference] [--workdir DIR] [--out bench-out/bench-spot.json]
 
 CPU only; every process shares this machine's cores, so start-up (torch imports) weighs far
 more than on a real fleet; the JSON records the core count and load average.
@@ -94,6 +99,7 @@ GLOBAL_BATCH, MICRO_BATCH = 8, 1
 START_TIMEOUT, EVENT_TIMEOUT = 600.0, 600.0      # safety nets, not measurements
 EXIT_TIMEOUT = 60.0          # the agents' exit after the job (each one's time is recorded)
 RESTART_DELAY_S = 1.0        # an agent that exited is started again after this (launch_node.sh)
+NO_EVENTS = "no-events"      # the reference run's mode: autohet's code path, an empty trace
 
 
 def autohet(*args) -> None:
@@ -240,10 +246,10 @@ def event_kind(event, mode: str, no_notice: bool) -> str:
 def replay(mode: str, workdir: Path, trace_steps, initial: list[str], args,
            s3: tuple[str, str]) -> dict:
     """Start the initial fleet, deliver the trace's steps (all events of one millisecond
-    together; mode "autohet" or "baseline"), let the job finish; what happened when (the
-    analysis reads the job's files afterwards). Nothing here ends the benchmark: an agent that
-    exits is recorded and restarted, a job that does not train again within EVENT_TIMEOUT is
-    recorded and the rest of the trace skipped."""
+    together; mode "autohet", "baseline" or NO_EVENTS with no steps), let the job finish; what
+    happened when (the analysis reads the job's files afterwards). Nothing here ends the
+    benchmark: an agent that exits is recorded and restarted, a job that does not train again
+    within EVENT_TIMEOUT is recorded and the rest of the trace skipped."""
     from megatron_autohet.testing.emulate import EmulatedFleet
 
     endpoint, bucket = s3
@@ -480,13 +486,20 @@ def analyse(mode: str, workdir: Path, run: dict) -> dict:
         "wall_s_first_iteration_to_finished": wall,
         "wall_s_nodes_started_to_finished": end - run["t_start"],
         "busy_fraction": busy / wall, "useful_fraction": useful / wall,
-        # useful iterations against the job's own median iteration time: 1.0 is a job that
-        # never stops and never re-trains at its typical speed
-        "goodput": len(kept) * median_s / wall,
+        # 1.0 is a job that never stops, re-trains nor saves at its typical speed
+        "kept_at_median_fraction": len(kept) * median_s / wall,
+        "rate_iterations_per_s": len(kept) / wall,
+        "goodput": None,            # goodput(): once the no-event run has run
         "rounds_started_by_benchmark": run["rounds_started"],
         "plan_events": sum(e["event"] == "plan" for e in events),
         "workdir": str(workdir),
     }
+
+
+def goodput(run: dict, reference: dict | None) -> float | None:
+    """The run's rate over the no-event run's (None without one)."""
+    return (run["rate_iterations_per_s"] / reference["rate_iterations_per_s"]
+            if reference else None)
 
 
 def by_kind(rows: list[dict]) -> dict[str, dict]:
@@ -524,7 +537,10 @@ def print_run(name: str, r: dict) -> None:
           f"({r['iterations_retrained']} re-trained), {r['wall_s_first_iteration_to_finished']:.0f}"
           f" s from the first iteration to the end{'' if r['finished'] else ' (NOT FINISHED)'}: "
           f"{100 * r['busy_fraction']:.0f}% in iterations, {100 * r['useful_fraction']:.0f}% in "
-          f"iterations kept; goodput {100 * r['goodput']:.0f}%"
+          f"iterations kept; kept x median iteration {100 * r['kept_at_median_fraction']:.0f}%; "
+          f"rate {r['rate_iterations_per_s']:.2f} it/s"
+          + ("" if r["goodput"] is None else
+             f"; goodput {100 * r['goodput']:.0f}% of the no-event run's rate")
           + (f"; not replayed: {len(r['skipped_events'])} events" if r["skipped_events"] else ""))
     for problem in r["problems"]:
         print(f"  problem: {problem['problem']}")
@@ -538,6 +554,8 @@ def print_run(name: str, r: dict) -> None:
               + (f"{min(after):.1f}-{max(after):.1f} s after it finished" if after else "-")
               + "".join(f"; {n} with status {a['status']}" for n, a in sorted(ends.items())
                         if a["status"] != 0))
+    if not r["events"]:
+        return
     print("  events: n = notice, k = kill (no notice), j = join, r = restart everything")
     print("| " + " | ".join(f"{h:>{w}}" for h, _, w in COLUMNS) + " |")
     print("|" + "|".join("-" * (w + 1) + ":" for _, _, w in COLUMNS) + "|")
@@ -573,7 +591,8 @@ def mean(values) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-def summarise(autohet: dict, baseline: dict, save_interval: int) -> dict:
+def summarise(autohet: dict, baseline: dict, reference: dict | None,
+              save_interval: int) -> dict:
     def removes(run, key):
         return [e[key] for e in run["events"] if e["removes"] and e[key] is not None]
     a_down, b_down = (mean(removes(r, "downtime_s")) for r in (autohet, baseline))
@@ -583,7 +602,13 @@ def summarise(autohet: dict, baseline: dict, save_interval: int) -> dict:
     killed = [e for e in autohet["events"] if "kill" in e["kind"].split("+")]
     lost_kill = [e["iterations_lost"] for e in killed]
     return {
+        "no_event_rate_iterations_per_s": reference["rate_iterations_per_s"] if reference
+        else None,
+        "autohet_rate_iterations_per_s": autohet["rate_iterations_per_s"],
+        "baseline_rate_iterations_per_s": baseline["rate_iterations_per_s"],
         "autohet_goodput": autohet["goodput"], "baseline_goodput": baseline["goodput"],
+        "autohet_kept_at_median_fraction": autohet["kept_at_median_fraction"],
+        "baseline_kept_at_median_fraction": baseline["kept_at_median_fraction"],
         "autohet_mean_recover_per_removal_step_s": a_rec,
         "baseline_mean_recover_per_removal_step_s": b_rec,
         "recover_ratio_baseline_over_autohet": b_rec / a_rec if a_rec and b_rec else None,
@@ -607,8 +632,14 @@ def summarise(autohet: dict, baseline: dict, save_interval: int) -> dict:
 
 def print_summary(s: dict) -> None:
     f = lambda v: "n/a" if v is None else f"{v:.2f}"                      # noqa: E731
-    print(f"\ngoodput: autohet {100 * s['autohet_goodput']:.0f}%, baseline "
-          f"{100 * s['baseline_goodput']:.0f}%. Steps with removals: {s['removal_steps']}; mean "
+    pct = lambda v: "n/a" if v is None else f"{100 * v:.0f}%"             # noqa: E731
+    print(f"\ngoodput (rate over the no-event run's {f(s['no_event_rate_iterations_per_s'])} "
+          f"it/s): autohet {pct(s['autohet_goodput'])} ({f(s['autohet_rate_iterations_per_s'])} "
+          f"it/s), baseline {pct(s['baseline_goodput'])} "
+          f"({f(s['baseline_rate_iterations_per_s'])} it/s); kept x median iteration: autohet "
+          f"{pct(s['autohet_kept_at_median_fraction'])}, baseline "
+          f"{pct(s['baseline_kept_at_median_fraction'])}. Steps with removals: "
+          f"{s['removal_steps']}; mean "
           f"downtime per such step: autohet {f(s['autohet_mean_downtime_per_removal_step_s'])} s,"
           f" baseline {f(s['baseline_mean_downtime_per_removal_step_s'])} s: baseline/autohet = "
           f"{f(s['downtime_ratio_baseline_over_autohet'])}; with the re-trained iterations "
@@ -648,6 +679,10 @@ def main() -> None:
     parser.add_argument("--no-notice", action="store_true",
                         help="autohet run: every removal is a SIGKILL (default: the trace's "
                              "fourth column, a notice where it says nothing)")
+    parser.add_argument("--no-reference", action="store_true",
+                        help="skip the run without events (as long as the others' training: "
+                             "minutes on the churn trace); no goodput is printed then. Not with "
+                             "--quick, whose no-event run takes about a minute")
     parser.add_argument("--quick", action="store_true",
                         help="a short replay: the 4-node synthetic trace (3 events), trace clock "
                              "x0.5, 400 iterations (a joining node is announced once its "
@@ -659,6 +694,9 @@ def main() -> None:
     parser.add_argument("--out", default=str(ROOT / "bench-out" / "bench-spot.json"),
                         help="JSON results path (default bench-out/bench-spot.json)")
     args = parser.parse_args()
+    if args.no_reference and args.quick:
+        parser.exit(2, "bench_spot.py: --no-reference: not with --quick (its no-event run takes "
+                       "about a minute and is what its goodput is measured against)\n")
     args.trace = args.trace or str(QUICK_TRACE if args.quick else CHURN_TRACE)
     args.time_scale = args.time_scale or (0.5 if args.quick else 0.02)
     args.iters = args.iters or (400 if args.quick else 3000)
@@ -685,14 +723,22 @@ def main() -> None:
     os.environ["PYTHONPATH"] = os.pathsep.join(
         [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
     runs, analysed = {}, {}
+    modes = ("autohet", "baseline") if args.no_reference else (NO_EVENTS, "autohet", "baseline")
     with moto_s3_server("bench-spot") as s3:
-        for mode in ("autohet", "baseline"):
+        for mode in modes:
             started = time.time()
             print(f"[{mode}] replaying", flush=True)
-            runs[mode] = replay(mode, workdir / mode, trace_steps, initial, args, s3)
+            runs[mode] = replay(mode, workdir / mode, [] if mode == NO_EVENTS else trace_steps,
+                                initial, args, s3)
             analysed[mode] = analyse(mode, workdir / mode, runs[mode])
             print(f"[{mode}] done in {time.time() - started:.0f} s", flush=True)
-    summary = summarise(analysed["autohet"], analysed["baseline"], args.save_interval)
+    reference = analysed.get(NO_EVENTS)
+    for run in analysed.values():
+        run["goodput"] = goodput(run, reference)
+    summary = summarise(analysed["autohet"], analysed["baseline"], reference,
+                        args.save_interval)
+    if reference:
+        print_run("no events (the initial fleet throughout: the reference)", reference)
     print_run("autohet (local checkpoints + peers + S3)", analysed["autohet"])
     print_run("baseline (restart everything from S3: SIGKILL all, local tier wiped, restart)",
               analysed["baseline"])
@@ -715,7 +761,7 @@ def main() -> None:
                     "python": platform.python_version(),
                     "load_average_1min": {"before": load_before[0],
                                           "after": os.getloadavg()[0]}},
-        "autohet": analysed["autohet"], "baseline": analysed["baseline"],
+        "autohet": analysed["autohet"], "baseline": analysed["baseline"], "no_events": reference,
         "replay": {m: {k: v for k, v in r.items()} for m, r in runs.items()},
         "summary": summary,
     }

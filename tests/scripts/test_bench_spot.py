@@ -105,10 +105,67 @@ def test_analysis_of_a_step_that_did_not_stop_training(bench, tmp_path):
     (row,) = result["events"]
     assert not row["interrupted"] and row["downtime_s"] == 0.0 and row["iterations_lost"] == 0
     # 29 iterations kept after the first, at the median 0.5 s, in the 30 s to the end
-    assert result["goodput"] == pytest.approx(29 * 0.5 / 30)
+    assert result["kept_at_median_fraction"] == pytest.approx(29 * 0.5 / 30)
+    assert result["rate_iterations_per_s"] == pytest.approx(29 / 30)
     # A join that nothing followed was not admitted: not a free join.
     delivered[0].update(kind="join", events=[{"action": "add", "node": "node4", "kind": "join"}])
     result = bench.analyse("autohet", tmp_path, run)
     (row,) = result["events"]
     assert row["admitted"] is False and row["downtime_s"] is None
     assert result["by_kind"]["join"]["joins_not_admitted"] == 1
+
+
+def _quiet_run(bench, tmp_path, name: str, iterations: list[int], seconds: float) -> dict:
+    """The files and replay record of a run without steps: first iteration at 100, the
+    iterations logged in this order (a repeated one re-trained), finished ``seconds`` later."""
+    import json
+
+    workdir = tmp_path / name
+    workdir.mkdir()
+    events = [{"event": "first_iteration", "time_unix": 100.0, "iteration": 1, "seconds": 9.0},
+              {"event": "finished", "time_unix": 100.0 + seconds, "iteration": iterations[-1]}]
+    records = [_record(i, "2026-11-27 10:00:00") for i in iterations]
+    (workdir / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    (workdir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    run = {"t_start": 90.0, "t0": 100.0, "metrics_at_t0": 1, "delivered": [], "skipped": [],
+           "problems": [], "rounds_started": 1, "agent_exits_during_run": [],
+           "agent_ends": {}, "finished": events[-1]}
+    return bench.analyse(name, workdir, run)
+
+
+def test_goodput_is_the_rate_against_the_no_event_run(bench, tmp_path, capsys):
+    """Issue 22's goodput: iterations kept per second from the first iteration to the end,
+    over the same figure of the run without events - which paid the same saves."""
+    reference = _quiet_run(bench, tmp_path, "no-events", list(range(1, 31)), 15.0)
+    # 18-20 re-trained after a restore: 32 logged, still 29 kept after the first, in 30 s
+    run = _quiet_run(bench, tmp_path, "autohet", list(range(1, 21)) + list(range(18, 31)), 30.0)
+    assert run["iterations_retrained"] == 3
+    assert run["rate_iterations_per_s"] == pytest.approx(29 / 30)
+    assert reference["rate_iterations_per_s"] == pytest.approx(29 / 15)
+    assert bench.goodput(run, reference) == pytest.approx(0.5)
+    assert bench.goodput(reference, reference) == pytest.approx(1.0)
+    assert bench.goodput(run, None) is None                   # --no-reference
+    for r in (run, reference):
+        r["goodput"] = bench.goodput(r, reference)
+    summary = bench.summarise(run, run, reference, save_interval=10)
+    assert summary["autohet_goodput"] == pytest.approx(0.5)
+    assert summary["no_event_rate_iterations_per_s"] == pytest.approx(29 / 15)
+    assert summary["autohet_kept_at_median_fraction"] == pytest.approx(29 * 0.5 / 30)
+    bench.print_run("no events", reference)
+    bench.print_summary(summary)
+    out = capsys.readouterr().out
+    assert "goodput 100% of the no-event run's rate" in out and "| kind |" not in out
+    assert "autohet 50% (0.97 it/s)" in out
+    run["goodput"] = None
+    bench.print_summary(bench.summarise(run, run, None, save_interval=10))
+    assert "goodput (rate over the no-event run's n/a it/s): autohet n/a" in \
+        capsys.readouterr().out
+
+
+def test_no_reference_with_quick_is_refused_in_one_line(bench, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["bench_spot.py", "--quick", "--no-reference"])
+    with pytest.raises(SystemExit) as exit_:
+        bench.main()
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--no-reference" in err and "--quick" in err
