@@ -687,8 +687,8 @@ def main() -> None:
                         help="a short replay: the 4-node synthetic trace (3 events), trace clock "
                              "x0.5, 400 iterations (a joining node is announced once its "
                              "warm fork server has loaded torch: about a minute on 2 loaded "
-                             "cores, and 150 iterations were over by then): 10-20 minutes "
-                             "on 2 loaded cores")
+                             "cores, and 150 iterations were over by then): the three runs took 5 "
+                             "minutes at load 2-7 on 2 cores, longer under more load")
     parser.add_argument("--workdir", default=None,
                         help="keep the runs' files here (default: a temporary directory)")
     parser.add_argument("--out", default=str(ROOT / "bench-out" / "bench-spot.json"),
