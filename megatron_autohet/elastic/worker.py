@@ -49,6 +49,7 @@ import json
 import os
 import socket
 import time
+from collections import Counter
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -70,7 +71,7 @@ from megatron_autohet.elastic.hold import hold_file_from_env, wait_while_held
 from megatron_autohet.elastic.rendezvous import stop_for_good
 from megatron_autohet.elastic.stop import StopDecision, StopRequests, stop_group
 from megatron_autohet.errors import ConfigError, JobConfigError
-from megatron_autohet.job import init_backend, job_precision, report_job_config_error, train_job
+from megatron_autohet.job import init_backend, job_precision, train_job
 from megatron_autohet.plan import Plan, plan_from_dict
 from megatron_autohet.planner.replan import replan
 from megatron_autohet.runtime.cpu_mode import cpu_mode_required
@@ -241,9 +242,15 @@ class ElasticWorker:
                                 for n in cluster.nodes}, gone=gone, joined=joined)
 
     def _decide(self, members: list[Member], steps: list[dict]) -> tuple[Plan, str]:
-        cluster = fleet_cluster(members, self.template)
         newest = max(steps, key=lambda s: s["iteration"], default=None) or \
             _s3_step(self.options.checkpoint)
+        state = (f"the newest checkpoint step is {newest['iteration']}" if newest
+                 else "no checkpoint step yet")
+        try:        # a node whose GPU the cluster file contradicts or lacks: no plan either
+            cluster = fleet_cluster(members, self.template)
+        except ConfigError as err:
+            counts = Counter((m.node, m.gpu) for m in members)
+            raise self._no_plan([(n, c, g) for (n, g), c in counts.items()], err, state) from None
         previous = (plan_from_dict(newest["plan"], f"<plan of step {newest['iteration']}>")
                     if newest else self.initial_plan)
         # Against the plan the state was saved under: which nodes are gone, which are new.
@@ -251,8 +258,7 @@ class ElasticWorker:
         present = {n.name for n in cluster.nodes}
         gone, joined = sorted(before - present), sorted(present - before)
         self._emit_fleet(cluster, gone, joined)
-        found = self._replan(previous, cluster, f"the newest checkpoint step is "
-                             f"{newest['iteration']}" if newest else "no checkpoint step yet")
+        found = self._replan(previous, cluster, state)
         source = f"step {newest['iteration']}'s plan" if newest else "the initial plan"
         if found.unchanged:
             return found.plan, f"kept {source}"
@@ -263,17 +269,22 @@ class ElasticWorker:
     def _replan(self, previous: Plan, cluster: Cluster, state: str):
         """planner/replan.py's re-plan for the fleet present, on the GPUs that can train in this
         job's precision (a bf16 job leaves V100s and T4s idle, as ``autohet plan`` does and
-        ``autohet train`` demands). No plan: :class:`NoPlan`, logged here (``state``: where the
-        training state is), on the one rank that re-plans."""
+        ``autohet train`` demands). No plan: :class:`NoPlan` (:meth:`_no_plan`)."""
         try:
             return replan(previous, cluster, self.model,
                           precision=job_precision(self.options)[0].name, cluster_file="<fleet>")
         except ConfigError as err:
-            fleet = ", ".join(f"{n.name} ({n.num_gpus} x {n.gpu})" for n in cluster.nodes)
-            line = f"no plan for the fleet present, {fleet}: {err}; the job stops ({state})"
-            self._log(True).emit("no_plan", line, nodes=[n.name for n in cluster.nodes],
-                                 error=str(err))
-            raise NoPlan(line) from None
+            raise self._no_plan([(n.name, n.num_gpus, n.gpu) for n in cluster.nodes], err,
+                                state) from None
+
+    def _no_plan(self, fleet: list[tuple[str, int, str]], err: ConfigError, state: str) -> NoPlan:
+        """No plan for ``fleet`` (node, GPUs, GPU type): logged here, on the one rank that
+        plans (``state``: where the training state is)."""
+        nodes = ", ".join(f"{node} ({count} x {gpu})" for node, count, gpu in fleet)
+        line = f"no plan for the fleet present, {nodes}: {err}; the job stops ({state})"
+        self._log(True).emit("no_plan", line, nodes=[node for node, _, _ in fleet],
+                             error=str(err))
+        return NoPlan(line)
 
     # ---- 3-4: train, stop -------------------------------------------------------------------
 
@@ -312,7 +323,10 @@ class ElasticWorker:
             try:
                 ended = self._generation(plan, plan_rank, members)
             except JobConfigError as err:
-                return report_job_config_error(err, plan_rank)
+                # Every rank raised it from the same plan, flags and steps (no step the fleet
+                # present can serve: a node lost without notice held the only copy of its
+                # files): a restart would raise it again, for ever.
+                return stop_for_good(f"{err}")
             except CheckpointStop as stop:          # not restarted: torchrun would
                 return stop_for_good(stop.line)
             except NoPlan as failed:
