@@ -135,3 +135,20 @@ def test_a_gpu_the_in_process_replan_leaves_idle_waits_as_a_standby():
     ranks = {"v100": None, "a100": 0}               # no restart: the same workers train on
     assert v100 == ("v100", (ranks, True, 0, 2))    # the standby hosts the store, sees both done
     assert a100[0] == "a100" and a100[1][:3] == (ranks, False, None)
+
+
+def test_a_node_the_cluster_file_contradicts_is_no_plan_either(monkeypatch):
+    """h800 reports an A100: the round's rank 0 stops the job with the cluster file's line (it
+    raised a ConfigError that torchrun restarted forever)."""
+    from megatron_autohet.elastic.fleet import Member
+    from megatron_autohet.elastic.worker import NoPlan
+
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "AUTOHET_NODE", "AUTOHET_GPU",
+                "AUTOHET_LOCAL_ADDR"):                  # restored after the test: _worker sets them
+        monkeypatch.setenv(key, "")
+    plan = _plan(["v100", "h800"])
+    worker = _worker(0, 2, "v100", plan)
+    with pytest.raises(NoPlan, match=r"^no plan for the fleet present, v100 \(1 x V100-32GB\), "
+                       r"h800 \(1 x A100-80GB\): three: field 'nodes.h800.gpu': H800, but the "
+                       r"node reports A100-80GB .*\(no checkpoint step yet\)$"):
+        worker._decide([Member("v100", "V100-32GB", 0), Member("h800", "A100-80GB", 0)], [])
