@@ -38,9 +38,10 @@ ranks. It cannot see GPU types and its ranks are not stable, so on every (re)sta
 
 A GPU the plan leaves idle keeps its worker waiting until the job ends (its agent stays in the
 rendezvous, so the GPU is used at the next re-plan). When the fleet present has no plan (no GPU
-that trains in the job's precision, none on which the model fits), the rank that re-planned
-logs why and every worker learns it at once (in the store, or the in-process broadcast) and
-stops the job for good with that line (:class:`NoPlan`): a new round would find the same fleet.
+that trains in the job's precision, none on which the model fits, a node the cluster file
+contradicts), the rank that re-planned logs why and every worker learns it at once (in the store,
+or the in-process broadcast) and stops the job for good with that line (:class:`NoPlan`): a new
+round would find the same fleet.
 """
 
 from __future__ import annotations
@@ -246,13 +247,15 @@ class ElasticWorker:
             _s3_step(self.options.checkpoint)
         state = (f"the newest checkpoint step is {newest['iteration']}" if newest
                  else "no checkpoint step yet")
-        try:        # a node whose GPU the cluster file contradicts or lacks: no plan either
+        # A node whose GPU the cluster file contradicts or lacks, a step's plan that does not
+        # load: no plan either.
+        try:
             cluster = fleet_cluster(members, self.template)
+            previous = (plan_from_dict(newest["plan"], f"<plan of step {newest['iteration']}>")
+                        if newest else self.initial_plan)
         except ConfigError as err:
             counts = Counter((m.node, m.gpu) for m in members)
             raise self._no_plan([(n, c, g) for (n, g), c in counts.items()], err, state) from None
-        previous = (plan_from_dict(newest["plan"], f"<plan of step {newest['iteration']}>")
-                    if newest else self.initial_plan)
         # Against the plan the state was saved under: which nodes are gone, which are new.
         before = {info.node for info in previous.ranks}
         present = {n.name for n in cluster.nodes}
