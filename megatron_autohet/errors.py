@@ -28,7 +28,8 @@ class JobConfigError(ConfigError):
     """A :class:`ConfigError` that every rank of a running job raises together, from the same
     flags, plan and agreed checkpoint step (a resume that no step can serve, a ``--ckpt-step``
     committed nowhere): the job prints it once and every rank exits with status 2
-    (launch.run_worker, megatron/hooks.stop_job), instead of one traceback per rank."""
+    (launch.run_worker, megatron/hooks.stop_job), instead of one traceback per rank; an elastic
+    job stops for good (elastic/worker.py: a new round would raise it again)."""
 
 
 def probability(value: float, flag: str) -> None:

@@ -29,7 +29,8 @@ over. A closed rendezvous ends the agent (RendezvousClosedError, also for a node
 ``--nnodes``' maximum): `autohet node` then exits 0.
 
 A job that stops for good (its checkpoint saves failed: the last one, or
-``--autohet-max-failed-saves`` in a row): torchrun's agents restart workers whatever their exit
+``--autohet-max-failed-saves`` in a row; no plan for the fleet present; no checkpoint step the
+fleet present can serve): torchrun's agents restart workers whatever their exit
 status, so a worker that stops the job (:func:`stop_for_good`) first leaves why in the job's
 rendezvous store, then exits with :data:`EXIT_STOPPED`. Every agent looks for that line before
 it joins a round and when it finds the rendezvous closed; finding it, the agent closes the
