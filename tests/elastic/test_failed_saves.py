@@ -10,35 +10,21 @@ one line saying why and which steps are complete where, after one round only.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
+from helpers.fleets import fleet_of, make_plan
 from megatron_autohet.elastic.rendezvous import EXIT_STOPPED
-from megatron_autohet.testing.emulate import EmulatedFleet
 
 pytestmark = pytest.mark.e2e
 
-ROOT = Path(__file__).resolve().parents[2]
-MODEL = ROOT / "configs/models/tiny.yaml"
-CLUSTER = ROOT / "configs/clusters/spot-4.yaml"
 GPUS = {"node0": "A100-80GB", "node2": "H800"}
 
 
 def test_failed_saves_stop_the_elastic_job_on_every_node_for_good(tmp_path):
-    plan = tmp_path / "plan.yaml"
-    done = subprocess.run([sys.executable, "-m", "megatron_autohet.cli.main", "plan",
-                           "--cluster", str(CLUSTER), "--model", str(MODEL),
-                           "--global-batch-size", "8", "--micro-batch-size", "1", "-o",
-                           str(plan)], capture_output=True, text=True, check=False)
-    assert done.returncode == 0, done.stderr
-    fleet = EmulatedFleet(tmp_path / "job", train_args=[
-        "--plan", str(plan), "--model", str(MODEL), "--cluster", str(CLUSTER),
-        "--iters", "8", "--save-interval", "2", "--autohet-max-failed-saves", "2",
-        "--data-dir", str(tmp_path / "data")])
+    fleet = fleet_of(tmp_path, make_plan(tmp_path), 8, 2)
+    fleet.train_args += ["--autohet-max-failed-saves", "2"]
     for node in GPUS:           # the fleet's --autohet-local-ckpt-dir: a file, not a directory
         (fleet.workdir / node).mkdir(parents=True)
         (fleet.workdir / node / "ckpt").write_text("not a directory\n")
