@@ -17,13 +17,17 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("command, finalized", [("node", False), ("show", True)])
-def test_a_node_agent_process_ends_without_pythons_finalization(command, finalized):
+def test_a_node_agent_process_ends_without_pythons_finalization(command, finalized, tmp_path):
     """Seen from an atexit handler, which finalization runs: not for `autohet node` (its
-    torchrun agent replaced by one that returns at once); for other commands, and main() called
-    with arguments (a library call, tests/elastic/test_notices.py), as usual."""
+    torchrun agent replaced by one that returns at once; its training arguments a complete
+    elastic job, which the node checks before its agent starts); for other commands, and main()
+    called with arguments (a library call, tests/elastic/test_notices.py), as usual."""
     args = {"node": ["node", "--rendezvous", "127.0.0.1:1", "--job-id", "j", "--nnodes", "1:1",
                      "--node-name", "n", "--gpu", "H800", "--cold-workers", "--", "--plan",
-                     "p.yaml"],
+                     str(ROOT / "configs/plans/tiny-two-pipelines.yaml"),
+                     "--model", str(ROOT / "configs/models/tiny.yaml"),
+                     "--cluster", str(ROOT / "configs/clusters/spot-4.yaml"),
+                     "--save-interval", "4", "--autohet-local-ckpt-dir", str(tmp_path / "ckpt")],
             "show": ["show", str(ROOT / "configs/plans/tiny-homogeneous.yaml")]}[command]
     code = ("import atexit, sys\n"
             "import torch.distributed.run\n"
