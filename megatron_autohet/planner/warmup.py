@@ -39,22 +39,9 @@ fastest step picked depth 47 (all forwards first) on that pipeline with its real
 micro-batches held; differences that small are below what the model resolves (the simulation
 itself assumes eager delivery; scripts/bench_hapt.py compares it with a measurement), so a step
 must beat the shallower ones by MIN_GAIN to be taken.
-
-Re-split. The search's layer split is the best (or within its tolerance of the best) for the
-standard depths, and deeper warm-ups can favour another: on an odd-count random fleet (seed 20 of
-testing/random_fleets.odd_case: one slow GPU, then three fast ones over a 3.5 GB/s NIC) the
-search's split 1/5/3/3 (0.85% slower than the best at standard depths) gains nothing from the
-pass, while 1/5/4/2 is 7.7% faster with it. So where it is cheap (at most RESPLIT_UP_TO trials:
-small models, short pipelines, few pipelines) the pass tries every layer split of the pipelines
-that set the iteration time, one split per group of pipelines with the same stage types, warms
-each up and keeps the fastest; the pipelines' GPUs, order and micro-batches stay the search's.
 """
 
 from __future__ import annotations
-
-import copy
-import itertools
-import math
 
 from megatron_autohet.cost_model import (DEFAULT_MEMORY_HEADROOM, GIB, PlanCost, annotate_plan,
                                          evaluate_plan, simulate_1f1b, stage_memory_bytes)
@@ -64,10 +51,6 @@ from megatron_autohet.spec.cluster import Cluster
 
 # A depth change must shorten the simulated pipeline by more than this fraction.
 MIN_GAIN = 0.01
-# The re-split (module doc) runs while its trials, layer splits x pipelines evaluated, are at most
-# this many: every split of a 4-stage pipeline of 13 layers, the odd-count random fleets'
-# largest (testing/random_fleets.py); not on large fleets, where evaluations cost the most.
-RESPLIT_UP_TO = 220
 
 
 def _max_depths(plan: Plan, pipeline: int, cost: PlanCost, profile: Profile) -> list[int]:
@@ -120,53 +103,8 @@ def best_warmups(stages, num_microbatches: int, max_depths: list[int]) -> tuple[
 
 def choose_warmups(plan: Plan, cost: PlanCost, cluster: Cluster, profile: Profile,
                    memory_headroom: float = DEFAULT_MEMORY_HEADROOM) -> tuple[Plan, PlanCost]:
-    """The plan with HAPT depths where they shorten the iteration, after re-splitting the
-    layers of the pipelines that set it where that is cheap (module doc), and its cost; the
-    plan and cost unchanged when neither helps."""
-    groups = _resplit_groups(plan, cost)
-    if not groups:
-        return _warmed(plan, cost, cluster, profile, memory_headroom)
-    best_plan, best_cost = _warmed(copy.deepcopy(plan), cost, cluster, profile, memory_headroom)
-    for group in groups:
-        S, L = len(plan.pipelines[group[0]].stages), plan.model.num_layers
-        for cuts in itertools.combinations(range(1, L), S - 1):
-            bounds = (0, *cuts, L)
-            trial = copy.deepcopy(plan)
-            for p in group:
-                for s, stage in enumerate(trial.pipelines[p].stages):
-                    stage.layers = (bounds[s], bounds[s + 1])
-            trial_cost = evaluate_plan(trial, cluster, profile, with_timeline=False,
-                                       memory_headroom=memory_headroom, charge=cost.charge)
-            if not trial_cost.fits_memory:
-                continue
-            trial, trial_cost = _warmed(trial, trial_cost, cluster, profile, memory_headroom)
-            if trial_cost.iteration_time_s < best_cost.iteration_time_s:
-                best_plan, best_cost = trial, trial_cost
-    if best_cost.iteration_time_s < cost.iteration_time_s:
-        annotate_plan(best_plan, best_cost)
-        return best_plan, best_cost
-    return plan, cost
-
-
-def _resplit_groups(plan: Plan, cost: PlanCost) -> list[list[int]]:
-    """The pipelines that set the iteration time, grouped by their sequence of stage GPU types
-    and TP degrees (a group gets one split: one pipeline alone re-split leaves its twins
-    setting the time), while the trials (splits x pipelines evaluated) stay within
-    RESPLIT_UP_TO."""
-    groups: dict[tuple, list[int]] = {}
-    for p, (pipe, pcost) in enumerate(zip(plan.pipelines, cost.pipelines)):
-        if len(pipe.stages) >= 2 and pcost.time_s >= cost.pipeline_time_s * (1 - MIN_GAIN):
-            key = tuple((plan.ranks[s.ranks[0]].gpu, s.tp) for s in pipe.stages)
-            groups.setdefault(key, []).append(p)
-    trials = sum(math.comb(plan.model.num_layers - 1, len(plan.pipelines[g[0]].stages) - 1)
-                 for g in groups.values()) * len(plan.pipelines)
-    return list(groups.values()) if trials <= RESPLIT_UP_TO else []
-
-
-def _warmed(plan: Plan, cost: PlanCost, cluster: Cluster, profile: Profile,
-            memory_headroom: float) -> tuple[Plan, PlanCost]:
-    """The plan (changed in place) with HAPT depths where they shorten the iteration, and its
-    cost; the plan and cost unchanged when they do not."""
+    """The plan with HAPT depths where they shorten the iteration (module doc), and its cost;
+    the plan and cost unchanged when they do not."""
     chosen: dict[int, tuple[list[int], float]] = {}       # pipeline -> depths, priced time
     cache: dict[tuple, tuple[list[int], float] | None] = {}   # depths, simulated saving
     for p, (pipe, pcost) in enumerate(zip(plan.pipelines, cost.pipelines)):
