@@ -72,15 +72,7 @@ def test_an_agent_that_ends_leaves_the_rendezvous_open_until_the_job_is_over(mak
     """torchrun's agent shuts its handler down on its way out whatever the reason (a failed
     round, a failure of its own); only `autohet node` whose workers finished the job closes the
     rendezvous, which a node still waiting then finds closed."""
-    first, second = make_handler("127.0.0.1"), make_handler("127.0.0.2")
-    got = {}
-    both = [threading.Thread(target=join, args=(got, n, h))
-            for n, h in (("first", first), ("second", second))]
-    for thread in both:
-        thread.start()
-    for thread in both:
-        thread.join(timeout=60)
-    assert sorted(got[n].world_size for n in got) == [2, 2], got
+    first, second = a_round_of_two(make_handler)
     first.shutdown()                            # an agent that ended
     # what a node finds that asks now (a fresh handler: the others cache the state for 1 s)
     assert not make_handler("127.0.0.3").is_closed()
