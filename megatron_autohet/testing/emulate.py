@@ -56,15 +56,21 @@ def _workers(agent: int) -> list[int]:
     return [p for p in _children().get(agent, []) if b"--serve" not in cmdline(p)]
 
 
-def kill_tree(pid: int) -> None:
-    """SIGKILL ``pid`` and all its descendants (torchrun's workers run in their own session, so
-    a process group kill would miss them). Stops them first so none can respawn meanwhile."""
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and all its descendants now (torchrun's workers run in their own session, so a
+    process group would miss them)."""
     tree = _children()
-    doomed, todo = [], [pid]
+    found, todo = [], [pid]
     while todo:
-        p = todo.pop()
-        doomed.append(p)
-        todo += tree.get(p, [])
+        found.append(todo.pop())
+        todo += tree.get(found[-1], [])
+    return found
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL ``pid`` and all its descendants. Stops them first so none can respawn
+    meanwhile."""
+    doomed = process_tree(pid)
     for p in doomed:
         try:
             os.kill(p, signal.SIGSTOP)

@@ -15,17 +15,9 @@ import pytest
 
 from helpers.fleets import fleet_of, make_plan
 from megatron_autohet.elastic.hold import HOLD_FILE_ENV, hold_after
-from megatron_autohet.testing.emulate import _children
+from megatron_autohet.testing.emulate import process_tree
 
 pytestmark = pytest.mark.e2e
-
-
-def _tree(pid: int) -> list[int]:
-    tree, found, todo = _children(), [], [pid]
-    while todo:
-        found.append(todo.pop())
-        todo += tree.get(found[-1], [])
-    return found
 
 
 def test_a_node_cut_off_mid_collective_costs_at_most_the_save_interval(tmp_path, monkeypatch,
@@ -50,7 +42,7 @@ def test_a_node_cut_off_mid_collective_costs_at_most_the_save_interval(tmp_path,
         fleet.wait_for(lambda: fleet.iteration() >= held and
                        len(fleet.events("plan")[-1]["nodes"]) == 3, timeout=600,
                        what=f"three nodes held after iteration {held}")
-        frozen = _tree(fleet.nodes["node2"].process.pid)
+        frozen = process_tree(fleet.nodes["node2"].process.pid)
         for pid in frozen:
             os.kill(pid, signal.SIGSTOP)
         hold_after(hold, None)                  # the others' stop check waits for node2's
