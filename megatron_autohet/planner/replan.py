@@ -358,13 +358,16 @@ def replan(previous: Plan, cluster: Cluster, model: ModelSpec, profile: Profile 
                   seeds=seeds, baselines=not seeds, sub_fleets=False,
                   distributed_optimizer=previous.use_distributed_optimizer,
                   memory_headroom=headroom, on_candidate=judged.append, charge=charge)
-    # The warm-up post-pass changed the best plan in place: its cost is the returned one.
-    judged = [best if c.plan is best.plan else c for c in judged]
+    # The search's best after its warm-up pass is a new plan when the pass helped: judged
+    # beside the candidates as the search saw them (each warmed up when the choice reaches it).
+    if all(c.plan is not best.plan for c in judged):
+        judged.append(best)
     warmed: dict[int, Candidate] = {id(best.plan): best}
 
     def warm_up(cand: Candidate) -> Candidate:
         if id(cand.plan) not in warmed:
-            plan, cost = choose_warmups(cand.plan, cand.cost, cluster, resolved, headroom)
+            plan, cost = choose_warmups(cand.plan, cand.cost, cluster, resolved, headroom,
+                                        max_stages)
             warmed[id(cand.plan)] = dataclasses.replace(cand, plan=plan, cost=cost)
         return warmed[id(cand.plan)]
 

@@ -81,8 +81,10 @@ non-linearly in an outer enumeration, and leaves an exact integer program to SCI
    random small fleets: within 1% on every one.
 7. **HAPT warm-up post-pass** (planner/warmup.py): the best plan's pipelines that set the
    iteration time get deeper 1F1B warm-ups where the event-level simulation says they overlap
-   a slow boundary with compute, within memory; the exhaustive search's best gets the same
-   pass, the baselines never (Megatron-LM has no such option).
+   a slow boundary with compute, within memory; where that is cheap (small fleets and models)
+   the plans next to it (other layer splits, an idle GPU as one stage more) get the pass too,
+   since deeper warm-ups can favour a plan the closed form ranks equal. The exhaustive search's
+   best gets the same pass, the baselines never (Megatron-LM has no such option).
 
 8. **Never slower than a sub-fleet** (:class:`SubFleets`): the plan of every fleet the fleet
    holds minus one GPU type (recursively, each set of types searched once, and only where its
@@ -1030,7 +1032,7 @@ class SubFleets:
             # batch 64) to its A100 + H800 sub-fleet's plan, 0.2744 s warmed up, though it
             # was 0.2851 s against that plan's 0.2857 at standard depths and 0.2656 warmed up.
             plan, cost = choose_warmups(own.plan, own.cost, cluster, problem.profile,
-                                        problem.memory_headroom)
+                                        problem.memory_headroom, self.max_stages)
             search_bb.best = dataclasses.replace(own, plan=plan, cost=cost)
         elif own is not None:
             self._stopped(STOP_TIME)    # cut: the plan as judged, without the warm-up pass
@@ -1217,7 +1219,7 @@ def cheapest(cluster: Cluster, model: ModelSpec, profile: Profile | None,
     if on_candidate is not None:
         on_candidate(best)
     plan, cost = choose_warmups(best.plan, best.cost, cluster, problem.profile,
-                                problem.memory_headroom)
+                                problem.memory_headroom, options.get("max_stages"), "cost")
     stopped = next((s for s in (STOP_TIME, STOP_SETS, STOP_WORK) if s in stops), STOP_COMPLETE)
     return dataclasses.replace(best, plan=plan, cost=cost, stopped_by=stopped, work=work)
 

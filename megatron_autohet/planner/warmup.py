@@ -39,18 +39,47 @@ fastest step picked depth 47 (all forwards first) on that pipeline with its real
 micro-batches held; differences that small are below what the model resolves (the simulation
 itself assumes eager delivery; scripts/bench_hapt.py compares it with a measurement), so a step
 must beat the shallower ones by MIN_GAIN to be taken.
+
+Neighbours: other splits, orders and one stage more. The search optimises the closed form, and
+deeper warm-ups can favour plans it ranks equal or slightly behind, so where it is cheap (at most
+NEIGHBOURS_UP_TO: small models, short pipelines, few micro-batches) the pass also warms up the
+plans next to the search's and keeps the fastest:
+* every layer split of the pipelines that set the iteration time (one split per group of them
+  with the same stage types: one pipeline alone re-split leaves its twins setting the time).
+  On an odd-count random fleet (seed 20 of testing/random_fleets.odd_case: one slow GPU, then
+  three fast ones over a 3.5 GB/s NIC) the search's split 1/5/3/3 (0.85% slower than the best
+  at standard depths) gains nothing from deeper warm-ups, while 1/5/4/2 is 7.7% faster with them;
+* where one pipeline sets the time: that pipeline with the GPUs of two of its stages swapped,
+  with every layer split (seed 288: two one-GPU nodes of one type behind 4.7 and 10.4 GB/s NICs
+  in the other order, 1.3% faster warmed up), and where the fleet has idle GPUs, with one idle
+  TP group (one per node: a node's groups are alike) as an extra stage at each position, with
+  every layer split (seed 73: a 3-stage pipeline and a 4-stage one with a GPU behind a 2.2 GB/s
+  NIC are equal at standard depths, 0.0415 s; warmed up the 4-stage one is 2.3% faster).
+The micro-batch counts stay the search's.
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import itertools
+import math
+from collections.abc import Iterator
+
 from megatron_autohet.cost_model import (DEFAULT_MEMORY_HEADROOM, GIB, PlanCost, annotate_plan,
                                          evaluate_plan, simulate_1f1b, stage_memory_bytes)
-from megatron_autohet.plan import Plan, standard_warmup_depths
+from megatron_autohet.plan import Pipeline, Plan, RankInfo, Stage, standard_warmup_depths
 from megatron_autohet.profiling.profile import Profile
-from megatron_autohet.spec.cluster import Cluster
+from megatron_autohet.spec.cluster import Cluster, Device
 
 # A depth change must shorten the simulated pipeline by more than this fraction.
 MIN_GAIN = 0.01
+# The neighbours (module doc) are tried while their work, plans evaluated x the plan's
+# micro-batches (what evaluating and simulating a plan's pipelines costs), is at most this: every
+# split of a 4-stage pipeline of 10 layers with its stage pairs swapped and an idle GPU inserted,
+# 5 micro-batches (odd-count seed 288, testing/random_fleets.py), about 1.4 CPU-s; not on large
+# fleets or batches, where each trial costs the most (fleet-96, 512 micro-batches).
+NEIGHBOURS_UP_TO = 10_000
 
 
 def _max_depths(plan: Plan, pipeline: int, cost: PlanCost, profile: Profile) -> list[int]:
@@ -102,9 +131,134 @@ def best_warmups(stages, num_microbatches: int, max_depths: list[int]) -> tuple[
 
 
 def choose_warmups(plan: Plan, cost: PlanCost, cluster: Cluster, profile: Profile,
-                   memory_headroom: float = DEFAULT_MEMORY_HEADROOM) -> tuple[Plan, PlanCost]:
-    """The plan with HAPT depths where they shorten the iteration (module doc), and its cost;
-    the plan and cost unchanged when they do not."""
+                   memory_headroom: float = DEFAULT_MEMORY_HEADROOM,
+                   max_stages: int | None = None, objective: str = "throughput"
+                   ) -> tuple[Plan, PlanCost]:
+    """The plan with HAPT depths where they shorten the iteration, or the best of its
+    neighbours warmed up where that is cheap (module doc; none deeper than ``max_stages``), and
+    its cost: a new plan; ``plan`` and ``cost`` themselves when none is better (``plan`` is
+    never changed). Better: faster, or with ``objective`` "cost" fewer USD per million tokens
+    (a neighbour with one stage more may pay for a GPU the search left idle)."""
+    best_plan, best_cost = _warmed(plan, cost, cluster, profile, memory_headroom)
+    for trial in _neighbours(plan, cost, cluster, max_stages):
+        trial_cost = evaluate_plan(trial, cluster, profile, with_timeline=False,
+                                   memory_headroom=memory_headroom, charge=cost.charge)
+        if not trial_cost.fits_memory:
+            continue
+        trial, trial_cost = _warmed(trial, trial_cost, cluster, profile, memory_headroom)
+        if _score(trial_cost, objective) < _score(best_cost, objective):
+            best_plan, best_cost = trial, trial_cost
+    if _score(best_cost, objective) < _score(cost, objective):
+        annotate_plan(best_plan, best_cost)
+        return best_plan, best_cost
+    return plan, cost
+
+
+def _score(cost: PlanCost, objective: str) -> tuple[float, ...]:
+    if objective == "cost":
+        return cost.usd_per_million_tokens, cost.iteration_time_s
+    return (cost.iteration_time_s,)
+
+
+def _neighbours(plan: Plan, cost: PlanCost, cluster: Cluster,
+                max_stages: int | None) -> Iterator[Plan]:
+    """The re-split plans, then those with two stages' GPUs swapped, then those with one stage
+    more (module doc), each kind only while the work so far stays within NEIGHBOURS_UP_TO."""
+    L, M = plan.model.num_layers, plan.num_microbatches_total
+    groups: dict[tuple, list[int]] = {}         # time-setting pipelines by stage types
+    for p, (pipe, pcost) in enumerate(zip(plan.pipelines, cost.pipelines)):
+        if pcost.time_s >= cost.pipeline_time_s * (1 - MIN_GAIN):
+            groups.setdefault(tuple((plan.ranks[s.ranks[0]].gpu, s.tp) for s in pipe.stages),
+                              []).append(p)
+    resplits = [g for g in groups.values() if len(plan.pipelines[g[0]].stages) >= 2]
+    trials = M * sum(math.comb(L - 1, len(plan.pipelines[g[0]].stages) - 1) for g in resplits)
+    if trials > NEIGHBOURS_UP_TO:
+        return
+    for group in resplits:
+        for bounds in _bounds(L, len(plan.pipelines[group[0]].stages)):
+            trial = copy.deepcopy(plan)
+            for p in group:
+                for s, stage in enumerate(trial.pipelines[p].stages):
+                    stage.layers, stage.warmup_microbatches = (bounds[s], bounds[s + 1]), None
+            yield trial
+    if len(groups) != 1 or len(next(iter(groups.values()))) != 1:
+        return
+    (p,), = groups.values()
+    stages = plan.pipelines[p].stages
+    S, tps = len(stages), {s.tp for s in stages}
+    node = [plan.ranks[s.ranks[0]].node for s in stages]
+    pairs = [(i, j) for i, j in itertools.combinations(range(S), 2)
+             if stages[i].tp == stages[j].tp and node[i] != node[j]]
+    trials += M * len(pairs) * math.comb(L - 1, S - 1)
+    if trials > NEIGHBOURS_UP_TO:
+        return
+    for i, j in pairs:
+        for bounds in _bounds(L, S):
+            trial = copy.deepcopy(plan)
+            swapped = trial.pipelines[p].stages
+            swapped[i].ranks, swapped[j].ranks = swapped[j].ranks, swapped[i].ranks
+            for s, stage in enumerate(swapped):
+                stage.layers, stage.warmup_microbatches = (bounds[s], bounds[s + 1]), None
+            yield trial
+    deeper = S < L and (max_stages is None or S < max_stages)
+    idle = _idle_groups(plan, cluster, tps.pop()) if len(tps) == 1 and deeper else []
+    trials += M * len(idle) * (S + 1) * math.comb(L - 1, S)
+    if not idle or trials > NEIGHBOURS_UP_TO:
+        return
+    for group in idle:
+        for position in range(S + 1):
+            for bounds in _bounds(L, S + 1):
+                yield _with_stage(plan, cluster, p, position, group, bounds)
+
+
+def _bounds(num_layers: int, stages: int) -> Iterator[tuple[int, ...]]:
+    """Every split of the layers over the stages (>= 1 each), as stage boundaries."""
+    for cuts in itertools.combinations(range(1, num_layers), stages - 1):
+        yield (0, *cuts, num_layers)
+
+
+def _idle_groups(plan: Plan, cluster: Cluster, tp: int) -> list[list[Device]]:
+    """One TP group of ``tp`` idle GPUs per node that has one (consecutive local ranks, as the
+    search's groups)."""
+    used = {(r.node, r.local_rank) for r in plan.ranks}
+    by_node: dict[str, list[Device]] = {}
+    for d in cluster.devices():
+        by_node.setdefault(d.node, []).append(d)
+    out = []
+    for devices in by_node.values():
+        for g in range(len(devices) // tp):
+            group = devices[g * tp:(g + 1) * tp]
+            if not any((d.node, d.local_rank) in used for d in group):
+                out.append(group)
+                break
+    return out
+
+
+def _with_stage(plan: Plan, cluster: Cluster, pipeline: int, position: int,
+                group: list[Device], bounds: tuple[int, ...]) -> Plan:
+    """The plan with ``group`` as stage ``position`` of ``pipeline``, whose stages then hold
+    the layers between ``bounds``; ranks renumbered in cluster order, as the search's plans."""
+    device = {(d.node, d.local_rank): d for d in cluster.devices()}
+    used = sorted([device[r.node, r.local_rank] for r in plan.ranks] + group, key=lambda d: d.rank)
+    new_rank = {(d.node, d.local_rank): i for i, d in enumerate(used)}
+    old = [new_rank[r.node, r.local_rank] for r in plan.ranks]
+    pipelines = []
+    for p, pipe in enumerate(plan.pipelines):
+        stages = [Stage([old[r] for r in s.ranks], s.layers) for s in pipe.stages]
+        if p == pipeline:
+            stages.insert(position, Stage([new_rank[d.node, d.local_rank] for d in group], (0, 0)))
+            for s, stage in enumerate(stages):
+                stage.layers = (bounds[s], bounds[s + 1])
+        pipelines.append(Pipeline(stages, pipe.num_microbatches))
+    return dataclasses.replace(plan, ranks=[RankInfo(i, d.node, d.local_rank, d.gpu)
+                                            for i, d in enumerate(used)],
+                               pipelines=pipelines, predicted={})
+
+
+def _warmed(plan: Plan, cost: PlanCost, cluster: Cluster, profile: Profile,
+            memory_headroom: float) -> tuple[Plan, PlanCost]:
+    """A copy of the plan with HAPT depths where they shorten the iteration, and its cost; the
+    plan and cost themselves when they do not."""
     chosen: dict[int, tuple[list[int], float]] = {}       # pipeline -> depths, priced time
     cache: dict[tuple, tuple[list[int], float] | None] = {}   # depths, simulated saving
     for p, (pipe, pcost) in enumerate(zip(plan.pipelines, cost.pipelines)):
@@ -128,6 +282,7 @@ def choose_warmups(plan: Plan, cost: PlanCost, cluster: Cluster, profile: Profil
     slowest_chosen = max(t for _, t in chosen.values())
     if max(slowest_other, slowest_chosen) >= cost.pipeline_time_s * (1 - MIN_GAIN):
         return plan, cost                  # a pipeline left standard still sets the time
+    plan = copy.deepcopy(plan)
     for p, (depths, _) in chosen.items():
         for stage, w in zip(plan.pipelines[p].stages, depths):
             stage.warmup_microbatches = w

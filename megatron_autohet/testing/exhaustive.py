@@ -136,7 +136,7 @@ def _most_microbatches(cluster, model, profile, groups, arrangement, splits, arg
     return most
 
 
-def exhaustive_search(cluster: Cluster, model: ModelSpec, profile: Profile | None,
+def exhaustive_optimum(cluster: Cluster, model: ModelSpec, profile: Profile | None,
                       global_batch_size: int, micro_batch_size: int,
                       seq_length: int | None = None, *, tp_degrees: list[int] | None = None,
                       max_stages: int = 4, activation_recompute: bool | None = None,
@@ -144,8 +144,9 @@ def exhaustive_search(cluster: Cluster, model: ModelSpec, profile: Profile | Non
                       max_evaluations: int = 200_000,
                       memory_headroom: float = DEFAULT_MEMORY_HEADROOM,
                       objective: str = "throughput", charge: str = DEFAULT_CHARGE,
-                      min_tokens_per_s: float | None = None) -> Candidate:
-    """The cost model's optimum over the space in the module doc (ConfigError when too big):
+                      min_tokens_per_s: float | None = None) -> tuple[Candidate, Candidate]:
+    """The cost model's optimum over the space in the module doc (ConfigError when too big),
+    before and after the HAPT warm-up pass the planner gives its best plan (planner/warmup.py):
     the shortest iteration, or with ``objective`` "cost" the fewest USD per million tokens,
     charged by ``charge``, among the plans reaching ``min_tokens_per_s`` (the micro-batch split
     that minimises the iteration time minimises the price too: the arrangement fixes the GPUs
@@ -233,5 +234,10 @@ def exhaustive_search(cluster: Cluster, model: ModelSpec, profile: Profile | Non
     if score(best.cost) == math.inf:
         raise ConfigError("<arguments>", "min_tokens_per_s", "no plan reaches it")
     plan, cost = choose_warmups(best.plan, best.cost, cluster, profile,   # the same post-pass
-                                memory_headroom)
-    return Candidate(plan, cost, best.tp_of_gpu, best.recompute)
+                                memory_headroom, max_stages, objective)
+    return best, Candidate(plan, cost, best.tp_of_gpu, best.recompute)
+
+
+def exhaustive_search(*args, **kwargs) -> Candidate:
+    """:func:`exhaustive_optimum` after the warm-up pass: what the planner's result is held to."""
+    return exhaustive_optimum(*args, **kwargs)[1]
