@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
+import threading
 
 import pytest
 import torch
@@ -308,11 +310,16 @@ def test_increasing_warmup_is_rejected_and_would_deadlock(tmp_path):
     forced = dataclasses.replace(plan, pipelines=[Pipeline(
         [dataclasses.replace(s, warmup_microbatches=w)
          for s, w in zip(plan.pipelines[0].stages, [1, 2, 0])], 3)])
-    # The timeout is the hang's proof, so it must also cover three ranks building their model
-    # before they schedule (seconds on a loaded machine: 6 s was too short there).
-    with pytest.raises(RankFailed, match="did not finish"):
-        run_on_ranks(3, _forced_schedule, forced, global_batch(3), tmp_path, timeout=30)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["0", "1", "2"]   # all were scheduling
+    with pytest.raises(RankFailed, match=f"died with exit code {HUNG_EXIT}"):
+        run_on_ranks(3, _forced_schedule, forced, global_batch(3), tmp_path)
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names[:3] == ["0", "1", "2"] and names[3:], names    # all were scheduling, some hung
+
+
+# How long after every rank began a schedule of three micro-batches it counts as hung, and
+# the exit status of a rank whose schedule hung.
+HANG_S = 10
+HUNG_EXIT = 3
 
 
 def _forced_schedule(rank, world, plan, batch, marker_dir):
@@ -328,4 +335,17 @@ def _forced_schedule(rank, world, plan, batch, marker_dir):
     model = build_stage_model(MODEL, state, seed=SEED, padded_vocab=plan_padded_vocab_size(plan))
     state = dataclasses.replace(state, role=rank_role(plan, rank))
     (marker_dir / str(rank)).touch()
+    # Every rank has built its model: the watchdog's wait is the schedule's alone (three
+    # micro-batches of a 4-layer model: milliseconds), so running past it is the hang. (The
+    # schedule stays on the main thread, where CPU mode's device redirection applies.)
+    torch.distributed.barrier()
+    done = threading.Event()
+
+    def watchdog():
+        if not done.wait(HANG_S):
+            (marker_dir / f"hung-{rank}").touch()
+            os._exit(HUNG_EXIT)
+
+    threading.Thread(target=watchdog, daemon=True).start()
     run_schedule(forward_step, iter(microbatches(batch, MBS, 0, 3)), model, state)
+    done.set()
