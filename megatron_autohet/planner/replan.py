@@ -43,7 +43,10 @@ among its idle GPUs.
    the fewest bytes across nodes, then the fastest. The HAPT warm-up post-pass then runs on it
    (the search's best has had it already; a plan that moves less but misses the tolerance by
    at most MAX_WARM_UP_GAIN gets it before it is passed over, so warmed and unwarmed plans are
-   not compared).
+   not compared). Here the pass sets depths only, without the plans next to the candidate
+   (planner/warmup.py, "Neighbours"): those move layers and GPUs, and a candidate is chosen
+   for the bytes its recovery moves (odd-count seed 11 after losing a node: the re-planned
+   plan moved 6.07 GB where 5.47 GB was reported and compared).
 """
 
 from __future__ import annotations
@@ -366,8 +369,10 @@ def replan(previous: Plan, cluster: Cluster, model: ModelSpec, profile: Profile 
 
     def warm_up(cand: Candidate) -> Candidate:
         if id(cand.plan) not in warmed:
+            # depths only: the pass's neighbours move layers and GPUs, so the bytes this
+            # candidate was chosen for would no longer be what its recovery moves
             plan, cost = choose_warmups(cand.plan, cand.cost, cluster, resolved, headroom,
-                                        max_stages)
+                                        neighbours=False)
             warmed[id(cand.plan)] = dataclasses.replace(cand, plan=plan, cost=cost)
         return warmed[id(cand.plan)]
 

@@ -132,15 +132,16 @@ def best_warmups(stages, num_microbatches: int, max_depths: list[int]) -> tuple[
 
 def choose_warmups(plan: Plan, cost: PlanCost, cluster: Cluster, profile: Profile,
                    memory_headroom: float = DEFAULT_MEMORY_HEADROOM,
-                   max_stages: int | None = None, objective: str = "throughput"
-                   ) -> tuple[Plan, PlanCost]:
+                   max_stages: int | None = None, objective: str = "throughput",
+                   neighbours: bool = True) -> tuple[Plan, PlanCost]:
     """The plan with HAPT depths where they shorten the iteration, or the best of its
     neighbours warmed up where that is cheap (module doc; none deeper than ``max_stages``), and
     its cost: a new plan; ``plan`` and ``cost`` themselves when none is better (``plan`` is
     never changed). Better: faster, or with ``objective`` "cost" fewer USD per million tokens
-    (a neighbour with one stage more may pay for a GPU the search left idle)."""
+    (a neighbour with one stage more may pay for a GPU the search left idle). ``neighbours``
+    False: the depths alone (the neighbours move layers and GPUs)."""
     best_plan, best_cost = _warmed(plan, cost, cluster, profile, memory_headroom)
-    for trial in _neighbours(plan, cost, cluster, max_stages):
+    for trial in _neighbours(plan, cost, cluster, max_stages) if neighbours else ():
         trial_cost = evaluate_plan(trial, cluster, profile, with_timeline=False,
                                    memory_headroom=memory_headroom, charge=cost.charge)
         if not trial_cost.fits_memory:
