@@ -9,7 +9,10 @@
 # the heterogeneous 1F1B and its warm-up depths, the parallel state, the equivalence with a
 # single process and with stock megatron-core, checkpoints, megatron-core's known-benign warnings
 # and log records, and one elastic run (preemption, loss and a join). Extra arguments go to
-# pytest, e.g. -x.
+# pytest, e.g. -x. With --prepare as its only argument it installs torch, megatron-core and
+# triton in the venv and stops (.ci/run does that while scripts/test.sh builds .venv); the
+# package itself is installed by the run that tests, so two editable installs of this tree never
+# run at once.
 #
 # megatron-core 0.17 and later declare Python >= 3.12. On an older Python (this project's
 # machines and CI have 3.11) it is built from its source release with --ignore-requires-python:
@@ -44,6 +47,9 @@ if ! "$py" -c "import megatron.core, sys; sys.exit(not megatron.core.__version__
   fi
 fi
 "$py" -c "import triton" 2>/dev/null || "$py" -m pip install -q "$TRITON"
+if [ "${1:-}" = "--prepare" ] && [ $# -eq 1 ]; then
+  exit 0
+fi
 pins="$VENV/pins.txt"
 "$py" - > "$pins" <<'EOF'
 from importlib.metadata import version
