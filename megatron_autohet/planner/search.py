@@ -82,9 +82,10 @@ non-linearly in an outer enumeration, and leaves an exact integer program to SCI
 7. **HAPT warm-up post-pass** (planner/warmup.py): the best plan's pipelines that set the
    iteration time get deeper 1F1B warm-ups where the event-level simulation says they overlap
    a slow boundary with compute, within memory; where that is cheap (small fleets and models)
-   the plans next to it (other layer splits, an idle GPU as one stage more) get the pass too,
-   since deeper warm-ups can favour a plan the closed form ranks equal. The exhaustive search's
-   best gets the same pass, the baselines never (Megatron-LM has no such option).
+   the plans next to it (other layer splits, two stages' GPUs swapped, an idle GPU as one
+   stage more) get the pass too, since deeper warm-ups can favour a plan the closed form ranks
+   equal. The exhaustive search's best gets the same pass, the baselines never (Megatron-LM has
+   no such option).
 
 8. **Never slower than a sub-fleet** (:class:`SubFleets`): the plan of every fleet the fleet
    holds minus one GPU type (recursively, each set of types searched once, and only where its

@@ -172,16 +172,12 @@ def _neighbours(plan: Plan, cost: PlanCost, cluster: Cluster,
             groups.setdefault(tuple((plan.ranks[s.ranks[0]].gpu, s.tp) for s in pipe.stages),
                               []).append(p)
     resplits = [g for g in groups.values() if len(plan.pipelines[g[0]].stages) >= 2]
-    trials = M * sum(math.comb(L - 1, len(plan.pipelines[g[0]].stages) - 1) for g in resplits)
-    if trials > NEIGHBOURS_UP_TO:
+    work = M * sum(math.comb(L - 1, len(plan.pipelines[g[0]].stages) - 1) for g in resplits)
+    if work > NEIGHBOURS_UP_TO:
         return
     for group in resplits:
         for bounds in _bounds(L, len(plan.pipelines[group[0]].stages)):
-            trial = copy.deepcopy(plan)
-            for p in group:
-                for s, stage in enumerate(trial.pipelines[p].stages):
-                    stage.layers, stage.warmup_microbatches = (bounds[s], bounds[s + 1]), None
-            yield trial
+            yield _resplit(plan, group, bounds)
     if len(groups) != 1 or len(next(iter(groups.values()))) != 1:
         return
     (p,), = groups.values()
@@ -190,32 +186,43 @@ def _neighbours(plan: Plan, cost: PlanCost, cluster: Cluster,
     node = [plan.ranks[s.ranks[0]].node for s in stages]
     pairs = [(i, j) for i, j in itertools.combinations(range(S), 2)
              if stages[i].tp == stages[j].tp and node[i] != node[j]]
-    trials += M * len(pairs) * math.comb(L - 1, S - 1)
-    if trials > NEIGHBOURS_UP_TO:
+    work += M * len(pairs) * math.comb(L - 1, S - 1)
+    if work > NEIGHBOURS_UP_TO:
         return
-    for i, j in pairs:
+    for pair in pairs:
         for bounds in _bounds(L, S):
-            trial = copy.deepcopy(plan)
-            swapped = trial.pipelines[p].stages
-            swapped[i].ranks, swapped[j].ranks = swapped[j].ranks, swapped[i].ranks
-            for s, stage in enumerate(swapped):
-                stage.layers, stage.warmup_microbatches = (bounds[s], bounds[s + 1]), None
-            yield trial
+            yield _resplit(plan, [p], bounds, pair)
     deeper = S < L and (max_stages is None or S < max_stages)
     idle = _idle_groups(plan, cluster, tps.pop()) if len(tps) == 1 and deeper else []
-    trials += M * len(idle) * (S + 1) * math.comb(L - 1, S)
-    if not idle or trials > NEIGHBOURS_UP_TO:
+    work += M * len(idle) * (S + 1) * math.comb(L - 1, S)
+    if not idle or work > NEIGHBOURS_UP_TO:
         return
     for group in idle:
+        ranks, old, added = _renumbered(plan, cluster, group)
         for position in range(S + 1):
             for bounds in _bounds(L, S + 1):
-                yield _with_stage(plan, cluster, p, position, group, bounds)
+                yield _with_stage(plan, ranks, old, p, position, added, bounds)
 
 
 def _bounds(num_layers: int, stages: int) -> Iterator[tuple[int, ...]]:
     """Every split of the layers over the stages (>= 1 each), as stage boundaries."""
     for cuts in itertools.combinations(range(1, num_layers), stages - 1):
         yield (0, *cuts, num_layers)
+
+
+def _resplit(plan: Plan, pipelines: list[int], bounds: tuple[int, ...],
+             swap: tuple[int, int] | None = None) -> Plan:
+    """A copy of the plan whose ``pipelines`` hold the layers between ``bounds`` at standard
+    depths, with the GPUs of stages ``swap`` exchanged."""
+    trial = copy.deepcopy(plan)
+    for p in pipelines:
+        stages = trial.pipelines[p].stages
+        if swap is not None:
+            i, j = swap
+            stages[i].ranks, stages[j].ranks = stages[j].ranks, stages[i].ranks
+        for s, stage in enumerate(stages):
+            stage.layers, stage.warmup_microbatches = (bounds[s], bounds[s + 1]), None
+    return trial
 
 
 def _idle_groups(plan: Plan, cluster: Cluster, tp: int) -> list[list[Device]]:
@@ -235,25 +242,31 @@ def _idle_groups(plan: Plan, cluster: Cluster, tp: int) -> list[list[Device]]:
     return out
 
 
-def _with_stage(plan: Plan, cluster: Cluster, pipeline: int, position: int,
-                group: list[Device], bounds: tuple[int, ...]) -> Plan:
-    """The plan with ``group`` as stage ``position`` of ``pipeline``, whose stages then hold
-    the layers between ``bounds``; ranks renumbered in cluster order, as the search's plans."""
+def _renumbered(plan: Plan, cluster: Cluster, group: list[Device]
+                ) -> tuple[list[RankInfo], list[int], list[int]]:
+    """The ranks of the plan's GPUs and ``group`` together in cluster order, as the search's
+    plans number them: the new rank list, each old rank's new number, the group's numbers."""
     device = {(d.node, d.local_rank): d for d in cluster.devices()}
     used = sorted([device[r.node, r.local_rank] for r in plan.ranks] + group, key=lambda d: d.rank)
     new_rank = {(d.node, d.local_rank): i for i, d in enumerate(used)}
-    old = [new_rank[r.node, r.local_rank] for r in plan.ranks]
+    return ([RankInfo(i, d.node, d.local_rank, d.gpu) for i, d in enumerate(used)],
+            [new_rank[r.node, r.local_rank] for r in plan.ranks],
+            [new_rank[d.node, d.local_rank] for d in group])
+
+
+def _with_stage(plan: Plan, ranks: list[RankInfo], old: list[int], pipeline: int,
+                position: int, added: list[int], bounds: tuple[int, ...]) -> Plan:
+    """The plan over ``ranks`` (:func:`_renumbered`) with the GPUs ``added`` as stage
+    ``position`` of ``pipeline``, whose stages then hold the layers between ``bounds``."""
     pipelines = []
     for p, pipe in enumerate(plan.pipelines):
         stages = [Stage([old[r] for r in s.ranks], s.layers) for s in pipe.stages]
         if p == pipeline:
-            stages.insert(position, Stage([new_rank[d.node, d.local_rank] for d in group], (0, 0)))
+            stages.insert(position, Stage(list(added), (0, 0)))
             for s, stage in enumerate(stages):
                 stage.layers = (bounds[s], bounds[s + 1])
         pipelines.append(Pipeline(stages, pipe.num_microbatches))
-    return dataclasses.replace(plan, ranks=[RankInfo(i, d.node, d.local_rank, d.gpu)
-                                            for i, d in enumerate(used)],
-                               pipelines=pipelines, predicted={})
+    return dataclasses.replace(plan, ranks=ranks, pipelines=pipelines, predicted={})
 
 
 def _warmed(plan: Plan, cost: PlanCost, cluster: Cluster, profile: Profile,

@@ -137,14 +137,14 @@ def _most_microbatches(cluster, model, profile, groups, arrangement, splits, arg
 
 
 def exhaustive_optimum(cluster: Cluster, model: ModelSpec, profile: Profile | None,
-                      global_batch_size: int, micro_batch_size: int,
-                      seq_length: int | None = None, *, tp_degrees: list[int] | None = None,
-                      max_stages: int = 4, activation_recompute: bool | None = None,
-                      allow_asymmetric_tp: bool = False,
-                      max_evaluations: int = 200_000,
-                      memory_headroom: float = DEFAULT_MEMORY_HEADROOM,
-                      objective: str = "throughput", charge: str = DEFAULT_CHARGE,
-                      min_tokens_per_s: float | None = None) -> tuple[Candidate, Candidate]:
+                       global_batch_size: int, micro_batch_size: int,
+                       seq_length: int | None = None, *, tp_degrees: list[int] | None = None,
+                       max_stages: int = 4, activation_recompute: bool | None = None,
+                       allow_asymmetric_tp: bool = False,
+                       max_evaluations: int = 200_000,
+                       memory_headroom: float = DEFAULT_MEMORY_HEADROOM,
+                       objective: str = "throughput", charge: str = DEFAULT_CHARGE,
+                       min_tokens_per_s: float | None = None) -> tuple[Candidate, Candidate]:
     """The cost model's optimum over the space in the module doc (ConfigError when too big),
     before and after the HAPT warm-up pass the planner gives its best plan (planner/warmup.py):
     the shortest iteration, or with ``objective`` "cost" the fewest USD per million tokens,

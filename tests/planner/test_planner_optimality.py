@@ -45,10 +45,9 @@ ODD_SEEDS = [s for s in range(40) if s not in (0, 5, 7, 16, 24, 25, 36)]
 MAX_GAP = 0.01
 
 
-def _both(case, closed_form=False):
-    """(exhaustive optimum after the warm-up pass, planner's plan), or (None, None) when no plan
-    fits in memory (then both searches must say so); with ``closed_form`` the exhaustive
-    optimum before the pass too, first."""
+def _both(case):
+    """(exhaustive optimum before and after the warm-up pass, planner's plan), or three Nones
+    when no plan fits in memory (then both searches must say so)."""
     args = (case.cluster, case.model, None, case.global_batch_size, case.micro_batch_size)
     try:
         closed, best = exhaustive_optimum(*args, **case.space())
@@ -56,16 +55,16 @@ def _both(case, closed_form=False):
         assert "fits in memory" in str(err)
         with pytest.raises(ConfigError, match="fits in memory"):
             search(*args, progress=False, **case.space())
-        return (None, None, None) if closed_form else (None, None)
+        return None, None, None
     ours = search(*args, progress=False, **case.space())
     assert ours.cost.fits_memory
-    return (closed, best, ours) if closed_form else (best, ours)
+    return closed, best, ours
 
 
 @pytest.mark.parametrize("seed", SEEDS)
 def test_within_one_percent_of_the_exhaustive_optimum(seed):
     case = random_case(seed)
-    best, ours = _both(case)
+    _, best, ours = _both(case)
     if best is not None:
         gap = ours.cost.iteration_time_s / best.cost.iteration_time_s - 1
         assert gap <= MAX_GAP, f"{100 * gap:.2f}% off the optimum on {case.describe()}"
@@ -74,7 +73,7 @@ def test_within_one_percent_of_the_exhaustive_optimum(seed):
 @pytest.mark.parametrize("seed", MEMORY_SEEDS)
 def test_within_one_percent_where_memory_decides(seed):
     case = memory_bound_case(seed)
-    best, ours = _both(case)
+    _, best, ours = _both(case)
     if best is None:
         return
     # memory decides: no small GPU can hold the output layer, not even with one layer
@@ -96,7 +95,7 @@ def test_within_one_percent_with_odd_counts(seed):
     (planner/warmup.py); and the planner's plan at standard depths (Case.closed_form_s) never
     beats the brute force's optimum before the pass."""
     case = odd_case(seed)
-    closed, best, ours = _both(case, closed_form=True)
+    closed, best, ours = _both(case)
     if best is None:
         return
     gap = ours.cost.iteration_time_s / best.cost.iteration_time_s - 1
@@ -112,7 +111,7 @@ def test_the_warmup_pass_resplits_layers_for_deeper_warmups():
     same pipeline gains 7.7%. Without the re-split the planner's final plan was 6.9% slower than
     the exhaustive search's; with it both find the same plan."""
     case = odd_case(20)
-    closed, best, ours = _both(case, closed_form=True)
+    closed, best, ours = _both(case)
     gap = ours.cost.iteration_time_s / best.cost.iteration_time_s - 1
     assert gap <= MAX_GAP, f"{100 * gap:.2f}% off the optimum on {case.describe()}"
     assert ours.cost.iteration_time_s < closed.cost.iteration_time_s * (1 - 0.05)
