@@ -9,7 +9,8 @@ checkpoint ls --json``, exit statuses); the ours-vs-stock row runs scripts/bench
 paired comparison on the same plan.
 
   a. ``autohet profile`` of the model's layer (bf16 on a GPU) for each micro-batch size;
-  b. ``autohet plan`` from that profile for the one-GPU cluster;
+  b. ``autohet plan`` from that profile for a one-GPU cluster (``--cluster``, else one GPU of
+     the local device's catalog type: H100, H200, A100-80GB, ...);
   c. ``autohet train`` on that plan: median iteration time after the warm-up, tokens/s,
      TFLOP/s/GPU, MFU (of the catalog's dense peak of the GPU type), peak memory, next to the
      plan's prediction (targets: predicted time within 10% of the measured, predicted peak memory
@@ -55,6 +56,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import yaml
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "scripts"
 sys.path.insert(0, str(ROOT))       # run as `python scripts/gpu_check.py` without installing
@@ -64,6 +67,7 @@ from megatron_autohet.cli._table import format_table            # noqa: E402
 from megatron_autohet.testing.emulate import kill_tree          # noqa: E402
 from megatron_autohet.errors import ConfigError                 # noqa: E402
 from megatron_autohet.plan import load_plan                     # noqa: E402
+from megatron_autohet.profiling.measure import catalog_name_for_device  # noqa: E402
 from megatron_autohet.profiling.profile import Profile          # noqa: E402
 from megatron_autohet.spec import load_cluster, load_gpu_catalog, load_model  # noqa: E402
 
@@ -81,6 +85,7 @@ BENCH_MIN_ITERS = 7
 NOT_ON_CPU = "no CUDA here: the target is for one GPU"
 # The last step gets at least this long, or it is not started.
 MIN_STEP_S = 20
+CPU_STAND_IN_CLUSTER = ROOT / "configs/clusters/one-h100.yaml"
 
 ENVIRONMENT_PROBE = r"""
 import importlib.metadata, importlib.util, json, platform, subprocess, shutil
@@ -136,7 +141,7 @@ class Row:
 @dataclass
 class Settings:
     model: Path
-    cluster: Path
+    cluster: Path | None      # None: one GPU of the local device's type (one H100 on a CPU)
     profile_micro_batch_sizes: list[int]
     micro_batch_size: int
     global_batch_size: int
@@ -184,6 +189,7 @@ class GpuCheck:
     started: float = field(default_factory=time.monotonic)
     started_wall: float = field(default_factory=time.time)
     environment: dict = field(default_factory=dict)
+    cluster_path: Path | None = None      # planned for: see cluster()
     rows: list[Row] = field(default_factory=list)
     figures: dict = field(default_factory=dict)
 
@@ -285,6 +291,26 @@ class GpuCheck:
         print(self.header(), flush=True)
         return True
 
+    def cluster(self) -> Path | None:
+        """The cluster planned for: --cluster, else one GPU of this machine's catalog type
+        (written to the work directory), else (no CUDA) one H100, which the CPU stands in for.
+        None, with a failed row, when the local GPU is not in the catalog."""
+        s, env = self.settings, self.environment
+        path = s.cluster
+        if path is None and not self.on_gpu:
+            path = CPU_STAND_IN_CLUSTER
+        elif path is None:
+            cluster = one_gpu_cluster(env["gpu"], env["gpu_memory_gib"])
+            if cluster is None:
+                self.add(Row("environment", FAIL, f"{env['gpu']}: no GPU catalog type matches",
+                             "a GPU of configs/gpus.yaml",
+                             "add its type to configs/gpus.yaml, or pass --cluster"))
+                return None
+            path = self.work / "cluster.yaml"
+            path.write_text(yaml.safe_dump(cluster, sort_keys=False))
+        self.figures["cluster"] = {"path": str(path), "gpu": cluster_gpu(path)}
+        return path
+
     def seq_flags(self) -> list[str]:
         s = self.settings.seq_length
         return [] if s is None else ["--seq-length", str(s)]
@@ -328,9 +354,8 @@ class GpuCheck:
              global_batch_size: int, check: str) -> Path | None:
         """The plan for ``model``, from ``profile`` (at --seq-length), else from the analytic
         estimates (at the model's own seq_length)."""
-        s = self.settings
         path = self.work / f"{name}.yaml"
-        argv = ["plan", "--cluster", str(s.cluster), "--model", str(model),
+        argv = ["plan", "--cluster", str(self.cluster_path), "--model", str(model),
                 "--global-batch-size", str(global_batch_size),
                 "--micro-batch-size", str(micro_batch_size), "-o", str(path)]
         if profile is not None:
@@ -599,7 +624,11 @@ class GpuCheck:
         if not self.probe():
             print(self.table())
             return 1
-        gpu = cluster_gpu(s.cluster)
+        self.cluster_path = self.cluster()
+        if self.cluster_path is None:
+            print(self.table())
+            return 1
+        gpu = cluster_gpu(self.cluster_path)
         profile = self.profile(gpu) if self.has_time("a. autohet profile") else None
         plan = None
         if profile is not None and self.has_time("b. autohet plan"):
@@ -619,7 +648,7 @@ class GpuCheck:
         # From gpu_check.sh's start (its wheel installation included) when it ran this.
         wall = time.time() - float(os.environ.get("GPU_CHECK_STARTED", self.started_wall))
         self.add(self.gpu_row("total time", wall <= WALL_TARGET_S, f"{wall:.0f} s",
-                              f"<= {WALL_TARGET_S} s on one H100"))
+                              f"<= {WALL_TARGET_S} s on one GPU"))
         print()
         print(self.header())
         print(self.table())
@@ -691,6 +720,17 @@ def bf16_ulp(value: float) -> float:
     return 2.0 ** (math.floor(math.log2(abs(value))) - 7) if value else 2.0 ** -133
 
 
+def one_gpu_cluster(device_name: str, memory_gib: float) -> dict | None:
+    """A cluster file's content: one node with one GPU of the catalog type of ``device_name``
+    (as torch names it), or None when no type matches."""
+    gpu = catalog_name_for_device(device_name, memory_gib, load_gpu_catalog())
+    if gpu is None:
+        return None
+    # One GPU: nothing crosses the network, the bandwidth is a required field only.
+    return {"name": f"one-{gpu.lower()}", "inter_node_bandwidth_gbs": 25,
+            "nodes": [{"name": gpu.lower(), "gpu": gpu, "gpus": 1}]}
+
+
 def cluster_gpu(path: Path) -> str:
     cluster = load_cluster(path, load_gpu_catalog())
     types = sorted({node.gpu for node in cluster.nodes})
@@ -734,8 +774,10 @@ def parse_settings(argv: list[str] | None) -> Settings:
                                 epilog="\n".join(__doc__.splitlines()[2:]))
     p.add_argument("--model", default=str(ROOT / "configs/models/gpt3-1.3b.yaml"),
                    help="model profiled, planned, trained and compared (default GPT-3 1.3B)")
-    p.add_argument("--cluster", default=str(ROOT / "configs/clusters/one-h100.yaml"),
-                   help="the one-GPU cluster to plan for (default one H100)")
+    p.add_argument("--cluster", default=None,
+                   help="the one-GPU cluster to plan for (default: one GPU of the local device's "
+                        "type in configs/gpus.yaml; without CUDA "
+                        "configs/clusters/one-h100.yaml, the CPU standing in for it)")
     p.add_argument("--profile-micro-batch-sizes", type=int, nargs="+", default=[1, 2, 4],
                    metavar="B", help="micro-batch sizes profiled (default 1 2 4)")
     p.add_argument("--micro-batch-size", type=int, default=2, help="planned (default 2)")
@@ -793,7 +835,8 @@ def parse_settings(argv: list[str] | None) -> Settings:
     if not json_path.parent.is_dir():
         json_path.parent.mkdir(parents=True, exist_ok=True)
     return Settings(
-        model=existing("--model", args.model), cluster=existing("--cluster", args.cluster),
+        model=existing("--model", args.model),
+        cluster=args.cluster and existing("--cluster", args.cluster),
         profile_micro_batch_sizes=args.profile_micro_batch_sizes,
         micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
         seq_length=args.seq_length, iters=args.iters, warmup=args.warmup,
@@ -809,7 +852,8 @@ def main(argv: list[str] | None = None) -> int:
         settings = parse_settings(argv)
         load_model(settings.model)
         load_model(settings.ckpt_model)
-        cluster_gpu(settings.cluster)
+        if settings.cluster is not None:
+            cluster_gpu(settings.cluster)
     except ConfigError as exc:
         print(f"gpu_check: error: {exc}", file=sys.stderr)
         return 2

@@ -17,7 +17,9 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "scripts"))
 
 from gpu_check import (NOT_ON_CPU, bf16_ulp, loss_tolerance, memory_meets_target,  # noqa: E402
-                       time_meets_target)
+                       one_gpu_cluster, time_meets_target)
+
+from megatron_autohet.spec.cluster import cluster_from_dict  # noqa: E402
 
 TINY = ["--model", "configs/models/tiny.yaml", "--profile-micro-batch-sizes", "2",
         "--micro-batch-size", "2", "--global-batch-size", "4", "--iters", "3", "--warmup", "1",
@@ -101,3 +103,17 @@ def test_the_gpu_targets_as_issue_18_words_them():
     assert not memory_meets_target(27.7, 29.3)          # 5.5% under the measured peak
     assert not memory_meets_target(32.4, 29.3)          # 10.6% over
     assert loss_tolerance(10.8, "bf16") == 2 * 2.0 ** -4 and loss_tolerance(10.8, "fp32") == 0.0
+
+
+@pytest.mark.unit
+def test_the_default_cluster_is_one_gpu_of_the_local_device_type():
+    """On a GPU machine the plan is for the GPU that is there (torch's device names and memory),
+    whatever the type; a device the catalog lacks is refused rather than planned as another."""
+    for device, memory_gib, gpu in (("NVIDIA H100 80GB HBM3", 79.2, "H100"),
+                                    ("NVIDIA H200", 139.8, "H200"),
+                                    ("NVIDIA A100-SXM4-40GB", 39.4, "A100-40GB"),
+                                    ("NVIDIA A100-SXM4-80GB", 79.2, "A100-80GB"),
+                                    ("Tesla T4", 14.6, "T4")):
+        cluster = cluster_from_dict(one_gpu_cluster(device, memory_gib))
+        assert [(n.gpu, n.num_gpus) for n in cluster.nodes] == [(gpu, 1)], device
+    assert one_gpu_cluster("NVIDIA B200", 178.4) is None
