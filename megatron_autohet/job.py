@@ -78,6 +78,11 @@ class TrainOptions:
     precision: str | None = None        # "bf16" or "fp32"; None: bf16 on CUDA GPUs, fp32 on CPU
     hidden_dropout: float = 0.0         # Megatron-LM's --hidden-dropout / --attention-dropout
     attention_dropout: float = 0.0
+    # megatron-core's bias + activation and bias + dropout + add fusions, on CUDA GPUs where
+    # torch.compile works (runtime/fusions.py): on unless Megatron-LM's --no-bias-gelu-fusion /
+    # --no-bias-swiglu-fusion / --no-bias-dropout-fusion
+    bias_activation_fusion: bool = True
+    bias_dropout_fusion: bool = True
     log_interval: int = 1               # Megatron-LM's --log-interval (autohet train: every one)
     elastic: ElasticOptions | None = None   # None: a job whose ranks are the plan's
 
@@ -216,10 +221,14 @@ def train_job(plan: Plan, plan_label: str, model: ModelSpec, options: TrainOptio
                             distributed_optimizer=distributed_optimizer, precision=precision,
                             hidden_dropout=options.hidden_dropout,
                             attention_dropout=options.attention_dropout,
+                            jit_fusions={"bias_activation_fusion": options.bias_activation_fusion,
+                                         "bias_dropout_fusion": options.bias_dropout_fusion},
                             # a checkpoint to load replaces the initial weights (trainer doc)
                             initialize=options.checkpoint.load is None)
     if rank == 0:
-        print(f"layer: {LAYER_SPECS[trainer.layer_spec]}", flush=True)
+        print(f"layer: {LAYER_SPECS[trainer.layer_spec]}"
+              + (f"; {trainer.fusions.describe()}" if trainer.device.type == "cuda" else ""),
+              flush=True)
     if trainer.distributed_optimizer and rank == 0:
         print(trainer.optimizer.summary(), flush=True)
     # Counting samples, as Megatron-LM does (runtime/optimizer.py): checkpoints of this job

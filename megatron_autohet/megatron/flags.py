@@ -51,7 +51,7 @@ _NO_FP16 = ("not set (fp16 needs a dynamic loss scaler, which the plan runtime d
             "--bf16 trains in bf16 mixed precision)")
 _LOCAL_TIER = "not set (--autohet-local-ckpt-dir DIR is the node-local tier)"
 _RESUME = "not set (--load DIR resumes weights, Adam state and schedule from the newest step)"
-_UNFUSED = "the runtime runs megatron-core's unfused kernels anyway (runtime/stage_model.py)"
+_UNFUSED = "the runtime leaves this fusion off (runtime/stage_model.py)"
 _DEPRECATED = "deprecated; Megatron-LM itself ignores it"
 _VOCAB = ("read by Megatron's tokenizer, whose vocabulary size must be the plan's model's "
           "vocab_size")
@@ -139,6 +139,12 @@ FLAGS: dict[str, FlagRule] = {
     "--no-load-optim": FlagRule(RUNTIME, "resume without Adam state and schedule"),
     "--no-load-rng": FlagRule(RUNTIME, "resume without RNG states"),
     "--finetune": FlagRule(RUNTIME, "load weights only, start at iteration 0"),
+    # runtime/fusions.py: megatron-core's fused kernels on CUDA GPUs; the flag for the other
+    # activation does nothing, in Megatron-LM as here
+    "--no-bias-gelu-fusion": FlagRule(RUNTIME, "GELU models: the MLP's bias + GELU unfused"),
+    "--no-bias-swiglu-fusion": FlagRule(RUNTIME, "SwiGLU models: the MLP's bias + SwiGLU "
+                                                 "unfused"),
+    "--no-bias-dropout-fusion": FlagRule(RUNTIME, "bias + dropout + residual add unfused"),
     # ---- inert ---------------------------------------------------------------------------------
     "--use-dist-ckpt": FlagRule(INERT, _DEPRECATED),
     "--dist-ckpt-format": FlagRule(INERT, _DEPRECATED),
@@ -146,9 +152,6 @@ FLAGS: dict[str, FlagRule] = {
     "--use-cpu-initialization": FlagRule(INERT, "the runtime always builds its stages on the "
                                                 "CPU, then writes its layout-independent "
                                                 "initial weights (runtime/init.py)"),
-    "--no-bias-gelu-fusion": FlagRule(INERT, _UNFUSED),
-    "--no-bias-swiglu-fusion": FlagRule(INERT, _UNFUSED),
-    "--no-bias-dropout-fusion": FlagRule(INERT, _UNFUSED),
     "--no-masked-softmax-fusion": FlagRule(INERT, _UNFUSED),
     "--no-gradient-accumulation-fusion": FlagRule(INERT, _UNFUSED),
     "--no-persist-layer-norm": FlagRule(INERT, _UNFUSED),

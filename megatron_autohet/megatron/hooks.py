@@ -306,6 +306,10 @@ def train_options(args, plan_path: str | Path) -> TrainOptions:
         # refuses it before Megatron starts)
         precision="bf16" if getattr(args, "bf16", False) else "fp32",
         hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
+        # As Megatron-LM's core_transformer_config_from_args: the activation's own flag.
+        bias_activation_fusion=bool(args.bias_swiglu_fusion if args.swiglu
+                                    else args.bias_gelu_fusion),
+        bias_dropout_fusion=bool(args.bias_dropout_fusion),
         log_interval=args.log_interval).validate(str(plan_path), MEGATRON_FLAGS)
 
 

@@ -223,6 +223,7 @@ class _Bench:
         from megatron.core.transformer.spec_utils import build_module
 
         from megatron_autohet.runtime.attention import attention_kind
+        from megatron_autohet.runtime.fusions import JIT_FUSIONS, local_jit_fusions
         from megatron_autohet.runtime.mixed_precision import param_dtype
         from megatron_autohet.runtime.stage_model import (model_device, stage_layer_spec,
                                                           transformer_config)
@@ -234,14 +235,19 @@ class _Bench:
         # dropout, init), so the measured layer is the trained one.
         precision = default_precision(on_gpu)
         self.dtype = param_dtype(precision)
-        self.config = transformer_config(request.model, request.tp, precision=precision)
+        # megatron-core's fused kernels where this process can run them, as `autohet train`
+        # (runtime/fusions.py; its --no-bias-*-fusion flags are not profiled)
+        self.fusions = local_jit_fusions(dict.fromkeys(JIT_FUSIONS, True))
+        self.config = transformer_config(request.model, request.tp, precision=precision,
+                                         **self.fusions.config_fields())
         layer_spec, final_norm = stage_layer_spec(self.config)
         self.layer = build_module(layer_spec, config=self.config, layer_number=1).to(self.device)
         core_attention = self.layer.self_attention.core_attention
         self.attention = attention_kind(core_attention)
         self.layer_kind = (f"{type(self.layer.self_attention.linear_qkv).__name__} / "
                            f"{type(core_attention).__name__} / "
-                           f"{final_norm.__name__} ({self.config.normalization})")
+                           f"{final_norm.__name__} ({self.config.normalization})"
+                           + (f"; {self.fusions.describe()}" if on_gpu else ""))
         # In the model's dtype as the stage model casts it (the learned position embedding is a
         # torch.nn.Embedding megatron builds in fp32).
         self.embedding = self._build_embedding().to(self.device, self.dtype)

@@ -143,7 +143,8 @@ def transformer_config(model_spec: ModelSpec, tp_size: int, *, sequence_parallel
         # (tensor_model_parallel, partition_dim) that param_layouts reads; runtime/init.py then
         # overwrites the values with the layout-independent ones.
         use_cpu_initialization=True,
-        # Fusions need CUDA kernels or Apex/TE; the unfused paths compute the same thing.
+        # Off here. megatron-core's bias + activation and bias + dropout fusions come as overrides
+        # where they run (runtime/fusions.py); the others need Apex or Transformer Engine kernels.
         bias_activation_fusion=False,
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,

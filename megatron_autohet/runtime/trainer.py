@@ -81,6 +81,7 @@ from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 from megatron_autohet.data.batches import microbatches
 from megatron_autohet.plan import Plan
 from megatron_autohet.runtime.distributed_optimizer import DistributedOptimizer
+from megatron_autohet.runtime.fusions import agree_jit_fusions
 from megatron_autohet.runtime.grad_sync import DEFAULT_BUCKET_NUMEL, GradSync
 from megatron_autohet.runtime.init import initialize_parameters
 from megatron_autohet.runtime.loss import masked_token_mean
@@ -89,8 +90,8 @@ from megatron_autohet.runtime.optimizer import OptimizerSettings, make_optimizer
 from megatron_autohet.runtime.parallel_state import build_parallel_state
 from megatron_autohet.runtime.schedule import run_schedule
 from megatron_autohet.runtime.stage_model import (agree_layer_spec, build_stage_model,
-                                                  param_layouts, plan_padded_vocab_size,
-                                                  recompute_config)
+                                                  model_device, param_layouts,
+                                                  plan_padded_vocab_size, recompute_config)
 from megatron_autohet.runtime.train_log import (IterationLogger, IterationRecord,
                                                 num_floating_point_operations)
 from megatron_autohet.spec.model import ModelSpec
@@ -126,6 +127,8 @@ class HeteroTrainer:
         precision: the numerics (spec/precision.py ``PRECISIONS``): bf16 mixed precision or fp32.
         hidden_dropout, attention_dropout: Megatron-LM's dropout probabilities (default off;
             runtime/stage_model.py says how the masks are seeded).
+        jit_fusions: the megatron-core fusions wanted (runtime/fusions.py ``JIT_FUSIONS`` ->
+            bool; default none); on where every rank can run them (``self.fusions`` says).
         initialize: give the weights (and masters) the seed's initial values now; False for a
             job that loads a checkpoint over them, which saves drawing every parameter's full
             fp32 tensor (runtime/init.py) on every (re)start. Such a trainer trains only once its
@@ -139,7 +142,7 @@ class HeteroTrainer:
                  bucket_numel: int = DEFAULT_BUCKET_NUMEL, plan_file: str = "<plan>",
                  distributed_optimizer: bool = False, precision: Precision = FP32,
                  hidden_dropout: float = 0.0, attention_dropout: float = 0.0,
-                 initialize: bool = True):
+                 jit_fusions: dict[str, bool] | None = None, initialize: bool = True):
         optimizer.validate(source=plan_file)
         self.plan = plan
         self.seed = seed
@@ -147,11 +150,13 @@ class HeteroTrainer:
         self.clip_grad = optimizer.clip_grad
         self.state = build_parallel_state(plan, rank, model=model_spec, plan_file=plan_file)
         role = self.state.role
+        self.fusions = agree_jit_fusions(jit_fusions or {}, model_device())
         self.model = build_stage_model(plan.model, self.state, seed=seed,
                                        sequence_parallel=sequence_parallel, precision=precision,
                                        hidden_dropout=hidden_dropout,
                                        attention_dropout=attention_dropout, initialize=initialize,
-                                       **recompute_config(plan.activation_recompute))
+                                       **recompute_config(plan.activation_recompute),
+                                       **self.fusions.config_fields())
         self.weights_set = initialize       # (class doc: ``initialize``)
         self.sequence_parallel = sequence_parallel
         self.device = next(self.model.parameters()).device

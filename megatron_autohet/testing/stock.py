@@ -7,7 +7,7 @@ its own when the plan is one regular TP x PP x DP grid. This module is that base
 Public API
 ----------
 ``StockMegatronTrainer(plan, *, rank, seed, optimizer, distributed_optimizer=False,
-                       precision=FP32)``
+                       precision=FP32, jit_fusions=None)``
     ``torch.distributed`` must be initialised with the plan's world size. Builds, with
     megatron-core's own machinery only: ``parallel_state.initialize_model_parallel``, a
     ``GPTModel`` of this rank's stage (the runtime's layer spec, runtime/stage_model.py
@@ -21,7 +21,8 @@ Public API
     ``precision`` bf16 is Megatron-LM's ``--bf16``: the model wrapped in megatron-core's
     ``Float16Module``, DDP with ``grad_reduce_in_fp32`` (fp32 main grads) and
     ``get_megatron_optimizer(bf16=True)`` (``Float16OptimizerWithFloat16Params``, or with
-    ``distributed_optimizer`` its DistributedOptimizer on fp32 master shards).
+    ``distributed_optimizer`` its DistributedOptimizer on fp32 master shards). ``jit_fusions``:
+    megatron-core's fused kernels, agreed as the runtime agrees them (runtime/fusions.py).
     ``.optimizer`` is megatron's optimizer: a learning-rate scheduler
     (``optimizer.make_lr_scheduler``) drives its ``param_groups`` exactly as it drives ours.
     ``train_step(global_batch) -> StockStep`` runs one iteration; ``close()`` destroys megatron's
@@ -57,6 +58,7 @@ import torch
 from megatron_autohet.data.batches import microbatches
 from megatron_autohet.layout.topology import rank_role
 from megatron_autohet.plan import Plan
+from megatron_autohet.runtime.fusions import agree_jit_fusions
 from megatron_autohet.runtime.init import initialize_parameters
 from megatron_autohet.runtime.loss import masked_token_mean
 from megatron_autohet.runtime.mixed_precision import param_dtype
@@ -103,7 +105,8 @@ class StockMegatronTrainer:
     """One rank of stock megatron-core training a homogeneous plan (see module doc)."""
 
     def __init__(self, plan: Plan, *, rank: int, seed: int, optimizer: OptimizerSettings,
-                 distributed_optimizer: bool = False, precision: Precision = FP32):
+                 distributed_optimizer: bool = False, precision: Precision = FP32,
+                 jit_fusions: dict[str, bool] | None = None):
         # megatron-core: on first use, not with this module
         from megatron.core import parallel_state as mps
         from megatron.core import tensor_parallel
@@ -128,8 +131,9 @@ class StockMegatronTrainer:
             raise RuntimeError(f"rank {rank}: megatron placed it at (tp, pp, dp) = {grid}, the "
                                f"plan at {(role.tp_rank, role.stage.stage, role.stage.pipeline)}")
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
+        self.fusions = agree_jit_fusions(jit_fusions or {}, model_device())
         config = transformer_config(plan.model, tp, pipeline_layers=[s.layers for s in stages],
-                                    precision=precision)
+                                    precision=precision, **self.fusions.config_fields())
         # The runtime's layer (Transformer Engine's, or megatron's local layer with torch SDPA as
         # core attention): comparisons are of the systems, not of two attention kernels.
         model = GPTModel(config, stage_layer_spec(config)[0],

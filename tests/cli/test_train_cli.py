@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_autohet.cli.main import main
+from megatron_autohet.cli.main import build_parser, main
+from megatron_autohet.cli.train import train_options
 from megatron_autohet.runtime.train_log import IterationRecord, megatron_line
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -76,12 +77,29 @@ def test_world_size_mismatch_under_torchrun_env(capsys):
     (["--adam-beta2", "1.0"], "--adam-beta2", "got 1.0 (allowed: 0 <= beta < 1)"),
     (["--bf16", "--fp16"], "--fp16", "given with --bf16 (allowed: one of them)"),
     (["--fp16"], "--fp16", "fp16 mixed precision needs a dynamic loss scaler"),
+    (["--no-bias-swiglu-fusion"], "--no-bias-swiglu-fusion",
+     "the model's MLP is GELU (allowed: --no-bias-gelu-fusion)"),
 ])
 def test_bad_optimizer_values_are_clear_errors_before_any_process(flags, field, message):
     result = _train_without_torch("--plan", PLAN, "--model", MODEL, *flags)
     assert result.returncode == 2
     assert result.stdout.splitlines()[-1] == "no torch"
     assert f"autohet train: error: <command line>: field '{field}': {message}" in result.stderr
+
+
+@pytest.mark.unit
+def test_megatron_lm_fusion_flags_reach_the_job_options():
+    """Fused kernels by default (used on CUDA GPUs only, runtime/fusions.py); each flag turns
+    its fusion off."""
+    def options(*flags):
+        args = build_parser().parse_args(["train", "--plan", str(PLAN), "--model", str(MODEL),
+                                          *flags])
+        job = train_options(args)
+        return job.bias_activation_fusion, job.bias_dropout_fusion
+
+    assert options() == (True, True)
+    assert options("--no-bias-gelu-fusion") == (False, True)
+    assert options("--no-bias-dropout-fusion") == (True, False)
 
 
 @pytest.mark.unit
