@@ -15,6 +15,8 @@ paired comparison on the same plan.
      TFLOP/s/GPU, MFU (of the catalog's dense peak of the GPU type), peak memory, next to the
      plan's prediction (targets: predicted time within 10% of the measured, predicted peak memory
      within 10% of the measured and never more than 5% below it, MFU >= 45%);
+     and where the iteration's device time goes by kind of kernel (scripts/bench_kernels.py:
+     matmuls, attention, elementwise, optimizer, communication), which says what limits the MFU;
   d. ours / stock megatron-core on the same plan, iterations paired and the two trainers' order
      alternated in the same processes (bench_runtime.run_plan; target <= 1.02);
   e. a smaller model (``--ckpt-model``, GPT-3 350M by default) saves every ``--ckpt-interval``
@@ -449,6 +451,25 @@ class GpuCheck:
             "predicted_peak_memory_gib": predicted["peak_memory_gib"],
             "elapsed_ms": [r["elapsed_ms"] for r in records], "lm_loss": losses}
 
+    def kernels(self, plan_path: Path) -> None:
+        check, out = "c. time by kernel kind", self.work / "bench_kernels.json"
+        command = self.run("c-bench-kernels", [
+            "scripts/bench_kernels.py", "--plan", str(plan_path), "--model",
+            str(self.settings.model), "--iters", "2", "--warmup", "2", "--data-dir",
+            self.data_dir(), "--json", str(out)], 180)
+        if command.rc != 0 or not out.is_file():
+            self.add(Row(check, FAIL, "bench_kernels failed", "a breakdown", command.why()))
+            return
+        result = json.loads(out.read_text())
+        wall = result["wall_s_per_iteration"]
+        shares = sorted(result["seconds_per_iteration"].items(), key=lambda kv: -kv[1])
+        self.figures["kernels"] = result
+        # A measurement, not a target: what the MFU row's time is spent on.
+        self.add(self.gpu_row(check, True, ", ".join(f"{kind} {seconds / wall:.0%}"
+                                                     for kind, seconds in shares if seconds)
+                              + f" of {wall:.3f} s", "a breakdown (what limits the MFU)",
+                              result["time"]))
+
     def bench(self, plan_path: Path) -> None:
         s, check = self.settings, "d. ours / stock megatron-core"
         kind, base = ("ours-bf16", "stock-bf16") if self.on_gpu else ("ours", "stock")
@@ -636,6 +657,8 @@ class GpuCheck:
                              s.global_batch_size, "b. autohet plan")
         if plan is not None and self.has_time("c. autohet train"):
             self.train(plan)
+        if plan is not None and self.has_time("c. time by kernel kind"):
+            self.kernels(plan)
         if plan is not None and self.has_time("d. ours / stock megatron-core"):
             self.bench(plan)
         if self.has_time("e. kill -9 during a save, resume"):

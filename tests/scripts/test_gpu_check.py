@@ -26,7 +26,7 @@ TINY = ["--model", "configs/models/tiny.yaml", "--profile-micro-batch-sizes", "2
         "--bench-iters", "7", "--ckpt-model", "configs/models/tiny.yaml",
         "--ckpt-global-batch-size", "4", "--ckpt-interval", "2"]
 GPU_TARGETS = ("c. iteration time vs plan", "c. peak memory vs plan", "c. MFU",
-               "d. ours / stock megatron-core", "total time")
+               "c. time by kernel kind", "d. ours / stock megatron-core", "total time")
 
 
 def gpu_check(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
@@ -46,7 +46,7 @@ def test_cpu_mode_runs_every_step_and_skips_only_the_gpu_targets(tmp_path):
     report = json.loads(out.read_text())
     rows = {r["check"]: r for r in report["rows"]}
     assert list(rows) == ["a. autohet profile", "b. autohet plan", "c. autohet train",
-                          *GPU_TARGETS[:4], "e. autohet plan (tiny)",
+                          *GPU_TARGETS[:5], "e. autohet plan (tiny)",
                           "e. kill -9 during a save, resume", "f. autohet checkpoint verify",
                           "g. snapshot stall per GB", "total time"]
     for check in GPU_TARGETS:
