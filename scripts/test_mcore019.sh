@@ -7,9 +7,9 @@
 # whole suite in .venv on 0.16.1; this script builds .venv-mcore019 (kept between runs; delete
 # it to start over) with the newest 0.19.x and runs there what differs between the versions:
 # the heterogeneous 1F1B and its warm-up depths, the parallel state, the equivalence with a
-# single process and with stock megatron-core, checkpoints, megatron-core's known-benign warnings
-# and log records, and one elastic run (preemption, loss and a join). Extra arguments go to
-# pytest, e.g. -x. With --prepare as its only argument it installs torch, megatron-core and
+# single process and with stock megatron-core, megatron-core's fused kernels, checkpoints,
+# megatron-core's known-benign warnings and log records, and one elastic run (preemption, loss and
+# a join). Extra arguments go to pytest, e.g. -x. With --prepare as its only argument it installs torch, megatron-core and
 # triton in the venv and stops (.ci/run does that while scripts/test.sh builds .venv); the
 # package itself is installed by the run that tests, so two editable installs of this tree never
 # run at once.
@@ -60,13 +60,14 @@ EOF
 echo "test_mcore019.sh: $(tr '\n' ' ' < "$pins")in $VENV"
 
 # The venv's bin first on PATH, as scripts/test.sh has it (the tests start `autohet` and torchrun).
-# What megatron-core does in a job - schedule, parallel state, DDP, optimizer, dist_checkpointing -
-# is in the first four; the elastic run adds the fleet around them: torchrun's agents, warm
-# workers, a notice, a loss and a join, recovery from the checkpoint tiers.
+# What megatron-core does in a job - schedule, parallel state, DDP, optimizer, fused kernels,
+# dist_checkpointing - is in the first five; the elastic run adds the fleet around them:
+# torchrun's agents, warm workers, a notice, a loss and a join, recovery from the checkpoint tiers.
 PATH="$ROOT/$VENV/bin:$PATH" "$py" -m pytest -q \
   tests/runtime/test_schedule.py \
   tests/runtime/test_parallel_state.py \
   tests/runtime/test_equivalence.py \
+  tests/runtime/test_fusions.py \
   tests/checkpoint/test_checkpoint.py \
   tests/cli/test_known_warnings.py \
   "tests/elastic/test_elastic.py::test_preemption_loss_and_join_match_an_uninterrupted_run" \
