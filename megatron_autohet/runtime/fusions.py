@@ -57,8 +57,8 @@ NO_CUDA = "no CUDA device"        # nothing to say: a CPU run never fuses
 
 @dataclass(frozen=True)
 class JitFusions:
-    """The TransformerConfig fields (``asdict`` gives the overrides) and why a requested one is
-    off (None: each is as requested)."""
+    """The TransformerConfig fields a job builds with (``config_fields()``: the overrides) and why
+    the requested ones are off (None: each is as requested)."""
 
     bias_activation_fusion: bool = False
     bias_dropout_fusion: bool = False
