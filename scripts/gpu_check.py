@@ -460,7 +460,7 @@ class GpuCheck:
 
     def kernels(self, plan_path: Path) -> None:
         check, out = "h. time by kernel kind", self.work / "bench_kernels.json"
-        command = self.run("c-bench-kernels", [
+        command = self.run("h-bench-kernels", [
             "scripts/bench_kernels.py", "--plan", str(plan_path), "--model",
             str(self.settings.model), "--iters", "2", "--warmup", "2", "--data-dir",
             self.data_dir(), "--json", str(out)], 180)
