@@ -87,6 +87,12 @@ class TrainOptions:
     elastic: ElasticOptions | None = None   # None: a job whose ranks are the plan's
 
     @property
+    def jit_fusions(self) -> dict[str, bool]:
+        """The fusions requested, as runtime/fusions.py's TransformerConfig field names."""
+        return {"bias_activation_fusion": self.bias_activation_fusion,
+                "bias_dropout_fusion": self.bias_dropout_fusion}
+
+    @property
     def timeout(self) -> timedelta:
         return timedelta(minutes=self.distributed_timeout_minutes)
 
@@ -221,8 +227,7 @@ def train_job(plan: Plan, plan_label: str, model: ModelSpec, options: TrainOptio
                             distributed_optimizer=distributed_optimizer, precision=precision,
                             hidden_dropout=options.hidden_dropout,
                             attention_dropout=options.attention_dropout,
-                            jit_fusions={"bias_activation_fusion": options.bias_activation_fusion,
-                                         "bias_dropout_fusion": options.bias_dropout_fusion},
+                            jit_fusions=options.jit_fusions,
                             # a checkpoint to load replaces the initial weights (trainer doc)
                             initialize=options.checkpoint.load is None)
     if rank == 0:

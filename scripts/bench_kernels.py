@@ -73,9 +73,8 @@ def profile_plan(plan_path: Path, model_path: Path, iters: int, warmup: int,
     # `autohet train`'s defaults (the learning rate does not change the time)
     defaults = TrainOptions(iters=1, seed=1234, optimizer=OptimizerSettings(lr=1e-3))
     trainer = HeteroTrainer(plan, model, rank=0, seed=defaults.seed, optimizer=defaults.optimizer,
-                            precision=default_precision(on_gpu), jit_fusions={
-                                "bias_activation_fusion": defaults.bias_activation_fusion,
-                                "bias_dropout_fusion": defaults.bias_dropout_fusion})
+                            precision=default_precision(on_gpu),
+                            jit_fusions=defaults.jit_fusions)
     data = build_global_batches(DataOptions(
         seq_length=plan.seq_length, global_batch_size=plan.global_batch_size,
         num_iterations=warmup + iters, seed=defaults.seed, data_dir=data_dir), model.vocab_size)

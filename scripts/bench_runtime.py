@@ -108,12 +108,11 @@ KINDS = ("stock", "ours", "stock-distopt", "ours-distopt", "stock-bf16", "ours-b
 RATIOS = (("ours", "stock"), ("ours-distopt", "stock-distopt"), ("ours-distopt", "ours"),
           ("ours-bf16", "stock-bf16"), ("ours-bf16-distopt", "stock-bf16-distopt"))
 DISTOPT_PLANS = (HOMOGENEOUS, "tiny-two-pipelines.yaml")
-# Both trainers with megatron-core's fused kernels where they run (CUDA), as `autohet train`.
-FUSIONS = {"bias_activation_fusion": True, "bias_dropout_fusion": True}
 
 
 def _trainers(plan, plan_path, rank, kinds):
     """{kind: (step(batch) -> grad norm, megatron globals)}, stock first (it resets megatron's)."""
+    from megatron_autohet.runtime.fusions import MEGATRON_LM_DEFAULTS
     from megatron_autohet.runtime.trainer import HeteroTrainer
 
     trainers = {}
@@ -124,14 +123,16 @@ def _trainers(plan, plan_path, rank, kinds):
             from megatron_autohet.testing.stock import StockMegatronTrainer
             trainer = StockMegatronTrainer(plan, rank=rank, seed=SEED, optimizer=OPTIMIZER,
                                            distributed_optimizer=distributed,
-                                           precision=precision, jit_fusions=FUSIONS)
+                                           precision=precision,
+                                           # fused kernels where they run, as `autohet train`
+                                           jit_fusions=MEGATRON_LM_DEFAULTS)
             inner = getattr(trainer.optimizer, "chained_optimizers", [trainer.optimizer])
             if distributed != all(type(o).__name__ == "DistributedOptimizer" for o in inner):
                 raise RuntimeError(f"{kind}: megatron built {[type(o).__name__ for o in inner]}")
         else:
             trainer = HeteroTrainer(plan, plan.model, rank=rank, seed=SEED, optimizer=OPTIMIZER,
                                     plan_file=str(plan_path), distributed_optimizer=distributed,
-                                    precision=precision, jit_fusions=FUSIONS)
+                                    precision=precision, jit_fusions=MEGATRON_LM_DEFAULTS)
         trainers[kind] = (lambda batch, t=trainer: t.train_step(batch).grad_norm,
                           _MegatronGlobals(), trainer)
     return trainers

@@ -296,8 +296,9 @@ class GpuCheck:
 
     def cluster(self) -> Path | None:
         """The cluster planned for: --cluster, else one GPU of this machine's catalog type
-        (written to the work directory), else (no CUDA) one H100, which the CPU stands in for.
-        None, with a failed row, when the local GPU is not in the catalog."""
+        (written to the work directory), else (no CUDA) one H100, which the CPU stands in for;
+        its GPU type goes to ``figures["cluster"]``. None, with a failed row, when the local GPU
+        is not in the catalog."""
         s, env = self.settings, self.environment
         path = s.cluster
         if path is None and not self.on_gpu:
@@ -656,7 +657,7 @@ class GpuCheck:
         if self.cluster_path is None:
             print(self.table())
             return 1
-        gpu = cluster_gpu(self.cluster_path)
+        gpu = self.figures["cluster"]["gpu"]
         profile = self.profile(gpu) if self.has_time("a. autohet profile") else None
         plan = None
         if profile is not None and self.has_time("b. autohet plan"):

@@ -223,7 +223,7 @@ class _Bench:
         from megatron.core.transformer.spec_utils import build_module
 
         from megatron_autohet.runtime.attention import attention_kind
-        from megatron_autohet.runtime.fusions import JIT_FUSIONS, local_jit_fusions
+        from megatron_autohet.runtime.fusions import MEGATRON_LM_DEFAULTS, local_jit_fusions
         from megatron_autohet.runtime.mixed_precision import param_dtype
         from megatron_autohet.runtime.stage_model import (model_device, stage_layer_spec,
                                                           transformer_config)
@@ -237,7 +237,7 @@ class _Bench:
         self.dtype = param_dtype(precision)
         # megatron-core's fused kernels where this process can run them, as `autohet train`
         # (runtime/fusions.py; its --no-bias-*-fusion flags are not profiled)
-        self.fusions = local_jit_fusions(dict.fromkeys(JIT_FUSIONS, True))
+        self.fusions = local_jit_fusions(MEGATRON_LM_DEFAULTS)
         self.config = transformer_config(request.model, request.tp, precision=precision,
                                          **self.fusions.config_fields())
         layer_spec, final_norm = stage_layer_spec(self.config)

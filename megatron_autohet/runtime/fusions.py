@@ -6,6 +6,8 @@ Public API
     The TransformerConfig fields: ``bias_activation_fusion`` (the MLP's bias add and its GELU or
     SwiGLU in one kernel) and ``bias_dropout_fusion`` (bias add, dropout and residual add after
     the attention and after the MLP, in one kernel).
+``MEGATRON_LM_DEFAULTS``
+    Both requested, as Megatron-LM's flags default (``autohet train``'s ``TrainOptions`` too).
 ``jit_fusion_problem() -> str | None``
     Why this process cannot run them (no CUDA device, no Triton, ``torch.compile`` failing on a
     probe), None when it can. Computed once per process.
@@ -52,6 +54,7 @@ from megatron_autohet.runtime.cpu_mode import cpu_mode_enabled
 logger = logging.getLogger(__name__)
 
 JIT_FUSIONS = ("bias_activation_fusion", "bias_dropout_fusion")
+MEGATRON_LM_DEFAULTS = dict.fromkeys(JIT_FUSIONS, True)
 NO_CUDA = "no CUDA device"        # nothing to say: a CPU run never fuses
 
 
