@@ -24,6 +24,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from megatron_autohet.testing.emulate import kill_tree
+
 REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = REPO / "scripts"
 LAUNCH = SCRIPTS / "launch_node.sh"
@@ -384,20 +386,26 @@ def _start(env, *args) -> subprocess.Popen:
 
 
 def _read_until(proc: subprocess.Popen, text: str) -> str:
-    """The script's output up to and including the first line with ``text`` (what it has done
-    so far: the tests signal it at a known point of its control flow, not after a sleep)."""
-    seen = []
+    """The script's output so far, once it holds a whole line with ``text`` (what it has done:
+    the tests signal it at a known point of its control flow, not after a sleep); the rest comes
+    from ``proc.communicate()``. Reads the pipe's descriptor itself: ``readline()`` after
+    ``select`` leaves the lines that arrived with the first in Python's buffer, where ``select``
+    never sees them (two log lines written together then looked like a silent script). On
+    failure the script's whole process tree is killed: its watcher and sleeps hold the pipe."""
+    fd, out = proc.stdout.fileno(), b""
     deadline = time.monotonic() + TIMEOUT_S
     while time.monotonic() < deadline:
-        ready, _, _ = select.select([proc.stdout], [], [], deadline - time.monotonic())
-        line = proc.stdout.readline() if ready else ""
-        if not line:
+        ready, _, _ = select.select([fd], [], [], deadline - time.monotonic())
+        chunk = os.read(fd, 65536) if ready else b""
+        if not chunk:
             break
-        seen.append(line)
-        if text in line:
-            return "".join(seen)
-    proc.kill()
-    raise AssertionError(f"no line with {text!r}: {''.join(seen)}{proc.communicate()[0]}")
+        out += chunk
+        whole = out.decode(errors="replace").rpartition("\n")[0]
+        if any(text in line for line in whole.splitlines()):
+            return out.decode(errors="replace")
+    kill_tree(proc.pid)
+    rest = proc.communicate(timeout=TIMEOUT_S)[0]
+    raise AssertionError(f"no line with {text!r}: {out.decode(errors='replace')}{rest}")
 
 
 def _wait_for(path: Path, proc: subprocess.Popen) -> None:
