@@ -232,7 +232,8 @@ def train_job(plan: Plan, plan_label: str, model: ModelSpec, options: TrainOptio
                             initialize=options.checkpoint.load is None)
     if rank == 0:
         print(f"layer: {LAYER_SPECS[trainer.layer_spec]}"
-              + (f"; {trainer.fusions.describe()}" if trainer.device.type == "cuda" else ""),
+              + (f"; {trainer.fusions.describe()}" if trainer.device.type == "cuda" else "")
+              + ("; AdamW: torch's fused kernel" if trainer.fused_optimizer else ""),
               flush=True)
     if trainer.distributed_optimizer and rank == 0:
         print(trainer.optimizer.summary(), flush=True)

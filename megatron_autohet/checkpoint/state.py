@@ -103,7 +103,8 @@ import torch
 from megatron_autohet.layout.owners import is_main_replica
 from megatron_autohet.layout.params import ParamLayout, global_param_name
 from megatron_autohet.runtime.mixed_precision import MASTER_DTYPE, MASTER_KEY
-from megatron_autohet.runtime.optimizer import ADAM_STATE_KEYS, SCHEDULE_FLAGS, schedule_mismatch
+from megatron_autohet.runtime.optimizer import (ADAM_STATE_KEYS, SCHEDULE_FLAGS, adam_step,
+                                                schedule_mismatch)
 from megatron_autohet.spec.model import VOCAB_PAD_UNIT
 
 MAIN_REPLICA = (0, 0, 0)
@@ -448,11 +449,10 @@ def apply_loaded(trainer, scheduler, loaded: dict, *, load_optim: bool = True,
         trainer.masters.write_back()
     if load_optim and not trainer.distributed_optimizer:
         kept: set[int] = set()
-        step = torch.tensor(float(loaded_optimizer_step(loaded["optimizer"])),
-                            dtype=torch.float32)
+        step = loaded_optimizer_step(loaded["optimizer"])
         for name, master in masters.items():
             trainer.optimizer.state[master] = {
-                "step": step.clone(),
+                "step": adam_step(step, master, trainer.optimizer.defaults),
                 **{key: _owned(loaded["optimizer"][f"{key}.{name}"], master, kept)
                    for key in ADAM_STATE_KEYS}}
     if load_optim:

@@ -58,7 +58,7 @@ from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 
 from megatron_autohet.runtime.grad_sync import GradSync, _Bucket
 from megatron_autohet.runtime.mixed_precision import MASTER_KEY
-from megatron_autohet.runtime.optimizer import (ADAM_STATE_KEYS, OptimizerSettings,
+from megatron_autohet.runtime.optimizer import (ADAM_STATE_KEYS, OptimizerSettings, adam_step,
                                                 applies_weight_decay)
 
 # torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor to *_single (same arguments;
@@ -173,9 +173,11 @@ class DistributedOptimizer:
         grad_sync: the stage's GradSync, built with ``shard_padding=True``.
         model: the stage model (parameter names for the checkpoint's per-parameter states).
         settings: AdamW hyper-parameters (runtime/optimizer.py).
+        fused: torch's fused AdamW kernel (runtime/optimizer.py ``fused_adamw``).
     """
 
-    def __init__(self, grad_sync: GradSync, model: torch.nn.Module, settings: OptimizerSettings):
+    def __init__(self, grad_sync: GradSync, model: torch.nn.Module, settings: OptimizerSettings,
+                 fused: bool = False):
         if not grad_sync.shard_padding:
             raise ValueError("the distributed optimizer needs GradSync(shard_padding=True)")
         settings.validate()
@@ -195,7 +197,8 @@ class DistributedOptimizer:
               "weight_decay": settings.weight_decay * wd_mult}
              for wd_mult, views in groups.items()],
             lr=settings.lr, betas=(settings.adam_beta1, settings.adam_beta2),
-            eps=settings.adam_eps, weight_decay=settings.weight_decay)
+            eps=settings.adam_eps, weight_decay=settings.weight_decay,
+            fused=True if fused else None)      # (make_optimizer: None, not False)
         self._set_step(0)
         self.load()
 
@@ -324,6 +327,6 @@ class DistributedOptimizer:
             for segment in sharded.segments:
                 window = slice(segment.shard_start, segment.shard_start + segment.numel)
                 self.optimizer.state[segment.view] = {
-                    "step": torch.tensor(float(step), dtype=torch.float32),
+                    "step": adam_step(step, segment.view, self.optimizer.defaults),
                     **{key: sharded.moments[key][window] for key in ADAM_STATE_KEYS}}
         self.steps = step

@@ -9,10 +9,16 @@ Public API
     ``validate(train_iters=None, source=None)`` raises :class:`ConfigError` naming the flag.
 ``applies_weight_decay(layout) -> bool``
     Megatron-core's no-decay rule on a parameter's GLOBAL identity.
-``make_optimizer(model, layouts, settings, masters=None) -> torch.optim.AdamW``
+``make_optimizer(model, layouts, settings, masters=None, fused=False) -> torch.optim.AdamW``
     The optimizer of the single-process reference, of ``HeteroTrainer`` and of the Megatron-LM
     path: two parameter groups, ``wd_mult`` 1.0 (decayed) and 0.0 (not decayed). ``masters``
     (runtime/mixed_precision.MasterWeights): it steps each parameter's fp32 master instead.
+    ``fused``: torch's one-kernel AdamW instead of its default multi-tensor one.
+``fused_adamw(device) -> bool``
+    Whether the runtime steps with the fused kernel on ``device``: on CUDA.
+``adam_step(step, param, options)``
+    The ``step`` state tensor of ``param`` as a torch AdamW with ``options`` (its ``defaults``)
+    keeps it (on the parameter's device for the fused kernel): what a checkpoint load writes.
 ``schedule_fields(settings, train_iters, global_batch_size) -> dict``, ``SCHEDULE_FLAGS``
     The scheduler's fields (counted in samples) and the flag that sets each (torch-free).
 ``schedule_mismatch(wanted, saved)``, ``SCHEDULE_CHOICE``
@@ -34,6 +40,15 @@ Design (why)
   the fused kernels it prefers compute the same update). AdamW is elementwise - the decay
   ``p *= 1 - lr * wd`` included - so AdamW on a TP shard equals AdamW on the full tensor sliced,
   and every rank can step its own shards.
+* Fused on a GPU. Megatron-LM on a GPU steps with Transformer Engine's or Apex's ``FusedAdam``,
+  one kernel over every tensor; without either, megatron-core falls back to ``torch.optim.AdamW``
+  whose default (foreach) implementation runs about eight kernels over the fp32 masters, grads
+  and moments: three times the memory traffic of one pass, which for a 1B-parameter stage is
+  a few percent of an iteration. torch's ``fused=True`` AdamW is the same update in one pass,
+  so the runtime uses it on CUDA (stock megatron-core's baseline, testing/stock.py, too). On a
+  CPU it keeps the default: the fused kernel rounds differently in the last bit, and CPU runs
+  stay bit for bit those of the reference and of stock megatron-core. The fused kernel keeps
+  each ``step`` on the parameter's device, where a checkpoint load must put it (``adam_step``).
 * The no-decay rule is megatron-core 0.16.1's default
   (``optimizer/__init__.py:get_standard_config_overrides`` with ``apply_wd_to_qk_layernorm``
   False: ``ParamKey(name="*.bias", predicate=len(param.shape) == 1)`` gets ``wd_mult=0.0``): no
@@ -142,9 +157,28 @@ def applies_weight_decay(layout) -> bool:
     return not (layout.global_name.endswith(".bias") or len(layout.full_shape) == 1)
 
 
-def make_optimizer(model, layouts: dict, settings: OptimizerSettings, masters=None):
+def fused_adamw(device) -> bool:
+    """The runtime's choice of AdamW kernel on ``device`` (module doc): fused on CUDA."""
+    return device.type == "cuda"
+
+
+def adam_step(step: int, param, options: dict):
+    """``param``'s ``step`` state as a torch AdamW built with ``options`` keeps it: a float32
+    scalar, on the parameter's device for the fused or capturable kernels, else on the CPU
+    (torch's ``Optimizer._process_value_according_to_param_policy``, as its ``load_state_dict``
+    puts it)."""
+    # torch: not at `autohet` start-up
+    import torch
+
+    on_device = options.get("fused") or options.get("capturable")
+    return torch.tensor(float(step), dtype=torch.float32,
+                        device=param.device if on_device else "cpu")
+
+
+def make_optimizer(model, layouts: dict, settings: OptimizerSettings, masters=None,
+                   fused: bool = False):
     """AdamW over ``model``'s parameters (or their ``masters``); ``layouts``: local name ->
-    ParamLayout."""
+    ParamLayout; ``fused``: torch's fused kernel (:func:`fused_adamw`)."""
     # torch: not at `autohet` start-up
     import torch
 
@@ -159,7 +193,8 @@ def make_optimizer(model, layouts: dict, settings: OptimizerSettings, masters=No
         [{"params": params, "wd_mult": wd_mult, "weight_decay": settings.weight_decay * wd_mult}
          for wd_mult, params in groups.items()],
         lr=settings.lr, betas=(settings.adam_beta1, settings.adam_beta2), eps=settings.adam_eps,
-        weight_decay=settings.weight_decay)
+        # None, not False: False would force torch's slowest (per-tensor) implementation
+        weight_decay=settings.weight_decay, fused=True if fused else None)
 
 
 def schedule_fields(settings: OptimizerSettings, train_iters: int,

@@ -51,7 +51,8 @@ distributed optimizer the masters are its fp32 shards (runtime/distributed_optim
 bf16 weights are written from their all-gather.
 
 Optimizer: torch's ``torch.optim.AdamW`` (``make_optimizer``: decoupled weight decay, none on
-biases and 1-D parameters, decided on global names so every rank agrees) on each rank's local
+biases and 1-D parameters, decided on global names so every rank agrees; its fused kernel on
+CUDA, runtime/optimizer.py ``fused_adamw``) on each rank's local
 shards, with the global grad norm and clipping of :class:`GradSync` (megatron-core's
 ``get_grad_norm_fp32`` / ``clip_grad_by_total_norm_fp32`` over the world, each parameter counted
 once). AdamW is elementwise, so AdamW on shards equals AdamW on the full tensors; only the norm
@@ -86,7 +87,7 @@ from megatron_autohet.runtime.grad_sync import DEFAULT_BUCKET_NUMEL, GradSync
 from megatron_autohet.runtime.init import initialize_parameters
 from megatron_autohet.runtime.loss import masked_token_mean
 from megatron_autohet.runtime.mixed_precision import MasterWeights
-from megatron_autohet.runtime.optimizer import OptimizerSettings, make_optimizer
+from megatron_autohet.runtime.optimizer import OptimizerSettings, fused_adamw, make_optimizer
 from megatron_autohet.runtime.parallel_state import build_parallel_state
 from megatron_autohet.runtime.schedule import run_schedule
 from megatron_autohet.runtime.stage_model import (agree_layer_spec, build_stage_model,
@@ -129,6 +130,8 @@ class HeteroTrainer:
             runtime/stage_model.py says how the masks are seeded).
         jit_fusions: the megatron-core fusions wanted (runtime/fusions.py ``JIT_FUSIONS`` ->
             bool; default none); on where every rank can run them (``self.fusions`` says).
+        fused_optimizer: torch's fused AdamW kernel; None (default): on CUDA
+            (runtime/optimizer.py ``fused_adamw``). ``self.fused_optimizer`` says which.
         initialize: give the weights (and masters) the seed's initial values now; False for a
             job that loads a checkpoint over them, which saves drawing every parameter's full
             fp32 tensor (runtime/init.py) on every (re)start. Such a trainer trains only once its
@@ -142,7 +145,8 @@ class HeteroTrainer:
                  bucket_numel: int = DEFAULT_BUCKET_NUMEL, plan_file: str = "<plan>",
                  distributed_optimizer: bool = False, precision: Precision = FP32,
                  hidden_dropout: float = 0.0, attention_dropout: float = 0.0,
-                 jit_fusions: dict[str, bool] | None = None, initialize: bool = True):
+                 jit_fusions: dict[str, bool] | None = None, initialize: bool = True,
+                 fused_optimizer: bool | None = None):
         optimizer.validate(source=plan_file)
         self.plan = plan
         self.seed = seed
@@ -170,16 +174,20 @@ class HeteroTrainer:
             sequence_parallel=sequence_parallel, bucket_numel=bucket_numel,
             shard_padding=distributed_optimizer)
         self.distributed_optimizer = distributed_optimizer
+        self.fused_optimizer = (fused_adamw(self.device) if fused_optimizer is None
+                                else fused_optimizer)
         if distributed_optimizer:
             # It keeps its own fp32 master shards and writes the weights back itself.
             self.masters = None
-            self.optimizer = DistributedOptimizer(self.grad_sync, self.model, optimizer)
+            self.optimizer = DistributedOptimizer(self.grad_sync, self.model, optimizer,
+                                                  fused=self.fused_optimizer)
             self.grads = self.optimizer       # reduce-scatter, norm and clip of the shards
         else:
             self.masters = MasterWeights(
                 ((name, p) for name, p in self.model.named_parameters() if p.requires_grad),
                 precision)
-            self.optimizer = make_optimizer(self.model, self.layouts, optimizer, self.masters)
+            self.optimizer = make_optimizer(self.model, self.layouts, optimizer, self.masters,
+                                            fused=self.fused_optimizer)
             self.grads = self.grad_sync
         # The global-batch scaling of every micro-batch loss (module doc): m_p / M.
         self.loss_scale = role.stage.num_microbatches / plan.num_microbatches_total

@@ -7,7 +7,7 @@ its own when the plan is one regular TP x PP x DP grid. This module is that base
 Public API
 ----------
 ``StockMegatronTrainer(plan, *, rank, seed, optimizer, distributed_optimizer=False,
-                       precision=FP32, jit_fusions=None)``
+                       precision=FP32, jit_fusions=None, fused_optimizer=None)``
     ``torch.distributed`` must be initialised with the plan's world size. Builds, with
     megatron-core's own machinery only: ``parallel_state.initialize_model_parallel``, a
     ``GPTModel`` of this rank's stage (the runtime's layer spec, runtime/stage_model.py
@@ -23,6 +23,11 @@ Public API
     ``get_megatron_optimizer(bf16=True)`` (``Float16OptimizerWithFloat16Params``, or with
     ``distributed_optimizer`` its DistributedOptimizer on fp32 master shards). ``jit_fusions``:
     megatron-core's fused kernels, agreed as the runtime agrees them (runtime/fusions.py).
+    ``fused_optimizer`` (None: on CUDA, as the runtime decides, runtime/optimizer.py
+    ``fused_adamw``): megatron's AdamW steps with torch's fused kernel, the one-pass update
+    Megatron-LM gets from Transformer Engine's or Apex's FusedAdam on a GPU; megatron-core
+    0.16.1 without them builds torch's AdamW with its default (foreach) implementation and has no
+    option for the kernel, so its groups' ``fused`` switch is set after it is built.
     ``.optimizer`` is megatron's optimizer: a learning-rate scheduler
     (``optimizer.make_lr_scheduler``) drives its ``param_groups`` exactly as it drives ours.
     ``train_step(global_batch) -> StockStep`` runs one iteration; ``close()`` destroys megatron's
@@ -62,7 +67,7 @@ from megatron_autohet.runtime.fusions import agree_jit_fusions
 from megatron_autohet.runtime.init import initialize_parameters
 from megatron_autohet.runtime.loss import masked_token_mean
 from megatron_autohet.runtime.mixed_precision import param_dtype
-from megatron_autohet.runtime.optimizer import OptimizerSettings
+from megatron_autohet.runtime.optimizer import OptimizerSettings, fused_adamw
 from megatron_autohet.runtime.stage_model import (model_device, param_layouts,
                                                   plan_padded_vocab_size, stage_layer_spec,
                                                   transformer_config)
@@ -106,7 +111,8 @@ class StockMegatronTrainer:
 
     def __init__(self, plan: Plan, *, rank: int, seed: int, optimizer: OptimizerSettings,
                  distributed_optimizer: bool = False, precision: Precision = FP32,
-                 jit_fusions: dict[str, bool] | None = None):
+                 jit_fusions: dict[str, bool] | None = None,
+                 fused_optimizer: bool | None = None):
         # megatron-core: on first use, not with this module
         from megatron.core import parallel_state as mps
         from megatron.core import tensor_parallel
@@ -174,6 +180,14 @@ class StockMegatronTrainer:
         # with or without a scheduler (a scheduler writes the same value again).
         for group in self.optimizer.param_groups:
             group["weight_decay"] = optimizer.weight_decay * group["wd_mult"]
+        # The runtime's AdamW kernel (module doc); torch reads a group's switches at each step.
+        self.fused_optimizer = (fused_adamw(self.device) if fused_optimizer is None
+                                else fused_optimizer)
+        if self.fused_optimizer:
+            for megatron_optimizer in getattr(self.optimizer, "chained_optimizers",
+                                              [self.optimizer]):
+                for group in megatron_optimizer.optimizer.param_groups:
+                    group["fused"], group["foreach"] = True, False
 
     def train_step(self, global_batch: dict) -> StockStep:
         # megatron-core: on first use, not with this module

@@ -203,6 +203,38 @@ def test_distributed_optimizer_checkpoints_load_either_way(uninterrupted_and_sav
         print(f"--use-distributed-optimizer {label}: max relative difference {max(diffs):.2e}")
 
 
+@pytest.mark.parametrize("distributed_optimizer", [False, True], ids=["plain", "distopt"])
+def test_fused_adamw_resumes_bit_exactly_and_loads_either_kernels_step(
+        uninterrupted_and_saved, tmp_path, distributed_optimizer):
+    """torch's fused AdamW, the runtime's kernel on CUDA (runtime/optimizer.py ``fused_adamw``),
+    forced on this CPU: it keeps its Adam ``step`` where the fused kernel wants it, so a fused
+    job resumes bit for bit; a step saved by the default (foreach) kernel resumes under the
+    fused one. The fused run is not the foreach run (the kernel did change: it rounds
+    differently in the last bit) but within REL of it."""
+    full, batches, saved = uninterrupted_and_saved
+    a = plan("tiny-two-pipelines")
+    fused = dict(fused_optimizer=True, distributed_optimizer=distributed_optimizer)
+    full_fused = run_on_ranks(a.world_size, train_job, a, batches, CheckpointOptions(),
+                              **fused)[0]
+    assert full_fused != full
+    save = tmp_path / "fused"
+    first = run_on_ranks(a.world_size, train_job, a, batches,
+                         CheckpointOptions(save=str(save), save_interval=HALF),
+                         exit_interval=HALF, **fused)[0]
+    rest = run_on_ranks(a.world_size, train_job, a, batches, CheckpointOptions(load=str(save)),
+                        **fused)[0]
+    assert first + rest == full_fused                                   # bit-identical
+    load = tmp_path / "foreach"
+    shutil.copytree(saved, load)
+    switched = full[:HALF] + run_on_ranks(a.world_size, train_job, a, batches,
+                                          CheckpointOptions(load=str(load)), **fused)[0]
+    for label, run in (("fused", full_fused), ("foreach, then fused", switched)):
+        assert [x[2] for x in run] == [y[2] for y in full], label         # learning rates
+        diffs = [max(rel(x[0], y[0]), rel(x[1], y[1])) for x, y in zip(run, full)]
+        assert max(diffs) <= REL, (label, diffs)
+        print(f"{label} vs foreach AdamW: max relative difference {max(diffs):.2e}")
+
+
 # ---- nothing corrupt or partial is loaded ----------------------------------------------------
 
 def _corrupt_copy(saved: Path, tmp_path: Path) -> tuple[Path, Path]:

@@ -34,11 +34,12 @@ class Batches:
 
 def train_job(rank, world, the_plan, batches, options, exit_interval=None, precision=FP32,
               total=TOTAL, masters=None, stop=None, distributed_optimizer=False, dropout=0.0,
-              draws=False):
+              draws=False, fused_optimizer=None):
     """One job: resume per ``options``, train to ``total`` (or the exit interval, or ``stop``);
     the metrics (loss, grad norm, learning rate per iteration), then with ``masters`` (any dict)
     this rank's master weights at the end, with ``draws`` how many full initial tensors this
-    rank drew (runtime/init.py ``initial_value``)."""
+    rank drew (runtime/init.py ``initial_value``). ``fused_optimizer``: HeteroTrainer's (None:
+    its choice for the device)."""
     import megatron_autohet.runtime.init as init
     from megatron_autohet.checkpoint.checkpointer import Checkpointer
     from megatron_autohet.runtime.optimizer import make_lr_scheduler
@@ -57,7 +58,9 @@ def train_job(rank, world, the_plan, batches, options, exit_interval=None, preci
     trainer = HeteroTrainer(the_plan, the_plan.model, rank=rank, seed=SEED, optimizer=OPTIMIZER,
                             precision=precision, distributed_optimizer=distributed_optimizer,
                             hidden_dropout=dropout, attention_dropout=dropout,
-                            initialize=options.load is None)
+                            initialize=options.load is None, fused_optimizer=fused_optimizer)
+    # the kernel torch will run: fused only where asked (on a CPU the default is foreach)
+    assert trainer.optimizer.param_groups[0]["fused"] == (True if fused_optimizer else None)
     if draws and options.load is not None:       # its weights come from the load, not before
         with pytest.raises(RuntimeError, match="initialize=False"):
             trainer.train_step(batches[0])

@@ -48,12 +48,14 @@ def _reference(rank, world, plan, batches):
     return [(s.loss, s.grad_norm) for s in steps], params, [s.learning_rate for s in steps]
 
 
-def _hetero(rank, world, plan, batches, sequence_parallel=False, distributed_optimizer=False):
+def _hetero(rank, world, plan, batches, sequence_parallel=False, distributed_optimizer=False,
+            fused_optimizer=None):
     from megatron_autohet.runtime.trainer import HeteroTrainer
 
     trainer = HeteroTrainer(plan, plan.model, rank=rank, seed=SEED, optimizer=OPTIMIZER,
                             sequence_parallel=sequence_parallel,
-                            distributed_optimizer=distributed_optimizer)
+                            distributed_optimizer=distributed_optimizer,
+                            fused_optimizer=fused_optimizer)
     start = time.perf_counter()
     metrics, rates = scheduled_steps(trainer, batches)
     elapsed = time.perf_counter() - start
@@ -170,12 +172,13 @@ def check_plan_trains_like_one_process(plan, sequence_parallel, record_property,
 
 # ---- stock megatron-core on the homogeneous plan ---------------------------------------------
 
-def _stock_megatron(rank, world, plan, batches):
+def _stock_megatron(rank, world, plan, batches, fused_optimizer=None):
     """TP1 x PP2 x DP2 with megatron-core's own parallel_state, GPTModel, schedule, DDP and
     optimizer, from the same layout-independent weights (testing/stock.py)."""
     from megatron_autohet.testing.stock import StockMegatronTrainer
 
-    trainer = StockMegatronTrainer(plan, rank=rank, seed=SEED, optimizer=OPTIMIZER)
+    trainer = StockMegatronTrainer(plan, rank=rank, seed=SEED, optimizer=OPTIMIZER,
+                                   fused_optimizer=fused_optimizer)
     steps, _ = scheduled_steps(trainer, batches)
     shards = {name: (trainer.layouts[name], param.detach().clone())
               for name, param in trainer.model.module.named_parameters()}
@@ -207,6 +210,30 @@ def test_homogeneous_plan_matches_stock_megatron_core():
     whole, worst = check_final_params(plan, stock_results, reference_params)
     print(f"stock megatron-core vs reference: final params rel diff {whole:.2e} "
           f"(worst tensor {worst:.2e})")
+
+
+def test_stock_baseline_steps_with_the_runtimes_fused_adamw():
+    """On CUDA the runtime steps with torch's fused AdamW and so does the stock baseline
+    (testing/stock.py sets megatron's AdamW groups to it), forced here on the CPU: stock's
+    fused run is not its foreach run (the switch reached torch's kernel, which rounds
+    differently in the last bit) and matches ours, fused too, as closely as foreach runs do."""
+    plan = load_plan(PLANS / "tiny-homogeneous.yaml")
+    batches = global_batches(plan, ITERS)
+    total = plan.num_microbatches_total
+
+    def stock_metrics(fused):
+        stock = [m for m, *_ in run_on_ranks(plan.world_size, _stock_megatron, plan, batches,
+                                             fused_optimizer=fused, timeout=180)]
+        return [(sum(sum(stock[r][step][0]) for r in range(plan.world_size)) / total,
+                 stock[0][step][1]) for step in range(ITERS)]
+
+    stock_fused = stock_metrics(True)
+    assert stock_fused != stock_metrics(False)
+    ours = run_on_ranks(plan.world_size, _hetero, plan, batches, fused_optimizer=True,
+                        timeout=180)[0][0]
+    diffs = [max(rel(x[0], y[0]), rel(x[1], y[1])) for x, y in zip(ours, stock_fused)]
+    print(f"fused AdamW, ours vs stock megatron-core: max relative difference {max(diffs):.2e}")
+    assert max(diffs) <= REL, diffs
 
 
 # ---- activation recompute and evaluation -------------------------------------------------------
