@@ -6,7 +6,9 @@ fusions, dropout and precision as trained: bf16 on a GPU, fp32 on a CPU, spec/pr
 ``default_precision``) and the layer spec and final norm from ``stage_model.stage_layer_spec``
 (Transformer Engine's when it imports and a GPU is present, else megatron's local layer with
 torch SDPA as core attention); the profile records which attention that is
-(``Profile.attention``, runtime/attention.py ``attention_kind``):
+(``Profile.attention``, runtime/attention.py ``attention_kind``). Backward adds every gradient into
+an fp32 main gradient through the runtime's own hook (runtime/grad_sync.py ``attach_main_grads``),
+so a measured backward pays what a trained one does. The parts:
 
 * ``layer``: one ``TransformerLayer`` of that spec;
 * ``embedding``: ``LanguageModelEmbedding`` (a ``VocabParallelEmbedding``, plus learned positions
@@ -220,11 +222,13 @@ class _Bench:
 
     def __init__(self, request: MeasureRequest, on_gpu: bool):
         # torch, megatron-core: in the measuring processes only
+        import torch
         from megatron.core.transformer.spec_utils import build_module
 
         from megatron_autohet.runtime.attention import attention_kind
         from megatron_autohet.runtime.fusions import MEGATRON_LM_DEFAULTS, local_jit_fusions
-        from megatron_autohet.runtime.mixed_precision import param_dtype
+        from megatron_autohet.runtime.grad_sync import attach_main_grads
+        from megatron_autohet.runtime.mixed_precision import MAIN_GRAD_DTYPE, param_dtype
         from megatron_autohet.runtime.stage_model import (model_device, stage_layer_spec,
                                                           transformer_config)
 
@@ -256,6 +260,14 @@ class _Bench:
                                        hidden_size=self.config.hidden_size,
                                        eps=self.config.layernorm_epsilon).to(self.device)
         self.output_layer = self._build_output_layer().to(self.device)
+        # Backward adds every gradient into an fp32 main gradient, as training's does (in bf16 a
+        # read-add-write of 10 bytes per parameter per micro-batch, a few percent of a layer's
+        # backward on a GPU): the runtime's own mechanism, on buffers never zeroed (only the
+        # time is kept).
+        params = [p for module in (self.layer, self.embedding, self.final_norm,
+                                   self.output_layer)
+                  for p in module.parameters() if p.requires_grad]
+        attach_main_grads(params, [torch.zeros_like(p, dtype=MAIN_GRAD_DTYPE) for p in params])
 
     # -- building megatron-core modules --------------------------------------------------------
     def _build_embedding(self):
@@ -339,8 +351,6 @@ class _Bench:
         params = [p for m in modules for p in m.parameters()]
         fwd_times, bwd_times = [], []
         for i in range(self.request.warmup + self.request.iters):
-            for p in params:
-                p.grad = None
             dist.barrier()
             t0 = self._clock()
             out = forward()

@@ -214,12 +214,7 @@ class GradSync:
                                 dtype=MAIN_GRAD_DTYPE, device=params[0].device)
         grads = [grad_data[off:off + param.numel()].view_as(param)
                  for param, off in zip(params, offsets)]
-        for param, grad in zip(params, grads):
-            param.main_grad = grad
-            if param.dtype == MAIN_GRAD_DTYPE:
-                param.grad = grad
-            else:
-                param.register_post_accumulate_grad_hook(_add_to_main_grad)
+        attach_main_grads(params, grads)
         full_data, full_offsets = None, []
         if not symmetric:
             full_offsets = _offsets([torch.Size(layout.full_shape).numel() for layout in layouts])
@@ -283,6 +278,20 @@ class GradSync:
         if grads:
             total += torch.stack(torch._foreach_norm(grads)).double().square().sum()
         return total
+
+
+def attach_main_grads(params: list[torch.nn.Parameter], grads: list[torch.Tensor]) -> None:
+    """Make each fp32 ``grads[i]`` (the parameter's shape) the ``main_grad`` every backward of
+    ``params[i]`` adds into (module doc, "Main gradients"): an fp32 parameter's ``.grad`` is the
+    view itself, a 16-bit one's ``.grad`` is added into it by a post-accumulate-grad hook and
+    freed. GradSync's buckets use it, and so does the profiler, whose measured backward pays
+    the same accumulation as training's."""
+    for param, grad in zip(params, grads):
+        param.main_grad = grad
+        if param.dtype == MAIN_GRAD_DTYPE:
+            param.grad = grad
+        else:
+            param.register_post_accumulate_grad_hook(_add_to_main_grad)
 
 
 def _add_to_main_grad(param: torch.Tensor) -> None:

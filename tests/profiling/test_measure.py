@@ -130,6 +130,48 @@ def test_a_gpu_profile_measures_the_runtimes_layer():
     assert (core_attention, attention) == ("SDPAttention", "flash")
 
 
+def _main_grads_of_two_backwards(rank, world, model, on_gpu):
+    """Two identical backwards through the profiler's layer (bf16 as a GPU builds it, on this
+    CPU; fp32 as the CPU does): per parameter, (its dtype, its main grad's dtype, whether
+    ``.grad`` is the main grad, main grad after two == twice the one after one, nonzero)."""
+    import torch
+    from megatron.core import parallel_state
+
+    from megatron_autohet.profiling.measure import MeasureRequest, _Bench
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+    try:
+        bench = _Bench(MeasureRequest(model, 1, (1,), (32,), "H100" if on_gpu else "CPU", 0, 1,
+                                      0), on_gpu=on_gpu)
+        x = torch.randn(32, 1, bench.config.hidden_size, dtype=bench.dtype)
+        after = []
+        for _ in range(2):
+            out, _ = bench.layer(x, attention_mask=None)
+            out.float().square().sum().backward()
+            after.append({n: p.main_grad.clone() for n, p in bench.layer.named_parameters()})
+        return {n: (p.dtype, p.main_grad.dtype,
+                    p.grad is not None and p.grad.data_ptr() == p.main_grad.data_ptr(),
+                    torch.equal(after[1][n], 2 * after[0][n]), bool(after[0][n].any()))
+                for n, p in bench.layer.named_parameters()}
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("on_gpu", [True, False], ids=["bf16 (GPU)", "fp32 (CPU)"])
+def test_the_profiled_backward_accumulates_into_fp32_main_grads(on_gpu):
+    """A measured backward pays what a trained one does: every gradient is added into an fp32
+    main gradient by the runtime's mechanism (runtime/grad_sync.py ``attach_main_grads``), a
+    bf16 one by the hook that frees ``.grad``, an fp32 one in place as ``.grad`` itself."""
+    from helpers.dist_utils import run_on_ranks
+
+    import torch
+
+    found = run_on_ranks(1, _main_grads_of_two_backwards, load_model(TINY), on_gpu)[0]
+    dtype = torch.bfloat16 if on_gpu else torch.float32
+    assert found == {n: (dtype, torch.float32, not on_gpu, True, True) for n in found}
+
+
 @pytest.mark.integration
 def test_llama_style_layer_is_measured_as_the_runtime_builds_it():
     """SwiGLU models train with RMSNorm and no linear biases (runtime/stage_model.py); the measured
