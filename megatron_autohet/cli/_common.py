@@ -19,6 +19,44 @@ from megatron_autohet.spec.gpus import CONFIG_DIR
 RECOMPUTE_CHOICES = {"auto": None, "on": True, "off": False}
 
 
+# ---- Megatron-LM's kernel-fusion flags, shared by train and profile ------------------------------
+
+# megatron-core's fused kernels are on by default on CUDA GPUs where torch.compile works
+# (runtime/fusions.py), never on a CPU; `autohet profile` takes the flags too, so a job trained
+# unfused can be planned from a profile of the unfused layer.
+FUSION_FLAGS = [
+    (("--no-bias-gelu-fusion",), dict(
+        action="store_true",
+        help="GELU models: add the MLP's bias and apply its GELU unfused (exact GELU) "
+             "instead of megatron-core's fused kernel (tanh GELU), as Megatron-LM's flag")),
+    (("--no-bias-swiglu-fusion",), dict(
+        action="store_true",
+        help="SwiGLU models: the MLP's bias add and SwiGLU unfused, as Megatron-LM's flag")),
+    (("--no-bias-dropout-fusion",), dict(
+        action="store_true",
+        help="bias add, dropout and residual add unfused, as Megatron-LM's flag")),
+]
+
+
+def requested_fusions(args) -> dict[str, bool]:
+    """The fusions the flags leave on, as runtime/fusions.py's TransformerConfig fields."""
+    return {"bias_activation_fusion": not (args.no_bias_gelu_fusion
+                                           or args.no_bias_swiglu_fusion),
+            "bias_dropout_fusion": not args.no_bias_dropout_fusion}
+
+
+def check_activation_fusion_flag(args, model) -> None:
+    """The bias + activation fusion flag must be the model's (Megatron-LM ignores the other; a
+    flag that does nothing is refused here)."""
+    flags = {"--no-bias-gelu-fusion": args.no_bias_gelu_fusion,
+             "--no-bias-swiglu-fusion": args.no_bias_swiglu_fusion}
+    wanted = "--no-bias-swiglu-fusion" if model.gated_linear_unit else "--no-bias-gelu-fusion"
+    for flag, given in flags.items():
+        if given and flag != wanted:
+            mlp = "SwiGLU" if model.gated_linear_unit else "GELU"
+            raise ConfigError("<command line>", flag, f"the model's MLP is {mlp}", wanted)
+
+
 # ---- arguments shared by plan and compare --------------------------------------------------------
 
 def add_planning_arguments(parser) -> None:

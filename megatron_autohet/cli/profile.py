@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import logging
 
-from megatron_autohet.cli._common import check_output_path, positive
+from megatron_autohet.cli._common import (FUSION_FLAGS, check_activation_fusion_flag,
+                                          check_output_path, positive, requested_fusions)
 from megatron_autohet.cli._table import format_table
 from megatron_autohet.errors import ConfigError
 from megatron_autohet.profiling.estimate import achieved_efficiency, estimate_profile
@@ -58,6 +59,8 @@ def register(subparsers) -> None:
                    help=f"untimed iterations before timing each part (default: {DEFAULT_WARMUP})")
     p.add_argument("--iters", type=int, default=DEFAULT_ITERS,
                    help=f"timed iterations per part; the mean is kept (default: {DEFAULT_ITERS})")
+    for flags, kwargs in FUSION_FLAGS:      # measure the layer a job with these flags trains
+        p.add_argument(*flags, **kwargs)
     p.add_argument("-o", "--output", required=True, metavar="profile.yaml",
                    help="where to write the profile (.json for JSON, else YAML)")
     p.set_defaults(func=run)
@@ -66,6 +69,7 @@ def register(subparsers) -> None:
 def run(args) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     model = load_model(args.model)
+    check_activation_fusion_flag(args, model)
     catalog = load_gpu_catalog(args.gpu_catalog)
     cluster = load_cluster(args.cluster, catalog) if args.cluster else None
     for flag, values in (("--micro-batch-size", args.micro_batch_size),
@@ -86,7 +90,8 @@ def run(args) -> int:
                           "a measurement on a GPU of a catalog type")
 
     profile = measure_profile(model, args.tp, args.micro_batch_size, seq_lengths, gpu,
-                              warmup=args.warmup, iters=args.iters)
+                              warmup=args.warmup, iters=args.iters,
+                              jit_fusions=requested_fusions(args))
     if cluster is not None:
         estimated = Profile(model.name, attention=profile.attention)
         for mbs in args.micro_batch_size:

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_autohet.checkpoint.inspect import existing_dirs
+from megatron_autohet.cli._common import (FUSION_FLAGS, check_activation_fusion_flag,
+                                          requested_fusions)
 from megatron_autohet.checkpoint.manifest import (MODEL_FIELDS, committed_steps, model_mismatch,
                                                   read_manifest, step_dir_name)
 from megatron_autohet.checkpoint.options import (DEFAULT_KEEP, DEFAULT_MAX_FAILED_SAVES,
@@ -92,18 +94,7 @@ def register(subparsers) -> None:
         (("--attention-dropout",), dict(type=float, default=0.0,
                                         help="dropout probability of the attention weights, as "
                                              "Megatron-LM's flag (default 0: off)")),
-        # Megatron-LM's fusion flags: megatron-core's fused kernels are on by default on CUDA
-        # GPUs where torch.compile works (runtime/fusions.py); never on a CPU.
-        (("--no-bias-gelu-fusion",), dict(
-            action="store_true",
-            help="GELU models: add the MLP's bias and apply its GELU unfused (exact GELU) "
-                 "instead of megatron-core's fused kernel (tanh GELU), as Megatron-LM's flag")),
-        (("--no-bias-swiglu-fusion",), dict(
-            action="store_true",
-            help="SwiGLU models: the MLP's bias add and SwiGLU unfused, as Megatron-LM's flag")),
-        (("--no-bias-dropout-fusion",), dict(
-            action="store_true",
-            help="bias add, dropout and residual add unfused, as Megatron-LM's flag")),
+        *FUSION_FLAGS,
         (("--metrics-jsonl",), dict(default=None,
                                     help="also write one JSON object per iteration to this file")),
         (("--data-path",), dict(default=None,
@@ -256,18 +247,6 @@ def checked_job(args: argparse.Namespace):
     return options, plan, model
 
 
-def check_activation_fusion_flag(args: argparse.Namespace, model) -> None:
-    """The bias + activation fusion flag must be the model's (Megatron-LM ignores the other; a
-    flag that does nothing is refused here)."""
-    flags = {"--no-bias-gelu-fusion": args.no_bias_gelu_fusion,
-             "--no-bias-swiglu-fusion": args.no_bias_swiglu_fusion}
-    wanted = "--no-bias-swiglu-fusion" if model.gated_linear_unit else "--no-bias-gelu-fusion"
-    for flag, given in flags.items():
-        if given and flag != wanted:
-            mlp = "SwiGLU" if model.gated_linear_unit else "GELU"
-            raise ConfigError("<command line>", flag, f"the model's MLP is {mlp}", wanted)
-
-
 def run_elastic(plan, model, options: TrainOptions) -> int:
     """One worker of an elastic job (``options.elastic``: the cluster file is read here, as
     checked before the workers started)."""
@@ -359,9 +338,7 @@ def train_options(args: argparse.Namespace) -> TrainOptions:
                         split=args.split, distributed_optimizer=args.use_distributed_optimizer,
                         precision=check_precision(args), hidden_dropout=args.hidden_dropout,
                         attention_dropout=args.attention_dropout,
-                        bias_activation_fusion=not (args.no_bias_gelu_fusion
-                                                    or args.no_bias_swiglu_fusion),
-                        bias_dropout_fusion=not args.no_bias_dropout_fusion, elastic=elastic)
+                        **requested_fusions(args), elastic=elastic)
 
 
 def check_precision(args: argparse.Namespace) -> str | None:

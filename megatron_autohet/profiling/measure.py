@@ -77,6 +77,9 @@ class MeasureRequest:
     warmup: int
     iters: int
     master_port: int
+    # the fusions requested, as (runtime/fusions.py's TransformerConfig field, on) pairs; None:
+    # Megatron-LM's default, all of them
+    jit_fusions: tuple[tuple[str, bool], ...] | None = None
 
 
 def catalog_name_for_device(device_name: str, memory_gib: float,
@@ -112,8 +115,10 @@ def local_accelerator() -> tuple[str, float, int] | None:
 
 def measure_profile(model: ModelSpec, tp_degrees: list[int], micro_batch_sizes: list[int],
                     seq_lengths: list[int], gpu: str, *, warmup: int = 2, iters: int = 5,
-                    progress: bool = True) -> Profile:
+                    progress: bool = True, jit_fusions: dict[str, bool] | None = None) -> Profile:
     """Measure every (TP degree, micro-batch size, seq length) on this machine; ``gpu`` names it.
+    ``jit_fusions``: the fusions a job would request (runtime/fusions.py; default: Megatron-LM's,
+    all of them), measured where this machine runs them.
 
     Raises ConfigError for a TP degree the model cannot be split by, or more TP ranks than GPUs.
     """
@@ -142,7 +147,8 @@ def measure_profile(model: ModelSpec, tp_degrees: list[int], micro_batch_sizes: 
     with tqdm(total=total, desc="measuring", unit="entry", disable=not progress) as bar:
         for tp in tp_degrees:
             request = MeasureRequest(model, tp, tuple(micro_batch_sizes), tuple(seq_lengths), gpu,
-                                     warmup, iters, free_port())
+                                     warmup, iters, free_port(),
+                                     None if jit_fusions is None else tuple(jit_fusions.items()))
             done = context.Queue()
             workers = mp.start_processes(_worker, args=(request, done), nprocs=tp, join=False,
                                          start_method="spawn")
@@ -240,8 +246,8 @@ class _Bench:
         precision = default_precision(on_gpu)
         self.dtype = param_dtype(precision)
         # megatron-core's fused kernels where this process can run them, as `autohet train`
-        # (runtime/fusions.py; its --no-bias-*-fusion flags are not profiled)
-        self.fusions = local_jit_fusions(MEGATRON_LM_DEFAULTS)
+        self.fusions = local_jit_fusions(MEGATRON_LM_DEFAULTS if request.jit_fusions is None
+                                         else dict(request.jit_fusions))
         self.config = transformer_config(request.model, request.tp, precision=precision,
                                          **self.fusions.config_fields())
         layer_spec, final_norm = stage_layer_spec(self.config)

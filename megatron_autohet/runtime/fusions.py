@@ -22,7 +22,7 @@ Design (why)
 ------------
 * Megatron-LM fuses both by default on GPUs (``--no-bias-gelu-fusion``, ``--no-bias-swiglu-fusion``
   and ``--no-bias-dropout-fusion`` turn them off); the runtime follows, and ``autohet train``
-  takes the same flags. Unfused, each elementwise op of the MLP and of the residual path reads and
+  and ``autohet profile`` take the same flags. Unfused, each elementwise op of the MLP and of the residual path reads and
   writes a [tokens, hidden] (or [tokens, ffn]) tensor in device memory on its own: for GPT-3 1.3B
   at seq 2048 that traffic is estimated at about a seventh of an H100's iteration time.
   megatron-core compiles the fused functions with its ``jit_fuser``, ``torch.compile`` (Triton

@@ -219,6 +219,37 @@ def test_bad_tp_degree_is_a_config_error(capsys):
 
 
 @pytest.mark.unit
+def test_megatron_lm_fusion_flags_reach_the_measurement(monkeypatch, tmp_path, capsys):
+    """`autohet profile` takes `autohet train`'s --no-bias-*-fusion flags (Megatron-LM's), so a
+    job trained unfused is planned from its own layer: each flag turns its fusion off in what
+    measure_profile is asked for (on where the machine can, as in training: a CPU never fuses);
+    the other MLP's flag is refused as in train."""
+    import megatron_autohet.cli.profile as profile_cli
+
+    class Asked(Exception):
+        pass
+
+    def asked(*flags):
+        def measure_profile(*args, jit_fusions, **kwargs):
+            raise Asked(jit_fusions)
+        monkeypatch.setattr(profile_cli, "measure_profile", measure_profile)
+        with pytest.raises(Asked) as found:
+            main(["profile", "--model", str(TINY), "-o", str(tmp_path / "p.yaml"), *flags])
+        return found.value.args[0]
+
+    assert asked() == {"bias_activation_fusion": True, "bias_dropout_fusion": True}
+    assert asked("--no-bias-gelu-fusion") == {"bias_activation_fusion": False,
+                                              "bias_dropout_fusion": True}
+    assert asked("--no-bias-dropout-fusion") == {"bias_activation_fusion": True,
+                                                 "bias_dropout_fusion": False}
+    assert main(["profile", "--model", str(TINY), "--no-bias-swiglu-fusion", "-o",
+                 str(tmp_path / "p.yaml")]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "autohet profile: error: <command line>: field '--no-bias-swiglu-fusion': the model's "
+        "MLP is GELU (allowed: --no-bias-gelu-fusion)")
+
+
+@pytest.mark.unit
 @pytest.mark.parametrize("device, memory, expected", [
     ("NVIDIA A100-SXM4-80GB", 79.2, "A100-80GB"),
     ("NVIDIA A100-PCIE-40GB", 39.4, "A100-40GB"),
