@@ -22,9 +22,10 @@ Design (why)
 ------------
 * Megatron-LM fuses both by default on GPUs (``--no-bias-gelu-fusion``, ``--no-bias-swiglu-fusion``
   and ``--no-bias-dropout-fusion`` turn them off); the runtime follows, and ``autohet train``
-  and ``autohet profile`` take the same flags. Unfused, each elementwise op of the MLP and of the residual path reads and
-  writes a [tokens, hidden] (or [tokens, ffn]) tensor in device memory on its own: for GPT-3 1.3B
-  at seq 2048 that traffic is estimated at about a seventh of an H100's iteration time.
+  and ``autohet profile`` take the same flags. Unfused, each elementwise op of the MLP and of the
+  residual path reads and writes a [tokens, hidden] (or [tokens, ffn]) tensor in device memory
+  on its own: for GPT-3 1.3B at seq 2048 that traffic is estimated at about a seventh of an
+  H100's iteration time.
   megatron-core compiles the fused functions with its ``jit_fuser``, ``torch.compile`` (Triton
   kernels on a GPU, built on first use: Triton and a C compiler must be there at run time). A
   probe compiles a two-op function on the device once, so a machine where that fails trains
