@@ -39,7 +39,8 @@ from the barrier before it (the next iteration cannot start before the slowest r
 batches are read before the clock starts; the first WARMUP iterations of each trainer are dropped.
 Where the machine has a GPU per rank, each rank runs on its own GPU over NCCL (the clock stops
 after a CUDA synchronize); elsewhere on the CPU mode over gloo. Both trainers build the same
-layer (Transformer Engine's, or megatron's local layer with torch SDPA attention).
+layer (Transformer Engine's, or megatron's local layer with torch SDPA attention) and step the
+same AdamW kernel (torch's fused one on CUDA, its default on a CPU: runtime/optimizer.py).
 The ratio's 95% confidence interval is the distribution-free one of a median (order statistics).
 The 1-minute load average before and after the run is recorded (other jobs on the machine show
 up there).
