@@ -38,8 +38,12 @@ this process never holds a CUDA context (bench_runtime forks its ranks from a ch
 
 Exit status: 0 when no row fails (skips allowed), 1 when one does, 2 for bad input. The table
 also goes to a JSON file (``--json``; default $OUT/gpu_check.json when OUT is set, else
-bench-out/gpu_check.json), rewritten after every row, so a run cut short still leaves its rows;
-each command's output is kept beside it (gpu_check-logs/).
+bench-out/gpu_check.json) and, beside it, to ``gpu_check.md``: the README's "Measured on one
+<GPU>" section (the date, the versions, the table in Markdown). Both are rewritten after every
+row, so a run cut short still leaves its rows. Each command's output is kept in
+``gpu_check-logs/`` beside them; with OUT set (a device machine, which returns at most 8 files of
+$OUT) the logs are kept outside $OUT and packed into $OUT/gpu_check-logs.tar.gz after every row
+instead.
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
@@ -159,6 +164,7 @@ class Settings:
     json_path: Path
     work_dir: Path | None
     time_budget_s: float
+    logs_archive: Path | None = None   # the logs, packed after every row (OUT set), else None
 
 
 @dataclass
@@ -239,6 +245,9 @@ class GpuCheck:
         print(f"[{time.monotonic() - self.started:6.0f} s] {row.result:4s} {row.check}: "
               f"{row.measured}" + (f" ({row.note})" if row.note else ""), flush=True)
         self.write_json()
+        self.write_markdown()
+        if self.settings.logs_archive is not None:
+            pack(self.logs, self.settings.logs_archive)
 
     def gpu_row(self, check: str, ok: bool, measured: str, target: str, note: str = "") -> Row:
         """A row whose target is a GPU figure: judged on a GPU, reported (skip) on a CPU."""
@@ -248,25 +257,52 @@ class GpuCheck:
 
     # ---- output ------------------------------------------------------------------------------
 
-    def header(self) -> str:
+    def device(self) -> str:
         env = self.environment
         if self.on_gpu:
-            device = (f"{env.get('gpu')} ({env.get('gpu_memory_gib')} GiB, sm "
-                      f"{env.get('compute_capability')}, driver {env.get('driver')}, CUDA "
-                      f"{env.get('torch_cuda')}, cuDNN {env.get('cudnn')})")
-        else:
-            device = f"no CUDA device (torch built for CUDA {env.get('torch_cuda')})"
-        return (f"gpu_check {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, commit "
-                f"{git_commit()}\n"
-                f"device: {device}\n"
-                f"python {env.get('python')}, torch {env.get('torch')}, megatron-core "
-                f"{env.get('megatron_core')}, pyscipopt {env.get('pyscipopt')}, Transformer Engine "
-                f"{'yes' if env.get('transformer_engine') else 'no'}, Apex "
+            return (f"{env.get('gpu')} ({env.get('gpu_memory_gib')} GiB, sm "
+                    f"{env.get('compute_capability')}, driver {env.get('driver')}, CUDA "
+                    f"{env.get('torch_cuda')}, cuDNN {env.get('cudnn')})")
+        return f"no CUDA device (torch built for CUDA {env.get('torch_cuda')})"
+
+    def versions(self) -> str:
+        env = self.environment
+        return (f"python {env.get('python')}, torch {env.get('torch')}, megatron-core "
+                f"{env.get('megatron_core')}, pyscipopt {env.get('pyscipopt')}, Transformer "
+                f"Engine {'yes' if env.get('transformer_engine') else 'no'}, Apex "
                 f"{'yes' if env.get('apex') else 'no'}")
+
+    def header(self) -> str:
+        return (f"gpu_check {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, commit "
+                f"{git_commit()}\ndevice: {self.device()}\n{self.versions()}")
 
     def table(self) -> str:
         return format_table(("check", "result", "measured", "target", "note"),
                             [(r.check, r.result, r.measured, r.target, r.note) for r in self.rows])
+
+    def write_markdown(self) -> None:
+        """The README's section: what ran where, then the table (cells' ``|`` escaped)."""
+        s = self.settings
+        # the catalog's name of the card (H200), as the README's other sections call GPUs
+        gpu = self.figures.get("cluster", {}).get("gpu") or self.environment.get("gpu")
+        title = (f"## Measured on one {gpu}" if self.on_gpu
+                 else "## Measured without a GPU (gpu_check.sh's CPU mode)")
+
+        def row(cells) -> str:
+            return "| " + " | ".join(str(c).replace("|", "\\|").replace("\n", " ")
+                                     for c in cells) + " |"
+
+        lines = [title, "",
+                 f"{time.strftime('%Y-%m-%d', time.gmtime())}, commit {git_commit()}: "
+                 f"`scripts/gpu_check.sh` ({s.model.stem}, micro-batch {s.micro_batch_size}, "
+                 f"global batch {s.global_batch_size}; save, kill and resume on "
+                 f"{s.ckpt_model.stem}). Device: {self.device()}; {self.versions()}.", "",
+                 row(("check", "result", "measured", "target", "note")), row(["---"] * 5),
+                 *(row((r.check, r.result, r.measured, r.target, r.note)) for r in self.rows)]
+        path = self.settings.json_path.with_suffix(".md")
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("\n".join(lines) + "\n")
+        os.replace(tmp, path)
 
     def write_json(self) -> None:
         path = self.settings.json_path
@@ -788,6 +824,14 @@ def child_environment() -> dict:
     return env
 
 
+def pack(logs: Path, archive: Path) -> None:
+    """``logs`` as a gzipped tar at ``archive``, replaced atomically."""
+    tmp = archive.with_name(archive.name + ".tmp")
+    with tarfile.open(tmp, "w:gz") as tar:
+        tar.add(logs, arcname=logs.name)
+    os.replace(tmp, archive)
+
+
 @functools.cache
 def git_commit() -> str:
     try:
@@ -837,7 +881,9 @@ def parse_settings(argv: list[str] | None) -> Settings:
                    help="save interval; the kill lands in the second save (default 3)")
     p.add_argument("--json", default=str(default_json),
                    help="where the rows go as JSON (default $OUT/gpu_check.json when OUT is set, "
-                        "else bench-out/gpu_check.json); command logs go beside it")
+                        "else bench-out/gpu_check.json); the README section (gpu_check.md) and "
+                        "the command logs go beside it (with OUT set: the logs packed, "
+                        "gpu_check-logs.tar.gz)")
     p.add_argument("--work-dir", default=None,
                    help="profile, plans, corpus and checkpoints (default: a temporary directory,"
                         " removed at the end)")
@@ -883,7 +929,8 @@ def parse_settings(argv: list[str] | None) -> Settings:
         ckpt_micro_batch_size=args.ckpt_micro_batch_size,
         ckpt_global_batch_size=args.ckpt_global_batch_size, ckpt_interval=args.ckpt_interval,
         json_path=json_path, work_dir=Path(args.work_dir).absolute() if args.work_dir else None,
-        time_budget_s=args.time_budget)
+        time_budget_s=args.time_budget,
+        logs_archive=json_path.parent / "gpu_check-logs.tar.gz" if os.environ.get("OUT") else None)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -896,14 +943,17 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"gpu_check: error: {exc}", file=sys.stderr)
         return 2
-    logs = settings.json_path.parent / "gpu_check-logs"
-    shutil.rmtree(logs, ignore_errors=True)
-    logs.mkdir(parents=True)
     work = settings.work_dir or Path(tempfile.mkdtemp(prefix="gpu_check-"))
     work.mkdir(parents=True, exist_ok=True)
+    # Beside the JSON, or (OUT set: $OUT's files are few) in the work directory, packed.
+    logs = (work if settings.logs_archive else settings.json_path.parent) / "gpu_check-logs"
+    shutil.rmtree(logs, ignore_errors=True)
+    logs.mkdir(parents=True)
     try:
         return GpuCheck(settings, work, logs).run_all()
     finally:
+        if settings.logs_archive is not None:
+            pack(logs, settings.logs_archive)
         if settings.work_dir is None:
             shutil.rmtree(work, ignore_errors=True)
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One command for one GPU machine: profile, plan, train, ours vs stock megatron-core, kill -9
 # during a save and resume, checkpoint verify; prints a pass/fail table and writes it as JSON
-# ($OUT/gpu_check.json when OUT is set, else bench-out/gpu_check.json). Arguments go to
+# and as the README's section in Markdown ($OUT/gpu_check.json and gpu_check.md when OUT is set,
+# the command logs packed beside them; else in bench-out/). Arguments go to
 # scripts/gpu_check.py (--help lists them; the defaults: GPT-3 1.3B on this machine's GPU).
 #
 # The machine needs python3 with torch; megatron-core, pyscipopt and xxhash may come as wheels in

@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import torch
@@ -29,8 +30,12 @@ GPU_TARGETS = ("c. iteration time vs plan", "c. peak memory vs plan", "c. MFU",
                "d. ours / stock megatron-core", "h. time by kernel kind", "total time")
 
 
-def gpu_check(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
+def gpu_check(args: list[str], tmp_path: Path, out: Path | None = None
+              ) -> subprocess.CompletedProcess:
+    """The script as a user runs it; ``out``: the device machine's $OUT (else unset)."""
     env = {k: v for k, v in os.environ.items() if k != "OUT"}
+    if out is not None:
+        env["OUT"] = str(out)
     env["PYTHON"] = sys.executable
     env["CUDA_VISIBLE_DEVICES"] = ""            # CPU mode wherever the test runs
     return subprocess.run(["bash", str(REPO / "scripts/gpu_check.sh"), *args], cwd=REPO,
@@ -39,10 +44,16 @@ def gpu_check(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
 
 @pytest.mark.e2e
 def test_cpu_mode_runs_every_step_and_skips_only_the_gpu_targets(tmp_path):
-    out = tmp_path / "out" / "gpu_check.json"
-    done = gpu_check([*TINY, "--json", str(out), "--work-dir", str(tmp_path / "work"),
-                      "--time-budget", "1500"], tmp_path)
+    """Run as on a device machine ($OUT set, of which at most 8 files come back): the JSON
+    report, the README section and the packed command logs, nothing else."""
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    out = out_dir / "gpu_check.json"
+    done = gpu_check([*TINY, "--work-dir", str(tmp_path / "work"), "--time-budget", "1500"],
+                     tmp_path, out=out_dir)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    assert sorted(p.name for p in out_dir.iterdir()) == [
+        "gpu_check-logs.tar.gz", "gpu_check.json", "gpu_check.md"]
     report = json.loads(out.read_text())
     rows = {r["check"]: r for r in report["rows"]}
     assert list(rows) == ["a. autohet profile", "b. autohet plan", "c. autohet train",
@@ -70,8 +81,18 @@ def test_cpu_mode_runs_every_step_and_skips_only_the_gpu_targets(tmp_path):
     assert env["torch"] == torch.__version__ and env["megatron_core"] == "0.16.1"
     assert f"torch {torch.__version__}, megatron-core 0.16.1" in done.stdout
     assert "no CUDA device" in done.stdout
-    logs = out.parent / "gpu_check-logs"
-    assert (logs / "c-train.log").read_text().startswith("$ -m megatron_autohet.cli.main train")
+    with tarfile.open(out_dir / "gpu_check-logs.tar.gz") as logs:
+        train_log = logs.extractfile("gpu_check-logs/c-train.log").read().decode()
+    assert train_log.startswith("$ -m megatron_autohet.cli.main train")
+    # The README section: title, what ran with which versions, one table line per row.
+    section = (out_dir / "gpu_check.md").read_text().splitlines()
+    assert section[0] == "## Measured without a GPU (gpu_check.sh's CPU mode)"
+    assert f"torch {torch.__version__}, megatron-core 0.16.1" in section[2]
+    table = section[4:]
+    assert table[:2] == ["| check | result | measured | target | note |",
+                         "| --- | --- | --- | --- | --- |"]
+    assert [line.split(" | ")[:2] for line in table[2:]] == [
+        [f"| {r['check']}", r["result"]] for r in report["rows"]]
 
 
 @pytest.mark.e2e
