@@ -36,6 +36,9 @@ memory, MFU, ours/stock, the 7-minute budget) show what was measured and are mar
 why. The driver imports neither torch nor megatron: the versions come from a child process, and
 this process never holds a CUDA context (bench_runtime forks its ranks from a child of its own).
 
+``--rows`` runs some steps only (with those they need: ``--rows e`` checks the save, kill and
+resume again in a minute or two where the whole check takes seven).
+
 Exit status: 0 when no row fails (skips allowed), 1 when one does, 2 for bad input. The table
 also goes to a JSON file (``--json``; default $OUT/gpu_check.json when OUT is set, else
 bench-out/gpu_check.json) and, beside it, to ``gpu_check.md``: the README's "Measured on one
@@ -91,6 +94,10 @@ BF16_ULPS = 2
 # The bench's own warm-up (its first iterations are dropped) and the fewest iterations it takes.
 BENCH_MIN_ITERS = 7
 NOT_ON_CPU = "no CUDA here: the target is for one GPU"
+# The steps by their rows' letters (f is e's), and the step each needs before it (a row asked for
+# brings the rows it needs).
+ALL_ROWS = "abcdegh"
+ROW_NEEDS = {"b": "a", "c": "b", "d": "b", "h": "c"}
 # The last step gets at least this long, or it is not started.
 MIN_STEP_S = 20
 CPU_STAND_IN_CLUSTER = ROOT / "configs/clusters/one-h100.yaml"
@@ -164,6 +171,7 @@ class Settings:
     json_path: Path
     work_dir: Path | None
     time_budget_s: float
+    rows: str = ALL_ROWS               # the steps run (--rows, with the ones they need)
     logs_archive: Path | None = None   # the logs, packed after every row (OUT set), else None
 
 
@@ -694,27 +702,29 @@ class GpuCheck:
             print(self.table())
             return 1
         gpu = self.figures["cluster"]["gpu"]
-        profile = self.profile(gpu) if self.has_time("a. autohet profile") else None
-        plan = None
-        if profile is not None and self.has_time("b. autohet plan"):
+        rows = s.rows
+        profile = plan = None
+        if "a" in rows and self.has_time("a. autohet profile"):
+            profile = self.profile(gpu)
+        if "b" in rows and profile is not None and self.has_time("b. autohet plan"):
             plan = self.plan("b-plan", s.model, profile, s.micro_batch_size,
                              s.global_batch_size, "b. autohet plan")
-        if plan is not None and self.has_time("c. autohet train"):
+        if "c" in rows and plan is not None and self.has_time("c. autohet train"):
             self.train(plan)
-        if plan is not None and self.has_time("d. ours / stock megatron-core"):
+        if "d" in rows and plan is not None and self.has_time("d. ours / stock megatron-core"):
             self.bench(plan)
-        if self.has_time("e. kill -9 during a save, resume"):
+        if "e" in rows and self.has_time("e. kill -9 during a save, resume"):
             self.checkpoint()
             # The checkpointer's own logs (a failed save's traceback) outlive the work directory.
             for log in sorted((self.work / "ckpt").glob("*.log")):
                 shutil.copy(log, self.logs / f"e-ckpt-{log.name}")
-        if self.has_time("g. snapshot stall per GB"):
+        if "g" in rows and self.has_time("g. snapshot stall per GB"):
             self.snapshot()
         # Last: a measurement that explains the MFU row, not a target, so it runs only where it
         # leaves the check within its 7 minutes (it builds and trains the model as c did, for
         # fewer iterations: c's time bounds it).
         train_s = self.figures.get("train", {}).get("command_seconds")
-        if train_s is not None and self.has_time("h. time by kernel kind"):
+        if "h" in rows and train_s is not None and self.has_time("h. time by kernel kind"):
             if not self.on_gpu or self.wall() + train_s <= WALL_TARGET_S:
                 self.kernels(plan)
             else:
@@ -722,8 +732,12 @@ class GpuCheck:
                              f"{self.wall():.0f} s gone and c's training took {train_s:.0f} s: "
                              f"it would end past the {WALL_TARGET_S} s target"))
         wall = self.wall()
-        self.add(self.gpu_row("total time", wall <= WALL_TARGET_S, f"{wall:.0f} s",
-                              f"<= {WALL_TARGET_S} s on one GPU"))
+        if rows == ALL_ROWS:
+            self.add(self.gpu_row("total time", wall <= WALL_TARGET_S, f"{wall:.0f} s",
+                                  f"<= {WALL_TARGET_S} s on one GPU"))
+        else:
+            self.add(Row("total time", SKIP, f"{wall:.0f} s", f"<= {WALL_TARGET_S} s on one GPU",
+                         f"rows {rows} only (--rows): the target is for the whole check"))
         print()
         print(self.header())
         print(self.table())
@@ -887,6 +901,11 @@ def parse_settings(argv: list[str] | None) -> Settings:
     p.add_argument("--work-dir", default=None,
                    help="profile, plans, corpus and checkpoints (default: a temporary directory,"
                         " removed at the end)")
+    p.add_argument("--rows", default=ALL_ROWS, metavar="LETTERS",
+                   help="run only these rows' steps and those they need (b needs a; c and d "
+                        "need b; h needs c; f is part of e), e.g. --rows e to check a save, kill "
+                        "and resume again; the 7-minute target is judged only on the whole "
+                        f"check (default {ALL_ROWS}: all)")
     p.add_argument("--time-budget", type=float, default=540.0, metavar="SECONDS",
                    help="steps that would start after this are not run, and each command is "
                         "stopped by then (default 540: inside a 10-minute session)")
@@ -916,6 +935,7 @@ def parse_settings(argv: list[str] | None) -> Settings:
     if args.bench_iters < BENCH_MIN_ITERS:
         raise ConfigError("<command line>", "--bench-iters", f"got {args.bench_iters}",
                           f"at least {BENCH_MIN_ITERS}")
+    rows = requested_rows(args.rows)
     json_path = Path(args.json).absolute()
     if not json_path.parent.is_dir():
         json_path.parent.mkdir(parents=True, exist_ok=True)
@@ -929,8 +949,19 @@ def parse_settings(argv: list[str] | None) -> Settings:
         ckpt_micro_batch_size=args.ckpt_micro_batch_size,
         ckpt_global_batch_size=args.ckpt_global_batch_size, ckpt_interval=args.ckpt_interval,
         json_path=json_path, work_dir=Path(args.work_dir).absolute() if args.work_dir else None,
-        time_budget_s=args.time_budget,
+        time_budget_s=args.time_budget, rows=rows,
         logs_archive=json_path.parent / "gpu_check-logs.tar.gz" if os.environ.get("OUT") else None)
+
+
+def requested_rows(letters: str) -> str:
+    """The steps ``--rows`` asks for with the ones they need, in ALL_ROWS' order."""
+    if not letters or set(letters) - set(ALL_ROWS + "f"):
+        raise ConfigError("<command line>", "--rows", f"got {letters!r}",
+                          "letters of the rows a-h, e.g. 'e' or 'abc'")
+    wanted = set(letters.replace("f", "e"))
+    while any(ROW_NEEDS.get(row) not in (None, *wanted) for row in wanted):
+        wanted |= {ROW_NEEDS[row] for row in wanted if row in ROW_NEEDS}
+    return "".join(row for row in ALL_ROWS if row in wanted)
 
 
 def main(argv: list[str] | None = None) -> int:

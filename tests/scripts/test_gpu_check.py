@@ -18,8 +18,9 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "scripts"))
 
 from gpu_check import (NOT_ON_CPU, bf16_ulp, loss_tolerance, memory_meets_target,  # noqa: E402
-                       one_gpu_cluster, time_meets_target)
+                       one_gpu_cluster, requested_rows, time_meets_target)
 
+from megatron_autohet.errors import ConfigError  # noqa: E402
 from megatron_autohet.spec.cluster import cluster_from_dict  # noqa: E402
 
 TINY = ["--model", "configs/models/tiny.yaml", "--profile-micro-batch-sizes", "2",
@@ -93,6 +94,29 @@ def test_cpu_mode_runs_every_step_and_skips_only_the_gpu_targets(tmp_path):
                          "| --- | --- | --- | --- | --- |"]
     assert [line.split(" | ")[:2] for line in table[2:]] == [
         [f"| {r['check']}", r["result"]] for r in report["rows"]]
+
+
+@pytest.mark.e2e
+def test_rows_runs_those_steps_only(tmp_path):
+    """--rows e: the save, kill and resume with its verify, nothing else; the 7-minute target
+    is not judged on a part of the check."""
+    out = tmp_path / "gpu_check.json"
+    done = gpu_check([*TINY, "--rows", "e", "--json", str(out)], tmp_path)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    rows = {r["check"]: r for r in json.loads(out.read_text())["rows"]}
+    assert list(rows) == ["e. autohet plan (tiny)", "e. kill -9 during a save, resume",
+                          "f. autohet checkpoint verify", "total time"]
+    assert rows["total time"]["result"] == "skip" and "rows e only" in rows["total time"]["note"]
+
+
+@pytest.mark.unit
+def test_rows_bring_the_steps_they_need():
+    assert requested_rows("e") == requested_rows("f") == "e"
+    assert requested_rows("c") == "abc" and requested_rows("hd") == "abcdh"
+    assert requested_rows("ga") == "ag" and requested_rows("abcdefgh") == "abcdegh"
+    for bad in ("", "x", "e,f"):
+        with pytest.raises(ConfigError, match="--rows"):
+            requested_rows(bad)
 
 
 @pytest.mark.e2e
