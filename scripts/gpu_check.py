@@ -848,6 +848,10 @@ def pack(logs: Path, archive: Path) -> None:
 
 @functools.cache
 def git_commit() -> str:
+    """The checkout's commit; $GPU_CHECK_COMMIT where the copy has no git history (a device
+    machine gets the working tree without .git)."""
+    if os.environ.get("GPU_CHECK_COMMIT"):
+        return os.environ["GPU_CHECK_COMMIT"]
     try:
         out = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
                              capture_output=True, text=True, timeout=10)
