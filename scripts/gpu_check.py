@@ -848,8 +848,8 @@ def pack(logs: Path, archive: Path) -> None:
 
 @functools.cache
 def git_commit() -> str:
-    """The checkout's commit; $GPU_CHECK_COMMIT where the copy has no git history (a device
-    machine gets the working tree without .git)."""
+    """The checkout's commit, else $GPU_CHECK_COMMIT's value: a copy of the working tree (a
+    device machine's) may come without its git history."""
     if os.environ.get("GPU_CHECK_COMMIT"):
         return os.environ["GPU_CHECK_COMMIT"]
     try:
