@@ -848,8 +848,8 @@ def pack(logs: Path, archive: Path) -> None:
 
 @functools.cache
 def git_commit() -> str:
-    """The checkout's commit, else $GPU_CHECK_COMMIT's value: a copy of the working tree (a
-    device machine's) may come without its git history."""
+    """$GPU_CHECK_COMMIT when set (a copy of the working tree, a device machine's, may come
+    without its git history), else the checkout's commit."""
     if os.environ.get("GPU_CHECK_COMMIT"):
         return os.environ["GPU_CHECK_COMMIT"]
     try:
