@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "scripts"))
 
 from gpu_check import (NOT_ON_CPU, bf16_ulp, loss_tolerance, memory_meets_target,  # noqa: E402
-                       one_gpu_cluster, requested_rows, time_meets_target)
+                       memory_vs_plan, one_gpu_cluster, requested_rows, time_meets_target)
 
 from megatron_autohet.errors import ConfigError  # noqa: E402
 from megatron_autohet.spec.cluster import cluster_from_dict  # noqa: E402
@@ -148,6 +148,17 @@ def test_the_gpu_targets_as_issue_18_words_them():
     assert not memory_meets_target(27.7, 29.3)          # 5.5% under the measured peak
     assert not memory_meets_target(32.4, 29.3)          # 10.6% over
     assert loss_tolerance(10.8, "bf16") == 2 * 2.0 ** -4 and loss_tolerance(10.8, "fp32") == 0.0
+
+
+@pytest.mark.unit
+def test_row_c_compares_the_allocator_peak_with_the_plans_less_its_context_reserve():
+    """torch.cuda.max_memory_allocated never counts the CUDA context and NCCL buffers the plan
+    reserves 1.5 GiB for: a plan of 32.8 GiB against an allocator peak of 29.3 is 31.3 / 29.3."""
+    ok, shown = memory_vs_plan(32.8, 29.3)
+    assert ok and shown == ("31.3 GiB predicted (the plan's 32.8 less its 1.5 GiB for the CUDA "
+                            "context and NCCL) / 29.3 measured = 1.068")
+    assert not memory_vs_plan(34.0, 29.3)[0]            # 32.5 / 29.3: 10.9% over
+    assert not memory_vs_plan(28.9, 29.3)[0]            # 27.4 / 29.3: 6.5% under
 
 
 @pytest.mark.unit
