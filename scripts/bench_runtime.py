@@ -127,7 +127,7 @@ def _trainers(plan, plan_path, rank, kinds):
                                            precision=precision,
                                            # fused kernels where they run, as `autohet train`
                                            jit_fusions=MEGATRON_LM_DEFAULTS)
-            inner = getattr(trainer.optimizer, "chained_optimizers", [trainer.optimizer])
+            inner = trainer.megatron_optimizers
             if distributed != all(type(o).__name__ == "DistributedOptimizer" for o in inner):
                 raise RuntimeError(f"{kind}: megatron built {[type(o).__name__ for o in inner]}")
         else:

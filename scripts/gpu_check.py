@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import io
 import json
 import math
 import os
@@ -74,7 +75,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "scripts"
 sys.path.insert(0, str(ROOT))       # run as `python scripts/gpu_check.py` without installing
 
-from megatron_autohet.checkpoint.manifest import step_dir_name  # noqa: E402
+from megatron_autohet.checkpoint.manifest import step_dir_name, write_atomic  # noqa: E402
 from megatron_autohet.cost_model import MEMORY_RESERVED_GIB     # noqa: E402
 from megatron_autohet.cli._table import format_table            # noqa: E402
 from megatron_autohet.testing.emulate import kill_tree          # noqa: E402
@@ -309,13 +310,9 @@ class GpuCheck:
                  f"{s.ckpt_model.stem}). Device: {self.device()}; {self.versions()}.", "",
                  row(("check", "result", "measured", "target", "note")), row(["---"] * 5),
                  *(row((r.check, r.result, r.measured, r.target, r.note)) for r in self.rows)]
-        path = self.settings.json_path.with_suffix(".md")
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text("\n".join(lines) + "\n")
-        os.replace(tmp, path)
+        write_atomic(self.settings.json_path.with_suffix(".md"), ("\n".join(lines) + "\n").encode())
 
     def write_json(self) -> None:
-        path = self.settings.json_path
         report = {"date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                   "commit": git_commit(), "environment": self.environment,
                   "settings": {k: (str(v) if isinstance(v, Path) else v)
@@ -323,9 +320,7 @@ class GpuCheck:
                   "wall_s": round(time.monotonic() - self.started, 1),
                   "rows": [asdict(r) for r in self.rows], "figures": self.figures,
                   "all_passed": all(r.result != FAIL for r in self.rows)}
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(report, indent=1))
-        os.replace(tmp, path)
+        write_atomic(self.settings.json_path, json.dumps(report, indent=1).encode())
 
     # ---- the steps ---------------------------------------------------------------------------
 
@@ -852,10 +847,10 @@ def child_environment() -> dict:
 
 def pack(logs: Path, archive: Path) -> None:
     """``logs`` as a gzipped tar at ``archive``, replaced atomically."""
-    tmp = archive.with_name(archive.name + ".tmp")
-    with tarfile.open(tmp, "w:gz") as tar:
+    packed = io.BytesIO()
+    with tarfile.open(fileobj=packed, mode="w:gz") as tar:
         tar.add(logs, arcname=logs.name)
-    os.replace(tmp, archive)
+    write_atomic(archive, packed.getvalue())
 
 
 @functools.cache
@@ -975,8 +970,9 @@ def requested_rows(letters: str) -> str:
         raise ConfigError("<command line>", "--rows", f"got {letters!r}",
                           "letters of the rows a-h, e.g. 'e' or 'abc'")
     wanted = set(letters.replace("f", "e"))
-    while any(ROW_NEEDS.get(row) not in (None, *wanted) for row in wanted):
-        wanted |= {ROW_NEEDS[row] for row in wanted if row in ROW_NEEDS}
+    for row in reversed(ALL_ROWS):          # each row needs an earlier one
+        if row in wanted and row in ROW_NEEDS:
+            wanted.add(ROW_NEEDS[row])
     return "".join(row for row in ALL_ROWS if row in wanted)
 
 

@@ -16,12 +16,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_autohet.checkpoint.inspect import existing_dirs
-from megatron_autohet.cli._common import (FUSION_FLAGS, check_activation_fusion_flag,
-                                          requested_fusions)
 from megatron_autohet.checkpoint.manifest import (MODEL_FIELDS, committed_steps, model_mismatch,
                                                   read_manifest, step_dir_name)
 from megatron_autohet.checkpoint.options import (DEFAULT_KEEP, DEFAULT_MAX_FAILED_SAVES,
                                                  CheckpointOptions)
+from megatron_autohet.cli._common import (FUSION_FLAGS, check_activation_fusion_flag,
+                                          requested_fusions)
 from megatron_autohet.errors import ConfigError
 from megatron_autohet.job import ElasticOptions, TrainOptions, job_precision
 from megatron_autohet.launch import DistEnv, launch_local, load_job, run_worker

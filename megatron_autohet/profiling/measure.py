@@ -77,9 +77,9 @@ class MeasureRequest:
     warmup: int
     iters: int
     master_port: int
-    # the fusions requested, as (runtime/fusions.py's TransformerConfig field, on) pairs; None:
-    # Megatron-LM's default, all of them
-    jit_fusions: tuple[tuple[str, bool], ...] | None = None
+    # the fusions requested (runtime/fusions.py's TransformerConfig fields); None: Megatron-LM's
+    # default, all of them
+    jit_fusions: dict[str, bool] | None = None
 
 
 def catalog_name_for_device(device_name: str, memory_gib: float,
@@ -147,8 +147,7 @@ def measure_profile(model: ModelSpec, tp_degrees: list[int], micro_batch_sizes: 
     with tqdm(total=total, desc="measuring", unit="entry", disable=not progress) as bar:
         for tp in tp_degrees:
             request = MeasureRequest(model, tp, tuple(micro_batch_sizes), tuple(seq_lengths), gpu,
-                                     warmup, iters, free_port(),
-                                     None if jit_fusions is None else tuple(jit_fusions.items()))
+                                     warmup, iters, free_port(), jit_fusions)
             done = context.Queue()
             workers = mp.start_processes(_worker, args=(request, done), nprocs=tp, join=False,
                                          start_method="spawn")
@@ -247,7 +246,7 @@ class _Bench:
         self.dtype = param_dtype(precision)
         # megatron-core's fused kernels where this process can run them, as `autohet train`
         self.fusions = local_jit_fusions(MEGATRON_LM_DEFAULTS if request.jit_fusions is None
-                                         else dict(request.jit_fusions))
+                                         else request.jit_fusions)
         self.config = transformer_config(request.model, request.tp, precision=precision,
                                          **self.fusions.config_fields())
         layer_spec, final_norm = stage_layer_spec(self.config)

@@ -59,7 +59,7 @@ from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 from megatron_autohet.runtime.grad_sync import GradSync, _Bucket
 from megatron_autohet.runtime.mixed_precision import MASTER_KEY
 from megatron_autohet.runtime.optimizer import (ADAM_STATE_KEYS, OptimizerSettings, adam_step,
-                                                applies_weight_decay)
+                                                megatron_adamw)
 
 # torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor to *_single (same arguments;
 # the old names warn that they will go), torch 2.11 has only the old ones
@@ -186,19 +186,10 @@ class DistributedOptimizer:
         main = set(grad_sync.norm_params)
         self.buckets = [_ShardedBucket(bucket, [p in main for p in bucket.params])
                         for bucket in grad_sync.buckets]
-        groups = {1.0: [], 0.0: []}
-        for sharded in self.buckets:
-            for segment in sharded.segments:
-                layout = sharded.bucket.layouts[segment.index]
-                groups[1.0 if applies_weight_decay(layout) else 0.0].append(segment.view)
-        # The same two groups as make_optimizer (group 0 decayed), each a list of shard views.
-        self.optimizer = torch.optim.AdamW(
-            [{"params": views, "wd_mult": wd_mult,
-              "weight_decay": settings.weight_decay * wd_mult}
-             for wd_mult, views in groups.items()],
-            lr=settings.lr, betas=(settings.adam_beta1, settings.adam_beta2),
-            eps=settings.adam_eps, weight_decay=settings.weight_decay,
-            fused=True if fused else None)      # (make_optimizer: None, not False)
+        # The same two groups as make_optimizer (group 0 decayed), of shard views.
+        self.optimizer = megatron_adamw(
+            ((segment.view, sharded.bucket.layouts[segment.index])
+             for sharded in self.buckets for segment in sharded.segments), settings, fused)
         self._set_step(0)
         self.load()
 

@@ -14,8 +14,11 @@ Public API
     path: two parameter groups, ``wd_mult`` 1.0 (decayed) and 0.0 (not decayed). ``masters``
     (runtime/mixed_precision.MasterWeights): it steps each parameter's fp32 master instead.
     ``fused``: torch's one-kernel AdamW instead of its default multi-tensor one.
-``fused_adamw(device) -> bool``
-    Whether the runtime steps with the fused kernel on ``device``: on CUDA.
+``megatron_adamw(stepped, settings, fused=False) -> torch.optim.AdamW``
+    AdamW over (tensor, layout) pairs in those two groups: make_optimizer's, and the
+    distributed optimizer's over its shards.
+``fused_adamw(device, requested=None) -> bool``
+    Whether AdamW steps with the fused kernel on ``device``: as requested, else on CUDA.
 ``adam_step(step, param, options)``
     The ``step`` state tensor of ``param`` as a torch AdamW with ``options`` (its ``defaults``)
     keeps it (on the parameter's device for the fused kernel): what a checkpoint load writes.
@@ -157,9 +160,10 @@ def applies_weight_decay(layout) -> bool:
     return not (layout.global_name.endswith(".bias") or len(layout.full_shape) == 1)
 
 
-def fused_adamw(device) -> bool:
-    """The runtime's choice of AdamW kernel on ``device`` (module doc): fused on CUDA."""
-    return device.type == "cuda"
+def fused_adamw(device, requested: bool | None = None) -> bool:
+    """Whether AdamW steps with torch's fused kernel on ``device``: ``requested``, else the
+    runtime's choice (module doc), on CUDA."""
+    return device.type == "cuda" if requested is None else requested
 
 
 def adam_step(step: int, param, options: dict):
@@ -179,15 +183,22 @@ def make_optimizer(model, layouts: dict, settings: OptimizerSettings, masters=No
                    fused: bool = False):
     """AdamW over ``model``'s parameters (or their ``masters``); ``layouts``: local name ->
     ParamLayout; ``fused``: torch's fused kernel (:func:`fused_adamw`)."""
+    settings.validate()
+    return megatron_adamw(
+        ((masters.by_name[name] if masters is not None else param, layouts[name])
+         for name, param in model.named_parameters() if param.requires_grad), settings, fused)
+
+
+def megatron_adamw(stepped, settings: OptimizerSettings, fused: bool = False):
+    """torch's AdamW over the tensors of ``stepped``, (tensor, ParamLayout) pairs, in Megatron's
+    two groups: ``wd_mult`` 1.0 (decayed, group 0) and 0.0, by :func:`applies_weight_decay` on
+    each layout. What ``make_optimizer`` and the distributed optimizer's shards step."""
     # torch: not at `autohet` start-up
     import torch
 
-    settings.validate()
     groups = {1.0: [], 0.0: []}
-    for name, param in model.named_parameters():
-        if param.requires_grad:
-            groups[1.0 if applies_weight_decay(layouts[name]) else 0.0].append(
-                masters.by_name[name] if masters is not None else param)
+    for tensor, layout in stepped:
+        groups[1.0 if applies_weight_decay(layout) else 0.0].append(tensor)
     # Both groups on every rank (an empty one is allowed): group 0 is the decayed one everywhere.
     return torch.optim.AdamW(
         [{"params": params, "wd_mult": wd_mult, "weight_decay": settings.weight_decay * wd_mult}

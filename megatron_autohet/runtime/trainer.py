@@ -174,8 +174,7 @@ class HeteroTrainer:
             sequence_parallel=sequence_parallel, bucket_numel=bucket_numel,
             shard_padding=distributed_optimizer)
         self.distributed_optimizer = distributed_optimizer
-        self.fused_optimizer = (fused_adamw(self.device) if fused_optimizer is None
-                                else fused_optimizer)
+        self.fused_optimizer = fused_adamw(self.device, fused_optimizer)
         if distributed_optimizer:
             # It keeps its own fp32 master shards and writes the weights back itself.
             self.masters = None

@@ -28,7 +28,8 @@ Public API
     Megatron-LM gets from Transformer Engine's or Apex's FusedAdam on a GPU; megatron-core
     0.16.1 without them builds torch's AdamW with its default (foreach) implementation and has no
     option for the kernel, so its groups' ``fused`` switch is set after it is built.
-    ``.optimizer`` is megatron's optimizer: a learning-rate scheduler
+    ``.optimizer`` is megatron's optimizer (``.megatron_optimizers`` its members where megatron
+    chains several): a learning-rate scheduler
     (``optimizer.make_lr_scheduler``) drives its ``param_groups`` exactly as it drives ours.
     ``train_step(global_batch) -> StockStep`` runs one iteration; ``close()`` destroys megatron's
     parallel state (so a different runtime can run in the same process afterwards).
@@ -181,13 +182,16 @@ class StockMegatronTrainer:
         for group in self.optimizer.param_groups:
             group["weight_decay"] = optimizer.weight_decay * group["wd_mult"]
         # The runtime's AdamW kernel (module doc); torch reads a group's switches at each step.
-        self.fused_optimizer = (fused_adamw(self.device) if fused_optimizer is None
-                                else fused_optimizer)
+        self.fused_optimizer = fused_adamw(self.device, fused_optimizer)
         if self.fused_optimizer:
-            for megatron_optimizer in getattr(self.optimizer, "chained_optimizers",
-                                              [self.optimizer]):
+            for megatron_optimizer in self.megatron_optimizers:
                 for group in megatron_optimizer.optimizer.param_groups:
                     group["fused"], group["foreach"] = True, False
+
+    @property
+    def megatron_optimizers(self) -> list:
+        """The optimizers megatron built (a ChainedOptimizer's members, else the one)."""
+        return getattr(self.optimizer, "chained_optimizers", [self.optimizer])
 
     def train_step(self, global_batch: dict) -> StockStep:
         # megatron-core: on first use, not with this module
