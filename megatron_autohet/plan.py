@@ -30,6 +30,8 @@ File form (``plan.yaml``)::
     profile: {model: gpt3-1.3b, entries: [...]}  # optional: the profile it was priced on (a
                                    # profile file's mapping; none: the analytic estimates), which
                                    # its re-plans price on too
+    objective: cost                # optional (default throughput: the fastest plan): the cheapest
+    min_tokens_per_s: 20000.0      # plan reaching this throughput floor; its re-plans keep both
 
 The first stage of each pipeline also holds the embedding, the last one the output layer and loss.
 Loading validates everything; a bad plan is a :class:`ConfigError` naming the field.
@@ -49,6 +51,9 @@ from megatron_autohet.spec.gpus import GPUType
 from megatron_autohet.spec.model import ModelSpec, model_from_dict
 
 FORMAT_VERSION = 1
+# What a plan is chosen for: the shortest iteration, or the fewest USD per million tokens among
+# the plans reaching a throughput floor (planner/search.py).
+OBJECTIVES = ("throughput", "cost")
 
 
 @dataclass(frozen=True)
@@ -116,6 +121,10 @@ class Plan:
     # The profile file's mapping the plan was priced on (None: analytic estimates); read as a
     # profile by cost_model.plan_profile, where the layers that know profiles are.
     profile: dict | None = None
+    # The objective the planner chose it for (OBJECTIVES) and the cost objective's floor (None:
+    # none); recorded so that its re-plans, made without `autohet plan`'s flags, keep them.
+    objective: str = "throughput"
+    min_tokens_per_s: float | None = None
 
     @property
     def world_size(self) -> int:
@@ -153,6 +162,10 @@ class Plan:
                            "stages": [stage_dict(s) for s in p.stages]} for p in self.pipelines],
             "predicted": dict(self.predicted),
             **({"profile": self.profile} if self.profile is not None else {}),
+            # written only for the cost objective: a throughput plan keeps its old file form
+            **({"objective": self.objective} if self.objective != "throughput" else {}),
+            **({"min_tokens_per_s": self.min_tokens_per_s}
+               if self.min_tokens_per_s is not None else {}),
         }
 
     def save(self, path: str | Path) -> None:
@@ -169,7 +182,7 @@ def load_plan(path: str | Path) -> Plan:
 
 _PLAN_FIELDS = {"format_version", "cluster", "model", "micro_batch_size", "global_batch_size",
                 "seq_length", "activation_recompute", "use_distributed_optimizer", "ranks",
-                "pipelines", "predicted", "profile"}
+                "pipelines", "predicted", "profile", "objective", "min_tokens_per_s"}
 _STAGE_FIELDS = {"ranks", "layers", "warmup_microbatches", "predicted_time_s",
                  "predicted_memory_gib"}
 
@@ -240,6 +253,8 @@ def plan_from_dict(data: dict, file: str | Path = "<plan>") -> Plan:
                                             default=False),
         predicted=get_field(data, "predicted", dict, file, default={}),
         profile=get_field(data, "profile", dict, file, default=None),
+        objective=get_field(data, "objective", str, file, default="throughput"),
+        min_tokens_per_s=get_field(data, "min_tokens_per_s", float, file, default=None),
     )
     if "memory_headroom" in plan.predicted:      # the planner's, read back by show and replan
         headroom = get_field(plan.predicted, "memory_headroom", float, file, "predicted",
@@ -276,6 +291,12 @@ def _validate_warmup(pipe: Pipeline, where: str, file: str | Path) -> None:
 
 def validate_plan(plan: Plan, file: str | Path = "<plan>") -> None:
     """Check every invariant the runtime relies on; raise ConfigError on the first violation."""
+    if plan.objective not in OBJECTIVES:
+        raise ConfigError(file, "objective", f"got {plan.objective!r}", ", ".join(OBJECTIVES))
+    if plan.min_tokens_per_s is not None and (plan.objective != "cost"
+                                              or not plan.min_tokens_per_s > 0):
+        raise ConfigError(file, "min_tokens_per_s", f"got {plan.min_tokens_per_s!r} with "
+                          f"objective {plan.objective}", "a number > 0, with objective cost")
     world = len(plan.ranks)
     if world == 0:
         raise ConfigError(file, "ranks", "empty", "one entry per global rank")

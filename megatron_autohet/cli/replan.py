@@ -31,7 +31,10 @@ def register(subparsers) -> None:
                     "previous plan; otherwise the previous plan adapted to the survivors and the "
                     "planner's search are compared and, of the plans within --tolerance of the "
                     "fastest, the one whose recovery moves the fewest bytes across nodes wins "
-                    "(a node keeps its name, and its local checkpoint, across the change).")
+                    "(a node keeps its name, and its local checkpoint, across the change). "
+                    "A plan made with --objective cost stays the cheapest plan reaching its "
+                    "throughput floor, compared in USD per million tokens (the fastest plan "
+                    "where the fleet now present cannot reach the floor, which is then said).")
     p.add_argument("--plan", required=True, metavar="old.yaml",
                    help="the plan the job ran with before the change")
     p.add_argument("--cluster", required=True, metavar="C.yaml",
@@ -41,7 +44,8 @@ def register(subparsers) -> None:
     p.add_argument("--global-batch-size", type=int, default=None, metavar="N",
                    help="must equal the previous plan's (default: the previous plan's)")
     p.add_argument("--tolerance", type=float, default=0.02, metavar="FRACTION",
-                   help="iteration time given up for moving less state (default: 0.02)")
+                   help="iteration time (for a plan made with --objective cost: USD per "
+                        "million tokens) given up for moving less state (default: 0.02)")
     p.add_argument("--profile", default=None, metavar="P.yaml",
                    help="profile from `autohet profile` (default: analytic estimates)")
     p.add_argument("--gpu-catalog", default=None, metavar="G.yaml",
@@ -105,7 +109,15 @@ def run(args) -> int:
     if result.unchanged:
         print(f"> fleet unchanged: kept the previous plan; wrote {args.output}")
     else:
-        print(f"> compared {result.candidates} plans in {elapsed:.1f} s (fastest "
-              f"{result.best_iteration_time_s:.4g} s, tolerance {args.tolerance:.0%}; search "
-              f"{search_end(result)}); wrote {args.output}")
+        best = f"fastest {result.best_iteration_time_s:.4g} s"
+        if result.cheapest_usd_per_million_tokens is not None:
+            floor = previous.min_tokens_per_s
+            best = (f"the plan's objective: cheapest {result.cheapest_usd_per_million_tokens:.4g}"
+                    " USD per million tokens" + (f" at {floor:,.0f} tokens/s or more"
+                                                 if floor else ""))
+        if result.objective_note:
+            print(f"> WARNING: the plan's objective is cost, not kept on this fleet: "
+                  f"{result.objective_note}")
+        print(f"> compared {result.candidates} plans in {elapsed:.1f} s ({best}, tolerance "
+              f"{args.tolerance:.0%}; search {search_end(result)}); wrote {args.output}")
     return 0

@@ -272,13 +272,20 @@ class ElasticWorker:
     def _replan(self, previous: Plan, cluster: Cluster, state: str):
         """planner/replan.py's re-plan for the fleet present, on the GPUs that can train in this
         job's precision (a bf16 job leaves V100s and T4s idle, as ``autohet plan`` does and
-        ``autohet train`` demands). No plan: :class:`NoPlan` (:meth:`_no_plan`)."""
+        ``autohet train`` demands). No plan: :class:`NoPlan` (:meth:`_no_plan`). A plan whose
+        cost objective the fleet cannot keep is re-planned as the fastest, which is logged here,
+        on the one rank that plans."""
         try:
-            return replan(previous, cluster, self.model,
-                          precision=job_precision(self.options)[0].name, cluster_file="<fleet>")
+            found = replan(previous, cluster, self.model,
+                           precision=job_precision(self.options)[0].name, cluster_file="<fleet>")
         except ConfigError as err:
             raise self._no_plan([(n.name, n.num_gpus, n.gpu) for n in cluster.nodes], err,
                                 state) from None
+        if found.objective_note:
+            self._log(True).emit("objective", "the plan's objective is cost, not kept on this "
+                                 f"fleet: {found.objective_note}", kept=False,
+                                 note=found.objective_note)
+        return found
 
     def _no_plan(self, fleet: list[tuple[str, int, str]], err: ConfigError, state: str) -> NoPlan:
         """No plan for ``fleet`` (node, GPUs, GPU type): logged here, on the one rank that

@@ -47,6 +47,16 @@ among its idle GPUs.
    (planner/warmup.py, "Neighbours"): those move layers and GPUs, and a candidate is chosen
    for the bytes its recovery moves (odd-count seed 11 after losing a node: the re-planned
    plan moved 6.07 GB where 5.47 GB was reported and compared).
+
+**The cost objective.** A plan made with ``--objective cost`` records it with its throughput
+floor (plan.py), and its re-plans keep both, as they keep its memory headroom and charge: the
+search is the cost objective's (search.cheapest: node sets or GPU types, each searched with the
+re-plan's budget), the seeds that reach the floor are judged beside its result, and step 4
+compares USD per million tokens instead of iteration time. Where the fleet now present cannot
+keep the objective - no plan reaches the floor, or a node has no price - the re-plan is the
+throughput one above and ``Replan.objective_note`` says why: a spot job is better slow than
+stopped, and the new plan still records the objective, so the re-plan after nodes come back is
+the cheapest again.
 """
 
 from __future__ import annotations
@@ -61,8 +71,9 @@ from megatron_autohet.cost_model import (PlanCost, annotate_plan, evaluate_plan,
                                          plan_memory_headroom, plan_profile, record_profile)
 from megatron_autohet.errors import ConfigError
 from megatron_autohet.plan import Pipeline, Plan, RankInfo
-from megatron_autohet.planner.search import (Candidate, priced_precision, resolve_profile,
-                                             search, with_left_out)
+from megatron_autohet.planner.search import (Candidate, FloorNotMet, check_prices,
+                                             priced_precision, resolve_profile, search,
+                                             usd_per_million_tokens, with_left_out)
 from megatron_autohet.planner.space import Problem, evaluate
 from megatron_autohet.planner.state_moves import StateMap
 from megatron_autohet.planner.warmup import choose_warmups
@@ -91,6 +102,11 @@ class Replan:
     unchanged: bool                  # the previous plan, returned as it was
     stopped_by: str | None = None    # how the search ended (search.STOP_*); None: no search
     work: int = 0                    # SCIP nodes the search used
+    # The cost objective (module doc): the cheapest plan judged, USD per million tokens (``plan``
+    # is within tolerance of it; None with the throughput objective), or why the fleet now
+    # present could not keep it (None: kept, or the throughput objective).
+    cheapest_usd_per_million_tokens: float | None = None
+    objective_note: str | None = None
 
 
 def fleet_unchanged(previous: Plan, cluster: Cluster) -> bool:
@@ -271,29 +287,35 @@ def _plan_on_devices(previous: Plan, problem: Problem, pipelines: list) -> Candi
     return Candidate(plan, cost, tp_of_gpu, plan.activation_recompute)
 
 
-def least_moving(candidates: list[Candidate], state: StateMap, tolerance: float,
-                 warm_up: Callable[[Candidate], Candidate] | None = None
-                 ) -> tuple[Candidate, int]:
-    """Of the candidates within ``tolerance`` of the fastest iteration time, the one whose
-    recovery moves the fewest bytes from where ``state`` says the state is (then the fastest,
-    then the first), with those bytes.
+def iteration_time_s(cand: Candidate) -> float:
+    return cand.cost.iteration_time_s
 
-    With ``warm_up`` (the HAPT warm-up pass, which only shortens a plan) a candidate that
-    moves fewer bytes than that choice but is up to MAX_WARM_UP_GAIN too slow is given the
-    pass, least moving first, and wins if it then is within the tolerance: the search's best
-    arrives warmed up, and comparing it with plans that are not would favour moving state."""
-    fastest = min(c.cost.iteration_time_s for c in candidates)
-    limit = fastest * (1 + tolerance)
-    ranked = sorted((sum(state.bytes_by_node(c.plan).values()), c.cost.iteration_time_s, i)
+
+def least_moving(candidates: list[Candidate], state: StateMap, tolerance: float,
+                 warm_up: Callable[[Candidate], Candidate] | None = None,
+                 score: Callable[[Candidate], float] = iteration_time_s
+                 ) -> tuple[Candidate, int]:
+    """Of the candidates within ``tolerance`` of the best ``score`` (the fastest iteration time;
+    the cost objective's is USD per million tokens), the one whose recovery moves the fewest
+    bytes from where ``state`` says the state is (then the best, then the first), with those
+    bytes.
+
+    With ``warm_up`` (the HAPT warm-up pass, which only shortens a plan, so lowers either score)
+    a candidate that moves fewer bytes than that choice but scores up to MAX_WARM_UP_GAIN too
+    high is given the pass, least moving first, and wins if it then is within the tolerance:
+    the search's best arrives warmed up, and comparing it with plans that are not would favour
+    moving state."""
+    limit = min(score(c) for c in candidates) * (1 + tolerance)
+    ranked = sorted((sum(state.bytes_by_node(c.plan).values()), score(c), i)
                     for i, c in enumerate(candidates))
-    for moved, seconds, index in ranked:
-        if seconds <= limit:
+    for moved, value, index in ranked:
+        if value <= limit:
             return candidates[index], moved
-        if warm_up is not None and seconds <= limit * (1 + MAX_WARM_UP_GAIN):
+        if warm_up is not None and value <= limit * (1 + MAX_WARM_UP_GAIN):
             warmed = warm_up(candidates[index])
-            if warmed.cost.iteration_time_s <= limit:
+            if score(warmed) <= limit:
                 return warmed, moved
-    raise AssertionError("the fastest candidate is within any tolerance")
+    raise AssertionError("the best candidate is within any tolerance")
 
 
 def _check_inputs(previous: Plan, model: ModelSpec, tolerance: float) -> None:
@@ -319,7 +341,8 @@ def replan(previous: Plan, cluster: Cluster, model: ModelSpec, profile: Profile 
     ``model`` must be ``previous.model``; ``profile`` None prices on the profile ``previous``
     was priced on (its file records it; none recorded: analytic estimates), the new plan
     recording the one used;
-    ``tolerance`` is the fraction of iteration time traded for less state moved;
+    ``tolerance`` is the fraction of iteration time (with the plan's cost objective: of USD
+    per million tokens) traded for less state moved;
     ``work_budget`` the search's budget in SCIP nodes and ``time_limit_s`` its wall-clock
     safety net; ``precision`` the one the job trains in (None: the one the plans are priced
     in, search.priced_precision): the new plan uses only GPUs that can train in it
@@ -335,8 +358,9 @@ def replan(previous: Plan, cluster: Cluster, model: ModelSpec, profile: Profile 
     precision = precision or priced_precision(profile)
     trainable, left_out = trainable_fleet(cluster, precision, cluster_file)
     # The new plan keeps the previous one's optimizer (the job's flags do not change), the
-    # memory headroom it was made with and how its price is charged: from the plan file, as the
-    # elastic agents re-plan without the flags `autohet plan` had.
+    # memory headroom it was made with, how its price is charged and its objective (module
+    # doc): from the plan file, as the elastic agents re-plan without the flags `autohet plan`
+    # had.
     headroom = plan_memory_headroom(previous)
     charge = plan_charge(previous)
     # (the GPUs left out are among the idle ones a plan made on this fleet recorded; a previous
@@ -353,14 +377,25 @@ def replan(previous: Plan, cluster: Cluster, model: ModelSpec, profile: Profile 
     derived = derived_plan(previous, problem)
     seeds = [c for c in (derived, patched_plan(previous, problem)) if c is not None]
     judged: list[Candidate] = []
-    best = search(cluster, model, profile, previous.global_batch_size, mbs, seq,
-                  allow_asymmetric_tp=allow_asymmetric_tp,
-                  activation_recompute=activation_recompute, time_limit_s=time_limit_s,
-                  work_budget=work_budget, progress=progress, tp_degrees=tp_degrees,
-                  max_stages=max_stages,
-                  seeds=seeds, baselines=not seeds, sub_fleets=False,
-                  distributed_optimizer=previous.use_distributed_optimizer,
-                  memory_headroom=headroom, on_candidate=judged.append, charge=charge)
+    options = dict(allow_asymmetric_tp=allow_asymmetric_tp,
+                   activation_recompute=activation_recompute, time_limit_s=time_limit_s,
+                   work_budget=work_budget, progress=progress, tp_degrees=tp_degrees,
+                   max_stages=max_stages, seeds=seeds, baselines=not seeds,
+                   distributed_optimizer=previous.use_distributed_optimizer,
+                   memory_headroom=headroom, on_candidate=judged.append, charge=charge)
+    best, note = None, None
+    if previous.objective == "cost":
+        best, note = _cheapest(previous, problem, profile, cluster_file, options)
+    objective = "cost" if best is not None else "throughput"
+    if best is None:
+        best = search(cluster, model, profile, previous.global_batch_size, mbs, seq,
+                      sub_fleets=False, **options)
+    if objective == "cost":
+        # the cheapest search judges node sets, not each plan: the seeds reaching the floor
+        # are judged beside its result
+        floor = previous.min_tokens_per_s or 0.0
+        judged += [c for c in seeds if c.cost.tokens_per_s >= floor
+                   and all(c is not j for j in judged)]
     # The search's best after its warm-up pass is a new plan when the pass helped: judged
     # beside the candidates as the search saw them (each warmed up when the choice reaches it).
     if all(c.plan is not best.plan for c in judged):
@@ -372,17 +407,42 @@ def replan(previous: Plan, cluster: Cluster, model: ModelSpec, profile: Profile 
             # depths only: the pass's neighbours move layers and GPUs, so the bytes this
             # candidate was chosen for would no longer be what its recovery moves
             plan, cost = choose_warmups(cand.plan, cand.cost, cluster, resolved, headroom,
-                                        neighbours=False)
+                                        objective=objective, neighbours=False)
             warmed[id(cand.plan)] = dataclasses.replace(cand, plan=plan, cost=cost)
         return warmed[id(cand.plan)]
 
-    chosen, moved = least_moving(judged, StateMap(previous, model), tolerance, warm_up)
+    score = usd_per_million_tokens if objective == "cost" else iteration_time_s
+    chosen, moved = least_moving(judged, StateMap(previous, model), tolerance, warm_up, score)
     chosen = warm_up(chosen)
-    # (the warm-up pass may have made the chosen plan the fastest one)
+    # (the warm-up pass may have made the chosen plan the fastest or the cheapest one)
     fastest = min(c.cost.iteration_time_s for c in [*judged, chosen])
+    cheapest = (min(usd_per_million_tokens(c) for c in [*judged, chosen])
+                if objective == "cost" else None)
     cost = with_left_out(chosen.cost, left_out)
     if left_out:
         annotate_plan(chosen.plan, cost)
     record_profile(chosen.plan, profile)
+    # the objective stays the plan's, kept or not: the next re-plan may keep it again
+    chosen.plan.objective = previous.objective
+    chosen.plan.min_tokens_per_s = previous.min_tokens_per_s
     return Replan(chosen.plan, cost, moved, fastest, len(judged), False, best.stopped_by,
-                  best.work)
+                  best.work, cheapest, note)
+
+
+def _cheapest(previous: Plan, problem: Problem, profile: Profile | None, cluster_file: str,
+              options: dict) -> tuple[Candidate | None, str | None]:
+    """The cost objective's search for the re-plan (module doc): (its best, None), or (None,
+    why the fleet now present cannot keep the objective)."""
+    floor = previous.min_tokens_per_s
+    try:
+        check_prices(problem.cluster, cluster_file, "the plan's objective cost")
+    except ConfigError as exc:
+        return None, f"{exc.problem}: the fastest plan instead of the cheapest"
+    try:
+        return search(problem.cluster, problem.model, profile, problem.global_batch_size,
+                      problem.micro_batch_size, problem.seq_length, objective="cost",
+                      min_tokens_per_s=floor, **options), None
+    except FloorNotMet as exc:
+        return None, (f"no plan on the fleet present reaches the plan's floor of {floor:,.0f} "
+                      f"tokens/s (the fastest: {exc.fastest_tokens_per_s:,.0f}): the fastest "
+                      "plan instead of the cheapest")

@@ -178,7 +178,7 @@ from megatron_autohet.cost_model import (DEFAULT_CHARGE, DEFAULT_MEMORY_HEADROOM
                                          check_charge, check_memory_headroom, stage_compute_s,
                                          record_profile, stage_memory_bytes)
 from megatron_autohet.errors import ConfigError
-from megatron_autohet.plan import Pipeline, Plan, RankInfo, Stage
+from megatron_autohet.plan import OBJECTIVES, Pipeline, Plan, RankInfo, Stage
 from megatron_autohet.planner.baselines import all_baselines
 from megatron_autohet.planner.scip_model import BOUND_TOLERANCE, Composition, CompositionModel
 from megatron_autohet.planner.space import (OptionTable, PipelineOption, Pool, Problem,
@@ -231,7 +231,6 @@ STOP_COMPLETE, STOP_WORK, STOP_TIME = "complete", "work budget", "time limit"
 STOP_SETS = "node-set budget"     # the cost objective's MAX_NODE_SETS (per-node charging)
 # The wall clock of the safety net (a module attribute, so tests can play a loaded machine).
 clock = time.monotonic
-OBJECTIVES = ("throughput", "cost")
 
 
 @dataclass
@@ -932,6 +931,7 @@ def search(cluster: Cluster, model: ModelSpec, profile: Profile | None, global_b
                               memory_headroom=memory_headroom, sub_fleets=sub_fleets,
                               charge=charge)
     record_profile(best.plan, profile)
+    best.plan.objective, best.plan.min_tokens_per_s = objective, min_tokens_per_s
     return best
 
 

@@ -49,16 +49,30 @@ def test_bad_recorded_memory_headroom(raw, value, got):
 
 def test_round_trip_save_load(tmp_path):
     plan = load_plan(EXAMPLE)
+    assert "objective" not in plan.to_dict() and "min_tokens_per_s" not in plan.to_dict()
     plan.pipelines[0].stages[0].predicted_time_s = 0.0125
     plan.pipelines[0].stages[0].predicted_memory_gib = 3.5
     plan.pipelines[0].stages[1].warmup_microbatches = 0
     plan.predicted = {"iteration_time_s": 0.25, "tokens_per_s": 2048.0}
+    plan.objective, plan.min_tokens_per_s = "cost", 1500.0
     out = tmp_path / "plan.yaml"
     plan.save(out)
     again = load_plan(out)
     assert again == plan
     assert again.to_dict() == plan.to_dict()
+    assert (again.objective, again.min_tokens_per_s) == ("cost", 1500.0)
     assert not (tmp_path / "plan.yaml.tmp").exists()       # written atomically
+
+
+@pytest.mark.parametrize("fields, error", [
+    ({"objective": "fastest"}, "field 'objective': got 'fastest' (allowed: throughput, cost)"),
+    ({"min_tokens_per_s": 100}, "field 'min_tokens_per_s': got 100.0 with objective throughput "
+                                "(allowed: a number > 0, with objective cost)"),
+    ({"objective": "cost", "min_tokens_per_s": 0}, "field 'min_tokens_per_s': got 0.0 with "
+     "objective cost (allowed: a number > 0, with objective cost)")])
+def test_bad_recorded_objective(raw, fields, error):
+    raw.update(fields)
+    expect_error(raw, error)
 
 
 # ---- every rank used exactly once -----------------------------------------------------------

@@ -158,9 +158,15 @@ def test_plan_meets_the_deadline_and_says_what_it_costs(capsys, tmp_path, fastes
     rc, out = planning(capsys, "--objective", "cost", "--deadline-hours", f"{hours}",
                       "--train-tokens", "1e10", tmp_path=tmp_path)
     assert rc == 0, out.err
-    predicted = load_plan(tmp_path / "plan.yaml").predicted
+    plan = load_plan(tmp_path / "plan.yaml")
+    predicted = plan.predicted
     assert predicted["tokens_per_s"] >= 1e10 / hours / 3600
     assert predicted["charge"] == "per-node"
+    # recorded for its re-plans (test_replan_objective.py): the deadline as the floor it sets
+    assert plan.objective == "cost"
+    assert plan.min_tokens_per_s == pytest.approx(1e10 / hours / 3600)
+    assert (f"objective: the fewest USD per million tokens at {plan.min_tokens_per_s:,.0f} "
+            "tokens/s or more; its re-plans keep it") in out.out
     train_hours = 1e10 / predicted["tokens_per_s"] / 3600
     usd = predicted["usd_per_million_tokens"] * 1e4
     assert f"1e10 tokens train in {train_hours:.3g} h for ${usd:,.0f}" in out.out
