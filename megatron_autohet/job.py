@@ -33,6 +33,7 @@ from datetime import timedelta
 from pathlib import Path
 
 from megatron_autohet.checkpoint.options import CheckpointOptions, check_scheduler_flags
+from megatron_autohet.cost_model import plan_profile
 from megatron_autohet.data.batches import DataOptions, default_split, open_global_batches
 from megatron_autohet.errors import (ConfigError, JobConfigError, check_output_path, positive,
                                      probability)
@@ -201,6 +202,7 @@ def train_job(plan: Plan, plan_label: str, model: ModelSpec, options: TrainOptio
     resume's mismatch message; default ``autohet train``'s) and ``recorded_args`` (what a
     checkpoint records of the job; default :func:`train_args`)."""
     # torch and megatron-core: a rank's code (see the module's docstring)
+    from megatron_autohet.runtime.fusions import priced_on_other_fusions
     from megatron_autohet.runtime.stage_model import LAYER_SPECS
     from megatron_autohet.runtime.trainer import (Evaluation, HeteroTrainer, train_iterations,
                                                   validation_batches_needed)
@@ -235,6 +237,10 @@ def train_job(plan: Plan, plan_label: str, model: ModelSpec, options: TrainOptio
               + (f"; {trainer.fusions.describe()}" if trainer.device.type == "cuda" else "")
               + ("; AdamW: torch's fused kernel" if trainer.fused_optimizer else ""),
               flush=True)
+        priced = plan_profile(plan)
+        other = priced_on_other_fusions(priced and priced.fusions, trainer.fusions)
+        if other:
+            print(f"WARNING: {other}", flush=True)
     if trainer.distributed_optimizer and rank == 0:
         print(trainer.optimizer.summary(), flush=True)
     # Counting samples, as Megatron-LM does (runtime/optimizer.py): checkpoints of this job

@@ -141,7 +141,7 @@ def measure_profile(model: ModelSpec, tp_degrees: list[int], micro_batch_sizes: 
                 "%d warm-up + %d timed iterations each", model.name, gpu,
                 accelerator[0] if accelerator else "CPU", tp_degrees, micro_batch_sizes,
                 seq_lengths, warmup, iters)
-    entries, attentions = [], set()
+    entries, layers = [], set()
     total = len(tp_degrees) * len(micro_batch_sizes) * len(seq_lengths)
     context = mp.get_context("spawn")
     with tqdm(total=total, desc="measuring", unit="entry", disable=not progress) as bar:
@@ -156,23 +156,24 @@ def measure_profile(model: ModelSpec, tp_degrees: list[int], micro_batch_sizes: 
             # Rank 0 reports each finished entry; join() raises if any rank failed.
             while received < expected:
                 try:
-                    attention, entry = done.get(timeout=0.5)
+                    attention, fusions, entry = done.get(timeout=0.5)
                 except queue_module.Empty:
                     if workers.join(timeout=0):
                         raise RuntimeError(f"measurement processes for TP={tp} exited after "
                                            f"{received} of {expected} entries") from None
                     continue
                 entries.append(entry_from_dict(entry, "<measurement>"))
-                attentions.add(attention)
+                layers.add((attention, tuple(sorted(fusions.items()))))
                 received += 1
                 bar.set_postfix_str(f"tp={tp} mbs={entry['micro_batch_size']} "
                                     f"seq={entry['seq_length']}")
                 bar.update(1)
             workers.join()
-    (attention,) = attentions        # one layer spec per machine (runtime/stage_model.py)
+    # one layer spec (runtime/stage_model.py) and one torch.compile per machine
+    ((attention, fusions),) = layers
     # in the precision the runtime trains in on this device, as the workers measure
     profile = Profile(model.name, precision=default_precision(on_gpu=accelerator is not None),
-                      attention=attention)
+                      attention=attention, fusions=dict(fusions))
     for entry in entries:
         profile.add(entry)
     return profile
@@ -215,7 +216,7 @@ def _worker(rank: int, request: MeasureRequest, done) -> None:
             for seq in request.seq_lengths:
                 entry = bench.measure_entry(mbs, seq)
                 if rank == 0:
-                    done.put((bench.attention, entry))
+                    done.put((bench.attention, bench.fusions.config_fields(), entry))
     finally:
         # Megatron's groups first (they live in the default group), also when a measurement raised.
         parallel_state.destroy_model_parallel()

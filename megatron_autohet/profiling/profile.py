@@ -9,7 +9,10 @@ one the job trains in, which the cost model then counts activation, P2P and stat
 bf16 for the estimates and on GPUs, fp32 for a profile measured on a CPU (the runtime's CPU
 mode trains fp32), and which attention its layers ran (``attention``, ``ATTENTIONS``): the
 activation bytes of a layer depend on it (profiling/estimate.py ``layer_activation_bytes``), and
-the estimates filling a measured profile's gaps must assume the same. Profiles are plain YAML
+the estimates filling a measured profile's gaps must assume the same. A measured profile also
+records the jit fusions its layers ran (``fusions``: megatron-core's TransformerConfig fields,
+runtime/fusions.py), so a job whose layers run others can say that its plan's times are another
+layer's (job.py). Profiles are plain YAML
 or JSON (chosen by file suffix) so users can keep, edit and reuse them.
 
 File form::
@@ -17,6 +20,7 @@ File form::
     model: gpt3-1.3b
     precision: bf16            # optional, default bf16
     attention: flash           # optional, default flash
+    fusions: {bias_activation_fusion: true, bias_dropout_fusion: true}   # optional: measured
     entries:
       - {gpu: A100-80GB, tp: 2, micro_batch_size: 1, seq_length: 2048,
          layer:     {forward_s: ..., backward_s: ..., activation_bytes: ...,
@@ -89,6 +93,9 @@ class Profile:
     entries: dict[tuple[str, int, int, int], ProfileEntry] = field(default_factory=dict)
     precision: Precision = PLANNING_PRECISION      # the figures' (and the job's) numerics
     attention: str = DEFAULT_ATTENTION             # ATTENTIONS: what the measured layers ran
+    # TransformerConfig fusion field -> on, as the measured layers ran (None: not recorded, as
+    # in the analytic estimates, which model no fusion)
+    fusions: dict[str, bool] | None = None
 
     def __post_init__(self):
         check_attention(self.attention)
@@ -118,7 +125,8 @@ class Profile:
         if base.attention != self.attention:
             raise ValueError(f"a profile of {self.attention} attention cannot take entries "
                              f"estimated for {base.attention} attention")
-        out = Profile(self.model, dict(base.entries), self.precision, self.attention)
+        out = Profile(self.model, dict(base.entries), self.precision, self.attention,
+                      self.fusions)
         out.entries.update(self.entries)
         return out
 
@@ -165,6 +173,7 @@ class Profile:
     def to_dict(self) -> dict:
         return {"model": self.model, "precision": self.precision.name,
                 "attention": self.attention,
+                **({"fusions": dict(self.fusions)} if self.fusions is not None else {}),
                 "entries": [asdict(e) for e in sorted(self.entries.values(), key=lambda e: e.key)]}
 
     def save(self, path: str | Path) -> None:
@@ -192,7 +201,7 @@ class Profile:
     def from_dict(cls, data, file="<profile>") -> "Profile":
         if not isinstance(data, dict) or not isinstance(data.get("model"), str):
             raise ConfigError(file, "model", "missing", "the model name the profile was made for")
-        check_keys(data, {"model", "precision", "attention", "entries"}, file, "")
+        check_keys(data, {"model", "precision", "attention", "fusions", "entries"}, file, "")
         entries = data.get("entries")
         if not isinstance(entries, list):
             raise ConfigError(file, "entries", "missing or not a list", "a list of entries")
@@ -204,7 +213,13 @@ class Profile:
         attention = get_field(data, "attention", str, file, default=DEFAULT_ATTENTION)
         if attention not in ATTENTIONS:
             raise ConfigError(file, "attention", f"got {attention!r}", ", ".join(ATTENTIONS))
-        profile = cls(data["model"], precision=PRECISIONS[precision], attention=attention)
+        fusions = get_field(data, "fusions", dict, file, default=None)
+        if fusions is not None and not all(isinstance(k, str) and isinstance(v, bool)
+                                           for k, v in fusions.items()):
+            raise ConfigError(file, "fusions", f"got {fusions!r}",
+                              "a mapping of TransformerConfig fusion fields to true/false")
+        profile = cls(data["model"], precision=PRECISIONS[precision], attention=attention,
+                      fusions=fusions)
         for i, raw in enumerate(entries):
             profile.add(entry_from_dict(raw, file, f"entries[{i}]"))
         return profile

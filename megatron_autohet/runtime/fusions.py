@@ -17,6 +17,9 @@ Public API
 ``agree_jit_fusions(requested, device) -> JitFusions``
     Collective over the default group: the fields a job's stage models are built with. A requested
     fusion is on where every rank can run it; otherwise off on every rank.
+``priced_on_other_fusions(priced, trained) -> str | None``
+    Why a plan priced on a profile whose layers ran the fusions ``priced`` (the profile's record;
+    None: not recorded) predicts another layer than ``trained``; None when they agree.
 
 Design (why)
 ------------
@@ -119,3 +122,16 @@ def agree_jit_fusions(requested: dict[str, bool], device) -> JitFusions:
     why = mine.off_because if len(unable) == dist.get_world_size() else \
         f"ranks {unable} cannot run them ({mine.off_because or 'see their log'})"
     return JitFusions(off_because=why)
+
+
+def priced_on_other_fusions(priced: dict[str, bool] | None, trained: JitFusions) -> str | None:
+    if priced is None:
+        return None
+    measured = JitFusions(**{field: bool(priced.get(field)) for field in JIT_FUSIONS})
+    if measured.config_fields() == trained.config_fields():
+        return None
+    runs = JitFusions(**trained.config_fields()).describe() + (
+        f" ({trained.off_because})" if trained.off_because else "")
+    return (f"the plan's predicted times are for other layers: its profile measured "
+            f"{measured.describe()}, this job runs {runs}; profile with this job's "
+            "--no-bias-*-fusion flags on a machine like this one, then plan again")

@@ -134,7 +134,9 @@ def test_megatron_log_line_format():
 @pytest.mark.parametrize("distributed_optimizer", ["", "flag", "plan", "bf16"])
 def test_train_two_pipelines_three_iterations(tmp_path, distributed_optimizer):
     """Also with the distributed optimizer, from the flag or from a plan made for it, and with
-    it in bf16 (--bf16 --use-distributed-optimizer, Megatron-LM's usual combination)."""
+    it in bf16 (--bf16 --use-distributed-optimizer, Megatron-LM's usual combination). The plan
+    made for it was priced on a GPU's profile, of fused layers, which a CPU job does not run:
+    its log says so once."""
     metrics = tmp_path / "metrics.jsonl"
     peak, floor = 2e-3, 2e-4
     plan, flags = PLAN, []
@@ -144,7 +146,9 @@ def test_train_two_pipelines_three_iterations(tmp_path, distributed_optimizer):
         flags = ["--bf16", "--use-distributed-optimizer"]
     elif distributed_optimizer == "plan":
         plan = tmp_path / "plan.yaml"
-        plan.write_text(PLAN.read_text() + "use_distributed_optimizer: true\n")
+        plan.write_text(PLAN.read_text() + "use_distributed_optimizer: true\n"
+                        "profile: {model: tiny, fusions: {bias_activation_fusion: true, "
+                        "bias_dropout_fusion: true}, entries: []}\n")
     result = _autohet("train", "--plan", str(plan), "--model", str(MODEL), "--iters", "3", *flags,
                       "--lr", str(peak), "--min-lr", str(floor), "--lr-warmup-iters", "1",
                       "--lr-decay-style", "cosine", "--weight-decay", "0.1",
@@ -156,6 +160,12 @@ def test_train_two_pipelines_three_iterations(tmp_path, distributed_optimizer):
             else "training in fp32 (the default on CPU)") in result.stdout
     assert result.stdout.count("layer: megatron-core's local layer spec with torch "
                                "scaled_dot_product_attention as core attention") == 1
+    warned = [line for line in result.stdout.splitlines() if "for other layers" in line]
+    assert warned == ([] if distributed_optimizer != "plan" else [
+        "WARNING: the plan's predicted times are for other layers: its profile measured fused "
+        "bias + activation, bias + dropout + residual add (megatron-core's, torch.compile), this "
+        "job runs no kernel fusions (no CUDA device); profile with this job's --no-bias-*-fusion "
+        "flags on a machine like this one, then plan again"])
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["iteration"] for r in records] == [1, 2, 3]
     losses = [r["lm_loss"] for r in records]

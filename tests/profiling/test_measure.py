@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from megatron_autohet.cli.main import main
+from megatron_autohet.errors import ConfigError
 from megatron_autohet.profiling.estimate import layer_param_count
 from megatron_autohet.profiling.measure import catalog_name_for_device
 from megatron_autohet.profiling.profile import Profile
@@ -204,10 +205,25 @@ def test_cluster_types_not_measured_are_calibrated_estimates(measured):
 @pytest.mark.integration
 def test_a_cpu_profile_is_in_the_precision_the_cpu_trains_in(measured, tmp_path):
     """Measured on a CPU, where the runtime trains fp32: the profile says so (and keeps it
-    through the calibrated estimates and a save/load), so the cost model counts fp32 bytes."""
+    through the calibrated estimates and a save/load), so the cost model counts fp32 bytes. It
+    records the fusions its layers ran, none on a CPU (asked for Megatron-LM's defaults), which
+    a job compares with its own (job.py)."""
     assert measured.precision.name == "fp32"
+    assert measured.fusions == {"bias_activation_fusion": False, "bias_dropout_fusion": False}
     measured.save(tmp_path / "again.yaml")
-    assert Profile.load(tmp_path / "again.yaml").precision.name == "fp32"
+    again = Profile.load(tmp_path / "again.yaml")
+    assert again.precision.name == "fp32" and again.fusions == measured.fusions
+
+
+@pytest.mark.unit
+def test_a_bad_fusions_record_is_one_line(tmp_path):
+    path = tmp_path / "p.yaml"
+    path.write_text("model: tiny\nfusions: {bias_dropout_fusion: 1}\nentries: []\n")
+    with pytest.raises(ConfigError) as info:
+        Profile.load(path)
+    assert str(info.value) == (
+        f"{path}: field 'fusions': got {{'bias_dropout_fusion': 1}} (allowed: a mapping of "
+        "TransformerConfig fusion fields to true/false)")
 
 
 @pytest.mark.unit

@@ -79,3 +79,20 @@ def test_a_job_fuses_only_where_every_rank_can():
 def test_a_cpu_never_fuses():
     assert fusions.local_jit_fusions(ALL) == JitFusions(off_because="no CUDA device")
     assert fusions.local_jit_fusions({}) == JitFusions()
+
+
+def test_a_plan_priced_on_other_fusions_is_named():
+    """job.py's warning: the plan's profile recorded the fusions its layers ran (None: not
+    recorded, as the analytic estimates); a job whose layers run others says so."""
+    fused = fusions.MEGATRON_LM_DEFAULTS
+    assert fusions.priced_on_other_fusions(None, JitFusions()) is None
+    assert fusions.priced_on_other_fusions(fused, JitFusions(**fused)) is None
+    # why the job's fusions are off does not matter, only what its layers run
+    assert fusions.priced_on_other_fusions(dict.fromkeys(JIT_FUSIONS, False), JitFusions(
+        off_because="no CUDA device")) is None
+    assert fusions.priced_on_other_fusions(fused, JitFusions(
+        bias_activation_fusion=True, bias_dropout_fusion=False)) == (
+        "the plan's predicted times are for other layers: its profile measured fused bias + "
+        "activation, bias + dropout + residual add (megatron-core's, torch.compile), this job "
+        "runs fused bias + activation (megatron-core's, torch.compile); profile with this job's "
+        "--no-bias-*-fusion flags on a machine like this one, then plan again")
