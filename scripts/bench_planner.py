@@ -15,7 +15,8 @@ Seven tables, all predictions from the same cost model (megatron_autohet/cost_mo
    (configs/models/), global batch 512, micro-batch 1;
 2. re-plan time (planner/replan.py) of the 1024-GPU plans: fleet unchanged, and one node lost
    (the first A100 node, or the last H20 node), with the bytes the recovery would move and how
-   its search ended;
+   its search ended; then of plans made with the cost objective on the priced 1024-GPU fleet,
+   after losing a node they use, with their USD per million tokens before and after;
 3. predicted iteration time, efficiency and speedup over the baselines on the bundled 3-type
    fleets;
 4. gap to the exhaustive optimum on small clusters (<= 16 GPUs, 8-layer GPT-3 1.3B);
@@ -51,6 +52,8 @@ ROOT = Path(__file__).resolve().parent.parent
 TYPES = ("A100-80GB", "H800", "H20")
 # USD per GPU-hour (spot-like figures) for the priced fleets of table 6.
 PRICES = {"A100-80GB": 1.60, "H800": 2.90, "H20": 1.20, "V100-32GB": 0.90}
+# The throughput floor of the cost-objective re-plans (table 2), of the fleet's fastest plan's.
+COST_REPLAN_FLOOR = 0.6
 
 
 def fleet(gpus: int, types: tuple[str, ...] = TYPES, priced: bool = False) -> Cluster:
@@ -201,6 +204,44 @@ def bundled_table(result: dict, args) -> None:
           f"{sum(r['stopped_by'] != 'complete' for r in rows)} of {len(rows)}")
 
 
+def cost_replan_table(result: dict, models: dict) -> None:
+    """Table 2, continued: re-plans of plans made with the cost objective (a floor of
+    COST_REPLAN_FLOOR of the fleet's fastest throughput) on the priced 1024-GPU fleet, after
+    losing a node the plan uses and the last node, with the USD per million tokens before and
+    after; a re-plan that cannot keep the floor is the fastest plan (``kept`` no)."""
+    print(f"\n== re-plan of the priced 1024-GPU plans made with --objective cost (floor "
+          f"{COST_REPLAN_FLOOR:.0%} of the fastest plan's tokens/s)")
+    print(f"{'model':>10} {'fleet now':>16} {'wall_s':>7} {'cpu_s':>6} {'judged':>6} "
+          f"{'$/1M before':>11} {'$/1M after':>10} {'tokens/s':>10} {'kept':>4} "
+          f"{'moves GiB':>9}")
+    cluster = fleet(1024, priced=True)
+    for name in ("gpt3-1.3b", "llama2-7b"):
+        gbs = 2 * 1024
+        fastest = search(cluster, models[name], None, gbs, 1, progress=False)
+        floor = COST_REPLAN_FLOOR * fastest.cost.tokens_per_s
+        plan = search(cluster, models[name], None, gbs, 1, progress=False, objective="cost",
+                      min_tokens_per_s=floor)
+        used = sorted({r.node for r in plan.plan.ranks})
+        names = [n.name for n in cluster.nodes]
+        for lost in dict.fromkeys((used[0], names[-1])):
+            start, cpu = time.perf_counter(), time.process_time()
+            new = replan(plan.plan, cluster.subset([n for n in names if n != lost]),
+                         models[name])
+            elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
+            kept = new.objective_note is None
+            result["cost_replan"].append({
+                "model": name, "fleet": f"lost {lost}", "floor_tokens_per_s": floor,
+                "replan_s": elapsed, "cpu_s": cpu, "candidates": new.candidates,
+                "usd_per_million_tokens_before": plan.cost.usd_per_million_tokens,
+                "usd_per_million_tokens_after": new.cost.usd_per_million_tokens,
+                "tokens_per_s": new.cost.tokens_per_s, "objective_kept": kept,
+                "recovery_bytes": new.recovery_bytes, "stopped_by": new.stopped_by})
+            print(f"{name:>10} {'lost ' + lost:>16} {elapsed:>7.2f} {cpu:>6.2f} "
+                  f"{new.candidates:>6} {plan.cost.usd_per_million_tokens:>11.4f} "
+                  f"{new.cost.usd_per_million_tokens:>10.4f} {new.cost.tokens_per_s:>10.0f} "
+                  f"{'yes' if kept else 'no':>4} {new.recovery_bytes / 2**30:>9.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", default=str(ROOT / "bench-out" / "bench_planner.json"),
@@ -209,8 +250,8 @@ def main() -> None:
     parser.add_argument("--optimality-only", type=int, default=None, metavar="SEEDS",
                         help="only table 5, with this many seeds of each kind of random fleet")
     args = parser.parse_args()
-    result = {"scaling": [], "bundled": [], "replan": [], "baselines": [], "exhaustive": [],
-              "random_gaps": [], "compare": [], "cost": []}
+    result = {"scaling": [], "bundled": [], "replan": [], "cost_replan": [], "baselines": [],
+              "exhaustive": [], "random_gaps": [], "compare": [], "cost": []}
     models = {n: load_model(ROOT / f"configs/models/{n}.yaml")
               for n in ("gpt3-1.3b", "gpt3-2.7b", "llama2-7b")}
     if args.optimality_only is not None:
@@ -271,6 +312,7 @@ def main() -> None:
             print(f"{name:>10} {label:>16} {elapsed:>7.2f} {cpu:>6.2f} {new.candidates:>6} "
                   f"{new.cost.iteration_time_s:>8.4f} {new.best_iteration_time_s:>9.4f} "
                   f"{new.recovery_bytes / 2**30:>9.2f} {new.stopped_by or 'no search':>11}")
+    cost_replan_table(result, models)
 
     print("\n== speedup over baselines on the bundled 3-type fleets")
     print(f"{'cluster':>14} {'model':>10} {'gbs':>4} {'mbs':>3} {'ours_s':>8} {'effic':>6} "
