@@ -349,14 +349,14 @@ def format_prediction(plan, cost=None, train_tokens: float | None = None) -> str
 def search_end(cand) -> str:
     """How the search that found ``cand`` ended, in words."""
     # pyscipopt: not at `autohet` start-up
-    from megatron_autohet.planner.search import MAX_NODE_SETS, STOP_SETS, STOP_TIME, STOP_WORK
+    from megatron_autohet.planner.search import STOP_SETS, STOP_TIME, STOP_WORK
 
     if cand.stopped_by == STOP_TIME:
         return ("cut by --time-limit before its work budget: the plan may differ on a faster "
                 "or idle machine")
     if cand.stopped_by == STOP_SETS:
-        return (f"budget of {MAX_NODE_SETS} node sets spent before the cheapest was proven, "
-                f"{cand.work} SCIP nodes")
+        return ("budget of throughput searches (node sets, or GPU types and TP degrees) spent "
+                f"before the cheapest was proven, {cand.work} SCIP nodes")
     if cand.stopped_by == STOP_WORK:
         return f"work budget of {cand.work} SCIP nodes spent"
     return f"complete, {cand.work} SCIP nodes"

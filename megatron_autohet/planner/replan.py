@@ -50,8 +50,9 @@ among its idle GPUs.
 
 **The cost objective.** A plan made with ``--objective cost`` records it with its throughput
 floor (plan.py), and its re-plans keep both, as they keep its memory headroom and charge: the
-search is the cost objective's (search.cheapest: node sets or GPU types, each searched with the
-re-plan's budget), the seeds that reach the floor are judged beside its result, and step 4
+search is the cost objective's (search.cheapest: at most REPLAN_COST_SEARCHES node sets or sets
+of GPU types and TP degrees, each searched with the re-plan's work budget), the seeds that reach
+the floor are judged beside its result, and step 4
 compares USD per million tokens instead of iteration time. Where the fleet now present cannot
 keep the objective - no plan reaches the floor, or a node has no price - the re-plan is the
 throughput one above and ``Replan.objective_note`` says why: a spot job is better slow than
@@ -86,6 +87,10 @@ from megatron_autohet.spec.model import ModelSpec
 # (module doc, step 3).
 REPLAN_WORK_BUDGET = 10
 REPLAN_TIME_LIMIT_S = 10.0
+# The cost objective's budget of throughput searches in a re-plan ("The cost objective"): the
+# cost search's default (search.MAX_NODE_SETS, 24 node sets) took 3.9-7.9 CPU-s per re-plan on
+# 1024 GPUs; 4 took 0.6-0.8, the plans at most 0.3% dearer per token (and moving less state).
+REPLAN_COST_SEARCHES = 4
 # Candidates up to this much slower than the tolerance allows are given the warm-up pass before
 # the choice passes them over (least_moving): the pass shortened the searches' best plans on the
 # bundled and benchmark fleets by 0-6.9%, and each try costs a cost-model evaluation.
@@ -441,7 +446,7 @@ def _cheapest(previous: Plan, problem: Problem, profile: Profile | None, cluster
     try:
         return search(problem.cluster, problem.model, profile, problem.global_batch_size,
                       problem.micro_batch_size, problem.seq_length, objective="cost",
-                      min_tokens_per_s=floor, **options), None
+                      min_tokens_per_s=floor, max_searches=REPLAN_COST_SEARCHES, **options), None
     except FloorNotMet as exc:
         return None, (f"no plan on the fleet present reaches the plan's floor of {floor:,.0f} "
                       f"tokens/s (the fastest: {exc.fastest_tokens_per_s:,.0f}): the fastest "

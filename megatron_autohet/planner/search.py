@@ -127,7 +127,8 @@ fastest plan on U is at least as fast at no higher rate. The bound is the same f
 multiple of a set and loose for large ones (pipeline bubbles and gradient sync are not in it:
 on 512 GPUs of four types with GPT-3 1.3B the sets searched reached 0.94 of it on one node,
 0.56-0.6 on 16-19 nodes), so proving the cheapest plan can take many searches: at most
-MAX_NODE_SETS are searched, a deterministic budget (``stopped_by`` says when it binds).
+``max_searches`` (default MAX_NODE_SETS) are searched, a deterministic budget (``stopped_by``
+says when it binds).
 
 Per-GPU charging (``charge="per-gpu"``, fleets that rent single GPUs): idle GPUs of a used node
 cost nothing, so fewer pipelines can be cheaper on the same nodes. The throughput search runs
@@ -137,7 +138,8 @@ reaches the floor is priced, and each run's cheapest is thinned: first to its n 
 pipelines for the best n (every n up to THIN_ALL_COUNTS pipelines, else a geometric grid; the
 price per token is not monotone in n, uneven micro-batch shares make it jump), then greedily
 while dropping one pipeline (one of each shape is tried) lowers the price and keeps the floor;
-the cheapest thinned plan wins. A heuristic over the throughput search's plans, checked against
+the cheapest thinned plan wins. ``max_searches`` bounds the runs (the larger sets of types first;
+default: every one). A heuristic over the throughput search's plans, checked against
 the exhaustive search on small fleets (tests).
 
 Either way the whole fleet's fastest plan is the fallback: when no set reached the floor (the
@@ -228,7 +230,7 @@ STACKS_TRIED = 3
 WORK_BUDGET = 5000
 # Why a search stopped (Candidate.stopped_by).
 STOP_COMPLETE, STOP_WORK, STOP_TIME = "complete", "work budget", "time limit"
-STOP_SETS = "node-set budget"     # the cost objective's MAX_NODE_SETS (per-node charging)
+STOP_SETS = "search budget"       # the cost objective's ``max_searches`` (module doc)
 # The wall clock of the safety net (a module attribute, so tests can play a loaded machine).
 clock = time.monotonic
 
@@ -241,7 +243,7 @@ class Candidate:
     recompute: bool
     # How the search that returned this candidate ended: STOP_COMPLETE (nothing left that could
     # beat it), STOP_WORK (the work budget ran out: deterministic), STOP_SETS (the cost search
-    # searched MAX_NODE_SETS node sets: deterministic) or STOP_TIME (the wall-clock safety net
+    # ran its budget of throughput searches: deterministic) or STOP_TIME (the wall-clock safety net
     # cut it: the plan may differ on a faster or less loaded machine).
     stopped_by: str = STOP_COMPLETE
     work: int = 0               # SCIP branch-and-bound nodes the search used
@@ -884,12 +886,13 @@ def search(cluster: Cluster, model: ModelSpec, profile: Profile | None, global_b
            distributed_optimizer: bool = False,
            memory_headroom: float = DEFAULT_MEMORY_HEADROOM,
            sub_fleets: bool = True, min_tokens_per_s: float | None = None,
-           charge: str = DEFAULT_CHARGE) -> Candidate:
+           charge: str = DEFAULT_CHARGE, max_searches: int | None = None) -> Candidate:
     """make_plan, returning the plan with its cost and the TP/recompute choice.
 
     ``charge`` prices the plans (cost_model.py, "Price": per-node or per-gpu); with objective
     "cost", ``min_tokens_per_s`` is the throughput floor the cheapest plan must reach
-    (:func:`cheapest`; None: none, the degenerate cheapest plan).
+    (:func:`cheapest`; None: none, the degenerate cheapest plan) and ``max_searches`` its budget
+    of throughput searches (module doc; None: the default).
 
     For the re-planner (planner/replan.py): ``seeds`` are extra incumbents (plans of this
     cluster and batch, evaluated), ``baselines`` False skips the baseline plans (they cost
@@ -909,6 +912,9 @@ def search(cluster: Cluster, model: ModelSpec, profile: Profile | None, global_b
         raise ConfigError("<arguments>", "min_tokens_per_s", f"got {min_tokens_per_s} with "
                           f"objective {objective!r}", "a finite number > 0, with objective "
                           "'cost' (the throughput objective is as fast as it gets)")
+    if max_searches is not None and not (objective == "cost" and max_searches >= 1):
+        raise ConfigError("<arguments>", "max_searches", f"got {max_searches} with objective "
+                          f"{objective!r}", "an integer >= 1, with objective 'cost'")
     check_charge(charge, "charge")
     deadline = clock() + time_limit_s
     if objective == "cost":
@@ -919,7 +925,7 @@ def search(cluster: Cluster, model: ModelSpec, profile: Profile | None, global_b
                         seeds=seeds, baselines=baselines, work_budget=work_budget,
                         on_candidate=on_candidate, distributed_optimizer=distributed_optimizer,
                         memory_headroom=memory_headroom, min_tokens_per_s=min_tokens_per_s,
-                        charge=charge)
+                        charge=charge, max_searches=max_searches)
     else:
         best = fastest_before(cluster, model, profile, global_batch_size, micro_batch_size,
                               seq_length, deadline, allow_asymmetric_tp=allow_asymmetric_tp,
@@ -1156,7 +1162,7 @@ def check_prices(cluster: Cluster, file=None, needed_by: str = "--objective cost
 # Node counts per kind tried one by one; above, a grid NODE_COUNT_RATIO apart (and the count).
 ALL_NODE_COUNTS = 8
 NODE_COUNT_RATIO = 1.25
-# Node sets searched at most (each a throughput search): the deterministic budget of the
+# Node sets searched at most (each a throughput search): the default deterministic budget of the
 # per-node enumeration (Candidate.stopped_by is STOP_SETS when it binds).
 MAX_NODE_SETS = 24
 # Rounds of the per-GPU pipeline thinning (module doc), each one pipeline dropped.
@@ -1185,10 +1191,12 @@ def cheapest(cluster: Cluster, model: ModelSpec, profile: Profile | None,
              on_candidate: Callable[[Candidate], None] | None = None, deadline: float,
              tp_degrees: list[int] | None = None, seeds: Sequence[Candidate] = (),
              min_tokens_per_s: float | None = None, charge: str = DEFAULT_CHARGE,
-             **options) -> Candidate:
+             max_searches: int | None = None, **options) -> Candidate:
     """search() with objective "cost" (module doc): the plan with the fewest USD per million
-    tokens among those reaching ``min_tokens_per_s`` (None: no floor), charged by ``charge``.
-    Raises :class:`FloorNotMet` when no plan reaches the floor."""
+    tokens among those reaching ``min_tokens_per_s`` (None: no floor), charged by ``charge``,
+    running at most ``max_searches`` throughput searches (None: MAX_NODE_SETS per node, every
+    set of GPU types and TP degree per GPU). Raises :class:`FloorNotMet` when no plan reaches
+    the floor."""
     check_prices(cluster)
     check_charge(charge, "charge")
     floor = min_tokens_per_s or 0.0
@@ -1200,8 +1208,12 @@ def cheapest(cluster: Cluster, model: ModelSpec, profile: Profile | None,
                       charge=charge)
     degrees = [t for t in model.valid_tp_degrees(max(n.num_gpus for n in cluster.nodes))
                if tp_degrees is None or t in tp_degrees]
-    run = _per_node if charge == "per-node" else _per_gpu
-    best, stops, work = run(problem, degrees, floor, deadline, seeds, options)
+    if charge == "per-node":
+        best, stops, work = _per_node(problem, degrees, floor, deadline, seeds, options,
+                                      max_searches or MAX_NODE_SETS)
+    else:
+        best, stops, work = _per_gpu(problem, degrees, floor, deadline, seeds, options,
+                                     max_searches)
     if best is None:
         # The whole fleet's fastest plan: the result if it reaches the floor (the enumeration
         # was cut), else the proof that nothing does.
@@ -1270,8 +1282,9 @@ def _node_rates(problem: Problem, node: str, degrees: list[int], recompute_modes
 
 
 def _per_node(problem: Problem, degrees: list[int], floor: float, deadline: float,
-              seeds: Sequence[Candidate], options: dict):
-    """The node-set enumeration (module doc): (best candidate or None, stops, work)."""
+              seeds: Sequence[Candidate], options: dict, max_sets: int):
+    """The node-set enumeration (module doc), at most ``max_sets`` sets: (best candidate or
+    None, stops, work)."""
     cluster, model = problem.cluster, problem.model
     kinds = _node_kinds(cluster)
     modes = ([False, True] if options.get("activation_recompute") is None
@@ -1298,7 +1311,7 @@ def _per_node(problem: Problem, degrees: list[int], floor: float, deadline: floa
             continue
         if best is not None and bound[i] >= usd_per_million_tokens(best):
             break
-        if searched == MAX_NODE_SETS:
+        if searched == max_sets:
             stops.append(STOP_SETS)
             break
         if clock() >= deadline:
@@ -1329,39 +1342,44 @@ def _per_node(problem: Problem, degrees: list[int], floor: float, deadline: floa
 # ---- per-GPU charging ----------------------------------------------------------------------------
 
 def _per_gpu(problem: Problem, degrees: list[int], floor: float, deadline: float,
-             seeds: Sequence[Candidate], options: dict):
-    """One throughput search per set of GPU types and TP degree, thinned (module doc)."""
+             seeds: Sequence[Candidate], options: dict, max_runs: int | None):
+    """One throughput search per set of GPU types and TP degree, thinned (module doc), at most
+    ``max_runs`` of them (None: every one)."""
     cluster, model = problem.cluster, problem.model
     gpus = list(dict.fromkeys(n.gpu for n in cluster.nodes))
     # With asymmetric TP the search mixes degrees itself: one search over all of them.
     per_search = [degrees] if options.get("allow_asymmetric_tp") else [[t] for t in degrees]
     winners: list[Candidate] = []
     stops, work = [], 0
-    for size in range(len(gpus), 0, -1):
-        for kept, tps in itertools.product(itertools.combinations(gpus, size), per_search):
-            sub = cluster.subset([n.name for n in cluster.nodes if n.gpu in kept])
-            judged: list[Candidate] = []
-            # Seeds are incumbents of the run whose GPUs they all use.
-            runs_on = {n.name for n in sub.nodes}
-            mine = [c for c in seeds if {r.node for r in c.plan.ranks} <= runs_on
-                    and set(c.tp_of_gpu.values()) <= set(tps)]
-            try:
-                best = fastest_before(sub, model, problem.profile, problem.global_batch_size,
-                                      problem.micro_batch_size, problem.seq_length, deadline,
-                                      on_candidate=judged.append, tp_degrees=tps, seeds=mine,
-                                      sub_fleets=False, charge=problem.charge, **options)
-            except ConfigError:
-                continue            # no plan of these GPU types and degrees fits in memory
-            judged.append(best)
-            stops.append(best.stopped_by)
-            work += best.work
-            judged = [c for c in judged if c.cost.tokens_per_s >= floor]
-            if not judged:
-                continue
-            # Judged on the sub-cluster: re-costed on the whole fleet (idle GPUs), then thinned.
-            cheap = min(judged, key=usd_per_million_tokens)
-            winners.append(_thin(problem, dataclasses.replace(
-                cheap, cost=evaluate(problem, cheap.plan)), floor))
+    runs = [(kept, tps) for size in range(len(gpus), 0, -1)
+            for kept, tps in itertools.product(itertools.combinations(gpus, size), per_search)]
+    if max_runs is not None and len(runs) > max_runs:
+        runs = runs[:max_runs]
+        stops.append(STOP_SETS)
+    for kept, tps in runs:
+        sub = cluster.subset([n.name for n in cluster.nodes if n.gpu in kept])
+        judged: list[Candidate] = []
+        # Seeds are incumbents of the run whose GPUs they all use.
+        runs_on = {n.name for n in sub.nodes}
+        mine = [c for c in seeds if {r.node for r in c.plan.ranks} <= runs_on
+                and set(c.tp_of_gpu.values()) <= set(tps)]
+        try:
+            best = fastest_before(sub, model, problem.profile, problem.global_batch_size,
+                                  problem.micro_batch_size, problem.seq_length, deadline,
+                                  on_candidate=judged.append, tp_degrees=tps, seeds=mine,
+                                  sub_fleets=False, charge=problem.charge, **options)
+        except ConfigError:
+            continue            # no plan of these GPU types and degrees fits in memory
+        judged.append(best)
+        stops.append(best.stopped_by)
+        work += best.work
+        judged = [c for c in judged if c.cost.tokens_per_s >= floor]
+        if not judged:
+            continue
+        # Judged on the sub-cluster: re-costed on the whole fleet (idle GPUs), then thinned.
+        cheap = min(judged, key=usd_per_million_tokens)
+        winners.append(_thin(problem, dataclasses.replace(
+            cheap, cost=evaluate(problem, cheap.plan)), floor))
     return min(winners, key=usd_per_million_tokens, default=None), stops, work
 
 

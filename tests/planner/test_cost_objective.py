@@ -220,4 +220,13 @@ def test_the_node_set_budget_is_named_when_it_binds(monkeypatch, fastest):
     cut = search(CLUSTER, GPT, None, GBS, 1, progress=False, objective="cost",
                  min_tokens_per_s=floor)
     assert cut.stopped_by == search_module.STOP_SETS
-    assert search_end(cut).startswith("budget of 1 node sets spent")
+    assert search_end(cut).startswith("budget of throughput searches (node sets, or GPU types "
+                                      "and TP degrees) spent before the cheapest was proven")
+    # the budget as an argument (the re-planner's, planner/replan.py)
+    monkeypatch.undo()
+    assert search(CLUSTER, GPT, None, GBS, 1, progress=False, objective="cost",
+                  min_tokens_per_s=floor, max_searches=1).stopped_by == search_module.STOP_SETS
+    for objective, budget in (("throughput", 1), ("cost", 0)):
+        with pytest.raises(ConfigError, match="field 'max_searches': got "):
+            search(CLUSTER, GPT, None, GBS, 1, progress=False, objective=objective,
+                   max_searches=budget)
