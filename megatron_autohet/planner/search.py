@@ -966,7 +966,8 @@ def fastest_before(cluster: Cluster, model: ModelSpec, profile: Profile | None,
     recompute_modes = [False, True] if activation_recompute is None else [activation_recompute]
     fleets = SubFleets(problem, degrees, recompute_modes, deadline, work_budget, max_stages,
                        allow_asymmetric_tp, baselines, sub_fleets)
-    with tqdm(desc="planning", unit="branch", disable=not progress, delay=0.5,
+    # (disable None: no bar where stderr is not a terminal, e.g. a job's log file)
+    with tqdm(desc="planning", unit="branch", disable=None if progress else True, delay=0.5,
               leave=False) as fleets.bar:
         best = fleets.fastest(frozenset(n.gpu for n in cluster.nodes), seeds, on_candidate)
     if best is None:

@@ -144,7 +144,9 @@ def measure_profile(model: ModelSpec, tp_degrees: list[int], micro_batch_sizes: 
     entries, layers = [], set()
     total = len(tp_degrees) * len(micro_batch_sizes) * len(seq_lengths)
     context = mp.get_context("spawn")
-    with tqdm(total=total, desc="measuring", unit="entry", disable=not progress) as bar:
+    # (disable None: no bar where stderr is not a terminal, e.g. a job's log file)
+    with tqdm(total=total, desc="measuring", unit="entry",
+              disable=None if progress else True) as bar:
         for tp in tp_degrees:
             request = MeasureRequest(model, tp, tuple(micro_batch_sizes), tuple(seq_lengths), gpu,
                                      warmup, iters, free_port(), jit_fusions)
