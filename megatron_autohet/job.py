@@ -207,6 +207,13 @@ def train_job(plan: Plan, plan_label: str, model: ModelSpec, options: TrainOptio
     from megatron_autohet.runtime.trainer import (Evaluation, HeteroTrainer, train_iterations,
                                                   validation_batches_needed)
 
+    try:
+        # on every rank, before any collective: a plan whose recorded profile does not load
+        # stops the job with one line (its re-plans would price on it)
+        priced = plan_profile(plan)
+    except ConfigError as err:
+        raise JobConfigError(plan_label, f"profile.{err.field}", err.problem,
+                             err.allowed) from None
     valid_batches = validation_batches_needed(options.iters, options.eval_interval,
                                               options.eval_iters)
     data = DataOptions(seq_length=plan.seq_length, global_batch_size=plan.global_batch_size,
@@ -237,7 +244,6 @@ def train_job(plan: Plan, plan_label: str, model: ModelSpec, options: TrainOptio
               + (f"; {trainer.fusions.describe()}" if trainer.device.type == "cuda" else "")
               + ("; AdamW: torch's fused kernel" if trainer.fused_optimizer else ""),
               flush=True)
-        priced = plan_profile(plan)
         other = priced_on_other_fusions(priced and priced.fusions, trainer.fusions)
         if other:
             print(f"WARNING: {other}", flush=True)

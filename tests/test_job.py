@@ -90,3 +90,20 @@ def test_a_job_file_outside_a_rank_is_refused(tmp_path, capsys, monkeypatch):
                        "autohet train: error: <command line>: field '--job-file': not in a rank "
                        "of a job (allowed: only in the ranks `autohet train` and `autohet "
                        "node` start)")
+
+
+def test_a_plan_whose_recorded_profile_does_not_load_stops_the_job_once():
+    """Every rank checks the plan's recorded profile before any collective (job.train_job): a
+    hand-edited one that does not load is a JobConfigError on all of them, which the front ends
+    print once (exit status 2), not rank 0 dying in its start-up log while the others wait."""
+    from megatron_autohet.errors import JobConfigError
+    from megatron_autohet.job import train_job
+    from megatron_autohet.launch import load_job
+
+    plan, model = load_job(PLAN, MODEL)
+    plan.profile = {"model": "tiny", "fusions": {"bias_dropout_fusion": "yes"}, "entries": []}
+    with pytest.raises(JobConfigError) as info:
+        train_job(plan, "plan.yaml", model, OPTIONS, rank=1, local_rank=1)
+    assert str(info.value) == (
+        "plan.yaml: field 'profile.fusions': got {'bias_dropout_fusion': 'yes'} (allowed: a "
+        "mapping of TransformerConfig fusion fields to true/false)")

@@ -87,9 +87,9 @@ from megatron_autohet.spec.model import ModelSpec
 # (module doc, step 3).
 REPLAN_WORK_BUDGET = 10
 REPLAN_TIME_LIMIT_S = 10.0
-# The cost objective's budget of throughput searches in a re-plan ("The cost objective"): the
-# cost search's default (search.MAX_NODE_SETS, 24 node sets) took 3.9-7.9 CPU-s per re-plan on
-# 1024 GPUs; 4 took 0.6-0.8, the plans at most 0.3% dearer per token (and moving less state).
+# The cost objective's budget of throughput searches in a re-plan ("The cost objective"): with
+# the cost search's default (search.MAX_NODE_SETS, 24 node sets) a re-plan on 1024 GPUs took
+# 3.9-10.2 CPU-s; with 4, 0.5-0.6, the plans at most 0.3% dearer per token (docs/planner.md).
 REPLAN_COST_SEARCHES = 4
 # Candidates up to this much slower than the tolerance allows are given the warm-up pass before
 # the choice passes them over (least_moving): the pass shortened the searches' best plans on the
@@ -102,7 +102,8 @@ class Replan:
     plan: Plan
     cost: PlanCost
     recovery_bytes: int              # state crossing nodes to load ``plan`` (0: unchanged)
-    best_iteration_time_s: float     # the fastest plan judged; ``plan`` is within tolerance
+    best_iteration_time_s: float     # the fastest plan judged (``plan`` is within tolerance
+                                     # of it, or of the cheapest below)
     candidates: int                  # plans judged (0: fleet unchanged, nothing searched)
     unchanged: bool                  # the previous plan, returned as it was
     stopped_by: str | None = None    # how the search ended (search.STOP_*); None: no search
@@ -400,7 +401,7 @@ def replan(previous: Plan, cluster: Cluster, model: ModelSpec, profile: Profile 
         # are judged beside its result
         floor = previous.min_tokens_per_s or 0.0
         judged += [c for c in seeds if c.cost.tokens_per_s >= floor
-                   and all(c is not j for j in judged)]
+                   and all(c.plan is not j.plan for j in judged)]
     # The search's best after its warm-up pass is a new plan when the pass helped: judged
     # beside the candidates as the search saw them (each warmed up when the choice reaches it).
     if all(c.plan is not best.plan for c in judged):
@@ -446,7 +447,8 @@ def _cheapest(previous: Plan, problem: Problem, profile: Profile | None, cluster
     try:
         return search(problem.cluster, problem.model, profile, problem.global_batch_size,
                       problem.micro_batch_size, problem.seq_length, objective="cost",
-                      min_tokens_per_s=floor, max_searches=REPLAN_COST_SEARCHES, **options), None
+                      min_tokens_per_s=floor, max_searches=REPLAN_COST_SEARCHES,
+                      sub_fleets=False, **options), None
     except FloorNotMet as exc:
         return None, (f"no plan on the fleet present reaches the plan's floor of {floor:,.0f} "
                       f"tokens/s (the fastest: {exc.fastest_tokens_per_s:,.0f}): the fastest "

@@ -143,8 +143,9 @@ default: every one). A heuristic over the throughput search's plans, checked aga
 the exhaustive search on small fleets (tests).
 
 Either way the whole fleet's fastest plan is the fallback: when no set reached the floor (the
-safety net cut the enumeration) it is the result if it reaches the floor, else the floor is
-out of reach and :class:`FloorNotMet` says how fast the fleet can go.
+budget or the safety net cut the enumeration, the bound being loose) it is the result if it
+reaches the floor, else the floor is out of reach and :class:`FloorNotMet` says how fast the
+fleet can go.
 
 Deterministic budget: the search's budget is counted in work, not wall time: SCIP
 branch-and-bound nodes summed over all solves (each solve at least one, and at most
@@ -892,7 +893,8 @@ def search(cluster: Cluster, model: ModelSpec, profile: Profile | None, global_b
     ``charge`` prices the plans (cost_model.py, "Price": per-node or per-gpu); with objective
     "cost", ``min_tokens_per_s`` is the throughput floor the cheapest plan must reach
     (:func:`cheapest`; None: none, the degenerate cheapest plan) and ``max_searches`` its budget
-    of throughput searches (module doc; None: the default).
+    of throughput searches (module doc; None: the default); ``on_candidate`` then sees its
+    result only, and ``sub_fleets`` applies to its whole-fleet fallback.
 
     For the re-planner (planner/replan.py): ``seeds`` are extra incumbents (plans of this
     cluster and batch, evaluated), ``baselines`` False skips the baseline plans (they cost
@@ -925,7 +927,7 @@ def search(cluster: Cluster, model: ModelSpec, profile: Profile | None, global_b
                         seeds=seeds, baselines=baselines, work_budget=work_budget,
                         on_candidate=on_candidate, distributed_optimizer=distributed_optimizer,
                         memory_headroom=memory_headroom, min_tokens_per_s=min_tokens_per_s,
-                        charge=charge, max_searches=max_searches)
+                        charge=charge, max_searches=max_searches, sub_fleets=sub_fleets)
     else:
         best = fastest_before(cluster, model, profile, global_batch_size, micro_batch_size,
                               seq_length, deadline, allow_asymmetric_tp=allow_asymmetric_tp,
@@ -1192,12 +1194,13 @@ def cheapest(cluster: Cluster, model: ModelSpec, profile: Profile | None,
              on_candidate: Callable[[Candidate], None] | None = None, deadline: float,
              tp_degrees: list[int] | None = None, seeds: Sequence[Candidate] = (),
              min_tokens_per_s: float | None = None, charge: str = DEFAULT_CHARGE,
-             max_searches: int | None = None, **options) -> Candidate:
+             max_searches: int | None = None, sub_fleets: bool = True,
+             **options) -> Candidate:
     """search() with objective "cost" (module doc): the plan with the fewest USD per million
     tokens among those reaching ``min_tokens_per_s`` (None: no floor), charged by ``charge``,
     running at most ``max_searches`` throughput searches (None: MAX_NODE_SETS per node, every
-    set of GPU types and TP degree per GPU). Raises :class:`FloorNotMet` when no plan reaches
-    the floor."""
+    set of GPU types and TP degree per GPU); ``sub_fleets`` is the whole-fleet fallback's
+    (fastest_before). Raises :class:`FloorNotMet` when no plan reaches the floor."""
     check_prices(cluster)
     check_charge(charge, "charge")
     floor = min_tokens_per_s or 0.0
@@ -1221,7 +1224,8 @@ def cheapest(cluster: Cluster, model: ModelSpec, profile: Profile | None,
         try:
             fastest = fastest_before(cluster, model, resolved, global_batch_size,
                                      micro_batch_size, seq_length, deadline, seeds=seeds,
-                                     tp_degrees=degrees, charge=charge, **options)
+                                     tp_degrees=degrees, charge=charge, sub_fleets=sub_fleets,
+                                     **options)
         except ConfigError:
             raise no_plan_fits(problem, degrees, [False, True] if options.get(
                 "activation_recompute") is None else [options["activation_recompute"]])

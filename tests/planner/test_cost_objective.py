@@ -225,6 +225,9 @@ def test_the_node_set_budget_is_named_when_it_binds(monkeypatch, fastest):
     monkeypatch.undo()
     assert search(CLUSTER, GPT, None, GBS, 1, progress=False, objective="cost",
                   min_tokens_per_s=floor, max_searches=1).stopped_by == search_module.STOP_SETS
+    assert search(CLUSTER, GPT, None, GBS, 1, progress=False, objective="cost",
+                  min_tokens_per_s=floor, max_searches=1,
+                  charge="per-gpu").stopped_by == search_module.STOP_SETS
     for objective, budget in (("throughput", 1), ("cost", 0)):
         with pytest.raises(ConfigError, match="field 'max_searches': got "):
             search(CLUSTER, GPT, None, GBS, 1, progress=False, objective=objective,
