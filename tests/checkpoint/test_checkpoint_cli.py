@@ -19,7 +19,6 @@ from megatron_autohet.checkpoint.manifest import (LATEST_FILE, MANIFEST_FILE, re
 from megatron_autohet.checkpoint.options import CheckpointOptions
 from megatron_autohet.checkpoint.s3_store import S3Store
 from helpers.dist_utils import run_on_ranks
-from megatron_autohet.testing.s3_server import free_port
 from helpers.checkpointing import HALF, TOTAL, as_format_1, train_job
 from helpers.cli import expect_usage_error, run_cli, table
 from helpers.training import OPTIMIZER, PLANS, global_batches, plan
@@ -314,8 +313,9 @@ def test_s3_ls_and_verify(capsys, saved, s3_endpoint, s3_uri, tmp_path, monkeypa
 
 
 @pytest.mark.e2e
-def test_s3_unreachable_endpoint_is_one_line_and_exit_2(capsys, s3_endpoint, s3_uri):
-    url = f"http://127.0.0.1:{free_port()}"
+def test_s3_unreachable_endpoint_is_one_line_and_exit_2(capsys, s3_endpoint, s3_uri,
+                                                         refused_url):
+    url = refused_url
     rc, out, err = run_cli(capsys, "checkpoint", "ls", s3_uri, "--autohet-s3-endpoint-url", url)
     assert rc == 2 and "Traceback" not in out + err
     assert err.strip().splitlines() == [

@@ -20,7 +20,6 @@ from megatron_autohet.checkpoint.recovery_plan import copies_of
 from megatron_autohet.checkpoint.state import RNG_KEY
 from megatron_autohet.plan import plan_from_dict
 from helpers.dist_utils import RankFailed, run_on_ranks
-from megatron_autohet.testing.s3_server import free_port
 from helpers.checkpointing import HALF, REL, TOTAL, train_job
 from helpers.cli import table
 from helpers.training import global_batches, plan, rel
@@ -251,11 +250,11 @@ def test_async_save_and_upload_resume_exactly(full_and_batches, tmp_path, s3_end
 
 
 @pytest.mark.e2e
-def test_s3_unreachable_at_save_and_at_recovery(full_and_batches, tmp_path, capfd):
+def test_s3_unreachable_at_save_and_at_recovery(full_and_batches, tmp_path, capfd, refused_url):
     """S3 down: saves stay local (the upload is reported, training goes on) and recovery with
     complete local copies does not need S3."""
     full, batches = full_and_batches
-    dead = f"http://127.0.0.1:{free_port()}"
+    dead = refused_url
     local, first = _save_half(tmp_path, batches, "s3://autohet-test/down", dead)
     out = capfd.readouterr().out
     assert f"WARNING: uploading iteration {HALF} to s3://autohet-test/down failed: " in out

@@ -28,7 +28,6 @@ from megatron_autohet.elastic.notices import (AwsWatcher, AzureWatcher, GcpWatch
                                               SignalWatcher, preempt_notice_in, read_notice, watch,
                                               write_notice)
 from megatron_autohet.errors import ConfigError
-from megatron_autohet.runtime.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 AWS_TIME = "2026-11-23T08:22:00Z"
@@ -245,9 +244,9 @@ def test_rfc1123_parse_matches_the_standard_library():
 @pytest.mark.unit
 @pytest.mark.parametrize("make", [AwsWatcher, GcpWatcher, AzureWatcher],
                          ids=["aws", "gcp", "azure"])
-def test_unreachable_metadata_server_is_logged_once(make):
+def test_unreachable_metadata_server_is_logged_once(make, refused_url):
     logs = []
-    watcher = make(f"http://127.0.0.1:{free_port()}", timeout_s=0.5, log=logs.append)
+    watcher = make(refused_url, timeout_s=0.5, log=logs.append)
     assert watcher.poll() is None and watcher.poll() is None
     assert len(logs) == 1 and logs[0].startswith(f"WARNING: {watcher.source} metadata server")
 
