@@ -330,12 +330,13 @@ def format_prediction(plan, cost=None, train_tokens: float | None = None) -> str
                         "--charge per-node)" if charge == "per-node" else
                         "(spot prices of the GPUs used: --charge per-gpu)"))
     if plan.objective == "cost":
-        floor = plan.min_tokens_per_s
-        lines.append("  objective: the fewest USD per million tokens" + (
-            "" if floor is None else f" at {floor:,.0f} tokens/s or more" + (
-                # (the predicted figure is rounded to 0.1 tokens/s)
-                " (NOT REACHED by this plan)" if predicted["tokens_per_s"] < floor - 0.05
-                else "")) + "; its re-plans keep it")
+        floor, objective = plan.min_tokens_per_s, "the fewest USD per million tokens"
+        if floor is not None:
+            objective += f" at {floor:,.0f} tokens/s or more"
+            # (the predicted figure is rounded to 0.1 tokens/s)
+            if predicted["tokens_per_s"] < floor - 0.05:
+                objective += " (NOT REACHED by this plan)"
+        lines.append(f"  objective: {objective}; its re-plans keep it")
     if train_tokens is not None:
         hours = train_tokens / predicted["tokens_per_s"] / 3600
         lines.append(f"  {format_tokens(train_tokens)} tokens train in {format_hours(hours)}"

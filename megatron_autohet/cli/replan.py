@@ -115,9 +115,8 @@ def run(args) -> int:
             best = (f"the plan's objective: cheapest {result.cheapest_usd_per_million_tokens:.4g}"
                     " USD per million tokens" + (f" at {floor:,.0f} tokens/s or more"
                                                  if floor else ""))
-        if result.objective_note:
-            print(f"> WARNING: the plan's objective is cost, not kept on this fleet: "
-                  f"{result.objective_note}")
+        if result.objective_warning:
+            print(f"> WARNING: {result.objective_warning}")
         print(f"> compared {result.candidates} plans in {elapsed:.1f} s ({best}, tolerance "
               f"{args.tolerance:.0%}; search {search_end(result)}); wrote {args.output}")
     return 0

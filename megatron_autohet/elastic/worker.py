@@ -281,9 +281,8 @@ class ElasticWorker:
         except ConfigError as err:
             raise self._no_plan([(n.name, n.num_gpus, n.gpu) for n in cluster.nodes], err,
                                 state) from None
-        if found.objective_note:
-            self._log(True).emit("objective", "the plan's objective is cost, not kept on this "
-                                 f"fleet: {found.objective_note}", kept=False,
+        if found.objective_warning:
+            self._log(True).emit("objective", found.objective_warning, kept=False,
                                  note=found.objective_note)
         return found
 

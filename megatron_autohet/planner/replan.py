@@ -114,6 +114,13 @@ class Replan:
     cheapest_usd_per_million_tokens: float | None = None
     objective_note: str | None = None
 
+    @property
+    def objective_warning(self) -> str | None:
+        """What `autohet replan` and the elastic worker say where the objective was not kept."""
+        if self.objective_note is None:
+            return None
+        return f"the plan's objective is cost, not kept on this fleet: {self.objective_note}"
+
 
 def fleet_unchanged(previous: Plan, cluster: Cluster) -> bool:
     """Whether ``cluster`` is the fleet ``previous`` was made for (module doc, step 1)."""
@@ -391,7 +398,8 @@ def replan(previous: Plan, cluster: Cluster, model: ModelSpec, profile: Profile 
                    memory_headroom=headroom, on_candidate=judged.append, charge=charge)
     best, note = None, None
     if previous.objective == "cost":
-        best, note = _cheapest(previous, problem, profile, cluster_file, options)
+        best, why = _cheapest(previous, problem, profile, cluster_file, options)
+        note = None if why is None else f"{why}: the fastest plan instead of the cheapest"
     objective = "cost" if best is not None else "throughput"
     if best is None:
         best = search(cluster, model, profile, previous.global_batch_size, mbs, seq,
@@ -443,7 +451,7 @@ def _cheapest(previous: Plan, problem: Problem, profile: Profile | None, cluster
     try:
         check_prices(problem.cluster, cluster_file, "the plan's objective cost")
     except ConfigError as exc:
-        return None, f"{exc.problem}: the fastest plan instead of the cheapest"
+        return None, exc.problem
     try:
         return search(problem.cluster, problem.model, profile, problem.global_batch_size,
                       problem.micro_batch_size, problem.seq_length, objective="cost",
@@ -451,5 +459,4 @@ def _cheapest(previous: Plan, problem: Problem, profile: Profile | None, cluster
                       sub_fleets=False, **options), None
     except FloorNotMet as exc:
         return None, (f"no plan on the fleet present reaches the plan's floor of {floor:,.0f} "
-                      f"tokens/s (the fastest: {exc.fastest_tokens_per_s:,.0f}): the fastest "
-                      "plan instead of the cheapest")
+                      f"tokens/s (the fastest: {exc.fastest_tokens_per_s:,.0f})")
