@@ -212,25 +212,50 @@ def test_homogeneous_plan_matches_stock_megatron_core():
           f"(worst tensor {worst:.2e})")
 
 
+def _kernel_calls(rank, world, run, *args, **kwargs):
+    """``run``'s result on this rank and how many times torch's fused AdamW kernel
+    (``torch._fused_adamw_``, which torch's AdamW looks up at every fused step) was called."""
+    kernel, calls = torch._fused_adamw_, [0]
+
+    def counted(*a, **k):
+        calls[0] += 1
+        return kernel(*a, **k)
+
+    torch._fused_adamw_ = counted
+    try:
+        return run(rank, world, *args, **kwargs), calls[0]
+    finally:
+        torch._fused_adamw_ = kernel
+
+
 def test_stock_baseline_steps_with_the_runtimes_fused_adamw():
     """On CUDA the runtime steps with torch's fused AdamW and so does the stock baseline
-    (testing/stock.py sets megatron's AdamW groups to it), forced here on the CPU: stock's
-    fused run is not its foreach run (the switch reached torch's kernel, which rounds
-    differently in the last bit) and matches ours, fused too, as closely as foreach runs do."""
+    (testing/stock.py sets megatron's AdamW groups to it), forced here on the CPU: with the
+    switch on, every rank's steps call torch's fused kernel (once per parameter group at each
+    iteration; without it, never), and stock's fused run matches ours, fused too, as closely as foreach runs do. (Whether
+    the fused kernel rounds differently from the foreach one depends on the CPU's kernels, so
+    the kernel's calls are counted rather than its results compared.)"""
     plan = load_plan(PLANS / "tiny-homogeneous.yaml")
     batches = global_batches(plan, ITERS)
     total = plan.num_microbatches_total
 
-    def stock_metrics(fused):
-        stock = [m for m, *_ in run_on_ranks(plan.world_size, _stock_megatron, plan, batches,
-                                             fused_optimizer=fused, timeout=180)]
-        return [(sum(sum(stock[r][step][0]) for r in range(plan.world_size)) / total,
-                 stock[0][step][1]) for step in range(ITERS)]
+    def stock_run(fused):
+        results = run_on_ranks(plan.world_size, _kernel_calls, _stock_megatron, plan, batches,
+                               fused_optimizer=fused, timeout=180)
+        stock = [metrics for (metrics, *_), _ in results]
+        return ([(sum(sum(stock[r][step][0]) for r in range(plan.world_size)) / total,
+                  stock[0][step][1]) for step in range(ITERS)], [calls for _, calls in results])
 
-    stock_fused = stock_metrics(True)
-    assert stock_fused != stock_metrics(False)
-    ours = run_on_ranks(plan.world_size, _hetero, plan, batches, fused_optimizer=True,
-                        timeout=180)[0][0]
+    def every_step(calls: list[int]) -> bool:
+        return all(n > 0 and n % ITERS == 0 for n in calls)
+
+    stock_fused, stock_calls = stock_run(True)
+    assert every_step(stock_calls), stock_calls
+    assert stock_run(False)[1] == [0] * plan.world_size
+    results = run_on_ranks(plan.world_size, _kernel_calls, _hetero, plan, batches,
+                           fused_optimizer=True, timeout=180)
+    assert every_step([calls for _, calls in results]), results
+    ours = results[0][0][0]
     diffs = [max(rel(x[0], y[0]), rel(x[1], y[1])) for x, y in zip(ours, stock_fused)]
     print(f"fused AdamW, ours vs stock megatron-core: max relative difference {max(diffs):.2e}")
     assert max(diffs) <= REL, diffs
