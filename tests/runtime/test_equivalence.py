@@ -232,9 +232,9 @@ def test_stock_baseline_steps_with_the_runtimes_fused_adamw():
     """On CUDA the runtime steps with torch's fused AdamW and so does the stock baseline
     (testing/stock.py sets megatron's AdamW groups to it), forced here on the CPU: with the
     switch on, every rank's steps call torch's fused kernel (once per parameter group at each
-    iteration; without it, never), and stock's fused run matches ours, fused too, as closely as foreach runs do. (Whether
-    the fused kernel rounds differently from the foreach one depends on the CPU's kernels, so
-    the kernel's calls are counted rather than its results compared.)"""
+    iteration; without it, never), and stock's fused run matches ours, fused too, as closely as
+    foreach runs do. (Whether the fused kernel rounds differently from the foreach one depends
+    on the CPU's kernels, so the kernel's calls are counted rather than its results compared.)"""
     plan = load_plan(PLANS / "tiny-homogeneous.yaml")
     batches = global_batches(plan, ITERS)
     total = plan.num_microbatches_total
