@@ -8,13 +8,21 @@ Public API
     ``fn(rank, world_size, *args, **kwargs)``. Returns the results in rank order (they must be
     picklable). If a process raises, the others are stopped and a ``RankFailed`` carrying the
     formatted traceback of every failed child is raised here; a process that hangs past ``timeout``
-    seconds (e.g. a collective whose peer died) fails the same way instead of hanging the test
-    suite.
+    seconds of :class:`LoadClock` (e.g. a collective whose peer died) fails the same way instead
+    of hanging the test suite.
+``LoadClock()``: ``.seconds()`` since it was made, wall time scaled down by the load (below).
 
 Design: processes are forked, not spawned, so children inherit the already-imported torch and
 megatron-core (imported here, before any fork: an import costs ~5 s per process on 2 cores) and
 ``fn`` may be any callable, closures included. Each child uses one intra-op thread: N processes
 share 2 cores, and oversubscription makes small runs several times slower.
+
+The hang guard counts seconds of an unloaded machine, not wall seconds: a timeout sized for a quiet
+machine held on one with two busy processes per core beside the suite too (CI runs on a shared
+machine). Between two readings the clock advances by the wall time times the share of the CPUs the
+runnable threads leave each (``cores / runnable``, at most 1; /proc/loadavg's instantaneous count,
+less the reader itself). A hang still ends: hung ranks wait in a collective and run nothing, so
+the clock runs at the rate the rest of the machine leaves (on a quiet one, the wall clock).
 """
 
 from __future__ import annotations
@@ -34,6 +42,27 @@ import megatron.core.pipeline_parallel  # noqa: F401
 import torch.distributed  # noqa: F401
 
 from megatron_autohet.runtime.ports import free_port
+
+
+class LoadClock:
+    """Seconds of an unloaded machine since it was made (module doc); read it often (the load
+    of each interval is sampled once, at its end)."""
+
+    def __init__(self):
+        self._last = time.monotonic()
+        self._seconds = 0.0
+
+    def seconds(self) -> float:
+        now = time.monotonic()
+        try:
+            with open("/proc/loadavg") as f:
+                runnable = int(f.read().split()[3].split("/")[0]) - 1
+        except (OSError, ValueError, IndexError):       # no /proc: the wall clock
+            runnable = 0
+        share = min(1.0, (os.cpu_count() or 1) / max(1, runnable))
+        self._seconds += (now - self._last) * share
+        self._last = now
+        return self._seconds
 
 
 class RankFailed(RuntimeError):
@@ -74,15 +103,18 @@ def run_on_ranks(world_size: int, fn, *args, timeout: float = 120, **kwargs) -> 
         proc.start()
     values: dict[int, object] = {}
     failures: dict[int, str] = {}
-    deadline = time.monotonic() + timeout
+    clock, start = LoadClock(), time.monotonic()
+    deadline = timeout
     try:
         while len(values) + len(failures) < world_size:
-            remaining = deadline - time.monotonic()
+            remaining = deadline - clock.seconds()
             if remaining <= 0:
                 if failures:
                     break
                 missing = sorted(set(range(world_size)) - set(values))
-                raise RankFailed(f"ranks {missing} did not finish within {timeout:.0f} s")
+                raise RankFailed(f"ranks {missing} did not finish within {timeout:.0f} s "
+                                 f"(of an unloaded machine; {time.monotonic() - start:.0f} s of "
+                                 "wall time)")
             try:
                 rank, ok, value = results.get(timeout=min(remaining, 1.0))
             except queue.Empty:
@@ -97,7 +129,7 @@ def run_on_ranks(world_size: int, fn, *args, timeout: float = 120, **kwargs) -> 
                 # The first failure often makes peers fail in collectives ("connection closed by
                 # peer"); wait briefly for theirs too so the root cause is in the report.
                 failures[rank] = value
-                deadline = min(deadline, time.monotonic() + 3.0)
+                deadline = min(deadline, clock.seconds() + 3.0)
         if failures:
             report = "\n".join(f"--- rank {r} of {world_size}:\n{failures[r]}"
                                for r in sorted(failures))
