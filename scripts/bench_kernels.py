@@ -55,7 +55,7 @@ def profile_plan(plan_path: Path, model_path: Path, iters: int, warmup: int,
     from megatron_autohet.plan import load_plan
     from megatron_autohet.runtime.cpu_mode import cpu_mode_required, enable_cpu_mode
     from megatron_autohet.runtime.optimizer import OptimizerSettings
-    from megatron_autohet.runtime.ports import free_port
+    from megatron_autohet.system.ports import free_port
     from megatron_autohet.runtime.trainer import HeteroTrainer
     from megatron_autohet.spec import load_model
     from megatron_autohet.spec.precision import default_precision

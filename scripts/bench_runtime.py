@@ -219,7 +219,7 @@ def run_plan(plan_path: Path, *, kinds: tuple[str, ...], iters: int,
              data_dir: str) -> list[dict]:
     """Every rank's {kind: {"wall", "cpu", "grad_norm": per-iteration lists}}, in rank order."""
     from megatron_autohet.plan import load_plan
-    from megatron_autohet.runtime.ports import free_port
+    from megatron_autohet.system.ports import free_port
 
     world = load_plan(plan_path).world_size
     ctx = mp.get_context("fork")

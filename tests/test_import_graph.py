@@ -24,7 +24,7 @@ NAME = "megatron_autohet"
 
 # Earliest first; the components of one entry may not import each other.
 LAYERS = (
-    {"__init__", "errors", "known_warnings"},
+    {"__init__", "errors", "known_warnings", "system"},
     {"spec"},
     {"plan"},
     {"layout"},

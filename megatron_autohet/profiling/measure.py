@@ -57,7 +57,7 @@ from tqdm import tqdm
 from megatron_autohet.errors import ConfigError
 from megatron_autohet.known_warnings import ignore_known_warnings
 from megatron_autohet.profiling.profile import OpCost, Profile, entry_from_dict
-from megatron_autohet.runtime.ports import free_port
+from megatron_autohet.system.ports import free_port
 from megatron_autohet.spec.gpus import GPUType
 from megatron_autohet.spec.model import ModelSpec
 from megatron_autohet.spec.precision import default_precision

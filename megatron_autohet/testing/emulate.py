@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from megatron_autohet.runtime.ports import free_port
+from megatron_autohet.system.ports import free_port
 
 
 def _children() -> dict[int, list[int]]:

@@ -12,7 +12,7 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from megatron_autohet.runtime.ports import free_port
+from megatron_autohet.system.ports import free_port
 
 BUCKET = "autohet-test"
 ACCESS_KEY_ID = "testing"

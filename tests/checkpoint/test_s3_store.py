@@ -15,7 +15,7 @@ import pytest
 from megatron_autohet.checkpoint.manifest import LATEST_FILE, MANIFEST_FILE, step_dir_name
 from megatron_autohet.checkpoint.s3_store import S3Error, S3Location, S3Store, parse_s3_uri
 from megatron_autohet.errors import ConfigError
-from megatron_autohet.runtime.ports import free_port
+from megatron_autohet.system.ports import free_port
 from megatron_autohet.testing.s3_server import seed_objects
 
 MiB = 2**20

@@ -13,7 +13,7 @@ import pytest
 from helpers.dist_utils import run_on_ranks
 from helpers.training import plan as proof_plan
 from megatron_autohet.plan import plan_from_dict
-from megatron_autohet.runtime.ports import free_port
+from megatron_autohet.system.ports import free_port
 from megatron_autohet.spec.cluster import cluster_from_dict
 
 # gloo processes and a re-plan each

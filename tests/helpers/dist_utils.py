@@ -41,7 +41,7 @@ import megatron.core.optimizer
 import megatron.core.pipeline_parallel  # noqa: F401
 import torch.distributed  # noqa: F401
 
-from megatron_autohet.runtime.ports import free_port
+from megatron_autohet.system.ports import free_port
 
 
 class LoadClock:

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from megatron_autohet.known_warnings import KNOWN_WARNINGS
-from megatron_autohet.runtime.ports import free_port
+from megatron_autohet.system.ports import free_port
 from helpers.megatron_lm import (MLM, PLAN, ROOT, SCHEDULE_ARGS, logged_metrics,
                                  megatron_lm_runnable, output_tail, pristine_copy)
 from helpers.training import LOSS_REL, NORM_REL
