@@ -38,6 +38,7 @@ from megatron_autohet.errors import ConfigError, JobConfigError
 from megatron_autohet.job import TrainOptions, init_backend, report_job_config_error, train_job
 from megatron_autohet.plan import Plan, load_plan
 from megatron_autohet.spec.model import ModelSpec, load_model
+from megatron_autohet.system.parent_death import export_parent_pid
 
 
 @dataclass(frozen=True)
@@ -99,7 +100,8 @@ def launch_local(plan: Plan, plan_path: str | Path, model_path: str | Path,
     launcher elastic jobs use on every node, here with one node and no restarts).
 
     Returns 0 when every rank exits 0, else the first failing rank's status (the agent stops
-    the others). With fewer GPUs than ranks every process runs on the CPU.
+    the others). With fewer GPUs than ranks every process runs on the CPU. The ranks die with
+    this process, however it ends (kill -9 included: system/parent_death.py).
     """
     # torch: not at `autohet` start-up
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -118,6 +120,7 @@ def launch_local(plan: Plan, plan_path: str | Path, model_path: str | Path,
     job_dir = tempfile.mkdtemp(prefix="autohet-job-")
     job_file = os.path.join(job_dir, "options.json")
     options.write(job_file)
+    export_parent_pid()                 # the ranks die with this launcher (system/parent_death)
     try:
         elastic_launch(config, entrypoint=sys.executable)(
             "-m", "megatron_autohet.cli.main", "train", "--plan", str(plan_path),

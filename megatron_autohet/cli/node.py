@@ -55,6 +55,7 @@ from megatron_autohet.cli.train import node_job
 from megatron_autohet.cli.warm import READY, SOCKET_ENV
 from megatron_autohet.elastic.notices import preempt_notice_in
 from megatron_autohet.errors import ConfigError
+from megatron_autohet.system.parent_death import export_parent_pid
 
 RDZV_CONF = "is_host=false,last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3"
 
@@ -126,6 +127,7 @@ def run(args: argparse.Namespace) -> int:
         os.environ["AUTOHET_GPU"] = args.gpu
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     os.environ[ENDPOINT_ENV] = args.rendezvous      # a worker that stops the job says so there
+    export_parent_pid()                 # torchrun's workers die with this agent (parent_death)
     server = None if args.cold_workers else start_fork_server()
     spare = {server[0].pid} if server else set()
     job_dir = tempfile.mkdtemp(prefix="autohet-node-job-")
@@ -177,7 +179,8 @@ def start_fork_server():
     where = tempfile.mkdtemp(prefix="autohet-warm-")
     path = os.path.join(where, "fork.sock")
     server = subprocess.Popen([sys.executable, "-m", "megatron_autohet.cli.warm", "--serve",
-                               path], stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
+                               path, str(os.getpid())], stdout=subprocess.PIPE,
+                              stdin=subprocess.DEVNULL)
     said = server.stdout.readline()
     if said != READY:
         print(f"autohet node: the warm fork server did not start (status {server.wait()}): "

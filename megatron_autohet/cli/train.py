@@ -28,6 +28,7 @@ from megatron_autohet.launch import DistEnv, launch_local, load_job, run_worker
 from megatron_autohet.plan import check_bf16_support
 from megatron_autohet.spec.cluster import load_cluster
 from megatron_autohet.spec.gpus import load_gpu_catalog
+from megatron_autohet.system.parent_death import die_with_launcher
 from megatron_autohet.runtime.optimizer import (LR_DECAY_STYLES, SCHEDULE_CHOICE, SCHEDULE_FLAGS,
                                                 OptimizerSettings, schedule_fields,
                                                 schedule_mismatch)
@@ -262,7 +263,8 @@ def run_elastic(plan, model, options: TrainOptions) -> int:
 def run_launched_rank(args: argparse.Namespace) -> int:
     """A rank launch_local or `autohet node` started: the options are the launcher's, checked
     and written to ``--job-file`` before any rank started; the command line names only the plan
-    and model."""
+    and model. It dies with the process that started it (system/parent_death.py)."""
+    die_with_launcher()
     for dest, flag, default in _OPTIONS:
         if getattr(args, dest) != default:
             raise ConfigError("<command line>", flag, "given with --job-file",

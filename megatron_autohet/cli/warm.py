@@ -18,6 +18,11 @@ interpreter). The client stays what torchrun sees: it passes torchrun's signals 
 and exits with the child's status (a signal's death as 128 + the signal). A client that dies
 (torchrun's SIGKILL after its shutdown timeout) takes its child with it.
 
+Nothing outlives the node (system/parent_death.py): the client dies with torchrun's agent, the
+server with `autohet node`, each forked worker with the server, however they end (kill -9
+included); a client that hangs up at any point of its request - before the server read it,
+before or after the fork - leaves no child behind and the server serving.
+
 Without ``AUTOHET_WARM_SOCKET`` (a worker started by plain torchrun), or when the server cannot
 be reached, the client runs the worker cold in its own process (exec).
 
@@ -41,6 +46,7 @@ import traceback
 
 from megatron_autohet.cli.main import build_parser, main
 from megatron_autohet.known_warnings import ignore_known_warnings
+from megatron_autohet.system.parent_death import die_with_launcher, die_with_parent
 
 SOCKET_ENV = "AUTOHET_WARM_SOCKET"
 READY = b"ready\n"
@@ -66,6 +72,7 @@ def _recv_line(conn: socket.socket) -> bytes:
 
 def client(argv: list[str]) -> int:
     """Run ``autohet ARGV`` as a child of the node's fork server; its exit status."""
+    die_with_launcher()                 # before the cold exec too: the signal survives exec
     path = os.environ.get(SOCKET_ENV)
     if not path:
         _cold(argv)
@@ -125,12 +132,14 @@ def _preload() -> None:
     build_parser()                      # every sub-command module
 
 
-def _become_worker(server_fds: list, request: dict, fds: list[int]) -> None:
-    """In the forked child: close the server's sockets (``server_fds``: a client must see the
-    server's end, not a copy held here), take the client's streams, environment and arguments,
-    run ``autohet`` and end the process (never returns)."""
+def _become_worker(server: int, server_fds: list, request: dict, fds: list[int]) -> None:
+    """In the forked child of the server (pid ``server``), which it dies with: close the
+    server's sockets (``server_fds``: a client must see the server's end, not a copy held here),
+    take the client's streams, environment and arguments, run ``autohet`` and end the process
+    (never returns)."""
     status = 1
     try:
+        die_with_parent(server)
         for held in server_fds:
             held.close()
         os.setsid()                     # like a worker torchrun starts: a session of its own
@@ -165,50 +174,79 @@ def _become_worker(server_fds: list, request: dict, fds: list[int]) -> None:
             os._exit(status)
 
 
-def serve(path: str) -> int:
+def _request(conn: socket.socket) -> tuple[dict, list[int]] | None:
+    """A client's request and its three streams; None (nothing held open) when the client hung
+    up or sent something else."""
+    fds: list[int] = []
+    try:
+        message, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
+        while message and not message.endswith(b"\n"):
+            more = conn.recv(1 << 20)
+            if not more:
+                break
+            message += more
+        if len(fds) == 3 and message.endswith(b"\n"):
+            return json.loads(message), fds
+    except (OSError, ValueError):
+        pass
+    for fd in fds:
+        os.close(fd)
+    return None
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def serve(path: str, parent: int) -> int:
     """The node's fork server: preload, listen on the Unix socket ``path``, write READY to
-    stdout, then fork a worker per client until the parent process (`autohet node`) is gone."""
+    stdout, then fork a worker per client until its parent process (`autohet node`, pid
+    ``parent``), which it dies with, is gone."""
+    die_with_parent(parent)
     _preload()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
     listener.listen(64)
-    parent = os.getppid()
     sys.stdout.buffer.write(READY)
     sys.stdout.flush()
     events = selectors.DefaultSelector()
     events.register(listener, selectors.EVENT_READ)
     children: dict[int, socket.socket] = {}            # child pid -> its client's connection
-    while os.getppid() == parent:
+    while os.getppid() == parent:       # the parent-death signal's twin, for a clean exit
         for key, _ in events.select(timeout=0.05):
             if key.fileobj is listener:
                 conn, _ = listener.accept()
-                message, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
-                while not message.endswith(b"\n"):
-                    more = conn.recv(1 << 20)
-                    if not more:
-                        break
-                    message += more
-                if len(fds) != 3 or not message.endswith(b"\n"):
-                    for fd in fds:
-                        os.close(fd)
+                got = _request(conn)
+                if got is None:
                     conn.close()
                     continue
-                request = json.loads(message)
+                request, fds = got
+                server = os.getpid()
                 pid = os.fork()
                 if pid == 0:
-                    _become_worker([listener, conn, events, *children.values()], request, fds)
+                    _become_worker(server, [listener, conn, events, *children.values()],
+                                   request, fds)
                 for fd in fds:
                     os.close(fd)
-                conn.sendall(f"{pid}\n".encode())
+                # Registered before the reply: a client that hung up meanwhile (a quick round
+                # change) is then seen below, its worker killed and reaped like any other.
                 children[pid] = conn
                 events.register(conn, selectors.EVENT_READ, pid)
+                try:
+                    conn.sendall(f"{pid}\n".encode())
+                except OSError:
+                    _kill(pid)
             else:                       # a client hung up: its worker must not outlive it
                 pid = key.data
-                if pid in children and not key.fileobj.recv(1):
-                    try:
-                        os.kill(pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
+                try:
+                    hung_up = not key.fileobj.recv(1)
+                except OSError:
+                    hung_up = True
+                if pid in children and hung_up:
+                    _kill(pid)
                     events.unregister(key.fileobj)
         while children:
             try:
@@ -234,5 +272,5 @@ def serve(path: str) -> int:
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--serve"]:
-        sys.exit(serve(sys.argv[2]))
+        sys.exit(serve(sys.argv[2], int(sys.argv[3])))
     sys.exit(client(sys.argv[1:]))
