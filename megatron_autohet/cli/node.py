@@ -34,6 +34,14 @@ checkpoint saves failed: the last one, or --autohet-max-failed-saves in a row) e
 with one line saying why and which steps are complete where, exit status 76 (EXIT_STOPPED),
 instead of torchrun restarting its workers.
 
+SIGTERM to this process (a supervisor stopping the node, Kubernetes without a watcher in the
+pod, launch_node.sh's clean-up) is a preemption notice when the node has ``--notice-file``: it is
+written there with ``--signal-grace`` seconds to its deadline, and the node leaves as it would
+on the watcher's notice - its workers save, hand their files to the nodes that stay and stop,
+the others re-plan in-process. Without a notice file torchrun handles it: the workers get
+SIGTERM and stop, and the others see the node lost. torchrun's workers, the warm fork server
+and its workers die with this process however it ends (system/parent_death.py).
+
 The node's name and GPU type reach the workers as ``AUTOHET_NODE`` / ``AUTOHET_GPU``. When this
 node got a preemption notice (``--notice-file`` holds one when the agent ends; a rebalance
 recommendation is no preemption), the command exits 0 so a launcher loop knows not to start it
@@ -50,11 +58,13 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 
 from megatron_autohet.cli.train import node_job
 from megatron_autohet.cli.warm import READY, SOCKET_ENV
-from megatron_autohet.elastic.notices import preempt_notice_in
-from megatron_autohet.errors import ConfigError
+from megatron_autohet.elastic.notices import (SIGNAL_GRACE_S, SignalWatcher, describe,
+                                              preempt_notice_in, write_notice)
+from megatron_autohet.errors import ConfigError, positive
 from megatron_autohet.system.parent_death import export_parent_pid
 
 RDZV_CONF = "is_host=false,last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3"
@@ -80,6 +90,10 @@ def register(subparsers) -> None:
     p.add_argument("--notice-file", default=None,
                    help="the preemption-notice file of this node (as given to `autohet watch` "
                         "and `autohet train --autohet-notice-file`)")
+    p.add_argument("--signal-grace", type=float, default=SIGNAL_GRACE_S, metavar="SECONDS",
+                   help="with --notice-file: SIGTERM to this process is a preemption notice "
+                        "whose deadline is this many seconds after it (default "
+                        f"{SIGNAL_GRACE_S:g}, Kubernetes' terminationGracePeriodSeconds)")
     p.add_argument("--cold-workers", action="store_true",
                    help="start each worker in a fresh Python interpreter, as torchrun does "
                         "(default: forks of this node's warm fork server, imports done)")
@@ -94,11 +108,14 @@ def register(subparsers) -> None:
 
 def torchrun_argv(args: argparse.Namespace, rdzv_backend: str,
                   worker_args: list[str]) -> list[str]:
+    # SIGTERM is this process's own where it becomes a notice (module doc): torchrun's handler
+    # would replace the notice's.
+    handled = ("" if args.notice_file else "SIGTERM,") + "SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
     argv = ["--nnodes", args.nnodes, "--nproc-per-node", str(args.nproc_per_node),
             "--rdzv-backend", rdzv_backend, "--rdzv-endpoint", args.rendezvous,
             "--rdzv-id", args.job_id, "--rdzv-conf", RDZV_CONF,
             "--max-restarts", str(args.max_restarts), "--monitor-interval", "0.1",
-            "--signals-to-handle", "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"]
+            "--signals-to-handle", handled]
     if args.local_addr:
         argv += ["--local-addr", args.local_addr]
     entry = "megatron_autohet.cli.main" if args.cold_workers else "megatron_autohet.cli.warm"
@@ -128,6 +145,9 @@ def run(args: argparse.Namespace) -> int:
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     os.environ[ENDPOINT_ENV] = args.rendezvous      # a worker that stops the job says so there
     export_parent_pid()                 # torchrun's workers die with this agent (parent_death)
+    if args.notice_file:
+        positive(args.signal_grace, "--signal-grace")
+        sigterm_as_notice(args.notice_file, args.signal_grace)
     server = None if args.cold_workers else start_fork_server()
     spare = {server[0].pid} if server else set()
     job_dir = tempfile.mkdtemp(prefix="autohet-node-job-")
@@ -171,6 +191,28 @@ def run(args: argparse.Namespace) -> int:
               "notice", file=sys.stderr)
         return 0
     return status
+
+
+def sigterm_as_notice(notice_file: str, grace_s: float) -> None:
+    """From now on SIGTERM to this process writes a preemption notice to ``notice_file`` (module
+    doc), unless one is there already (a cloud's, whose deadline stands), from a thread that
+    lives as long as the process; the handler is installed here, in the main thread, as Python
+    requires."""
+    watcher = SignalWatcher(("SIGTERM",), grace_s=grace_s, wait_s=1.0)
+    name = os.environ["AUTOHET_NODE"]
+
+    def write_when_signalled() -> None:
+        notice = None
+        while notice is None:
+            notice = watcher.poll()
+        if preempt_notice_in(notice_file):
+            said = f"the preemption notice already in {notice_file} stands"
+        else:
+            write_notice(notice_file, notice)
+            said = f"{describe(notice)}, written to {notice_file}"
+        print(f"autohet node: {name}: SIGTERM: {said}; its workers save and leave",
+              file=sys.stderr, flush=True)
+    threading.Thread(target=write_when_signalled, daemon=True, name="sigterm-notice").start()
 
 
 def start_fork_server():
