@@ -52,7 +52,7 @@ from megatron_autohet.spec.model import ModelSpec, model_from_dict
 
 FORMAT_VERSION = 1
 # What a plan is chosen for: the shortest iteration, or the fewest USD per million tokens among
-# the plans reaching a throughput floor (planner/search.py).
+# the plans reaching a throughput floor (planner/cost_search.py).
 OBJECTIVES = ("throughput", "cost")
 
 

@@ -44,7 +44,7 @@ from megatron_autohet.errors import ConfigError
 from megatron_autohet.planner import compare, search
 from megatron_autohet.testing.exhaustive import exhaustive_optimum, exhaustive_search
 from megatron_autohet.testing.random_fleets import memory_bound_case, odd_case, random_case
-from megatron_autohet.planner.search import resolve_profile
+from megatron_autohet.planner.space import resolve_profile
 from megatron_autohet.planner.replan import REPLAN_WORK_BUDGET, replan
 from megatron_autohet.spec import load_cluster, load_model
 from megatron_autohet.spec.cluster import Cluster, cluster_from_dict

@@ -149,7 +149,7 @@ def load_planning_inputs(args):
     profile = load_profile(args.profile, model.name) if args.profile else None
     if args.objective == "cost" or args.charge is not None:
         # pyscipopt: not at `autohet` start-up
-        from megatron_autohet.planner.search import check_prices
+        from megatron_autohet.planner.cost_search import check_prices
 
         check_prices(cluster, args.cluster, "--objective cost" if args.objective == "cost"
                      else "--charge")
@@ -184,7 +184,7 @@ def throughput_floor(args) -> float | None:
 
 
 def floor_error(args, exc) -> ConfigError:
-    """A planner.search.FloorNotMet in the words of the flag that set the floor."""
+    """A planner.cost_search.FloorNotMet in the words of the flag that set the floor."""
     fastest = exc.fastest_tokens_per_s
     if args.deadline_hours is None:
         return ConfigError("<command line>", "--min-tokens-per-s",
@@ -351,7 +351,7 @@ def format_prediction(plan, cost=None, train_tokens: float | None = None) -> str
 def search_end(cand) -> str:
     """How the search that found ``cand`` ended, in words."""
     # pyscipopt: not at `autohet` start-up
-    from megatron_autohet.planner.search import STOP_SETS, STOP_TIME, STOP_WORK
+    from megatron_autohet.planner.candidate import STOP_SETS, STOP_TIME, STOP_WORK
 
     if cand.stopped_by == STOP_TIME:
         return ("cut by --time-limit before its work budget: the plan may differ on a faster "

@@ -32,7 +32,7 @@ def register(subparsers) -> None:
 def run(args) -> int:
     # pyscipopt (the planner's SCIP) only when a command plans, not at `autohet` start-up
     from megatron_autohet.planner.compare import compare
-    from megatron_autohet.planner.search import FloorNotMet
+    from megatron_autohet.planner.cost_search import FloorNotMet
 
     cluster, model, profile = load_planning_inputs(args)
     options = planning_options(args)

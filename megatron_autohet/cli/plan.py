@@ -35,8 +35,9 @@ def register(subparsers) -> None:
 
 def run(args) -> int:
     # pyscipopt (the planner's SCIP) only when a command plans, not at `autohet` start-up
-    from megatron_autohet.planner.search import (FloorNotMet, priced_precision, search,
-                                                 with_left_out)
+    from megatron_autohet.planner.cost_search import FloorNotMet
+    from megatron_autohet.planner.search import search, with_left_out
+    from megatron_autohet.planner.space import priced_precision
 
     cluster, model, profile = load_planning_inputs(args)
     # The plan trains in the precision it is priced in: GPUs that cannot (V100s and T4s in

@@ -80,7 +80,7 @@ def check_figure_path(path: str) -> None:
 def predict(plan, args):
     """PlanCost with timelines, or None when no cluster is known."""
     # pyscipopt: not at `autohet` start-up
-    from megatron_autohet.planner.search import resolve_profile
+    from megatron_autohet.planner.space import resolve_profile
 
     cluster_file = args.cluster or bundled_cluster_path(plan.cluster)
     if cluster_file is None:

@@ -1,11 +1,24 @@
 """The planner: from a cluster, a model and a profile to a plan (and baselines to compare with).
 
-``make_plan``   the SCIP-based search (planner/search.py; the model itself in scip_model.py)
-``compare``     our plan against the Megatron-LM, Whale-style and homogeneous baselines
-``exhaustive``  brute-force search of the same plan space for small clusters (tests, benchmark)
+``search``             the entry points, ``make_plan`` and ``search``, for either objective
+``throughput_search``  the fastest plan of a fleet, never slower than its sub-fleets' plans
+``cost_search``        the cheapest plan reaching a throughput floor, over node sets or GPU types
+``options``            a config's pipeline options: the stage sequences priced and those kept
+``branch_and_bound``   best-first branch and bound over the configs, the SCIP model in each
+``scip_model``         the SCIP composition model: how many pipelines of each option
+``space``              the plan space's building blocks: pools, option pricing, placement
+``candidate``          what every search returns (plan, cost, how its search ended)
+``warmup``             the HAPT warm-up post-pass on the best plan
+``baselines``          Megatron-LM, Whale-style and homogeneous plans, the search's first incumbents
+``compare``            our plan against those baselines, judged by the same cost model
+``replan``             the plan after a fleet change, moving little training state
+``state_moves``        where the training state lies, and what a new plan's recovery moves
+(the brute-force search of the same space for small clusters, the yardstick for tests and the
+benchmark, is testing/exhaustive.py)
 """
 
+from megatron_autohet.planner.candidate import Candidate
 from megatron_autohet.planner.compare import BaselineResult, Comparison, compare
-from megatron_autohet.planner.search import Candidate, make_plan, search
+from megatron_autohet.planner.search import make_plan, search
 
 __all__ = ["make_plan", "search", "Candidate", "compare", "Comparison", "BaselineResult"]

@@ -8,9 +8,8 @@ from megatron_autohet.cost_model import (DEFAULT_CHARGE, DEFAULT_MEMORY_HEADROOM
                                          annotate_plan)
 from megatron_autohet.plan import Plan
 from megatron_autohet.planner.baselines import all_baselines
-from megatron_autohet.planner.search import (priced_precision, resolve_profile, search,
-                                             with_left_out)
-from megatron_autohet.planner.space import Problem, check_batch
+from megatron_autohet.planner.search import search, with_left_out
+from megatron_autohet.planner.space import Problem, check_batch, priced_precision, resolve_profile
 from megatron_autohet.profiling.profile import Profile
 from megatron_autohet.spec.cluster import Cluster, trainable_fleet
 from megatron_autohet.spec.model import ModelSpec
@@ -40,7 +39,7 @@ class Comparison:
     plan: Plan
     cost: PlanCost
     baselines: list[BaselineResult]
-    stopped_by: str = "complete"    # how our search ended (search.Candidate.stopped_by)
+    stopped_by: str = "complete"    # how our search ended (candidate.Candidate.stopped_by)
 
     def baseline(self, name: str) -> BaselineResult:
         return next(b for b in self.baselines if b.name == name)
@@ -67,7 +66,7 @@ def compare(cluster: Cluster, model: ModelSpec, profile: Profile | None, global_
     """Plan with make_plan's search and evaluate the baselines (planner/baselines.py) on the
     same cluster, model, profile and batch; speedup = baseline time / our time. Every plan
     carries its USD per million tokens when the nodes have prices, charged by ``charge``
-    (``min_tokens_per_s``: the cost objective's floor, search.py). All of them run on the GPUs
+    (``min_tokens_per_s``: the cost objective's floor, cost_search.py). All of them run on the GPUs
     that can train in the profile's precision (spec/cluster.py ``trainable_fleet``: a bf16 job
     of any kind has no use for V100s and T4s), the others counted idle."""
     seq_length = seq_length or model.seq_length

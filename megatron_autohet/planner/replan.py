@@ -27,17 +27,18 @@ among its idle GPUs.
    pipelines and idles 32 H800s, 6.8% slower than the search's best, so outside the tolerance).
 3. **Search**: planner/search.py seeded with the derived and patched plans as incumbents and
    WITHOUT the baselines (on 1024 GPUs the baselines alone cost seconds; the seeds, descended
-   from a plan at least as fast as the baselines on the old fleet, take their place in
-   pruning) or the sub-fleet searches (search.SubFleets: each costs about a whole search, and
-   the choice below trades iteration time for state moved anyway). Its budget is counted in work,
-   REPLAN_WORK_BUDGET SCIP nodes, so the same fleet change gives the same plan on an idle or a
-   loaded machine; the wall-clock ``time_limit_s`` is only a safety net (``Replan.stopped_by`` says
-   when it cut). The budget is small because a re-plan is on the recovery path: measured on 1024
-   GPUs (a node of A100 or H20 lost, 2 cores), 10 nodes re-plan GPT-3 1.3B in 0.4-0.5 s and LLaMA-2
-   7B in 0.5-0.6 s (most of it building the pipeline options), and the plan chosen is the one the
-   complete search (48-183 nodes, 0.8-1.7 s) chooses: the faster plans it finds (by up to 1.8%,
-   inside the default tolerance) move more state. When there is neither a derived nor a patched plan
-   (every pipeline lost, no free GPUs), the search runs with the baselines as incumbents.
+   from a plan at least as fast as the baselines on the old fleet, take their place in pruning)
+   or the sub-fleet searches (throughput_search.SubFleets: each costs about a whole search, and
+   the choice below trades iteration time for state moved anyway). Its budget is counted in
+   work, REPLAN_WORK_BUDGET SCIP nodes, so the same fleet change gives the same plan on an idle
+   or a loaded machine; the wall-clock ``time_limit_s`` is only a safety net
+   (``Replan.stopped_by`` says when it cut). The budget is small because a re-plan is on the
+   recovery path: measured on 1024 GPUs (a node of A100 or H20 lost, 2 cores), 10 nodes re-plan
+   GPT-3 1.3B in 0.4-0.5 s and LLaMA-2 7B in 0.5-0.6 s (most of it building the pipeline
+   options), and the plan chosen is the one the complete search (48-183 nodes, 0.8-1.7 s)
+   chooses: the faster plans it finds (by up to 1.8%, inside the default tolerance) move more
+   state. When there is neither a derived nor a patched plan (every pipeline lost, no free
+   GPUs), the search runs with the baselines as incumbents.
 4. **Choice**: of every plan judged (the seeds, every plan the search built), those
    within ``tolerance`` of the fastest iteration time; among them the one whose recovery moves
    the fewest bytes across nodes, then the fastest. The HAPT warm-up post-pass then runs on it
@@ -50,7 +51,7 @@ among its idle GPUs.
 
 **The cost objective.** A plan made with ``--objective cost`` records it with its throughput
 floor (plan.py), and its re-plans keep both, as they keep its memory headroom and charge: the
-search is the cost objective's (search.cheapest: at most REPLAN_COST_SEARCHES node sets or sets
+search is the cost objective's (cost_search.cheapest: at most REPLAN_COST_SEARCHES node sets or sets
 of GPU types and TP degrees, each searched with the re-plan's work budget), the seeds that reach
 the floor are judged beside its result, and step 4
 compares USD per million tokens instead of iteration time. Where the fleet now present cannot
@@ -72,10 +73,11 @@ from megatron_autohet.cost_model import (PlanCost, annotate_plan, evaluate_plan,
                                          plan_memory_headroom, plan_profile, record_profile)
 from megatron_autohet.errors import ConfigError
 from megatron_autohet.plan import Pipeline, Plan, RankInfo
-from megatron_autohet.planner.search import (Candidate, FloorNotMet, check_prices,
-                                             priced_precision, resolve_profile, search,
-                                             usd_per_million_tokens, with_left_out)
-from megatron_autohet.planner.space import Problem, evaluate
+from megatron_autohet.planner.candidate import Candidate
+from megatron_autohet.planner.cost_search import (FloorNotMet, check_prices,
+                                                  usd_per_million_tokens)
+from megatron_autohet.planner.search import search, with_left_out
+from megatron_autohet.planner.space import Problem, evaluate, priced_precision, resolve_profile
 from megatron_autohet.planner.state_moves import StateMap
 from megatron_autohet.planner.warmup import choose_warmups
 from megatron_autohet.profiling.profile import Profile
@@ -88,7 +90,7 @@ from megatron_autohet.spec.model import ModelSpec
 REPLAN_WORK_BUDGET = 10
 REPLAN_TIME_LIMIT_S = 10.0
 # The cost objective's budget of throughput searches in a re-plan ("The cost objective"): with
-# the cost search's default (search.MAX_NODE_SETS, 24 node sets) a re-plan on 1024 GPUs took
+# the cost search's default (cost_search.MAX_NODE_SETS, 24 node sets) a re-plan on 1024 GPUs took
 # 3.9-10.2 CPU-s; with 4, 0.5-0.6, the plans at most 0.3% dearer per token (docs/planner.md).
 REPLAN_COST_SEARCHES = 4
 # Candidates up to this much slower than the tolerance allows are given the warm-up pass before
@@ -106,7 +108,7 @@ class Replan:
                                      # of it, or of the cheapest below)
     candidates: int                  # plans judged (0: fleet unchanged, nothing searched)
     unchanged: bool                  # the previous plan, returned as it was
-    stopped_by: str | None = None    # how the search ended (search.STOP_*); None: no search
+    stopped_by: str | None = None    # how the search ended (candidate.STOP_*); None: no search
     work: int = 0                    # SCIP nodes the search used
     # The cost objective (module doc): the cheapest plan judged, USD per million tokens (``plan``
     # is within tolerance of it; None with the throughput objective), or why the fleet now
@@ -358,7 +360,7 @@ def replan(previous: Plan, cluster: Cluster, model: ModelSpec, profile: Profile 
     per million tokens) traded for less state moved;
     ``work_budget`` the search's budget in SCIP nodes and ``time_limit_s`` its wall-clock
     safety net; ``precision`` the one the job trains in (None: the one the plans are priced
-    in, search.priced_precision): the new plan uses only GPUs that can train in it
+    in, space.priced_precision): the new plan uses only GPUs that can train in it
     (spec/cluster.py ``trainable_fleet``, ``cluster_file`` names the cluster in its error) and
     counts the others idle; the other options are
     :func:`~megatron_autohet.planner.search.search`'s. Raises ConfigError on a model

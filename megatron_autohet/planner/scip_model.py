@@ -6,9 +6,9 @@ planner/space.py), an iteration of a plan made of ``x_j`` pipelines of each opti
     T = max over pipelines of (fill_j + (m_p - 1) period_j)  +  sync(D)  +  optimizer
 
 where D = sum_j x_j and the last two terms are maxima over the stages of the chosen options
-(cost_model.py). The search (planner/search.py) fixes the coupling terms outside this model: a
-range of D and a level E on sync + optimizer (options above the level are excluded). What is
-left is a parametric integer program in the pipeline makespan tau: a pipeline of option j
+(cost_model.py). The search (planner/branch_and_bound.py) fixes the coupling terms outside this
+model: a range of D and a level E on sync + optimizer (options above the level are excluded).
+What is left is a parametric integer program in the pipeline makespan tau: a pipeline of option j
 finishes at most ``cap_j(tau) = floor((tau - fill_j) / period_j) + 1`` micro-batches by tau, so
 
     exists x integer >= 0 with   sum_j n_jk x_j <= G_k      for every pool k (idle groups allowed)

@@ -38,10 +38,11 @@ from megatron_autohet.cost_model import (DEFAULT_CHARGE, DEFAULT_MEMORY_HEADROOM
                                          sync_group_elements, usable_memory_gib)
 from megatron_autohet.errors import ConfigError
 from megatron_autohet.plan import Pipeline, Plan, RankInfo, Stage
+from megatron_autohet.profiling.estimate import estimate_profile
 from megatron_autohet.profiling.profile import Profile, ProfileEntry
 from megatron_autohet.spec.cluster import Cluster
 from megatron_autohet.spec.model import ModelSpec
-from megatron_autohet.spec.precision import Precision
+from megatron_autohet.spec.precision import PLANNING_PRECISION, Precision
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,25 @@ class Problem:
         if len(self.cluster.nodes) == 1:
             return pool.intra_gbs
         return pool.nic_gbs
+
+
+def resolve_profile(cluster: Cluster, model: ModelSpec, profile: Profile | None,
+                    micro_batch_size: int, seq_length: int) -> Profile:
+    """The given profile, with analytic estimates for the entries it lacks, calibrated by its
+    measured entries (Profile.calibrated_over)."""
+    if profile is None:
+        return estimate_profile(model, cluster, micro_batch_size, seq_length)
+    # estimated for the attention the profile's layers ran (its activation bytes depend on it)
+    estimate = estimate_profile(model, cluster, micro_batch_size, seq_length,
+                                attention=profile.attention)
+    return profile.calibrated_over(estimate)
+
+
+def priced_precision(profile: Profile | None) -> str:
+    """The precision a plan made from ``profile`` is priced in, hence the one it is made to train
+    in (spec/cluster.py ``trainable_fleet`` chooses its GPUs by it): the profile's, else the
+    analytic estimates' (spec/precision.py PLANNING_PRECISION, bf16)."""
+    return (profile.precision if profile is not None else PLANNING_PRECISION).name
 
 
 def check_batch(problem: Problem) -> None:

@@ -33,7 +33,9 @@ from megatron_autohet.cost_model import (DEFAULT_CHARGE, DEFAULT_MEMORY_HEADROOM
                                          evaluate_plan)
 from megatron_autohet.errors import ConfigError
 from megatron_autohet.plan import Pipeline, Plan, RankInfo, Stage
-from megatron_autohet.planner.search import Candidate, check_prices, resolve_profile
+from megatron_autohet.planner.candidate import Candidate
+from megatron_autohet.planner.cost_search import check_prices
+from megatron_autohet.planner.space import resolve_profile
 from megatron_autohet.planner.warmup import choose_warmups
 from megatron_autohet.profiling.profile import Profile
 from megatron_autohet.spec.cluster import Cluster, Device

@@ -215,7 +215,7 @@ def test_figure_groups_pipelines_only_with_identical_timelines():
     from megatron_autohet.cli.show import identical_pipelines
     from megatron_autohet.cost_model import evaluate_plan
     from megatron_autohet.plan import plan_from_dict
-    from megatron_autohet.planner.search import resolve_profile
+    from megatron_autohet.planner.space import resolve_profile
 
     cluster = load_cluster(CONFIGS / "clusters" / "local-8.yaml")
     tiny = yaml.safe_load(EXAMPLE_PLAN.read_text())["model"]
@@ -269,7 +269,7 @@ def test_plan_for_the_distributed_optimizer(capsys, tmp_path):
     import dataclasses
 
     from megatron_autohet.cost_model import evaluate_plan
-    from megatron_autohet.planner.search import resolve_profile
+    from megatron_autohet.planner.space import resolve_profile
 
     plan_file = tmp_path / "plan.yaml"
     assert run_cli(capsys, "plan", "--cluster", H3, "--model", GPT, "--global-batch-size", 64,

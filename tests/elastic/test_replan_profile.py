@@ -12,7 +12,8 @@ import pytest
 from helpers.training import plan as proof_plan
 from megatron_autohet.cost_model import evaluate_plan
 from megatron_autohet.plan import plan_from_dict
-from megatron_autohet.planner.search import make_plan, resolve_profile
+from megatron_autohet.planner.search import make_plan
+from megatron_autohet.planner.space import resolve_profile
 from megatron_autohet.profiling.estimate import estimate_profile
 from megatron_autohet.profiling.profile import Profile
 from megatron_autohet.spec.cluster import cluster_from_dict

@@ -1,7 +1,6 @@
 """The cost objective: the cheapest plan that reaches a throughput floor, charged per node (a
 partly used node is paid whole) or per GPU, and the flags that ask for it."""
 
-import importlib
 import json
 
 import pytest
@@ -11,7 +10,10 @@ from megatron_autohet.cli.main import main
 from megatron_autohet.cost_model import evaluate_plan
 from megatron_autohet.errors import ConfigError
 from megatron_autohet.plan import load_plan
-from megatron_autohet.planner.search import FloorNotMet, resolve_profile, search
+from megatron_autohet.planner.candidate import STOP_COMPLETE, STOP_SETS
+from megatron_autohet.planner.cost_search import FloorNotMet
+from megatron_autohet.planner.search import search
+from megatron_autohet.planner.space import resolve_profile
 from megatron_autohet.spec import load_cluster, load_model
 from megatron_autohet.spec.gpus import CONFIG_DIR
 
@@ -208,26 +210,25 @@ def test_the_node_set_budget_is_named_when_it_binds(monkeypatch, fastest):
     (it named the SCIP work budget, which had not bound). At 80% of the fastest plan's
     throughput it searches three sets."""
     from megatron_autohet.cli._common import search_end
-    # (the package exports the function under the module's name)
-    search_module = importlib.import_module("megatron_autohet.planner.search")
+    from megatron_autohet.planner import cost_search
 
     floor = 0.8 * fastest.cost.tokens_per_s
     full = search(CLUSTER, GPT, None, GBS, 1, progress=False, objective="cost",
                   min_tokens_per_s=floor)
-    assert full.stopped_by == search_module.STOP_COMPLETE
-    monkeypatch.setattr(search_module, "MAX_NODE_SETS", 1)
+    assert full.stopped_by == STOP_COMPLETE
+    monkeypatch.setattr(cost_search, "MAX_NODE_SETS", 1)
     cut = search(CLUSTER, GPT, None, GBS, 1, progress=False, objective="cost",
                  min_tokens_per_s=floor)
-    assert cut.stopped_by == search_module.STOP_SETS
+    assert cut.stopped_by == STOP_SETS
     assert search_end(cut).startswith("budget of throughput searches (node sets, or GPU types "
                                       "and TP degrees) spent before the cheapest was proven")
     # the budget as an argument (the re-planner's, planner/replan.py)
     monkeypatch.undo()
     assert search(CLUSTER, GPT, None, GBS, 1, progress=False, objective="cost",
-                  min_tokens_per_s=floor, max_searches=1).stopped_by == search_module.STOP_SETS
+                  min_tokens_per_s=floor, max_searches=1).stopped_by == STOP_SETS
     assert search(CLUSTER, GPT, None, GBS, 1, progress=False, objective="cost",
                   min_tokens_per_s=floor, max_searches=1,
-                  charge="per-gpu").stopped_by == search_module.STOP_SETS
+                  charge="per-gpu").stopped_by == STOP_SETS
     for objective, budget in (("throughput", 1), ("cost", 0)):
         with pytest.raises(ConfigError, match="field 'max_searches': got "):
             search(CLUSTER, GPT, None, GBS, 1, progress=False, objective=objective,

@@ -8,7 +8,7 @@ import pytest
 
 from megatron_autohet.errors import ConfigError
 from megatron_autohet.planner import compare, make_plan, search
-from megatron_autohet.planner.search import ALL_ORDERS_BUDGET, orders_of, stage_sequences
+from megatron_autohet.planner.options import ALL_ORDERS_BUDGET, orders_of, stage_sequences
 from megatron_autohet.planner.space import Pool
 from megatron_autohet.testing.exhaustive import exhaustive_search
 from megatron_autohet.spec import load_cluster, load_model
@@ -213,7 +213,7 @@ def test_warmup_post_pass_takes_the_shallowest_step_close_to_the_fastest():
 @pytest.mark.integration
 def test_warmup_post_pass_gives_valid_depths_within_memory_and_a_shorter_iteration():
     from megatron_autohet.cost_model import evaluate_plan
-    from megatron_autohet.planner.search import resolve_profile
+    from megatron_autohet.planner.space import resolve_profile
 
     cluster = load_cluster("configs/clusters/fleet-96.yaml")
     result = compare(cluster, GPT13, None, 256, 1, progress=False)
@@ -237,7 +237,7 @@ def test_measured_activation_bytes_decide_the_split():
     micro-batch on 80 GB GPUs (72 GiB usable) leave no room for the 6-layer model on one GPU,
     and a first stage keeping 2 micro-batches in flight holds at most 2 layers; the estimate
     alone needs a few GiB whatever the split. The exhaustive search agrees."""
-    from megatron_autohet.planner.search import resolve_profile
+    from megatron_autohet.planner.space import resolve_profile
     from megatron_autohet.profiling.profile import Profile
 
     cluster = _cluster([("A100-80GB", 2)])

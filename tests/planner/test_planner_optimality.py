@@ -23,7 +23,7 @@ from megatron_autohet.cost_model import (GIB, evaluate_plan, stage_memory_bytes,
 from megatron_autohet.errors import ConfigError
 from megatron_autohet.plan import Pipeline, Plan, RankInfo, Stage
 from megatron_autohet.planner import search
-from megatron_autohet.planner.search import resolve_profile
+from megatron_autohet.planner.space import resolve_profile
 from megatron_autohet.planner.warmup import choose_warmups
 from megatron_autohet.testing.exhaustive import exhaustive_optimum, exhaustive_search
 from megatron_autohet.testing.random_fleets import memory_bound_case, odd_case, random_case

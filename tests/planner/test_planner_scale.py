@@ -4,7 +4,6 @@ baselines' pruning bound."""
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import itertools
 import json
 import math
@@ -19,8 +18,10 @@ from megatron_autohet.planner.baselines import (_best, _grid_bound_s, _grids, _p
                                                 grid_plan)
 from megatron_autohet.testing.exhaustive import exhaustive_search
 from megatron_autohet.planner.scip_model import SOLVE_TIME_SAFETY_S
-from megatron_autohet.planner.search import STOP_TIME, STOP_WORK, resolve_profile, search
-from megatron_autohet.planner.space import Problem, evaluate
+from megatron_autohet.planner import candidate  # the safety net's clock
+from megatron_autohet.planner.candidate import STOP_TIME, STOP_WORK
+from megatron_autohet.planner.search import search
+from megatron_autohet.planner.space import Problem, evaluate, resolve_profile
 from megatron_autohet.profiling.estimate import estimate_profile
 from megatron_autohet.profiling.profile import Profile
 from megatron_autohet.spec import load_model
@@ -28,7 +29,6 @@ from megatron_autohet.spec.cluster import cluster_from_dict
 
 pytestmark = pytest.mark.integration
 
-search_module = importlib.import_module("megatron_autohet.planner.search")  # the module
 
 ROOT = Path(__file__).resolve().parents[2]
 GPT = load_model(ROOT / "configs/models/gpt3-1.3b.yaml")
@@ -52,7 +52,7 @@ def test_work_budget_binds_before_any_wall_clock_limit(monkeypatch):
     still differ is anything in the search that reads its time limit otherwise. (A SCIP solve
     gets at most the time the search has left, which is only less than its own safety net
     within SOLVE_TIME_SAFETY_S of the limit, when the search is being cut anyway.)"""
-    monkeypatch.setattr(search_module, "clock", lambda: 0.0)
+    monkeypatch.setattr(candidate, "clock", lambda: 0.0)
     plans = []
     for limit in (SOLVE_TIME_SAFETY_S, 1e9):
         cand = search(THREE_TYPES, GPT, None, 64, 1, progress=False, time_limit_s=limit,
@@ -68,7 +68,7 @@ def test_time_limit_is_a_safety_net_that_says_when_it_cuts(monkeypatch, capsys, 
     """A machine so loaded that each clock reading is a second later: the 5-second safety net
     cuts the search, and `autohet plan` says the plan may differ on a faster machine."""
     ticks = itertools.count()
-    monkeypatch.setattr(search_module, "clock", lambda: float(next(ticks)))
+    monkeypatch.setattr(candidate, "clock", lambda: float(next(ticks)))
     cand = search(THREE_TYPES, GPT, None, 64, 1, progress=False, time_limit_s=5)
     assert cand.stopped_by == STOP_TIME
     rc = main(["plan", "--cluster", str(ROOT / "configs/clusters/a100-h800-h20.yaml"),
@@ -117,7 +117,7 @@ def test_baseline_bound_prunes_no_winner(proportional):
 def test_cost_objective_matches_exhaustive_and_leaves_nodes_out(nodes):
     """Per node and per GPU, without a floor and at 90% of the fastest plan's throughput: the
     search's cheapest plan costs what the brute force's does (per node the node-set enumeration,
-    per GPU the thinned throughput plans, planner/search.py "Objective cost")."""
+    per GPU the thinned throughput plans, planner/cost_search.py)."""
     cluster = fleet(nodes)
     space = dict(tp_degrees=[1, 2], max_stages=4)
     fastest = search(cluster, GPT4, None, 16, 1, progress=False, **space)

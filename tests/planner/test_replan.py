@@ -13,9 +13,8 @@ from megatron_autohet.planner import make_plan
 from megatron_autohet.planner.replan import (REPLAN_TIME_LIMIT_S, REPLAN_WORK_BUDGET,
                                              derived_plan, least_moving, patched_plan,
                                              replan)
-from megatron_autohet.planner.search import (STOP_COMPLETE, STOP_WORK, Candidate,
-                                             resolve_profile)
-from megatron_autohet.planner.space import Problem, evaluate
+from megatron_autohet.planner.candidate import STOP_COMPLETE, STOP_WORK, Candidate
+from megatron_autohet.planner.space import Problem, evaluate, resolve_profile
 from megatron_autohet.planner.state_moves import (CHECKPOINT_BYTES_PER_PARAM, StateMap,
                                                   recovery_bytes, recovery_bytes_by_node)
 from megatron_autohet.profiling.estimate import layer_param_count
@@ -160,15 +159,13 @@ def test_replan_budget_is_work_not_wall_time(monkeypatch):
     """A re-plan on a stalled clock (no wall-clock limit can cut) with its default and a huge
     safety net gives the same plan: REPLAN_WORK_BUDGET binds, and it binds before the
     complete search would end."""
-    import importlib
-
-    search_module = importlib.import_module("megatron_autohet.planner.search")
+    from megatron_autohet.planner import candidate
     gpt = load_model("configs/models/gpt3-1.3b.yaml")
     fleet = _cluster("three", [("a", "A100-80GB", 8), ("h", "H800", 8), ("z", "H20", 8),
                                ("a2", "A100-80GB", 8)])
     previous = make_plan(fleet, gpt, None, 64, 1, progress=False)
     survivors = fleet.subset(["a", "h", "z"])
-    monkeypatch.setattr(search_module, "clock", lambda: 0.0)
+    monkeypatch.setattr(candidate, "clock", lambda: 0.0)
     results = [replan(previous, survivors, gpt, time_limit_s=limit)
                for limit in (REPLAN_TIME_LIMIT_S, 1e9)]
     assert [r.stopped_by for r in results] == [STOP_WORK, STOP_WORK]

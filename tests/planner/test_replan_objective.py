@@ -16,8 +16,9 @@ from megatron_autohet.cli.main import main
 from megatron_autohet.plan import load_plan
 from megatron_autohet.planner import replan as replan_module
 from megatron_autohet.planner.replan import least_moving, replan
-from megatron_autohet.planner.search import (STOP_SETS, Candidate, search,
-                                             usd_per_million_tokens)
+from megatron_autohet.planner.candidate import STOP_SETS, Candidate
+from megatron_autohet.planner.cost_search import usd_per_million_tokens
+from megatron_autohet.planner.search import search
 from megatron_autohet.planner.state_moves import StateMap
 from megatron_autohet.spec import load_cluster, load_model
 from megatron_autohet.spec.gpus import CONFIG_DIR

@@ -20,8 +20,7 @@ import emulate_cluster as emu  # noqa: E402
 from megatron_autohet.cost_model import evaluate_plan  # noqa: E402
 from megatron_autohet.errors import ConfigError  # noqa: E402
 from megatron_autohet.planner.baselines import grid_plan  # noqa: E402
-from megatron_autohet.planner.search import resolve_profile  # noqa: E402
-from megatron_autohet.planner.space import Problem  # noqa: E402
+from megatron_autohet.planner.space import Problem, resolve_profile  # noqa: E402
 from megatron_autohet.spec import load_model  # noqa: E402
 
 FLEET = emu.EMULATED_DIR / "three-speeds.yaml"
