@@ -39,6 +39,7 @@ from megatron_autohet.errors import (ConfigError, JobConfigError, check_output_p
                                      probability)
 from megatron_autohet.plan import Plan
 from megatron_autohet.runtime.optimizer import OptimizerSettings, make_lr_scheduler
+from megatron_autohet.runtime.stage_drift import DEFAULT_WINDOW
 from megatron_autohet.spec.model import ModelSpec
 from megatron_autohet.spec.precision import PRECISIONS, TRAINED_PRECISIONS, default_precision
 
@@ -48,7 +49,8 @@ FLAGS = {"iters": "--iters", "metrics_jsonl": "--metrics-jsonl",
          "exit_interval": "--exit-interval", "eval_interval": "--eval-interval",
          "eval_iters": "--eval-iters", "log_interval": "--log-interval",
          "distributed_timeout_minutes": "--distributed-timeout-minutes",
-         "precision": "--bf16"}
+         "precision": "--bf16", "measure_window": "--autohet-measure-window",
+         "measured_jsonl": "--autohet-measured-jsonl"}
 
 
 @dataclass(frozen=True)
@@ -85,6 +87,10 @@ class TrainOptions:
     bias_activation_fusion: bool = True
     bias_dropout_fusion: bool = True
     log_interval: int = 1               # Megatron-LM's --log-interval (autohet train: every one)
+    # Every this many iterations the stages' measured times are gathered and compared with the
+    # plan's predictions (runtime/stage_drift.py; 0: not measured), each window to the JSONL.
+    measure_window: int = DEFAULT_WINDOW
+    measured_jsonl: str | None = None
     elastic: ElasticOptions | None = None   # None: a job whose ranks are the plan's
 
     @property
@@ -125,6 +131,10 @@ class TrainOptions:
             raise ConfigError(source, flags["precision"], f"got precision {self.precision!r}",
                               ", ".join(TRAINED_PRECISIONS))
         check_output_path(self.metrics_jsonl, flags["metrics_jsonl"])
+        check_output_path(self.measured_jsonl, flags["measured_jsonl"])
+        if not (isinstance(self.measure_window, int) and self.measure_window >= 0):
+            raise ConfigError(source, flags["measure_window"], f"got {self.measure_window!r}",
+                              "iterations per measurement window, >= 1 (0: not measured)")
         self.optimizer.validate(train_iters=self.iters, source=source)
         self.checkpoint.validate(source)
         check_scheduler_flags(self.checkpoint,
@@ -267,4 +277,6 @@ def train_job(plan: Plan, plan_label: str, model: ModelSpec, options: TrainOptio
                             scheduler_increment=plan.global_batch_size, log=rank == 0,
                             metrics_jsonl=options.metrics_jsonl, checkpointer=checkpointer,
                             exit_interval=options.exit_interval, stop_check=stop_check,
-                            evaluation=evaluation, log_interval=options.log_interval)
+                            evaluation=evaluation, log_interval=options.log_interval,
+                            measure_window=options.measure_window or None,
+                            measured_jsonl=options.measured_jsonl)

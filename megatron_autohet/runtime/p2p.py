@@ -131,6 +131,7 @@ gloo and NCCL run this same code; what NCCL adds is said where it matters:
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -257,8 +258,10 @@ class HeteroP2PCommunicator:
     """Sends and receives stage activations/gradients between TP groups of any size."""
 
     def __init__(self, role: RankRole, config, *, links: StageLinks,
-                 sequence_parallel: bool, forward_only: bool = False):
+                 sequence_parallel: bool, forward_only: bool = False, clock=None):
         stage = role.stage
+        # Times the waits below (runtime/iteration_clock.py); none: untimed.
+        self._waiting = clock.p2p_wait if clock is not None else nullcontext
         self.config = config
         self.rank = role.rank
         self.tp_rank = role.tp_rank
@@ -349,9 +352,10 @@ class HeteroP2PCommunicator:
     def finish_sends(self) -> None:
         """End of the schedule: wait for every send still in flight (call before the sent tensors
         may change) and make sure no receive is left posted for a later schedule to fall into."""
-        for works, _ in self._pending_sends:
-            for work in works:
-                work.wait()
+        with self._waiting():
+            for works, _ in self._pending_sends:
+                for work in works:
+                    work.wait()
         self._pending_sends.clear()
         for queue in (self._activations, self._gradients):
             if queue is not None and queue.ahead is not None:
@@ -408,8 +412,9 @@ class HeteroP2PCommunicator:
             raise RuntimeError(f"receive of shapes {shapes} from ranks {queue.link.peer.ranks}, "
                                f"but {[tuple(b.shape) for b in buffers]} was posted "
                                "(shapes must be static)")
-        for work in works:
-            work.wait()
+        with self._waiting():
+            for work in works:
+                work.wait()
         queue.taken += 1
         for buffer in buffers:
             buffer.requires_grad_()

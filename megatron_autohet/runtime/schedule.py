@@ -3,7 +3,7 @@
 Public API
 ----------
 ``run_schedule(forward_step_func, data_iterator, model, state, *, sequence_parallel=False,
-forward_only=False) -> list``
+forward_only=False, clock=None) -> list``
     Runs megatron-core's own ``forward_backward_pipelining_without_interleaving`` (a pipeline of
     several stages) or ``forward_backward_no_pipelining`` (a one-stage pipeline) over this
     pipeline's own ``num_microbatches`` of ``state.plan.micro_batch_size`` x
@@ -12,7 +12,8 @@ forward_only=False) -> list``
     (megatron reads its ``config``, the stage's TransformerConfig, from it).
     ``sequence_parallel`` is the run-level switch (every stage with TP > 1 uses it; a TP-1 stage
     cannot, so its own config cannot tell), which the communicator needs to know its
-    neighbours' layouts. Returns megatron's
+    neighbours' layouts. ``clock`` (runtime/iteration_clock.py) times the communicator's waits.
+    Returns megatron's
     ``forward_data_store``: on last stages the second value ``loss_func`` returned for each
     micro-batch, in order; ``[]`` elsewhere. Gradients are accumulated into ``param.grad``
     (or megatron DDP's buffers if the model is wrapped); syncing them is the caller's job.
@@ -55,7 +56,8 @@ from megatron_autohet.runtime.p2p import HeteroP2PCommunicator
 
 
 def run_schedule(forward_step_func, data_iterator, model, state, *,
-                 sequence_parallel: bool = False, forward_only: bool = False) -> list:
+                 sequence_parallel: bool = False, forward_only: bool = False,
+                 clock=None) -> list:
     """Forward (and backward) of this pipeline's micro-batches on this rank; see module docs."""
     stage = state.role.stage
     common = dict(forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
@@ -67,7 +69,7 @@ def run_schedule(forward_step_func, data_iterator, model, state, *,
     communicator = HeteroP2PCommunicator(state.role, get_model_config(model),
                                          links=state.p2p_links,
                                          sequence_parallel=sequence_parallel,
-                                         forward_only=forward_only)
+                                         forward_only=forward_only, clock=clock)
     losses = forward_backward_pipelining_without_interleaving(p2p_communicator=communicator,
                                                               **common)
     communicator.finish_sends()

@@ -118,12 +118,15 @@ def megatron_line(rec: IterationRecord) -> str:
 
 class IterationLogger:
     """Prints the Megatron line (where ``console``); appends the record to ``metrics_jsonl``
-    when given (a new file, or the end of an existing one with ``append``)."""
+    when given (a new file, or the end of an existing one with ``append``), and each
+    measurement window to ``measured_jsonl`` likewise."""
 
     def __init__(self, metrics_jsonl: str | Path | None = None, stream: TextIO | None = None,
-                 append: bool = False):
+                 append: bool = False, measured_jsonl: str | Path | None = None):
         self._stream = stream
-        self._jsonl = open(metrics_jsonl, "a" if append else "w") if metrics_jsonl else None
+        mode = "a" if append else "w"
+        self._jsonl = open(metrics_jsonl, mode) if metrics_jsonl else None
+        self._measured = open(measured_jsonl, mode) if measured_jsonl else None
 
     def log(self, rec: IterationRecord, console: bool = True) -> None:
         if console:
@@ -143,6 +146,16 @@ class IterationLogger:
                                           "validation_ppl": ppl}) + "\n")
             self._jsonl.flush()
 
+    def log_measured(self, report) -> None:
+        """A measurement window (runtime/stage_drift.py ``WindowReport``): a line per stage off
+        its prediction, and the window as one JSON line."""
+        for line in report.lines():
+            print(f" measured {line}", file=self._stream, flush=True)
+        if self._measured:
+            self._measured.write(json.dumps(report.to_dict()) + "\n")
+            self._measured.flush()
+
     def close(self) -> None:
-        if self._jsonl:
-            self._jsonl.close()
+        for jsonl in (self._jsonl, self._measured):
+            if jsonl:
+                jsonl.close()

@@ -85,11 +85,13 @@ from megatron_autohet.runtime.distributed_optimizer import DistributedOptimizer
 from megatron_autohet.runtime.fusions import agree_jit_fusions
 from megatron_autohet.runtime.grad_sync import DEFAULT_BUCKET_NUMEL, GradSync
 from megatron_autohet.runtime.init import initialize_parameters
+from megatron_autohet.runtime.iteration_clock import IterationClock
 from megatron_autohet.runtime.loss import masked_token_mean
 from megatron_autohet.runtime.mixed_precision import MasterWeights
 from megatron_autohet.runtime.optimizer import OptimizerSettings, fused_adamw, make_optimizer
 from megatron_autohet.runtime.parallel_state import build_parallel_state
 from megatron_autohet.runtime.schedule import run_schedule
+from megatron_autohet.runtime.stage_drift import DEFAULT_WINDOW, WindowMeter
 from megatron_autohet.runtime.stage_model import (agree_layer_spec, build_stage_model,
                                                   model_device, param_layouts,
                                                   plan_padded_vocab_size, recompute_config)
@@ -190,6 +192,8 @@ class HeteroTrainer:
             self.grads = self.grad_sync
         # The global-batch scaling of every micro-batch loss (module doc): m_p / M.
         self.loss_scale = role.stage.num_microbatches / plan.num_microbatches_total
+        # Where each iteration goes (runtime/iteration_clock.py): read with clock.lap().
+        self.clock = IterationClock(self.device)
 
     @torch.no_grad()
     def initialize_weights(self) -> None:
@@ -213,13 +217,16 @@ class HeteroTrainer:
         self._check_weights_set()
         role, plan = self.state.role, self.plan
         self.model.train()
+        self.clock.begin()
         self.grad_sync.zero_grad()
         local = microbatches(global_batch, plan.micro_batch_size, role.microbatch_offset,
                              role.stage.num_microbatches)
         reported = run_schedule(self._forward_step, iter(local), self.model, self.state,
-                                sequence_parallel=self.sequence_parallel)
+                                sequence_parallel=self.sequence_parallel, clock=self.clock)
+        self.clock.phase_done("schedule")
         self.grads.sync()
         loss, grad_norm, max_allocated = self._global_loss_and_grad_norm(reported)
+        self.clock.phase_done("grad_sync")
         if self.clip_grad > 0:
             if self.masters is None:
                 self.grads.clip(self.clip_grad, grad_norm)
@@ -228,6 +235,7 @@ class HeteroTrainer:
         self.optimizer.step()
         if self.masters is not None:
             self.masters.write_back()
+        self.clock.phase_done("optimizer")
         return StepMetrics(loss=loss, grad_norm=grad_norm,
                            num_microbatches=plan.num_microbatches_total,
                            tokens=plan.global_batch_size * plan.seq_length,
@@ -317,7 +325,8 @@ def train_iterations(trainer: HeteroTrainer, batches, scheduler, *, train_iters:
                      scheduler_increment: int, log: bool, metrics_jsonl: str | None = None,
                      checkpointer=None, exit_interval: int | None = None,
                      stop_check=None, evaluation: Evaluation | None = None,
-                     log_interval: int = 1) -> int:
+                     log_interval: int = 1, measure_window: int | None = DEFAULT_WINDOW,
+                     measured_jsonl: str | None = None) -> int:
     """The iteration loop of a job (``autohet train`` and the Megatron-LM path): a train step on
     each global batch, the learning-rate scheduler stepped by ``scheduler_increment`` after it
     (1 for iteration-based schedules, the global batch size for Megatron's sample-based one),
@@ -333,8 +342,11 @@ def train_iterations(trainer: HeteroTrainer, batches, scheduler, *, train_iters:
     ``--exit-interval``), saving first. ``stop_check(iteration)`` (elastic/stop.py), called after
     every iteration on every rank, returns "stop" (save this iteration and return), "save" (save
     it and go on) or None. ``evaluation``: the validation loss after every ``interval``-th
-    iteration (before that iteration's checkpoint), logged in Megatron's format. Returns the last
-    iteration trained."""
+    iteration (before that iteration's checkpoint), logged in Megatron's format.
+    ``measure_window``: every that many iterations the ranks' measured phase times are gathered
+    once (runtime/stage_drift.py) and, where ``log``, each stage off its prediction by more than
+    10% gets a line and the window a JSON line in ``measured_jsonl`` (None: not measured).
+    Returns the last iteration trained."""
     plan = trainer.plan
     flops_per_iteration = num_floating_point_operations(
         plan.model, plan.global_batch_size, plan.seq_length, plan_padded_vocab_size(plan))
@@ -342,7 +354,10 @@ def train_iterations(trainer: HeteroTrainer, batches, scheduler, *, train_iters:
     if not trainer.weights_set:         # built for a checkpoint that was not there
         trainer.initialize_weights()
     # A resumed job appends to the metrics of the run it continues.
-    logger = IterationLogger(metrics_jsonl, append=first > 0) if log else None
+    logger = (IterationLogger(metrics_jsonl, append=first > 0, measured_jsonl=measured_jsonl)
+              if log else None)
+    meter = (WindowMeter(plan, trainer.state.rank, trainer.device, measure_window)
+             if measure_window else None)
     iteration = first
     try:
         while iteration < train_iters:
@@ -352,6 +367,9 @@ def train_iterations(trainer: HeteroTrainer, batches, scheduler, *, train_iters:
             elapsed = time.perf_counter() - start
             scheduler.step(scheduler_increment)
             iteration += 1
+            report = meter.add(iteration, trainer.clock.lap()) if meter else None
+            if report and logger:
+                logger.log_measured(report)
             if logger:
                 logger.log(IterationRecord.make(
                     iteration=iteration, train_iters=train_iters,
