@@ -51,9 +51,13 @@ from megatron_autohet.spec.gpus import GPUType
 from megatron_autohet.spec.model import ModelSpec, model_from_dict
 
 FORMAT_VERSION = 1
-# What a plan is chosen for: the shortest iteration, or the fewest USD per million tokens among
-# the plans reaching a throughput floor (planner/cost_search.py).
+# What a plan is chosen for, by the name its file records (planner/objective.py has a class for
+# each): the shortest iteration (the default), or the fewest USD per million tokens among the
+# plans reaching a throughput floor; and those that take that floor (min_tokens_per_s). The
+# file's vocabulary, which `autohet plan --objective` offers too.
 OBJECTIVES = ("throughput", "cost")
+DEFAULT_OBJECTIVE = OBJECTIVES[0]
+FLOOR_OBJECTIVES = ("cost",)
 
 
 @dataclass(frozen=True)
@@ -123,7 +127,7 @@ class Plan:
     profile: dict | None = None
     # The objective the planner chose it for (OBJECTIVES) and the cost objective's floor (None:
     # none); recorded so that its re-plans, made without `autohet plan`'s flags, keep them.
-    objective: str = "throughput"
+    objective: str = DEFAULT_OBJECTIVE
     min_tokens_per_s: float | None = None
 
     @property
@@ -162,8 +166,9 @@ class Plan:
                            "stages": [stage_dict(s) for s in p.stages]} for p in self.pipelines],
             "predicted": dict(self.predicted),
             **({"profile": self.profile} if self.profile is not None else {}),
-            # written only for the cost objective: a throughput plan keeps its old file form
-            **({"objective": self.objective} if self.objective != "throughput" else {}),
+            # written only for another objective than the default: a throughput plan keeps its
+            # old file form
+            **({"objective": self.objective} if self.objective != DEFAULT_OBJECTIVE else {}),
             **({"min_tokens_per_s": self.min_tokens_per_s}
                if self.min_tokens_per_s is not None else {}),
         }
@@ -253,7 +258,7 @@ def plan_from_dict(data: dict, file: str | Path = "<plan>") -> Plan:
                                             default=False),
         predicted=get_field(data, "predicted", dict, file, default={}),
         profile=get_field(data, "profile", dict, file, default=None),
-        objective=get_field(data, "objective", str, file, default="throughput"),
+        objective=get_field(data, "objective", str, file, default=DEFAULT_OBJECTIVE),
         min_tokens_per_s=get_field(data, "min_tokens_per_s", float, file, default=None),
     )
     if "memory_headroom" in plan.predicted:      # the planner's, read back by show and replan
@@ -293,10 +298,11 @@ def validate_plan(plan: Plan, file: str | Path = "<plan>") -> None:
     """Check every invariant the runtime relies on; raise ConfigError on the first violation."""
     if plan.objective not in OBJECTIVES:
         raise ConfigError(file, "objective", f"got {plan.objective!r}", ", ".join(OBJECTIVES))
-    if plan.min_tokens_per_s is not None and (plan.objective != "cost"
+    if plan.min_tokens_per_s is not None and (plan.objective not in FLOOR_OBJECTIVES
                                               or not plan.min_tokens_per_s > 0):
         raise ConfigError(file, "min_tokens_per_s", f"got {plan.min_tokens_per_s!r} with "
-                          f"objective {plan.objective}", "a number > 0, with objective cost")
+                          f"objective {plan.objective}",
+                          f"a number > 0, with objective {' or '.join(FLOOR_OBJECTIVES)}")
     world = len(plan.ranks)
     if world == 0:
         raise ConfigError(file, "ranks", "empty", "one entry per global rank")

@@ -12,6 +12,7 @@ from megatron_autohet.cli._table import format_table
 from megatron_autohet.cost_model import (CHARGES, DEFAULT_CHARGE, DEFAULT_MEMORY_HEADROOM,
                                          check_memory_headroom)
 from megatron_autohet.errors import ConfigError, check_output_path, positive
+from megatron_autohet.plan import DEFAULT_OBJECTIVE, OBJECTIVES
 from megatron_autohet.profiling.profile import Profile
 from megatron_autohet.spec import load_cluster, load_gpu_catalog, load_model
 from megatron_autohet.spec.gpus import CONFIG_DIR
@@ -87,7 +88,7 @@ def add_planning_arguments(parser) -> None:
                              "budget is counted in work (SCIP nodes), so the same input gives "
                              "the same plan on any machine unless this limit cuts it, which "
                              "the output then says")
-    parser.add_argument("--objective", choices=("throughput", "cost"), default="throughput",
+    parser.add_argument("--objective", choices=OBJECTIVES, default=DEFAULT_OBJECTIVE,
                         help="throughput: the shortest iteration; cost: the fewest USD per "
                              "million tokens from the nodes' spot_price (USD per GPU-hour, "
                              "needed on every node) among the plans that reach a throughput "
@@ -147,11 +148,13 @@ def load_planning_inputs(args):
     if args.seq_length is not None:
         model.check_seq_length(args.seq_length, "<command line>", "--seq-length")
     profile = load_profile(args.profile, model.name) if args.profile else None
-    if args.objective == "cost" or args.charge is not None:
-        # pyscipopt: not at `autohet` start-up
-        from megatron_autohet.planner.cost_search import check_prices
+    # pyscipopt: not at `autohet` start-up
+    from megatron_autohet.planner.cost_search import check_prices
+    from megatron_autohet.planner.objective import objective_named
 
-        check_prices(cluster, args.cluster, "--objective cost" if args.objective == "cost"
+    priced = objective_named(args.objective).priced
+    if priced or args.charge is not None:
+        check_prices(cluster, args.cluster, f"--objective {args.objective}" if priced
                      else "--charge")
     return cluster, model, profile
 
@@ -160,6 +163,10 @@ def throughput_floor(args) -> float | None:
     """The cost objective's floor in tokens/s from --min-tokens-per-s or --deadline-hours and
     --train-tokens (None with the throughput objective); every combination that would leave a
     flag without effect, or the cost objective without a floor, is an error."""
+    # pyscipopt: not at `autohet` start-up
+    from megatron_autohet.planner.objective import floor_objectives, objective_named
+
+    floored = " or ".join(f"--objective {name}" for name in floor_objectives())
     if args.deadline_hours is not None and args.train_tokens is None:
         raise ConfigError("<command line>", "--deadline-hours", "no --train-tokens: the "
                           "deadline is for training that many tokens", "with --train-tokens T")
@@ -169,14 +176,15 @@ def throughput_floor(args) -> float | None:
                           "with --train-tokens T")
     given = "--min-tokens-per-s" if args.min_tokens_per_s is not None else (
         "--deadline-hours" if args.deadline_hours is not None else None)
-    if args.objective != "cost":
+    if not objective_named(args.objective).takes_floor:
         if given:
-            raise ConfigError("<command line>", given, "without --objective cost (the throughput "
-                              "objective's plan is the fastest anyway)", "with --objective cost")
+            raise ConfigError("<command line>", given, f"without {floored} (the throughput "
+                              "objective's plan is the fastest anyway)", f"with {floored}")
         return None
     if given is None:
-        raise ConfigError("<command line>", "--objective", "cost without a throughput floor: "
-                          "the cheapest plan would train on a few GPUs for as long as it takes",
+        raise ConfigError("<command line>", "--objective", f"{args.objective} without a "
+                          "throughput floor: the cheapest plan would train on a few GPUs for as "
+                          "long as it takes",
                           "with --min-tokens-per-s X, or --deadline-hours H and --train-tokens T")
     if args.min_tokens_per_s is not None:
         return args.min_tokens_per_s
@@ -300,6 +308,9 @@ def format_idle(idle_gpus: dict[str, int]) -> str:
 def format_prediction(plan, cost=None, train_tokens: float | None = None) -> str:
     """One paragraph: iteration time, tokens/s and their parts; with ``train_tokens``, the time
     (and price) to train them."""
+    # pyscipopt: not at `autohet` start-up
+    from megatron_autohet.planner.objective import objective_of
+
     if cost is not None:
         predicted = cost.predicted()
     else:
@@ -329,14 +340,9 @@ def format_prediction(plan, cost=None, train_tokens: float | None = None) -> str
                      + ("(spot prices of every GPU of the nodes used, idle ones included: "
                         "--charge per-node)" if charge == "per-node" else
                         "(spot prices of the GPUs used: --charge per-gpu)"))
-    if plan.objective == "cost":
-        floor, objective = plan.min_tokens_per_s, "the fewest USD per million tokens"
-        if floor is not None:
-            objective += f" at {floor:,.0f} tokens/s or more"
-            # (the predicted figure is rounded to 0.1 tokens/s)
-            if predicted["tokens_per_s"] < floor - 0.05:
-                objective += " (NOT REACHED by this plan)"
-        lines.append(f"  objective: {objective}; its re-plans keep it")
+    said = objective_of(plan).describe(predicted)
+    if said is not None:
+        lines.append(f"  objective: {said}; its re-plans keep it")
     if train_tokens is not None:
         hours = train_tokens / predicted["tokens_per_s"] / 3600
         lines.append(f"  {format_tokens(train_tokens)} tokens train in {format_hours(hours)}"

@@ -1,6 +1,7 @@
 """The planner: from a cluster, a model and a profile to a plan (and baselines to compare with).
 
-``search``             the entry points, ``make_plan`` and ``search``, for either objective
+``search``             the entry points, ``make_plan`` and ``search``, for any objective
+``objective``          what a plan is chosen for: throughput or cost, one class each
 ``throughput_search``  the fastest plan of a fleet, never slower than its sub-fleets' plans
 ``cost_search``        the cheapest plan reaching a throughput floor, over node sets or GPU types
 ``options``            a config's pipeline options: the stage sequences priced and those kept

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from megatron_autohet.cost_model import (DEFAULT_CHARGE, DEFAULT_MEMORY_HEADROOM, PlanCost,
                                          annotate_plan)
-from megatron_autohet.plan import Plan
+from megatron_autohet.plan import DEFAULT_OBJECTIVE, Plan
 from megatron_autohet.planner.baselines import all_baselines
 from megatron_autohet.planner.search import search, with_left_out
 from megatron_autohet.planner.space import Problem, check_batch, priced_precision, resolve_profile
@@ -61,7 +61,7 @@ def compare(cluster: Cluster, model: ModelSpec, profile: Profile | None, global_
             allow_asymmetric_tp: bool = False, activation_recompute: bool | None = None,
             time_limit_s: float = 60.0, progress: bool = True,
             memory_headroom: float = DEFAULT_MEMORY_HEADROOM,
-            objective: str = "throughput", cluster_file: str = "<cluster>",
+            objective: str = DEFAULT_OBJECTIVE, cluster_file: str = "<cluster>",
             min_tokens_per_s: float | None = None, charge: str = DEFAULT_CHARGE) -> Comparison:
     """Plan with make_plan's search and evaluate the baselines (planner/baselines.py) on the
     same cluster, model, profile and batch; speedup = baseline time / our time. Every plan

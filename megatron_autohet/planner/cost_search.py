@@ -54,8 +54,8 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from megatron_autohet.cost_model import (DEFAULT_CHARGE, DEFAULT_MEMORY_HEADROOM, check_charge,
-                                         stage_compute_s, stage_memory_bytes)
+from megatron_autohet.cost_model import (DEFAULT_CHARGE, DEFAULT_MEMORY_HEADROOM, PlanCost,
+                                         check_charge, stage_compute_s, stage_memory_bytes)
 from megatron_autohet.errors import ConfigError
 from megatron_autohet.plan import Pipeline, RankInfo, Stage
 from megatron_autohet.planner import candidate
@@ -111,12 +111,13 @@ def cheapest(cluster: Cluster, model: ModelSpec, profile: Profile | None,
              tp_degrees: list[int] | None = None, seeds: Sequence[Candidate] = (),
              min_tokens_per_s: float | None = None, charge: str = DEFAULT_CHARGE,
              max_searches: int | None = None, sub_fleets: bool = True,
-             **options) -> Candidate:
-    """search.search() with objective "cost" (module doc): the plan with the fewest USD per million
-    tokens among those reaching ``min_tokens_per_s`` (None: no floor), charged by ``charge``,
-    running at most ``max_searches`` throughput searches (None: MAX_NODE_SETS per node, every
-    set of GPU types and TP degree per GPU); ``sub_fleets`` is the whole-fleet fallback's
-    (fastest_before). Raises :class:`FloorNotMet` when no plan reaches the floor."""
+             rank: Callable[[PlanCost], tuple[float, ...]], **options) -> Candidate:
+    """The cost objective's search (module doc; objective.Cost): the plan with the fewest USD per
+    million tokens among those reaching ``min_tokens_per_s`` (None: no floor), charged by
+    ``charge``, running at most ``max_searches`` throughput searches (None: MAX_NODE_SETS per
+    node, every set of GPU types and TP degree per GPU); ``sub_fleets`` is the whole-fleet
+    fallback's (fastest_before), ``rank`` the warm-up pass's (objective.Cost.rank). Raises
+    :class:`FloorNotMet` when no plan reaches the floor."""
     check_prices(cluster)
     check_charge(charge, "charge")
     floor = min_tokens_per_s or 0.0
@@ -153,7 +154,7 @@ def cheapest(cluster: Cluster, model: ModelSpec, profile: Profile | None,
     if on_candidate is not None:
         on_candidate(best)
     plan, cost = choose_warmups(best.plan, best.cost, cluster, problem.profile,
-                                problem.memory_headroom, options.get("max_stages"), "cost")
+                                problem.memory_headroom, options.get("max_stages"), rank)
     stopped = next((s for s in (STOP_TIME, STOP_SETS, STOP_WORK) if s in stops), STOP_COMPLETE)
     return dataclasses.replace(best, plan=plan, cost=cost, stopped_by=stopped, work=work)
 

@@ -49,14 +49,15 @@ among its idle GPUs.
    for the bytes its recovery moves (odd-count seed 11 after losing a node: the re-planned
    plan moved 6.07 GB where 5.47 GB was reported and compared).
 
-**The cost objective.** A plan made with ``--objective cost`` records it with its throughput
-floor (plan.py), and its re-plans keep both, as they keep its memory headroom and charge: the
-search is the cost objective's (cost_search.cheapest: at most REPLAN_COST_SEARCHES node sets or sets
-of GPU types and TP degrees, each searched with the re-plan's work budget), the seeds that reach
-the floor are judged beside its result, and step 4
-compares USD per million tokens instead of iteration time. Where the fleet now present cannot
-keep the objective - no plan reaches the floor, or a node has no price - the re-plan is the
-throughput one above and ``Replan.objective_note`` says why: a spot job is better slow than
+**The objective.** A plan records the objective it was made for (plan.py; with ``--objective
+cost`` its throughput floor too), and its re-plans keep it, as they keep its memory headroom and
+charge: the search is the objective's re-plan search (objective.py ``replan_search``; the cost
+objective's is cost_search.cheapest within objective.REPLAN_COST_SEARCHES node sets or sets of
+GPU types and TP degrees, each searched with the re-plan's work budget), the seeds that meet the
+objective are judged beside its result, and step 4 compares the objective's score (the cost
+objective's USD per million tokens) instead of iteration time. Where the fleet now present
+cannot keep the objective - no plan reaches the floor, or a node has no price - the re-plan is
+the throughput one above and ``Replan.objective_note`` says why: a spot job is better slow than
 stopped, and the new plan still records the objective, so the re-plan after nodes come back is
 the cheapest again.
 """
@@ -74,8 +75,7 @@ from megatron_autohet.cost_model import (PlanCost, annotate_plan, evaluate_plan,
 from megatron_autohet.errors import ConfigError
 from megatron_autohet.plan import Pipeline, Plan, RankInfo
 from megatron_autohet.planner.candidate import Candidate
-from megatron_autohet.planner.cost_search import (FloorNotMet, check_prices,
-                                                  usd_per_million_tokens)
+from megatron_autohet.planner.objective import THROUGHPUT, ObjectiveNotKept, objective_of
 from megatron_autohet.planner.search import search, with_left_out
 from megatron_autohet.planner.space import Problem, evaluate, priced_precision, resolve_profile
 from megatron_autohet.planner.state_moves import StateMap
@@ -89,10 +89,6 @@ from megatron_autohet.spec.model import ModelSpec
 # (module doc, step 3).
 REPLAN_WORK_BUDGET = 10
 REPLAN_TIME_LIMIT_S = 10.0
-# The cost objective's budget of throughput searches in a re-plan ("The cost objective"): with
-# the cost search's default (cost_search.MAX_NODE_SETS, 24 node sets) a re-plan on 1024 GPUs took
-# 3.9-10.2 CPU-s; with 4, 0.5-0.6, the plans at most 0.3% dearer per token (docs/planner.md).
-REPLAN_COST_SEARCHES = 4
 # Candidates up to this much slower than the tolerance allows are given the warm-up pass before
 # the choice passes them over (least_moving): the pass shortened the searches' best plans on the
 # bundled and benchmark fleets by 0-6.9%, and each try costs a cost-model evaluation.
@@ -110,9 +106,9 @@ class Replan:
     unchanged: bool                  # the previous plan, returned as it was
     stopped_by: str | None = None    # how the search ended (candidate.STOP_*); None: no search
     work: int = 0                    # SCIP nodes the search used
-    # The cost objective (module doc): the cheapest plan judged, USD per million tokens (``plan``
-    # is within tolerance of it; None with the throughput objective), or why the fleet now
-    # present could not keep it (None: kept, or the throughput objective).
+    # A priced objective (module doc, "The objective"): the cheapest plan judged, USD per
+    # million tokens (``plan`` is within tolerance of it; None with the throughput objective),
+    # or why the fleet now present could not keep the objective (None: kept).
     cheapest_usd_per_million_tokens: float | None = None
     objective_note: str | None = None
 
@@ -121,7 +117,8 @@ class Replan:
         """What `autohet replan` and the elastic worker say where the objective was not kept."""
         if self.objective_note is None:
             return None
-        return f"the plan's objective is cost, not kept on this fleet: {self.objective_note}"
+        return (f"the plan's objective is {self.plan.objective}, not kept on this fleet: "
+                f"{self.objective_note}")
 
 
 def fleet_unchanged(previous: Plan, cluster: Cluster) -> bool:
@@ -356,8 +353,8 @@ def replan(previous: Plan, cluster: Cluster, model: ModelSpec, profile: Profile 
     ``model`` must be ``previous.model``; ``profile`` None prices on the profile ``previous``
     was priced on (its file records it; none recorded: analytic estimates), the new plan
     recording the one used;
-    ``tolerance`` is the fraction of iteration time (with the plan's cost objective: of USD
-    per million tokens) traded for less state moved;
+    ``tolerance`` is the fraction of the objective's score (iteration time; with the plan's
+    cost objective USD per million tokens) traded for less state moved;
     ``work_budget`` the search's budget in SCIP nodes and ``time_limit_s`` its wall-clock
     safety net; ``precision`` the one the job trains in (None: the one the plans are priced
     in, space.priced_precision): the new plan uses only GPUs that can train in it
@@ -398,20 +395,22 @@ def replan(previous: Plan, cluster: Cluster, model: ModelSpec, profile: Profile 
                    max_stages=max_stages, seeds=seeds, baselines=not seeds,
                    distributed_optimizer=previous.use_distributed_optimizer,
                    memory_headroom=headroom, on_candidate=judged.append, charge=charge)
-    best, note = None, None
-    if previous.objective == "cost":
-        best, why = _cheapest(previous, problem, profile, cluster_file, options)
-        note = None if why is None else f"{why}: the fastest plan instead of the cheapest"
-    objective = "cost" if best is not None else "throughput"
-    if best is None:
-        best = search(cluster, model, profile, previous.global_batch_size, mbs, seq,
-                      sub_fleets=False, **options)
-    if objective == "cost":
-        # the cheapest search judges node sets, not each plan: the seeds reaching the floor
-        # are judged beside its result
-        floor = previous.min_tokens_per_s or 0.0
-        judged += [c for c in seeds if c.cost.tokens_per_s >= floor
-                   and all(c.plan is not j.plan for j in judged)]
+
+    def search_for(**objective_arguments) -> Candidate:
+        return search(cluster, model, profile, previous.global_batch_size, mbs, seq,
+                      sub_fleets=False, **options, **objective_arguments)
+
+    kept = objective_of(previous)
+    objective, note = kept, None
+    try:
+        best = kept.replan_search(cluster, cluster_file, search_for)
+    except ObjectiveNotKept as exc:
+        objective, note = THROUGHPUT, str(exc)
+        best = objective.replan_search(cluster, cluster_file, search_for)
+    # The seeds that meet the objective are judged beside the search's result: the cost search
+    # judges node sets, not each plan (the throughput search has judged them, its incumbents).
+    judged += [c for c in seeds if objective.meets(c.cost)
+               and all(c.plan is not j.plan for j in judged)]
     # The search's best after its warm-up pass is a new plan when the pass helped: judged
     # beside the candidates as the search saw them (each warmed up when the choice reaches it).
     if all(c.plan is not best.plan for c in judged):
@@ -423,42 +422,23 @@ def replan(previous: Plan, cluster: Cluster, model: ModelSpec, profile: Profile 
             # depths only: the pass's neighbours move layers and GPUs, so the bytes this
             # candidate was chosen for would no longer be what its recovery moves
             plan, cost = choose_warmups(cand.plan, cand.cost, cluster, resolved, headroom,
-                                        objective=objective, neighbours=False)
+                                        rank=objective.rank, neighbours=False)
             warmed[id(cand.plan)] = dataclasses.replace(cand, plan=plan, cost=cost)
         return warmed[id(cand.plan)]
 
-    score = usd_per_million_tokens if objective == "cost" else iteration_time_s
+    def score(cand: Candidate) -> float:
+        return objective.score(cand.cost)
+
     chosen, moved = least_moving(judged, StateMap(previous, model), tolerance, warm_up, score)
     chosen = warm_up(chosen)
     # (the warm-up pass may have made the chosen plan the fastest or the cheapest one)
     fastest = min(c.cost.iteration_time_s for c in [*judged, chosen])
-    cheapest = (min(usd_per_million_tokens(c) for c in [*judged, chosen])
-                if objective == "cost" else None)
+    cheapest = min(score(c) for c in [*judged, chosen]) if objective.priced else None
     cost = with_left_out(chosen.cost, left_out)
     if left_out:
         annotate_plan(chosen.plan, cost)
     record_profile(chosen.plan, profile)
     # the objective stays the plan's, kept or not: the next re-plan may keep it again
-    chosen.plan.objective = previous.objective
-    chosen.plan.min_tokens_per_s = previous.min_tokens_per_s
+    kept.record(chosen.plan)
     return Replan(chosen.plan, cost, moved, fastest, len(judged), False, best.stopped_by,
                   best.work, cheapest, note)
-
-
-def _cheapest(previous: Plan, problem: Problem, profile: Profile | None, cluster_file: str,
-              options: dict) -> tuple[Candidate | None, str | None]:
-    """The cost objective's search for the re-plan (module doc): (its best, None), or (None,
-    why the fleet now present cannot keep the objective)."""
-    floor = previous.min_tokens_per_s
-    try:
-        check_prices(problem.cluster, cluster_file, "the plan's objective cost")
-    except ConfigError as exc:
-        return None, exc.problem
-    try:
-        return search(problem.cluster, problem.model, profile, problem.global_batch_size,
-                      problem.micro_batch_size, problem.seq_length, objective="cost",
-                      min_tokens_per_s=floor, max_searches=REPLAN_COST_SEARCHES,
-                      sub_fleets=False, **options), None
-    except FloorNotMet as exc:
-        return None, (f"no plan on the fleet present reaches the plan's floor of {floor:,.0f} "
-                      f"tokens/s (the fastest: {exc.fastest_tokens_per_s:,.0f})")

@@ -1,10 +1,11 @@
-"""The planner's entry points: :func:`make_plan` and :func:`search`, for either objective.
+"""The planner's entry points: :func:`make_plan` and :func:`search`, for any objective.
 
-``objective`` "throughput" (the default) is the fastest plan: the throughput search
+The objective (objective.py) is named by its plan-file name and its arguments, and runs its
+search: ``objective`` "throughput" (the default) the fastest plan, by the throughput search
 (throughput_search.py, its options in options.py, its branch and bound over the SCIP model in
-branch_and_bound.py and scip_model.py). ``objective`` "cost" is the cheapest plan reaching a
-throughput floor: the cost search (cost_search.py), which runs the throughput search on sets of
-nodes or GPU types. Either way the result records the profile it was priced on and the
+branch_and_bound.py and scip_model.py); ``objective`` "cost" the cheapest plan reaching a
+throughput floor, by the cost search (cost_search.py), which runs the throughput search on sets
+of nodes or GPU types. Either way the result records the profile it was priced on and the
 objective it was made for, so its re-plans (replan.py) keep both.
 """
 
@@ -17,11 +18,11 @@ from collections.abc import Callable, Sequence
 from megatron_autohet.cost_model import (DEFAULT_CHARGE, DEFAULT_MEMORY_HEADROOM, PlanCost,
                                          check_charge, record_profile)
 from megatron_autohet.errors import ConfigError
-from megatron_autohet.plan import OBJECTIVES, Plan
+from megatron_autohet.plan import DEFAULT_OBJECTIVE, Plan
 from megatron_autohet.planner import candidate
 from megatron_autohet.planner.candidate import Candidate
-from megatron_autohet.planner.cost_search import cheapest
-from megatron_autohet.planner.throughput_search import WORK_BUDGET, fastest_before
+from megatron_autohet.planner.objective import objective_named
+from megatron_autohet.planner.throughput_search import WORK_BUDGET
 from megatron_autohet.profiling.profile import Profile
 from megatron_autohet.spec.cluster import Cluster
 from megatron_autohet.spec.model import ModelSpec
@@ -46,7 +47,7 @@ def make_plan(cluster: Cluster, model: ModelSpec, profile: Profile | None,
               tp_degrees: list[int] | None = None, max_stages: int | None = None,
               distributed_optimizer: bool = False,
               memory_headroom: float = DEFAULT_MEMORY_HEADROOM,
-              work_budget: int = WORK_BUDGET, objective: str = "throughput") -> Plan:
+              work_budget: int = WORK_BUDGET, objective: str = DEFAULT_OBJECTIVE) -> Plan:
     """The plan the search finds (see module doc), annotated with its predictions.
 
     ``profile`` None plans on analytic estimates; a given profile (measured or estimated) wins
@@ -77,7 +78,7 @@ def search(cluster: Cluster, model: ModelSpec, profile: Profile | None, global_b
            time_limit_s: float = 60.0, progress: bool = True, tp_degrees: list[int] | None = None,
            max_stages: int | None = None, seeds: Sequence[Candidate] = (),
            baselines: bool = True, work_budget: int = WORK_BUDGET,
-           objective: str = "throughput",
+           objective: str = DEFAULT_OBJECTIVE,
            on_candidate: Callable[[Candidate], None] | None = None,
            distributed_optimizer: bool = False,
            memory_headroom: float = DEFAULT_MEMORY_HEADROOM,
@@ -99,41 +100,21 @@ def search(cluster: Cluster, model: ModelSpec, profile: Profile | None, global_b
     judges that fits in memory (the warm-up post-pass then still changes the best one's plan
     in place).
     """
-    if objective not in OBJECTIVES:
-        raise ConfigError("<arguments>", "objective", f"got {objective!r}", ", ".join(OBJECTIVES))
+    kind = objective_named(objective)
     if not 0 < time_limit_s < math.inf:
         raise ConfigError("<arguments>", "time_limit_s", f"got {time_limit_s}",
                           "a finite number of seconds > 0")
-    if min_tokens_per_s is not None and not (objective == "cost"
-                                             and 0 < min_tokens_per_s < math.inf):
-        raise ConfigError("<arguments>", "min_tokens_per_s", f"got {min_tokens_per_s} with "
-                          f"objective {objective!r}", "a finite number > 0, with objective "
-                          "'cost' (the throughput objective is as fast as it gets)")
-    if max_searches is not None and not (objective == "cost" and max_searches >= 1):
-        raise ConfigError("<arguments>", "max_searches", f"got {max_searches} with objective "
-                          f"{objective!r}", "an integer >= 1, with objective 'cost'")
+    goal = kind.from_arguments(min_tokens_per_s, max_searches)
     check_charge(charge, "charge")
     deadline = candidate.clock() + time_limit_s
-    if objective == "cost":
-        best = cheapest(cluster, model, profile, global_batch_size, micro_batch_size, seq_length,
-                        allow_asymmetric_tp=allow_asymmetric_tp,
-                        activation_recompute=activation_recompute, deadline=deadline,
-                        progress=progress, tp_degrees=tp_degrees, max_stages=max_stages,
-                        seeds=seeds, baselines=baselines, work_budget=work_budget,
-                        on_candidate=on_candidate, distributed_optimizer=distributed_optimizer,
-                        memory_headroom=memory_headroom, min_tokens_per_s=min_tokens_per_s,
-                        charge=charge, max_searches=max_searches, sub_fleets=sub_fleets)
-    else:
-        best = fastest_before(cluster, model, profile, global_batch_size, micro_batch_size,
-                              seq_length, deadline, allow_asymmetric_tp=allow_asymmetric_tp,
-                              activation_recompute=activation_recompute, progress=progress,
-                              tp_degrees=tp_degrees, max_stages=max_stages, seeds=seeds,
-                              baselines=baselines, work_budget=work_budget,
-                              on_candidate=on_candidate,
-                              distributed_optimizer=distributed_optimizer,
-                              memory_headroom=memory_headroom, sub_fleets=sub_fleets,
-                              charge=charge)
+    best = goal.search(cluster, model, profile, global_batch_size, micro_batch_size, seq_length,
+                       deadline, allow_asymmetric_tp=allow_asymmetric_tp,
+                       activation_recompute=activation_recompute, progress=progress,
+                       tp_degrees=tp_degrees, max_stages=max_stages, seeds=seeds,
+                       baselines=baselines, work_budget=work_budget, on_candidate=on_candidate,
+                       distributed_optimizer=distributed_optimizer,
+                       memory_headroom=memory_headroom, sub_fleets=sub_fleets, charge=charge)
     record_profile(best.plan, profile)
-    best.plan.objective, best.plan.min_tokens_per_s = objective, min_tokens_per_s
+    goal.record(best.plan)
     return best
 

@@ -64,7 +64,7 @@ import copy
 import dataclasses
 import itertools
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from megatron_autohet.cost_model import (DEFAULT_MEMORY_HEADROOM, GIB, PlanCost, annotate_plan,
                                          evaluate_plan, simulate_1f1b, stage_memory_bytes)
@@ -130,16 +130,23 @@ def best_warmups(stages, num_microbatches: int, max_depths: list[int]) -> tuple[
                            key=lambda step: (sum(step[1]), step[0]))
 
 
+def shortest_iteration(cost: PlanCost) -> tuple[float, ...]:
+    """The throughput search's rank of a plan (its own pass, for no objective but speed)."""
+    return (cost.iteration_time_s,)
+
+
 def choose_warmups(plan: Plan, cost: PlanCost, cluster: Cluster, profile: Profile,
                    memory_headroom: float = DEFAULT_MEMORY_HEADROOM,
-                   max_stages: int | None = None, objective: str = "throughput",
+                   max_stages: int | None = None,
+                   rank: Callable[[PlanCost], tuple[float, ...]] = shortest_iteration,
                    neighbours: bool = True) -> tuple[Plan, PlanCost]:
     """The plan with HAPT depths where they shorten the iteration, or the best of its
     neighbours warmed up where that is cheap (module doc; none deeper than ``max_stages``), and
     its cost: a new plan; ``plan`` and ``cost`` themselves when none is better (``plan`` is
-    never changed). Better: faster, or with ``objective`` "cost" fewer USD per million tokens
-    (a neighbour with one stage more may pay for a GPU the search left idle). ``neighbours``
-    False: the depths alone (the neighbours move layers and GPUs)."""
+    never changed). Better: a smaller ``rank`` (the objective's, planner/objective.py
+    Objective.rank; default: the shorter iteration; with the cost objective fewer USD per
+    million tokens: a neighbour with one stage more may pay for a GPU the search left idle).
+    ``neighbours`` False: the depths alone (the neighbours move layers and GPUs)."""
     best_plan, best_cost = _warmed(plan, cost, cluster, profile, memory_headroom)
     for trial in _neighbours(plan, cost, cluster, max_stages) if neighbours else ():
         trial_cost = evaluate_plan(trial, cluster, profile, with_timeline=False,
@@ -147,18 +154,14 @@ def choose_warmups(plan: Plan, cost: PlanCost, cluster: Cluster, profile: Profil
         if not trial_cost.fits_memory:
             continue
         trial, trial_cost = _warmed(trial, trial_cost, cluster, profile, memory_headroom)
-        if _score(trial_cost, objective) < _score(best_cost, objective):
+        if rank(trial_cost) < rank(best_cost):
             best_plan, best_cost = trial, trial_cost
-    if _score(best_cost, objective) < _score(cost, objective):
+    if rank(best_cost) < rank(cost):
         annotate_plan(best_plan, best_cost)
         return best_plan, best_cost
     return plan, cost
 
 
-def _score(cost: PlanCost, objective: str) -> tuple[float, ...]:
-    if objective == "cost":
-        return cost.usd_per_million_tokens, cost.iteration_time_s
-    return (cost.iteration_time_s,)
 
 
 def _neighbours(plan: Plan, cost: PlanCost, cluster: Cluster,

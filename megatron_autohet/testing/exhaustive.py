@@ -32,9 +32,10 @@ import math
 from megatron_autohet.cost_model import (DEFAULT_CHARGE, DEFAULT_MEMORY_HEADROOM, annotate_plan,
                                          evaluate_plan)
 from megatron_autohet.errors import ConfigError
-from megatron_autohet.plan import Pipeline, Plan, RankInfo, Stage
+from megatron_autohet.plan import DEFAULT_OBJECTIVE, Pipeline, Plan, RankInfo, Stage
 from megatron_autohet.planner.candidate import Candidate
 from megatron_autohet.planner.cost_search import check_prices
+from megatron_autohet.planner.objective import objective_named
 from megatron_autohet.planner.space import resolve_profile
 from megatron_autohet.planner.warmup import choose_warmups
 from megatron_autohet.profiling.profile import Profile
@@ -145,22 +146,20 @@ def exhaustive_optimum(cluster: Cluster, model: ModelSpec, profile: Profile | No
                        allow_asymmetric_tp: bool = False,
                        max_evaluations: int = 200_000,
                        memory_headroom: float = DEFAULT_MEMORY_HEADROOM,
-                       objective: str = "throughput", charge: str = DEFAULT_CHARGE,
+                       objective: str = DEFAULT_OBJECTIVE, charge: str = DEFAULT_CHARGE,
                        min_tokens_per_s: float | None = None) -> tuple[Candidate, Candidate]:
     """The cost model's optimum over the space in the module doc (ConfigError when too big),
     before and after the HAPT warm-up pass the planner gives its best plan (planner/warmup.py):
-    the shortest iteration, or with ``objective`` "cost" the fewest USD per million tokens,
-    charged by ``charge``, among the plans reaching ``min_tokens_per_s`` (the micro-batch split
-    that minimises the iteration time minimises the price too: the arrangement fixes the GPUs
-    paid for)."""
-    if objective == "cost":
+    the best score of ``objective`` (planner/objective.py: the shortest iteration, or with
+    "cost" the fewest USD per million tokens, charged by ``charge``, among the plans reaching
+    ``min_tokens_per_s``; the micro-batch split that minimises the iteration time minimises the
+    price too: the arrangement fixes the GPUs paid for)."""
+    goal = objective_named(objective).from_arguments(min_tokens_per_s)
+    if goal.priced:
         check_prices(cluster)
 
     def score(cost) -> float:
-        if objective == "throughput":
-            return cost.iteration_time_s
-        return (cost.usd_per_million_tokens if cost.tokens_per_s >= (min_tokens_per_s or 0)
-                else math.inf)
+        return goal.score(cost) if goal.meets(cost) else math.inf
 
     seq_length = seq_length or model.seq_length
     if global_batch_size % micro_batch_size:
@@ -236,7 +235,7 @@ def exhaustive_optimum(cluster: Cluster, model: ModelSpec, profile: Profile | No
     if score(best.cost) == math.inf:
         raise ConfigError("<arguments>", "min_tokens_per_s", "no plan reaches it")
     plan, cost = choose_warmups(best.plan, best.cost, cluster, profile,   # the same post-pass
-                                memory_headroom, max_stages, objective)
+                                memory_headroom, max_stages, goal.rank)
     return best, Candidate(plan, cost, best.tp_of_gpu, best.recompute)
 
 

@@ -14,7 +14,7 @@ import pytest
 
 from megatron_autohet.cli.main import main
 from megatron_autohet.plan import load_plan
-from megatron_autohet.planner import replan as replan_module
+from megatron_autohet.planner import objective as objective_module
 from megatron_autohet.planner.replan import least_moving, replan
 from megatron_autohet.planner.candidate import STOP_SETS, Candidate
 from megatron_autohet.planner.cost_search import usd_per_million_tokens
@@ -189,5 +189,5 @@ def test_a_per_gpu_cost_plan_replans_per_gpu_within_the_replan_budget(fleet, fas
     assert kept.cost.tokens_per_s >= previous.min_tokens_per_s
     fastest_now = replan(as_throughput_plan(previous), survivors, GPT)
     assert kept.cost.usd_per_million_tokens < fastest_now.cost.usd_per_million_tokens
-    monkeypatch.setattr(replan_module, "REPLAN_COST_SEARCHES", 1)
+    monkeypatch.setattr(objective_module, "REPLAN_COST_SEARCHES", 1)
     assert replan(previous, survivors, GPT).stopped_by == STOP_SETS
