@@ -13,7 +13,9 @@ is our manifest (checkpoint/manifest.py), and a step without one does not exist 
    with ``weights_only=True`` and holds Megatron-LM's ``iteration`` (the directory's),
    ``args``, ``opt_param_scheduler`` and ``optimizer``; every data file the index names exists
    and holds every byte range the index gives it. Stock writes a step in place and has no commit
-   marker, so this is how a half-written step (an interrupted save) is refused.
+   marker, so this is how a half-written step (an interrupted save) is refused. Whatever is not
+   such a step - garbage under the right names included, or a step of ours, which has its
+   manifest already - is refused in one line naming the file and what is wrong with it.
 3. Copy the step's files into ``OUT_DIR/iter_N.partial``, hash every chunk of the COPIES (a
    checksum per DCP item, the function a save uses: checkpoint/writer.py) and the small files,
    write the manifest and commit as a save does (rename to ``iter_N``,
@@ -69,6 +71,9 @@ def _step_dir(stock_root: Path, iteration: int | None) -> tuple[Path, int]:
     step = stock_root / step_dir_name(iteration)
     if not step.is_dir():
         raise _bad(field, f"{step}: no such step directory")
+    if (step / MANIFEST_FILE).is_file():
+        raise _bad("STOCK_DIR", f"{step}: a megatron-autohet step already (it has its "
+                   f"{MANIFEST_FILE})", "`autohet train --load` it as it is")
     return step, iteration
 
 
@@ -103,14 +108,25 @@ def _check_files(step: Path) -> object:
         if not (step / name).is_file():
             raise _bad("STOCK_DIR", f"{step / name}: missing (an interrupted or non-torch_dist "
                        "save)", "a complete --ckpt-format torch_dist step")
-    backend = json.loads((step / "metadata.json").read_text()).get("sharded_backend")
+    try:
+        said = json.loads((step / "metadata.json").read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise _bad("STOCK_DIR", f"{step / 'metadata.json'}: not JSON ({err})",
+                   "the metadata.json of a torch_dist step") from None
+    backend = said.get("sharded_backend") if isinstance(said, dict) else None
     if backend != "torch_dist":
         raise _bad("STOCK_DIR", f"{step / 'metadata.json'}: sharded_backend {backend!r}",
                    "torch_dist")
-    metadata = FileSystemReader(str(step)).read_metadata()
-    ends: dict[str, int] = {}
-    for info in metadata.storage_data.values():
-        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    try:
+        metadata = FileSystemReader(str(step)).read_metadata()
+        storage = metadata.storage_data
+        ends: dict[str, int] = {}
+        for info in storage.values():
+            ends[info.relative_path] = max(ends.get(info.relative_path, 0),
+                                           info.offset + info.length)
+    except Exception as err:        # noqa: BLE001 - unpickling garbage raises anything
+        raise _bad("STOCK_DIR", f"{step / '.metadata'}: not a torch DCP index "
+                   f"({type(err).__name__}: {err})") from None
     for name, end in sorted(ends.items()):
         path = step / name
         if not _WRITER.match(name):
@@ -122,11 +138,26 @@ def _check_files(step: Path) -> object:
     return metadata
 
 
+_LAYOUT_ARGS = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                "data_parallel_size", "world_size")
+
+
 def _stock_layout(common: dict) -> dict:
+    """The parallel layout Megatron-LM's ``args`` record; None where they do not (a step of
+    ours records TP and PP only where every stage has the same, checkpoint/state.py)."""
     args = common["args"]
-    return {key: getattr(args, key, None) for key in (
-        "tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size",
-        "world_size")}
+    return {key: getattr(args, key, None) for key in _LAYOUT_ARGS}
+
+
+def describe_layout(layout: dict) -> str:
+    """What a converted step's ``extra["megatron_lm"]`` says of its layout, e.g. ``TP2 x PP1 x
+    DP2, 4 ranks``; only the parts recorded."""
+    parts = [f"{name}{layout[key]}" for name, key in zip(("TP", "PP", "DP"), _LAYOUT_ARGS)
+             if layout.get(key) is not None]
+    said = " x ".join(parts)
+    if layout.get("world_size") is not None:
+        said += f"{', ' if said else ''}{layout['world_size']} ranks"
+    return said or "no parallel layout recorded in its args"
 
 
 def convert_step(stock_dir, out_dir, *, iteration: int | None = None):
@@ -141,6 +172,7 @@ def convert_step(stock_dir, out_dir, *, iteration: int | None = None):
     step, iteration = _step_dir(stock_root, iteration)
     metadata = _check_files(step)
     common = _check_common(step, iteration)
+    layout = _stock_layout(common)
     data_files = sorted({info.relative_path for info in metadata.storage_data.values()})
 
     staged = partial_dir(out_root, iteration)
@@ -159,10 +191,8 @@ def convert_step(stock_dir, out_dir, *, iteration: int | None = None):
     for name in SMALL_FILES:
         files[name] = FileRecord(name=name, size=(staged / name).stat().st_size, rank=0,
                                  node=STOCK_NODE, digest=checksum_file(staged / name))
-    layout = _stock_layout(common)
     world = max(layout["world_size"] or 0, writers[-1] + 1 if writers else 1)
-    tp, pp, dp = (layout[k] or 1 for k in ("tensor_model_parallel_size",
-                                           "pipeline_model_parallel_size", "data_parallel_size"))
+    tp, pp, dp = (layout[k] or 1 for k in _LAYOUT_ARGS[:3])
     # Plan-shaped for `autohet checkpoint ls` (ranks, one pipeline per data-parallel replica);
     # never equal to a plan of ours, so recovery does not restore RNG states from it.
     plan = {"cluster": f"{STOCK_NODE} (TP{tp} x PP{pp} x DP{dp})", "pipelines": [{}] * dp,

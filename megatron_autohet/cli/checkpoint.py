@@ -13,7 +13,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from megatron_autohet.checkpoint.convert import convert_step
+from megatron_autohet.checkpoint.convert import convert_step, describe_layout
 from megatron_autohet.checkpoint.inspect import (committed_s3, existing_dirs, list_local, list_s3,
                                                  verify_local, verify_s3)
 from megatron_autohet.checkpoint.manifest import committed_steps, step_dir_name
@@ -226,7 +226,7 @@ def add_convert_action(actions) -> None:
 def run_convert(args) -> int:
     manifest = convert_step(args.stock_dir, args.out_dir, iteration=args.iteration)
     print(f"converted iteration {manifest.iteration} of {args.stock_dir} "
-          f"({manifest.extra['megatron_lm']}): {len(manifest.items)} chunks in "
+          f"({describe_layout(manifest.extra['megatron_lm'])}): {len(manifest.items)} chunks in "
           f"{len(manifest.files)} files ({manifest.total_bytes / 2**20:.1f} MiB) hashed and "
           f"committed to {Path(args.out_dir) / ('iter_%07d' % manifest.iteration)}")
     return 0

@@ -351,6 +351,58 @@ def test_convert_bad_input_is_one_line_and_exit_2(capsys, tmp_path):
                        "no such directory")
 
 
+def _megatron_looking(root: Path, files: dict[str, bytes]) -> Path:
+    """A --save directory naming step 10, whose step holds ``files``."""
+    step = root / step_dir_name(10)
+    step.mkdir(parents=True)
+    (root / LATEST_FILE).write_text("10")
+    for name, data in files.items():
+        (step / name).write_bytes(data)
+    return step
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("metadata_json, problem", [
+    (b"{not json", "metadata.json: not JSON ("),
+    (b"[1, 2]", "metadata.json: sharded_backend None"),
+    (json.dumps({"sharded_backend": "torch_dist"}).encode(),
+     ".metadata: not a torch DCP index (")])
+def test_convert_refuses_garbage_under_the_right_names_in_one_line(capsys, tmp_path,
+                                                                  metadata_json, problem):
+    """Every file name a torch_dist step has, holding garbage: one line naming the file, exit 2
+    (it was a JSONDecodeError or UnpicklingError traceback, exit 1)."""
+    step = _megatron_looking(tmp_path / "save", {
+        ".metadata": b"\x80\x04garbage", "common.pt": b"garbage", "metadata.json": metadata_json,
+        "__0_0.distcp": b"garbage"})
+    rc, out, err = run_cli(capsys, "checkpoint", "convert", tmp_path / "save", tmp_path / "out")
+    assert rc == 2 and "Traceback" not in out + err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("autohet checkpoint: error: <command line>: field 'STOCK_DIR': "
+                               f"{step}/{problem}"), lines[0]
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.unit
+def test_convert_refuses_a_step_of_ours_it_need_not_convert(capsys, tmp_path):
+    step = _megatron_looking(tmp_path / "save", {MANIFEST_FILE: b"{}"})
+    expect_usage_error(capsys, ["checkpoint", "convert", tmp_path / "save", tmp_path / "out"],
+                       "autohet checkpoint: error: <command line>: field 'STOCK_DIR': "
+                       f"{step}: a megatron-autohet step already (it has its {MANIFEST_FILE}) "
+                       "(allowed: `autohet train --load` it as it is)")
+
+
+@pytest.mark.unit
+def test_a_converted_steps_layout_is_said_as_far_as_its_args_record_it():
+    from megatron_autohet.checkpoint.convert import describe_layout
+
+    keys = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size",
+            "world_size")
+    assert describe_layout(dict(zip(keys, (2, 1, 2, 4)))) == "TP2 x PP1 x DP2, 4 ranks"
+    assert describe_layout(dict(zip(keys, (1, 2, None, None)))) == "TP1 x PP2"
+    assert describe_layout(dict.fromkeys(keys)) == "no parallel layout recorded in its args"
+
+
 # ---- autohet train --load: the resume is checked before any process starts --------------------
 
 @pytest.mark.e2e
