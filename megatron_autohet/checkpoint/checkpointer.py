@@ -53,7 +53,7 @@ import torch.distributed as dist
 
 from megatron_autohet.checkpoint.failures import log_traceback, root_cause
 from megatron_autohet.checkpoint.manifest import committed_steps, remove_old_steps, step_dir_name
-from megatron_autohet.checkpoint.options import CheckpointOptions
+from megatron_autohet.checkpoint.options import CheckpointOptions, object_store
 from megatron_autohet.checkpoint.recovery import recover
 from megatron_autohet.checkpoint.state import (RNG_KEY, ScheduleMismatch, SnapshotBuffers,
                                                TrainingProgress, common_state,
@@ -130,11 +130,7 @@ class Checkpointer:
         # The training thread's own agreements (is the background save done?), while the writer
         # thread may be in a collective on ``group``.
         self.decisions = dist.new_group(backend="gloo", timeout=CHECKPOINT_GROUP_TIMEOUT)
-        self.s3 = None
-        if options.s3_uri is not None:
-            # boto3: optional, on first use
-            from megatron_autohet.checkpoint.s3_store import S3Store
-            self.s3 = S3Store(options.s3_uri, endpoint_url=options.s3_endpoint_url)
+        self.s3 = object_store(options)
         self.last_saved: int | None = None
         self.last_report = None                 # RecoveryReport of resume(), if it loaded
         self.save_times: list[SaveTimes] = []

@@ -1,5 +1,11 @@
 """The checkpoint flags of a job, shared by ``autohet train`` and the Megatron-LM path (no torch).
 
+:class:`CheckpointOptions` holds them, checked by its ``validate``; :func:`tier_flags` is the one
+definition of the ``--autohet-*`` flags of the tiers, which both front ends add to their parsers
+(cli/train.py, megatron/args.py), and :func:`tier_fields` reads them back; :func:`object_store`
+builds the object-store tier they name (S3: boto3 is imported only then);
+:func:`check_scheduler_flags` checks the learning-rate schedule flags against a resume.
+
 Megatron-LM's names where Megatron has the concept, ``--autohet-*`` for what it does not:
 
 ``--save DIR``                    Megatron's checkpoint directory, one for the whole job (a shared
@@ -133,6 +139,60 @@ class CheckpointOptions:
             raise ConfigError(source, "--autohet-s3-endpoint-url", "given without --autohet-s3-uri",
                               "an endpoint for the S3 tier named by --autohet-s3-uri")
         return self
+
+
+def tier_flags(prefix: str = "") -> list[tuple[tuple[str, ...], dict]]:
+    """The ``--autohet-*`` flags of the checkpoint tiers as (option strings, ``add_argument``
+    keywords) each, every help text after ``prefix`` (Megatron-LM's parser says "With
+    --autohet-plan: ", its flags being ignored without it)."""
+    return [
+        (("--autohet-local-ckpt-dir",), dict(
+            default=None, help=prefix + "node-local checkpoint directory, instead of --save "
+                                        "(with --save-interval): each node writes what its "
+                                        "ranks hold there; '{node}' in the path becomes the "
+                                        "plan's node name (emulated nodes on one machine)")),
+        (("--autohet-keep-ckpts",), dict(
+            type=int, default=DEFAULT_KEEP,
+            help=prefix + f"committed checkpoints kept per directory and in S3 (default "
+                          f"{DEFAULT_KEEP})")),
+        (("--autohet-max-failed-saves",), dict(
+            type=int, default=DEFAULT_MAX_FAILED_SAVES,
+            help=prefix + "a failed save prints one line with its root cause (the traceback "
+                          "goes to autohet-checkpoint-errors.log in the checkpoint directory) "
+                          "and training goes on, unless it is the K-th failed save in a row or "
+                          "the last save of the run: then the job stops with status 1, saying "
+                          "which steps are complete and where. A failed S3 upload of a "
+                          f"complete local step is a warning only (default "
+                          f"{DEFAULT_MAX_FAILED_SAVES})")),
+        (("--autohet-s3-uri",), dict(
+            default=None, help=prefix + "S3 tier s3://BUCKET/PREFIX; each checkpoint is "
+                                        "uploaded in the background, and recovery downloads "
+                                        "from it only what no surviving disk holds "
+                                        "(credentials: boto3's standard chain)")),
+        (("--autohet-s3-endpoint-url",), dict(
+            default=None, help=prefix + "endpoint of the S3-compatible store --autohet-s3-uri "
+                                        "names (default: AWS)")),
+    ]
+
+
+def tier_fields(args) -> dict:
+    """The :class:`CheckpointOptions` fields of the :func:`tier_flags` in a parsed namespace."""
+    return dict(local_dir=args.autohet_local_ckpt_dir, keep=args.autohet_keep_ckpts,
+                max_failed_saves=args.autohet_max_failed_saves, s3_uri=args.autohet_s3_uri,
+                s3_endpoint_url=args.autohet_s3_endpoint_url)
+
+
+def object_store(options: CheckpointOptions, *, flag: str = "--autohet-s3-uri"):
+    """The object-store tier ``options`` name (``s3_uri``, ``s3_endpoint_url``), or None: the one
+    factory of that tier (checkpoint/sources.py), where another store would be chosen. A URI that
+    is not one is a ConfigError naming ``flag``."""
+    if options.s3_uri is None:
+        return None
+    # boto3: only for a job or command with an S3 tier
+    from megatron_autohet.checkpoint.s3_store import S3Store, parse_s3_uri
+
+    parse_s3_uri(options.s3_uri, flag)
+    return S3Store(options.s3_uri, endpoint_url=options.s3_endpoint_url)
 
 
 SCHEDULER_FLAGS = ("--override-opt-param-scheduler", "--use-checkpoint-opt-param-scheduler")

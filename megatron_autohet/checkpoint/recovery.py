@@ -2,7 +2,10 @@
 
 ``recover(trainer, scheduler, *, roots, s3, group) -> (TrainingProgress, RecoveryReport) | None``
 is called on every rank of a (re)started job. ``roots`` are the checkpoint directories this rank
-can read (its node's local-tier directory, ``--load``); ``s3`` the S3 tier, if configured.
+can read (its node's local-tier directory, ``--load``); ``s3`` the S3 tier, if configured (the
+store checkpoint/options.py's ``object_store`` builds), read through a
+:class:`~megatron_autohet.checkpoint.sources.StoreReader`: what S3 cannot give comes back as a
+message, so no S3 error is handled here.
 
 1. Discover: every rank lists the committed steps in its roots and which of their files it has
    (sizes as the manifest says); one all-gather, which also carries rank 0's listing of the S3
@@ -13,7 +16,7 @@ can read (its node's local-tier directory, ``--load``); ``s3`` the S3 tier, if c
    this job's (another model is refused at once, naming the field).
 3. Plan: each rank computes the chunks its NEW shards need (recovery_plan.needed_items); one
    all-gather of those needs, then recovery_plan.assign_sources gives every rank the same plan of
-   who reads what from where.
+   who reads what from where (the tiers of checkpoint/sources.py, asked in order).
 4. Fetch, all tiers at once: this rank's own-disk chunks are read and verified by a few
    threads (each chunk hashed block by block as it is read, inspect.read_item), its S3 chunks
    downloaded by parallel ranged GETs (each chunk no surviving disk holds is downloaded once,
@@ -56,17 +59,16 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_autohet.checkpoint.inspect import (committed_s3, file_problem, item_problem,
-                                                 read_item)
+from megatron_autohet.checkpoint.inspect import file_problem, item_problem, read_item
 from megatron_autohet.checkpoint.loader import (ChunkBoard, CorruptCheckpoint, load_streamed,
                                                 wanted_regions)
 from megatron_autohet.checkpoint.options import CheckpointOptions
 from megatron_autohet.checkpoint.manifest import (MANIFEST_FILE, MODEL_FIELDS, ItemRecord,
                                                   Manifest, committed_steps, model_mismatch,
                                                   read_manifest, step_dir_name)
-from megatron_autohet.checkpoint.recovery_plan import (OWN, PEER, S3, ChunkUnavailable,
-                                                       assign_sources, copies_of, needed_items,
-                                                       uncovered)
+from megatron_autohet.checkpoint.recovery_plan import (ChunkUnavailable, assign_sources,
+                                                       copies_of, needed_items, uncovered)
+from megatron_autohet.checkpoint.sources import OWN, PEER, S3, StoreReader
 from megatron_autohet.checkpoint.state import (RNG_KEY, apply_loaded, rank_sharded_state_dict,
                                                rng_sharded_object, saved_master_weights)
 from megatron_autohet.checkpoint.upload import byte_progress
@@ -133,40 +135,12 @@ def _scan(roots: list[Path]) -> tuple[dict[int, _Visible], list[str]]:
     return seen, unreadable
 
 
-def _s3_steps(s3, log) -> set[int]:
-    """Committed S3 steps (manifest present: listings only, a manifest is downloaded when its
-    step is chosen and no disk has it); none when S3 is not configured or cannot be reached
-    (recovery then uses the disks alone, and says so)."""
-    if s3 is None:
-        return set()
-    from megatron_autohet.checkpoint.s3_store import S3Error     # boto3: S3 jobs only
-
-    try:
-        return set(committed_s3(s3))
-    except S3Error as err:
-        log(f"WARNING: the S3 tier is unreachable, recovering from the disks alone: {err}")
-        return set()
-
-
-def _s3_manifest(s3, iteration: int, group) -> Manifest | str:
+def _s3_manifest(s3: StoreReader, iteration: int, group) -> Manifest | str:
     """The manifest of a step committed in S3 and on no surviving disk: rank 0 downloads it and
-    every rank gets the same bytes, or the same reason it could not be had or read."""
-    from megatron_autohet.checkpoint.s3_store import S3Error     # boto3: S3 jobs only
-
-    key = f"{step_dir_name(iteration)}/{MANIFEST_FILE}"
-    box: list = [None]
-    if dist.get_rank(group) == 0:
-        try:
-            box[0] = s3.get_bytes(key) or f"{s3.location.uri(key)} is gone since the listing"
-        except S3Error as err:
-            box[0] = str(err)
+    every rank gets the same manifest, or the same reason it could not be had or read."""
+    box = [s3.manifest(iteration) if dist.get_rank(group) == 0 else None]
     dist.broadcast_object_list(box, src=0, group=group)
-    if isinstance(box[0], str):
-        return box[0]
-    try:
-        return Manifest.from_json(box[0], s3.location.uri(key))
-    except ValueError as err:
-        return str(err)
+    return box[0]
 
 
 def _missing_on_disks(manifest: Manifest, present: dict[int, set[str]]) -> list[str]:
@@ -192,16 +166,18 @@ def recover(trainer, scheduler, *, roots: list[Path], s3=None, group=None,
     fetched), without RNG states (``load_rng``), ``finetune``."""
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     start = time.perf_counter()
+    store = StoreReader(s3) if s3 is not None else None
 
     # 1. discover; rank 0's S3 listing (round trips over the slowest link) runs meanwhile and
     # rides on rank 0's part of the one all-gather that agrees on what every rank sees
     with ThreadPoolExecutor(1) as lister:
-        listing = lister.submit(_s3_steps, s3, log) if rank == 0 else None
+        listing = (lister.submit(store.committed_steps, log) if rank == 0 and store is not None
+                   else None)
         mine, unreadable = _scan(roots)
         seen = {it: (sorted(v.paths), v.manifest_json) for it, v in mine.items()}
         gathered: list = [None] * world_size
-        dist.all_gather_object(gathered, (seen, unreadable, listing.result() if listing else None),
-                               group=group)
+        dist.all_gather_object(gathered, (seen, unreadable,
+                                          listing.result() if listing else set()), group=group)
     s3_steps = gathered[0][2]
     views = [view for view, _, _ in gathered]
     # why each step that is not loaded was not (the error when none is); a step whose manifest
@@ -217,7 +193,7 @@ def recover(trainer, scheduler, *, roots: list[Path], s3=None, group=None,
         if options.ckpt_step not in candidates:
             raise JobConfigError("<command line>", "--ckpt-step",
                                  f"no committed step {options.ckpt_step} in "
-                                 f"{options.load}" + (f" or {s3.location.uri()}" if s3 else ""),
+                                 f"{options.load}" + (f" or {store.uri()}" if store else ""),
                                  "one of the committed steps: "
                                  + (", ".join(map(str, sorted(candidates))) or "none"))
         candidates = [options.ckpt_step]
@@ -232,9 +208,9 @@ def recover(trainer, scheduler, *, roots: list[Path], s3=None, group=None,
                 log(f"WARNING: cannot recover iteration {iteration} ({why}); falling back to "
                     f"iteration {older[0]}")
 
-        disk_copy = next((v[iteration][1] for v in views if iteration in v), None)
-        manifest = (_s3_manifest(s3, iteration, group) if disk_copy is None else  # read at the scan
-                    Manifest.from_json(disk_copy, f"manifest of iteration {iteration}"))
+        disk_copy = next((v[iteration][1] for v in views if iteration in v), None)  # at the scan
+        manifest = (_s3_manifest(store, iteration, group) if disk_copy is None
+                    else Manifest.from_json(disk_copy, f"manifest of iteration {iteration}"))
         if isinstance(manifest, str):
             give_up(manifest)
             continue
@@ -274,7 +250,8 @@ def recover(trainer, scheduler, *, roots: list[Path], s3=None, group=None,
         staging = Path(tempfile.mkdtemp(prefix=f"autohet-recovery-{rank}-",
                                         dir=roots[0] if roots and roots[0].is_dir() else None))
         try:
-            small, problem = _small_files(manifest, local_paths, iteration, s3, present, group)
+            small, problem = _small_files(manifest, local_paths, iteration, store, present,
+                                           group)
             if missing_regions:
                 problem = (f"the manifest of iteration {iteration} has no chunk of "
                            + ", ".join(f"{w.key} at {w.offsets}" for w in missing_regions[:3])
@@ -283,7 +260,7 @@ def recover(trainer, scheduler, *, roots: list[Path], s3=None, group=None,
                 _stage(staging, small)
             report.seconds["stage"] = time.perf_counter() - t
             loaded = _fetch_and_load(state_dict, staging, manifest, iteration, needs,
-                                     local_paths, s3, iteration in s3_steps, group, report,
+                                     local_paths, store, iteration in s3_steps, group, report,
                                      problem)
             break
         except _Unrecoverable as err:
@@ -292,7 +269,7 @@ def recover(trainer, scheduler, *, roots: list[Path], s3=None, group=None,
             shutil.rmtree(staging, ignore_errors=True)
     else:
         if failures:
-            where = f"{options.load}" + (f" or {s3.location.uri()}" if s3 else "")
+            where = f"{options.load}" + (f" or {store.uri()}" if store else "")
             raise JobConfigError("<command line>", "--load", f"no checkpoint step in {where} "
                                  "can be recovered: " + " | ".join(failures))
         return None
@@ -310,8 +287,8 @@ class _Unrecoverable(RuntimeError):
 
 
 def _fetch_and_load(state_dict: dict, staging: Path, manifest: Manifest, iteration: int,
-                    needs: list[int], local_paths: dict[str, Path], s3, s3_available: bool,
-                    group, report, problem: str | None) -> dict:
+                    needs: list[int], local_paths: dict[str, Path], s3: StoreReader | None,
+                    s3_available: bool, group, report, problem: str | None) -> dict:
     """Fetch every chunk this rank needs of one step (module docstring, step 4) while a thread
     loads them (step 5) as they are verified; the loaded state dict. The load starts once the
     first round's sources are known (own-disk chunks first, then what the exchange brings in
@@ -349,8 +326,8 @@ def _fetch_and_load(state_dict: dict, staging: Path, manifest: Manifest, iterati
 
 
 def _fetch_step(manifest: Manifest, iteration: int, needs: list[int],
-                local_paths: dict[str, Path], s3, s3_available: bool, group,
-                report, board: ChunkBoard, start_load, problem: str | None) -> None:
+                local_paths: dict[str, Path], s3: StoreReader | None, s3_available: bool,
+                group, report, board: ChunkBoard, start_load, problem: str | None) -> None:
     """Fetch and verify every chunk this rank needs of one step, all tiers at once (module
     docstring, step 4), putting each on ``board`` as it is verified; ``start_load`` is called
     with the order the chunks are expected in once the first round is planned. A copy that
@@ -417,8 +394,8 @@ class _Round:
     s3_error: str | None = None          # a download that failed: the step cannot be loaded
 
 
-def _fetch_round(fetches, rank: int, iteration: int, local_paths: dict[str, Path], s3, group,
-                 report, board: ChunkBoard) -> _Round:
+def _fetch_round(fetches, rank: int, iteration: int, local_paths: dict[str, Path],
+                 s3: StoreReader | None, group, report, board: ChunkBoard) -> _Round:
     """One round of fetches, the tiers concurrently: this rank's own-disk chunks are read and
     verified by VERIFY_THREADS threads, its S3 chunks downloaded by a pool of ranged GETs, and
     the peer exchange runs on this thread (an S3 chunk forwarded to peers is sent once
@@ -449,13 +426,11 @@ def _fetch_round(fetches, rank: int, iteration: int, local_paths: dict[str, Path
     def download(f) -> memoryview | None:
         """The verified chunk, or None when S3 failed (said in ``out.s3_error``; a chunk this
         rank forwards then goes out as zeros, so the exchange completes on every rank)."""
-        from megatron_autohet.checkpoint.s3_store import S3Error     # boto3: S3 jobs only
-
-        try:
-            raw = memoryview(_download(s3, iteration, f.copy))
-        except (CorruptCheckpoint, S3Error) as err:
-            out.s3_error = out.s3_error or str(err)
+        raw = s3.chunk(iteration, f.copy)
+        if isinstance(raw, str):
+            out.s3_error = out.s3_error or raw
             return None
+        raw = memoryview(raw)
         report.bytes[S3] += len(raw)
         bar.update(len(raw))
         tier_end[S3] = time.perf_counter()
@@ -487,15 +462,6 @@ def _fetch_round(fetches, rank: int, iteration: int, local_paths: dict[str, Path
 
 def _good(raw: bytes | memoryview, record: ItemRecord) -> bool:
     return item_problem(record, raw) is None
-
-
-def _download(s3, iteration: int, record: ItemRecord) -> bytes:
-    raw = s3.get_range(f"{step_dir_name(iteration)}/{record.file}", record.offset, record.length)
-    if not _good(raw, record):
-        raise CorruptCheckpoint(f"{s3.location.uri(step_dir_name(iteration) + '/' + record.file)}"
-                                f": bytes {record.offset}-{record.offset + record.length} "
-                                f"({record.key}) do not match their checksum in the manifest")
-    return raw
 
 
 def _pieces(length: int) -> list[tuple[int, int]]:
@@ -581,8 +547,9 @@ def _stage(staging: Path, small: dict[str, bytes]) -> None:
         (staging / name).touch()
 
 
-def _small_files(manifest: Manifest, local_paths: dict[str, Path], iteration: int, s3,
-                 present: dict[int, set[str]], group) -> tuple[dict[str, bytes], str | None]:
+def _small_files(manifest: Manifest, local_paths: dict[str, Path], iteration: int,
+                 s3: StoreReader | None, present: dict[int, set[str]],
+                 group) -> tuple[dict[str, bytes], str | None]:
     """``.metadata``, ``common.pt`` and ``metadata.json``, checked against the manifest, and
     what is wrong with them (None: nothing). From this rank's disk when every rank has them on
     its own (``present``: each rank's files, as the discovery gathered them): no collective
@@ -599,8 +566,7 @@ def _small_files(manifest: Manifest, local_paths: dict[str, Path], iteration: in
         dist.broadcast_object_list(box, src=holders[0], group=group)
         small = box[0]
     else:
-        small = {name: s3.get_bytes(f"{step_dir_name(iteration)}/{name}")
-                 for name in SMALL_FILES}
+        small = s3.files(iteration, SMALL_FILES)
     for name, raw in small.items():
         record = manifest.files[name]
         if raw is None or file_problem(raw, record.size, record.digest):

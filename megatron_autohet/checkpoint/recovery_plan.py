@@ -4,6 +4,11 @@ A rank of the NEW plan asks for regions of global tensors (its shards: key, glob
 sizes) and for serialized objects (by key). :func:`needed_items` intersects them with the chunks
 the manifest lists: exactly the chunks DCP will read for it, whatever layout saved them, and so
 exactly the bytes that must be verified (and, when this rank's disk lacks them, fetched).
+:func:`uncovered`: the wanted regions no chunk holds (a step that cannot serve this rank).
+
+:func:`assign_sources` then says who serves each needed chunk to each rank, asking the tiers of
+checkpoint/sources.py in order (own disk, peers, object store); :func:`copies_of`: the records
+holding each main chunk's bytes (main file, replicas).
 """
 
 from __future__ import annotations
@@ -12,6 +17,9 @@ import math
 from dataclasses import dataclass
 
 from megatron_autohet.checkpoint.manifest import ItemRecord
+from megatron_autohet.checkpoint.sources import (ChunkSource, Fetch, Holders, ObjectStoreSource,
+                                                 OwnDiskSource, PeerPreference, PeerSource,
+                                                 no_preference)
 
 
 @dataclass(frozen=True)
@@ -66,23 +74,6 @@ def uncovered(items: list[ItemRecord], wanted: list[Wanted]) -> list[Wanted]:
 
 # ---- where each needed chunk comes from --------------------------------------------------------
 
-OWN, PEER, S3 = "own", "peer", "s3"
-
-
-@dataclass(frozen=True)
-class Fetch:
-    """How rank ``rank`` gets main chunk ``index`` (of ``manifest.items``): read ``copy`` (a
-    record of the main file or of a replica file) from its own disk, receive it from ``peer``
-    (who reads ``copy`` from its disk), or download it from S3 (``copy`` is then the main record;
-    with ``peer`` set, ``peer`` downloads it once for its node and sends it on)."""
-
-    rank: int
-    index: int
-    source: str                       # OWN, PEER or S3
-    copy: ItemRecord
-    peer: int | None = None
-
-
 class ChunkUnavailable(RuntimeError):
     """A needed chunk is on no surviving disk and there is no S3 copy."""
 
@@ -101,41 +92,36 @@ def copies_of(items: list[ItemRecord], replicas: list[ItemRecord]) -> list[list[
 
 def assign_sources(items: list[ItemRecord], replicas: list[ItemRecord],
                    needed: dict[int, list[int]], present: dict[int, set[str]],
-                   s3_available: bool) -> list[Fetch]:
+                   s3_available: bool,
+                   peer_preference: PeerPreference = no_preference) -> list[Fetch]:
     """Every rank's fetches, computed identically on every rank.
 
     ``needed``: rank -> indices of the main chunks it needs; ``present``: rank -> the files of
-    the step its own disk holds (verified sizes). Rules, cheapest first: a copy on the rank's own
-    disk; else a peer holding a copy, the one with the fewest bytes assigned so far (spreading the
-    sends); else S3, downloaded ONCE per chunk by the lowest rank needing it, which then serves
-    the others like a peer - so S3 serves exactly the chunks no surviving disk holds.
+    the step its own disk holds (verified sizes); ``s3_available``: the step is committed in the
+    object store. Each chunk comes from the first tier that has it (checkpoint/sources.py),
+    cheapest first: a copy on the rank's own disk; else a peer holding a copy
+    (``peer_preference``'s first, then the one with the fewest bytes assigned so far, spreading
+    the sends); else S3, downloaded ONCE per chunk by the lowest rank needing it, which then
+    serves the others like a peer - so S3 serves exactly the chunks no surviving disk holds.
     """
     copies = copies_of(items, replicas)
-    holders: dict[int, list[tuple[int, ItemRecord]]] = {}
+    holders: Holders = {}
     for index in sorted({i for wanted in needed.values() for i in wanted}):
         holders[index] = [(rank, copy) for rank in sorted(present)
                           for copy in copies[index] if copy.file in present[rank]]
-    sent: dict[int, int] = {}
-    downloader: dict[int, int] = {}
+    tiers: list[ChunkSource] = [OwnDiskSource(holders), PeerSource(holders, peer_preference),
+                                ObjectStoreSource(items, committed=s3_available)]
     fetches = []
     for rank in sorted(needed):
         for index in needed[rank]:
-            own = [copy for holder, copy in holders[index] if holder == rank]
-            if own:
-                fetches.append(Fetch(rank, index, OWN, own[0]))
-                continue
-            if holders[index]:
-                peer, copy = min(holders[index], key=lambda hc: (sent.get(hc[0], 0), hc[0]))
-                sent[peer] = sent.get(peer, 0) + copy.length
-                fetches.append(Fetch(rank, index, PEER, copy, peer))
-                continue
-            if not s3_available:
+            # the first tier that serves it (a later one is not asked: serving books bytes)
+            fetch = next((f for tier in tiers if (f := tier.serve(rank, index)) is not None),
+                         None)
+            if fetch is None:
                 item = items[index]
                 where = "" if item.offsets is None else f" at {item.offsets}"
                 raise ChunkUnavailable(
                     f"so chunk {item.key}{where} (file {item.file}) is on no surviving node's "
                     "disk, and no S3 copy of the step is configured")
-            first = downloader.setdefault(index, rank)
-            fetches.append(Fetch(rank, index, S3, items[index],
-                                 None if first == rank else first))
+            fetches.append(fetch)
     return fetches

@@ -1,7 +1,8 @@
 """The S3 tier of the checkpoint system: one copy of each committed step in an S3 bucket.
 
 This is the only module in the project that imports boto3; everything else talks to S3 through
-:class:`S3Store`, which just moves bytes. Integrity is the caller's job: it checks what comes back
+:class:`S3Store`, which just moves bytes (built by checkpoint/sources.py's ``object_store``, the
+one factory of the object-store tier). Integrity is the caller's job: it checks what comes back
 against the step's manifest (checksums of byte ranges), because an S3 endpoint that is not AWS may
 not verify the checksums a client sends (moto's server, used by the tests, never does).
 
@@ -46,6 +47,7 @@ from boto3.s3.transfer import TransferConfig
 from botocore.config import Config
 
 from megatron_autohet.checkpoint.manifest import MANIFEST_FILE, parse_step_dir_name, step_dir_name
+from megatron_autohet.checkpoint.sources import StoreError
 from megatron_autohet.errors import ConfigError
 
 _BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
@@ -89,10 +91,11 @@ def parse_s3_uri(uri: str, flag: str = "--autohet-s3-uri") -> S3Location:
     return S3Location(bucket, prefix)
 
 
-class S3Error(RuntimeError):
-    """An S3 operation failed. The message names the operation, the ``s3://`` address and
-    botocore's reason (error code and text, or the connection failure); no credentials.
-    ``code`` is S3's error code (``NoSuchKey``...) when S3 answered, else None."""
+class S3Error(StoreError):
+    """An S3 operation failed (the object-store tier's StoreError, checkpoint/sources.py). The
+    message names the operation, the ``s3://`` address and botocore's reason (error code and
+    text, or the connection failure); no credentials. ``code`` is S3's error code
+    (``NoSuchKey``...) when S3 answered, else None."""
 
     def __init__(self, operation: str, uri: str, reason: str, code: str | None = None):
         self.operation = operation

@@ -17,6 +17,7 @@ from megatron_autohet.checkpoint.convert import convert_step, describe_layout
 from megatron_autohet.checkpoint.inspect import (committed_s3, existing_dirs, list_local, list_s3,
                                                  verify_local, verify_s3)
 from megatron_autohet.checkpoint.manifest import committed_steps, step_dir_name
+from megatron_autohet.checkpoint.options import CheckpointOptions, object_store
 from megatron_autohet.cli._table import format_table
 from megatron_autohet.errors import ConfigError
 
@@ -87,12 +88,10 @@ def local_roots(location: str) -> list[Path]:
 
 
 def open_store(args):
-    """An S3Store for an s3:// location (boto3 is imported only then)."""
-    # boto3: not at `autohet` start-up
-    from megatron_autohet.checkpoint.s3_store import S3Store, parse_s3_uri
-
-    parse_s3_uri(args.location, LOCATION)
-    return S3Store(args.location, endpoint_url=args.autohet_s3_endpoint_url)
+    """The S3 tier at an s3:// location (boto3 is imported only then)."""
+    return object_store(CheckpointOptions(s3_uri=args.location,
+                                          s3_endpoint_url=args.autohet_s3_endpoint_url),
+                        flag=LOCATION)
 
 
 def is_s3(args) -> bool:

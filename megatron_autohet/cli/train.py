@@ -18,8 +18,7 @@ from pathlib import Path
 from megatron_autohet.checkpoint.inspect import existing_dirs
 from megatron_autohet.checkpoint.manifest import (MODEL_FIELDS, committed_steps, model_mismatch,
                                                   read_manifest, step_dir_name)
-from megatron_autohet.checkpoint.options import (DEFAULT_KEEP, DEFAULT_MAX_FAILED_SAVES,
-                                                 CheckpointOptions)
+from megatron_autohet.checkpoint.options import CheckpointOptions, tier_fields, tier_flags
 from megatron_autohet.cli._common import (FUSION_FLAGS, check_activation_fusion_flag,
                                           requested_fusions)
 from megatron_autohet.errors import ConfigError
@@ -124,34 +123,12 @@ def register(subparsers) -> None:
         (("--load",), dict(default=None,
                            help="resume from the newest complete checkpoint in this directory "
                                 "(and the local tier); none there: start from scratch")),
-        (("--autohet-local-ckpt-dir",), dict(
-            default=None, help="node-local checkpoint directory: each node writes what its "
-                               "ranks hold there; '{node}' in the path becomes the plan's node "
-                               "name (emulated nodes on one machine)")),
-        (("--autohet-keep-ckpts",), dict(type=int, default=DEFAULT_KEEP,
-                                         help="committed checkpoints kept per directory and in "
-                                              f"S3 (default {DEFAULT_KEEP})")),
         (("--async-save",), dict(action="store_true",
                                  help="write (and upload) checkpoints in the background; "
                                       "training waits only for the copy to host memory, and a "
                                       "save due while the previous one is still being written "
                                       "is skipped (the next interval saves; never the last)")),
-        (("--autohet-max-failed-saves",), dict(
-            type=int, default=DEFAULT_MAX_FAILED_SAVES,
-            help="a failed save prints one line with its root cause (the traceback goes to "
-                 "autohet-checkpoint-errors.log in the checkpoint directory) and training goes "
-                 "on, unless it is the K-th failed save in a row or the last save of the run: "
-                 "then the job stops with status 1, saying which steps are complete and where. "
-                 "A failed S3 upload of a complete local step is a warning only "
-                 f"(default {DEFAULT_MAX_FAILED_SAVES})")),
-        (("--autohet-s3-uri",), dict(default=None,
-                                     help="S3 tier s3://BUCKET/PREFIX: each checkpoint is "
-                                          "uploaded in the background, and recovery downloads "
-                                          "from it only what no surviving disk holds "
-                                          "(credentials: boto3's standard chain)")),
-        (("--autohet-s3-endpoint-url",), dict(default=None,
-                                              help="endpoint of an S3-compatible store "
-                                                   "(default: AWS)")),
+        *tier_flags(),
         (("--exit-on-missing-checkpoint",), dict(
             action="store_true",
             help="with --load: stop (one line, status 2) when no complete checkpoint is found, "
@@ -395,13 +372,11 @@ def checkpoint_options(args: argparse.Namespace) -> CheckpointOptions:
     from its local tier."""
     load = args.load or (args.autohet_local_ckpt_dir if args.elastic else None)
     return CheckpointOptions(save=args.save, save_interval=args.save_interval, load=load,
-                             local_dir=args.autohet_local_ckpt_dir, keep=args.autohet_keep_ckpts,
-                             async_save=args.async_save, s3_uri=args.autohet_s3_uri,
-                             s3_endpoint_url=args.autohet_s3_endpoint_url,
-                             ckpt_step=args.ckpt_step, no_load_optim=args.no_load_optim,
-                             no_load_rng=args.no_load_rng, finetune=args.finetune,
-                             max_failed_saves=args.autohet_max_failed_saves,
-                             exit_on_missing_checkpoint=args.exit_on_missing_checkpoint)
+                             async_save=args.async_save, ckpt_step=args.ckpt_step,
+                             no_load_optim=args.no_load_optim, no_load_rng=args.no_load_rng,
+                             finetune=args.finetune,
+                             exit_on_missing_checkpoint=args.exit_on_missing_checkpoint,
+                             **tier_fields(args))
 
 
 def check_resume(checkpoint: CheckpointOptions, plan, optimizer: OptimizerSettings,

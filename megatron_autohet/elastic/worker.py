@@ -63,6 +63,8 @@ from megatron_autohet.checkpoint.inspect import committed_s3, newest_manifest
 from megatron_autohet.checkpoint.deadline import Deadline, against
 from megatron_autohet.checkpoint.manifest import (MANIFEST_FILE, Manifest, read_manifest,
                                                   step_dir_name)
+from megatron_autohet.checkpoint.options import object_store
+from megatron_autohet.checkpoint.sources import StoreError
 from megatron_autohet.checkpoint.upload import upload_step
 from megatron_autohet.checkpoint.writer import SaveFailed
 from megatron_autohet.elastic.events import EventLog
@@ -133,18 +135,15 @@ def _local_step(local_dir: str | None, node: str) -> dict | None:
 
 def _s3_step(options) -> dict | None:
     """The newest step committed in S3 (its plan), when no disk has one."""
-    # boto3: optional, on first use
-    from megatron_autohet.checkpoint.s3_store import S3Error, S3Store
-
-    if options.s3_uri is None:
+    store = object_store(options)
+    if store is None:
         return None
     try:
-        store = S3Store(options.s3_uri, endpoint_url=options.s3_endpoint_url)
         steps = committed_s3(store)
         if not steps:
             return None
         raw = store.get_bytes(f"{step_dir_name(steps[-1])}/{MANIFEST_FILE}")
-    except S3Error:
+    except StoreError:
         return None
     manifest = Manifest.from_json(raw, store.location.uri(f"{step_dir_name(steps[-1])}/"
                                                           f"{MANIFEST_FILE}"))
@@ -494,16 +493,11 @@ class ElasticWorker:
                              iteration=iteration, needed=True, committed=False,
                              skipped=stranded, **_to_deadline(deadline))
             return
-        # boto3: optional, on first use
-        from megatron_autohet.checkpoint.s3_store import S3Store
-
         start = time.monotonic()
         step = self._local_root() / step_dir_name(iteration)
         try:
-            done = upload_step(
-                S3Store(options.s3_uri, endpoint_url=options.s3_endpoint_url),
-                read_manifest(step), step, rank=plan_rank, keep=options.keep, group=group,
-                deadline=deadline)
+            done = upload_step(object_store(options), read_manifest(step), step, rank=plan_rank,
+                               keep=options.keep, group=group, deadline=deadline)
         except SaveFailed as err:
             self.events.emit("upload", f"iteration {iteration} ({where}): {err}"
                              + against(deadline), iteration=iteration, needed=True,

@@ -7,15 +7,15 @@ already passes (``add_modelopt_args`` when NVIDIA ModelOpt is installed).
 
 The checkpoint flags are Megatron's own (``--save``, ``--save-interval``, ``--load``,
 ``--exit-interval``, ``--async-save``); the concepts Megatron has no flag for (the node-local
-tier, how many steps to keep, the S3 tier) are added here with the meaning and defaults of
-``autohet train`` (checkpoint/options.py).
+tier, how many steps to keep, the S3 tier) are ``autohet train``'s, defined once for both
+(checkpoint/options.py ``tier_flags``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from megatron_autohet.checkpoint.options import DEFAULT_KEEP, DEFAULT_MAX_FAILED_SAVES
+from megatron_autohet.checkpoint.options import tier_flags
 
 
 def add_autohet_args(parser):
@@ -32,28 +32,8 @@ def add_autohet_args(parser):
     group.add_argument("--autohet-data-dir", type=str, default=None,
                        help="With --autohet-plan and no --data-path: cache of the built-in corpus "
                             "(default $AUTOHET_DATA_DIR or ~/.cache/megatron-autohet).")
-    group.add_argument("--autohet-local-ckpt-dir", type=str, default=None,
-                       help="With --autohet-plan: node-local checkpoint directory; each node "
-                            "writes what its ranks hold there instead of --save ('{node}' in the "
-                            "path becomes the plan's node name, for emulated nodes on one "
-                            "machine). Needs --save-interval.")
-    group.add_argument("--autohet-keep-ckpts", type=int, default=DEFAULT_KEEP,
-                       help="With --autohet-plan: committed checkpoints kept per directory and in "
-                            f"S3 (default {DEFAULT_KEEP}).")
-    group.add_argument("--autohet-max-failed-saves", type=int, default=DEFAULT_MAX_FAILED_SAVES,
-                       help="With --autohet-plan: a failed save prints one line with its root "
-                            "cause (the traceback goes to autohet-checkpoint-errors.log in the "
-                            "checkpoint directory) and training goes on, unless it is the K-th "
-                            "failed save in a row or the last save of the run: then the job stops "
-                            "with status 1, saying which steps are complete and where. A failed "
-                            "S3 upload of a complete local step is a warning only (default "
-                            f"{DEFAULT_MAX_FAILED_SAVES}).")
-    group.add_argument("--autohet-s3-uri", type=str, default=None,
-                       help="With --autohet-plan: S3 tier s3://BUCKET/PREFIX; each checkpoint is "
-                            "uploaded in the background and recovery downloads from it only what "
-                            "no surviving disk holds (credentials: boto3's standard chain).")
-    group.add_argument("--autohet-s3-endpoint-url", type=str, default=None,
-                       help="With --autohet-s3-uri: endpoint of an S3-compatible store.")
+    for flags, kwargs in tier_flags(prefix="With --autohet-plan: "):
+        group.add_argument(*flags, **kwargs)
     return parser
 
 

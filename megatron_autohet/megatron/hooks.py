@@ -31,7 +31,7 @@ state; a different schedule without either is refused in one line before it asse
 rank), ``--ckpt-step``, ``--no-load-optim``, ``--no-load-rng``, ``--finetune``
 (checkpoint/options.py), plus ``--autohet-local-ckpt-dir``, ``--autohet-keep-ckpts``,
 ``--autohet-max-failed-saves``, ``--autohet-s3-uri`` and ``--autohet-s3-endpoint-url``
-(megatron/args.py).
+(``autohet train``'s, checkpoint/options.py ``tier_flags``; added by megatron/args.py).
 
 Flags are checked twice. Before Megatron-LM initialises anything, :func:`prepare_process` refuses
 every flag set to a value other than Megatron's default that the plan path does not honour
@@ -61,7 +61,7 @@ import warnings
 from pathlib import Path
 from typing import NoReturn
 
-from megatron_autohet.checkpoint.options import CheckpointOptions
+from megatron_autohet.checkpoint.options import CheckpointOptions, tier_fields
 from megatron_autohet.errors import ConfigError
 from megatron_autohet.job import TrainOptions, train_job
 from megatron_autohet.launch import signal_stop_check
@@ -275,17 +275,14 @@ def train_options(args, plan_path: str | Path) -> TrainOptions:
     ``--lr-*`` schedule flags are not among them: its own scheduler reads them
     (:func:`pretrain_from_plan`)."""
     checkpoint = CheckpointOptions(save=args.save, save_interval=args.save_interval,
-                                   load=args.load, local_dir=args.autohet_local_ckpt_dir,
-                                   keep=args.autohet_keep_ckpts, async_save=bool(args.async_save),
-                                   s3_uri=args.autohet_s3_uri,
-                                   s3_endpoint_url=args.autohet_s3_endpoint_url,
+                                   load=args.load, async_save=bool(args.async_save),
                                    ckpt_step=args.ckpt_step,
                                    no_load_optim=bool(args.no_load_optim),
                                    no_load_rng=bool(args.no_load_rng),
                                    finetune=bool(args.finetune),
-                                   max_failed_saves=args.autohet_max_failed_saves,
                                    exit_on_missing_checkpoint=bool(
-                                       args.exit_on_missing_checkpoint))
+                                       args.exit_on_missing_checkpoint),
+                                   **tier_fields(args))
     optimizer = OptimizerSettings(
         lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
         adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,

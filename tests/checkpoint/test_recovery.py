@@ -549,6 +549,38 @@ def test_a_region_no_chunk_holds_is_found_before_anything_is_fetched():
     assert uncovered(items, [Wanted("w", (0, 0), (5, 4))]) == [Wanted("w", (0, 0), (5, 4))]
 
 
+@pytest.mark.unit
+def test_each_chunk_comes_from_the_first_tier_that_has_it():
+    """recovery_plan.assign_sources asks the tiers in order (checkpoint/sources.py): own disk,
+    then a peer (the fewest bytes assigned, then the lowest rank; a PeerPreference first), then
+    the object store, whose chunk is downloaded once, by the lowest rank, and forwarded."""
+    from megatron_autohet.checkpoint.manifest import ItemRecord
+    from megatron_autohet.checkpoint.recovery_plan import ChunkUnavailable, assign_sources
+    from megatron_autohet.checkpoint.sources import OWN, PEER, S3
+
+    def chunk(key, file, length):
+        return ItemRecord(key, (0,), (length,), file, 0, length, "xxh3_128:" + "0" * 32)
+
+    items = [chunk("a", "a.distcp", 10), chunk("b", "b.distcp", 20), chunk("c", "c.distcp", 30)]
+    replica = chunk("a", "a-replica.distcp", 10)       # chunk 0's copy on rank 2's disk
+    present = {0: {"a.distcp"}, 1: {"b.distcp"}, 2: {"a-replica.distcp"}, 3: set()}
+    needed = {0: [0, 1, 2], 1: [0], 3: [0, 2]}
+
+    def plan(**kwargs):
+        return [(f.rank, f.index, f.source, f.copy.file, f.peer)
+                for f in assign_sources(items, [replica], needed, present, True, **kwargs)]
+
+    assert plan() == [(0, 0, OWN, "a.distcp", None), (0, 1, PEER, "b.distcp", 1),
+                      (0, 2, S3, "c.distcp", None),
+                      (1, 0, PEER, "a.distcp", 0),               # rank 0: 0 bytes so far
+                      (3, 0, PEER, "a-replica.distcp", 2),       # rank 0 has 10 by now
+                      (3, 2, S3, "c.distcp", 0)]                 # rank 0 downloads, forwards
+    # a preference (a zone's, say) goes before the bytes assigned
+    assert plan(peer_preference=lambda rank, peer: peer != 2)[3][3:] == ("a-replica.distcp", 2)
+    with pytest.raises(ChunkUnavailable, match="c.distcp"):
+        assign_sources(items, [replica], needed, present, False)
+
+
 def _train_reading_two_chunks_at_once(rank, world, the_plan, batches, options):
     """A resume in which the first two own-disk chunk reads of each rank wait for each other:
     it completes only if two reads run at the same time (a single reader thread would wait

@@ -1,0 +1,198 @@
+"""Where recovery gets a step's chunks: the checkpoint tiers behind one interface (no torch).
+
+A tier is a :class:`ChunkSource`: its ``name`` (the key of its bytes in the recovery report, and
+each :class:`Fetch`'s ``source``) and ``serve(rank, index)``, the fetch that gets main chunk
+``index`` (of the manifest's items) to ``rank`` from this tier, or None when the tier holds no
+copy of it. :func:`~megatron_autohet.checkpoint.recovery_plan.assign_sources` builds the tiers
+for one round and asks them in order, for every chunk every rank needs; the first that serves it
+does. The three, cheapest first:
+
+``OwnDiskSource``      a copy (main file or replica) on the rank's own disk
+``PeerSource``         a surviving rank whose disk holds a copy: the one :data:`PeerPreference`
+                       ranks first, then the one with the fewest bytes assigned so far (spreading
+                       the sends), then the lowest rank
+``ObjectStoreSource``  the step committed in the object store: each chunk downloaded ONCE, by
+                       the lowest rank needing it, which forwards it to the others like a peer;
+                       so the store serves exactly the chunks no surviving disk holds
+
+They only plan (pure, and computed identically on every rank). The reading is recovery's
+(checkpoint/recovery.py): it reads its own disk, runs the exchange with the peers and reads the
+object store through a :class:`StoreReader`, which turns every failure of the store
+(:class:`StoreError`) and every chunk that fails its checksum into a message: recovery never
+handles a store's own errors.
+
+The object-store tier itself is built by one factory, checkpoint/options.py's ``object_store``
+(the checkpointer, the elastic worker and ``autohet checkpoint`` build it there); today it is S3
+(checkpoint/s3_store.py).
+
+A new object store is one module: a class moving bytes as
+:class:`~megatron_autohet.checkpoint.s3_store.S3Store` does (``get_bytes``, ``get_range``,
+``steps_holding``, ``list_steps``, ``list_files``, ``put_bytes``, ``put_bytes_if_absent``,
+``upload_file``, ``delete_step``, ``location.uri``) and raising a :class:`StoreError` subclass,
+registered by the branch of options.py's ``object_store`` that builds it; upload
+(checkpoint/upload.py), recovery (through :class:`StoreReader`) and ``autohet checkpoint`` use it
+unchanged. A new order among the peers (the same zone's first) is a :data:`PeerPreference`
+given to ``assign_sources``. A new kind of source, read in a way recovery does not know yet,
+implements :class:`ChunkSource` here, takes its place in ``assign_sources``' list of tiers, and
+needs its reading in recovery's ``_fetch_round``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import ClassVar, Protocol
+
+from megatron_autohet.checkpoint.inspect import committed_s3, item_problem
+from megatron_autohet.checkpoint.manifest import MANIFEST_FILE, ItemRecord, Manifest, step_dir_name
+
+# The tiers' names: keys of RecoveryReport.bytes and values of Fetch.source.
+OWN, PEER, S3 = "own", "peer", "s3"
+
+
+@dataclass(frozen=True)
+class Fetch:
+    """How rank ``rank`` gets main chunk ``index`` (of ``manifest.items``): read ``copy`` (a
+    record of the main file or of a replica file) from its own disk, receive it from ``peer``
+    (who reads ``copy`` from its disk), or download it from the object store (``copy`` is then
+    the main record; with ``peer`` set, ``peer`` downloads it once for its node and sends it
+    on)."""
+
+    rank: int
+    index: int
+    source: str                       # OWN, PEER or S3
+    copy: ItemRecord
+    peer: int | None = None
+
+
+# main chunk index -> (rank, copy) for each copy of it on a surviving disk, ranks ascending
+Holders = dict[int, list[tuple[int, ItemRecord]]]
+
+
+class ChunkSource(Protocol):
+    """One tier as recovery plans from it (module docstring)."""
+
+    name: str
+
+    def serve(self, rank: int, index: int) -> Fetch | None:
+        """How this tier gets chunk ``index`` to ``rank``; None: it cannot."""
+
+
+@dataclass
+class OwnDiskSource:
+    """A copy on the rank's own disk: the first one it holds (the main file before replicas)."""
+
+    holders: Holders
+    name: ClassVar[str] = OWN
+
+    def serve(self, rank: int, index: int) -> Fetch | None:
+        own = [copy for holder, copy in self.holders[index] if holder == rank]
+        return Fetch(rank, index, OWN, own[0]) if own else None
+
+
+# How much receiver ``rank`` prefers peer ``peer`` (smaller first), before the bytes assigned:
+# where zones would plug in (the same zone's peers first). Today every peer is alike.
+PeerPreference = Callable[[int, int], object]
+
+
+def no_preference(rank: int, peer: int) -> int:
+    return 0
+
+
+@dataclass
+class PeerSource:
+    """A copy on a surviving peer's disk: the peer ``preference`` ranks first, then the one with
+    the fewest bytes assigned so far in this round, then the lowest rank."""
+
+    holders: Holders
+    preference: PeerPreference = no_preference
+    name: ClassVar[str] = PEER
+    sent: dict[int, int] = field(default_factory=dict)     # peer -> bytes assigned to send
+
+    def serve(self, rank: int, index: int) -> Fetch | None:
+        offers = [(holder, copy) for holder, copy in self.holders[index] if holder != rank]
+        if not offers:
+            return None
+        peer, copy = min(offers, key=lambda hc: (self.preference(rank, hc[0]),
+                                                 self.sent.get(hc[0], 0), hc[0]))
+        self.sent[peer] = self.sent.get(peer, 0) + copy.length
+        return Fetch(rank, index, PEER, copy, peer)
+
+
+@dataclass
+class ObjectStoreSource:
+    """The main record from the object store, when the step is committed there (``committed``):
+    downloaded by the first (lowest) rank asking for the chunk, which forwards it to the
+    others."""
+
+    items: list[ItemRecord]
+    committed: bool
+    name: ClassVar[str] = S3
+    downloader: dict[int, int] = field(default_factory=dict)   # chunk index -> rank
+
+    def serve(self, rank: int, index: int) -> Fetch | None:
+        if not self.committed:
+            return None
+        first = self.downloader.setdefault(index, rank)
+        return Fetch(rank, index, S3, self.items[index], None if first == rank else first)
+
+
+# ---- the object store at run time --------------------------------------------------------------
+
+class StoreError(RuntimeError):
+    """An object store's operation failed (S3: s3_store.S3Error); the message names the
+    operation, the address and the store's reason, never credentials."""
+
+
+@dataclass
+class StoreReader:
+    """The object-store tier as recovery reads it: what the store cannot give comes back as a
+    message (``str``), never as the store's exception, except where noted."""
+
+    store: object          # an S3Store (module docstring: what a store provides)
+
+    def uri(self, relative: str = "") -> str:
+        return self.store.location.uri(relative)
+
+    def committed_steps(self, log) -> set[int]:
+        """Steps with a manifest in the store (a listing: no manifest is downloaded); none when
+        the store cannot be reached, said with ``log`` (recovery then uses the disks alone)."""
+        try:
+            return set(committed_s3(self.store))
+        except StoreError as err:
+            log(f"WARNING: the S3 tier is unreachable, recovering from the disks alone: {err}")
+            return set()
+
+    def manifest(self, iteration: int) -> Manifest | str:
+        """The manifest of a step committed in the store, or why it cannot be had or read."""
+        key = f"{step_dir_name(iteration)}/{MANIFEST_FILE}"
+        try:
+            raw = self.store.get_bytes(key)
+        except StoreError as err:
+            return str(err)
+        if not raw:
+            return f"{self.uri(key)} is gone since the listing"
+        try:
+            return Manifest.from_json(raw, self.uri(key))
+        except ValueError as err:
+            return str(err)
+
+    def files(self, iteration: int, names) -> dict[str, bytes | None]:
+        """Whole files of a step (None: absent), unchecked. A failure of the store raises its
+        StoreError: every rank reads them at once, and one rank falling back to an older step
+        alone would leave the others waiting for it."""
+        return {name: self.store.get_bytes(f"{step_dir_name(iteration)}/{name}")
+                for name in names}
+
+    def chunk(self, iteration: int, record: ItemRecord) -> bytes | str:
+        """Chunk ``record`` of a step (one ranged GET), checked against its checksum; or why
+        not (the store failed, or the bytes do not match)."""
+        key = f"{step_dir_name(iteration)}/{record.file}"
+        try:
+            raw = self.store.get_range(key, record.offset, record.length)
+        except StoreError as err:
+            return str(err)
+        if item_problem(record, raw) is not None:
+            return (f"{self.uri(key)}: bytes {record.offset}-{record.offset + record.length} "
+                    f"({record.key}) do not match their checksum in the manifest")
+        return raw
