@@ -198,6 +198,30 @@ def init_backend(on_cpu: bool) -> None:
         enable_cpu_mode()
 
 
+def measure_flags(prefix: str = "") -> list[tuple[tuple[str, ...], dict]]:
+    """The flags of the job measuring itself (runtime/stage_drift.py) as (option strings,
+    ``add_argument`` keywords), for both front ends; help texts after ``prefix``."""
+    return [
+        (("--autohet-measure-window",), dict(
+            type=int, default=DEFAULT_WINDOW, metavar="W",
+            help=prefix + "every W iterations the stages' measured times (medians of each "
+                          "rank's compute, P2P waits, gradient sync and optimizer step) are "
+                          "gathered once and compared with the plan's predictions: a stage more "
+                          "than 10%% off gets one 'measured' line (default "
+                          f"{DEFAULT_WINDOW}; 0: not measured)")),
+        (("--autohet-measured-jsonl",), dict(
+            default=None, metavar="PATH",
+            help=prefix + "also write each measurement window (every stage's measured and "
+                          "predicted times) as one JSON line to this file")),
+    ]
+
+
+def measure_fields(args) -> dict:
+    """The :class:`TrainOptions` fields of the :func:`measure_flags` in a parsed namespace."""
+    return dict(measure_window=args.autohet_measure_window,
+                measured_jsonl=args.autohet_measured_jsonl)
+
+
 def train_job(plan: Plan, plan_label: str, model: ModelSpec, options: TrainOptions, *, rank: int,
               local_rank: int, make_stop_check=None, make_scheduler=None,
               schedule_flags: dict | None = None, recorded_args: dict | None = None) -> int:

@@ -22,7 +22,8 @@ from megatron_autohet.checkpoint.options import CheckpointOptions, tier_fields, 
 from megatron_autohet.cli._common import (FUSION_FLAGS, check_activation_fusion_flag,
                                           requested_fusions)
 from megatron_autohet.errors import ConfigError
-from megatron_autohet.job import ElasticOptions, TrainOptions, job_precision
+from megatron_autohet.job import (ElasticOptions, TrainOptions, job_precision, measure_fields,
+                                  measure_flags)
 from megatron_autohet.launch import DistEnv, launch_local, load_job, run_worker
 from megatron_autohet.plan import check_bf16_support
 from megatron_autohet.spec.cluster import load_cluster
@@ -97,6 +98,7 @@ def register(subparsers) -> None:
         *FUSION_FLAGS,
         (("--metrics-jsonl",), dict(default=None,
                                     help="also write one JSON object per iteration to this file")),
+        *measure_flags(),
         (("--data-path",), dict(default=None,
                                 help="prefix of a megatron indexed dataset (PREFIX.bin/.idx, "
                                      "token ids < the model's vocab_size, EOD = 0); default: the "
@@ -317,7 +319,7 @@ def train_options(args: argparse.Namespace) -> TrainOptions:
                         split=args.split, distributed_optimizer=args.use_distributed_optimizer,
                         precision=check_precision(args), hidden_dropout=args.hidden_dropout,
                         attention_dropout=args.attention_dropout,
-                        **requested_fusions(args), elastic=elastic)
+                        **requested_fusions(args), **measure_fields(args), elastic=elastic)
 
 
 def check_precision(args: argparse.Namespace) -> str | None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from megatron_autohet.checkpoint.options import tier_flags
+from megatron_autohet.job import measure_flags
 
 
 def add_autohet_args(parser):
@@ -32,7 +33,8 @@ def add_autohet_args(parser):
     group.add_argument("--autohet-data-dir", type=str, default=None,
                        help="With --autohet-plan and no --data-path: cache of the built-in corpus "
                             "(default $AUTOHET_DATA_DIR or ~/.cache/megatron-autohet).")
-    for flags, kwargs in tier_flags(prefix="With --autohet-plan: "):
+    for flags, kwargs in [*tier_flags(prefix="With --autohet-plan: "),
+                          *measure_flags(prefix="With --autohet-plan: ")]:
         group.add_argument(*flags, **kwargs)
     return parser
 

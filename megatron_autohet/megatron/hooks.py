@@ -63,7 +63,7 @@ from typing import NoReturn
 
 from megatron_autohet.checkpoint.options import CheckpointOptions, tier_fields
 from megatron_autohet.errors import ConfigError
-from megatron_autohet.job import TrainOptions, train_job
+from megatron_autohet.job import TrainOptions, measure_fields, train_job
 from megatron_autohet.launch import signal_stop_check
 from megatron_autohet.megatron.flags import check_flags, megatron_parser, stop_before_start
 from megatron_autohet.plan import Plan, load_plan
@@ -307,7 +307,8 @@ def train_options(args, plan_path: str | Path) -> TrainOptions:
         bias_activation_fusion=bool(args.bias_swiglu_fusion if args.swiglu
                                     else args.bias_gelu_fusion),
         bias_dropout_fusion=bool(args.bias_dropout_fusion),
-        log_interval=args.log_interval).validate(str(plan_path), MEGATRON_FLAGS)
+        log_interval=args.log_interval, **measure_fields(args)
+    ).validate(str(plan_path), MEGATRON_FLAGS)
 
 
 def _data_path(args) -> str | None:

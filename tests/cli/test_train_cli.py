@@ -136,8 +136,8 @@ def test_train_two_pipelines_three_iterations(tmp_path, distributed_optimizer):
     """Also with the distributed optimizer, from the flag or from a plan made for it, and with
     it in bf16 (--bf16 --use-distributed-optimizer, Megatron-LM's usual combination). The plan
     made for it was priced on a GPU's profile, of fused layers, which a CPU job does not run:
-    its log says so once."""
-    metrics = tmp_path / "metrics.jsonl"
+    its log says so once. The job measures itself in one window of the three iterations."""
+    metrics, measured = tmp_path / "metrics.jsonl", tmp_path / "measured.jsonl"
     peak, floor = 2e-3, 2e-4
     plan, flags = PLAN, []
     if distributed_optimizer == "flag":
@@ -152,8 +152,13 @@ def test_train_two_pipelines_three_iterations(tmp_path, distributed_optimizer):
     result = _autohet("train", "--plan", str(plan), "--model", str(MODEL), "--iters", "3", *flags,
                       "--lr", str(peak), "--min-lr", str(floor), "--lr-warmup-iters", "1",
                       "--lr-decay-style", "cosine", "--weight-decay", "0.1",
-                      "--metrics-jsonl", str(metrics), "--data-dir", str(tmp_path / "data"))
+                      "--metrics-jsonl", str(metrics), "--data-dir", str(tmp_path / "data"),
+                      "--autohet-measure-window", "3", "--autohet-measured-jsonl", str(measured))
     assert result.returncode == 0, result.stderr[-3000:]
+    windows = [json.loads(line) for line in measured.read_text().splitlines()]
+    assert [w["window"] for w in windows] == [[1, 3]]
+    assert [(s["pipeline"], s["stage"]) for s in windows[0]["stages"]] == [(0, 0), (0, 1), (1, 0)]
+    assert " measured iterations " not in result.stdout    # the hand-written plan predicts nothing
     # known_warnings.py: the launcher and its four ranks print no warning of megatron-core's
     assert not re.search(r"megatron/core/\S+:\d+: \w*Warning", result.stdout + result.stderr)
     assert ("training in bf16 (--bf16)" if distributed_optimizer == "bf16"
