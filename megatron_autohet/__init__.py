@@ -21,6 +21,7 @@ Package layout follows the data flow (docs/architecture.md has one line per modu
     megatron/    glue for Megatron-LM's pretrain_gpt.py (an adapter at the edge, like cli/)
     testing/     oracles for tests and benchmarks; product code never imports it
     known_warnings  megatron-core's known-benign warnings, ignored in every process we start
+    system/      torch-free process helpers any layer may use (a free port, dying with the parent)
 
 Imports go up this list, never down, function-local ones included, except that plan, layout/,
 data/ and runtime/ come before profiling/ in the import order: the plan's dataclasses and its
