@@ -17,7 +17,7 @@ exhaustive oracle (testing/exhaustive.py) ask the objective and never compare it
 
 Adding one: its class, registered in :data:`OBJECTIVES`, its name in plan.py's OBJECTIVES (the
 plan file's vocabulary, which plan.py validates and the CLI offers without importing the
-planner: tests/planner/test_objective.py checks that the two agree), and its tests.
+planner: tests/planner/test_planner_objective.py checks that the two agree), and its tests.
 """
 
 from __future__ import annotations
