@@ -29,9 +29,10 @@ unless the save was the last of the run or the ``--autohet-max-failed-saves``-th
 rank 0 says which steps are complete and where, and every rank raises :class:`CheckpointStop`
 (a ``SystemExit``, status 1). With ``--async-save`` the training thread learns the outcome when
 it next waits for the writer (the next save or ``finish``), so every rank decides alike. A
-failed S3 upload of a complete local step is a WARNING only. Nothing partial is committed
-(checkpoint/manifest.py), so a failed save costs the progress since the last good one, never a
-corrupt resume.
+failed S3 upload of a complete local step is a WARNING only, as is a step another save has
+committed in S3 already (its files are never replaced, checkpoint/upload.py). Nothing partial is
+committed (checkpoint/manifest.py), so a failed save costs the progress since the last good one,
+never a corrupt resume.
 
 Each save's timings are kept in ``save_times`` (:class:`SaveTimes`, the background part filled
 in when it is done) and logged with it; a resume's bytes and seconds per tier are in
@@ -330,6 +331,12 @@ class Checkpointer:
                                 + "".join(traceback.format_exception(err)))
             self._log0(f"WARNING: {err}; the local checkpoint of iteration {iteration} is "
                        f"complete and the next save uploads again ({_traceback_where(log)})")
+            return
+        if done.taken:
+            self._log0(f"WARNING: iteration {iteration} is not uploaded to "
+                       f"{self.s3.location.uri()}: another save committed it there already "
+                       f"({done.taken}), and its files are not replaced; the local checkpoint "
+                       f"of iteration {iteration} is complete")
             return
         if done.skipped:
             self._log0(f"upload of iteration {iteration} to {self.s3.location.uri()} given up: "

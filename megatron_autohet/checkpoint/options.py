@@ -35,6 +35,11 @@ Megatron-LM's names where Megatron has the concept, ``--autohet-*`` for what it 
                                   each chunk), and recovery reads from it what no disk holds.
 ``--autohet-s3-endpoint-url URL`` an S3-compatible endpoint (MinIO, Ceph, a test server);
                                   credentials come from boto3's standard chain, never flags.
+``--autohet-resume-without-s3``   a ``--load`` whose S3 tier cannot be reached (after a minute
+                                  of attempts) recovers from the disks alone, or trains from
+                                  scratch when they hold no step, instead of stopping (one line,
+                                  status 2): the newest step may be in S3 only, and a step
+                                  committed there is never overwritten (checkpoint/upload.py).
 
 What a resume takes from the step, Megatron-LM's flags and meaning (core_v0.16.1
 ``load_checkpoint``); each needs ``--load``:
@@ -78,6 +83,7 @@ class CheckpointOptions:
     finetune: bool = False
     max_failed_saves: int = DEFAULT_MAX_FAILED_SAVES
     exit_on_missing_checkpoint: bool = False
+    resume_without_s3: bool = False
 
     @property
     def load_optim(self) -> bool:
@@ -138,6 +144,12 @@ class CheckpointOptions:
         if self.s3_endpoint_url is not None and self.s3_uri is None:
             raise ConfigError(source, "--autohet-s3-endpoint-url", "given without --autohet-s3-uri",
                               "an endpoint for the S3 tier named by --autohet-s3-uri")
+        if self.resume_without_s3 and (self.s3_uri is None or self.load is None):
+            raise ConfigError(source, "--autohet-resume-without-s3",
+                              "given without " + ("--autohet-s3-uri" if self.s3_uri is None
+                                                  else "--load"),
+                              "with --load and --autohet-s3-uri (it says what a resume does "
+                              "when the S3 tier cannot be reached)")
         return self
 
 
@@ -172,6 +184,12 @@ def tier_flags(prefix: str = "") -> list[tuple[tuple[str, ...], dict]]:
         (("--autohet-s3-endpoint-url",), dict(
             default=None, help=prefix + "endpoint of the S3-compatible store --autohet-s3-uri "
                                         "names (default: AWS)")),
+        (("--autohet-resume-without-s3",), dict(
+            action="store_true",
+            help=prefix + "at --load, when the S3 tier cannot be reached (tried for about a "
+                          "minute): recover from the disks alone, or train from scratch when "
+                          "they hold no step, instead of stopping with status 2. A step "
+                          "committed in S3 is never overwritten by this job's saves")),
     ]
 
 
@@ -179,7 +197,8 @@ def tier_fields(args) -> dict:
     """The :class:`CheckpointOptions` fields of the :func:`tier_flags` in a parsed namespace."""
     return dict(local_dir=args.autohet_local_ckpt_dir, keep=args.autohet_keep_ckpts,
                 max_failed_saves=args.autohet_max_failed_saves, s3_uri=args.autohet_s3_uri,
-                s3_endpoint_url=args.autohet_s3_endpoint_url)
+                s3_endpoint_url=args.autohet_s3_endpoint_url,
+                resume_without_s3=args.autohet_resume_without_s3)
 
 
 def object_store(options: CheckpointOptions, *, flag: str = "--autohet-s3-uri"):

@@ -10,7 +10,11 @@ message, so no S3 error is handled here.
 1. Discover: every rank lists the committed steps in its roots and which of their files it has
    (sizes as the manifest says); one all-gather, which also carries rank 0's listing of the S3
    tier, made meanwhile (which steps have a manifest there; a manifest is downloaded only for
-   a step no disk has).
+   a step no disk has). An S3 tier that cannot be listed is tried again for about a minute
+   (sources.reach_delays); still unreachable, every rank raises the same JobConfigError naming
+   it (the job stops, status 2), since its newest step may be there alone and this job's saves
+   would then be of iterations it holds: only with ``--autohet-resume-without-s3`` does recovery
+   go on from the disks alone (or find nothing and train from scratch).
 2. Choose the newest step that is complete somewhere: every main chunk of it on some surviving
    disk (main file or replica), or the step committed in S3; its manifest readable, its model
    this job's (another model is refused at once, naming the field).
@@ -68,7 +72,7 @@ from megatron_autohet.checkpoint.manifest import (MANIFEST_FILE, MODEL_FIELDS, I
                                                   read_manifest, step_dir_name)
 from megatron_autohet.checkpoint.recovery_plan import (ChunkUnavailable, assign_sources,
                                                        copies_of, needed_items, uncovered)
-from megatron_autohet.checkpoint.sources import OWN, PEER, S3, StoreReader
+from megatron_autohet.checkpoint.sources import OWN, PEER, S3, StoreReader, reach_delays
 from megatron_autohet.checkpoint.state import (RNG_KEY, apply_loaded, rank_sharded_state_dict,
                                                rng_sharded_object, saved_master_weights)
 from megatron_autohet.checkpoint.upload import byte_progress
@@ -160,7 +164,9 @@ def recover(trainer, scheduler, *, roots: list[Path], s3=None, group=None,
     missing or corrupt everywhere) falls back to the next older one, said once (``log``: rank
     0's); when none is left, or the step was saved from another model, every rank raises the
     same :class:`~megatron_autohet.errors.JobConfigError` naming --load (printed once by the
-    job). ``options`` says what to take from it (checkpoint/options.py): ``ckpt_step`` that
+    job); so does an S3 tier that cannot be listed, unless ``options.resume_without_s3``
+    (module docstring, step 1). ``options`` says what to take from it (checkpoint/options.py):
+    ``ckpt_step`` that
     step instead of the newest (a JobConfigError naming --ckpt-step when it is committed
     nowhere), without the Adam state and schedule (``load_optim``: none of their chunks is
     fetched), without RNG states (``load_rng``), ``finetune``."""
@@ -179,6 +185,8 @@ def recover(trainer, scheduler, *, roots: list[Path], s3=None, group=None,
         dist.all_gather_object(gathered, (seen, unreadable,
                                           listing.result() if listing else set()), group=group)
     s3_steps = gathered[0][2]
+    if isinstance(s3_steps, str):            # rank 0's listing failed every attempt
+        s3_steps = _without_s3(store, s3_steps, options, log)
     views = [view for view, _, _ in gathered]
     # why each step that is not loaded was not (the error when none is); a step whose manifest
     # does not read is skipped, said once
@@ -280,6 +288,24 @@ def recover(trainer, scheduler, *, roots: list[Path], s3=None, group=None,
                             finetune=options.finetune)
     report.seconds["apply"] = time.perf_counter() - t
     return progress, report
+
+
+def _without_s3(store: StoreReader, why: str, options: CheckpointOptions, log) -> set[int]:
+    """The S3 tier could not be listed (``why``): no step of it, with --autohet-resume-without-s3
+    (said once); else every rank raises the same JobConfigError (printed once by the job)."""
+    if not options.resume_without_s3:
+        raise JobConfigError("<command line>", "--autohet-s3-uri",
+                             f"{store.uri()} cannot be reached at --load (tried for "
+                             f"{sum(reach_delays()):g} s: {why}); its newest step may be held "
+                             "there alone, and training from the disks alone or from scratch "
+                             "could overwrite the steps it holds",
+                             "make the S3 tier reachable and start again, or pass "
+                             "--autohet-resume-without-s3 to recover from the disks alone "
+                             "(training from scratch when they hold no step)")
+    log(f"WARNING: the S3 tier {store.uri()} is unreachable ({why}); recovering from the disks "
+        "alone (--autohet-resume-without-s3); this job's saves do not overwrite the steps "
+        "committed there")
+    return set()
 
 
 class _Unrecoverable(RuntimeError):

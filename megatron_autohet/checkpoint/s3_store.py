@@ -24,9 +24,10 @@ the object; the other gets 412 PreconditionFailed (or 409 ConditionalRequestConf
 first PUT is in flight) and loses cleanly instead of silently replacing a committed manifest.
 
 Timeouts: a preemptible job must not hang for minutes on an unreachable endpoint, so the client
-has short connect/read timeouts and a bounded number of retries ("standard" mode: exponential
+has short connect/read timeouts and at most 3 attempts per request ("standard" mode: exponential
 backoff, retries on throttling and transient errors); an unreachable endpoint fails in seconds
-with an :class:`S3Error`.
+with an :class:`S3Error`. (A resume tries the listing again for a minute more, then stops:
+checkpoint/sources.py, checkpoint/recovery.py.)
 
 Credentials come only from boto3's standard chain (environment, shared config/credentials files,
 instance metadata); they are never arguments and never appear in messages.
@@ -112,12 +113,13 @@ class S3Store:
     def __init__(self, uri: str, *, endpoint_url: str | None = None, region: str | None = None,
                  max_concurrency: int = 8, multipart_threshold: int = 8 * 2**20,
                  part_size: int = 8 * 2**20, connect_timeout: float = 5,
-                 read_timeout: float = 60, retries: int = 3):
-        """``retries`` is the number of retries after the first attempt. ``part_size`` below
-        S3's 5 MiB minimum is raised to it by boto3."""
+                 read_timeout: float = 60, attempts: int = 3):
+        """``attempts``: of each request, in all (boto3's ``max_attempts``: the first and up to
+        ``attempts - 1`` retries). ``part_size`` below S3's 5 MiB minimum is raised to it by
+        boto3."""
         self.location = parse_s3_uri(uri)
         config = Config(connect_timeout=connect_timeout, read_timeout=read_timeout,
-                        retries={"max_attempts": retries, "mode": "standard"},
+                        retries={"max_attempts": attempts, "mode": "standard"},
                         # one pooled connection per transfer thread, or threads wait for sockets
                         max_pool_connections=max(10, max_concurrency))
         session = boto3.session.Session(region_name=region)

@@ -19,7 +19,8 @@ They only plan (pure, and computed identically on every rank). The reading is re
 (checkpoint/recovery.py): it reads its own disk, runs the exchange with the peers and reads the
 object store through a :class:`StoreReader`, which turns every failure of the store
 (:class:`StoreError`) and every chunk that fails its checksum into a message: recovery never
-handles a store's own errors.
+handles a store's own errors. Its listing of the committed steps is tried again for a stated time
+(:func:`reach_delays`, :data:`S3_REACH_S`) before the store counts as unreachable.
 
 The object-store tier itself is built by one factory, checkpoint/options.py's ``object_store``
 (the checkpointer, the elastic worker and ``autohet checkpoint`` build it there); today it is S3
@@ -39,6 +40,8 @@ needs its reading in recovery's ``_fetch_round``.
 
 from __future__ import annotations
 
+import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import ClassVar, Protocol
@@ -139,6 +142,26 @@ class ObjectStoreSource:
 
 # ---- the object store at run time --------------------------------------------------------------
 
+# How long a resume keeps trying to list an unreachable object store, in seconds of waits between
+# attempts (each attempt is itself bounded by the store client's timeouts and retries): then the
+# job stops, unless told to go on without it (checkpoint/recovery.py). The environment variable
+# (internal: tests) gives another total.
+S3_REACH_S = 60.0
+S3_REACH_ENV = "AUTOHET_S3_REACH_S"
+
+
+def reach_delays(total: float | None = None) -> list[float]:
+    """The waits between attempts at listing the store: 1, 2, 4, 8 s, then 15 s apart, the last
+    cut so that they add up to ``total`` (default :data:`S3_REACH_S`, or the environment's
+    :data:`S3_REACH_ENV`); none for 0."""
+    if total is None:
+        total = float(os.environ.get(S3_REACH_ENV, S3_REACH_S))
+    delays: list[float] = []
+    while sum(delays) < total:
+        delays.append(min(2.0 ** len(delays), 15.0, total - sum(delays)))
+    return delays
+
+
 class StoreError(RuntimeError):
     """An object store's operation failed (S3: s3_store.S3Error); the message names the
     operation, the address and the store's reason, never credentials."""
@@ -154,14 +177,23 @@ class StoreReader:
     def uri(self, relative: str = "") -> str:
         return self.store.location.uri(relative)
 
-    def committed_steps(self, log) -> set[int]:
-        """Steps with a manifest in the store (a listing: no manifest is downloaded); none when
-        the store cannot be reached, said with ``log`` (recovery then uses the disks alone)."""
-        try:
-            return set(committed_s3(self.store))
-        except StoreError as err:
-            log(f"WARNING: the S3 tier is unreachable, recovering from the disks alone: {err}")
-            return set()
+    def committed_steps(self, log, *, sleep=time.sleep) -> set[int] | str:
+        """Steps with a manifest in the store (a listing: no manifest is downloaded), or, when
+        the store cannot be reached, the last failure's message: the listing is tried again
+        after each of :func:`reach_delays` (said once with ``log`` at the first failure), as a
+        store down for a minute must not make a resume miss the steps it holds."""
+        delays = reach_delays()
+        for attempt in range(len(delays) + 1):
+            try:
+                return set(committed_s3(self.store))
+            except StoreError as err:
+                if attempt == len(delays):
+                    return str(err)
+                if attempt == 0:
+                    log(f"WARNING: the S3 tier {self.uri()} is unreachable ({err}); trying "
+                        f"again for up to {sum(delays):g} s ({len(delays)} more attempts)")
+                sleep(delays[attempt])
+        raise AssertionError("unreachable: the last attempt returns")
 
     def manifest(self, iteration: int) -> Manifest | str:
         """The manifest of a step committed in the store, or why it cannot be had or read."""

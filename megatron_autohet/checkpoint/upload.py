@@ -8,7 +8,10 @@ with ``IfNoneMatch='*'`` - the step now exists in S3, complete - then the ``late
 deletes the steps beyond the newest ``keep``. A failed upload (S3 unreachable) is reported and
 leaves no manifest, so the step does not exist in S3; the next save uploads its own step, which is
 how the tier catches up. Two savers racing for the same step: the second manifest write finds the
-first one and backs off.
+first one and backs off. A step already committed in S3 by another save (a job that recovered
+from older disk copies while S3 was unreachable, --autohet-resume-without-s3, saving an iteration
+S3 holds) is not uploaded at all: its data files would replace the committed step's under a
+manifest that does not describe them; the result says so (``taken``).
 
 With a ``deadline`` (a preemption notice's, checkpoint/deadline.py) a rank does not start a file
 whose upload cannot end before it, estimated from the bandwidth its uploads of this step measured
@@ -68,10 +71,12 @@ class Skipped:
 class Uploaded:
     """What :func:`upload_step` did: ``committed`` (this call wrote the step's manifest in S3;
     False also when another saver had), the files every rank skipped, and the bytes every rank
-    sent."""
+    sent; ``taken``: the S3 address of another save's committed manifest of this iteration,
+    found before any file was sent (nothing was), else None."""
     committed: bool
     skipped: list[Skipped]
     bytes: int
+    taken: str | None = None
 
 
 def upload_step(store, manifest: Manifest, step_dir: Path, *, rank: int, keep: int,
@@ -81,6 +86,22 @@ def upload_step(store, manifest: Manifest, step_dir: Path, *, rank: int, keep: i
     ``give_up``, only the files sent before them, and the manifest only when no rank skipped
     one."""
     prefix = step_dir_name(manifest.iteration)
+    key = f"{prefix}/{MANIFEST_FILE}"
+
+    def committed_by_another():
+        # One GET by rank 0, before any data file goes: a committed step's files must never be
+        # replaced (the manifest's conditional PUT guards only the manifest). This save's own
+        # manifest there (a step committed by an earlier try of it) is no other's.
+        if rank != 0:
+            return None
+        there = store.get_bytes(key)
+        return None if there is None or there == manifest.to_json() else store.location.uri(key)
+
+    # (a failure here is the upload's failure, said as such)
+    taken = on_every_rank(committed_by_another, group, f"uploading iteration "
+                          f"{manifest.iteration} to {store.location.uri()}")[0]
+    if taken is not None:
+        return Uploaded(False, [], 0, taken)
 
     def upload_mine():
         names = files_to_upload(manifest, rank)
@@ -109,7 +130,7 @@ def upload_step(store, manifest: Manifest, step_dir: Path, *, rank: int, keep: i
     def commit():
         if rank != 0 or skipped:
             return None
-        if not store.put_bytes_if_absent(f"{prefix}/{MANIFEST_FILE}", manifest.to_json()):
+        if not store.put_bytes_if_absent(key, manifest.to_json()):
             return False                      # another saver committed this step first
         store.put_bytes(LATEST_FILE, str(manifest.iteration).encode())
         for old in store.list_steps()[:-keep]:

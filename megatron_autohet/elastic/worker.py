@@ -509,7 +509,9 @@ class ElasticWorker:
         self.events.emit("upload", f"iteration {iteration} ({where}): "
                          + ("committed in S3" if done.committed else "not committed in S3")
                          + f", {done.bytes / 2**20:.1f} MiB sent in {seconds:.2f} s"
-                         + (f"; skipped: {skipped}" if skipped else "") + against(deadline),
+                         + (f"; skipped: {skipped}" if skipped else "")
+                         + (f"; another save committed it already ({done.taken}), whose files "
+                            "are kept" if done.taken else "") + against(deadline),
                          iteration=iteration, needed=True, committed=done.committed,
                          bytes=done.bytes, seconds=round(seconds, 3),
                          skipped=[s.name for s in done.skipped], **_to_deadline(deadline))

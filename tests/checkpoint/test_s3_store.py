@@ -285,7 +285,7 @@ def test_unreachable_endpoint_fails_clearly(monkeypatch, tmp_path, refused_url):
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", SECRET_ID)
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET_KEY)
     endpoint = refused_url
-    store = S3Store("s3://autohet-test/run", endpoint_url=endpoint, connect_timeout=1, retries=0)
+    store = S3Store("s3://autohet-test/run", endpoint_url=endpoint, connect_timeout=1, attempts=1)
     (tmp_path / "f").write_bytes(b"data")
     calls = [("upload", "iter_0000004/f", lambda: store.upload_file(tmp_path / "f",
                                                                       "iter_0000004/f")),
