@@ -38,7 +38,7 @@ from megatron_autohet.errors import ConfigError, JobConfigError
 from megatron_autohet.job import TrainOptions, init_backend, report_job_config_error, train_job
 from megatron_autohet.plan import Plan, load_plan
 from megatron_autohet.spec.model import ModelSpec, load_model
-from megatron_autohet.system.parent_death import export_parent_pid
+from megatron_autohet.system.parent_death import exported_parent_pid
 
 
 @dataclass(frozen=True)
@@ -120,11 +120,11 @@ def launch_local(plan: Plan, plan_path: str | Path, model_path: str | Path,
     job_dir = tempfile.mkdtemp(prefix="autohet-job-")
     job_file = os.path.join(job_dir, "options.json")
     options.write(job_file)
-    export_parent_pid()                 # the ranks die with this launcher (system/parent_death)
     try:
-        elastic_launch(config, entrypoint=sys.executable)(
-            "-m", "megatron_autohet.cli.main", "train", "--plan", str(plan_path),
-            "--model", str(model_path), "--job-file", job_file)
+        with exported_parent_pid():     # the ranks die with this launcher (system/parent_death)
+            elastic_launch(config, entrypoint=sys.executable)(
+                "-m", "megatron_autohet.cli.main", "train", "--plan", str(plan_path),
+                "--model", str(model_path), "--job-file", job_file)
     except ChildFailedError as failed:
         first = min(failed.failures.values(), key=lambda f: f.timestamp)
         return first.exitcode if first.exitcode > 0 else 1

@@ -65,7 +65,7 @@ from megatron_autohet.cli.warm import READY, SOCKET_ENV
 from megatron_autohet.elastic.notices import (SIGNAL_GRACE_S, SignalWatcher, describe,
                                               preempt_notice_in, write_notice)
 from megatron_autohet.errors import ConfigError, positive
-from megatron_autohet.system.parent_death import export_parent_pid
+from megatron_autohet.system.parent_death import PARENT_PID_ENV
 
 RDZV_CONF = "is_host=false,last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3"
 
@@ -144,7 +144,9 @@ def run(args: argparse.Namespace) -> int:
         os.environ["AUTOHET_GPU"] = args.gpu
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     os.environ[ENDPOINT_ENV] = args.rendezvous      # a worker that stops the job says so there
-    export_parent_pid()                 # torchrun's workers die with this agent (parent_death)
+    # torchrun's workers die with this agent (system/parent_death.py); the process is the
+    # node's for good, so its environment keeps it
+    os.environ[PARENT_PID_ENV] = str(os.getpid())
     if args.notice_file:
         positive(args.signal_grace, "--signal-grace")
         sigterm_as_notice(args.notice_file, args.signal_grace)

@@ -17,14 +17,16 @@ parent's pid afterwards with the one the parent gave (``PARENT_PID_ENV`` or an a
 ``parent_pid`` is no longer the parent.
 ``die_with_launcher()``: the same for the pid a launcher exported in ``PARENT_PID_ENV`` (and
 removes it, so the worker's own children do not read their grandparent's pid); nothing
-without it.
-``export_parent_pid()``: the launcher's side: its pid into ``PARENT_PID_ENV`` for the workers
-it starts.
+without it, or where that pid is this process's own (a launcher run in-process, as tests do,
+that later runs a rank's code itself).
+``exported_parent_pid()``: the launcher's side, a context manager: its pid in
+``PARENT_PID_ENV`` for the workers it starts meanwhile, the environment as it was afterwards.
 """
 
 from __future__ import annotations
 
 import ctypes
+from contextlib import contextmanager
 import os
 import signal
 import sys
@@ -51,9 +53,18 @@ def die_with_parent(parent_pid: int) -> None:
 
 def die_with_launcher() -> None:
     parent = os.environ.pop(PARENT_PID_ENV, None)
-    if parent is not None and parent.isdigit():
+    if parent is not None and parent.isdigit() and int(parent) != os.getpid():
         die_with_parent(int(parent))
 
 
-def export_parent_pid() -> None:
+@contextmanager
+def exported_parent_pid():
+    before = os.environ.get(PARENT_PID_ENV)
     os.environ[PARENT_PID_ENV] = str(os.getpid())
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(PARENT_PID_ENV, None)
+        else:
+            os.environ[PARENT_PID_ENV] = before
