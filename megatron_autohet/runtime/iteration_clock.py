@@ -17,8 +17,8 @@ iteration's times there and the current one's on a CPU.
 ``IterationClock(device)``: ``begin()`` at an iteration's start, ``phase_done(name)`` after the
 schedule, the gradient sync and the optimizer step, ``p2p_wait()`` (a context manager) around
 each blocking P2P wait inside the schedule, then ``lap() -> IterationTimes | None``.
-``IterationTimes``: one iteration's seconds per phase (runtime/stage_drift.py ``PHASES``, in
-that order in ``as_list``), ``total_s``.
+``IterationTimes``: one iteration's seconds per phase (``<phase>_s`` for each of
+runtime/stage_drift.py's ``PHASES``), ``total_s``.
 """
 
 from __future__ import annotations
@@ -44,9 +44,6 @@ class IterationTimes:
     @property
     def total_s(self) -> float:
         return self.compute_s + self.p2p_wait_s + self.grad_sync_s + self.optimizer_s
-
-    def as_list(self) -> list[float]:
-        return [self.compute_s, self.p2p_wait_s, self.grad_sync_s, self.optimizer_s]
 
 
 def _times(marks: dict[str, float], waits: float) -> IterationTimes:

@@ -145,8 +145,8 @@ class WindowMeter:
         import torch
         import torch.distributed as dist
 
-        mine = torch.tensor([statistics.median(t.as_list()[i] for t in self._times)
-                             if self._times else 0.0 for i in range(len(PHASES))],
+        mine = torch.tensor([statistics.median(getattr(t, f"{phase}_s") for t in self._times)
+                             if self._times else 0.0 for phase in PHASES],
                             dtype=torch.float64, device=self.device)
         every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
         dist.all_gather(every, mine)
