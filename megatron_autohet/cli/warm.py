@@ -215,6 +215,7 @@ def serve(path: str, parent: int) -> int:
     events = selectors.DefaultSelector()
     events.register(listener, selectors.EVENT_READ)
     children: dict[int, socket.socket] = {}            # child pid -> its client's connection
+    server = os.getpid()                                # what each forked worker dies with
     while os.getppid() == parent:       # the parent-death signal's twin, for a clean exit
         for key, _ in events.select(timeout=0.05):
             if key.fileobj is listener:
@@ -224,7 +225,6 @@ def serve(path: str, parent: int) -> int:
                     conn.close()
                     continue
                 request, fds = got
-                server = os.getpid()
                 pid = os.fork()
                 if pid == 0:
                     _become_worker(server, [listener, conn, events, *children.values()],
