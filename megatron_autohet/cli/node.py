@@ -90,7 +90,7 @@ def register(subparsers) -> None:
     p.add_argument("--notice-file", default=None,
                    help="the preemption-notice file of this node (as given to `autohet watch` "
                         "and `autohet train --autohet-notice-file`)")
-    p.add_argument("--signal-grace", type=float, default=SIGNAL_GRACE_S, metavar="SECONDS",
+    p.add_argument("--signal-grace", type=float, default=None, metavar="SECONDS",
                    help="with --notice-file: SIGTERM to this process is a preemption notice "
                         "whose deadline is this many seconds after it (default "
                         f"{SIGNAL_GRACE_S:g}, Kubernetes' terminationGracePeriodSeconds)")
@@ -134,6 +134,11 @@ def run(args: argparse.Namespace) -> int:
     from megatron_autohet.elastic.rendezvous import close as close_rendezvous
     from megatron_autohet.elastic.rendezvous import register as register_rendezvous
 
+    if args.signal_grace is not None:
+        if not args.notice_file:
+            raise ConfigError("<command line>", "--signal-grace", "given without --notice-file",
+                              "with --notice-file (SIGTERM becomes a notice written there)")
+        positive(args.signal_grace, "--signal-grace")
     if args.nproc_per_node < 1:
         raise ConfigError("<command line>", "--nproc-per-node", f"got {args.nproc_per_node}",
                           "GPUs on this node, >= 1")
@@ -148,8 +153,7 @@ def run(args: argparse.Namespace) -> int:
     # node's for good, so its environment keeps it
     os.environ[PARENT_PID_ENV] = str(os.getpid())
     if args.notice_file:
-        positive(args.signal_grace, "--signal-grace")
-        sigterm_as_notice(args.notice_file, args.signal_grace)
+        sigterm_as_notice(args.notice_file, args.signal_grace or SIGNAL_GRACE_S)
     server = None if args.cold_workers else start_fork_server()
     spare = {server[0].pid} if server else set()
     job_dir = tempfile.mkdtemp(prefix="autohet-node-job-")

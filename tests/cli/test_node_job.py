@@ -63,6 +63,17 @@ def test_bad_training_arguments_end_the_node_with_one_line(train_args, message, 
     assert message in err[0]
 
 
+@pytest.mark.parametrize("node_args,message", [
+    (["--signal-grace", "10"], "field '--signal-grace': given without --notice-file"),
+    (["--notice-file", "n.json", "--signal-grace", "0"], "field '--signal-grace': got 0"),
+])
+def test_bad_node_arguments_are_one_line(node_args, message, tmp_path, capsys):
+    """--signal-grace says when SIGTERM's notice is due: refused where no notice is written."""
+    assert main([*NODE, *node_args, "--", *_train_args(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+
+
 def test_missing_training_arguments_are_one_line(tmp_path, capsys):
     assert main([*NODE, "--"]) == 2
     assert capsys.readouterr().err.strip().splitlines() == [
