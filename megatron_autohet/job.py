@@ -224,7 +224,8 @@ def measure_fields(args) -> dict:
 
 def train_job(plan: Plan, plan_label: str, model: ModelSpec, options: TrainOptions, *, rank: int,
               local_rank: int, make_stop_check=None, make_scheduler=None,
-              schedule_flags: dict | None = None, recorded_args: dict | None = None) -> int:
+              schedule_flags: dict | None = None, recorded_args: dict | None = None,
+              on_window=None) -> int:
     """Train on an initialised default process group whose ranks are the plan's; returns the last
     iteration trained. ``make_stop_check(checkpointer)`` (the checkpointer or None) returns the
     ``stop_check`` of runtime/trainer.train_iterations; it is called on every rank right after
@@ -234,7 +235,10 @@ def train_job(plan: Plan, plan_label: str, model: ModelSpec, options: TrainOptio
     (Megatron's ``get_optimizer_param_scheduler``, reading every ``--lr-*`` flag; default: the
     options' schedule), ``schedule_flags`` (which of its flags sets each scheduler field, for a
     resume's mismatch message; default ``autohet train``'s) and ``recorded_args`` (what a
-    checkpoint records of the job; default :func:`train_args`)."""
+    checkpoint records of the job; default :func:`train_args`).
+
+    ``on_window(report)``: called on rank 0 with every measurement window's
+    runtime/stage_drift.py ``WindowReport`` (an elastic job's ``drift`` event)."""
     # torch and megatron-core: a rank's code (see the module's docstring)
     from megatron_autohet.runtime.fusions import priced_on_other_fusions
     from megatron_autohet.runtime.stage_model import LAYER_SPECS
@@ -303,4 +307,4 @@ def train_job(plan: Plan, plan_label: str, model: ModelSpec, options: TrainOptio
                             exit_interval=options.exit_interval, stop_check=stop_check,
                             evaluation=evaluation, log_interval=options.log_interval,
                             measure_window=options.measure_window or None,
-                            measured_jsonl=options.measured_jsonl)
+                            measured_jsonl=options.measured_jsonl, on_window=on_window)

@@ -7,7 +7,10 @@ seconds per phase), ``first_iteration`` (seconds from the (re)start to the end o
 iteration), ``stop`` (why, which nodes leave), ``saved`` (seconds from the stop until its
 checkpoint was written, and uploaded with an S3 tier), ``evacuate`` (a leaving node's files
 copied to the nodes that stay), ``upload`` (after a notice with a deadline: the S3 upload of
-what exists only on leaving nodes, or why none), ``finished``. One rank writes: the plan's rank
+what exists only on leaving nodes, or why none), ``drift`` (every measurement window of
+``--autohet-measure-window``: the stages more than 10% off their predictions, each with its
+predicted and measured seconds per micro-batch and their ratio; runtime/stage_drift.py),
+``finished``. One rank writes: the plan's rank
 0, except for the in-process re-plan after a preemption notice (its ``fleet`` and ``plan``),
 which the first rank that stays writes - the plan's rank 0 may be on a leaving node. Each JSON
 line names the node that wrote it (``reported_by``). The JSONL file is appended to, so the

@@ -355,6 +355,12 @@ class ElasticWorker:
             plan, members, store, store_host = ended.warm
             generation += 1
 
+    def _drift_event(self, report) -> None:
+        """Every measurement window (runtime/stage_drift.py ``WindowReport``, on the plan's rank
+        0): one ``drift`` event, naming the stages more than 10% off their predictions."""
+        message, fields = report.event()
+        self.events.emit("drift", message, **fields)
+
     def _generation(self, plan: Plan, plan_rank: int, members: list[Member]) -> _Ended:
         """Train ``plan`` on the initialised default group until the job ends or stops; after a
         notice, evacuate and re-plan on that group. What it returns holds nothing of the
@@ -368,7 +374,8 @@ class ElasticWorker:
             stop = _StopCheck(self, checkpointer)
             return stop
         last = train_job(plan, "<elastic plan>", self.model, self.options, rank=plan_rank,
-                         local_rank=self.local_rank, make_stop_check=make_stop_check)
+                         local_rank=self.local_rank, make_stop_check=make_stop_check,
+                         on_window=self._drift_event)
         decision = stop.requests.decision if stop is not None else None
         if decision is None:
             return _Ended(last, None, None)

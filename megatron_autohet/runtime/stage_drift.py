@@ -21,7 +21,8 @@ at every window's end (every rank at the same iteration) it gathers and returns 
 ``window_report(plan, first, last, medians)``: the report from every rank's phase medians (pure,
 no torch).
 ``WindowReport``: ``stages`` (:class:`StageMeasure`), ``drifted(threshold)``, ``lines()``,
-``to_dict()`` (the JSON form a job writes).
+``to_dict()`` (the JSON form a job writes), ``event()`` (the window as an elastic job's ``drift``
+event: a message and its JSON fields).
 """
 
 from __future__ import annotations
@@ -104,6 +105,31 @@ class WindowReport:
                             "ratio": None if s.ratio is None else round(s.ratio, 4),
                             "drifted": (s.pipeline, s.stage) in drifted}
                            for s in self.stages]}
+
+    def event(self, threshold: float = DRIFT_THRESHOLD) -> tuple[str, dict]:
+        """The window as one event of an elastic job (elastic/events.py ``drift``, every
+        window): a message naming each drifted stage and its ratio, and the JSON fields - the
+        window, the iteration's measured and predicted seconds and the drifted stages (predicted
+        and measured seconds per micro-batch, ratio)."""
+        drifted = self.drifted(threshold)
+        head = f"iterations {self.first_iteration}-{self.last_iteration}: "
+        if drifted:
+            message = head + f"{len(drifted)} of {len(self.stages)} stages more than " \
+                f"{threshold:.0%} off their predictions: " + ", ".join(
+                    f"pipeline {s.pipeline} stage {s.stage} ({s.gpu} x{len(s.ranks)}) "
+                    f"{s.ratio:.2f}x" for s in drifted)
+        elif any(s.ratio is not None for s in self.stages):
+            message = head + f"every stage within {threshold:.0%} of its prediction"
+        else:
+            message = head + "no stage has a prediction (measured only)"
+        return message, {
+            "window": [self.first_iteration, self.last_iteration],
+            "iteration_s": round(self.iteration_s, 6),
+            "predicted_iteration_s": self.predicted_iteration_s,
+            "drifted": [{"pipeline": s.pipeline, "stage": s.stage, "gpu": s.gpu,
+                         "predicted_s": s.predicted_s,
+                         "measured_s": round(s.per_microbatch_s, 6),
+                         "ratio": round(s.ratio, 4)} for s in drifted]}
 
 
 def window_report(plan: Plan, first: int, last: int, medians: list[list[float]]

@@ -326,7 +326,7 @@ def train_iterations(trainer: HeteroTrainer, batches, scheduler, *, train_iters:
                      checkpointer=None, exit_interval: int | None = None,
                      stop_check=None, evaluation: Evaluation | None = None,
                      log_interval: int = 1, measure_window: int | None = DEFAULT_WINDOW,
-                     measured_jsonl: str | None = None) -> int:
+                     measured_jsonl: str | None = None, on_window=None) -> int:
     """The iteration loop of a job (``autohet train`` and the Megatron-LM path): a train step on
     each global batch, the learning-rate scheduler stepped by ``scheduler_increment`` after it
     (1 for iteration-based schedules, the global batch size for Megatron's sample-based one),
@@ -345,7 +345,9 @@ def train_iterations(trainer: HeteroTrainer, batches, scheduler, *, train_iters:
     iteration (before that iteration's checkpoint), logged in Megatron's format.
     ``measure_window``: every that many iterations the ranks' measured phase times are gathered
     once (runtime/stage_drift.py) and, where ``log``, each stage off its prediction by more than
-    10% gets a line and the window a JSON line in ``measured_jsonl`` (None: not measured).
+    10% gets a line and the window a JSON line in ``measured_jsonl`` (None: not measured);
+    ``on_window(report)`` is then called with the window's ``WindowReport`` there too (the
+    front end's sinks: an elastic job's ``drift`` event, the measured profile).
     Returns the last iteration trained."""
     plan = trainer.plan
     flops_per_iteration = num_floating_point_operations(
@@ -370,6 +372,8 @@ def train_iterations(trainer: HeteroTrainer, batches, scheduler, *, train_iters:
             report = meter.add(iteration, trainer.clock.lap()) if meter else None
             if report and logger:
                 logger.log_measured(report)
+                if on_window:
+                    on_window(report)
             if logger:
                 logger.log(IterationRecord.make(
                     iteration=iteration, train_iters=train_iters,

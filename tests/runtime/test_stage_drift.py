@@ -52,6 +52,29 @@ def test_a_stage_more_than_ten_percent_off_its_prediction_has_drifted():
 
 
 @pytest.mark.unit
+def test_a_window_is_one_drift_event_naming_the_drifted_stages():
+    """An elastic job's ``drift`` event (elastic/events.py): every window, drifted or not."""
+    plan = _with_predictions(load_plan(PLAN), {(0, 0): 0.010, (0, 1): 0.010, (1, 0): 0.100})
+    medians = [[0.036, 0, 0, 0], [0.030, 0, 0, 0], [0.0315, 0, 0, 0], [0.050, 0, 0, 0]]
+    message, fields = window_report(plan, 21, 40, medians).event()
+    assert message == ("iterations 21-40: 2 of 3 stages more than 10% off their predictions: "
+                       "pipeline 0 stage 0 (A100-80GB x2) 1.20x, pipeline 1 stage 0 (H20 x1) "
+                       "0.50x")
+    assert fields["window"] == [21, 40]
+    assert fields["drifted"] == [
+        {"pipeline": 0, "stage": 0, "gpu": "A100-80GB", "predicted_s": 0.01, "measured_s": 0.012,
+         "ratio": 1.2},
+        {"pipeline": 1, "stage": 0, "gpu": "H20", "predicted_s": 0.1, "measured_s": 0.05,
+         "ratio": 0.5}]
+    calm = _with_predictions(load_plan(PLAN), {(0, 0): 0.012, (0, 1): 0.0105, (1, 0): None})
+    message, fields = window_report(calm, 1, 20, medians).event()
+    assert message == "iterations 1-20: every stage within 10% of its prediction"
+    assert fields["drifted"] == []
+    message, _ = window_report(load_plan(PLAN), 1, 20, medians).event()
+    assert message == "iterations 1-20: no stage has a prediction (measured only)"
+
+
+@pytest.mark.unit
 def test_the_clock_splits_an_iteration_into_its_phases(monkeypatch):
     """Readings at the start, around two P2P waits, and at the three boundaries."""
     readings = iter([10.0, 10.5, 10.7, 11.0, 11.1, 12.0, 12.5, 12.75])
@@ -97,10 +120,12 @@ def _train_measured(rank, world, plan, batches, jsonl, window):
         waits.append(times.p2p_wait_s)
         return times
     trainer.clock.lap = lap
+    windows = []
     train_iterations(trainer, Batches(), scheduler, train_iters=len(batches),
                      scheduler_increment=plan.global_batch_size, log=rank == 0,
-                     measure_window=window, measured_jsonl=jsonl)
-    return waits
+                     measure_window=window, measured_jsonl=jsonl,
+                     on_window=lambda report: windows.append(report.to_dict()))
+    return waits, windows
 
 
 @pytest.mark.integration
@@ -113,9 +138,11 @@ def test_a_job_reports_every_window_and_the_stages_off_their_predictions(tmp_pat
     plan = _with_predictions(load_plan(PLAN), {(0, 0): 1e-9, (0, 1): None, (1, 0): None})
     batches = global_batches(plan, 5)
     jsonl = tmp_path / "measured.jsonl"
-    waits = run_on_ranks(4, _train_measured, plan, batches, str(jsonl), 2)
+    waits, windows = zip(*run_on_ranks(4, _train_measured, plan, batches, str(jsonl), 2))
     records = [json.loads(line) for line in jsonl.read_text().splitlines()]
     assert [r["window"] for r in records] == [[1, 2], [3, 4]]
+    # the front end's sink (on_window) sees every window, on the rank that logs only
+    assert list(windows[0]) == records and windows[1:] == ([], [], [])
     for record in records:
         stages = [(s["pipeline"], s["stage"], s["ranks"]) for s in record["stages"]]
         assert stages == [(0, 0, [0, 1]), (0, 1, [2]), (1, 0, [3])]
