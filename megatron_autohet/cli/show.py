@@ -10,18 +10,31 @@ every stage (``cost_model.simulate_1f1b``: forward and backward of each micro-ba
 transfers as gaps), with the gradient sync and the optimizer step after the pipelines drain.
 Pipelines with identical timelines share one set of rows (labelled p4-11), so large fleets stay
 readable.
+
+``--measured FILE`` (the ``--autohet-measured-jsonl`` file of a job that trained the plan) adds
+what the job measured beside the prediction: the newest window of this plan in the file (or the
+one ``--window ITER`` holds), per stage its phases predicted and measured with their ratio -
+compute (forward + backward of one micro-batch, the drift rule's figure, runtime/stage_drift.py),
+P2P waits, gradient sync and optimizer step per iteration. The predicted waits are the stage's
+share of its pipeline's time that is not its compute (fill, drain and transfers), its gradient
+sync phase is the wait for the slowest pipeline plus the plan's sync, as a rank measures them.
+With ``--figure`` a third panel draws both, stage by stage. A file that is not a measured JSONL,
+or holds no window of this plan (other stages, ranks or layers), is one line and status 2.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from megatron_autohet.cli._common import (bundled_cluster_path, check_output_path,
                                           check_plan_on_cluster, format_plan_table,
                                           format_prediction, layer_range, load_profile, rank_list)
+from megatron_autohet.cli._table import format_table
 from megatron_autohet.cost_model import evaluate_plan, plan_charge, plan_memory_headroom
 from megatron_autohet.errors import ConfigError
 from megatron_autohet.plan import load_plan
+from megatron_autohet.runtime.stage_drift import DRIFT_THRESHOLD, PHASES
 from megatron_autohet.spec import load_cluster, load_gpu_catalog
 
 # Colours per GPU type (matplotlib's tab10, in order of first appearance in the plan).
@@ -47,6 +60,13 @@ def register(subparsers) -> None:
                    help="GPU catalog (default: the bundled configs/gpus.yaml)")
     p.add_argument("--figure", default=None, metavar="plan.png",
                    help="draw the plan and its timeline to this image (.png, .svg, .pdf)")
+    p.add_argument("--measured", default=None, metavar="M.jsonl",
+                   help="the --autohet-measured-jsonl file of a job that trained this plan: "
+                        "show each stage's measured compute, P2P waits, gradient sync and "
+                        "optimizer step beside the predicted ones (default: its newest window "
+                        "of this plan)")
+    p.add_argument("--window", type=int, default=None, metavar="ITER",
+                   help="with --measured: the window that holds iteration ITER")
     p.set_defaults(func=run)
 
 
@@ -54,15 +74,174 @@ def run(args) -> int:
     plan = load_plan(args.plan)
     if args.figure:
         check_figure_path(args.figure)
+    if args.window is not None and args.measured is None:
+        raise ConfigError("<command line>", "--window", "needs --measured",
+                          "--measured M.jsonl --window ITER")
+    measured = (measured_window(plan, args.measured, args.window) if args.measured is not None
+                else None)
     cost = predict(plan, args)
     print(f"plan {args.plan}: {plan.model.name} on {plan.cluster}, {plan.world_size} GPUs, "
           f"{len(plan.pipelines)} pipelines")
     print(format_plan_table(plan, cost))
     print(format_prediction(plan, cost))
+    if measured is not None:
+        window, skipped = measured
+        print(format_measured(plan, cost, window, args.measured, skipped))
     if args.figure:
-        draw_plan(plan, cost, args.figure)
+        draw_plan(plan, cost, args.figure, measured[0] if measured else None)
         print(f"> wrote {args.figure}")
     return 0
+
+
+# ---- --measured: a job's windows beside the prediction ------------------------------------
+
+_WHAT = "the --autohet-measured-jsonl file of a job that trained this plan"
+
+
+def _stage_key(plan, p: int, s: int) -> tuple:
+    stage, pipe = plan.pipelines[p].stages[s], plan.pipelines[p]
+    return (p, s, plan.ranks[stage.ranks[0]].gpu, tuple(stage.ranks), tuple(stage.layers),
+            pipe.num_microbatches)
+
+
+def _describe(key: tuple) -> str:
+    p, s, gpu, ranks, layers, m = key
+    return (f"pipeline {p} stage {s}: {gpu} ranks {rank_list(list(ranks))} layers "
+            f"{layer_range(layers)}, {m} micro-batches")
+
+
+def _record_keys(record: dict) -> list[tuple]:
+    return [(st["pipeline"], st["stage"], st["gpu"], tuple(st["ranks"]), tuple(st["layers"]),
+             st["num_microbatches"]) for st in record["stages"]]
+
+
+def _mismatch(plan, record: dict) -> str | None:
+    """How a window's stages differ from the plan's (None: they are the plan's)."""
+    mine = [_stage_key(plan, p, s) for p, pipe in enumerate(plan.pipelines)
+            for s in range(len(pipe.stages))]
+    theirs = _record_keys(record)
+    if len(theirs) != len(mine):
+        return f"{len(theirs)} stages, the plan has {len(mine)}"
+    for a, b in zip(theirs, mine):
+        if a != b:
+            return f"{_describe(a)}; the plan's {_describe(b)}"
+    return None
+
+
+def read_windows(path: str) -> list[dict]:
+    """The windows of a measured JSONL (runtime/stage_drift.py ``WindowReport.to_dict``, one a
+    line), checked enough to be shown: ConfigError naming the file and line otherwise."""
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError(path, "<file>", "file not found", _WHAT)
+    windows = []
+    try:
+        lines = file.read_text().splitlines()
+    except UnicodeDecodeError:
+        raise ConfigError(path, "<file>", "not a text file", _WHAT) from None
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            window = record["window"]
+            first, last = int(window[0]), int(window[1])
+            stages = record["stages"]
+            for st in stages:
+                _record_keys({"stages": [st]})
+                for phase in PHASES:
+                    float(st[f"{phase}_s"])
+        except (ValueError, KeyError, TypeError, IndexError) as exc:
+            raise ConfigError(path, f"line {n}", "not a measurement window "
+                              f"({type(exc).__name__}: {exc})", _WHAT) from None
+        windows.append({**record, "window": [first, last]})
+    if not windows:
+        raise ConfigError(path, "<file>", "no measurement window in it", _WHAT)
+    return windows
+
+
+def measured_window(plan, path: str, iteration: int | None = None) -> tuple[dict, int]:
+    """(the window to show, how many newer windows of other plans were passed over): the newest
+    window of this plan in the file, or the one holding ``iteration``. A job that re-planned
+    (elastic) or appended another run writes windows of other plans to the same file."""
+    windows = read_windows(path)
+    ours = [i for i, w in enumerate(windows) if _mismatch(plan, w) is None]
+    if not ours:
+        newest = windows[-1]
+        first, last = newest["window"]
+        raise ConfigError(path, "stages", f"no window of this plan: the newest (iterations "
+                          f"{first}-{last}) has {_mismatch(plan, newest)}", _WHAT)
+    if iteration is None:
+        chosen = ours[-1]
+    else:
+        held = [i for i in ours if windows[i]["window"][0] <= iteration <= windows[i]["window"][1]]
+        if not held:
+            raise ConfigError("<command line>", "--window", f"no window of this plan in {path} "
+                              f"holds iteration {iteration}", "an iteration of " + ", ".join(
+                                  "{}-{}".format(*windows[i]["window"]) for i in ours))
+        chosen = held[-1]
+    skipped = sum(1 for i in range(chosen + 1, len(windows)) if i not in ours)
+    return windows[chosen], skipped
+
+
+def predicted_phases(plan, cost) -> list[dict[str, float | None]]:
+    """Per stage (pipeline by pipeline) the predicted seconds of what a rank measures (module
+    doc): compute of one micro-batch, P2P waits, gradient sync and optimizer per iteration;
+    None where nothing is known (no cluster: the plan file's stage times only)."""
+    out = []
+    for p, pipe in enumerate(plan.pipelines):
+        for s, stage in enumerate(pipe.stages):
+            if cost is None:
+                out.append({"compute": stage.predicted_time_s, "p2p_wait": None,
+                            "grad_sync": None, "optimizer": None})
+                continue
+            pcost, sc = cost.pipelines[p], cost.pipelines[p].stages[s]
+            out.append({"compute": sc.time_s,
+                        "p2p_wait": max(0.0, pcost.time_s - pcost.num_microbatches * sc.time_s),
+                        "grad_sync": cost.pipeline_time_s - pcost.time_s + cost.grad_sync_s,
+                        "optimizer": sc.optimizer_s})
+    return out
+
+
+def measured_phases(window: dict) -> list[dict[str, float]]:
+    """Per stage the measured seconds in :func:`predicted_phases`' terms."""
+    return [{"compute": st["compute_s"] / st["num_microbatches"],
+             **{phase: st[f"{phase}_s"] for phase in PHASES[1:]}} for st in window["stages"]]
+
+
+def _cell(predicted: float | None, measured: float) -> str:
+    text = ("-" if predicted is None else f"{predicted * 1e3:.3g}") + f" / {measured * 1e3:.3g}"
+    if predicted:
+        text += f" ({measured / predicted:.2f}x)"
+    return text
+
+
+def format_measured(plan, cost, window: dict, path: str, skipped: int = 0) -> str:
+    """The window's table: predicted / measured (ratio) per stage and phase."""
+    first, last = window["window"]
+    predicted, measured = predicted_phases(plan, cost), measured_phases(window)
+    rows = []
+    for st, pred, meas in zip(window["stages"], predicted, measured):
+        ratio = None if not pred["compute"] else meas["compute"] / pred["compute"]
+        rows.append([st["pipeline"] if st["stage"] == 0 else "", st["stage"], st["gpu"],
+                     len(st["ranks"]), *(_cell(pred[phase], meas[phase]) for phase in PHASES),
+                     "" if ratio is None else ("DRIFT" if abs(ratio - 1) > DRIFT_THRESHOLD
+                                               else "ok")])
+    header = ["pipe", "stage", "GPU", "TP", "compute/mb ms", "P2P wait ms", "grad sync ms",
+              "optimizer ms", f"within {DRIFT_THRESHOLD:.0%}"]
+    lines = [f"measured iterations {first}-{last} ({path}"
+             + (f"; {skipped} newer windows of other plans passed over" if skipped else "")
+             + "): predicted / measured (ratio), compute per micro-batch (forward + backward), "
+             "the other phases per iteration", format_table(header, rows)]
+    iteration = window.get("iteration_s")
+    predicted_iteration = (cost.iteration_time_s if cost is not None
+                           else window.get("predicted_iteration_s"))
+    if iteration is not None:
+        lines.append(f"measured iteration {iteration:.4g} s (the slowest rank's median)"
+                     + (f", predicted {predicted_iteration:.4g} s "
+                        f"({iteration / predicted_iteration:.2f}x)" if predicted_iteration
+                        else ""))
+    return "\n".join(lines)
 
 
 def check_figure_path(path: str) -> None:
@@ -108,8 +287,9 @@ def identical_pipelines(cost) -> list[list[int]]:
     return list(groups.values())
 
 
-def draw_plan(plan, cost, path) -> None:
-    """Write the figure described in the module docstring (without ``cost``: the plan panel)."""
+def draw_plan(plan, cost, path, measured: dict | None = None) -> None:
+    """Write the figure described in the module docstring (without ``cost``: the plan panel;
+    with a ``measured`` window, the panel of predicted and measured phases per stage)."""
     # matplotlib: not at `autohet` start-up
     import matplotlib
 
@@ -124,12 +304,15 @@ def draw_plan(plan, cost, path) -> None:
     timeline_rows = sum(len(cost.pipelines[g[0]].stages) for g in groups)
     plan_height = 0.7 * len(plan.pipelines) + 1.0
     timeline_height = 0.28 * timeline_rows + 1.2 if cost is not None else 0.0
-    fig = plt.figure(figsize=(13, plan_height + timeline_height + 0.8))
-    if cost is not None:
-        ax_plan, ax_time = fig.subplots(2, 1, gridspec_kw={
-            "height_ratios": [plan_height, timeline_height]})
-    else:
-        ax_plan, ax_time = fig.subplots(1, 1), None
+    stages = sum(len(pipe.stages) for pipe in plan.pipelines)
+    measured_height = 0.5 * stages + 1.2 if measured is not None else 0.0
+    heights = [h for h in (plan_height, timeline_height, measured_height) if h]
+    fig = plt.figure(figsize=(13, sum(heights) + 0.8))
+    axes = list(fig.subplots(len(heights), 1, gridspec_kw={"height_ratios": heights},
+                             squeeze=False)[:, 0])
+    ax_plan = axes.pop(0)
+    ax_time = axes.pop(0) if cost is not None else None
+    ax_measured = axes.pop(0) if measured is not None else None
 
     # -- the plan: pipelines as rows, stages as boxes spanning their layers ---------------------
     num_layers = plan.model.num_layers
@@ -188,6 +371,45 @@ def draw_plan(plan, cost, path) -> None:
                                 Patch(color="#999999", label="gradient sync"),
                                 Patch(color="#444444", label="optimizer step")],
                        loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
+    if ax_measured is not None:
+        _draw_measured(ax_measured, plan, cost, measured, Patch)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+# one colour per phase of runtime/stage_drift.py's PHASES
+_PHASE_COLOURS = {"compute": "#4c72b0", "p2p_wait": "#dd8452", "grad_sync": "#999999",
+                  "optimizer": "#444444"}
+
+
+def _draw_measured(ax, plan, cost, window: dict, Patch) -> None:
+    """Each stage's iteration as a rank spends it, predicted (upper bar) and measured (lower):
+    compute of its micro-batches, P2P waits, gradient sync, optimizer step, one after the
+    other (the predicted bar only as far as the plan predicts it)."""
+    predicted, measured = predicted_phases(plan, cost), measured_phases(window)
+    labels, y = [], 2 * len(measured) - 1
+    for st, pred, meas in zip(window["stages"], predicted, measured):
+        m = st["num_microbatches"]
+        for kind, phases in (("predicted", pred), ("measured", meas)):
+            left = 0.0
+            for phase in PHASES:
+                value = phases[phase]
+                if value is None:
+                    break
+                width = value * m if phase == "compute" else value
+                ax.broken_barh([(left, width)], (y - 0.4, 0.8), facecolors=_PHASE_COLOURS[phase],
+                               alpha=0.55 if kind == "predicted" else 1.0)
+                left += width
+            labels.append((y, f"p{st['pipeline']} s{st['stage']} {st['gpu']} {kind}"))
+            y -= 1
+    first, last = window["window"]
+    ax.set_yticks([t for t, _ in labels])
+    ax.set_yticklabels([label for _, label in labels], fontsize=7)
+    ax.set_ylim(-0.6, 2 * len(measured) - 0.4)
+    ax.set_xlabel("time in the iteration (s)")
+    ax.set_title(f"predicted (light) and measured (dark) phases per stage, iterations "
+                 f"{first}-{last}", fontsize=10)
+    ax.legend(handles=[Patch(color=c, label=phase.replace("_", " "))
+                       for phase, c in _PHASE_COLOURS.items()],
+              loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
