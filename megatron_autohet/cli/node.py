@@ -9,18 +9,23 @@ torchrun's defaults, and why:
   an agent that hosts it takes the whole job down when its node is preempted;
 * ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: with the agents' store shared with the workers, the
   first restart after a node loss fails to connect its process groups;
-* ``last_call_timeout=1, keep_alive_interval=1, keep_alive_max_attempt=3`` and a 0.1 s monitor
-  interval: a lost node is out of the rendezvous in about 3 s, not 30 (2 attempts is unsafe:
-  live nodes get declared dead);
+* ``last_call_timeout=1``, a keep-alive every second, a 0.1 s monitor interval and
+  ``--loss-timeout`` (20 s by default, rendezvous setting ``loss_timeout``): a member of the
+  round whose keep-alive every other agent saw unchanged for that long, and still at several
+  polls over the last 2 s of it, is lost (elastic/liveness.py), and torch's own keep-alive expiry
+  (``keep_alive_max_attempt``) is one second later, so the next round forms at once. torchrun's
+  c10d default expires a node after 15 s on one reading; at 3 s (what this used) live nodes
+  of a loaded machine that got no CPU for 3 s were declared lost over and over, an agent's own
+  lapse included - each false loss costs a new round and up to a save interval;
 * many restarts: every preemption uses one on every surviving node;
 * the rendezvous backend ``autohet-c10d`` (megatron_autohet/elastic/rendezvous.py): torchrun's
   c10d rendezvous, but an agent whose round fails (its join timeout while it waits as a standby
   node, a round's rank 0 reclaimed before it published the workers' store) joins the next round,
   where torchrun's agent would exit and close the rendezvous for the whole job; and a member of
-  the round lost without notice (its keep-alive expired) makes every agent kill its workers
-  (SIGKILL: they are blocked in a collective with the lost node's) and start the next round at
-  once, where torchrun's agents wait for their workers to fail (up to the process group's
-  timeout, 10 minutes by default);
+  the round lost without notice (its keep-alive lapsed for ``--loss-timeout``, confirmed) makes
+  every agent kill its workers (SIGKILL: they are blocked in a collective with the lost node's)
+  and start the next round, where torchrun's agents wait for their workers to fail (up to the
+  process group's timeout, 10 minutes by default);
 * warm workers (megatron_autohet/cli/warm.py): the node first starts a fork server that
   imports what a worker imports, and enters the rendezvous once it is ready; every worker of
   every round is then a fork of it, so a restart - a join above all - does not wait for Python,
@@ -62,12 +67,12 @@ import threading
 
 from megatron_autohet.cli.train import node_job
 from megatron_autohet.cli.warm import READY, SOCKET_ENV
+from megatron_autohet.elastic.liveness import (DEFAULT_LOSS_TIMEOUT_S, MIN_LOSS_TIMEOUT_S,
+                                               check_loss_timeout, rdzv_conf)
 from megatron_autohet.elastic.notices import (SIGNAL_GRACE_S, SignalWatcher, describe,
                                               preempt_notice_in, write_notice)
 from megatron_autohet.errors import ConfigError, positive
 from megatron_autohet.system.parent_death import PARENT_PID_ENV
-
-RDZV_CONF = "is_host=false,last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3"
 
 
 def register(subparsers) -> None:
@@ -94,6 +99,16 @@ def register(subparsers) -> None:
                    help="with --notice-file: SIGTERM to this process is a preemption notice "
                         "whose deadline is this many seconds after it (default "
                         f"{SIGNAL_GRACE_S:g}, Kubernetes' terminationGracePeriodSeconds)")
+    p.add_argument("--loss-timeout", type=float, default=DEFAULT_LOSS_TIMEOUT_S,
+                   metavar="SECONDS",
+                   help="a node whose keep-alive (one a second) the others see unchanged this "
+                        "long is lost without notice: every node kills its workers and the job "
+                        "goes on from its last save (default "
+                        f"{DEFAULT_LOSS_TIMEOUT_S:g}; at least {MIN_LOSS_TIMEOUT_S:g}). Shorter "
+                        "finds a dead node sooner; but a live node that gets no CPU (or no "
+                        "network to the rendezvous) this long is declared lost too, and a false "
+                        "loss costs as much as a real one: a new round and up to a save "
+                        "interval. Give every node of a job the same value")
     p.add_argument("--cold-workers", action="store_true",
                    help="start each worker in a fresh Python interpreter, as torchrun does "
                         "(default: forks of this node's warm fork server, imports done)")
@@ -113,7 +128,7 @@ def torchrun_argv(args: argparse.Namespace, rdzv_backend: str,
     handled = ("" if args.notice_file else "SIGTERM,") + "SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
     argv = ["--nnodes", args.nnodes, "--nproc-per-node", str(args.nproc_per_node),
             "--rdzv-backend", rdzv_backend, "--rdzv-endpoint", args.rendezvous,
-            "--rdzv-id", args.job_id, "--rdzv-conf", RDZV_CONF,
+            "--rdzv-id", args.job_id, "--rdzv-conf", rdzv_conf(args.loss_timeout),
             "--max-restarts", str(args.max_restarts), "--monitor-interval", "0.1",
             "--signals-to-handle", handled]
     if args.local_addr:
@@ -139,6 +154,7 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError("<command line>", "--signal-grace", "given without --notice-file",
                               "with --notice-file (SIGTERM becomes a notice written there)")
         positive(args.signal_grace, "--signal-grace")
+    check_loss_timeout(args.loss_timeout)
     if args.nproc_per_node < 1:
         raise ConfigError("<command line>", "--nproc-per-node", f"got {args.nproc_per_node}",
                           "GPUs on this node, >= 1")

@@ -23,7 +23,7 @@ reasons that say nothing about the job:
 Here such an agent leaves the failed round (its first step of every round) and waits in the next
 one: a standby node until it is admitted, whatever the wait. And an agent that ends never closes
 the rendezvous on its way out (``shutdown`` only stops its keep-alive: a node whose agent ended
-drops out of the rendezvous within a few seconds, as a lost node does); `autohet node` closes it
+drops out of the rendezvous after the loss timeout, as a lost node does); `autohet node` closes it
 (:func:`close`) when its workers finished the job, so nodes still waiting learn that the job is
 over. A closed rendezvous ends the agent (RendezvousClosedError, also for a node waiting beyond
 ``--nnodes``' maximum): `autohet node` then exits 0.
@@ -45,21 +45,30 @@ peers waits for them, and they for it); when its network is cut nothing fails. T
 for the process group's timeout (``--distributed-timeout-minutes``, 10 minutes by default), and
 would then fail their checkpoint or stop check. Here every agent also watches the members of its
 round in the rendezvous state it polls anyway (:meth:`PersistentRendezvous.num_nodes_waiting`,
-every 0.1 s): a member whose keep-alive expired (about 3 s after its last one) or who left the
-round, and who had not announced that it was leaving, is lost. The agent then kills its own
-workers (``stop_workers``: SIGKILL - they cannot save a step the lost node's ranks hold, and a
-worker blocked in a collective would not see SIGTERM, which torchrun follows with SIGKILL only
+every 0.1 s). A member that left the round (its agent started the next round: its workers
+failed, or it confirmed a loss itself), or whose keep-alive this agent saw unchanged for the
+loss timeout (``loss_timeout`` in the rendezvous settings, `autohet node --loss-timeout`, 20 s
+by default) and still unchanged over the last 2 s of it at several polls (elastic/liveness.py:
+a busy node whose agent got no CPU for a while is not a lost one, and an agent's own lapse is
+never a loss), and who had not announced that it was leaving, is lost. The agent then kills its
+own workers (``stop_workers``: SIGKILL - they cannot save a step the lost node's ranks hold, and
+a worker blocked in a collective would not see SIGTERM, which torchrun follows with SIGKILL only
 30 s later) and restarts them in the next round; the job goes on from the newest checkpoint,
-losing at most the iterations since the last save. A node that got a preemption notice announces
+losing at most the iterations since the last save. The next round forms once torch's own expiry
+(``keep_alive_max_attempt``, derived from the loss timeout here: one keep-alive interval later)
+has removed the lost member from the state. A node that got a preemption notice announces
 in the store that it is leaving (``notice_file``) before its workers stop: the others re-plan
 in-process and train on, and its agent's later end is no loss. A node waiting to join comes
-first: the workers then stop at an iteration boundary and save (SIGTERM), as torchrun does.
+first: the workers then stop at an iteration boundary and save (SIGTERM), as torchrun does; a
+waiting node counts while its keep-alive is seen changing (a standby that died waiting does not
+restart every round until torch drops it).
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import time
 from datetime import timedelta
 from typing import Callable
 
@@ -70,6 +79,8 @@ from torch.distributed.elastic.rendezvous import (RendezvousClosedError,
                                                   RendezvousTimeoutError,
                                                   rendezvous_handler_registry)
 
+from megatron_autohet.elastic.liveness import (DEFAULT_LOSS_TIMEOUT_S, KEEP_ALIVE_INTERVAL_S,
+                                               KeepAlives, check_loss_timeout, expiry_attempts)
 from megatron_autohet.elastic.notices import preempt_notice_in
 
 BACKEND = "autohet-c10d"
@@ -117,22 +128,45 @@ _NODE: dict = {"notice_file": None, "stop_workers": None}      # register()'s, f
 
 
 def _create_handler(params: RendezvousParameters) -> PersistentRendezvous:
+    config = dict(params.config)
+    loss_timeout = c10d_settings(config)
     c10d = RendezvousParameters("c10d", params.endpoint, params.run_id, params.min_nodes,
-                                params.max_nodes, params.local_addr, **params.config)
+                                params.max_nodes, params.local_addr, **config)
     _CREATED.append(PersistentRendezvous(rendezvous_handler_registry.create_handler(c10d),
-                                         **_NODE))
+                                         loss_timeout_s=loss_timeout, **_NODE))
     return _CREATED[-1]
+
+
+def c10d_settings(config: dict) -> float:
+    """Turn the rendezvous settings' ``loss_timeout`` (seconds; default 20) into torch's
+    keep-alive expiry, in ``config`` (elastic/liveness.py: torch drops a member one keep-alive
+    interval after the agents confirmed it lost); returns the loss timeout. torch's
+    ``keep_alive_interval`` is 1 s and its ``keep_alive_max_attempt`` derived: a setting that
+    contradicts the loss timeout is refused."""
+    loss_timeout = check_loss_timeout(float(config.pop("loss_timeout", DEFAULT_LOSS_TIMEOUT_S)),
+                                      "loss_timeout", "rendezvous settings")
+    attempts = expiry_attempts(loss_timeout)
+    for key, wanted in (("keep_alive_interval", str(KEEP_ALIVE_INTERVAL_S)),
+                        ("keep_alive_max_attempt", str(attempts))):
+        if key in config and str(config[key]) != wanted:
+            raise ValueError(f"rendezvous settings: {key}={config[key]} contradicts "
+                             f"loss_timeout={loss_timeout:g} (which sets {key}={wanted}): "
+                             "give loss_timeout alone")
+        config[key] = wanted
+    return loss_timeout
 
 
 class PersistentRendezvous(RendezvousHandler):
     """torchrun's c10d handler ``inner``, whose ``next_rendezvous`` joins again after a failed
     round and whose ``num_nodes_waiting`` also counts the round's lost members (everything else
-    is the inner handler's). Reads private attributes of torch's c10d handler (its state holder,
-    node, store; torch 2.13)."""
+    is the inner handler's), confirmed over ``loss_timeout_s`` (elastic/liveness.py). Reads
+    private attributes of torch's c10d handler (its state holder, node, store; torch 2.13)."""
 
     def __init__(self, inner: RendezvousHandler, *, notice_file: str | None = None,
-                 stop_workers: Callable[[], None] | None = None):
+                 stop_workers: Callable[[], None] | None = None,
+                 loss_timeout_s: float = DEFAULT_LOSS_TIMEOUT_S):
         self.inner = inner
+        self.keep_alives = KeepAlives(loss_timeout_s)
         self.notice_file = notice_file
         self.stop_workers = stop_workers
         self.failed_rounds = 0
@@ -180,13 +214,16 @@ class PersistentRendezvous(RendezvousHandler):
         return self.inner.set_closed()
 
     def num_nodes_waiting(self) -> int:
-        """Nodes waiting to join (torchrun's agent restarts its workers when > 0; it asks every
-        monitor interval while they run), else the lost members of this agent's round, whose
-        workers this ends first (``stop_workers``)."""
+        """Nodes waiting to join whose keep-alive is fresh (torchrun's agent restarts its
+        workers when > 0; it asks every monitor interval while they run), else the lost members
+        of this agent's round, whose workers this ends first (``stop_workers``)."""
         self._announce_departure()
         # A fresh state, not one cached for a second: a join or a loss is seen 0.1 s later.
         self.inner._state_holder._last_sync_time = -1
-        waiting = self.inner.num_nodes_waiting()        # syncs: expired keep-alives drop out
+        self.inner.num_nodes_waiting()          # syncs: torch's expired keep-alives drop out
+        state = self.inner._state_holder.state
+        self.keep_alives.observe(state.last_heartbeats, time.monotonic())
+        waiting = sum(map(self.keep_alives.fresh, state.wait_list))
         if waiting:
             return waiting
         lost = self.lost_members()
@@ -194,25 +231,31 @@ class PersistentRendezvous(RendezvousHandler):
             return 0
         self.lost_rounds += 1
         print(f"autohet node: {len(lost)} member(s) of rendezvous round {self._round[0]} lost "
-              f"without notice ({', '.join(sorted(map(repr, lost)))}): ending this node's "
-              "workers, joining the next round", file=sys.stderr, flush=True)
+              f"without notice ({', '.join(sorted(map(repr, lost)))}; it left the round, or "
+              f"its keep-alive was unchanged for the loss timeout of "
+              f"{self.keep_alives.loss_timeout_s:g} s): ending this node's workers, joining the "
+              "next round", file=sys.stderr, flush=True)
         self._round = None                              # reported once
         if self.stop_workers is not None:
             self.stop_workers()
         return len(lost)
 
     def lost_members(self) -> set:
-        """Members of this agent's round (itself included: its own keep-alive may have lapsed)
-        no longer in it, that had not announced their departure."""
+        """The other members of this agent's round that left it, or whose keep-alive lapsed for
+        the loss timeout as this agent saw it (:class:`KeepAlives`), and that had not announced
+        their departure. Never this agent itself: its own lapse is no loss (it follows when the
+        others leave the round)."""
         if self._round is None:
             return set()
         number, members = self._round
+        others = members - {self.inner._this_node}
         state = self.inner._state_holder.state
         present = set(state.participants) if state.round == number else set()
-        for member in members - present - self._departed:
+        lost = (others - present) | self.keep_alives.lost(others & present)
+        for member in lost - self._departed:
             if self.inner._store.check([_departure_key(self.get_run_id(), member)]):
                 self._departed.add(member)
-        return members - present - self._departed
+        return lost - self._departed
 
     def _announce_departure(self) -> None:
         """Once this node holds a preemption notice: tell the others, before its workers stop,

@@ -106,6 +106,7 @@ class EmulatedFleet:
     port: int = 0
     omp_threads: int = 1
     cold_workers: bool = False         # `autohet node --cold-workers`: no warm fork server
+    loss_timeout: float | None = None  # `autohet node --loss-timeout` (None: its default, 20 s)
     nodes: dict[str, _Node] = field(default_factory=dict)
     _rendezvous: subprocess.Popen | None = None
     _next_addr: int = 1
@@ -167,7 +168,9 @@ class EmulatedFleet:
                           self.job_id, "--nnodes", self.nnodes, "--node-name", node,
                           "--gpu", gpu, "--local-addr", addr, "--notice-file",
                           str(self.notice_file(node)),
-                          *(["--cold-workers"] if self.cold_workers else []), "--",
+                          *(["--cold-workers"] if self.cold_workers else []),
+                          *([] if self.loss_timeout is None
+                            else ["--loss-timeout", f"{self.loss_timeout:g}"]), "--",
                           *self.train_args,
                           "--autohet-local-ckpt-dir", str(self.workdir / "{node}" / "ckpt"),
                           "--autohet-notice-file", str(notice),

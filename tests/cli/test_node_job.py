@@ -66,9 +66,14 @@ def test_bad_training_arguments_end_the_node_with_one_line(train_args, message, 
 @pytest.mark.parametrize("node_args,message", [
     (["--signal-grace", "10"], "field '--signal-grace': given without --notice-file"),
     (["--notice-file", "n.json", "--signal-grace", "0"], "field '--signal-grace': got 0"),
+    (["--loss-timeout", "3"], "field '--loss-timeout': got 3 (allowed: seconds >= 4"),
+    (["--loss-timeout", "0"], "field '--loss-timeout': got 0.0 (allowed: a number > 0)"),
+    (["--loss-timeout", "inf"], "field '--loss-timeout': got inf, not a finite number"),
 ])
 def test_bad_node_arguments_are_one_line(node_args, message, tmp_path, capsys):
-    """--signal-grace says when SIGTERM's notice is due: refused where no notice is written."""
+    """--signal-grace says when SIGTERM's notice is due: refused where no notice is written;
+    --loss-timeout below two keep-alive intervals (and the confirmation) would declare live
+    nodes lost."""
     assert main([*NODE, *node_args, "--", *_train_args(tmp_path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0], err

@@ -32,14 +32,15 @@ def test_a_round_that_fails_after_it_completed_is_followed_by_the_next(tmp_path,
     # rank 0, publishes the workers' store, then waits for the member's entry.
     silent = rendezvous_handler_registry.create_handler(RendezvousParameters(
         register(), f"127.0.0.1:{store.port}", "job1", 2, 2, "127.0.0.2", is_host="false",
-        last_call_timeout="1", keep_alive_interval="1", keep_alive_max_attempt="3"))
+        last_call_timeout="1", loss_timeout="4"))
     joined = threading.Thread(target=silent.next_rendezvous, daemon=True)
     joined.start()
     log = tmp_path / "node.log"
     node = subprocess.Popen(
         [sys.executable, "-m", "megatron_autohet.cli.main", "node", "--rendezvous",
          f"127.0.0.1:{store.port}", "--job-id", "job1", "--nnodes", "2:2", "--node-name", "n1",
-         "--gpu", "A100-80GB", "--local-addr", "127.0.0.1", "--cold-workers", "--",
+         "--gpu", "A100-80GB", "--local-addr", "127.0.0.1", "--cold-workers",
+         "--loss-timeout", "4", "--",
          "--plan", str(make_plan(tmp_path)), "--model", str(MODEL), "--cluster", str(CLUSTER),
          "--autohet-local-ckpt-dir", str(tmp_path / "{node}"), "--save-interval", "10"],
         stdout=subprocess.DEVNULL, stderr=open(log, "w"))

@@ -2,8 +2,9 @@
 fails joins the next one, and an agent that ends leaves the rendezvous open, where torchrun's
 own agent would exit and close the job's rendezvous for every other agent; a member of the
 round lost without notice is seen by the others (its workers' peers are ended), one that
-announced its departure after a preemption notice is not. Real c10d handlers on a real store,
-each node a thread."""
+announced its departure after a preemption notice is not, nor one whose keep-alive lapsed for
+less than the loss timeout, nor an agent's own lapse. Real c10d handlers on a real store, each
+node a thread."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import RendezvousParameters, rendezvous_handler_registry
 
 from megatron_autohet.elastic.notices import Notice, write_notice
+from helpers.dist_utils import LoadClock
 from megatron_autohet.elastic.rendezvous import close, register
 
 pytestmark = pytest.mark.integration
@@ -22,18 +24,18 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture
 def make_handler(monkeypatch):
-    """``make_handler(addr)``: an autohet-c10d handler of a 2-node job (join timeout 1 s)."""
+    """``make_handler(addr, loss_timeout="4")``: an autohet-c10d handler of a 2-node job
+    (join timeout 1 s; loss timeout 4 s, the shortest allowed)."""
     monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")       # as `autohet node`
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, multi_tenant=True,
                            wait_for_workers=False)
     backend = register()
     made = []
 
-    def make(addr: str):
+    def make(addr: str, loss_timeout: str = "4"):
         made.append(rendezvous_handler_registry.create_handler(RendezvousParameters(
             backend, f"127.0.0.1:{server.port}", "job1", 2, 2, addr, is_host="false",
-            join_timeout="1", last_call_timeout="1", keep_alive_interval="1",
-            keep_alive_max_attempt="3")))
+            join_timeout="1", last_call_timeout="1", loss_timeout=loss_timeout)))
         return made[-1]
     yield make
     for handler in made:        # their keep-alive threads end before the store does
@@ -81,8 +83,8 @@ def test_an_agent_that_ends_leaves_the_rendezvous_open_until_the_job_is_over(mak
     second.shutdown()
 
 
-def a_round_of_two(make_handler):
-    first, second = make_handler("127.0.0.1"), make_handler("127.0.0.2")
+def a_round_of_two(make_handler, **settings):
+    first, second = make_handler("127.0.0.1", **settings), make_handler("127.0.0.2", **settings)
     got = {}
     both = [threading.Thread(target=join, args=(got, n, h))
             for n, h in (("first", first), ("second", second))]
@@ -96,16 +98,25 @@ def a_round_of_two(make_handler):
 
 def until_gone(watcher, member) -> list[int]:
     """``watcher.num_nodes_waiting()`` as torchrun's agent calls it (every monitor interval)
-    until the call that finds ``member`` out of the round (its keep-alive expired); every
-    answer, in order."""
+    until the call that finds ``member`` out of the round (torch's keep-alive expiry, one second
+    after the loss timeout) or lost; every answer, in order."""
     answers = []
-    deadline = time.monotonic() + 120               # a safety net, not a measurement
+    clock = LoadClock()                             # a safety net, not a measurement
     while True:
         answers.append(watcher.num_nodes_waiting())
-        if member not in watcher.inner._state_holder.state.participants:
+        if answers[-1] or member not in watcher.inner._state_holder.state.participants:
             return answers
-        assert time.monotonic() < deadline, f"{member} still in the round"
+        assert clock.seconds() < 120, f"{member} still in the round"
         time.sleep(0.1)
+
+
+def polled_for(watcher, seconds: float) -> list[int]:
+    """``watcher.num_nodes_waiting()`` every 0.1 s for ``seconds``; every answer."""
+    answers, end = [], time.monotonic() + seconds
+    while time.monotonic() < end:
+        answers.append(watcher.num_nodes_waiting())
+        time.sleep(0.1)
+    return answers
 
 
 def test_a_member_lost_without_notice_ends_the_others_workers(make_handler):
@@ -121,9 +132,34 @@ def test_a_member_lost_without_notice_ends_the_others_workers(make_handler):
     lost = second.inner._this_node
     second.shutdown()                           # killed: no more keep-alive
     answers = until_gone(first, lost)
-    # 1: the lost member (2 if this thread's own keep-alive also lapsed meanwhile: lost too)
-    assert answers[-1] >= 1 and not any(answers[:-1]), answers
+    # 1: the lost member (never this agent itself, whatever its own keep-alive did meanwhile)
+    assert answers[-1] == 1 and not any(answers[:-1]), answers
     assert len(ended) == 1 and first.lost_rounds == 1
+    first.shutdown()
+
+
+def test_a_member_whose_keep_alive_lapses_for_less_than_the_loss_timeout_is_not_lost(
+        make_handler):
+    """A live node that gets no CPU for a while sends no keep-alive meanwhile: 5 s here, where
+    the old 3 s expiry declared it lost (and torch's c10d dropped it from the round); with a loss
+    timeout of 15 s it stays a member, and so does an agent whose own keep-alive lapsed as long.
+    Once it is silent for the loss timeout, it is lost."""
+    first, second = a_round_of_two(make_handler, loss_timeout="15")
+    ended = []
+    first.stop_workers = lambda: ended.append(time.monotonic())
+    member = second.inner._this_node
+    second.inner._stop_heartbeats()             # busy: no keep-alive ...
+    first.inner._stop_heartbeats()              # ... and this agent's own neither
+    answers = polled_for(first, 5)
+    second.inner._start_heartbeats()            # ... for 5 s, then both alive again
+    first.inner._start_heartbeats()
+    answers += polled_for(first, 3)
+    state = first.inner._state_holder.state
+    assert not any(answers) and not ended and first.lost_rounds == 0, answers
+    assert set(state.participants) == {first.inner._this_node, member}
+    second.shutdown()                           # now lost for good
+    answers = until_gone(first, member)
+    assert answers[-1] == 1 and len(ended) == 1 and first.lost_rounds == 1
     first.shutdown()
 
 
