@@ -187,16 +187,8 @@ def check_memory_headroom(value: float, flag: str = "--memory-headroom") -> floa
 def stage_compute_s(entry: ProfileEntry, num_layers: int, first: bool, last: bool,
                     recompute: bool) -> tuple[float, float]:
     """(forward, backward) time of one micro-batch through a stage; recompute re-runs the layers'
-    forward inside the backward pass."""
-    fwd = num_layers * entry.layer.forward_s
-    bwd = num_layers * (entry.layer.backward_s + (entry.layer.forward_s if recompute else 0.0))
-    if first:
-        fwd += entry.embedding.forward_s
-        bwd += entry.embedding.backward_s
-    if last:
-        fwd += entry.output.forward_s
-        bwd += entry.output.backward_s
-    return fwd, bwd
+    forward inside the backward pass (``ProfileEntry.stage_compute_s``, the one formula)."""
+    return entry.stage_compute_s(num_layers, first, last, recompute)
 
 
 def activation_transfer_bytes(model: ModelSpec, micro_batch_size: int, seq_length: int,

@@ -38,8 +38,11 @@ from megatron_autohet.data.batches import DataOptions, default_split, open_globa
 from megatron_autohet.errors import (ConfigError, JobConfigError, check_output_path, positive,
                                      probability)
 from megatron_autohet.plan import Plan
+from megatron_autohet.profiling.from_run import (priced_entries, profile_from_window,
+                                                 save_run_profile)
 from megatron_autohet.runtime.optimizer import OptimizerSettings, make_lr_scheduler
 from megatron_autohet.runtime.stage_drift import DEFAULT_WINDOW
+from megatron_autohet.spec.gpus import load_gpu_catalog
 from megatron_autohet.spec.model import ModelSpec
 from megatron_autohet.spec.precision import PRECISIONS, TRAINED_PRECISIONS, default_precision
 
@@ -50,7 +53,8 @@ FLAGS = {"iters": "--iters", "metrics_jsonl": "--metrics-jsonl",
          "eval_iters": "--eval-iters", "log_interval": "--log-interval",
          "distributed_timeout_minutes": "--distributed-timeout-minutes",
          "precision": "--bf16", "measure_window": "--autohet-measure-window",
-         "measured_jsonl": "--autohet-measured-jsonl"}
+         "measured_jsonl": "--autohet-measured-jsonl",
+         "measured_profile": "--autohet-measured-profile"}
 
 
 @dataclass(frozen=True)
@@ -91,6 +95,8 @@ class TrainOptions:
     # plan's predictions (runtime/stage_drift.py; 0: not measured), each window to the JSONL.
     measure_window: int = DEFAULT_WINDOW
     measured_jsonl: str | None = None
+    # The profile the windows give (profiling/from_run.py), rewritten at every window's end.
+    measured_profile: str | None = None
     elastic: ElasticOptions | None = None   # None: a job whose ranks are the plan's
 
     @property
@@ -135,6 +141,11 @@ class TrainOptions:
         if not (isinstance(self.measure_window, int) and self.measure_window >= 0):
             raise ConfigError(source, flags["measure_window"], f"got {self.measure_window!r}",
                               "iterations per measurement window, >= 1 (0: not measured)")
+        check_output_path(self.measured_profile, flags["measured_profile"])
+        if self.measured_profile is not None and not self.measure_window:
+            raise ConfigError(source, flags["measured_profile"], "needs measurement windows, "
+                              f"and {flags['measure_window']} is 0",
+                              f"{flags['measure_window']} >= 1 with it")
         self.optimizer.validate(train_iters=self.iters, source=source)
         self.checkpoint.validate(source)
         check_scheduler_flags(self.checkpoint,
@@ -213,13 +224,48 @@ def measure_flags(prefix: str = "") -> list[tuple[tuple[str, ...], dict]]:
             default=None, metavar="PATH",
             help=prefix + "also write each measurement window (every stage's measured and "
                           "predicted times) as one JSON line to this file")),
+        (("--autohet-measured-profile",), dict(
+            default=None, metavar="PATH",
+            help=prefix + "write what the job measured as a profile (source: measured; an entry "
+                          "per GPU type and TP degree of the plan, its per-layer times scaled "
+                          "from the entries the plan was priced on to the stages' measured "
+                          "times) at every window's end, for `autohet plan --profile`; kept "
+                          "over the entries of other GPU types it already holds (.json: JSON, "
+                          "else YAML)")),
     ]
+
+
+def measured_profile_priors(plan: Plan, plan_label: str, options: TrainOptions):
+    """With ``options.measured_profile``: the entries the plan was priced on, which the windows
+    scale (profiling/from_run.py ``priced_entries``, the bundled GPU catalog); computed on every
+    rank before any collective, so a plan it cannot serve stops the job with one line
+    (JobConfigError naming the flag). None without the flag."""
+    if options.measured_profile is None:
+        return None
+    try:
+        return priced_entries(plan, load_gpu_catalog(), plan_label)
+    except ConfigError as err:
+        raise JobConfigError(err.file, err.field, err.problem, err.allowed) from None
+
+
+def measured_profile_sink(plan: Plan, path: str, priors, trainer, precision, then=None):
+    """The window sink (runtime/trainer.train_iterations ``on_window``) writing the run's
+    profile to ``path`` at every window's end (profiling/from_run.py), with the attention and
+    fusions ``trainer``'s layers run and the job's precision; then ``then(report)``."""
+    def sink(report) -> None:
+        save_run_profile(path, profile_from_window(
+            plan, report.stages, priors, precision=precision, attention=trainer.attention,
+            fusions=trainer.fusions.config_fields()))
+        if then is not None:
+            then(report)
+    return sink
 
 
 def measure_fields(args) -> dict:
     """The :class:`TrainOptions` fields of the :func:`measure_flags` in a parsed namespace."""
     return dict(measure_window=args.autohet_measure_window,
-                measured_jsonl=args.autohet_measured_jsonl)
+                measured_jsonl=args.autohet_measured_jsonl,
+                measured_profile=args.autohet_measured_profile)
 
 
 def train_job(plan: Plan, plan_label: str, model: ModelSpec, options: TrainOptions, *, rank: int,
@@ -238,7 +284,8 @@ def train_job(plan: Plan, plan_label: str, model: ModelSpec, options: TrainOptio
     checkpoint records of the job; default :func:`train_args`).
 
     ``on_window(report)``: called on rank 0 with every measurement window's
-    runtime/stage_drift.py ``WindowReport`` (an elastic job's ``drift`` event)."""
+    runtime/stage_drift.py ``WindowReport`` (an elastic job's ``drift`` event), after the
+    window's profile is written (``options.measured_profile``, :func:`measured_profile_sink`)."""
     # torch and megatron-core: a rank's code (see the module's docstring)
     from megatron_autohet.runtime.fusions import priced_on_other_fusions
     from megatron_autohet.runtime.stage_model import LAYER_SPECS
@@ -252,6 +299,7 @@ def train_job(plan: Plan, plan_label: str, model: ModelSpec, options: TrainOptio
     except ConfigError as err:
         raise JobConfigError(plan_label, f"profile.{err.field}", err.problem,
                              err.allowed) from None
+    priors = measured_profile_priors(plan, plan_label, options)
     valid_batches = validation_batches_needed(options.iters, options.eval_interval,
                                               options.eval_iters)
     data = DataOptions(seq_length=plan.seq_length, global_batch_size=plan.global_batch_size,
@@ -287,6 +335,9 @@ def train_job(plan: Plan, plan_label: str, model: ModelSpec, options: TrainOptio
             print(f"WARNING: {other}", flush=True)
     if trainer.distributed_optimizer and rank == 0:
         print(trainer.optimizer.summary(), flush=True)
+    if priors is not None and rank == 0:
+        on_window = measured_profile_sink(plan, options.measured_profile, priors, trainer,
+                                          precision, then=on_window)
     # Counting samples, as Megatron-LM does (runtime/optimizer.py): checkpoints of this job
     # load into the pretrain_gpt.py path and stock Megatron-LM, and theirs into this job.
     scheduler = (make_scheduler(trainer.optimizer) if make_scheduler else

@@ -13,7 +13,7 @@ from megatron_autohet.cost_model import (CHARGES, DEFAULT_CHARGE, DEFAULT_MEMORY
                                          check_memory_headroom)
 from megatron_autohet.errors import ConfigError, check_output_path, positive
 from megatron_autohet.plan import DEFAULT_OBJECTIVE, OBJECTIVES
-from megatron_autohet.profiling.profile import Profile
+from megatron_autohet.profiling.profile import Profile, merge_profiles
 from megatron_autohet.spec import load_cluster, load_gpu_catalog, load_model
 from megatron_autohet.spec.gpus import CONFIG_DIR
 
@@ -65,9 +65,7 @@ def add_planning_arguments(parser) -> None:
                         help="cluster file: nodes, GPU types, bandwidths (configs/clusters/)")
     parser.add_argument("--model", required=True, metavar="M.yaml",
                         help="model file: GPT dimensions (configs/models/)")
-    parser.add_argument("--profile", default=None, metavar="P.yaml",
-                        help="profile from `autohet profile`; entries it lacks are estimated "
-                             "(default: analytic estimates from the GPU catalog only)")
+    parser.add_argument("--profile", **PROFILE_ARGUMENT)
     parser.add_argument("--gpu-catalog", default=None, metavar="G.yaml",
                         help="GPU catalog (default: the bundled configs/gpus.yaml)")
     parser.add_argument("--global-batch-size", type=int, required=True, metavar="N",
@@ -116,6 +114,15 @@ def add_planning_arguments(parser) -> None:
                              f"{DEFAULT_MEMORY_HEADROOM})")
 
 
+# --profile of plan, compare, show and replan: given several times, the files are merged.
+PROFILE_ARGUMENT = dict(
+    action="append", default=None, metavar="P.yaml",
+    help="profile from `autohet profile` or a job's --autohet-measured-profile; entries it "
+         "lacks are estimated; several are merged, per GPU type, TP degree, micro-batch size "
+         "and sequence length the most measured entry (then the first given) "
+         "(default: analytic estimates from the GPU catalog only)")
+
+
 def load_profile(path: str, model_name: str):
     """The profile file at ``path``, made for the model ``model_name``."""
     profile = Profile.load(path)
@@ -123,6 +130,15 @@ def load_profile(path: str, model_name: str):
         raise ConfigError(path, "model", f"profile is for {profile.model!r}, the model is "
                           f"{model_name!r}", f"a profile of {model_name!r}")
     return profile
+
+
+def load_profiles(paths: list[str] | None, model_name: str):
+    """The ``--profile`` files (None: none given) as one profile (profiling/profile.py
+    ``merge_profiles``: a measured entry wins over an estimate), each made for ``model_name``."""
+    if not paths:
+        return None
+    profiles = [load_profile(path, model_name) for path in paths]
+    return profiles[0] if len(profiles) == 1 else merge_profiles(profiles, list(paths))
 
 
 def load_planning_inputs(args):
@@ -147,7 +163,7 @@ def load_planning_inputs(args):
         model.check_tp_degree(t, "<command line>", "--tp")
     if args.seq_length is not None:
         model.check_seq_length(args.seq_length, "<command line>", "--seq-length")
-    profile = load_profile(args.profile, model.name) if args.profile else None
+    profile = load_profiles(args.profile, model.name)
     # pyscipopt: not at `autohet` start-up
     from megatron_autohet.planner.cost_search import check_prices
     from megatron_autohet.planner.objective import objective_named

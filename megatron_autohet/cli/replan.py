@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 
 from megatron_autohet.cli._common import (check_output_path, format_plan_table, format_prediction,
-                                          load_profile, positive, search_end)
+                                          load_profiles, positive, search_end)
 from megatron_autohet.errors import ConfigError
 from megatron_autohet.plan import load_plan
 from megatron_autohet.spec import load_cluster, load_gpu_catalog, load_model
@@ -46,8 +46,10 @@ def register(subparsers) -> None:
     p.add_argument("--tolerance", type=float, default=0.02, metavar="FRACTION",
                    help="iteration time (for a plan made with --objective cost: USD per "
                         "million tokens) given up for moving less state (default: 0.02)")
-    p.add_argument("--profile", default=None, metavar="P.yaml",
-                   help="profile from `autohet profile` (default: analytic estimates)")
+    p.add_argument("--profile", action="append", default=None, metavar="P.yaml",
+                   help="profile from `autohet profile` or a job's --autohet-measured-profile; "
+                        "several are merged, the most measured entry of each key (then the "
+                        "first given) (default: the profile the previous plan was priced on)")
     p.add_argument("--gpu-catalog", default=None, metavar="G.yaml",
                    help="GPU catalog (default: the bundled configs/gpus.yaml)")
     # (the defaults are planner/replan.py's, imported only when the command runs)
@@ -89,7 +91,7 @@ def run(args) -> int:
     cluster = load_cluster(args.cluster, load_gpu_catalog(args.gpu_catalog))
     model = load_model(args.model)
     _check_against_plan(previous, model, args)
-    profile = load_profile(args.profile, model.name) if args.profile else None
+    profile = load_profiles(args.profile, model.name)
     print(f"> re-planning {model.name} from {args.plan} ({previous.world_size} GPUs on "
           f"{previous.cluster}) for {cluster.name}: {cluster.world_size} GPUs "
           f"({', '.join(f'{n} x {g}' for g, n in cluster.counts_by_type().items())}), "

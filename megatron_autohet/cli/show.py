@@ -27,9 +27,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from megatron_autohet.cli._common import (bundled_cluster_path, check_output_path,
-                                          check_plan_on_cluster, format_plan_table,
-                                          format_prediction, layer_range, load_profile, rank_list)
+from megatron_autohet.cli._common import (PROFILE_ARGUMENT, bundled_cluster_path,
+                                          check_output_path, check_plan_on_cluster,
+                                          format_plan_table, format_prediction, layer_range,
+                                          load_profiles, rank_list)
 from megatron_autohet.cli._table import format_table
 from megatron_autohet.cost_model import evaluate_plan, plan_charge, plan_memory_headroom
 from megatron_autohet.errors import ConfigError
@@ -54,8 +55,7 @@ def register(subparsers) -> None:
                    help="cluster the plan is for, to recompute predictions and the timeline "
                         "(default: the bundled configs/clusters/<plan's cluster>.yaml if it "
                         "exists, else the predictions stored in the plan)")
-    p.add_argument("--profile", default=None, metavar="P.yaml",
-                   help="profile to predict with (default: analytic estimates)")
+    p.add_argument("--profile", **PROFILE_ARGUMENT)
     p.add_argument("--gpu-catalog", default=None, metavar="G.yaml",
                    help="GPU catalog (default: the bundled configs/gpus.yaml)")
     p.add_argument("--figure", default=None, metavar="plan.png",
@@ -269,7 +269,7 @@ def predict(plan, args):
         return None
     cluster = load_cluster(cluster_file, load_gpu_catalog(args.gpu_catalog))
     check_plan_on_cluster(plan, cluster, cluster_file)
-    profile = load_profile(args.profile, plan.model.name) if args.profile else None
+    profile = load_profiles(args.profile, plan.model.name)
     profile = resolve_profile(cluster, plan.model, profile, plan.micro_batch_size, plan.seq_length)
     return evaluate_plan(plan, cluster, profile, with_timeline=True,
                          memory_headroom=plan_memory_headroom(plan), charge=plan_charge(plan))

@@ -86,6 +86,22 @@ class ProfileEntry:
     def key(self) -> tuple[str, int, int, int]:
         return (self.gpu, self.tp, self.micro_batch_size, self.seq_length)
 
+    def stage_compute_s(self, num_layers: int, first: bool, last: bool,
+                        recompute: bool) -> tuple[float, float]:
+        """(forward, backward) time of one micro-batch through a stage of ``num_layers`` layers
+        (+ the embedding on the first stage, + the output layer and loss on the last); recompute
+        re-runs the layers' forward inside the backward pass. The cost model's stage time
+        (cost_model.stage_compute_s) and a run's profile (profiling/from_run.py) both use it."""
+        fwd = num_layers * self.layer.forward_s
+        bwd = num_layers * (self.layer.backward_s + (self.layer.forward_s if recompute else 0.0))
+        if first:
+            fwd += self.embedding.forward_s
+            bwd += self.embedding.backward_s
+        if last:
+            fwd += self.output.forward_s
+            bwd += self.output.backward_s
+        return fwd, bwd
+
 
 @dataclass
 class Profile:
@@ -168,6 +184,12 @@ class Profile:
                 parts[part] = cost
             out.entries[key] = replace(entry, **parts)
         return out
+
+    def figures_rank(self, key) -> tuple[int, int]:
+        """How much of an entry was measured: (measured parts, calibrated parts); higher wins
+        when profiles are merged (:func:`merge_profiles`)."""
+        parts = [getattr(self.entries[key], part).source for part in PARTS]
+        return parts.count("measured"), parts.count("calibrated")
 
     # ---- files -------------------------------------------------------------------------------
     def to_dict(self) -> dict:
@@ -258,3 +280,29 @@ def _op_cost_from_dict(raw: dict, file, where: str) -> OpCost:
                                              where, min_value=0),
         param_count=get_field(raw, "param_count", int, file, where, min_value=0),
         source=source)
+
+
+def merge_profiles(profiles: list[Profile], files: list[str]) -> Profile:
+    """Several profiles of one model as one (``autohet plan --profile A --profile B``): per key
+    the entry with the most measured parts, then the most calibrated ones (a measured entry
+    always wins over an estimate), the earlier file's on a tie. They must describe the same
+    figures: one precision and attention, and the same fusions where they record any;
+    ConfigError naming the first file that differs from the first."""
+    out = Profile(profiles[0].model, precision=profiles[0].precision,
+                  attention=profiles[0].attention, fusions=profiles[0].fusions)
+    for profile, file in zip(profiles, files):
+        for name, mine, theirs in (("precision", out.precision.name, profile.precision.name),
+                                   ("attention", out.attention, profile.attention)):
+            if mine != theirs:
+                raise ConfigError(file, name, f"{theirs}, {files[0]} is {mine}",
+                                  f"profiles of one {name} to merge")
+        if profile.fusions is not None:
+            if out.fusions is not None and out.fusions != profile.fusions:
+                raise ConfigError(file, "fusions", f"{profile.fusions}, another profile given "
+                                  f"has {out.fusions}", "profiles of layers run with the same "
+                                  "fusions to merge")
+            out.fusions = profile.fusions
+        for key, entry in profile.entries.items():
+            if key not in out.entries or profile.figures_rank(key) > out.figures_rank(key):
+                out.entries[key] = entry
+    return out

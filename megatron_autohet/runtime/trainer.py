@@ -81,6 +81,7 @@ from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 
 from megatron_autohet.data.batches import microbatches
 from megatron_autohet.plan import Plan
+from megatron_autohet.runtime.attention import attention_kind
 from megatron_autohet.runtime.distributed_optimizer import DistributedOptimizer
 from megatron_autohet.runtime.fusions import agree_jit_fusions
 from megatron_autohet.runtime.grad_sync import DEFAULT_BUCKET_NUMEL, GradSync
@@ -194,6 +195,12 @@ class HeteroTrainer:
         self.loss_scale = role.stage.num_microbatches / plan.num_microbatches_total
         # Where each iteration goes (runtime/iteration_clock.py): read with clock.lap().
         self.clock = IterationClock(self.device)
+
+    @property
+    def attention(self) -> str:
+        """How its layers compute attention (profiling/profile.py ``ATTENTIONS``), as a profile
+        records it: what a profile of this job's measurements says its layers ran."""
+        return attention_kind(self.model.decoder.layers[0].self_attention.core_attention)
 
     @torch.no_grad()
     def initialize_weights(self) -> None:

@@ -1,0 +1,140 @@
+"""A profile from a training run: per-layer costs derived from a measurement window.
+
+A job that measures itself (runtime/stage_drift.py) knows every stage's forward + backward time
+per micro-batch on the GPUs it runs on. ``--autohet-measured-profile PATH`` turns that into a
+profile file (profiling/profile.py, ``source: measured``) that ``autohet plan --profile`` takes
+and merges with others, so twenty iterations on a fleet give a profile of every GPU type in it,
+with no separate profiling step.
+
+A stage's time is not a layer's: ``t = n L + [first] E + [last] O`` per micro-batch (the cost
+model's formula, ``ProfileEntry.stage_compute_s``, with the recomputed forward under activation
+recompute), and one window gives one ``t`` per stage. The derivation therefore assumes that the
+prediction was wrong by one factor per (GPU type, TP degree): it takes the entry the stage was
+priced on (:func:`priced_entries`: the plan's recorded profile, its gaps estimated from the GPU
+catalog and calibrated as the planner does) and scales every time in it - layer, embedding and
+output, forward and backward - by ``k = measured / priced`` stage time, so the fwd / bwd split
+and the embedding and output layer's share relative to a layer stay the prior's, and the new
+entry prices the stage at exactly its measured time. The stages of one (GPU type, TP degree) -
+several pipelines of one shape, or stages of another depth - share one entry: ``k`` is the sum
+of their measured times over the sum of their priced times, which prices each exactly when they
+drifted alike, and otherwise prices their sum (the window's record keeps each stage's own time).
+``k`` is measured over priced rather than over the plan's stored ``predicted_time_s``: the two
+agree for a plan priced on these entries (to the file's rounding), and a hand-written plan has
+no prediction at all. Memory figures (activation bytes) and parameter counts are the prior's:
+they are computed, not timed. The split is the prior's even where the run would show another
+(a slow embedding): one window has too few equations to tell.
+
+``priced_entries(plan, catalog)``: the prior of every (GPU type, TP degree) of the plan.
+``profile_from_window(plan, stages, priors, precision=, attention=, fusions=)``: the run's
+profile from a window's stages (runtime/stage_drift.py ``StageMeasure``: pipeline, stage,
+per_microbatch_s).
+``save_run_profile(path, profile)``: written atomically, over the entries a previous window or
+run of the same model, precision, attention and fusions left in the file (an elastic job's
+generations on changing fleets add up to one profile).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+from megatron_autohet.errors import ConfigError
+from megatron_autohet.plan import Plan
+from megatron_autohet.profiling.estimate import estimate_entry
+from megatron_autohet.profiling.profile import (DEFAULT_ATTENTION, PARTS, Profile,
+                                                ProfileEntry)
+from megatron_autohet.spec.gpus import GPUType
+from megatron_autohet.spec.precision import Precision
+
+FLAG = "--autohet-measured-profile"
+
+
+def _stage_keys(plan: Plan):
+    """((pipeline, stage), (GPU type, TP degree), stage, first, last) of every stage."""
+    for p, pipe in enumerate(plan.pipelines):
+        for s, stage in enumerate(pipe.stages):
+            yield ((p, s), (plan.ranks[stage.ranks[0]].gpu, len(stage.ranks)), stage, s == 0,
+                   s == len(pipe.stages) - 1)
+
+
+def priced_entries(plan: Plan, catalog: dict[str, GPUType], source: str = "<plan>"
+                   ) -> dict[tuple[str, int], ProfileEntry]:
+    """The entry each (GPU type, TP degree) of the plan was priced on: its recorded profile's
+    (``plan.profile``), calibrated over the analytic estimates of the GPU catalog where it has
+    no entry (planner/space.py ``resolve_profile``, with the catalog's intra-node bandwidth for
+    the TP all-reduces, where the planner took the cluster's). ConfigError naming the flag when a
+    GPU type is in neither: there is no split to scale."""
+    recorded = Profile.from_dict(plan.profile, f"{source}: profile") if plan.profile else None
+    attention = recorded.attention if recorded is not None else DEFAULT_ATTENTION
+    mbs, seq = plan.micro_batch_size, plan.seq_length
+    wanted = {key for _, key, _, _, _ in _stage_keys(plan)}
+    if recorded is not None:
+        wanted |= {(gpu, tp) for gpu, tp, m, s in recorded.entries if (m, s) == (mbs, seq)}
+    base = Profile(plan.model.name, attention=attention)
+    for gpu, tp in sorted(wanted):
+        if gpu in catalog:
+            base.add(estimate_entry(plan.model, catalog[gpu], tp, mbs, seq,
+                                    catalog[gpu].intra_node_bandwidth_gbs, attention))
+    resolved = recorded.calibrated_over(base) if recorded is not None else base
+    priors = {}
+    for _, (gpu, tp), _, _, _ in _stage_keys(plan):
+        if not resolved.has(gpu, tp, mbs, seq):
+            raise ConfigError(source, FLAG, f"the plan's {gpu} TP{tp} stages have no entry to "
+                              f"scale: {gpu} is neither in the plan's profile nor in the GPU "
+                              "catalog", "a plan of GPU types of the catalog, or priced on a "
+                              "profile with their entries")
+        priors[gpu, tp] = resolved.get(gpu, tp, mbs, seq)
+    return priors
+
+
+def _scaled(entry: ProfileEntry, k: float) -> ProfileEntry:
+    return replace(entry, **{part: replace(getattr(entry, part),
+                                           forward_s=getattr(entry, part).forward_s * k,
+                                           backward_s=getattr(entry, part).backward_s * k,
+                                           source="measured") for part in PARTS})
+
+
+def profile_from_window(plan: Plan, stages, priors: dict[tuple[str, int], ProfileEntry], *,
+                        precision: Precision, attention: str,
+                        fusions: dict[str, bool] | None) -> Profile:
+    """The run's profile (module doc): an entry per (GPU type, TP degree) of the plan whose
+    stages the window timed, ``source: measured``, in the job's precision, with the attention
+    and fusions its layers ran. ``stages``: the window's per-stage measures (``pipeline``,
+    ``stage``, ``per_microbatch_s``); a (GPU type, TP degree) with no time (no iteration read
+    in the window) gets no entry."""
+    measured = {(s.pipeline, s.stage): s.per_microbatch_s for s in stages}
+    sums: dict[tuple[str, int], list[float]] = {}
+    for where, key, stage, first, last in _stage_keys(plan):
+        if measured.get(where, 0.0) <= 0:
+            continue
+        num_layers = stage.layers[1] - stage.layers[0]
+        priced = sum(priors[key].stage_compute_s(num_layers, first, last,
+                                                 plan.activation_recompute))
+        total = sums.setdefault(key, [0.0, 0.0])
+        total[0] += measured[where]
+        total[1] += priced
+    profile = Profile(plan.model.name, precision=precision, attention=attention,
+                      fusions=None if fusions is None else dict(fusions))
+    for key, (seconds, priced) in sums.items():
+        if priced > 0:
+            profile.add(_scaled(priors[key], seconds / priced))
+    return profile
+
+
+def save_run_profile(path: str | Path, profile: Profile) -> None:
+    """Write ``profile`` atomically (Profile.save), keeping the entries of other keys that the
+    file holds from an earlier window or run of the same model, precision, attention and
+    fusions; a file that does not load, or describes other figures, is replaced."""
+    path = Path(path)
+    kept = {}
+    if path.is_file():
+        try:
+            old = Profile.load(path)
+        except ConfigError:
+            old = None
+        if old is not None and (old.model, old.precision.name, old.attention, old.fusions) == (
+                profile.model, profile.precision.name, profile.attention, profile.fusions):
+            kept = old.entries
+    out = Profile(profile.model, {**kept, **profile.entries}, profile.precision,
+                  profile.attention, profile.fusions)
+    out.save(path)
