@@ -64,6 +64,9 @@ Optional:
   --max-restarts K         restarts of a failed `autohet node` by this script (default 5)
                                                                              [AUTOHET_LAUNCH_MAX_RESTARTS]
   --restart-delay S        seconds before such a restart (default 10)        [AUTOHET_RESTART_DELAY]
+  --loss-timeout S         `autohet node --loss-timeout`: seconds without a keep-alive after
+                           which a node is lost without notice (default: autohet node's, 20;
+                           the same on every node of a job)                  [AUTOHET_LOSS_TIMEOUT]
   --agent-max-restarts K   `autohet node --max-restarts`: worker restarts inside the agent, one
                            per preemption (default: autohet node's, 1000)    [AUTOHET_AGENT_MAX_RESTARTS]
   --idle-when-done         after the job finished, wait for a signal instead of exiting (for
@@ -111,6 +114,7 @@ VENV="${AUTOHET_VENV:-}"
 MAX_RESTARTS="${AUTOHET_LAUNCH_MAX_RESTARTS:-5}"
 RESTART_DELAY="${AUTOHET_RESTART_DELAY:-10}"
 AGENT_MAX_RESTARTS="${AUTOHET_AGENT_MAX_RESTARTS:-}"
+LOSS_TIMEOUT="${AUTOHET_LOSS_TIMEOUT:-}"
 IDLE_WHEN_DONE="${AUTOHET_IDLE_WHEN_DONE:-0}"
 SOURCES=()
 if [ -n "${AUTOHET_NOTICE_SOURCES:-}" ]; then
@@ -144,6 +148,7 @@ while [ $# -gt 0 ]; do
     --max-restarts) need_value "$1" $#; MAX_RESTARTS="$2"; shift 2 ;;
     --restart-delay) need_value "$1" $#; RESTART_DELAY="$2"; shift 2 ;;
     --agent-max-restarts) need_value "$1" $#; AGENT_MAX_RESTARTS="$2"; shift 2 ;;
+    --loss-timeout) need_value "$1" $#; LOSS_TIMEOUT="$2"; shift 2 ;;
     --idle-when-done) IDLE_WHEN_DONE=1; shift ;;
     --) shift; TRAIN_ARGS=("$@"); break ;;
     *) die "unknown option '$1' (see --help; training arguments go after --)" ;;
@@ -161,6 +166,8 @@ done
 is_number() { [[ "$1" =~ ^[0-9]+([.][0-9]+)?$ ]]; }
 is_number "$SIGNAL_GRACE" || die "--signal-grace: got '$SIGNAL_GRACE', want seconds"
 is_number "$RESTART_DELAY" || die "--restart-delay: got '$RESTART_DELAY', want seconds"
+[ -z "$LOSS_TIMEOUT" ] || is_number "$LOSS_TIMEOUT" \
+  || die "--loss-timeout: got '$LOSS_TIMEOUT', want seconds (>= 4)"
 [[ "$MAX_RESTARTS" =~ ^[0-9]+$ ]] || die "--max-restarts: got '$MAX_RESTARTS', want a count >= 0"
 [ -z "$AGENT_MAX_RESTARTS" ] || [[ "$AGENT_MAX_RESTARTS" =~ ^[0-9]+$ ]] \
   || die "--agent-max-restarts: got '$AGENT_MAX_RESTARTS', want a count >= 0"
@@ -390,6 +397,7 @@ NODE_ARGS=(node --rendezvous "$RENDEZVOUS" --job-id "$JOB_ID" --nnodes "$NNODES"
 [ -z "$GPU" ] || NODE_ARGS+=(--gpu "$GPU")
 [ -z "$LOCAL_ADDR" ] || NODE_ARGS+=(--local-addr "$LOCAL_ADDR")
 [ -z "$AGENT_MAX_RESTARTS" ] || NODE_ARGS+=(--max-restarts "$AGENT_MAX_RESTARTS")
+[ -z "$LOSS_TIMEOUT" ] || NODE_ARGS+=(--loss-timeout "$LOSS_TIMEOUT")
 
 log "node $NODE_NAME of job $JOB_ID (rendezvous $RENDEZVOUS, nodes $NNODES, $NPROC worker(s)${GPU:+, $GPU}); work dir $WORK_DIR; pid $$"
 start_watcher

@@ -36,6 +36,7 @@ import numpy as np
 import pytest
 
 from helpers.fake_metadata import FakeAws
+from helpers.fleets import FAST_LOSS_TIMEOUT_S
 from megatron_autohet.testing.emulate import EmulatedFleet
 from megatron_autohet.elastic.hold import HOLD_FILE_ENV, hold_after
 
@@ -131,7 +132,8 @@ def test_preemption_loss_and_join_match_an_uninterrupted_run(reference, tmp_path
     fleet = EmulatedFleet(tmp_path / "job", train_args=[
         "--plan", str(plan), "--model", str(MODEL), "--cluster", str(CLUSTER),
         "--iters", str(ITERS), "--save-interval", str(SAVE), "--data-dir", str(data_dir),
-        "--autohet-s3-uri", s3_uri, "--autohet-s3-endpoint-url", s3_endpoint[0]])
+        "--autohet-s3-uri", s3_uri, "--autohet-s3-endpoint-url", s3_endpoint[0]],
+        loss_timeout=FAST_LOSS_TIMEOUT_S)               # the kill: found in 5 s, not 20
     with fleet, FakeAws() as imds:
         for node, gpu in GPUS.items():
             fleet.add(node, gpu, cloud=("aws", imds.url) if node == "node2" else None)

@@ -265,7 +265,7 @@ def test_help(stub):
     assert result.returncode == 0, result.stderr
     for option in ("--rendezvous", "--job-id", "--nnodes", "--node-name", "--nproc-per-node",
                    "--gpu", "--notice-source", "--work-dir", "--autohet", "--venv",
-                   "--max-restarts", "--restart-delay", "AUTOHET_RENDEZVOUS"):
+                   "--max-restarts", "--restart-delay", "--loss-timeout", "AUTOHET_RENDEZVOUS"):
         assert option in result.stdout, option
 
 
@@ -287,7 +287,7 @@ def test_missing_required_option(stub, missing):
 def test_bad_values_exit_2(stub):
     env, _ = stub
     for args in (["--nnodes", "two"], ["--nnodes", "3:2"], ["--notice-source", "ibm"],
-                 ["--max-restarts", "-1"]):
+                 ["--max-restarts", "-1"], ["--loss-timeout", "soon"]):
         result = _run(env, *BASE, *args, *TRAIN)
         assert result.returncode == 2, args
         assert args[0] in result.stderr, result.stderr
@@ -305,7 +305,7 @@ def test_restart_after_failure_then_done(stub, tmp_path):
     env["STUB_NODE_MODES"] = "fail ok"
     work = tmp_path / "work"
     result = _run(env, *BASE, "--work-dir", str(work), "--notice-source", "aws",
-                  "--gpu", "H800", "--nproc-per-node", "2", *TRAIN)
+                  "--gpu", "H800", "--nproc-per-node", "2", "--loss-timeout", "30", *TRAIN)
     assert result.returncode == 0, result.stdout + result.stderr
     nodes = _calls(stub_dir, "node")
     assert len(nodes) == 2                              # failed once, restarted once, done
@@ -320,6 +320,7 @@ def test_restart_after_failure_then_done(stub, tmp_path):
         assert _value(node_args, "--nproc-per-node") == "2"
         assert _value(node_args, "--gpu") == "H800"
         assert _value(node_args, "--notice-file") == notice
+        assert _value(node_args, "--loss-timeout") == "30"
         assert train_args[:6] == ["--plan", "plan.yaml", "--model", "model.yaml", "--iters", "5"]
         assert _value(train_args, "--autohet-notice-file") == notice
         assert _value(train_args, "--autohet-local-ckpt-dir") == str(work / "ckpt")

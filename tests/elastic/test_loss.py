@@ -1,10 +1,10 @@
 """A node lost without notice while the others wait for it in a collective (issue 22 item 5):
 its network cut - here its processes frozen (SIGSTOP), so its connections stay open and no
-collective fails. The survivors' agents see its keep-alive expire, end their workers and train
-on in the next round from the newest checkpoint; torchrun's agents alone would wait for the
-process group's timeout (30 minutes here). The event lands at a known iteration
-(megatron_autohet/elastic/hold.py); the job has an S3 tier, as a job that can lose a node without
-notice needs (the lost node's files of a step may be on no other disk)."""
+collective fails. The survivors' agents see its keep-alive lapse for the loss timeout (5 s
+here), end their workers and train on in the next round from the newest checkpoint; torchrun's
+agents alone would wait for the process group's timeout (30 minutes here). The event lands at a
+known iteration (megatron_autohet/elastic/hold.py); the job has an S3 tier, as a job that can
+lose a node without notice needs (the lost node's files of a step may be on no other disk)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import signal
 
 import pytest
 
-from helpers.fleets import fleet_of, make_plan
+from helpers.fleets import FAST_LOSS_TIMEOUT_S, fleet_of, make_plan
 from megatron_autohet.elastic.hold import HOLD_FILE_ENV, hold_after
 from megatron_autohet.testing.emulate import process_tree
 
@@ -26,7 +26,8 @@ def test_a_node_cut_off_mid_collective_costs_at_most_the_save_interval(tmp_path,
     hold = tmp_path / "hold"
     hold_after(hold, 2)
     monkeypatch.setenv(HOLD_FILE_ENV, str(hold))
-    fleet = fleet_of(tmp_path, make_plan(tmp_path), iters, save)
+    fleet = fleet_of(tmp_path, make_plan(tmp_path), iters, save,
+                     loss_timeout=FAST_LOSS_TIMEOUT_S)
     fleet.train_args += ["--distributed-timeout-minutes", "30",
                          # what only the lost node held comes from S3
                          "--autohet-s3-uri", s3_uri, "--autohet-s3-endpoint-url", s3_endpoint[0]]
@@ -53,7 +54,7 @@ def test_a_node_cut_off_mid_collective_costs_at_most_the_save_interval(tmp_path,
 
     assert codes == {"node0": 0, "node3": 0}, {n: log[-3000:] for n, log in logs.items()}
     # Nothing failed (node2 is frozen, not dead): the restart came from an agent that saw node2's
-    # keep-alive expire (the other survivor may restart first because its peers' workers died).
+    # keep-alive lapse (the other survivor may restart first because its peers' workers died).
     assert any("lost without notice (127.0.0.2_" in log for log in logs.values()), logs
     plans = fleet.events("plan")
     assert [p["nodes"] for p in plans[-2:]] == [["node0", "node2", "node3"],

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from helpers.fleets import fleet_of, make_plan
+from helpers.fleets import FAST_LOSS_TIMEOUT_S, fleet_of, make_plan
 from megatron_autohet.elastic.hold import HOLD_FILE_ENV, hold_after
 from megatron_autohet.elastic.rendezvous import EXIT_STOPPED
 
@@ -22,7 +22,8 @@ def test_a_resume_no_step_can_serve_stops_the_elastic_job_for_good(tmp_path, mon
     hold = tmp_path / "hold"
     hold_after(hold, held)
     monkeypatch.setenv(HOLD_FILE_ENV, str(hold))
-    fleet = fleet_of(tmp_path, make_plan(tmp_path), iters, save)
+    fleet = fleet_of(tmp_path, make_plan(tmp_path), iters, save,
+                     loss_timeout=FAST_LOSS_TIMEOUT_S)
     with fleet:
         fleet.add("node0", "A100-80GB")
         fleet.add("node2", "H800")

@@ -10,6 +10,9 @@ from pathlib import Path
 from megatron_autohet.testing.emulate import EmulatedFleet
 
 ROOT = Path(__file__).resolve().parents[2]
+# `autohet node --loss-timeout` of the tests that lose a node without notice: a loss confirmed
+# 5 s after the node's last keep-alive, not the default's 20 (elastic/liveness.py).
+FAST_LOSS_TIMEOUT_S = 5.0
 MODEL = ROOT / "configs/models/tiny.yaml"
 CLUSTER = ROOT / "configs/clusters/spot-4.yaml"
 
