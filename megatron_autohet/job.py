@@ -28,7 +28,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from datetime import timedelta
 from pathlib import Path
 
@@ -347,10 +347,16 @@ def train_job(plan: Plan, plan_label: str, model: ModelSpec, options: TrainOptio
     if options.checkpoint.saving or options.checkpoint.load is not None:
         # torch: a rank's code (see the module's docstring)
         from megatron_autohet.checkpoint.checkpointer import Checkpointer
-        checkpointer = Checkpointer(options.checkpoint, trainer, scheduler, seed=options.seed,
+        ckpt = options.checkpoint
+        if ckpt.owner is None and options.elastic is not None:
+            # every agent and round of an elastic job holds one lease (torchrun's run id is
+            # the job's --job-id)
+            ckpt = replace(ckpt, owner=f"autohet node job {os.environ['TORCHELASTIC_RUN_ID']}")
+        checkpointer = Checkpointer(ckpt, trainer, scheduler, seed=options.seed,
                                     train_args=(train_args(options) if recorded_args is None
                                                 else recorded_args),
-                                    schedule_flags=schedule_flags)
+                                    schedule_flags=schedule_flags,
+                                    elastic=options.elastic is not None)
     stop_check = make_stop_check(checkpointer) if make_stop_check else None
     return train_iterations(trainer, batches, scheduler, train_iters=options.iters,
                             scheduler_increment=plan.global_batch_size, log=rank == 0,

@@ -28,12 +28,14 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import sys
 import tempfile
 import uuid
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
+from megatron_autohet.checkpoint.lease import take_job_lease
 from megatron_autohet.errors import ConfigError, JobConfigError
 from megatron_autohet.job import TrainOptions, init_backend, report_job_config_error, train_job
 from megatron_autohet.plan import Plan, load_plan
@@ -101,20 +103,33 @@ def launch_local(plan: Plan, plan_path: str | Path, model_path: str | Path,
 
     Returns 0 when every rank exits 0, else the first failing rank's status (the agent stops
     the others). With fewer GPUs than ranks every process runs on the CPU. The ranks die with
-    this process, however it ends (kill -9 included: system/parent_death.py).
+    this process, however it ends (kill -9 included: system/parent_death.py). A job that saves
+    holds its checkpoints' writer lease from before its ranks start to after they end
+    (checkpoint/lease.py); another job's live lease there is a ConfigError naming the flag.
     """
+    world = plan.world_size
+    run_id = f"autohet-{uuid.uuid4().hex[:8]}"
+    lease = None
+    if options.checkpoint.saving:
+        # Before any rank exists: a second job on these checkpoints is refused in a second, not
+        # after its ranks have loaded torch and built the model (checkpoint/lease.py).
+        lease = take_job_lease(options.checkpoint,
+                               options.checkpoint.save_roots([r.node for r in plan.ranks]),
+                               f"autohet train {run_id} on {socket.gethostname()}",
+                               with_store=options.checkpoint.s3_uri is not None)
+        options = replace(options, checkpoint=replace(options.checkpoint, owner=lease.owner,
+                                                      take_over=False))
     # torch: not at `autohet` start-up
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    world = plan.world_size
     if gpus_available < world:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""     # not enough GPUs: every rank on the CPU
         # N processes share the cores: oversubscribed intra-op threads slow small runs a lot.
         os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world)))
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=world,
-                          run_id=f"autohet-{uuid.uuid4().hex[:8]}", rdzv_backend="c10d",
+                          run_id=run_id, rdzv_backend="c10d",
                           rdzv_endpoint="127.0.0.1:0", max_restarts=0, monitor_interval=0.1,
                           local_addr="127.0.0.1")
     job_dir = tempfile.mkdtemp(prefix="autohet-job-")
@@ -136,6 +151,8 @@ def launch_local(plan: Plan, plan_path: str | Path, model_path: str | Path,
         return 130
     finally:
         shutil.rmtree(job_dir, ignore_errors=True)
+        if lease is not None:           # the ranks are gone: nobody of this job writes any more
+            lease.release()
     return 0
 
 

@@ -12,6 +12,7 @@ upload          the S3 tier of a save: main files, then the manifest once, then 
 inspect         pure: what a step holds and re-hashing its chunks (`autohet checkpoint ls/verify`)
 convert         adopt a stock Megatron-LM torch_dist step: check it, copy it, write our manifest
 sources         pure: the tiers a step is read from (own disk, peers, object store), one interface
+lease           one live writer per location: a lease with a heartbeat (directory file, S3 object)
 recovery_plan   pure: which saved chunks a rank of a new plan needs, and which tier serves each
 loader          the regions a rank needs; megatron-core's dist_checkpointing.load of verified chunks
 recovery        discover steps on every disk and in S3, fetch own/peers/S3, verify, stage, load

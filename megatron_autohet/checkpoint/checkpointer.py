@@ -41,10 +41,13 @@ in when it is done) and logged with it; a resume's bytes and seconds per tier ar
 
 from __future__ import annotations
 
+import os
+import socket
 import sys
 import threading
 import time
 import traceback
+import uuid
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -53,7 +56,9 @@ import torch
 import torch.distributed as dist
 
 from megatron_autohet.checkpoint.failures import log_traceback, root_cause
-from megatron_autohet.checkpoint.manifest import committed_steps, remove_old_steps, step_dir_name
+from megatron_autohet.checkpoint.lease import Lease, take_job_lease
+from megatron_autohet.checkpoint.manifest import (LATEST_FILE, committed_steps, remove_old_steps,
+                                                  step_dir_name, write_atomic)
 from megatron_autohet.checkpoint.options import CheckpointOptions, object_store
 from megatron_autohet.checkpoint.recovery import recover
 from megatron_autohet.checkpoint.state import (RNG_KEY, ScheduleMismatch, SnapshotBuffers,
@@ -62,7 +67,7 @@ from megatron_autohet.checkpoint.state import (RNG_KEY, ScheduleMismatch, Snapsh
                                                snapshot)
 from megatron_autohet.checkpoint.upload import GIVEN_UP, upload_step
 from megatron_autohet.checkpoint.writer import SaveFailed, StepDirs, on_every_rank, write_step
-from megatron_autohet.errors import JobConfigError
+from megatron_autohet.errors import ConfigError, JobConfigError
 from megatron_autohet.runtime.cpu_mode import cpu_mode_thread
 from megatron_autohet.runtime.device import enter_device, thread_device
 from megatron_autohet.runtime.optimizer import SCHEDULE_CHOICE, SCHEDULE_FLAGS
@@ -114,7 +119,7 @@ def _log(message: str, *, file=None) -> None:
 
 class Checkpointer:
     def __init__(self, options: CheckpointOptions, trainer, scheduler, *, seed: int,
-                 train_args: dict, schedule_flags: dict | None = None):
+                 train_args: dict, schedule_flags: dict | None = None, elastic: bool = False):
         self.options = options
         self.trainer = trainer
         self.scheduler = scheduler
@@ -132,11 +137,13 @@ class Checkpointer:
         # thread may be in a collective on ``group``.
         self.decisions = dist.new_group(backend="gloo", timeout=CHECKPOINT_GROUP_TIMEOUT)
         self.s3 = object_store(options)
+        self.elastic = elastic
+        self.lease = self._take_lease() if options.saving else None
         self.last_saved: int | None = None
         self.last_report = None                 # RecoveryReport of resume(), if it loaded
         self.save_times: list[SaveTimes] = []
         self.failed_saves: list[int] = []
-        self.failed_uploads: list[int] = []
+        self.upload_errors: dict[int, str] = {}     # a failed upload's cause, by iteration
         self.skipped_saves: list[int] = []
         self.uploaded: list[int] = []
         self._give_up = threading.Event()        # stop_uploading()
@@ -145,12 +152,40 @@ class Checkpointer:
         self._writing: int | None = None         # the iteration the latest save wrote
         self._failure: SaveFailure | None = None  # its failure, until the training thread reads it
 
+    @property
+    def failed_uploads(self) -> list[int]:
+        return list(self.upload_errors)
+
     def _save_dirs(self) -> StepDirs | None:
         if self.options.local_dir is not None:
             return StepDirs.per_node(self.options.local_dir, self.plan)
         if self.options.save is not None:
             return StepDirs.shared(self.options.save, self.world_size)
         return None
+
+    def _take_lease(self) -> Lease:
+        """The writer lease of this rank's part of the job's locations (its directory where it is
+        the directory's leader, the S3 prefix on rank 0), for the job's owner name (the
+        launcher's, or one rank 0 makes); refused on every rank alike (JobConfigError) when any
+        rank finds another live owner (checkpoint/lease.py)."""
+        owner = [self.options.owner or f"job {uuid.uuid4().hex[:8]} on {socket.gethostname()} "
+                 f"(rank 0 pid {os.getpid()})"]
+        dist.broadcast_object_list(owner, src=0, group=self.group)
+        roots = [self.dirs.root(self.rank)] if self.dirs.is_leader(self.rank) else []
+        refused, lease = None, Lease([], owner[0])
+        try:
+            lease = take_job_lease(self.options, roots, owner[0],
+                                   with_store=self.s3 is not None and self.rank == 0,
+                                   warn=_log)
+        except ConfigError as err:
+            refused = (err.field, err.problem, err.allowed)
+        found = [None] * self.world_size
+        dist.all_gather_object(found, refused, group=self.group)
+        first = next((f for f in found if f is not None), None)
+        if first is not None:
+            lease.release()
+            raise JobConfigError("<command line>", *first)
+        return lease
 
     def _readable_roots(self) -> list[Path]:
         roots = []
@@ -172,6 +207,50 @@ class Checkpointer:
         committed nowhere, another schedule without --override-/--use-checkpoint-opt-param-
         scheduler, no step at all with ``--exit-on-missing-checkpoint``) is a JobConfigError
         naming the flag, raised on every rank alike and printed once by the job."""
+        progress = self._resume()
+        if self.dirs is not None:
+            self._set_aside_newer_steps(progress.iteration)
+        return progress
+
+    def _set_aside_newer_steps(self, start: int) -> None:
+        """A committed step is never replaced: steps in this job's save directories newer than
+        the iteration it starts from (a --ckpt-step back in time, a newer step recovery could
+        not use) are renamed ``iter_N.set-aside-<time>`` before this run saves those numbers
+        again (one line); a run that trains from scratch without --load over a directory holding
+        steps is refused (JobConfigError: most likely a --load forgotten)."""
+        root = self.dirs.root(self.rank)
+        newer = ([i for i in committed_steps(root) if i > start]
+                 if self.dirs.is_leader(self.rank) else [])
+        found = [None] * self.world_size
+        dist.all_gather_object(found, (str(root), newer), group=self.group)
+        found = {where: steps for where, steps in found if steps}
+        if not found:
+            return
+        listed = "; ".join(f"{where}: {', '.join(map(str, steps))}"
+                           for where, steps in found.items())
+        if self.options.load is None:
+            flag = "--autohet-local-ckpt-dir" if self.options.local_dir else "--save"
+            raise JobConfigError("<command line>", flag, f"committed checkpoint steps are there "
+                                 f"({listed}) and this run trains from scratch (no --load)",
+                                 "--load naming them (resume from the newest), another "
+                                 "directory, or removing them: a committed step is never "
+                                 "replaced")
+        suffix = f".set-aside-{time.strftime('%Y%m%d-%H%M%S')}"
+
+        def set_aside():
+            for iteration in newer:
+                step = root / step_dir_name(iteration)
+                os.replace(step, step.with_name(step.name + suffix))
+            if newer:
+                steps = committed_steps(root)
+                if steps:
+                    write_atomic(root / LATEST_FILE, str(steps[-1]).encode())
+        on_every_rank(set_aside, self.group, "setting aside newer steps")
+        self._log0(f"WARNING: this run starts from iteration {start}, and its save directories "
+                   f"hold newer committed steps ({listed}): set aside as iter_N{suffix} (not "
+                   "loaded, not replaced by this run's saves of the same iterations)")
+
+    def _resume(self) -> TrainingProgress:
         start = TrainingProgress(iteration=0, consumed_train_samples=0)
         if self.options.load is None:
             return start
@@ -230,6 +309,15 @@ class Checkpointer:
                 self.last_saved != iteration or self.failed_saves[-1:] == [iteration]):
             self.save(iteration, last=True)
             self.wait(last=True)
+        if self.s3 is not None and self.last_saved in self.upload_errors:
+            # the user asked for a durable copy of the run's end: a local one alone is no exit 0
+            line = (f"the last checkpoint (iteration {self.last_saved}) did not reach "
+                    f"{self.s3.location.uri()}: {self.upload_errors[self.last_saved]}; the job "
+                    f"ends with status 1. {self._complete_steps()}")
+            if self.rank == 0:
+                _log(f"ERROR: {line}", file=sys.stderr)
+            dist.barrier(group=self.decisions)
+            raise CheckpointStop(line)
 
     def wait(self, *, last: bool = False) -> None:
         """Block until the background save (if any) is done, then act on its outcome."""
@@ -305,7 +393,8 @@ class Checkpointer:
                     root: Path) -> None:
         start = time.perf_counter()
         manifest = write_step(state_dict, common, iteration=iteration, plan=self.plan,
-                              rank=self.rank, dirs=self.dirs, group=self.group)
+                              rank=self.rank, dirs=self.dirs, group=self.group,
+                              before_commit=self.lease.check if self.lease else None)
         times.write_s = time.perf_counter() - start
         self._log0(f"successfully saved checkpoint from iteration {iteration:7d} to "
                    f"{root} ({manifest.total_bytes / 2**20:.1f} MiB; state dict "
@@ -326,7 +415,7 @@ class Checkpointer:
                                rank=self.rank, keep=self.options.keep, group=self.group,
                                give_up=self._give_up)
         except SaveFailed as err:
-            self.failed_uploads.append(iteration)
+            self.upload_errors[iteration] = str(err)
             log = log_traceback(root, f"iteration {iteration}, rank {self.rank}:\n"
                                 + "".join(traceback.format_exception(err)))
             self._log0(f"WARNING: {err}; the local checkpoint of iteration {iteration} is "
@@ -347,6 +436,18 @@ class Checkpointer:
         if done.committed:
             self._log0(f"uploaded iteration {iteration} to {self.s3.location.uri()} "
                        f"({times.upload_s:.2f} s)")
+
+    def close(self, *, completed: bool) -> None:
+        """The end of this run's training (however it ended): the heartbeat stops and the
+        writer lease is given back - except by an elastic job's workers before the job is done,
+        whose next round takes it again (until then it stays theirs, fresh for
+        lease.DEFAULT_STALE_S)."""
+        if self.lease is None:
+            return
+        if completed or not self.elastic:
+            self.lease.release()
+        else:
+            self.lease.stop_heartbeat()
 
     def stop_uploading(self) -> None:
         """A preemption notice with a deadline: no save uploads any more - one uploading in the
@@ -371,12 +472,17 @@ class Checkpointer:
         limit = self.options.max_failed_saves
         line = (f"checkpoint of iteration {iteration} failed: {failure.cause} "
                 f"({_traceback_where(failure.log)})")
+        lost = torch.tensor([int(self.lease is not None and self.lease.lost is not None)])
+        dist.all_reduce(lost, op=dist.ReduceOp.MAX, group=self.decisions)
+        if lost.item():
+            last = True                     # another job writes here now: no save may follow
         if not last and self.consecutive_failures < limit:
             self._log0(f"WARNING: {line}; training goes on and the next interval saves again "
                        f"({self.consecutive_failures} of --autohet-max-failed-saves {limit} "
                        "failures in a row)")
             return
-        why = ("it was the last save of the run" if last else
+        why = ("another job took over its checkpoint lease" if lost.item() else
+               "it was the last save of the run" if last else
                f"{self.consecutive_failures} saves in a row failed (--autohet-max-failed-saves "
                f"{limit})")
         line = f"{line}; the job stops: {why}. {self._complete_steps()}"

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import errno
 import os
 import shutil
 from dataclasses import asdict, dataclass, field
@@ -264,15 +265,28 @@ def partial_dir(root: str | Path, iteration: int) -> Path:
 
 
 def commit_step_dir(root: str | Path, iteration: int) -> Path:
-    """Rename the finished ``iter_N.partial`` to ``iter_N`` (replacing an older copy) and point
-    Megatron's ``latest_checkpointed_iteration.txt`` at it."""
+    """Rename the finished ``iter_N.partial`` to ``iter_N`` and point Megatron's
+    ``latest_checkpointed_iteration.txt`` at it. A committed step is never replaced: an
+    ``iter_N`` already there (another writer's) is a FileExistsError, the rename itself being
+    the check (a directory is not renamed over a non-empty one)."""
     root = Path(root)
     final = root / step_dir_name(iteration)
     staged = partial_dir(root, iteration)
     fsync_tree(staged)
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(staged, final)
+    if final.is_dir() and not any(final.iterdir()):
+        final.rmdir()                       # an empty directory holds no step
+    try:
+        if final.exists():
+            raise FileExistsError
+        os.rename(staged, final)
+    except (FileExistsError, IsADirectoryError, NotADirectoryError) as err:
+        raise FileExistsError(f"{final} exists already (another writer's step): a committed "
+                              "step is never replaced") from err
+    except OSError as err:
+        if err.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+            raise
+        raise FileExistsError(f"{final} exists already (another writer's step): a committed "
+                              "step is never replaced") from err
     fsync_dir(root)
     write_atomic(root / LATEST_FILE, str(iteration).encode())
     return final

@@ -35,6 +35,10 @@ Megatron-LM's names where Megatron has the concept, ``--autohet-*`` for what it 
                                   each chunk), and recovery reads from it what no disk holds.
 ``--autohet-s3-endpoint-url URL`` an S3-compatible endpoint (MinIO, Ceph, a test server);
                                   credentials come from boto3's standard chain, never flags.
+``--autohet-take-over-ckpt``      take the writer lease of the checkpoint locations from a job
+                                  that holds it but is known to be dead (checkpoint/lease.py:
+                                  one live writer per directory and S3 prefix; a second job is
+                                  refused in one line naming the owner).
 ``--autohet-resume-without-s3``   a ``--load`` whose S3 tier cannot be reached (after a minute
                                   of attempts) recovers from the disks alone, or trains from
                                   scratch when they hold no step, instead of stopping (one line,
@@ -60,6 +64,7 @@ What a resume takes from the step, Megatron-LM's flags and meaning (core_v0.16.1
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from megatron_autohet.errors import ConfigError
 
@@ -84,6 +89,10 @@ class CheckpointOptions:
     max_failed_saves: int = DEFAULT_MAX_FAILED_SAVES
     exit_on_missing_checkpoint: bool = False
     resume_without_s3: bool = False
+    take_over: bool = False
+    # The job's name on its writer lease (checkpoint/lease.py), the same for all its processes:
+    # set by the launcher that took the lease first; None: the job's rank 0 makes one.
+    owner: str | None = None
 
     @property
     def load_optim(self) -> bool:
@@ -150,7 +159,27 @@ class CheckpointOptions:
                                                   else "--load"),
                               "with --load and --autohet-s3-uri (it says what a resume does "
                               "when the S3 tier cannot be reached)")
+        if self.take_over and not self.saving:
+            raise ConfigError(source, "--autohet-take-over-ckpt", "given without a place to save",
+                              "--save DIR or --autohet-local-ckpt-dir DIR (it takes over their "
+                              "writer lease)")
         return self
+
+    def save_roots(self, nodes: list[str]) -> list[Path]:
+        """The directories a job whose ranks are on ``nodes`` (one entry per rank) saves to,
+        one per rank: ``--save`` for all, or ``--autohet-local-ckpt-dir`` with ``{node}``
+        replaced by each rank's node name (emulated nodes on one machine need distinct
+        directories; without ``{node}``: one path every node has on its own disk)."""
+        if self.local_dir is not None:
+            return [node_path(self.local_dir, node) for node in nodes]
+        if self.save is not None:
+            return [Path(self.save) for _ in nodes]
+        return []
+
+
+def node_path(template: str, node: str) -> Path:
+    """A checkpoint path of ``node``: ``{node}`` in ``template`` replaced by its name."""
+    return Path(template.replace("{node}", node))
 
 
 def tier_flags(prefix: str = "") -> list[tuple[tuple[str, ...], dict]]:
@@ -184,6 +213,12 @@ def tier_flags(prefix: str = "") -> list[tuple[tuple[str, ...], dict]]:
         (("--autohet-s3-endpoint-url",), dict(
             default=None, help=prefix + "endpoint of the S3-compatible store --autohet-s3-uri "
                                         "names (default: AWS)")),
+        (("--autohet-take-over-ckpt",), dict(
+            action="store_true",
+            help=prefix + "take the writer lease of --save / --autohet-local-ckpt-dir / "
+                          "--autohet-s3-uri from the job that holds it, when that job is known "
+                          "to be dead (a lease is otherwise free only when its owner's heartbeat "
+                          "is over 2 minutes old, or its process is gone on this host)")),
         (("--autohet-resume-without-s3",), dict(
             action="store_true",
             help=prefix + "at --load, when the S3 tier cannot be reached (tried for about a "
@@ -198,7 +233,8 @@ def tier_fields(args) -> dict:
     return dict(local_dir=args.autohet_local_ckpt_dir, keep=args.autohet_keep_ckpts,
                 max_failed_saves=args.autohet_max_failed_saves, s3_uri=args.autohet_s3_uri,
                 s3_endpoint_url=args.autohet_s3_endpoint_url,
-                resume_without_s3=args.autohet_resume_without_s3)
+                resume_without_s3=args.autohet_resume_without_s3,
+                take_over=args.autohet_take_over_ckpt)
 
 
 def object_store(options: CheckpointOptions, *, flag: str = "--autohet-s3-uri"):

@@ -593,6 +593,11 @@ def _small_files(manifest: Manifest, local_paths: dict[str, Path], iteration: in
         small = box[0]
     else:
         small = s3.files(iteration, SMALL_FILES)
+        failed = [None] * dist.get_world_size(group)
+        dist.all_gather_object(failed, small if isinstance(small, str) else None, group=group)
+        why = next((f for f in failed if f is not None), None)
+        if why is not None:         # every rank alike: the step is given up as a corrupt one
+            raise _Unrecoverable(f"the S3 tier did not give its small files: {why}")
     for name, raw in small.items():
         record = manifest.files[name]
         if raw is None or file_problem(raw, record.size, record.digest):

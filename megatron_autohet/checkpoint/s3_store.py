@@ -162,6 +162,35 @@ class S3Store:
             raise
         return True
 
+    def put_bytes_if_match(self, key: str, data: bytes, etag: str) -> bool:
+        """Replace ``key`` only if it is still the object read with ``etag``; False when another
+        writer replaced (or removed) it since (compare-and-swap: the writer lease)."""
+        try:
+            with self._errors("conditional put", key):
+                self._client.put_object(Bucket=self.location.bucket, Key=self.location.key(key),
+                                        Body=data, IfMatch=etag, ChecksumAlgorithm="SHA256")
+        except S3Error as exc:
+            if exc.code in _EXISTS or exc.code in _ABSENT:
+                return False
+            raise
+        return True
+
+    def get_bytes_and_etag(self, key: str) -> tuple[bytes, str] | None:
+        """The whole object and its ETag (for :meth:`put_bytes_if_match`), or None."""
+        try:
+            with self._errors("get", key):
+                response = self._client.get_object(Bucket=self.location.bucket,
+                                                   Key=self.location.key(key))
+                return response["Body"].read(), response["ETag"]
+        except S3Error as exc:
+            if exc.code in _ABSENT:
+                return None
+            raise
+
+    def delete_key(self, key: str) -> None:
+        with self._errors("delete", key):
+            self._client.delete_object(Bucket=self.location.bucket, Key=self.location.key(key))
+
     def put_bytes(self, key: str, data: bytes) -> None:
         """Create or overwrite ``key`` (the latest pointer)."""
         with self._errors("put", key):

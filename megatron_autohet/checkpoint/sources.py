@@ -162,6 +162,10 @@ def reach_delays(total: float | None = None) -> list[float]:
     return delays
 
 
+# Attempts at each read of a step before recovery gives the step up (falls back to an older one).
+FILE_ATTEMPTS = 3
+
+
 class StoreError(RuntimeError):
     """An object store's operation failed (S3: s3_store.S3Error); the message names the
     operation, the address and the store's reason, never credentials."""
@@ -173,6 +177,8 @@ class StoreReader:
     message (``str``), never as the store's exception, except where noted."""
 
     store: object          # an S3Store (module docstring: what a store provides)
+    attempts: int = FILE_ATTEMPTS       # of each read of recovery (:meth:`_retried`)
+    sleep: Callable[[float], object] = time.sleep
 
     def uri(self, relative: str = "") -> str:
         return self.store.location.uri(relative)
@@ -198,10 +204,9 @@ class StoreReader:
     def manifest(self, iteration: int) -> Manifest | str:
         """The manifest of a step committed in the store, or why it cannot be had or read."""
         key = f"{step_dir_name(iteration)}/{MANIFEST_FILE}"
-        try:
-            raw = self.store.get_bytes(key)
-        except StoreError as err:
-            return str(err)
+        raw = self._retried(lambda: self.store.get_bytes(key))
+        if isinstance(raw, str):
+            return raw
         if not raw:
             return f"{self.uri(key)} is gone since the listing"
         try:
@@ -209,21 +214,37 @@ class StoreReader:
         except ValueError as err:
             return str(err)
 
-    def files(self, iteration: int, names) -> dict[str, bytes | None]:
-        """Whole files of a step (None: absent), unchecked. A failure of the store raises its
-        StoreError: every rank reads them at once, and one rank falling back to an older step
-        alone would leave the others waiting for it."""
-        return {name: self.store.get_bytes(f"{step_dir_name(iteration)}/{name}")
-                for name in names}
+    def files(self, iteration: int, names) -> dict[str, bytes | None] | str:
+        """Whole files of a step (None: absent), unchecked; or why the store did not give them.
+        Every rank reads them at once: the caller agrees on the outcome before any rank falls
+        back to an older step."""
+        files = {}
+        for name in names:
+            raw = self._retried(lambda: self.store.get_bytes(f"{step_dir_name(iteration)}/{name}"))
+            if isinstance(raw, str):
+                return raw
+            files[name] = raw
+        return files
+
+    def _retried(self, request):
+        """``request()``, tried again after a StoreError (1, 2 s apart: :data:`FILE_ATTEMPTS` in
+        all, each with the client's own retries inside); the last failure's message."""
+        for attempt in range(self.attempts):
+            try:
+                return request()
+            except StoreError as err:
+                if attempt == self.attempts - 1:
+                    return str(err)
+                self.sleep(2.0 ** attempt)
+        raise AssertionError("unreachable: the last attempt returns")
 
     def chunk(self, iteration: int, record: ItemRecord) -> bytes | str:
         """Chunk ``record`` of a step (one ranged GET), checked against its checksum; or why
         not (the store failed, or the bytes do not match)."""
         key = f"{step_dir_name(iteration)}/{record.file}"
-        try:
-            raw = self.store.get_range(key, record.offset, record.length)
-        except StoreError as err:
-            return str(err)
+        raw = self._retried(lambda: self.store.get_range(key, record.offset, record.length))
+        if isinstance(raw, str):
+            return raw
         if item_problem(record, raw) is not None:
             return (f"{self.uri(key)}: bytes {record.offset}-{record.offset + record.length} "
                     f"({record.key}) do not match their checksum in the manifest")

@@ -49,6 +49,7 @@ from megatron_autohet.checkpoint.failures import full_disk, root_cause
 from megatron_autohet.checkpoint.manifest import (MANIFEST_FILE, FileRecord, ItemRecord, Manifest,
                                                   checksum, commit_step_dir, partial_dir,
                                                   write_atomic)
+from megatron_autohet.checkpoint.options import node_path
 
 SMALL_FILES = (".metadata", "common.pt", "metadata.json")
 
@@ -68,7 +69,7 @@ class StepDirs:
         """``template`` with ``{node}`` replaced by each rank's node name (emulated nodes on one
         machine need distinct directories); without ``{node}``, one path that every node has on
         its own local disk."""
-        return cls(tuple(Path(template.replace("{node}", info.node)) for info in plan.ranks))
+        return cls(tuple(node_path(template, info.node) for info in plan.ranks))
 
     def root(self, rank: int) -> Path:
         return self.roots[rank]
@@ -310,15 +311,18 @@ def _dcp_failed(err: CheckpointException, directory: Path, group, what: str) -> 
 
 
 def write_step(state_dict: dict, common: dict, *, iteration: int, plan, rank: int,
-               dirs: StepDirs, group=None) -> Manifest:
+               dirs: StepDirs, group=None, before_commit=None) -> Manifest:
     """Write and commit step ``iteration`` (collective over ``group``; module docstring).
-    Raises SaveFailed on every rank when any rank fails, having removed ``iter_N.partial``."""
+    Raises SaveFailed on every rank when any rank fails, having removed ``iter_N.partial``.
+    ``before_commit()`` runs on every rank right before the commit (the writer lease's check:
+    a job whose lease was taken over commits nothing)."""
     node = plan.ranks[rank].node
     root = dirs.root(rank)
     staged = partial_dir(root, iteration)
     try:
         return _write_and_commit(state_dict, common, iteration=iteration, plan=plan, rank=rank,
-                                 dirs=dirs, group=group, node=node, root=root, staged=staged)
+                                 dirs=dirs, group=group, node=node, root=root, staged=staged,
+                                 before_commit=before_commit)
     except BaseException:
         # Nothing partial left behind (a full disk would fill up further with each try): the
         # ranks are past the failed phase's gather, so nobody writes there any more.
@@ -328,7 +332,8 @@ def write_step(state_dict: dict, common: dict, *, iteration: int, plan, rank: in
 
 
 def _write_and_commit(state_dict: dict, common: dict, *, iteration: int, plan, rank: int,
-                      dirs: StepDirs, group, node: str, root: Path, staged: Path) -> Manifest:
+                      dirs: StepDirs, group, node: str, root: Path, staged: Path,
+                      before_commit=None) -> Manifest:
     # megatron-core: on first use, not with this module
     from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
     from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
@@ -381,6 +386,8 @@ def _write_and_commit(state_dict: dict, common: dict, *, iteration: int, plan, r
                         extra={"opt_param_scheduler": common.get("opt_param_scheduler")})
 
     def commit():
+        if before_commit is not None:
+            before_commit()
         if dirs.is_leader(rank):
             for name, raw in small.items():
                 if not (staged / name).exists():

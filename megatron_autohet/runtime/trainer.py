@@ -408,4 +408,6 @@ def train_iterations(trainer: HeteroTrainer, batches, scheduler, *, train_iters:
     finally:
         if logger:
             logger.close()
+        if checkpointer:
+            checkpointer.close(completed=iteration >= train_iters)
     return iteration

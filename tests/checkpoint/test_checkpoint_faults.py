@@ -244,23 +244,40 @@ def test_last_save_failing_stops_the_job_saying_which_steps_are_complete(small_d
 
 
 @pytest.mark.e2e
-def test_failed_upload_is_a_warning_and_training_goes_on(s3_endpoint, tmp_path, capfd):
-    """The S3 tier refuses every upload (a bucket that does not exist): each save warns once
-    with S3's reason, the local steps are complete and the job ends normally."""
+def test_failed_upload_is_a_warning_and_training_goes_on_but_the_last_one_ends_the_job(
+        tmp_path, capfd, refused_url):
+    """The S3 endpoint refuses every connection: each save's upload warns once with the reason,
+    the local steps are complete and training goes on; the last save's upload failing ends the
+    job with status 1 and one ERROR line (the durable copy asked for is not there)."""
+    options = CheckpointOptions(save=str(tmp_path), save_interval=2,
+                                s3_uri="s3://autohet-test/run", s3_endpoint_url=refused_url)
+    results = run_on_ranks(PLAN.world_size, _job, options, 4)
+    console = _console(capfd)
+    _no_traceback(console)
+    assert [r["code"] for r in results] == [1, 1]
+    assert results[0]["failed"] == [] and results[0]["failed_uploads"] == [2, 4]
+    warnings = _lines(console, "WARNING: uploading iteration")
+    assert len(warnings) == 2, console
+    assert all("ConnectionRefusedError" in w and "the local checkpoint of iteration" in w
+               for w in warnings), warnings
+    errors = _lines(console, "ERROR:")
+    assert len(errors) == 1, console
+    assert ("ERROR: the last checkpoint (iteration 4) did not reach s3://autohet-test/run: "
+            in errors[0] and f"Complete steps in {tmp_path}: 2, 4" in errors[0]), errors[0]
+    assert committed_steps(tmp_path) == [2, 4]
+
+
+@pytest.mark.integration
+def test_an_s3_bucket_that_does_not_exist_is_refused_before_training(s3_endpoint, tmp_path,
+                                                                     capfd):
     endpoint, _ = s3_endpoint
     options = CheckpointOptions(save=str(tmp_path), save_interval=2,
                                 s3_uri="s3://autohet-no-such-bucket/run",
                                 s3_endpoint_url=endpoint)
-    results = run_on_ranks(PLAN.world_size, _job, options, 4)
-    console = _console(capfd)
-    _no_traceback(console)
-    assert [r["code"] for r in results] == [0, 0]
-    assert results[0]["failed"] == [] and results[0]["failed_uploads"] == [2, 4]
-    warnings = _lines(console, "WARNING: uploading iteration")
-    assert len(warnings) == 2, console
-    assert all("NoSuchBucket" in w and "the local checkpoint of iteration" in w
-               for w in warnings), warnings
-    assert committed_steps(tmp_path) == [2, 4]
+    with pytest.raises(RankFailed, match="s3://autohet-no-such-bucket/run cannot be used: .*"
+                       "NoSuchBucket"):
+        run_on_ranks(PLAN.world_size, _job, options, 4)
+    assert committed_steps(tmp_path) == []
 
 
 def _kill_while_committing(iteration):

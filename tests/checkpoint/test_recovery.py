@@ -623,3 +623,61 @@ def test_own_disk_chunks_are_read_and_verified_in_parallel(full_and_batches, tmp
     rest = run_on_ranks(4, _train_reading_two_chunks_at_once, plan(A), batches,
                         CheckpointOptions(load=local))[0]
     _check_equal(full, first, rest)
+
+
+def _resume_through_flaky_s3(rank, world, the_plan, batches, options, broken_step):
+    """Resume with the first attempt at every S3 read of this rank failing (an S3Error, as a
+    500 that boto3's own retries did not get past), and every read of ``broken_step``'s files
+    failing. (Per request, not every n-th call: the chunk reads run in threads.)"""
+    import threading
+
+    from megatron_autohet.checkpoint.s3_store import S3Error, S3Store
+
+    tried, lock = set(), threading.Lock()
+
+    def flaky(original):
+        def read(self, key, *args):
+            with lock:
+                first = (key, args) not in tried
+                tried.add((key, args))
+            if first or (broken_step is not None
+                         and key.startswith(step_dir_name(broken_step) + "/")):
+                raise S3Error("get", self.location.uri(key), "An error occurred (500) when "
+                              "calling the GetObject operation", "500")
+            return original(self, key, *args)
+        return read
+    S3Store.get_bytes = flaky(S3Store.get_bytes)
+    S3Store.get_range = flaky(S3Store.get_range)
+    return _train_with_report(rank, world, the_plan, batches, options)
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("broken", [False, True])
+def test_s3_errors_at_recovery_are_retried_and_a_broken_step_falls_back(
+        full_and_batches, tmp_path, s3_endpoint, s3_uri, capfd, broken):
+    """Every disk lost, S3 alone: a transient error on every read's first attempt is retried per
+    request and the resume is exact; a step S3 never gives is given up in one WARNING line, as a
+    corrupt copy would be, and the next older one resumes exactly."""
+    full, batches = full_and_batches
+    endpoint, _ = s3_endpoint
+    local = str(tmp_path / "local" / "{node}")
+    options = CheckpointOptions(local_dir=local, save_interval=HALF // 2, s3_uri=s3_uri,
+                                s3_endpoint_url=endpoint)
+    first = run_on_ranks(4, train_job, plan(A), batches, options, exit_interval=HALF)[0]
+    for node in ("a100", "h800", "h20"):
+        shutil.rmtree(_node_dir(local, node))
+    capfd.readouterr()
+    resume = CheckpointOptions(load=local, s3_uri=s3_uri, s3_endpoint_url=endpoint)
+    results = run_on_ranks(4, _resume_through_flaky_s3, plan(A), batches, resume,
+                           HALF if broken else None)
+    rest = results[0][0]
+    out = capfd.readouterr().out
+    if broken:
+        _check_equal(full, first[:HALF // 2], rest)
+        warnings = [line for line in out.splitlines() if "WARNING" in line]
+        assert len(warnings) == 1, warnings
+        assert (f"WARNING: cannot recover iteration {HALF} (" in warnings[0]
+                and f"falling back to iteration {HALF // 2}" in warnings[0])
+    else:
+        _check_equal(full, first, rest)
+        assert "WARNING" not in out
