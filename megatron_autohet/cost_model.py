@@ -51,6 +51,10 @@ below are bf16's.
   rank, for fleets that rent single GPUs. Nodes without a rank are not charged either way (a
   fleet can release them). USD per million tokens = rate / 3600 * T_iter / tokens per iteration
   * 1e6.
+* **Slow GPUs** (a cluster's ``speeds``, spec/cluster.py: a straggler measured by the job or
+  stated in the cluster file): a stage's ``f_s`` and ``b_s`` are divided by the speed of its
+  slowest GPU (a TP group computes in lock step), so a GPU at 0.6x its type computes its stage
+  in 1 / 0.6 of the profile's time; its memory, P2P and optimizer step are its type's.
 * **Sources**: which figures of the profile the plan's GPU types and TP degrees were priced
   from: measured, calibrated or estimated (profiling/profile.py).
 * **Memory** of a GPU of stage s: ``params * 18 B`` (bf16 weight 2, fp32 gradient 4, fp32 master
@@ -445,15 +449,17 @@ def _unsharded_state_params(groups: list[tuple]) -> dict[int, float]:
 
 def _stage_shape(plan: Plan, cluster: Cluster, profile: Profile, memory_headroom: float,
                  sources: dict[str, dict[str, str]], gpu: str, tp: int, num_layers: int,
-                 first: bool, last: bool, bw: float | None, in_flight: int, away: float
-                 ) -> tuple:
+                 first: bool, last: bool, bw: float | None, in_flight: int, away: float,
+                 speed: float) -> tuple:
     """(forward, backward, P2P seconds, parameters, peak GiB, usable GiB, optimizer seconds) of
-    a stage of this shape (evaluate_plan); records its profile entry's sources."""
+    a stage of this shape (evaluate_plan); records its profile entry's sources. ``speed``: its
+    slowest GPU's (module doc, "Slow GPUs")."""
     model, precision = plan.model, profile.precision
     entry = profile.get(gpu, tp, plan.micro_batch_size, plan.seq_length)
     if f"{gpu} tp{tp}" not in sources:
         sources[f"{gpu} tp{tp}"] = {part: getattr(entry, part).source for part in PARTS}
     fwd, bwd = stage_compute_s(entry, num_layers, first, last, plan.activation_recompute)
+    fwd, bwd = fwd / speed, bwd / speed
     comm = 0.0 if bw is None else p2p_s(model, plan.micro_batch_size, plan.seq_length, bw,
                                         precision)
     params = stage_param_count(entry, model, num_layers, first, last)
@@ -507,7 +513,11 @@ def evaluate_plan(plan: Plan, cluster: Cluster, profile: Profile, with_timeline:
                     bw = links[pair] = cluster.link_bandwidth_gbs(*pair)
             in_flight = min(depths[s] + 1, m)
             away = unsharded.get(stage.ranks[0], 0.0)
-            key = (gpu, tp, stage.layers[1] - stage.layers[0], first, last, bw, in_flight, away)
+            # a TP group computes in lock step: at its slowest GPU's speed
+            speed = min(cluster.speed(plan.ranks[r].node, plan.ranks[r].local_rank)
+                        for r in stage.ranks) if cluster.speeds else 1.0
+            key = (gpu, tp, stage.layers[1] - stage.layers[0], first, last, bw, in_flight, away,
+                   speed)
             shape = shapes.get(key)
             if shape is None:
                 shape = shapes[key] = _stage_shape(plan, cluster, profile, memory_headroom,

@@ -54,6 +54,9 @@ class Pool:
     nic_gbs: float           # its nodes' NIC
     intra_gbs: float         # its nodes' intra-node link
     node_gpus: int           # GPUs per node (a few may be left over by the degree)
+    # The groups' speed relative to their type (spec/cluster.py ``speeds``: the slowest GPU of
+    # each group); a node's slowed groups form pools of their own (make_pools)
+    speed: float = 1.0
 
 
 @dataclass(frozen=True, eq=False)
@@ -76,7 +79,10 @@ class Problem:
         return self.global_batch_size // self.micro_batch_size
 
     def entry(self, pool: Pool) -> ProfileEntry:
-        return self.profile.get(pool.gpu, pool.tp, self.micro_batch_size, self.seq_length)
+        """The profile entry of the pool's GPU type and degree, its times divided by the pool's
+        speed (a pool of slowed groups)."""
+        entry = self.profile.get(pool.gpu, pool.tp, self.micro_batch_size, self.seq_length)
+        return entry if pool.speed == 1.0 else entry.scaled(1.0 / pool.speed)
 
     def memory_limit_bytes(self, pool: Pool) -> float:
         return usable_memory_gib(self.cluster.gpu_types[pool.gpu], self.memory_headroom) * GIB
@@ -118,19 +124,34 @@ def check_batch(problem: Problem) -> None:
 def make_pools(cluster: Cluster, tp_of_gpu: dict[str, int]) -> list[Pool]:
     """One pool per kind of node that holds a TP group of its type's degree: nodes of one GPU
     type, size and links (intra-node and NIC) form a pool, so every link an option's stages use
-    is the one placement gives them (nodes too small for the degree stay idle)."""
-    kinds: dict[tuple, list] = {}
+    is the one placement gives them (nodes too small for the degree stay idle). A node with
+    slowed GPUs (``cluster.speeds``) gives its groups of each speed to a pool of that speed and
+    that many groups per node, so the search prices them at their speed."""
+    kinds: dict[tuple, int] = {}
     for node in cluster.nodes:
         tp = tp_of_gpu.get(node.gpu)
         if tp is not None and node.num_gpus >= tp:
-            kinds.setdefault(_node_kind(node, tp), []).append(node)
-    return [Pool(gpu, tp, len(nodes) * (size // tp), size // tp, nic, intra, size)
-            for (gpu, tp, size, intra, nic), nodes in kinds.items()]
+            for kind, groups in _node_kinds(cluster, node, tp).items():
+                kinds[kind] = kinds.get(kind, 0) + len(groups)
+    return [Pool(gpu, tp, count, per_node, nic, intra, size, speed)
+            for (gpu, tp, size, intra, nic, speed, per_node), count in kinds.items()]
 
 
-def _node_kind(node, tp: int) -> tuple:
-    return (node.gpu, tp, node.num_gpus, node.intra_node_bandwidth_gbs,
-            node.inter_node_bandwidth_gbs)
+def _group_speeds(cluster: Cluster, node, tp: int) -> list[float]:
+    """The speed of each TP group of ``node`` at degree ``tp``: its slowest GPU's."""
+    return [min(cluster.speed(node.name, g * tp + i) for i in range(tp))
+            for g in range(node.num_gpus // tp)]
+
+
+def _node_kinds(cluster: Cluster, node, tp: int) -> dict[tuple, list[int]]:
+    """The pool kinds of a node's TP groups, each with the indices of its groups: one kind for
+    a node at its type's speed, one per speed where some GPUs are slowed."""
+    by_speed: dict[float, list[int]] = {}
+    for g, speed in enumerate(_group_speeds(cluster, node, tp)):
+        by_speed.setdefault(speed, []).append(g)
+    return {(node.gpu, tp, node.num_gpus, node.intra_node_bandwidth_gbs,
+             node.inter_node_bandwidth_gbs, speed, len(groups)): groups
+            for speed, groups in by_speed.items()}
 
 
 def distributed_sync_fraction(precision: Precision) -> float:
@@ -549,19 +570,21 @@ def place_pipelines(cluster: Cluster, pools: list[Pool],
     consecutive stages of one pool; a pipeline that starts and ends on one pool places its first
     and last runs as one block. Longest blocks first, each best-fit into a node of its pool."""
     free: dict[int, list[list[list]]] = {k: [] for k in range(len(pools))}
-    pool_of_kind = {(p.gpu, p.tp, p.node_gpus, p.intra_gbs, p.nic_gbs): k
-                    for k, p in enumerate(pools)}
+    pool_of_kind = {(p.gpu, p.tp, p.node_gpus, p.intra_gbs, p.nic_gbs, p.speed,
+                     p.groups_per_node): k for k, p in enumerate(pools)}
     tp_of_gpu = {p.gpu: p.tp for p in pools}
     devices_of: dict[str, list] = {}
     for d in cluster.devices():
         devices_of.setdefault(d.node, []).append(d)
     for node in cluster.nodes:
         tp = tp_of_gpu.get(node.gpu)
-        k = None if tp is None else pool_of_kind.get(_node_kind(node, tp))
-        if k is None:
+        if tp is None or node.num_gpus < tp:
             continue
         mine = devices_of[node.name]
-        free[k].append([mine[g * tp:(g + 1) * tp] for g in range(node.num_gpus // tp)])
+        for kind, groups in _node_kinds(cluster, node, tp).items():
+            k = pool_of_kind.get(kind)
+            if k is not None:
+                free[k].append([mine[g * tp:(g + 1) * tp] for g in groups])
     blocks = []   # (stage indices, pipeline, pool)
     for p, seq in enumerate(sequences):
         runs, s = [], 0

@@ -5,5 +5,6 @@
               processes; torch and megatron are imported there, not at module import).
 ``estimate``  the same entries from the GPU catalog's datasheet figures; no torch.
 ``from_run``  a profile from a training run's measured windows (``--autohet-measured-profile``):
-              the entries the plan was priced on, scaled to the stages' measured times; no torch.
+              the entries the plan was priced on, scaled to the stages' measured times, and the
+              stragglers (GPUs slower than the others of their type); no torch.
 """

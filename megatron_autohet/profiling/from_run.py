@@ -28,6 +28,11 @@ they are computed, not timed. The split is the prior's even where the run would 
 ``profile_from_window(plan, stages, priors, precision=, attention=, fusions=)``: the run's
 profile from a window's stages (runtime/stage_drift.py ``StageMeasure``: pipeline, stage,
 per_microbatch_s).
+``find_stragglers(plan, stages, priors, threshold=)``: the GPUs slower than the others of their
+type and TP degree (per rank, ``StageMeasure.rank_compute_s``, normalised as above: per
+micro-batch, over the stage's priced time); ``measured_speeds``: every measured GPU's speed,
+for spec/cluster.py ``Cluster.with_speeds`` (and for ``profile_from_window``'s ``speeds``,
+which keeps a straggler's slowness out of its type's entry).
 ``save_run_profile(path, profile)``: written atomically, over the entries a previous window or
 run of the same model, precision, attention and fusions left in the file (an elastic job's
 generations on changing fleets add up to one profile).
@@ -35,18 +40,22 @@ generations on changing fleets add up to one profile).
 
 from __future__ import annotations
 
-from dataclasses import replace
+import statistics
+from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_autohet.errors import ConfigError
 from megatron_autohet.plan import Plan
 from megatron_autohet.profiling.estimate import estimate_entry
-from megatron_autohet.profiling.profile import (DEFAULT_ATTENTION, PARTS, Profile,
-                                                ProfileEntry)
+from megatron_autohet.profiling.profile import DEFAULT_ATTENTION, Profile, ProfileEntry
 from megatron_autohet.spec.gpus import GPUType
 from megatron_autohet.spec.precision import Precision
 
 FLAG = "--autohet-measured-profile"
+# A GPU this much slower than the others of its type and TP degree over a window is a straggler
+# (find_stragglers): beyond a window's noise on a loaded host (medians of 20 iterations), below
+# the 0.6-0.8x of a throttled or shared GPU.
+STRAGGLER_THRESHOLD = 0.15
 
 
 def _stage_keys(plan: Plan):
@@ -88,28 +97,41 @@ def priced_entries(plan: Plan, catalog: dict[str, GPUType], source: str = "<plan
 
 
 def _scaled(entry: ProfileEntry, k: float) -> ProfileEntry:
-    return replace(entry, **{part: replace(getattr(entry, part),
-                                           forward_s=getattr(entry, part).forward_s * k,
-                                           backward_s=getattr(entry, part).backward_s * k,
-                                           source="measured") for part in PARTS})
+    return entry.scaled(k, source="measured")
+
+
+def _priced_s(plan: Plan, key, stage, first: bool, last: bool, priors) -> float:
+    """The stage's forward + backward per micro-batch on the entry it was priced on."""
+    return sum(priors[key].stage_compute_s(stage.layers[1] - stage.layers[0], first, last,
+                                           plan.activation_recompute))
+
+
+def _stage_speed(plan: Plan, stage, speeds: dict[tuple[str, int], float] | None) -> float:
+    if not speeds:
+        return 1.0
+    return min(speeds.get((plan.ranks[r].node, plan.ranks[r].local_rank), 1.0)
+               for r in stage.ranks)
 
 
 def profile_from_window(plan: Plan, stages, priors: dict[tuple[str, int], ProfileEntry], *,
                         precision: Precision, attention: str,
-                        fusions: dict[str, bool] | None) -> Profile:
+                        fusions: dict[str, bool] | None,
+                        speeds: dict[tuple[str, int], float] | None = None) -> Profile:
     """The run's profile (module doc): an entry per (GPU type, TP degree) of the plan whose
     stages the window timed, ``source: measured``, in the job's precision, with the attention
     and fusions its layers ran. ``stages``: the window's per-stage measures (``pipeline``,
     ``stage``, ``per_microbatch_s``); a (GPU type, TP degree) with no time (no iteration read
-    in the window) gets no entry."""
+    in the window) gets no entry. ``speeds``: the stragglers' speeds ((node, local rank) ->
+    speed, :func:`measured_speeds`): a stage on a straggler counts as priced at its speed, so
+    the entry is its type's, and the straggler's slowness stays its own (spec/cluster.py
+    ``speeds``), not its type's."""
     measured = {(s.pipeline, s.stage): s.per_microbatch_s for s in stages}
     sums: dict[tuple[str, int], list[float]] = {}
     for where, key, stage, first, last in _stage_keys(plan):
         if measured.get(where, 0.0) <= 0:
             continue
-        num_layers = stage.layers[1] - stage.layers[0]
-        priced = sum(priors[key].stage_compute_s(num_layers, first, last,
-                                                 plan.activation_recompute))
+        priced = _priced_s(plan, key, stage, first, last, priors) / _stage_speed(
+            plan, stage, speeds)
         total = sums.setdefault(key, [0.0, 0.0])
         total[0] += measured[where]
         total[1] += priced
@@ -138,3 +160,74 @@ def save_run_profile(path: str | Path, profile: Profile) -> None:
     out = Profile(profile.model, {**kept, **profile.entries}, profile.precision,
                   profile.attention, profile.fusions)
     out.save(path)
+
+
+@dataclass(frozen=True)
+class Straggler:
+    """A GPU measured slower than the others of its type (:func:`find_stragglers`)."""
+
+    rank: int
+    node: str
+    local_rank: int
+    gpu: str
+    tp: int
+    ratio: float        # its time over its type's typical time, both normalised (> 1)
+
+    @property
+    def speed(self) -> float:
+        """What the cost model prices it at (spec/cluster.py ``speeds``): typical / measured."""
+        return 1.0 / self.ratio
+
+    def describe(self) -> str:
+        return (f"rank {self.rank} ({self.node} GPU {self.local_rank}, {self.gpu} TP{self.tp}) "
+                f"{self.ratio:.2f}x its type's time")
+
+
+def _normalised(plan: Plan, stages, priors) -> dict[tuple[str, int], dict[int, float]]:
+    """Per (GPU type, TP degree), each measured rank's compute per micro-batch over its stage's
+    priced time (as :func:`profile_from_window` scales: layer count, embedding and output
+    layer taken out by the entry the stage was priced on)."""
+    measured = {(s.pipeline, s.stage): s for s in stages}
+    out: dict[tuple[str, int], dict[int, float]] = {}
+    for where, key, stage, first, last in _stage_keys(plan):
+        m = measured.get(where)
+        priced = _priced_s(plan, key, stage, first, last, priors)
+        if m is None or priced <= 0:
+            continue
+        per_rank = m.rank_compute_s or (m.compute_s,) * len(stage.ranks)
+        for r, seconds in zip(stage.ranks, per_rank):
+            if seconds > 0:
+                out.setdefault(key, {})[r] = seconds / m.num_microbatches / priced
+    return out
+
+
+def find_stragglers(plan: Plan, stages, priors: dict[tuple[str, int], ProfileEntry],
+                    threshold: float = STRAGGLER_THRESHOLD) -> list[Straggler]:
+    """The GPUs of a window slower than the others of their (GPU type, TP degree) by more
+    than ``threshold`` (pure; the module doc's normalisation, per micro-batch and per priced
+    stage time). The typical time of a key is the lower median of its GPUs' (with two GPUs,
+    the faster one's), so one slow GPU of two is found at its full slowness, and a key whose
+    GPUs are all alike (one TP group, or a type slow as a whole: the profile's drift, not a
+    straggler) has none. The ranks of a TP group compute in lock step, so the window sees a
+    slow member as its whole group slow: every member is reported at the group's ratio."""
+    found = []
+    for (gpu, tp), times in sorted(_normalised(plan, stages, priors).items()):
+        typical = statistics.median_low(sorted(times.values()))
+        for r, value in sorted(times.items()):
+            ratio = value / typical
+            if ratio > 1 + threshold:
+                info = plan.ranks[r]
+                found.append(Straggler(r, info.node, info.local_rank, gpu, tp, ratio))
+    return found
+
+
+def measured_speeds(plan: Plan, stages, priors: dict[tuple[str, int], ProfileEntry],
+                    threshold: float = STRAGGLER_THRESHOLD) -> dict[tuple[str, int], float]:
+    """(node, local rank) -> speed of every GPU the window measured: a straggler's
+    (:func:`find_stragglers`), 1.0 for the others (a recovered straggler is priced back at its
+    type's speed). GPUs without a time in the window are not in it."""
+    speeds = {(plan.ranks[r].node, plan.ranks[r].local_rank): 1.0
+              for times in _normalised(plan, stages, priors).values() for r in times}
+    for s in find_stragglers(plan, stages, priors, threshold):
+        speeds[s.node, s.local_rank] = s.speed
+    return speeds

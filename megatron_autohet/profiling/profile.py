@@ -102,6 +102,15 @@ class ProfileEntry:
             bwd += self.output.backward_s
         return fwd, bwd
 
+    def scaled(self, k: float, source: str | None = None) -> ProfileEntry:
+        """Every forward and backward time times ``k`` (memory and parameters kept), each
+        part's source set to ``source`` where given: a run's measured entry
+        (profiling/from_run.py), a slowed GPU's (planner/space.py, spec/cluster.py speeds)."""
+        return replace(self, **{part: replace(
+            getattr(self, part), forward_s=getattr(self, part).forward_s * k,
+            backward_s=getattr(self, part).backward_s * k,
+            source=source or getattr(self, part).source) for part in PARTS})
+
 
 @dataclass
 class Profile:

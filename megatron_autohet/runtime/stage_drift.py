@@ -9,7 +9,8 @@ collective per iteration. The medians make a window robust to a single slow iter
 checkpoint save, a garbage collection, the first iteration's warm-up).
 
 A stage's measured time is its compute (forward and backward, P2P waits excluded) per
-micro-batch, the slowest of its TP ranks' medians (the group runs in lock step), compared with
+micro-batch, the slowest of its TP ranks' medians (the group runs in lock step; each rank's own
+is kept too, ``StageMeasure.rank_compute_s``, for straggler detection), compared with
 the plan's ``predicted_time_s`` (forward + backward of one micro-batch). A stage more than
 :data:`DRIFT_THRESHOLD` off it has *drifted*: the job logs one line for it per window (predicted,
 measured, ratio) and the window's record names it. Stages of a plan without predictions (a
@@ -57,6 +58,9 @@ class StageMeasure:
     grad_sync_s: float
     optimizer_s: float
     predicted_s: float | None   # the plan's forward + backward of one micro-batch
+    # each of its ranks' own compute median per iteration, in ``ranks`` order (the stage's is
+    # the slowest; profiling/from_run.py ``find_stragglers`` compares GPUs by them)
+    rank_compute_s: tuple[float, ...] = ()
 
     @property
     def per_microbatch_s(self) -> float:
@@ -144,7 +148,8 @@ def window_report(plan: Plan, first: int, last: int, medians: list[list[float]]
                 pipeline=p, stage=s, gpu=plan.ranks[stage.ranks[0]].gpu,
                 ranks=tuple(stage.ranks), layers=tuple(stage.layers),
                 num_microbatches=pipe.num_microbatches, compute_s=phase[0], p2p_wait_s=phase[1],
-                grad_sync_s=phase[2], optimizer_s=phase[3], predicted_s=stage.predicted_time_s))
+                grad_sync_s=phase[2], optimizer_s=phase[3], predicted_s=stage.predicted_time_s,
+                rank_compute_s=tuple(medians[r][0] for r in stage.ranks)))
     return WindowReport(first_iteration=first, last_iteration=last,
                         iteration_s=max(sum(m) for m in medians),
                         predicted_iteration_s=plan.predicted.get("iteration_time_s"),

@@ -12,15 +12,26 @@ YAML form (``configs/clusters/*.yaml``)::
         intra_node_bandwidth_gbs: 300   # optional, default: the catalog's figure for the GPU
         inter_node_bandwidth_gbs: 50    # optional NIC override for these nodes
         spot_price: 1.10                # optional, USD per GPU-hour
+    slow_gpus:                          # optional: GPUs running slower than their type
+      - {node: a100-1, local_rank: 3, speed: 0.6}   # this GPU computes at 0.6x its type
 
 Global ranks are numbered node by node in file order, GPUs in local order inside a node; the
 plan and the launcher rely on that numbering.
+
+A GPU is identified by its node and its local rank. ``Cluster.speeds`` says which of them run
+slower than their type (a straggler: thermal throttling, a noisy neighbour, a failing part):
+``speed`` 0.6 means its forward and backward take 1 / 0.6 of its type's time. The cost model
+prices a stage on such a GPU that much slower (a TP group computes in lock step, at its
+slowest member's speed), and the planner's TP-group pools keep slowed groups apart
+(planner/space.py), so a plan may move layers or micro-batches off them or leave them idle. A
+job measures the speeds itself (profiling/from_run.py ``find_stragglers``); a cluster file
+may state them (``slow_gpus``).
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from megatron_autohet.errors import ConfigError
@@ -51,6 +62,20 @@ class Cluster:
     name: str
     nodes: tuple[Node, ...]
     gpu_types: dict[str, GPUType]     # the catalog entries of the GPU types used here
+    # (node, local rank) -> speed in (0, 1): GPUs slower than their type (module doc); a GPU
+    # not listed runs at its type's speed (1.0)
+    speeds: dict[tuple[str, int], float] = field(default_factory=dict)
+
+    def speed(self, node: str, local_rank: int) -> float:
+        """How fast this GPU computes relative to its type (1.0: as its type)."""
+        return self.speeds.get((node, local_rank), 1.0)
+
+    def with_speeds(self, speeds: dict[tuple[str, int], float]) -> "Cluster":
+        """The same nodes with these GPU speeds (replacing any it had; 1.0 entries dropped,
+        GPUs the cluster lacks ignored): a straggler priced slower, a recovered one at 1.0."""
+        have = {(d.node, d.local_rank) for d in self._devices}
+        return replace(self, speeds={k: float(v) for k, v in sorted(speeds.items())
+                                     if k in have and v != 1.0})
 
     @property
     def world_size(self) -> int:
@@ -96,10 +121,11 @@ class Cluster:
         keep = set(node_names)
         nodes = tuple(n for n in self.nodes if n.name in keep)
         types = {n.gpu: self.gpu_types[n.gpu] for n in nodes}
-        return Cluster(name or self.name, nodes, types)
+        return Cluster(name or self.name, nodes, types,
+                       {k: v for k, v in self.speeds.items() if k[0] in keep})
 
 
-_CLUSTER_FIELDS = {"name", "inter_node_bandwidth_gbs", "nodes", "description"}
+_CLUSTER_FIELDS = {"name", "inter_node_bandwidth_gbs", "nodes", "description", "slow_gpus"}
 _NODE_FIELDS = {"name", "gpu", "gpus", "count", "intra_node_bandwidth_gbs",
                 "inter_node_bandwidth_gbs", "spot_price"}
 
@@ -146,7 +172,35 @@ def cluster_from_dict(data: dict, file="<cluster>", catalog: dict[str, GPUType] 
             seen.add(node_name)
             nodes.append(Node(node_name, gpu, num_gpus, intra, nic, price))
     types = {n.gpu: catalog[n.gpu] for n in nodes}
-    return Cluster(name, tuple(nodes), types)
+    return Cluster(name, tuple(nodes), types, _slow_gpus(data, file, nodes))
+
+
+def _slow_gpus(data: dict, file, nodes: list[Node]) -> dict[tuple[str, int], float]:
+    """The ``slow_gpus`` field: each entry a GPU of the cluster (node, local_rank) and its
+    speed in (0, 1]."""
+    by_name = {n.name: n for n in nodes}
+    speeds: dict[tuple[str, int], float] = {}
+    for i, entry in enumerate(get_field(data, "slow_gpus", list, file, default=[])):
+        where = f"slow_gpus[{i}]"
+        if not isinstance(entry, dict):
+            raise ConfigError(file, where, f"expected a mapping, got {entry!r}")
+        check_keys(entry, {"node", "local_rank", "speed"}, file, where)
+        node = get_field(entry, "node", str, file, where)
+        if node not in by_name:
+            raise ConfigError(file, f"{where}.node", f"unknown node {node!r}",
+                              ", ".join(by_name))
+        local = get_field(entry, "local_rank", int, file, where, min_value=0)
+        if local >= by_name[node].num_gpus:
+            raise ConfigError(file, f"{where}.local_rank", f"got {local}; {node} has "
+                              f"{by_name[node].num_gpus} GPUs",
+                              f"0..{by_name[node].num_gpus - 1}")
+        speed = get_field(entry, "speed", float, file, where)
+        if not 0 < speed <= 1:
+            raise ConfigError(file, f"{where}.speed", f"got {speed!r}",
+                              "a fraction of the GPU type's speed in (0, 1]")
+        if speed != 1.0:
+            speeds[node, local] = speed
+    return speeds
 
 
 def trains_in(gpu: GPUType, precision: str) -> bool:
