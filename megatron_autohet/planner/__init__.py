@@ -14,6 +14,8 @@
 ``compare``            our plan against those baselines, judged by the same cost model
 ``replan``             the plan after a fleet change, moving little training state
 ``state_moves``        where the training state lies, and what a new plan's recovery moves
+``adapt``              whether a running job should switch to the plan of what it measured:
+                       gain, switch cost amortised over the iterations left, hysteresis
 (the brute-force search of the same space for small clusters, the yardstick for tests and the
 benchmark, is testing/exhaustive.py)
 """

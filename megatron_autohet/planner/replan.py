@@ -347,7 +347,8 @@ def replan(previous: Plan, cluster: Cluster, model: ModelSpec, profile: Profile 
            work_budget: int = REPLAN_WORK_BUDGET, progress: bool = False,
            allow_asymmetric_tp: bool = False, activation_recompute: bool | None = None,
            tp_degrees: list[int] | None = None, max_stages: int | None = None,
-           precision: str | None = None, cluster_file: str = "<cluster>") -> Replan:
+           precision: str | None = None, cluster_file: str = "<cluster>",
+           search_unchanged: bool = False) -> Replan:
     """The plan to restart with on ``cluster`` after ``previous`` (module doc).
 
     ``model`` must be ``previous.model``; ``profile`` None prices on the profile ``previous``
@@ -359,7 +360,9 @@ def replan(previous: Plan, cluster: Cluster, model: ModelSpec, profile: Profile 
     safety net; ``precision`` the one the job trains in (None: the one the plans are priced
     in, space.priced_precision): the new plan uses only GPUs that can train in it
     (spec/cluster.py ``trainable_fleet``, ``cluster_file`` names the cluster in its error) and
-    counts the others idle; the other options are
+    counts the others idle; ``search_unchanged`` searches an unchanged fleet too (step 1
+    skipped: planner/adapt.py re-plans the same fleet on what the job measured, and the
+    previous plan is then the derived seed, its micro-batches re-split); the other options are
     :func:`~megatron_autohet.planner.search.search`'s. Raises ConfigError on a model
     mismatch, a negative tolerance, no GPU that trains in ``precision``, or when no plan fits
     in memory.
@@ -377,7 +380,7 @@ def replan(previous: Plan, cluster: Cluster, model: ModelSpec, profile: Profile 
     charge = plan_charge(previous)
     # (the GPUs left out are among the idle ones a plan made on this fleet recorded; a previous
     # plan on one of them, made for another precision, is re-planned)
-    if fleet_unchanged(previous, cluster) and \
+    if not search_unchanged and fleet_unchanged(previous, cluster) and \
             not {r.gpu for r in previous.ranks} & set(left_out):
         cost = evaluate_plan(previous, cluster, resolve_profile(cluster, model, profile, mbs, seq),
                              with_timeline=False, memory_headroom=headroom, charge=charge)

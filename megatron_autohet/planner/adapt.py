@@ -1,0 +1,251 @@
+"""Adaptive re-planning's decision: whether a running job should switch to a plan made for what
+it measured (pure, torch-free; the switch itself is not here).
+
+Every measurement window (runtime/stage_drift.py) gives each stage's measured time, hence a
+profile of the GPU types the plan runs on (profiling/from_run.py ``profile_from_window``) and
+the GPUs slower than the others of their type (``find_stragglers``, priced at their speed:
+spec/cluster.py ``Cluster.speeds``). :meth:`Adapter.consider` re-plans the same fleet on them
+(planner/replan.py ``replan`` with ``search_unchanged``: the types measured as measured, the
+others estimated and calibrated by them, as the planner resolves any profile; the previous plan
+is the derived seed, its micro-batches re-split; the re-plan's objective, the plan's) and prices
+the switch:
+
+* **Predicted gain**: ``(T_now - T_new) / T_now``, both plans priced by the cost model on the
+  measured profile and speeds, in the objective's unit per iteration (seconds; the cost
+  objective's USD).
+* **Switch cost**: the state the new plan's ranks need from other nodes
+  (planner/state_moves.py, as re-plans price it), at each node's NIC, the slowest node's time,
+  plus ``overhead_s`` (DEFAULT_SWITCH_OVERHEAD_S: saving the state, rebuilding process groups,
+  model and optimizer on the new layout, the first iteration's warm-up), in seconds (the cost
+  objective pays them at the current plan's rate).
+* **Amortised gain**: ``(N (T_now - T_new) - switch) / (N T_now)`` over the ``N`` iterations
+  left: a gain that does not pay the switch back before the job ends is declined.
+
+The decision switches when the amortised gain is at least ``threshold`` (DEFAULT_THRESHOLD,
+5%), with hysteresis: no switch within ``hold_windows`` windows of the last one (DEFAULT_HOLD;
+those windows measure the new plan), and the gain must hold for two consecutive windows (one
+noisy window does not move a job). A steady fleet sees one correction: after the switch the
+windows measure the new plan, the re-plan on them finds it again (or one within the re-plan's
+tolerance that moves nothing), and the gain is nil. Each decision is an :class:`AdaptDecision`
+(its console line and its elastic ``adapt`` event). A job in ``--autohet-adapt log`` mode counts
+a switch it would have made as made (:meth:`Adapter.consider`'s ``switched``), so its log shows
+the decisions the job would take, one correction and its hold, not the same advice every window.
+
+``plan_fleet(plan, catalog, template=None)``: the fleet a plan runs on, as a cluster (its nodes
+and GPUs; links from ``template``, the job's cluster file where it has one, else the catalog's
+intra-node figure and DEFAULT_NIC_GBS).
+``switch_cost(previous, new, cluster, overhead_s)``: (seconds, bytes moved).
+``amortised_gain(now, new, switch, remaining)``: the fraction above.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from megatron_autohet.cost_model import PlanCost, evaluate_plan, plan_memory_headroom, plan_charge
+from megatron_autohet.errors import ConfigError
+from megatron_autohet.plan import Plan
+from megatron_autohet.planner.objective import THROUGHPUT, objective_of
+from megatron_autohet.planner.replan import replan
+from megatron_autohet.planner.space import resolve_profile
+from megatron_autohet.planner.state_moves import recovery_bytes_by_node
+from megatron_autohet.profiling.from_run import Straggler
+from megatron_autohet.profiling.profile import Profile
+from megatron_autohet.spec.cluster import Cluster, Node
+from megatron_autohet.spec.gpus import GPUType
+
+DEFAULT_THRESHOLD = 0.05
+DEFAULT_HOLD = 3
+# The fixed part of a switch (module doc): a checkpoint of the state, new process groups, the
+# model and optimizer built on the new layout, a first iteration; an elastic re-plan's restart
+# measured 10-40 s on the emulated fleets (docs/spot.md), so 30 s until the in-process switch
+# measures its own.
+DEFAULT_SWITCH_OVERHEAD_S = 30.0
+# A plan's file does not record its links: the NIC of a fleet derived from a plan alone.
+DEFAULT_NIC_GBS = 25.0
+MODES = ("off", "log", "replan")
+
+
+@dataclass(frozen=True)
+class AdaptDecision:
+    """One re-plan considered at a window's end (module doc)."""
+
+    window: tuple[int, int]
+    switch: bool
+    why: str
+    current_s: float            # the current plan's iteration, on the measured profile
+    new_s: float                # the re-plan's
+    predicted_gain: float       # per iteration, in the objective's unit
+    switch_cost_s: float
+    moved_bytes: int
+    remaining_iterations: int
+    amortised_gain: float
+    search_s: float = 0.0       # the re-plan's wall-clock seconds (reported, never decided on)
+    stragglers: tuple[Straggler, ...] = ()
+    plan: Plan | None = field(default=None, compare=False)   # the re-plan's plan
+
+    def line(self) -> str:
+        """The Megatron-style console line of the decision."""
+        head = f"adapt: iterations {self.window[0]}-{self.window[1]}: "
+        slow = ("; stragglers: " + ", ".join(s.describe() for s in self.stragglers)
+                if self.stragglers else "")
+        return (head + f"{'SWITCH' if self.switch else 'keep'} ({self.why}): re-plan predicted "
+                f"{self.new_s:.4g} s per iteration against {self.current_s:.4g} s now "
+                f"({self.predicted_gain:+.1%}), switch cost {self.switch_cost_s:.3g} s "
+                f"({self.moved_bytes / 1e9:.3g} GB moved), amortised over "
+                f"{self.remaining_iterations} iterations {self.amortised_gain:+.1%}; re-plan "
+                f"search {self.search_s:.2f} s" + slow)
+
+    def event(self) -> tuple[str, dict]:
+        """The decision as an elastic job's ``adapt`` event: a message and its JSON fields."""
+        message = self.line().split(": ", 1)[1]
+        return message, {
+            "window": list(self.window), "switch": self.switch, "why": self.why,
+            "current_iteration_s": round(self.current_s, 6),
+            "new_iteration_s": round(self.new_s, 6),
+            "predicted_gain": round(self.predicted_gain, 6),
+            "switch_cost_s": round(self.switch_cost_s, 3), "moved_bytes": self.moved_bytes,
+            "remaining_iterations": self.remaining_iterations,
+            "amortised_gain": round(self.amortised_gain, 6),
+            "search_s": round(self.search_s, 3),
+            "stragglers": [{"rank": s.rank, "node": s.node, "local_rank": s.local_rank,
+                            "gpu": s.gpu, "tp": s.tp, "ratio": round(s.ratio, 4)}
+                           for s in self.stragglers]}
+
+
+def plan_fleet(plan: Plan, catalog: dict[str, GPUType], template: Cluster | None = None,
+               speeds: dict[tuple[str, int], float] | None = None) -> Cluster:
+    """The fleet ``plan`` runs on as a cluster: its nodes, each with the GPUs the plan lists on
+    it (its idle GPUs are not known to a plan), links from the ``template`` node of the same
+    name (else of the same GPU type; an elastic job's cluster file) or the catalog's intra-node
+    link and DEFAULT_NIC_GBS, with ``speeds`` (spec/cluster.py)."""
+    counts: dict[str, int] = {}
+    gpus: dict[str, str] = {}
+    for info in plan.ranks:
+        gpus.setdefault(info.node, info.gpu)
+        counts[info.node] = max(counts.get(info.node, 0), info.local_rank + 1)
+    types = {gpu: (template.gpu_types.get(gpu) if template else None) or catalog.get(gpu)
+             for gpu in gpus.values()}
+    missing = sorted(g for g, t in types.items() if t is None)
+    if missing:
+        raise ConfigError("<plan>", "ranks", f"GPU types {missing} not in the GPU catalog",
+                          "GPU types of the catalog, to re-plan on")
+    nodes = []
+    for name, gpu in gpus.items():
+        like = None
+        if template is not None:
+            like = next((n for n in template.nodes if n.name == name), None) or next(
+                (n for n in template.nodes if n.gpu == gpu), None)
+        if like is not None:
+            nodes.append(Node(name, gpu, counts[name], like.intra_node_bandwidth_gbs,
+                              like.inter_node_bandwidth_gbs, like.spot_price))
+        else:
+            nodes.append(Node(name, gpu, counts[name], types[gpu].intra_node_bandwidth_gbs,
+                              DEFAULT_NIC_GBS))
+    return Cluster(plan.cluster, tuple(nodes), types).with_speeds(speeds or {})
+
+
+def switch_cost(previous: Plan, new: Plan, cluster: Cluster,
+                overhead_s: float = DEFAULT_SWITCH_OVERHEAD_S) -> tuple[float, int]:
+    """(seconds, bytes) of switching from ``previous`` to ``new``: the state crossing nodes
+    (planner/state_moves.py), each node's at its NIC, nodes in parallel, plus ``overhead_s``;
+    the same plan costs nothing."""
+    if _same_layout(previous, new):
+        return 0.0, 0
+    by_node = recovery_bytes_by_node(previous, new, previous.model)
+    seconds = max((b / (cluster.node(n).inter_node_bandwidth_gbs * 1e9)
+                   for n, b in by_node.items() if b), default=0.0)
+    return overhead_s + seconds, sum(by_node.values())
+
+
+def _same_layout(a: Plan, b: Plan) -> bool:
+    """The same ranks, stages, layers and micro-batches (predictions aside)."""
+    def shape(p: Plan):
+        return ([(r.node, r.local_rank) for r in p.ranks],
+                [(pipe.num_microbatches, [(s.ranks, tuple(s.layers), s.warmup_microbatches)
+                                          for s in pipe.stages]) for pipe in p.pipelines])
+    return shape(a) == shape(b)
+
+
+def amortised_gain(now: float, new: float, switch: float, remaining: int) -> float:
+    """What switching saves over the ``remaining`` iterations, switch paid, as a fraction of
+    what they cost on the current plan (``now``, ``new``: per iteration; ``switch``: once, in
+    the same unit). Negative when the switch does not pay back."""
+    if remaining <= 0 or now <= 0:
+        return 0.0
+    return (remaining * (now - new) - switch) / (remaining * now)
+
+
+@dataclass
+class Adapter:
+    """The decision's state across windows (module doc): when it last switched and whether the
+    previous window's gain qualified."""
+
+    threshold: float = DEFAULT_THRESHOLD
+    hold_windows: int = DEFAULT_HOLD
+    overhead_s: float = DEFAULT_SWITCH_OVERHEAD_S
+    windows_since_switch: int | None = None     # None: never switched
+    pending: bool = False                       # the previous window's gain qualified
+
+    def judge(self, window: tuple[int, int], current: float, new: float, switch_s: float,
+              switch_unit: float, moved: int, remaining: int, **extra) -> AdaptDecision:
+        """The decision from the figures (pure; :meth:`consider` prices them): ``current`` and
+        ``new`` per iteration and ``switch_unit`` in the objective's unit, ``switch_s`` the
+        switch in seconds. Advances the hysteresis state."""
+        if self.windows_since_switch is not None:
+            self.windows_since_switch += 1
+        gain = (current - new) / current if current > 0 else 0.0
+        amortised = amortised_gain(current, new, switch_unit, remaining)
+        switch = False
+        if remaining <= 0:
+            why, self.pending = "no iterations left", False
+        elif gain <= 0:
+            why, self.pending = "no faster plan", False
+        elif amortised < self.threshold:
+            why = (f"{'declined' if gain >= self.threshold else 'below threshold'}: "
+                   f"{gain:.1%} faster, {amortised:+.1%} after the switch's cost over the "
+                   f"{remaining} iterations left, under {self.threshold:.0%}")
+            self.pending = False
+        elif self.windows_since_switch is not None and \
+                self.windows_since_switch <= self.hold_windows:
+            why = (f"hold: {self.windows_since_switch} of the {self.hold_windows} windows "
+                   "after the last switch")
+            self.pending = True
+        elif not self.pending:
+            why, self.pending = "gain seen once: it must hold for a second window", True
+        else:
+            why, switch = f"{amortised:+.1%} amortised gain held two windows", True
+            self.pending, self.windows_since_switch = False, 0
+        return AdaptDecision(window, switch, why, current, new, gain, switch_s, moved,
+                             remaining, amortised, **extra)
+
+    def consider(self, plan: Plan, cluster: Cluster, profile: Profile, remaining: int,
+                 window: tuple[int, int], stragglers: tuple[Straggler, ...] = (), *,
+                 precision: str | None = None) -> AdaptDecision:
+        """Re-plan ``cluster`` (the fleet ``plan`` runs on, with the stragglers' speeds) on
+        ``profile`` (what the window measured, merged over the plan's own) and decide (module
+        doc). ConfigError where no plan fits."""
+        started = time.perf_counter()
+        found = replan(plan, cluster, plan.model, profile, precision=precision,
+                       cluster_file="<fleet>", search_unchanged=True)
+        resolved = resolve_profile(cluster, plan.model, profile, plan.micro_batch_size,
+                                   plan.seq_length)
+        now = evaluate_plan(plan, cluster, resolved, with_timeline=False,
+                            memory_headroom=plan_memory_headroom(plan), charge=plan_charge(plan))
+        search_s = time.perf_counter() - started
+        seconds, moved = switch_cost(plan, found.plan, cluster, self.overhead_s)
+        objective = objective_of(plan)
+        if objective.priced and (now.usd_per_hour is None or found.cost.usd_per_hour is None):
+            objective = THROUGHPUT
+        current, new = _per_iteration(objective, now), _per_iteration(objective, found.cost)
+        unit = seconds * now.usd_per_hour / 3600 if objective.priced else seconds
+        return self.judge(window, current, new, seconds, unit, moved, remaining,
+                          search_s=search_s, stragglers=tuple(stragglers), plan=found.plan)
+
+
+def _per_iteration(objective, cost: PlanCost) -> float:
+    """An iteration in the objective's unit: seconds, or the cost objective's USD."""
+    if objective.priced:
+        return cost.usd_per_hour / 3600 * cost.iteration_time_s
+    return cost.iteration_time_s
