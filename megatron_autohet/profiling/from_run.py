@@ -29,10 +29,11 @@ they are computed, not timed. The split is the prior's even where the run would 
 profile from a window's stages (runtime/stage_drift.py ``StageMeasure``: pipeline, stage,
 per_microbatch_s).
 ``find_stragglers(plan, stages, priors, threshold=)``: the GPUs slower than the others of their
-type and TP degree (per rank, ``StageMeasure.rank_compute_s``, normalised as above: per
-micro-batch, over the stage's priced time); ``measured_speeds``: every measured GPU's speed,
-for spec/cluster.py ``Cluster.with_speeds`` (and for ``profile_from_window``'s ``speeds``,
-which keeps a straggler's slowness out of its type's entry).
+type and TP degree (per TP group, its slowest rank's ``StageMeasure.rank_compute_s``,
+normalised as above: per micro-batch, over the stage's priced time); ``measured_speeds``:
+every measured GPU's speed, for spec/cluster.py ``Cluster.with_speeds`` (and for
+``profile_from_window``'s ``speeds``, which keeps a straggler's slowness out of its type's
+entry).
 ``save_run_profile(path, profile)``: written atomically, over the entries a previous window or
 run of the same model, precision, attention and fusions left in the file (an elastic job's
 generations on changing fleets add up to one profile).
@@ -183,21 +184,22 @@ class Straggler:
                 f"{self.ratio:.2f}x its type's time")
 
 
-def _normalised(plan: Plan, stages, priors) -> dict[tuple[str, int], dict[int, float]]:
-    """Per (GPU type, TP degree), each measured rank's compute per micro-batch over its stage's
-    priced time (as :func:`profile_from_window` scales: layer count, embedding and output
-    layer taken out by the entry the stage was priced on)."""
+def _normalised(plan: Plan, stages, priors) -> dict[tuple[str, int], dict[tuple[int, ...],
+                                                                         float]]:
+    """Per (GPU type, TP degree), each measured TP group's (its ranks) compute per micro-batch
+    over its stage's priced time (as :func:`profile_from_window` scales: layer count,
+    embedding and output layer taken out by the entry the stage was priced on); a group's
+    compute is its slowest rank's (``rank_compute_s``; the stage's where a window lacks it)."""
     measured = {(s.pipeline, s.stage): s for s in stages}
-    out: dict[tuple[str, int], dict[int, float]] = {}
+    out: dict[tuple[str, int], dict[tuple[int, ...], float]] = {}
     for where, key, stage, first, last in _stage_keys(plan):
         m = measured.get(where)
         priced = _priced_s(plan, key, stage, first, last, priors)
         if m is None or priced <= 0:
             continue
-        per_rank = m.rank_compute_s or (m.compute_s,) * len(stage.ranks)
-        for r, seconds in zip(stage.ranks, per_rank):
-            if seconds > 0:
-                out.setdefault(key, {})[r] = seconds / m.num_microbatches / priced
+        seconds = max(m.rank_compute_s or (m.compute_s,))
+        if seconds > 0:
+            out.setdefault(key, {})[tuple(stage.ranks)] = seconds / m.num_microbatches / priced
     return out
 
 
@@ -205,19 +207,22 @@ def find_stragglers(plan: Plan, stages, priors: dict[tuple[str, int], ProfileEnt
                     threshold: float = STRAGGLER_THRESHOLD) -> list[Straggler]:
     """The GPUs of a window slower than the others of their (GPU type, TP degree) by more
     than ``threshold`` (pure; the module doc's normalisation, per micro-batch and per priced
-    stage time). The typical time of a key is the lower median of its GPUs' (with two GPUs,
-    the faster one's), so one slow GPU of two is found at its full slowness, and a key whose
-    GPUs are all alike (one TP group, or a type slow as a whole: the profile's drift, not a
-    straggler) has none. The ranks of a TP group compute in lock step, so the window sees a
-    slow member as its whole group slow: every member is reported at the group's ratio."""
+    stage time). TP groups are compared, as the cost model prices them (a group computes in
+    lock step, at its slowest member's speed; inside a group a rank's own compute also holds
+    its waits for the others, so the members' times do not say which one is slow): every
+    member of a slow group is reported at the group's ratio. The typical time of a key is the
+    lower median of its groups' (with two groups, the faster one's), so one slow group of two
+    is found at its full slowness, and a key whose groups are all alike (a lone group, or a type
+    slow as a whole: the profile's drift, not a straggler) has none."""
     found = []
     for (gpu, tp), times in sorted(_normalised(plan, stages, priors).items()):
         typical = statistics.median_low(sorted(times.values()))
-        for r, value in sorted(times.items()):
+        for ranks, value in sorted(times.items()):
             ratio = value / typical
             if ratio > 1 + threshold:
-                info = plan.ranks[r]
-                found.append(Straggler(r, info.node, info.local_rank, gpu, tp, ratio))
+                for r in ranks:
+                    info = plan.ranks[r]
+                    found.append(Straggler(r, info.node, info.local_rank, gpu, tp, ratio))
     return found
 
 
@@ -227,7 +232,8 @@ def measured_speeds(plan: Plan, stages, priors: dict[tuple[str, int], ProfileEnt
     (:func:`find_stragglers`), 1.0 for the others (a recovered straggler is priced back at its
     type's speed). GPUs without a time in the window are not in it."""
     speeds = {(plan.ranks[r].node, plan.ranks[r].local_rank): 1.0
-              for times in _normalised(plan, stages, priors).values() for r in times}
+              for times in _normalised(plan, stages, priors).values()
+              for ranks in times for r in ranks}
     for s in find_stragglers(plan, stages, priors, threshold):
         speeds[s.node, s.local_rank] = s.speed
     return speeds

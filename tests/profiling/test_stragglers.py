@@ -13,6 +13,7 @@ from megatron_autohet.cost_model import evaluate_plan
 from megatron_autohet.errors import ConfigError
 from megatron_autohet.plan import Pipeline, Plan, RankInfo, Stage
 from megatron_autohet.planner.space import make_pools, resolve_profile
+from megatron_autohet.runtime.stage_drift import window_report
 from megatron_autohet.profiling.from_run import (STRAGGLER_THRESHOLD, find_stragglers,
                                                  measured_speeds, priced_entries,
                                                  profile_from_window)
@@ -96,6 +97,12 @@ def test_a_tp_group_is_as_slow_as_its_slowest_member():
     [stage] = [s for s in window.stages if s.gpu == "H800"]
     assert stage.rank_compute_s == (stage.compute_s, stage.compute_s)
     assert find_stragglers(plan, window.stages, priced_entries(plan, CATALOG)) == []
+    # a member's own compute above the other's (it waits less for them) names no straggler:
+    # groups are compared, and this one has none of its kind
+    medians = [[s.compute_s, 0.0, 0.0, 0.0] for s in window.stages for _ in s.ranks]
+    medians[5][0] *= 1.3
+    uneven = window_report(plan, 1, 20, medians)
+    assert find_stragglers(plan, uneven.stages, priced_entries(plan, CATALOG)) == []
 
 
 def test_the_measured_profile_keeps_a_stragglers_slowness_out_of_its_type():
