@@ -42,6 +42,7 @@ from megatron_autohet.profiling.from_run import (priced_entries, profile_from_wi
                                                  save_run_profile)
 from megatron_autohet.runtime.optimizer import OptimizerSettings, make_lr_scheduler
 from megatron_autohet.runtime.stage_drift import DEFAULT_WINDOW
+from megatron_autohet.spec.cluster import load_cluster
 from megatron_autohet.spec.gpus import load_gpu_catalog
 from megatron_autohet.spec.model import ModelSpec
 from megatron_autohet.spec.precision import PRECISIONS, TRAINED_PRECISIONS, default_precision
@@ -54,7 +55,11 @@ FLAGS = {"iters": "--iters", "metrics_jsonl": "--metrics-jsonl",
          "distributed_timeout_minutes": "--distributed-timeout-minutes",
          "precision": "--bf16", "measure_window": "--autohet-measure-window",
          "measured_jsonl": "--autohet-measured-jsonl",
-         "measured_profile": "--autohet-measured-profile"}
+         "measured_profile": "--autohet-measured-profile", "adapt": "--autohet-adapt"}
+# --autohet-adapt's modes (planner/adapt.py MODES, which this module does not import at start-up:
+# the planner loads SCIP) and its default: log the decisions (module doc of planner/adapt.py).
+ADAPT_MODES = ("off", "log", "replan")
+DEFAULT_ADAPT = "log"
 
 
 @dataclass(frozen=True)
@@ -97,6 +102,9 @@ class TrainOptions:
     measured_jsonl: str | None = None
     # The profile the windows give (profiling/from_run.py), rewritten at every window's end.
     measured_profile: str | None = None
+    # At every window's end, whether to re-plan on what was measured (planner/adapt.py): off,
+    # log (the decision logged, nothing switched) or replan (not yet available).
+    adapt: str = DEFAULT_ADAPT
     elastic: ElasticOptions | None = None   # None: a job whose ranks are the plan's
 
     @property
@@ -146,6 +154,13 @@ class TrainOptions:
             raise ConfigError(source, flags["measured_profile"], "needs measurement windows, "
                               f"and {flags['measure_window']} is 0",
                               f"{flags['measure_window']} >= 1 with it")
+        if self.adapt not in ADAPT_MODES:
+            raise ConfigError(source, flags["adapt"], f"got {self.adapt!r}",
+                              ", ".join(ADAPT_MODES))
+        if self.adapt == "replan":
+            raise ConfigError(source, flags["adapt"], "replan is not yet available on this "
+                              "front end (the in-process switch comes later)",
+                              "off, or log: each window's decision logged, nothing switched")
         self.optimizer.validate(train_iters=self.iters, source=source)
         self.checkpoint.validate(source)
         check_scheduler_flags(self.checkpoint,
@@ -232,6 +247,13 @@ def measure_flags(prefix: str = "") -> list[tuple[tuple[str, ...], dict]]:
                           "times) at every window's end, for `autohet plan --profile`; kept "
                           "over the entries of other GPU types it already holds (.json: JSON, "
                           "else YAML)")),
+        (("--autohet-adapt",), dict(
+            default=DEFAULT_ADAPT, metavar="MODE",
+            help=prefix + "at every window's end re-plan the fleet on what the window measured "
+                          "(the GPU types' times, the stragglers) and decide whether switching "
+                          "pays back over the iterations left: off; log (the default: one "
+                          "'adapt' line per decision, nothing switched); replan (not yet "
+                          "available)")),
     ]
 
 
@@ -261,17 +283,58 @@ def measured_profile_sink(plan: Plan, path: str, priors, trainer, precision, the
     return sink
 
 
+def adapt_sink(plan: Plan, plan_label: str, options: TrainOptions, trainer, precision,
+               then=None, on_adapt=None):
+    """With ``options.adapt`` log and windows: the window sink deciding at every window's end
+    whether to re-plan (planner/adapt.py ``window_decision``, on the rank that logs), printing
+    its line and handing the decision to ``on_adapt`` (an elastic job's ``adapt`` event);
+    then ``then(report)``. The re-plan runs between two iterations on this rank alone; the
+    others wait for it at the next collective, which one window's medians shrug off. None
+    without it."""
+    if options.adapt != "log" or not options.measure_window:
+        return None
+    # the planner (pyscipopt, through the search): only a job that adapts loads it
+    from megatron_autohet.planner.adapt import Adapter, window_decision
+
+    catalog = load_gpu_catalog()
+    try:
+        priors = priced_entries(plan, catalog, plan_label)
+    except ConfigError as err:        # a GPU type neither priced nor in the catalog
+        print(f"WARNING: {FLAGS['adapt']} {options.adapt}: not adapting: {err}", flush=True)
+        return None
+    template = load_cluster(options.elastic.cluster) if options.elastic is not None else None
+    adapter = Adapter()
+
+    def sink(report) -> None:
+        try:
+            decision = window_decision(
+                adapter, plan, report.stages, (report.first_iteration, report.last_iteration),
+                priors, options.iters - report.last_iteration, catalog=catalog,
+                precision=precision, attention=trainer.attention,
+                fusions=trainer.fusions.config_fields(), template=template)
+        except ConfigError as err:
+            print(f" adapt: iterations {report.first_iteration}-{report.last_iteration}: no "
+                  f"re-plan: {err}", flush=True)
+        else:
+            print(f" {decision.line()}", flush=True)
+            if on_adapt is not None:
+                on_adapt(decision)
+        if then is not None:
+            then(report)
+    return sink
+
+
 def measure_fields(args) -> dict:
     """The :class:`TrainOptions` fields of the :func:`measure_flags` in a parsed namespace."""
     return dict(measure_window=args.autohet_measure_window,
                 measured_jsonl=args.autohet_measured_jsonl,
-                measured_profile=args.autohet_measured_profile)
+                measured_profile=args.autohet_measured_profile, adapt=args.autohet_adapt)
 
 
 def train_job(plan: Plan, plan_label: str, model: ModelSpec, options: TrainOptions, *, rank: int,
               local_rank: int, make_stop_check=None, make_scheduler=None,
               schedule_flags: dict | None = None, recorded_args: dict | None = None,
-              on_window=None) -> int:
+              on_window=None, on_adapt=None) -> int:
     """Train on an initialised default process group whose ranks are the plan's; returns the last
     iteration trained. ``make_stop_check(checkpointer)`` (the checkpointer or None) returns the
     ``stop_check`` of runtime/trainer.train_iterations; it is called on every rank right after
@@ -285,7 +348,9 @@ def train_job(plan: Plan, plan_label: str, model: ModelSpec, options: TrainOptio
 
     ``on_window(report)``: called on rank 0 with every measurement window's
     runtime/stage_drift.py ``WindowReport`` (an elastic job's ``drift`` event), after the
-    window's profile is written (``options.measured_profile``, :func:`measured_profile_sink`)."""
+    window's profile is written (``options.measured_profile``, :func:`measured_profile_sink`)
+    and the window's adaptation decided (``options.adapt``, :func:`adapt_sink`), whose
+    decisions go to ``on_adapt(decision)`` there (an elastic job's ``adapt`` event)."""
     # torch and megatron-core: a rank's code (see the module's docstring)
     from megatron_autohet.runtime.fusions import priced_on_other_fusions
     from megatron_autohet.runtime.stage_model import LAYER_SPECS
@@ -335,6 +400,9 @@ def train_job(plan: Plan, plan_label: str, model: ModelSpec, options: TrainOptio
             print(f"WARNING: {other}", flush=True)
     if trainer.distributed_optimizer and rank == 0:
         print(trainer.optimizer.summary(), flush=True)
+    if rank == 0:
+        on_window = adapt_sink(plan, plan_label, options, trainer, precision, then=on_window,
+                               on_adapt=on_adapt) or on_window
     if priors is not None and rank == 0:
         on_window = measured_profile_sink(plan, options.measured_profile, priors, trainer,
                                           precision, then=on_window)

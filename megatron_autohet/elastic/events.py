@@ -10,7 +10,9 @@ copied to the nodes that stay), ``upload`` (after a notice with a deadline: the 
 what exists only on leaving nodes, or why none), ``drift`` (every measurement window of
 ``--autohet-measure-window``: the stages more than 10% off their predictions, each with its
 predicted and measured seconds per micro-batch and their ratio; runtime/stage_drift.py),
-``finished``. One rank writes: the plan's rank
+``adapt`` (with ``--autohet-adapt log``, every window: the re-plan considered on what it
+measured, its predicted gain, switch cost, gain amortised over the iterations left, the
+decision and why, the stragglers; planner/adapt.py), ``finished``. One rank writes: the plan's rank
 0, except for the in-process re-plan after a preemption notice (its ``fleet`` and ``plan``),
 which the first rank that stays writes - the plan's rank 0 may be on a leaving node. Each JSON
 line names the node that wrote it (``reported_by``). The JSONL file is appended to, so the

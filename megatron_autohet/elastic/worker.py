@@ -361,6 +361,12 @@ class ElasticWorker:
         message, fields = report.event()
         self.events.emit("drift", message, **fields)
 
+    def _adapt_event(self, decision) -> None:
+        """Every window's adaptation decision (planner/adapt.py ``AdaptDecision``, with
+        ``--autohet-adapt log``, on the plan's rank 0): one ``adapt`` event."""
+        message, fields = decision.event()
+        self.events.emit("adapt", message, **fields)
+
     def _generation(self, plan: Plan, plan_rank: int, members: list[Member]) -> _Ended:
         """Train ``plan`` on the initialised default group until the job ends or stops; after a
         notice, evacuate and re-plan on that group. What it returns holds nothing of the
@@ -375,7 +381,7 @@ class ElasticWorker:
             return stop
         last = train_job(plan, "<elastic plan>", self.model, self.options, rank=plan_rank,
                          local_rank=self.local_rank, make_stop_check=make_stop_check,
-                         on_window=self._drift_event)
+                         on_window=self._drift_event, on_adapt=self._adapt_event)
         decision = stop.requests.decision if stop is not None else None
         if decision is None:
             return _Ended(last, None, None)

@@ -36,6 +36,10 @@ and GPUs; links from ``template``, the job's cluster file where it has one, else
 intra-node figure and DEFAULT_NIC_GBS).
 ``switch_cost(previous, new, cluster, overhead_s)``: (seconds, bytes moved).
 ``amortised_gain(now, new, switch, remaining)``: the fraction above.
+``window_decision(adapter, plan, stages, window, priors, remaining, ...)``: the whole step a job
+takes at a window's end (``--autohet-adapt log``, job.py): the stragglers and the measured
+profile of the window (profiling/from_run.py), merged over the plan's recorded profile, the
+plan's fleet with the measured speeds, :meth:`Adapter.consider`.
 """
 
 from __future__ import annotations
@@ -43,15 +47,17 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from megatron_autohet.cost_model import PlanCost, evaluate_plan, plan_memory_headroom, plan_charge
+from megatron_autohet.cost_model import (PlanCost, evaluate_plan, plan_charge,
+                                         plan_memory_headroom, plan_profile)
 from megatron_autohet.errors import ConfigError
 from megatron_autohet.plan import Plan
 from megatron_autohet.planner.objective import THROUGHPUT, objective_of
 from megatron_autohet.planner.replan import replan
 from megatron_autohet.planner.space import resolve_profile
 from megatron_autohet.planner.state_moves import recovery_bytes_by_node
-from megatron_autohet.profiling.from_run import Straggler
-from megatron_autohet.profiling.profile import Profile
+from megatron_autohet.profiling.from_run import (Straggler, find_stragglers, measured_speeds,
+                                                 profile_from_window)
+from megatron_autohet.profiling.profile import Profile, merge_profiles
 from megatron_autohet.spec.cluster import Cluster, Node
 from megatron_autohet.spec.gpus import GPUType
 
@@ -64,7 +70,9 @@ DEFAULT_HOLD = 3
 DEFAULT_SWITCH_OVERHEAD_S = 30.0
 # A plan's file does not record its links: the NIC of a fleet derived from a plan alone.
 DEFAULT_NIC_GBS = 25.0
+# --autohet-adapt: nothing; the decision logged every window; the switch made (a later slice)
 MODES = ("off", "log", "replan")
+DEFAULT_MODE = "log"
 
 
 @dataclass(frozen=True)
@@ -249,3 +257,27 @@ def _per_iteration(objective, cost: PlanCost) -> float:
     if objective.priced:
         return cost.usd_per_hour / 3600 * cost.iteration_time_s
     return cost.iteration_time_s
+
+
+def window_decision(adapter: Adapter, plan: Plan, stages, window: tuple[int, int],
+                    priors, remaining: int, *, catalog: dict[str, GPUType], precision,
+                    attention: str, fusions: dict[str, bool] | None,
+                    template: Cluster | None = None) -> AdaptDecision:
+    """The decision at a window's end (module doc): ``stages`` the window's StageMeasures,
+    ``priors`` the entries the plan was priced on (from_run.priced_entries), ``precision`` the
+    job's (spec/precision.py), ``attention`` and ``fusions`` what its layers ran."""
+    speeds = measured_speeds(plan, stages, priors)
+    stragglers = tuple(find_stragglers(plan, stages, priors))
+    measured = profile_from_window(plan, stages, priors, precision=precision,
+                                   attention=attention, fusions=fusions, speeds=speeds)
+    recorded = plan_profile(plan)
+    profile = measured
+    if recorded is not None:
+        try:
+            # the plan's other entries (TP degrees it did not run) beside the measured ones
+            profile = merge_profiles([measured, recorded], ["<measured>", "<plan>"])
+        except ConfigError:
+            profile = measured          # another precision or attention: the run's alone
+    fleet = plan_fleet(plan, catalog, template, speeds)
+    return adapter.consider(plan, fleet, profile, remaining, window, stragglers,
+                            precision=precision.name)

@@ -1,0 +1,111 @@
+"""--autohet-adapt (issue 40 items 4 and 7, log mode): the flag's values refused in one line
+before any process, and a real `autohet train` whose rank 0 logs one decision per window - the
+decision planner/adapt.py takes from that window's measurements, recomputed here from the
+windows the run wrote (its figures compared with the run's numbers, never with a wall-clock
+expectation)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_autohet.errors import ConfigError
+from megatron_autohet.job import ADAPT_MODES, DEFAULT_ADAPT, TrainOptions
+from megatron_autohet.plan import load_plan
+from megatron_autohet.planner.adapt import DEFAULT_MODE, MODES, Adapter, window_decision
+from megatron_autohet.profiling.from_run import priced_entries
+from megatron_autohet.runtime.optimizer import OptimizerSettings
+from megatron_autohet.runtime.stage_drift import PHASES, window_report
+from megatron_autohet.spec.gpus import load_gpu_catalog
+from megatron_autohet.spec.precision import PRECISIONS
+
+ROOT = Path(__file__).resolve().parents[2]
+PLAN = ROOT / "configs/plans/tiny-two-pipelines.yaml"
+MODEL = ROOT / "configs/models/tiny.yaml"
+
+
+def _autohet(*args, timeout=600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "megatron_autohet.cli.main", *map(str, args)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=timeout,
+                          env=dict(os.environ))
+
+
+@pytest.mark.unit
+def test_the_modes_are_the_planners_and_replan_is_refused_on_both_front_ends():
+    assert ADAPT_MODES == MODES and DEFAULT_ADAPT == DEFAULT_MODE == "log"
+    options = TrainOptions(iters=4, seed=1, optimizer=OptimizerSettings(lr=1e-3), adapt="replan")
+    with pytest.raises(ConfigError) as err:
+        options.validate("<Megatron-LM arguments>")
+    assert err.value.field == "--autohet-adapt"
+    assert "not yet available on this front end" in err.value.problem
+    for mode in ("off", "log"):
+        TrainOptions(iters=4, seed=1, optimizer=OptimizerSettings(lr=1e-3), adapt=mode).validate()
+
+
+@pytest.mark.integration
+def test_replan_and_an_unknown_mode_are_one_line_before_any_process(tmp_path):
+    result = _autohet("train", "--plan", PLAN, "--model", MODEL, "--autohet-adapt", "replan",
+                      "--metrics-jsonl", tmp_path / "m.jsonl")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "autohet train: error: <command line>: field '--autohet-adapt': replan is not yet "
+        "available on this front end (the in-process switch comes later) (allowed: off, or "
+        "log: each window's decision logged, nothing switched)"]
+    assert not (tmp_path / "m.jsonl").exists()
+    result = _autohet("train", "--plan", PLAN, "--model", MODEL, "--autohet-adapt", "often")
+    assert result.returncode == 2
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert "'--autohet-adapt': got 'often' (allowed: off, log, replan)" in result.stderr
+
+
+LINE = re.compile(r"^ adapt: iterations (\d+)-(\d+): (SWITCH|keep) \((.*?)\): re-plan predicted "
+                  r"(\S+) s per iteration against (\S+) s now .* amortised over (\d+) "
+                  r"iterations .*; re-plan search (\S+) s")
+
+
+@pytest.mark.e2e
+def test_log_mode_logs_each_windows_decision_from_its_measurements(tmp_path):
+    """Four gloo ranks, six iterations, windows of two: one decision line per window on rank 0,
+    each the decision window_decision takes from that window as the JSONL recorded it (the
+    same switch, reason and predicted times), the last with no iteration left; `off` logs
+    none."""
+    measured = tmp_path / "measured.jsonl"
+    result = _autohet("train", "--plan", PLAN, "--model", MODEL, "--iters", "6",
+                      "--data-dir", tmp_path / "data", "--autohet-measure-window", "2",
+                      "--autohet-measured-jsonl", measured, "--autohet-adapt", "log")
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [LINE.match(line) for line in result.stdout.splitlines()
+             if line.startswith(" adapt: ")]
+    assert all(lines), result.stdout
+    assert [(m[1], m[2], m[7]) for m in lines] == [("1", "2", "4"), ("3", "4", "2"),
+                                                   ("5", "6", "0")]
+    assert lines[-1][4] == "no iterations left"
+
+    plan = load_plan(PLAN)
+    catalog = load_gpu_catalog()
+    priors = priced_entries(plan, catalog)
+    adapter = Adapter()
+    for m, window in zip(lines, (json.loads(x) for x in measured.read_text().splitlines())):
+        medians = [[0.0] * len(PHASES) for _ in plan.ranks]
+        for stage in window["stages"]:
+            for r in stage["ranks"]:
+                medians[r] = [stage[f"{phase}_s"] for phase in PHASES]
+        report = window_report(plan, *window["window"], medians)
+        again = window_decision(adapter, plan, report.stages, tuple(window["window"]), priors,
+                                6 - window["window"][1], catalog=catalog,
+                                precision=PRECISIONS["fp32"], attention="flash", fusions=None)
+        assert (m[3] == "SWITCH", m[4]) == (again.switch, again.why)
+        assert float(m[5]) == pytest.approx(again.new_s, rel=2e-3)
+        assert float(m[6]) == pytest.approx(again.current_s, rel=2e-3)
+
+    result = _autohet("train", "--plan", PLAN, "--model", MODEL, "--iters", "2",
+                      "--data-dir", tmp_path / "data", "--autohet-measure-window", "2",
+                      "--autohet-adapt", "off")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert " adapt: " not in result.stdout
