@@ -16,10 +16,13 @@ A save:
    ``--autohet-keep-ckpts``, then upload it to S3 (checkpoint/upload.py) when configured -
    until ``stop_uploading()`` (a preemption notice with a deadline).
    With ``--async-save`` this runs in a background thread on a process group of its own
-   (gloo), so its collectives never interleave with training's. A save due while the previous
-   one is still being written is skipped (one line; the next interval saves): the ranks agree on
-   that with a one-integer all-reduce on a second gloo group (``decisions``), never the writer's.
-   The last save of the run (``finish``) waits for the previous one instead.
+   (gloo), so its collectives never interleave with training's; without it the write and commit
+   run on the training thread and only the upload goes to that thread (a slow S3 never stalls
+   training). A save due while the previous one is still being written or uploaded is skipped
+   (one line; the next interval saves): the ranks agree on that with a one-integer all-reduce
+   on a second gloo group (``decisions``), never the writer's. The last save of the run
+   (``finish``) waits for the previous one instead, and a last save whose upload failed ends
+   the job (status 1: the durable copy asked for is not there).
 
 A save that fails - a full disk, S3 unreachable - fails on every rank alike (checkpoint/
 writer.py), leaves no ``iter_N.partial`` behind and is reported in one line by rank 0 with its
@@ -150,6 +153,8 @@ class Checkpointer:
         self.consecutive_failures = 0
         self._writer: threading.Thread | None = None
         self._writing: int | None = None         # the iteration the latest save wrote
+        self._uploading: int | None = None       # a synchronous save's background upload
+        self._pending_upload: tuple | None = None
         self._failure: SaveFailure | None = None  # its failure, until the training thread reads it
 
     @property
@@ -295,8 +300,10 @@ class Checkpointer:
             return
         if self._previous_save_running():
             self.skipped_saves.append(iteration)
+            busy = (f"{self._writing} is still being written" if self._writing is not None
+                    else f"{self._uploading} is still being uploaded")
             self._log0(f"skipping the checkpoint of iteration {iteration}: the one of iteration "
-                       f"{self._writing} is still being written (the next interval saves)")
+                       f"{busy} (the next interval saves)")
             return
         self.save(iteration)
 
@@ -365,6 +372,12 @@ class Checkpointer:
         else:
             self._write(state_dict, common, iteration, times)
             self._settle(last)
+            if self._pending_upload is not None:
+                upload, self._pending_upload = self._pending_upload, None
+                self._uploading = iteration
+                self._writer = threading.Thread(target=self._upload_in_background, args=upload,
+                                                name=f"autohet-upload-{iteration}", daemon=True)
+                self._writer.start()
         times.blocked_s = time.perf_counter() - start
 
     def _write(self, state_dict: dict, common: dict, iteration: int, times: SaveTimes) -> None:
@@ -409,6 +422,28 @@ class Checkpointer:
             self._log0(f"WARNING: {err}")
         if self.s3 is None:
             return
+        if self.options.async_save:
+            self._upload(manifest, iteration, times, root)      # in the writer thread already
+        else:               # the training thread goes on: the upload runs in the background
+            self._pending_upload = (manifest, iteration, times, root)
+
+    def _upload_in_background(self, manifest, iteration: int, times: SaveTimes,
+                              root: Path) -> None:
+        """A synchronous save's upload, in a thread of its own (as --async-save's writer: the
+        next save waits for it, a save due meanwhile is skipped). Anything it raises is a failed
+        upload (a WARNING; the last save's ends the job in ``finish``), never lost."""
+        try:
+            enter_device(self.device)
+            with cpu_mode_thread():
+                self._upload(manifest, iteration, times, root)
+        except BaseException as err:  # noqa: BLE001 - a thread that dies reports nothing
+            self.upload_errors[iteration] = f"{root_cause(err)} (rank {self.rank})"
+            log = log_traceback(root, f"iteration {iteration}, rank {self.rank}:\n"
+                                + "".join(traceback.format_exception(err)))
+            self._log0(f"WARNING: uploading iteration {iteration} failed: "
+                       f"{self.upload_errors[iteration]} ({_traceback_where(log)})")
+
+    def _upload(self, manifest, iteration: int, times: SaveTimes, root: Path) -> None:
         t = time.perf_counter()
         try:
             done = upload_step(self.s3, manifest, root / step_dir_name(iteration),

@@ -69,7 +69,7 @@ class IterationRecord:
     iteration: int                 # 1-based, as Megatron counts
     train_iters: int
     consumed_samples: int
-    elapsed_ms: float              # wall time of this iteration on the logging rank
+    elapsed_ms: float              # wall time since the previous iteration ended (logging rank)
     throughput_tflops_per_gpu: float   # Megatron-LM's "throughput per GPU (TFLOP/s/GPU)"
     learning_rate: float
     global_batch_size: int

@@ -368,12 +368,15 @@ def train_iterations(trainer: HeteroTrainer, batches, scheduler, *, train_iters:
     meter = (WindowMeter(plan, trainer.state.rank, trainer.device, measure_window)
              if measure_window else None)
     iteration = first
+    # Megatron-LM's "elapsed time per iteration" is its interval timer: from one iteration's end
+    # to the next, so a save, an evaluation or a stop check between them counts where it stalls.
+    interval_start = time.perf_counter()
     try:
         while iteration < train_iters:
             batch = batches.batch(iteration)
-            start = time.perf_counter()
             metrics = trainer.train_step(batch)
-            elapsed = time.perf_counter() - start
+            now = time.perf_counter()
+            elapsed, interval_start = now - interval_start, now
             scheduler.step(scheduler_increment)
             iteration += 1
             report = meter.add(iteration, trainer.clock.lap()) if meter else None

@@ -83,7 +83,8 @@ def _job(rank, world, options, total, patch=None):
         code = stop.code
     return {"code": code, "failed": checkpointer.failed_saves,
             "failed_uploads": checkpointer.failed_uploads,
-            "skipped": checkpointer.skipped_saves, "resumed_from": resumed[0]}
+            "skipped": checkpointer.skipped_saves, "resumed_from": resumed[0],
+            "seen_uploads": getattr(checkpointer, "seen_uploads", None)}
 
 
 @pytest.fixture
@@ -245,10 +246,11 @@ def test_last_save_failing_stops_the_job_saying_which_steps_are_complete(small_d
 
 @pytest.mark.e2e
 def test_failed_upload_is_a_warning_and_training_goes_on_but_the_last_one_ends_the_job(
-        tmp_path, capfd, refused_url):
+        tmp_path, capfd, refused_url, s3_endpoint):
     """The S3 endpoint refuses every connection: each save's upload warns once with the reason,
     the local steps are complete and training goes on; the last save's upload failing ends the
-    job with status 1 and one ERROR line (the durable copy asked for is not there)."""
+    job with status 1 and one ERROR line (the durable copy asked for is not there). (s3_endpoint:
+    for its dummy credentials.)"""
     options = CheckpointOptions(save=str(tmp_path), save_interval=2,
                                 s3_uri="s3://autohet-test/run", s3_endpoint_url=refused_url)
     results = run_on_ranks(PLAN.world_size, _job, options, 4)
@@ -428,3 +430,48 @@ def test_root_cause_is_the_innermost_exception_and_dcp_failures_are_deduplicated
                                                            "KeyError: 'x'": [1, 3]})) == (
         "writing iteration 4 to /ckpt failed: OSError: full (ranks 0-2); KeyError: 'x' "
         "(ranks 1, 3)")
+
+
+def _upload_waits_for_the_next_iteration(rank, checkpointer):
+    """Each upload but the last save's waits until training has finished the iteration after
+    its save: it can only get there if training does not wait for the upload. Records where
+    each upload ran and whether training got past it."""
+    import threading
+
+    import megatron_autohet.checkpoint.checkpointer as hook
+
+    upload, seen, trained = hook.upload_step, [], {}
+    original_after = checkpointer.after_iteration
+
+    def after_iteration(iteration):
+        trained.setdefault(iteration, threading.Event()).set()
+        original_after(iteration)
+
+    def upload_step(store, manifest, *args, **kwargs):
+        ran_on = threading.current_thread().name
+        went_on = (trained.setdefault(manifest.iteration + 1, threading.Event()).wait(60)
+                   if manifest.iteration < LAST else None)
+        seen.append((manifest.iteration, ran_on, went_on))
+        return upload(store, manifest, *args, **kwargs)
+    hook.upload_step = upload_step
+    checkpointer.after_iteration = after_iteration
+    checkpointer.seen_uploads = seen
+
+
+LAST = 3
+
+
+@pytest.mark.integration
+def test_a_synchronous_save_uploads_in_the_background(s3_endpoint, s3_uri, tmp_path):
+    """Without --async-save the step is written and committed on the training thread, and its
+    upload runs beside training: training finishes the next iteration while the upload waits
+    (the last save's upload is waited for at the end: there is no next iteration)."""
+    options = CheckpointOptions(save=str(tmp_path), save_interval=2, s3_uri=s3_uri,
+                                s3_endpoint_url=s3_endpoint[0])
+    results = run_on_ranks(PLAN.world_size, _job, options, LAST,
+                           patch=_upload_waits_for_the_next_iteration)
+    assert [r["code"] for r in results] == [0, 0]
+    assert results[0]["failed_uploads"] == []
+    assert [r["seen_uploads"] for r in results] == [
+        [(2, "autohet-upload-2", True), (3, "autohet-upload-3", None)]] * 2
+    assert committed_steps(tmp_path) == [2, 3]

@@ -253,19 +253,24 @@ def test_async_save_and_upload_resume_exactly(full_and_batches, tmp_path, s3_end
 @pytest.mark.e2e
 def test_s3_unreachable_at_save_and_at_recovery(full_and_batches, tmp_path, capfd, refused_url,
                                                 monkeypatch):
-    """S3 down: saves stay local (the upload is reported, training goes on) and recovery with
-    complete local copies does not need S3 when told so (--autohet-resume-without-s3; without
-    it the job stops: tests/checkpoint/test_s3_unreachable.py). No attempt at the listing is
-    repeated here (the limit 0)."""
+    """S3 down: saves stay local (the upload is reported; the run's last save not reaching S3
+    ends the job with status 1, its local step complete) and recovery with complete local
+    copies does not need S3 when told so (--autohet-resume-without-s3; without it the job
+    stops: tests/checkpoint/test_s3_unreachable.py). No attempt at the listing is repeated here
+    (the limit 0)."""
     from megatron_autohet.checkpoint.sources import S3_REACH_ENV
 
     monkeypatch.setenv(S3_REACH_ENV, "0")
     full, batches = full_and_batches
     dead = refused_url
-    local, first = _save_half(tmp_path, batches, "s3://autohet-test/down", dead)
-    out = capfd.readouterr().out
+    with pytest.raises(RankFailed, match="CheckpointStop"):
+        _save_half(tmp_path, batches, "s3://autohet-test/down", dead)
+    local, first = str(tmp_path / "local" / "{node}"), full[:HALF]
+    out, err = capfd.readouterr()
     assert f"WARNING: uploading iteration {HALF} to s3://autohet-test/down failed: " in out
     assert f"the local checkpoint of iteration {HALF} is complete" in out
+    assert (f"ERROR: the last checkpoint (iteration {HALF}) did not reach "
+            "s3://autohet-test/down: ") in err
     rest, per_rank = _resume(local, plan(A), batches, "s3://autohet-test/down", dead,
                              resume_without_s3=True)
     _check_equal(full, first, rest)
