@@ -350,10 +350,6 @@ class Lease:
                 pass
 
 
-# S3 answers that mean the tier cannot work at all (not a passing outage): refused at start.
-UNUSABLE_S3 = {"NoSuchBucket", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch",
-               "AllAccessDisabled", "InvalidBucketName", "403", "InvalidToken", "ExpiredToken"}
-
 
 def take_job_lease(options, roots: list[Path], owner: str, *, with_store: bool,
                    warn=print) -> Lease:
@@ -376,7 +372,7 @@ def take_job_lease(options, roots: list[Path], owner: str, *, with_store: bool,
                           err.allowed() if isinstance(err, LeaseHeld)
                           else "a directory this job can create and write") from None
     except StoreError as err:           # from the S3 slot, the last one
-        if getattr(err, "code", None) in UNUSABLE_S3:
+        if err.permanent:
             raise ConfigError("<command line>", "--autohet-s3-uri", f"{store.location.uri()} "
                               f"cannot be used: {err.reason}",
                               "a bucket that exists and that boto3's credentials may read and "

@@ -59,6 +59,9 @@ _BUCKET_ALLOWED = ("3-63 characters: lowercase letters, digits, '.' and '-', sta
 # Answers to a conditional PUT that mean "the object is already there (or being written)".
 _EXISTS = {"PreconditionFailed", "ConditionalRequestConflict"}
 _ABSENT = {"NoSuchKey", "NotFound", "404"}
+# Answers that mean the tier cannot work at all (not a passing outage)
+_PERMANENT = {"NoSuchBucket", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch",
+              "AllAccessDisabled", "InvalidBucketName", "403", "InvalidToken", "ExpiredToken"}
 
 
 @dataclass(frozen=True)
@@ -104,6 +107,10 @@ class S3Error(StoreError):
         self.reason = reason
         self.code = code
         super().__init__(f"S3 {operation} {uri} failed: {reason}")
+
+    @property
+    def permanent(self) -> bool:
+        return self.code in _PERMANENT
 
 
 class S3Store:

@@ -170,6 +170,12 @@ class StoreError(RuntimeError):
     """An object store's operation failed (S3: s3_store.S3Error); the message names the
     operation, the address and the store's reason, never credentials."""
 
+    @property
+    def permanent(self) -> bool:
+        """The store cannot work at all (no such bucket, credentials refused), as opposed to
+        an outage that trying again may outlast."""
+        return False
+
 
 @dataclass
 class StoreReader:
@@ -193,7 +199,7 @@ class StoreReader:
             try:
                 return set(committed_s3(self.store))
             except StoreError as err:
-                if attempt == len(delays):
+                if attempt == len(delays) or err.permanent:
                     return str(err)
                 if attempt == 0:
                     log(f"WARNING: the S3 tier {self.uri()} is unreachable ({err}); trying "

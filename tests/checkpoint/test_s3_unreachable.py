@@ -53,6 +53,17 @@ class _DownStore:
         return [4]
 
 
+@pytest.mark.integration
+def test_a_bucket_that_does_not_exist_is_not_waited_for(s3_endpoint):
+    """No such bucket is no outage: the listing's answer comes at once, with no attempt more."""
+    from megatron_autohet.checkpoint.s3_store import S3Store
+
+    store = S3Store("s3://autohet-no-such-bucket/p", endpoint_url=s3_endpoint[0])
+    lines, slept = [], []
+    why = StoreReader(store).committed_steps(lines.append, sleep=slept.append)
+    assert "NoSuchBucket" in why and slept == [] and lines == []
+
+
 @pytest.mark.unit
 def test_the_listing_is_tried_again_within_the_stated_limit(monkeypatch):
     """Counted in attempts, not seconds (the waits are recorded, not slept): 1 + 7 over the
