@@ -17,6 +17,41 @@ whatever their downtimes. ``--clock wall`` delivers each step at ``ms / 1000 * -
 after the first iteration instead; one due while the job is still down waits until it trains
 again, and the delay is reported (``late``).
 
+**A join pauses the clock and the job** until the joiner is in the job (a ``fleet`` event
+listing it, then the job's first iteration after that: its first round done): the job is held
+at the next iteration boundary (elastic/hold.py's hold file, ``AUTOHET_HOLD_FILE`` in the
+nodes' environment; torchrun's SIGTERM when the joiner arrives releases it, the stop lands
+after the held iteration), the hold is lifted once the joiner trains (or after JOIN_TIMEOUT,
+recorded), and the clock restarts at the joiner's first iteration. Why a pause and not an
+``--iters`` derived from the trace: a joiner here warms up for about a minute (torch imports
+on the machine's shared cores; a trace's ``add`` is a node ready to join, its boot is not in
+the trace), during which the job trained on off the trace's clock (the clock already stopped
+from the step to the next first iteration) - hundreds of iterations per join, so ``--iters``
+had to grow with a trace's joins; deriving it would need the iteration time and the warm-up
+time under the machine's load, known only after the runs. Held, the job trains only on the
+trace's clock, so ``--iters`` is about that clock's seconds (printed at the start) over the
+iteration time, whatever the joins. The held seconds (the held iteration's end to the
+joiner's stop) are off the run's wall time too (``held_s``), as they are no part of the trace.
+The baseline restarts everything on a join anyway (no hold).
+
+**Any node count the machine holds:** torchrun's ``--nnodes`` is the trace's (2 or the fewest
+nodes it goes down to, up to the most it has up at once; was 2:8), each start of a node a new
+loopback address (127.0.0.N, then on through 127.0.0.0/8: the emulated nodes are processes,
+no namespaces). A trace whose largest fleet needs more than the machine has at
+``--cpu-per-node`` (default 0.1 cores) or ``--mem-per-node-gb`` (default 1, of MemAvailable)
+is refused in one line, naming the flag and the limit.
+
+**Every** ``autohet node`` gets ``--loss-timeout`` (default the product's, 20 s: a node lost
+without notice is found that long after; the kill figures in docs/spot.md were measured with
+the old 3 s expiry); each run's row records it.
+
+**A row per run:** after each run its analysis is printed and appended to ``runs`` in the JSON
+file, which is rewritten (``complete`` false until the summary is written at the end), so a
+bench stopped early keeps what it measured. **SIGTERM / SIGINT:** the running fleet is torn
+down (every node's process tree and watcher killed, the rendezvous ended; moto's server
+stopped), the rows so far are kept (``interrupted``: the signal and the runs done) and the
+script exits with 128 + the signal (143, 130).
+
 * **autohet**: a removal with notice (the trace's fourth column; ``notice`` where it says
   nothing) is ``EmulatedFleet``'s preemption: SIGTERM to the node's watcher (every notice of a
   step first), the job saves the iteration in flight, moves the node's files to the others, the
@@ -54,6 +89,7 @@ Per step, from the events (``WORKDIR/<run>/events.jsonl``, ``time_unix``) and th
 * ``1st it``: the first iteration after the restart (``elapsed_ms``), not counted in downtime;
 * ``down``: training stopped (stop event, or t for a kill) -> the first iteration after the
   restart starts. Equals save + restart + re-plan + setup + recover (+ a few ms between them);
+  for a join, ``detect`` includes the joiner's warm-up and the hold, ``down`` neither;
 * ``lost``: iterations trained before the step and not in the checkpoint recovered (re-trained),
   and their cost (``lost s``: lost x the run's median iteration time); ``cost`` = down + lost s.
 
@@ -64,10 +100,12 @@ iterations that were not re-trained (``useful``), the iterations kept times the 
 median iteration time over that wall time (``at median``: 1.0 never stopped, never re-trained,
 never saved), the ``rate`` (iterations kept per second of that wall time) and the ``goodput``:
 the rate over the no-event run's rate (issue 22's figure: what the events cost, the saves not).
+The wall time leaves out the join holds (``held_s``).
 
     python scripts/bench_spot.py [--quick] [--trace configs/traces/churn-4node-5h.csv]
         [--time-scale 0.02] [--iters 3000] [--clock training|wall] [--save-interval 10]
-        [--no-notice] [--no-reference] [--workdir DIR] [--out bench-out/bench-spot.json]
+        [--no-notice] [--no-reference] [--loss-timeout 20] [--cpu-per-node 0.1]
+        [--mem-per-node-gb 1] [--workdir DIR] [--out bench-out/bench-spot.json]
 
 CPU only; every process shares this machine's cores, so start-up (torch imports) weighs far
 more than on a real fleet; the JSON records the core count and load average.
@@ -76,6 +114,8 @@ more than on a real fleet; the JSON records the core count and load average.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import math
 import os
 import platform
 import shutil
@@ -89,6 +129,9 @@ from pathlib import Path
 
 from _bench import silence_known_megatron_warnings, write_json
 
+from megatron_autohet.elastic.liveness import DEFAULT_LOSS_TIMEOUT_S, check_loss_timeout
+from megatron_autohet.errors import ConfigError
+
 ROOT = Path(__file__).resolve().parents[1]
 
 MODEL = ROOT / "configs/models/tiny.yaml"
@@ -100,6 +143,11 @@ START_TIMEOUT, EVENT_TIMEOUT = 600.0, 600.0      # safety nets, not measurements
 EXIT_TIMEOUT = 60.0          # the agents' exit after the job (each one's time is recorded)
 RESTART_DELAY_S = 1.0        # an agent that exited is started again after this (launch_node.sh)
 NO_EVENTS = "no-events"      # the reference run's mode: autohet's code path, an empty trace
+JOIN_TIMEOUT = 300.0         # a joiner not in the job by then: the hold is lifted, recorded
+# What one emulated node needs at least (the refusal of a trace this machine cannot hold):
+# its worker (one torch thread), agent, warm fork server and watcher.
+CPU_PER_NODE = 0.1           # cores: the agents poll every 0.1 s and renew keep-alives each s
+MEM_PER_NODE_GB = 1.0        # GB resident: an estimate (three torch processes), not measured
 
 
 def autohet(*args) -> None:
@@ -150,6 +198,112 @@ class GpuTypes:
                 self._next += 1
             self.assigned[node] = gpu
         return self.assigned[node]
+
+
+# ---- the machine: what it can hold, and a clean end on a signal ---------------------------------
+
+def fleet_bounds(trace, initial: list[str]) -> tuple[int, int, int]:
+    """(fewest, most) nodes up at once over the trace, and the trace ms where the most are."""
+    from megatron_autohet.testing.trace import fleet_over_time
+
+    sizes = [(0, len(initial))] + [(ms, len(up)) for ms, up in
+                                   fleet_over_time([e for e in trace if e.ms > 0 or
+                                                    e.node not in initial], initial)]
+    peak_ms, peak = max(sizes, key=lambda s: s[1])
+    return min(n for _, n in sizes), peak, peak_ms
+
+
+def capacity_problem(peak: int, peak_ms: int, cpu_per_node: float, mem_per_node_gb: float,
+                     cores: int, mem_available_gb: float | None) -> str | None:
+    """One line when the trace's largest fleet does not fit this machine at the stated floors
+    per node, else None."""
+    if peak * cpu_per_node > cores:
+        return (f"the trace has {peak} nodes up at once (at {peak_ms / 1000:g} s of the trace); "
+                f"--cpu-per-node {cpu_per_node:g} allows at most "
+                f"{math.floor(cores / cpu_per_node)} on this machine's {cores} cores")
+    if mem_available_gb is not None and peak * mem_per_node_gb > mem_available_gb:
+        return (f"the trace has {peak} nodes up at once (at {peak_ms / 1000:g} s of the trace); "
+                f"--mem-per-node-gb {mem_per_node_gb:g} allows at most "
+                f"{math.floor(mem_available_gb / mem_per_node_gb)} in this machine's "
+                f"{mem_available_gb:.1f} GB available")
+    return None
+
+
+def mem_available_gb() -> float | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024 / 1e9
+    except OSError:
+        pass
+    return None
+
+
+LIVE: list = []          # the fleets now running (replay), torn down by teardown()
+
+
+class Interrupted(BaseException):
+    """SIGTERM or SIGINT during the benchmark (a BaseException: no ``except Exception`` on
+    the way out catches it; every ``with`` and ``finally`` runs)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def teardown() -> None:
+    """Every fleet still running: its nodes' process trees and watchers killed, the
+    rendezvous ended (EmulatedFleet.close; the emulated nodes are processes on loopback
+    addresses: no namespaces, cgroups or veths to remove)."""
+    for fleet in list(LIVE):
+        with contextlib.suppress(Exception):
+            fleet.close()
+        with contextlib.suppress(ValueError):
+            LIVE.remove(fleet)
+
+
+@contextlib.contextmanager
+def signals_raise():
+    """SIGTERM and SIGINT raise :class:`Interrupted` in the main thread; a second one during
+    the teardown is ignored (the teardown finishes)."""
+    def handler(signum, frame):
+        for s in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(s, signal.SIG_IGN)
+        raise Interrupted(signum)
+    old = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def run_all(modes, run_one, result: dict, out: str) -> int:
+    """``run_one(mode)`` -> the run's row for each mode in turn, each row printed (by
+    run_one) and written at once: ``result["runs"]`` gets it and the JSON file ``out`` is
+    rewritten, so a bench stopped later keeps what it measured. SIGTERM / SIGINT: the fleet
+    torn down (:func:`teardown`), ``result["interrupted"]`` set, the rows so far written;
+    returns the exit status (0, or 128 + the signal)."""
+    result.setdefault("runs", [])
+    result["complete"] = False
+    try:
+        with signals_raise():
+            try:
+                for mode in modes:
+                    result["runs"].append(run_one(mode))
+                    write_json(result, out)
+            except Interrupted as stop:
+                teardown()
+                result["interrupted"] = {"signal": str(stop), "time_unix": time.time(),
+                                         "runs_done": [r["mode"] for r in result["runs"]]}
+                write_json(result, out)
+                print(f"bench_spot.py: {stop}: fleet torn down; {len(result['runs'])} run(s) "
+                      f"kept in {out}", flush=True)
+                return 128 + stop.signum
+    finally:
+        teardown()
+    result["complete"] = True
+    return 0
 
 
 # ---- one run: replay the trace ----------------------------------------------------------------
@@ -243,14 +397,67 @@ def event_kind(event, mode: str, no_notice: bool) -> str:
     return "kill" if no_notice or event.notice is False else "notice"
 
 
+def joined_at(events: list[dict], t: float, joiners: list[str]) -> float | None:
+    """When the nodes ``joiners`` (delivered at ``t``) were in the job: the first iteration after
+    the first ``fleet`` event since ``t`` that lists them all (their first round done); None
+    before that."""
+    fleet = next((e for e in events if e["event"] == "fleet" and e["time_unix"] > t
+                  and all(n in e.get("nodes", {}) for n in joiners)), None)
+    if fleet is None:
+        return None
+    return next((e["time_unix"] for e in events if e["event"] == "first_iteration"
+                 and e["time_unix"] > fleet["time_unix"]), None)
+
+
+def clock_restart(record: dict, events: list[dict]) -> float | None:
+    """When the training clock runs again after the step ``record``: the joiners' first
+    iteration for a step with joins (the clock was paused until they were in the job), else
+    the job's first iteration after the step."""
+    if record.get("joined_at") is not None:
+        return record["joined_at"]
+    return next((e["time_unix"] for e in events if e["event"] == "first_iteration"
+                 and e["time_unix"] > record["t"]), None)
+
+
+def hold_for_joiners(fleet, agents, record: dict, joiners: list[str], hold: Path,
+                     trains_again) -> None:
+    """The trace clock's pause for a step with joins: the job is held at the next iteration
+    boundary (elastic/hold.py; the joiner's arrival - torchrun's SIGTERM - releases it) until
+    the joiners are in the job, so neither the trace's clock nor the job advances while a
+    joiner warms up (torch imports on this machine's shared cores: about a minute). A step
+    that also removes nodes first waits for their round to train (a held job would not see
+    a notice). Records in ``record``: ``held_iteration``, ``held_from`` (the job logged the held
+    iteration; the analysis counts the held seconds from there to the stop that ended the
+    hold), ``joined_at`` (None: not in the job after JOIN_TIMEOUT: the hold is lifted)."""
+    from megatron_autohet.elastic.hold import hold_after
+
+    t = record["t"]
+    record.update(held_iteration=None, held_from=None, joined_at=None)
+    if record["removes"]:
+        agents.wait(trains_again, EVENT_TIMEOUT)
+    if joined_at(fleet.events(), t, joiners) is None:
+        held = fleet.iteration() + 1
+        hold_after(hold, held)
+        record["held_iteration"] = held
+
+        def joined() -> bool:
+            if record["held_from"] is None and fleet.iteration() >= held:
+                record["held_from"] = time.time()
+            return joined_at(fleet.events(), t, joiners) is not None
+        agents.wait(joined, JOIN_TIMEOUT)
+        hold_after(hold, None)
+    record["joined_at"] = joined_at(fleet.events(), t, joiners)
+
+
 def replay(mode: str, workdir: Path, trace_steps, initial: list[str], args,
-           s3: tuple[str, str]) -> dict:
+           s3: tuple[str, str], *, make_fleet=None) -> dict:
     """Start the initial fleet, deliver the trace's steps (all events of one millisecond
     together; mode "autohet", "baseline" or NO_EVENTS with no steps), let the job finish; what
     happened when (the analysis reads the job's files afterwards). Nothing here ends the
     benchmark: an agent that exits is recorded and restarted, a job that does not train again
-    within EVENT_TIMEOUT is recorded and the rest of the trace skipped."""
-    from megatron_autohet.testing.emulate import EmulatedFleet
+    within EVENT_TIMEOUT is recorded and the rest of the trace skipped. ``make_fleet``
+    (the tests' fake) builds the fleet from EmulatedFleet's arguments."""
+    from megatron_autohet.elastic.hold import HOLD_FILE_ENV
 
     endpoint, bucket = s3
     train_args = ["--plan", str(workdir.parent / "plan.yaml"), "--model", str(MODEL),
@@ -258,8 +465,13 @@ def replay(mode: str, workdir: Path, trace_steps, initial: list[str], args,
                   "--save-interval", str(args.save_interval),
                   "--autohet-s3-uri", f"s3://{bucket}/{mode}",
                   "--autohet-s3-endpoint-url", endpoint]
-    fleet = EmulatedFleet(workdir, train_args=train_args, nnodes="2:8", job_id=mode,
-                          cold_workers=mode == "baseline")
+    if make_fleet is None:
+        from megatron_autohet.testing.emulate import EmulatedFleet as make_fleet
+    workdir.mkdir(parents=True, exist_ok=True)
+    hold = workdir / "hold"           # the join pause's hold file (hold_for_joiners)
+    os.environ[HOLD_FILE_ENV] = str(hold)     # the nodes' environment: read at each start
+    fleet = make_fleet(workdir, train_args=train_args, nnodes=args.nnodes, job_id=mode,
+                       cold_workers=mode == "baseline", loss_timeout=args.loss_timeout)
 
     def finished() -> dict | None:
         return next((e for e in fleet.events("finished")), None)
@@ -281,76 +493,90 @@ def replay(mode: str, workdir: Path, trace_steps, initial: list[str], args,
         return any(e["time_unix"] > t for e in fleet.events("first_iteration")) or \
             finished() is not None
 
-    with fleet:
-        t_start = time.time()
-        agents.up = list(initial)
-        start_round()
-        if not agents.wait(lambda: fleet.iteration() >= 1, START_TIMEOUT):
-            raise SystemExit(f"{mode}: no first iteration after {START_TIMEOUT:.0f} s:\n"
-                             + "\n".join(fleet.tail(n) for n in fleet.nodes))
-        t0 = time.time()
-        metrics_at_t0 = len(fleet.metrics())
-        print(f"  [{mode}] first iteration {t0 - t_start:.1f} s after the nodes started; "
-              "trace clock starts", flush=True)
-        base, base_ms = t0, 0          # the training clock restarts when the job trains again
-        for step in trace_steps:
-            events = [e for e in step.events if not (e.ms == 0 and e.node in initial)]
-            if not events:
-                continue
-            stuck = None
-            if delivered and finished() is None:    # not while still down for the previous one
-                if not agents.wait(lambda: training_since(delivered[-1]["t"]), EVENT_TIMEOUT):
-                    stuck = f"not training again {EVENT_TIMEOUT:.0f} s after the previous step"
-                elif args.clock == "training":
-                    base = next((e["time_unix"] for e in fleet.events("first_iteration")
-                                 if e["time_unix"] > delivered[-1]["t"]), time.time())
-                    base_ms = delivered[-1]["ms"]
-            due = base + (step.ms - base_ms) / 1000.0 * args.time_scale
-            agents.wait(lambda: time.time() >= due or finished() is not None, float("inf"))
-            if stuck or finished() is not None:
-                if stuck and not problems:
-                    problems.append({"ms": step.ms, "problem": stuck, "time_unix": time.time()})
-                    print(f"  [{mode}] {stuck}: the rest of the trace is skipped", flush=True)
-                skipped += [{"ms": e.ms, "action": e.action, "node": e.node} for e in events]
-                continue
-            t = time.time()
-            before = fleet.iteration()
-            kinds = [event_kind(e, mode, args.no_notice) for e in events]
-            record = {"ms": step.ms, "t": t, "due": due, "late_s": round(t - due, 3),
-                      "iteration_before": before, "kind": "+".join(sorted(set(kinds))),
-                      "events": [{"action": e.action, "node": e.node, "kind": k}
-                                 for e, k in zip(events, kinds)]}
-            if mode == "autohet":
-                leaving = [e.node for e, k in zip(events, kinds) if k == "notice"]
-                for node in leaving:          # every notice first: they come together
-                    fleet.nodes[node].watcher.send_signal(signal.SIGTERM)
-                for e, k in zip(events, kinds):
-                    if k == "kill":
-                        fleet.kill(e.node)
-                    elif k == "join":
-                        agents.start(e.node)
-                agents.follow(events)
-                if "kill" in kinds:
-                    record["iteration_before"] = fleet.iteration()
-                record["left_before_deadline"] = {node: fleet.reclaim_when_left(node)
-                                                  for node in leaving}
-            else:
-                for node in list(fleet.nodes):
-                    fleet.kill(node)
-                record["iteration_before"] = fleet.iteration()     # nothing trains now
-                for node_dir in workdir.iterdir():                  # the local tier is gone
-                    if (node_dir / "ckpt").is_dir():
-                        shutil.rmtree(node_dir / "ckpt")
-                agents.follow(events)
-                start_round()
-            delivered.append(record)
-            what = ", ".join(f"{e['action']} {e['node']} ({e['kind']})" for e in record["events"])
-            print(f"  [{mode}] {t - t0:6.1f} s: {what}, {record['late_s']:+.1f} s vs the trace, "
-                  f"at iteration {before}", flush=True)
-        if not agents.wait(lambda: finished() is not None, EVENT_TIMEOUT) and not problems:
-            problems.append({"ms": None, "problem": f"not finished {EVENT_TIMEOUT:.0f} s after "
-                             "the last step", "time_unix": time.time()})
-        agent_ends = agents.wait_all(timeout=EXIT_TIMEOUT)
+    LIVE.append(fleet)
+    try:
+        with fleet:
+            t_start = time.time()
+            agents.up = list(initial)
+            start_round()
+            if not agents.wait(lambda: fleet.iteration() >= 1, START_TIMEOUT):
+                raise SystemExit(f"{mode}: no first iteration after {START_TIMEOUT:.0f} s:\n"
+                                 + "\n".join(fleet.tail(n) for n in fleet.nodes))
+            t0 = time.time()
+            metrics_at_t0 = len(fleet.metrics())
+            print(f"  [{mode}] first iteration {t0 - t_start:.1f} s after the nodes started; "
+                  "trace clock starts", flush=True)
+            base, base_ms = t0, 0      # the training clock restarts when the job trains again
+            for step in trace_steps:
+                events = [e for e in step.events if not (e.ms == 0 and e.node in initial)]
+                if not events:
+                    continue
+                stuck = None
+                if delivered and finished() is None:   # not while still down for the last one
+                    if not agents.wait(lambda: training_since(delivered[-1]["t"]),
+                                       EVENT_TIMEOUT):
+                        stuck = f"not training again {EVENT_TIMEOUT:.0f} s after the previous step"
+                    elif args.clock == "training":
+                        base = clock_restart(delivered[-1], fleet.events()) or time.time()
+                        base_ms = delivered[-1]["ms"]
+                due = base + (step.ms - base_ms) / 1000.0 * args.time_scale
+                agents.wait(lambda: time.time() >= due or finished() is not None, float("inf"))
+                if stuck or finished() is not None:
+                    if stuck and not problems:
+                        problems.append({"ms": step.ms, "problem": stuck,
+                                         "time_unix": time.time()})
+                        print(f"  [{mode}] {stuck}: the rest of the trace is skipped", flush=True)
+                    skipped += [{"ms": e.ms, "action": e.action, "node": e.node} for e in events]
+                    continue
+                t = time.time()
+                before = fleet.iteration()
+                kinds = [event_kind(e, mode, args.no_notice) for e in events]
+                record = {"ms": step.ms, "t": t, "due": due, "late_s": round(t - due, 3),
+                          "iteration_before": before, "kind": "+".join(sorted(set(kinds))),
+                          "events": [{"action": e.action, "node": e.node, "kind": k}
+                                     for e, k in zip(events, kinds)],
+                          "removes": sum(e.action == "remove" for e in events)}
+                if mode == "autohet":
+                    leaving = [e.node for e, k in zip(events, kinds) if k == "notice"]
+                    for node in leaving:          # every notice first: they come together
+                        fleet.nodes[node].watcher.send_signal(signal.SIGTERM)
+                    for e, k in zip(events, kinds):
+                        if k == "kill":
+                            fleet.kill(e.node)
+                        elif k == "join":
+                            agents.start(e.node)
+                    agents.follow(events)
+                    if "kill" in kinds:
+                        record["iteration_before"] = fleet.iteration()
+                    record["left_before_deadline"] = {node: fleet.reclaim_when_left(node)
+                                                      for node in leaving}
+                    joiners = [e.node for e, k in zip(events, kinds) if k == "join"]
+                    if joiners:
+                        hold_for_joiners(fleet, agents, record, joiners, hold,
+                                         lambda: training_since(t))
+                else:
+                    for node in list(fleet.nodes):
+                        fleet.kill(node)
+                    record["iteration_before"] = fleet.iteration()     # nothing trains now
+                    for node_dir in workdir.iterdir():                  # the local tier is gone
+                        if (node_dir / "ckpt").is_dir():
+                            shutil.rmtree(node_dir / "ckpt")
+                    agents.follow(events)
+                    start_round()
+                delivered.append(record)
+                what = ", ".join(f"{e['action']} {e['node']} ({e['kind']})"
+                                 for e in record["events"])
+                print(f"  [{mode}] {t - t0:6.1f} s: {what}, {record['late_s']:+.1f} s vs the "
+                      f"trace, at iteration {before}"
+                      + (f"; held after iteration {record['held_iteration']} until the joiners "
+                         "were in" if record.get("held_iteration") else ""), flush=True)
+            if not agents.wait(lambda: finished() is not None, EVENT_TIMEOUT) and not problems:
+                problems.append({"ms": None, "problem": f"not finished {EVENT_TIMEOUT:.0f} s "
+                                 "after the last step", "time_unix": time.time()})
+            agent_ends = agents.wait_all(timeout=EXIT_TIMEOUT)
+    finally:
+        LIVE.remove(fleet)
+        os.environ.pop(HOLD_FILE_ENV, None)
     late_exits = {n: a for n, a in agent_ends.items() if a["status"] != 0}
     if late_exits:
         print(f"  [{mode}] agents that did not end with status 0 after the job: {late_exits}",
@@ -358,7 +584,7 @@ def replay(mode: str, workdir: Path, trace_steps, initial: list[str], args,
     return {"t_start": t_start, "t0": t0, "metrics_at_t0": metrics_at_t0, "delivered": delivered,
             "skipped": skipped, "problems": problems, "rounds_started": rounds,
             "agent_exits_during_run": agents.exits, "agent_ends": agent_ends,
-            "finished": finished()}
+            "finished": finished(), "nnodes": args.nnodes, "loss_timeout_s": args.loss_timeout}
 
 
 # ---- analysis ---------------------------------------------------------------------------------
@@ -389,7 +615,7 @@ def _step_row(d: dict, events: list[dict], records: list[dict], median_s: float)
                 "recover_phases_s": {}, "recover_bytes": {}, "rounds": 0,
                 "iteration_stopped": d["iteration_before"],
                 "iteration_recovered": d["iteration_before"], "iterations_lost": 0,
-                "lost_s": 0.0, "cost_s": None if joins else 0.0}
+                "lost_s": 0.0, "cost_s": None if joins else 0.0, "held_s": 0.0}
     resume = next((e for e in events if e["event"] == "first_iteration" and e["time_unix"] > t),
                   None)
     window = (t, resume["time_unix"] if resume else float("inf"))
@@ -404,6 +630,11 @@ def _step_row(d: dict, events: list[dict], records: list[dict], median_s: float)
                      if e["event"] == kind and window[0] < e["time_unix"] <= window[1]), None)
 
     stop, evac, plan, recovery = first("stop"), first("evacuate"), last("plan"), last("recovery")
+    # The join pause (hold_for_joiners): from the held iteration's end to the stop the joiner's
+    # arrival made there - the job idle while the emulated joiner warmed up, off every clock.
+    held = (stop["time_unix"] - d["held_from"]
+            if d.get("held_from") is not None and stop is not None
+            and stop["iteration"] == d.get("held_iteration") else 0.0)
     row = {"trace_s": d["ms"] / 1000.0, "kind": d["kind"], "events": d["events"],
            "removes": sum(e["action"] == "remove" for e in d["events"]),
            "late_s": d["late_s"], "interrupted": True,
@@ -421,7 +652,8 @@ def _step_row(d: dict, events: list[dict], records: list[dict], median_s: float)
            "recover_phases_s": recovery["seconds"] if recovery else {},
            "recover_bytes": recovery["bytes"] if recovery else {},
            "rounds": sum(e["event"] == "plan" and window[0] < e["time_unix"] <= window[1]
-                         for e in events)}
+                         for e in events),
+           "held_s": max(0.0, held)}
     recover_s = sum(recovery["seconds"].values()) if recovery else None
     row["recover_s"] = recover_s
     down_from = stop["time_unix"] if stop else t
@@ -472,7 +704,8 @@ def analyse(mode: str, workdir: Path, run: dict) -> dict:
     busy = sum(r["elapsed_ms"] for r in after_t0) / 1000.0
     kept = [r for i, r in enumerate(records) if i >= run["metrics_at_t0"] and i not in superseded]
     useful = sum(r["elapsed_ms"] for r in kept) / 1000.0
-    wall = end - run["t0"]
+    held = sum(r["held_s"] for r in per_event)
+    wall = end - run["t0"] - held             # the join pauses are off the clock
     return {
         "events": per_event, "by_kind": by_kind(per_event),
         "skipped_events": run["skipped"], "problems": run["problems"],
@@ -484,6 +717,7 @@ def analyse(mode: str, workdir: Path, run: dict) -> dict:
             records[-1]["iteration"] if records else 0),
         "iterations_logged": len(records), "iterations_retrained": len(superseded),
         "wall_s_first_iteration_to_finished": wall,
+        "held_s": held,
         "wall_s_nodes_started_to_finished": end - run["t_start"],
         "busy_fraction": busy / wall, "useful_fraction": useful / wall,
         # 1.0 is a job that never stops, re-trains nor saves at its typical speed
@@ -493,6 +727,7 @@ def analyse(mode: str, workdir: Path, run: dict) -> dict:
         "rounds_started_by_benchmark": run["rounds_started"],
         "plan_events": sum(e["event"] == "plan" for e in events),
         "workdir": str(workdir),
+        "nnodes": run.get("nnodes"), "loss_timeout_s": run.get("loss_timeout_s"),
     }
 
 
@@ -667,8 +902,11 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=None,
                         help="iterations of each job (default 3000; --quick 400): enough that "
                              "the job is still training when the last event comes (events "
-                             "after the job's end are listed as not replayed; the churn trace's "
-                             "6 minutes of training clock took 2800 iterations at load 8-23)")
+                             "after the job's end are listed as not replayed): about the "
+                             "trace's training clock (printed at the start) over the iteration "
+                             "time (0.1-0.15 s here), plus a margin; joins hold the job, so "
+                             "they add none (before the hold, the churn trace's 6 minutes of "
+                             "training clock took 2800 iterations at load 8-23)")
     parser.add_argument("--save-interval", type=int, default=10,
                         help="periodic checkpoints (disk + S3) every N iterations (default 10)")
     parser.add_argument("--clock", choices=("training", "wall"), default="training",
@@ -689,10 +927,25 @@ def main() -> None:
                              "warm fork server has loaded torch: about a minute on 2 loaded "
                              "cores, and 150 iterations were over by then): the three runs took 5 "
                              "minutes at load 2-7 on 2 cores, longer under more load")
+    parser.add_argument("--loss-timeout", type=float, default=DEFAULT_LOSS_TIMEOUT_S,
+                        metavar="S",
+                        help="every `autohet node --loss-timeout`: a node lost without notice is "
+                             "found after S seconds (default: the product's, "
+                             f"{DEFAULT_LOSS_TIMEOUT_S:g}; the tests use 5); recorded in each "
+                             "run's row")
+    parser.add_argument("--cpu-per-node", type=float, default=CPU_PER_NODE, metavar="CORES",
+                        help="the least CPU one emulated node may get (default "
+                             f"{CPU_PER_NODE:g}): a trace with more nodes up at once than the "
+                             "cores allow at that is refused in one line")
+    parser.add_argument("--mem-per-node-gb", type=float, default=MEM_PER_NODE_GB, metavar="GB",
+                        help=f"memory one emulated node takes (default {MEM_PER_NODE_GB:g}): a "
+                             "trace with more nodes up at once than the available memory "
+                             "holds at that is refused in one line")
     parser.add_argument("--workdir", default=None,
                         help="keep the runs' files here (default: a temporary directory)")
     parser.add_argument("--out", default=str(ROOT / "bench-out" / "bench-spot.json"),
-                        help="JSON results path (default bench-out/bench-spot.json)")
+                        help="JSON results path (default bench-out/bench-spot.json), rewritten "
+                             "after each run with the rows so far")
     args = parser.parse_args()
     if args.no_reference and args.quick:
         parser.exit(2, "bench_spot.py: --no-reference: not with --quick (its no-event run takes "
@@ -700,6 +953,10 @@ def main() -> None:
     args.trace = args.trace or str(QUICK_TRACE if args.quick else CHURN_TRACE)
     args.time_scale = args.time_scale or (0.5 if args.quick else 0.02)
     args.iters = args.iters or (400 if args.quick else 3000)
+    try:
+        check_loss_timeout(args.loss_timeout)
+    except ConfigError as err:
+        parser.exit(2, f"bench_spot.py: {err}\n")
 
     silence_known_megatron_warnings()
     from megatron_autohet.testing.trace import load_trace, steps
@@ -707,42 +964,26 @@ def main() -> None:
 
     trace = load_trace(args.trace)
     initial = [e.node for e in trace if e.ms == 0 and e.action == "add"]
+    fewest, peak, peak_ms = fleet_bounds(trace, initial)
+    problem = capacity_problem(peak, peak_ms, args.cpu_per_node, args.mem_per_node_gb,
+                               os.cpu_count() or 1, mem_available_gb())
+    if problem:
+        parser.exit(2, f"bench_spot.py: {problem}\n")
+    # torchrun's --nnodes MIN:MAX: at most the trace's largest fleet, at least 2 (or 1 where the
+    # trace goes down to one node)
+    args.nnodes = f"{max(1, min(2, fewest))}:{peak}"
     trace_steps = steps(trace)
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="bench-spot-"))
     workdir.mkdir(parents=True, exist_ok=True)
     load_before = os.getloadavg()
+    clock_s = max((e.ms for e in trace), default=0) / 1000.0 * args.time_scale
     print(f"trace {args.trace}: {len(trace) - len(initial)} events in "
           f"{sum(1 for s in trace_steps if s.ms > 0)} steps after the initial fleet "
-          f"{', '.join(initial)}; time scale {args.time_scale:g} ({args.clock} clock); "
+          f"{', '.join(initial)}, {fewest}-{peak} nodes up (--nnodes {args.nnodes}); time scale "
+          f"{args.time_scale:g} ({args.clock} clock: {clock_s:.0f} s to the last step); "
           f"{args.iters} iterations, saves every {args.save_interval}; removals are "
           f"{'SIGKILLs' if args.no_notice else 'as the trace says (notice where it does not)'}"
-          f"; workdir {workdir}", flush=True)
-    autohet("plan", "--cluster", CLUSTER, "--model", MODEL, "--global-batch-size", GLOBAL_BATCH,
-            "--micro-batch-size", MICRO_BATCH, "-o", workdir / "plan.yaml")
-    warm_data_cache(args.iters)
-    os.environ["PYTHONPATH"] = os.pathsep.join(
-        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
-    runs, analysed = {}, {}
-    modes = ("autohet", "baseline") if args.no_reference else (NO_EVENTS, "autohet", "baseline")
-    with moto_s3_server("bench-spot") as s3:
-        for mode in modes:
-            started = time.time()
-            print(f"[{mode}] replaying", flush=True)
-            runs[mode] = replay(mode, workdir / mode, [] if mode == NO_EVENTS else trace_steps,
-                                initial, args, s3)
-            analysed[mode] = analyse(mode, workdir / mode, runs[mode])
-            print(f"[{mode}] done in {time.time() - started:.0f} s", flush=True)
-    reference = analysed.get(NO_EVENTS)
-    for run in analysed.values():
-        run["goodput"] = goodput(run, reference)
-    summary = summarise(analysed["autohet"], analysed["baseline"], reference,
-                        args.save_interval)
-    if reference:
-        print_run("no events (the initial fleet throughout: the reference)", reference)
-    print_run("autohet (local checkpoints + peers + S3)", analysed["autohet"])
-    print_run("baseline (restart everything from S3: SIGKILL all, local tier wiped, restart)",
-              analysed["baseline"])
-    print_summary(summary)
+          f"; --loss-timeout {args.loss_timeout:g}; workdir {workdir}", flush=True)
     result = {
         "command": {k: v for k, v in vars(args).items()},
         "trace": [{"ms": e.ms, "action": e.action, "node": e.node, "notice": e.notice}
@@ -751,6 +992,7 @@ def main() -> None:
                     "cluster": str(CLUSTER.relative_to(ROOT)),
                     "global_batch_size": GLOBAL_BATCH, "micro_batch_size": MICRO_BATCH,
                     "workers": "CPU (gloo), one per emulated node, OMP_NUM_THREADS=1",
+                    "nnodes": args.nnodes, "loss_timeout_s": args.loss_timeout,
                     "s3": "moto server in the benchmark's process (loopback)",
                     "baseline": "on every membership change: SIGKILL of every node's process "
                                 "tree (no emergency save), node-local checkpoint directories "
@@ -759,12 +1001,45 @@ def main() -> None:
                                 "only",
                     "cpu_count": os.cpu_count(), "machine": platform.platform(),
                     "python": platform.python_version(),
-                    "load_average_1min": {"before": load_before[0],
-                                          "after": os.getloadavg()[0]}},
-        "autohet": analysed["autohet"], "baseline": analysed["baseline"], "no_events": reference,
-        "replay": {m: {k: v for k, v in r.items()} for m, r in runs.items()},
-        "summary": summary,
+                    "load_average_1min": {"before": load_before[0]}},
+        "runs": [],
     }
+    modes = ("autohet", "baseline") if args.no_reference else (NO_EVENTS, "autohet", "baseline")
+    analysed: dict[str, dict] = {}
+    names = {NO_EVENTS: "no events (the initial fleet throughout: the reference)",
+             "autohet": "autohet (local checkpoints + peers + S3)",
+             "baseline": "baseline (restart everything from S3: SIGKILL all, local tier wiped, "
+                         "restart)"}
+
+    def run_one(mode: str) -> dict:
+        started = time.time()
+        print(f"[{mode}] replaying", flush=True)
+        run = replay(mode, workdir / mode, [] if mode == NO_EVENTS else trace_steps, initial,
+                     args, s3)
+        row = analysed[mode] = analyse(mode, workdir / mode, run)
+        row["goodput"] = goodput(row, analysed.get(NO_EVENTS))
+        print(f"[{mode}] done in {time.time() - started:.0f} s", flush=True)
+        print_run(names[mode], row)
+        return {"mode": mode, "loss_timeout_s": args.loss_timeout,
+                "load_average_1min_after": os.getloadavg()[0], **row, "replay": run}
+
+    with signals_raise():         # until run_all's own handlers: the set-up is torn down too
+        autohet("plan", "--cluster", CLUSTER, "--model", MODEL, "--global-batch-size",
+                GLOBAL_BATCH, "--micro-batch-size", MICRO_BATCH, "-o", workdir / "plan.yaml")
+        warm_data_cache(args.iters)
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
+    with moto_s3_server("bench-spot") as s3:
+        status = run_all(modes, run_one, result, args.out)
+    if status:
+        sys.exit(status)
+    reference = analysed.get(NO_EVENTS)
+    summary = summarise(analysed["autohet"], analysed["baseline"], reference,
+                        args.save_interval)
+    print_summary(summary)
+    result["setting"]["load_average_1min"]["after"] = os.getloadavg()[0]
+    result.update({"autohet": analysed["autohet"], "baseline": analysed["baseline"],
+                   "no_events": reference, "summary": summary})
     write_json(result, args.out)
 
 

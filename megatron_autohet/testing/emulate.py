@@ -161,7 +161,10 @@ class EmulatedFleet:
                           "--events-jsonl", str(self.workdir / node / "notices.jsonl")),
             stdout=out, stderr=subprocess.STDOUT)
         env = dict(os.environ, OMP_NUM_THREADS=str(self.omp_threads), CUDA_VISIBLE_DEVICES="")
-        addr = f"127.0.0.{self._next_addr}"
+        # 127.0.0.N, then on through 127.0.0.0/8 (all loopback on Linux): one per start, a
+        # restarted node included, so a long replay may need more than 254
+        n = self._next_addr
+        addr = f"127.{n >> 16 & 255}.{n >> 8 & 255}.{n & 255}"
         self._next_addr += 1
         process = subprocess.Popen(
             self._autohet("node", "--rendezvous", f"127.0.0.1:{self.port}", "--job-id",

@@ -169,3 +169,281 @@ def test_no_reference_with_quick_is_refused_in_one_line(bench, monkeypatch, caps
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--no-reference" in err and "--quick" in err
+
+
+# ---- real traces: any node count, the join pause, a row per run, a clean end on a signal ----
+
+def _trace_file(tmp_path, lines: list[str]) -> Path:
+    path = tmp_path / "trace.csv"
+    path.write_text("ms,action,node,notice\n" + "\n".join(lines) + "\n")
+    return path
+
+
+def test_a_trace_of_any_size_gets_its_own_nnodes_and_only_a_machine_limit_refuses(
+        bench, tmp_path, monkeypatch, capsys):
+    """The job's --nnodes comes from the trace (was 2:8 whatever the trace); a trace is refused
+    in one line only when its largest fleet exceeds the stated per-node CPU or memory floor."""
+    from megatron_autohet.testing.trace import load_trace
+
+    lines = [f"0,add,n{i}" for i in range(4)] + [f"{1000 + i},add,n{i}" for i in range(4, 12)] \
+        + [f"{5000 + i},remove,n{i}" for i in range(11)]
+    path = _trace_file(tmp_path, lines)
+    trace = load_trace(path)
+    assert bench.fleet_bounds(trace, ["n0", "n1", "n2", "n3"]) == (1, 12, 1011)
+    assert bench.capacity_problem(12, 1011, 0.1, 1.0, cores=2, mem_available_gb=20.0) is None
+    line = bench.capacity_problem(12, 1011, 0.25, 1.0, cores=2, mem_available_gb=20.0)
+    assert "--cpu-per-node 0.25 allows at most 8" in line and "12 nodes" in line
+    line = bench.capacity_problem(12, 1011, 0.1, 2.0, cores=2, mem_available_gb=20.0)
+    assert "--mem-per-node-gb 2 allows at most 10" in line
+    monkeypatch.setattr(sys, "argv", ["bench_spot.py", "--trace", str(path),
+                                      "--cpu-per-node", "0.25"])
+    with pytest.raises(SystemExit) as exit_:
+        bench.main()
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--cpu-per-node 0.25 allows at most" in err
+    monkeypatch.setattr(sys, "argv", ["bench_spot.py", "--trace", str(path),
+                                      "--loss-timeout", "1"])
+    with pytest.raises(SystemExit) as exit_:
+        bench.main()
+    assert exit_.value.code == 2 and "--loss-timeout" in capsys.readouterr().err
+
+
+def test_the_emulated_nodes_addresses_go_past_254_starts(tmp_path, monkeypatch):
+    """Each start of a node takes a new loopback address (a replay restarts nodes, the baseline
+    every node on every step): 127.0.0.N stopped at 255 starts."""
+    import ipaddress
+
+    from megatron_autohet.testing import emulate
+
+    seen = []
+
+    class Popen:
+        def __init__(self, argv, **kwargs):
+            if "--local-addr" in argv:
+                seen.append(argv[argv.index("--local-addr") + 1])
+
+    monkeypatch.setattr(emulate.subprocess, "Popen", Popen)
+    fleet = emulate.EmulatedFleet(tmp_path, train_args=[], port=1)
+    for i in range(300):
+        fleet.add(f"node{i % 7}", "H800")
+    assert seen[:2] == ["127.0.0.1", "127.0.0.2"] and len(set(seen)) == 300
+    assert all(ipaddress.ip_address(a) in ipaddress.ip_network("127.0.0.0/8") for a in seen)
+
+
+class _FakeTime:
+    """The replay's clock: sleep() moves it on, nothing waits."""
+
+    def __init__(self):
+        import time as real
+        self.now, self._real = 1000.0, real
+
+    def time(self) -> float:
+        return self.now
+
+    monotonic = time
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+    def __getattr__(self, name):          # mktime, strptime
+        return getattr(self._real, name)
+
+
+class _FakeJob:
+    """An elastic job on a fake fleet, driven by the fake clock: an iteration a second (none
+    while the hold file holds the one just finished), a node added after the first iteration
+    arrives WARMUP s later (stop after the iteration in flight, fleet, plan, first iteration 2 s
+    later), a kill restarts the job 3 s later, finished at ``iters``."""
+    WARMUP = 30.0
+
+    def __init__(self, clock, workdir, *, train_args, nnodes, job_id, cold_workers,
+                 loss_timeout):
+        from unittest import mock
+        self.clock, self.hold = clock, Path(workdir) / "hold"
+        self.iters = int(train_args[train_args.index("--iters") + 1])
+        self.made = dict(nnodes=nnodes, loss_timeout=loss_timeout, job_id=job_id)
+        self.nodes, self.log, self.iter, self.next_at = {}, [], 0, None
+        self.arrivals, self.restart_at, self.closed = {}, None, False
+        self.node = lambda: mock.Mock(process=mock.Mock(poll=lambda: 0 if self.done() else None))
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def close(self):
+        self.closed = True
+        self.nodes.clear()
+
+    def done(self):
+        return any(e["event"] == "finished" for e in self.log)
+
+    def emit(self, event, at, **fields):
+        self.log.append({"event": event, "time_unix": at, **fields})
+
+    def tick(self):
+        from megatron_autohet.elastic.hold import held_at
+
+        now = self.clock.now
+        if self.next_at is None and len(self.nodes) >= 2:
+            self.next_at = now + 5.0                       # start-up
+        for node, at in list(self.arrivals.items()):
+            if now >= at:
+                del self.arrivals[node]
+                self.emit("stop", at, iteration=self.iter, reason="join")
+                self.emit("fleet", at + 0.5, nodes={n: {} for n in self.nodes})
+                self.emit("plan", at + 1.0, nodes=sorted(self.nodes), seconds=0.5,
+                          decision="re-planned")
+                self.restart_at = at + 2.0
+        if self.restart_at is not None:
+            if now < self.restart_at:
+                return
+            self.next_at, self.restart_at = self.restart_at, None
+            self.emit("first_iteration", self.next_at + 1.0, iteration=self.iter + 1)
+        while self.next_at is not None and now >= self.next_at + 1.0 and not self.done():
+            if held_at(self.hold) == self.iter and self.iter > 0:
+                break                                      # held after this iteration
+            self.iter += 1
+            self.next_at += 1.0
+            if self.iter == 1:
+                self.emit("first_iteration", self.next_at, iteration=1)
+            if self.iter == self.iters:
+                self.emit("finished", self.next_at, iteration=self.iter)
+
+    def add(self, node, gpu):
+        self.nodes[node] = self.node()
+        if self.iter:
+            self.arrivals[node] = self.clock.now + self.WARMUP
+
+    def kill(self, node):
+        self.nodes.pop(node)
+        self.emit("stop", self.clock.now, iteration=self.iter, reason="loss")
+        self.restart_at = self.clock.now + 3.0
+
+    def reclaim_when_left(self, node):
+        return True
+
+    def iteration(self):
+        self.tick()
+        return self.iter
+
+    def events(self, kind=None):
+        self.tick()
+        return [e for e in sorted(self.log, key=lambda e: e["time_unix"])
+                if kind is None or e["event"] == kind]
+
+    def metrics(self):
+        return [{"iteration": i} for i in range(self.iter)]
+
+    def tail(self, node, lines=30):
+        return ""
+
+
+def test_the_trace_clock_and_the_job_pause_until_a_joiner_is_in_the_job(
+        bench, tmp_path, monkeypatch):
+    """A synthetic trace (2 nodes, a join at 10 s, a kill at 20 s, x1) on a fake job whose
+    joiner warms up 30 s: the job is held at the next iteration until the joiner's round trains
+    (no iteration while it warms up), the kill comes 10 s of training after the joiner's first
+    iteration, and the hold file is empty again. The fleet gets the trace's --nnodes and the
+    --loss-timeout."""
+    import argparse
+
+    from megatron_autohet.elastic.hold import held_at
+    from megatron_autohet.testing.trace import steps
+
+    clock = _FakeTime()
+    monkeypatch.setattr(bench, "time", clock)
+    made = []
+
+    def make_fleet(workdir, **kwargs):
+        made.append(_FakeJob(clock, workdir, **kwargs))
+        return made[-1]
+
+    trace = [TraceEvent(0, "add", "node0"), TraceEvent(0, "add", "node1"),
+             TraceEvent(10_000, "add", "node2"), TraceEvent(20_000, "remove", "node0",
+                                                             notice=False)]
+    args = argparse.Namespace(iters=60, save_interval=10, nnodes="2:3", loss_timeout=5.0,
+                              clock="training", time_scale=1.0, no_notice=False)
+    run = bench.replay("autohet", tmp_path / "autohet", steps(trace), ["node0", "node1"],
+                       args, ("http://s3", "b"), make_fleet=make_fleet)
+    (job,) = made
+    assert job.made["nnodes"] == "2:3" and job.made["loss_timeout"] == 5.0 and job.closed
+    assert run["loss_timeout_s"] == 5.0 and run["nnodes"] == "2:3"
+    join, kill = run["delivered"]
+    stop = next(e for e in job.log if e["event"] == "stop" and e["reason"] == "join")
+    assert join["held_iteration"] is not None and stop["iteration"] == join["held_iteration"]
+    first = [e for e in job.log if e["event"] == "first_iteration"]
+    assert join["joined_at"] == first[1]["time_unix"]
+    assert kill["due"] == pytest.approx(join["joined_at"] + 10.0)
+    assert held_at(tmp_path / "autohet" / "hold") is None
+    assert run["finished"] is not None and not run["problems"]
+    # The analysis takes the held seconds (held iteration's end to the join's stop) off the run.
+    row = bench._step_row(join, job.events(), [], 1.0)
+    assert row["held_s"] == pytest.approx(stop["time_unix"] - join["held_from"]) and \
+        row["held_s"] > 20
+
+
+def test_a_row_is_written_after_each_run(bench, tmp_path, capsys):
+    import json
+
+    out = tmp_path / "bench-spot.json"
+    result = {"command": {}}
+
+    def run_one(mode):
+        if mode == "b":                      # a's row is on disk before b starts
+            assert [r["mode"] for r in json.loads(out.read_text())["runs"]] == ["a"]
+        return {"mode": mode, "rate": 1.0}
+
+    assert bench.run_all(["a", "b"], run_one, result, str(out)) == 0
+    written = json.loads(out.read_text())
+    assert [r["mode"] for r in written["runs"]] == ["a", "b"] and written["complete"] is False
+    assert result["complete"] is True
+
+
+_SIGNALLED = r"""
+import importlib.util, sys, time
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+spec = importlib.util.spec_from_file_location("bench_spot", Path(sys.argv[1]) / "bench_spot.py")
+bench = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(bench)
+marker = Path(sys.argv[2])
+
+class Fleet:
+    def close(self):
+        marker.write_text("closed")
+
+def run_one(mode):
+    if mode == "second":
+        bench.LIVE.append(Fleet())
+        print("READY", flush=True)
+        time.sleep(120)
+    return {"mode": mode}
+
+sys.exit(bench.run_all(["first", "second"], run_one, {}, sys.argv[3]))
+"""
+
+
+@pytest.mark.parametrize("signum", [15, 2])
+def test_a_signal_tears_the_fleet_down_keeps_the_rows_and_exits_128_plus_it(
+        bench, tmp_path, signum):
+    import json
+    import os
+    import subprocess
+
+    marker, out = tmp_path / "closed", tmp_path / "out.json"
+    child = subprocess.Popen([sys.executable, "-c", _SIGNALLED, str(SCRIPTS), str(marker),
+                              str(out)], stdout=subprocess.PIPE, text=True)
+    try:
+        lines = iter(child.stdout.readline, "")
+        assert "READY" in (line.strip() for line in lines)    # after "wrote ..." for the first
+        os.kill(child.pid, signum)
+        status = child.wait(timeout=60)
+    finally:
+        child.kill()
+    assert status == 128 + signum and marker.read_text() == "closed"
+    written = json.loads(out.read_text())
+    assert [r["mode"] for r in written["runs"]] == ["first"]
+    assert written["interrupted"]["signal"] == ("SIGTERM" if signum == 15 else "SIGINT")
