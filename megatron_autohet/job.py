@@ -14,6 +14,12 @@ first) and megatron/hooks.py (``pretrain_gpt.py --autohet-plan``: Megatron-LM's 
 learning-rate scheduler). Whoever starts the ranks decides when they stop: it passes the stop
 check (elastic/stop.py), which this module does not import.
 
+:func:`train_adapting` is ``autohet train``'s job: :func:`train_job`, and with ``--autohet-adapt
+replan`` one generation per plan in the same processes, switching at a window's end to the plan
+its decision chose (planner/adapt.py): every rank saves the iteration, the new plan's ranks make
+its process group (:func:`host_generation_store`, which an elastic job's in-process re-plan
+shares) and recover that step, and train on.
+
 :class:`TrainOptions` is the one validation layer of a job's options (with the dataclasses it
 holds: runtime/optimizer.py ``OptimizerSettings``, checkpoint/options.py ``CheckpointOptions``):
 the front ends translate their flags into it and call :meth:`TrainOptions.validate`, which names
@@ -27,7 +33,9 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import sys
+import time
 from dataclasses import asdict, dataclass, replace
 from datetime import timedelta
 from pathlib import Path
@@ -37,7 +45,7 @@ from megatron_autohet.cost_model import plan_profile
 from megatron_autohet.data.batches import DataOptions, default_split, open_global_batches
 from megatron_autohet.errors import (ConfigError, JobConfigError, check_output_path, positive,
                                      probability)
-from megatron_autohet.plan import Plan
+from megatron_autohet.plan import Plan, RankInfo, plan_from_dict
 from megatron_autohet.profiling.from_run import (priced_entries, profile_from_window,
                                                  save_run_profile)
 from megatron_autohet.runtime.optimizer import OptimizerSettings, make_lr_scheduler
@@ -60,6 +68,8 @@ FLAGS = {"iters": "--iters", "metrics_jsonl": "--metrics-jsonl",
 # the planner loads SCIP) and its default: log the decisions (module doc of planner/adapt.py).
 ADAPT_MODES = ("off", "log", "replan")
 DEFAULT_ADAPT = "log"
+# What --autohet-adapt accepts where replan is refused (an elastic job, pretrain_gpt.py).
+_NO_REPLAN = "off, or log: each window's decision logged, nothing switched"
 
 
 @dataclass(frozen=True)
@@ -103,7 +113,7 @@ class TrainOptions:
     # The profile the windows give (profiling/from_run.py), rewritten at every window's end.
     measured_profile: str | None = None
     # At every window's end, whether to re-plan on what was measured (planner/adapt.py): off,
-    # log (the decision logged, nothing switched) or replan (not yet available).
+    # log (the decision logged, nothing switched) or replan (the switch made: train_adapting).
     adapt: str = DEFAULT_ADAPT
     elastic: ElasticOptions | None = None   # None: a job whose ranks are the plan's
 
@@ -131,11 +141,14 @@ class TrainOptions:
                       "checkpoint": CheckpointOptions(**data["checkpoint"]),
                       "elastic": data["elastic"] and ElasticOptions(**data["elastic"])})
 
-    def validate(self, source: str = "<command line>",
-                 flags: dict | None = None) -> "TrainOptions":
+    def validate(self, source: str = "<command line>", flags: dict | None = None, *,
+                 no_replan: str | None = None) -> "TrainOptions":
         """Every value of the job's options, before any process exists: ConfigError naming the
         flag (``flags``: the front end's spelling of :data:`FLAGS`, ``source``: its input) with
-        the optimizer's and the checkpoints' own checks; returns the options."""
+        the optimizer's and the checkpoints' own checks; returns the options. ``no_replan``:
+        why this front end refuses ``--autohet-adapt replan`` (pretrain_gpt.py's: Megatron-LM's
+        loop owns the iterations); an elastic job refuses it too, and a job without a
+        checkpoint location (the switch moves the state through it)."""
         flags = {**FLAGS, **(flags or {})}
         positive(self.iters, flags["iters"], source)
         # probability(): "<command line>", both front ends' dropout flags are spelled alike
@@ -158,9 +171,7 @@ class TrainOptions:
             raise ConfigError(source, flags["adapt"], f"got {self.adapt!r}",
                               ", ".join(ADAPT_MODES))
         if self.adapt == "replan":
-            raise ConfigError(source, flags["adapt"], "replan is not yet available on this "
-                              "front end (the in-process switch comes later)",
-                              "off, or log: each window's decision logged, nothing switched")
+            self._check_replan(source, flags, no_replan)
         self.optimizer.validate(train_iters=self.iters, source=source)
         self.checkpoint.validate(source)
         check_scheduler_flags(self.checkpoint,
@@ -173,6 +184,23 @@ class TrainOptions:
             raise ConfigError(source, flags["distributed_timeout_minutes"],
                               f"got {self.distributed_timeout_minutes}", "minutes > 0")
         return self
+
+    def _check_replan(self, source: str, flags: dict, no_replan: str | None) -> None:
+        """Where ``--autohet-adapt replan`` is refused, in one line (validate's doc)."""
+        if no_replan is not None:
+            raise ConfigError(source, flags["adapt"], f"replan is not available {no_replan}",
+                              _NO_REPLAN)
+        if self.elastic is not None:
+            raise ConfigError(source, flags["adapt"], "replan is not yet available on an "
+                              "elastic job (autohet node): its generations switch plans on a "
+                              "fleet's change only", _NO_REPLAN)
+        if not self.checkpoint.saving:
+            # The switch saves the iteration and the new plan recovers it (any plan's step into
+            # any other plan): through the job's own checkpoints, not a hidden second copy.
+            raise ConfigError(source, flags["adapt"], "replan needs a checkpoint location: "
+                              "every rank saves the iteration of a switch and the new plan "
+                              "resumes from it", "--save DIR or --autohet-local-ckpt-dir DIR "
+                              "(with --save-interval), or log")
 
 
 def train_args(options: TrainOptions) -> dict:
@@ -252,8 +280,10 @@ def measure_flags(prefix: str = "") -> list[tuple[tuple[str, ...], dict]]:
             help=prefix + "at every window's end re-plan the fleet on what the window measured "
                           "(the GPU types' times, the stragglers) and decide whether switching "
                           "pays back over the iterations left: off; log (the default: one "
-                          "'adapt' line per decision, nothing switched); replan (not yet "
-                          "available)")),
+                          "'adapt' line per decision, nothing switched); replan (autohet "
+                          "train with --save or --autohet-local-ckpt-dir: the job switches to "
+                          "the re-plan in its processes, through a checkpoint of the "
+                          "iteration)")),
     ]
 
 
@@ -284,14 +314,15 @@ def measured_profile_sink(plan: Plan, path: str, priors, trainer, precision, the
 
 
 def adapt_sink(plan: Plan, plan_label: str, options: TrainOptions, trainer, precision,
-               then=None, on_adapt=None):
-    """With ``options.adapt`` log and windows: the window sink deciding at every window's end
-    whether to re-plan (planner/adapt.py ``window_decision``, on the rank that logs), printing
-    its line and handing the decision to ``on_adapt`` (an elastic job's ``adapt`` event);
-    then ``then(report)``. The re-plan runs between two iterations on this rank alone; the
-    others wait for it at the next collective, which one window's medians shrug off. None
-    without it."""
-    if options.adapt != "log" or not options.measure_window:
+               then=None, on_adapt=None, adapter=None):
+    """With ``options.adapt`` log or replan and windows: the window sink deciding at every
+    window's end whether to re-plan (planner/adapt.py ``window_decision`` with ``adapter``, the
+    hysteresis so far; default a new one), on the rank that logs, printing its line and handing
+    the decision to ``on_adapt`` (an elastic job's ``adapt`` event; replan's switch,
+    :func:`train_adapting`); then ``then(report)``. The re-plan runs between two iterations on
+    this rank alone; the others wait for it at the next collective, which one window's medians
+    shrug off. None without it."""
+    if options.adapt not in ("log", "replan") or not options.measure_window:
         return None
     # the planner (pyscipopt, through the search): only a job that adapts loads it
     from megatron_autohet.planner.adapt import Adapter, window_decision
@@ -303,7 +334,7 @@ def adapt_sink(plan: Plan, plan_label: str, options: TrainOptions, trainer, prec
         print(f"WARNING: {FLAGS['adapt']} {options.adapt}: not adapting: {err}", flush=True)
         return None
     template = load_cluster(options.elastic.cluster) if options.elastic is not None else None
-    adapter = Adapter()
+    adapter = adapter if adapter is not None else Adapter()
 
     def sink(report) -> None:
         try:
@@ -334,7 +365,7 @@ def measure_fields(args) -> dict:
 def train_job(plan: Plan, plan_label: str, model: ModelSpec, options: TrainOptions, *, rank: int,
               local_rank: int, make_stop_check=None, make_scheduler=None,
               schedule_flags: dict | None = None, recorded_args: dict | None = None,
-              on_window=None, on_adapt=None) -> int:
+              on_window=None, on_adapt=None, adapter=None) -> int:
     """Train on an initialised default process group whose ranks are the plan's; returns the last
     iteration trained. ``make_stop_check(checkpointer)`` (the checkpointer or None) returns the
     ``stop_check`` of runtime/trainer.train_iterations; it is called on every rank right after
@@ -349,8 +380,9 @@ def train_job(plan: Plan, plan_label: str, model: ModelSpec, options: TrainOptio
     ``on_window(report)``: called on rank 0 with every measurement window's
     runtime/stage_drift.py ``WindowReport`` (an elastic job's ``drift`` event), after the
     window's profile is written (``options.measured_profile``, :func:`measured_profile_sink`)
-    and the window's adaptation decided (``options.adapt``, :func:`adapt_sink`), whose
-    decisions go to ``on_adapt(decision)`` there (an elastic job's ``adapt`` event)."""
+    and the window's adaptation decided (``options.adapt``, :func:`adapt_sink`, on
+    ``adapter``: planner/adapt.py's ``Adapter``, a new one by default), whose decisions go to
+    ``on_adapt(decision)`` there (an elastic job's ``adapt`` event, replan's switch)."""
     # torch and megatron-core: a rank's code (see the module's docstring)
     from megatron_autohet.runtime.fusions import priced_on_other_fusions
     from megatron_autohet.runtime.stage_model import LAYER_SPECS
@@ -402,7 +434,7 @@ def train_job(plan: Plan, plan_label: str, model: ModelSpec, options: TrainOptio
         print(trainer.optimizer.summary(), flush=True)
     if rank == 0:
         on_window = adapt_sink(plan, plan_label, options, trainer, precision, then=on_window,
-                               on_adapt=on_adapt) or on_window
+                               on_adapt=on_adapt, adapter=adapter) or on_window
     if priors is not None and rank == 0:
         on_window = measured_profile_sink(plan, options.measured_profile, priors, trainer,
                                           precision, then=on_window)
@@ -433,3 +465,214 @@ def train_job(plan: Plan, plan_label: str, model: ModelSpec, options: TrainOptio
                             evaluation=evaluation, log_interval=options.log_interval,
                             measure_window=options.measure_window or None,
                             measured_jsonl=options.measured_jsonl, on_window=on_window)
+
+
+# ---- --autohet-adapt replan: the job switches plans in its processes --------------------------
+# A switch's new process group meets on a store one of its ranks hosts (as an elastic job's
+# in-process re-plan, elastic/worker.py): the store of the old group belongs to its launcher.
+GENERATION_STORE_TIMEOUT = timedelta(minutes=5)
+
+
+def host_generation_store(timeout: timedelta = GENERATION_STORE_TIMEOUT):
+    """A TCP store for the next generation's process group, hosted by this rank: (store,
+    address, port). The address is ``AUTOHET_LOCAL_ADDR`` where set (emulated nodes), else the
+    host name; port 0: the store binds a port the system picks (no window for another process
+    to take it between choosing and binding)."""
+    import torch.distributed as dist     # torch: a rank's code (see the module's docstring)
+
+    addr = os.environ.get("AUTOHET_LOCAL_ADDR") or socket.gethostname()
+    store = dist.TCPStore(addr, 0, is_master=True, wait_for_workers=False, timeout=timeout)
+    return store, addr, store.port
+
+
+def join_generation_store(addr: str, port: int, timeout: timedelta = GENERATION_STORE_TIMEOUT):
+    """The store :func:`host_generation_store` hosts, from another rank."""
+    import torch.distributed as dist     # torch: a rank's code (see the module's docstring)
+
+    return dist.TCPStore(addr, port, is_master=False, timeout=timeout)
+
+
+def _rank_in(plan: Plan, gpu: RankInfo) -> int | None:
+    """The rank of ``plan`` on the GPU (node, local rank) of ``gpu``; None: idle in it."""
+    return next((r.rank for r in plan.ranks
+                 if (r.node, r.local_rank) == (gpu.node, gpu.local_rank)), None)
+
+
+def _store_host(old: Plan, new: Plan) -> int:
+    """The rank of ``old`` that hosts the new generation's store: the first that trains in
+    ``new`` (an idle one ends its process)."""
+    return next(r.rank for r in old.ranks if _rank_in(new, r) is not None)
+
+
+def describe_plan(plan: Plan) -> str:
+    """A plan in one phrase: its pipelines, each stage's GPUs and layers, micro-batches."""
+    pipes = ", ".join("[" + " | ".join(
+        f"{plan.ranks[s.ranks[0]].gpu}{f' x{s.tp}' if s.tp > 1 else ''} layers "
+        f"{s.layers[0]}-{s.layers[1]}" for s in pipe.stages) + f"] x{pipe.num_microbatches}"
+        for pipe in plan.pipelines)
+    return (f"{len(plan.pipelines)} pipeline{'s' if len(plan.pipelines) > 1 else ''} on "
+            f"{plan.world_size} GPUs {pipes}")
+
+
+def resume_options(options: TrainOptions, iteration: int) -> TrainOptions:
+    """The options of the generation after a switch at ``iteration``: the job's own, resuming
+    exactly that step from where the job saves it (checkpoint/recovery.py loads any plan's step
+    into any other plan), all of its state (a --finetune or --no-load-* was the first
+    generation's)."""
+    ckpt = options.checkpoint
+    return replace(options, checkpoint=replace(
+        ckpt, load=ckpt.local_dir or ckpt.save, ckpt_step=iteration, finetune=False,
+        no_load_optim=False, no_load_rng=False, exit_on_missing_checkpoint=True))
+
+
+@dataclass(frozen=True)
+class _Switched:
+    """A switch done, reported by the new plan's rank 0 after its first iteration."""
+    before: Plan
+    after: Plan
+    iteration: int
+    stopped_at: float           # time.monotonic(): the ranks agreed on the switch
+    saved_at: float             # the iteration saved on every rank, the trainer freed
+    grouped_at: float           # the new plan's process group made
+
+    def line(self, recovery) -> str:
+        now = time.monotonic()
+        idle = [f"{r.node}:{r.local_rank}" for r in self.before.ranks
+                if _rank_in(self.after, r) is None]
+        moved = ("" if recovery is None else
+                 f", recovered {sum(recovery.job_bytes.values()) / 2**20:.1f} MiB (local disks "
+                 f"{recovery.job_bytes.get('own', 0) / 2**20:.1f}, peers "
+                 f"{recovery.job_bytes.get('peer', 0) / 2**20:.1f}, S3 "
+                 f"{recovery.job_bytes.get('s3', 0) / 2**20:.1f})")
+        return (f"adapt: switched plans after iteration {self.iteration}: "
+                f"{describe_plan(self.before)} -> {describe_plan(self.after)}"
+                + (f" (idle: {', '.join(idle)})" if idle else "")
+                + f"; state saved in {self.saved_at - self.stopped_at:.2f} s{moved}; new process "
+                f"group {self.grouped_at - self.saved_at:.2f} s, model, optimizer, recovery and "
+                f"iteration {self.iteration + 1} {now - self.grouped_at:.2f} s; "
+                f"{now - self.stopped_at:.2f} s from the stop to iteration {self.iteration + 1} "
+                "trained")
+
+
+class _PlanSwitch:
+    """One generation's side of ``--autohet-adapt replan`` (:func:`train_adapting`): the window
+    sink's SWITCH decision (``decided``, on rank 0) and the stop check that makes every rank
+    learn it at the window's end (one broadcast on a gloo group of its own, as elastic/stop.py
+    explains: the checkpoint writer's collectives run beside it), wrapping the front end's
+    stop check; ``next``: the plan switched to, None while none."""
+
+    def __init__(self, plan: Plan, rank: int, options: TrainOptions, make_stop_check, adapter,
+                 previous: _Switched | None):
+        self.plan, self.rank, self.options = plan, rank, options
+        self.inner = make_stop_check
+        self.adapter = adapter                  # rank 0: the decisions' hysteresis
+        self.previous = previous
+        self.decision = None
+        self.next: Plan | None = None
+        self.adapter_state: dict | None = None  # the hysteresis the next generation continues
+        self.store = None                       # the new group's store, on the rank hosting it
+        self.address: tuple[str, int] | None = None
+        self.stopped_at: float | None = None
+
+    def decided(self, decision) -> None:
+        """``on_adapt`` of the window sink (rank 0)."""
+        if decision.switch:
+            self.decision = decision
+
+    def make_stop_check(self, checkpointer):
+        import torch.distributed as dist     # torch: a rank's code (see the module's docstring)
+
+        group = dist.new_group(backend="gloo", timeout=self.options.timeout)
+        inner = self.inner(checkpointer) if self.inner else None
+        first = [True]
+
+        def check(iteration: int) -> str | None:
+            if first[0]:
+                first[0] = False
+                if self.previous is not None and self.rank == 0:
+                    print(f" [{time.strftime('%Y-%m-%d %H:%M:%S')}] "
+                          f"{self.previous.line(checkpointer.last_report)}", flush=True)
+            switching = (iteration % self.options.measure_window == 0
+                         and self._agree(iteration, group))
+            action = inner(iteration) if inner else None
+            if action == "stop":            # a signal: the job stops, no switch
+                self.next = None
+                return action
+            return "stop" if switching else action
+        return check
+
+    def _agree(self, iteration: int, group) -> bool:
+        """At a window's end, on every rank: rank 0's decision, and where the new group meets."""
+        import torch.distributed as dist     # torch: a rank's code (see the module's docstring)
+
+        message = [None]
+        if self.rank == 0 and self.decision is not None:
+            message = [{"plan": self.decision.plan.to_dict(),
+                        "adapter": asdict(self.adapter)}]
+        self.decision = None
+        dist.broadcast_object_list(message, src=0, group=group)
+        if message[0] is None:
+            return False
+        new = plan_from_dict(message[0]["plan"], f"<re-plan at iteration {iteration}>")
+        host = _store_host(self.plan, new)
+        where = [None]
+        if self.rank == host:
+            self.store, *address = host_generation_store()
+            where = [tuple(address)]
+        dist.broadcast_object_list(where, src=host, group=group)
+        self.next, self.adapter_state, self.address = new, message[0]["adapter"], where[0]
+        self.stopped_at = time.monotonic()
+        return True
+
+
+def train_adapting(plan: Plan, plan_label: str, model: ModelSpec, options: TrainOptions, *,
+                   rank: int, local_rank: int, make_stop_check=None) -> int:
+    """``autohet train``'s job on an initialised default group whose ranks are the plan's:
+    :func:`train_job`, and with ``--autohet-adapt replan`` one generation per plan in the same
+    processes. When a window's decision (rank 0's, planner/adapt.py) says SWITCH, every rank
+    learns it and the new plan at that window's end, stops after that iteration and saves it
+    (the job's checkpointer, as at the end of a run), frees its trainer (runtime/device.py
+    ``free_memory``), leaves the old process group and joins the new plan's (its ranks by
+    GPU: node and local rank; a store hosted by the first rank that stays), and trains on from
+    the saved step (:func:`resume_options`: checkpoint/recovery.py loads any plan's step into
+    any other); the decisions' hysteresis goes on from where the switch left it. A GPU the new
+    plan leaves idle ends its process (status 0) once the step is saved; later re-plans plan
+    the new plan's GPUs. Returns the last iteration trained (on an idle GPU: the switch's)."""
+    if options.adapt != "replan" or not options.measure_window:
+        return train_job(plan, plan_label, model, options, rank=rank, local_rank=local_rank,
+                         make_stop_check=make_stop_check)
+    # torch: a rank's code (see the module's docstring)
+    import torch.distributed as dist
+
+    from megatron_autohet.runtime.device import free_memory
+
+    state, previous, generation = {}, None, 0
+    while True:
+        adapter = None
+        if rank == 0:
+            # the planner (pyscipopt): only on the rank that decides
+            from megatron_autohet.planner.adapt import Adapter
+            adapter = Adapter(**state)
+        switch = _PlanSwitch(plan, rank, options, make_stop_check, adapter, previous)
+        last = train_job(plan, plan_label, model, options, rank=rank, local_rank=local_rank,
+                         make_stop_check=switch.make_stop_check, on_adapt=switch.decided,
+                         adapter=adapter)
+        if switch.next is None:
+            return last
+        adapter = None
+        free_memory()           # train_job's trainer, optimizer and buffers are unreferenced
+        saved_at = time.monotonic()
+        new_rank = _rank_in(switch.next, plan.ranks[rank])
+        backend = dist.get_backend()
+        dist.destroy_process_group()
+        if new_rank is None:
+            return last
+        store = switch.store or join_generation_store(*switch.address)
+        dist.init_process_group(backend, rank=new_rank, world_size=switch.next.world_size,
+                                timeout=options.timeout,
+                                store=dist.PrefixStore(f"autohet/adapt/{generation}/", store))
+        previous = _Switched(plan, switch.next, last, switch.stopped_at, saved_at,
+                             time.monotonic())
+        plan, rank, plan_label = switch.next, new_rank, f"<re-plan at iteration {last}>"
+        options, state = resume_options(options, last), switch.adapter_state
+        generation += 1

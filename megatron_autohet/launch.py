@@ -18,7 +18,8 @@ Three pieces, used by ``autohet train`` (cli/train.py):
   ``LOCAL_RANK`` = the plan's ``local_rank`` of this rank), picks NCCL + the GPU of
   ``LOCAL_RANK`` among those the process sees (runtime/device.py: one GPU per task works too)
   when this process has a GPU and gloo + the CPU mode otherwise, and trains (job.py
-  ``train_job``), stopping on a signal with ``--exit-signal-handler`` (:func:`signal_stop_check`).
+  ``train_adapting``: ``train_job``, one generation per plan with ``--autohet-adapt replan``),
+  stopping on a signal with ``--exit-signal-handler`` (:func:`signal_stop_check`).
 
 It sits above job.py and elastic/ (whose stop check it uses); the elastic workers
 (elastic/worker.py) start their ranks their own way and share job.py, not this module.
@@ -37,7 +38,8 @@ from pathlib import Path
 
 from megatron_autohet.checkpoint.lease import take_job_lease
 from megatron_autohet.errors import ConfigError, JobConfigError
-from megatron_autohet.job import TrainOptions, init_backend, report_job_config_error, train_job
+from megatron_autohet.job import (TrainOptions, init_backend, report_job_config_error,
+                                  train_adapting)
 from megatron_autohet.plan import Plan, load_plan
 from megatron_autohet.spec.model import ModelSpec, load_model
 from megatron_autohet.system.parent_death import exported_parent_pid
@@ -175,12 +177,14 @@ def run_worker(plan: Plan, plan_path: str | Path, model: ModelSpec, options: Tra
     dist.init_process_group("gloo" if on_cpu else "nccl", rank=env.rank,
                             world_size=env.world_size, timeout=options.timeout)
     try:
-        train_job(plan, str(plan_path), model, options, rank=env.rank, local_rank=env.local_rank,
-                  make_stop_check=signal_stop_check(options))
+        train_adapting(plan, str(plan_path), model, options, rank=env.rank,
+                       local_rank=env.local_rank, make_stop_check=signal_stop_check(options))
     except JobConfigError as err:
-        return report_job_config_error(err, env.rank)
+        # after a switch (--autohet-adapt replan) the ranks are the new plan's
+        return report_job_config_error(err, dist.get_rank())
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():       # a GPU a switch left idle has left the group
+            dist.destroy_process_group()
     return 0
 
 

@@ -74,7 +74,8 @@ from megatron_autohet.elastic.hold import hold_file_from_env, wait_while_held
 from megatron_autohet.elastic.rendezvous import stop_for_good
 from megatron_autohet.elastic.stop import StopDecision, StopRequests, stop_group
 from megatron_autohet.errors import ConfigError, JobConfigError
-from megatron_autohet.job import init_backend, job_precision, train_job
+from megatron_autohet.job import (host_generation_store, init_backend, job_precision,
+                                  join_generation_store, train_job)
 from megatron_autohet.plan import Plan, plan_from_dict
 from megatron_autohet.planner.replan import replan
 from megatron_autohet.runtime.cpu_mode import cpu_mode_required
@@ -431,12 +432,9 @@ class ElasticWorker:
             except NoPlan as failed:
                 message = [{"no_plan": failed.line}]
             else:
-                addr = os.environ.get("AUTOHET_LOCAL_ADDR") or socket.gethostname()
-                # Port 0: the store binds a port the system picks (no window for another
-                # process to take it between choosing and binding).
-                server = dist.TCPStore(addr, 0, is_master=True, wait_for_workers=False,
-                                       timeout=_STORE_TIMEOUT)
-                message = [{"plan": found.plan.to_dict(), "addr": addr, "port": server.port,
+                # the store --autohet-adapt replan's switch meets on too (job.py)
+                server, addr, port = host_generation_store(_STORE_TIMEOUT)
+                message = [{"plan": found.plan.to_dict(), "addr": addr, "port": port,
                             "recovery_bytes": found.recovery_bytes,
                             "iteration_time_s": found.cost.iteration_time_s}]
         dist.broadcast_object_list(message, src=host)
@@ -445,8 +443,8 @@ class ElasticWorker:
         if self.me.node in leaving:
             return None
         new = plan_from_dict(message[0]["plan"], "<elastic plan>")
-        store = server or dist.TCPStore(message[0]["addr"], message[0]["port"],
-                                        is_master=False, timeout=_STORE_TIMEOUT)
+        store = server or join_generation_store(message[0]["addr"], message[0]["port"],
+                                                _STORE_TIMEOUT)
         seconds = time.monotonic() - start
         self.started = time.monotonic()
         # The host reports the re-plan: the old plan's rank 0, which reported until now, may be

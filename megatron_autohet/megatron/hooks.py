@@ -308,7 +308,10 @@ def train_options(args, plan_path: str | Path) -> TrainOptions:
                                     else args.bias_gelu_fusion),
         bias_dropout_fusion=bool(args.bias_dropout_fusion),
         log_interval=args.log_interval, **measure_fields(args)
-    ).validate(str(plan_path), MEGATRON_FLAGS)
+    ).validate(str(plan_path), MEGATRON_FLAGS,
+               # job.train_adapting's switch stops the iteration loop, which is Megatron-LM's
+               no_replan="with pretrain_gpt.py --autohet-plan: Megatron-LM's training loop "
+                         "owns the iterations (autohet train switches plans)")
 
 
 def _data_path(args) -> str | None:

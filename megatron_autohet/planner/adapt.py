@@ -37,9 +37,9 @@ intra-node figure and DEFAULT_NIC_GBS).
 ``switch_cost(previous, new, cluster, overhead_s)``: (seconds, bytes moved).
 ``amortised_gain(now, new, switch, remaining)``: the fraction above.
 ``window_decision(adapter, plan, stages, window, priors, remaining, ...)``: the whole step a job
-takes at a window's end (``--autohet-adapt log``, job.py): the stragglers and the measured
-profile of the window (profiling/from_run.py), merged over the plan's recorded profile, the
-plan's fleet with the measured speeds, :meth:`Adapter.consider`.
+takes at a window's end (``--autohet-adapt log`` and ``replan``, job.py): the stragglers and the
+measured profile of the window (profiling/from_run.py), merged over the plan's recorded profile,
+the plan's fleet with the measured speeds, :meth:`Adapter.consider`.
 """
 
 from __future__ import annotations
@@ -70,7 +70,8 @@ DEFAULT_HOLD = 3
 DEFAULT_SWITCH_OVERHEAD_S = 30.0
 # A plan's file does not record its links: the NIC of a fleet derived from a plan alone.
 DEFAULT_NIC_GBS = 25.0
-# --autohet-adapt: nothing; the decision logged every window; the switch made (a later slice)
+# --autohet-adapt: nothing; the decision logged every window; the switch made (job.py
+# train_adapting)
 MODES = ("off", "log", "replan")
 DEFAULT_MODE = "log"
 

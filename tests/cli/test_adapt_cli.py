@@ -1,8 +1,9 @@
-"""--autohet-adapt (issue 40 items 4 and 7, log mode): the flag's values refused in one line
-before any process, and a real `autohet train` whose rank 0 logs one decision per window - the
-decision planner/adapt.py takes from that window's measurements, recomputed here from the
-windows the run wrote (its figures compared with the run's numbers, never with a wall-clock
-expectation)."""
+"""--autohet-adapt (issue 40 items 4 and 7): the flag's values, and replan where it cannot
+switch, refused in one line before any process; a real `autohet train` whose rank 0 logs one
+decision per window - the decision planner/adapt.py takes from that window's measurements,
+recomputed here from the windows the run wrote (its figures compared with the run's numbers,
+never with a wall-clock expectation); and replan through the launcher (tests/test_job_replan.py
+switches on injected windows)."""
 
 from __future__ import annotations
 
@@ -13,10 +14,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+from dataclasses import replace
+
 import pytest
 
+from megatron_autohet.checkpoint.options import CheckpointOptions
 from megatron_autohet.errors import ConfigError
-from megatron_autohet.job import ADAPT_MODES, DEFAULT_ADAPT, TrainOptions
+from megatron_autohet.job import ADAPT_MODES, DEFAULT_ADAPT, ElasticOptions, TrainOptions
 from megatron_autohet.plan import load_plan
 from megatron_autohet.planner.adapt import DEFAULT_MODE, MODES, Adapter, window_decision
 from megatron_autohet.profiling.from_run import priced_entries
@@ -37,26 +41,42 @@ def _autohet(*args, timeout=600) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.unit
-def test_the_modes_are_the_planners_and_replan_is_refused_on_both_front_ends():
+def test_the_modes_are_the_planners_and_replan_is_refused_where_it_cannot_switch():
+    """replan: pretrain_gpt.py refuses it (Megatron-LM's loop owns the iterations), an elastic
+    job too, and autohet train without a checkpoint location (the switch moves the state
+    through it); autohet train with --save or --autohet-local-ckpt-dir takes it."""
     assert ADAPT_MODES == MODES and DEFAULT_ADAPT == DEFAULT_MODE == "log"
     options = TrainOptions(iters=4, seed=1, optimizer=OptimizerSettings(lr=1e-3), adapt="replan")
-    with pytest.raises(ConfigError) as err:
-        options.validate("<Megatron-LM arguments>")
-    assert err.value.field == "--autohet-adapt"
-    assert "not yet available on this front end" in err.value.problem
+    saving = replace(options, checkpoint=CheckpointOptions(save="ckpt", save_interval=2))
+    for bad, kwargs, problem in (
+            (saving, {"no_replan": "with pretrain_gpt.py --autohet-plan: Megatron-LM's training "
+                                   "loop owns the iterations"},
+             "replan is not available with pretrain_gpt.py --autohet-plan"),
+            (replace(options, elastic=ElasticOptions(cluster="c.yaml"),
+                     checkpoint=CheckpointOptions(local_dir="d", save_interval=2)), {},
+             "not yet available on an elastic job"),
+            (options, {}, "replan needs a checkpoint location")):
+        with pytest.raises(ConfigError) as err:
+            bad.validate("<command line>", **kwargs)
+        assert err.value.field == "--autohet-adapt" and problem in err.value.problem
+    assert saving.validate() is saving
+    local = replace(options, checkpoint=CheckpointOptions(local_dir="d/{node}", save_interval=2))
+    assert local.validate() is local
     for mode in ("off", "log"):
         TrainOptions(iters=4, seed=1, optimizer=OptimizerSettings(lr=1e-3), adapt=mode).validate()
 
 
 @pytest.mark.integration
-def test_replan_and_an_unknown_mode_are_one_line_before_any_process(tmp_path):
+def test_replan_without_checkpoints_and_an_unknown_mode_are_one_line_before_any_process(
+        tmp_path):
     result = _autohet("train", "--plan", PLAN, "--model", MODEL, "--autohet-adapt", "replan",
                       "--metrics-jsonl", tmp_path / "m.jsonl")
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
-        "autohet train: error: <command line>: field '--autohet-adapt': replan is not yet "
-        "available on this front end (the in-process switch comes later) (allowed: off, or "
-        "log: each window's decision logged, nothing switched)"]
+        "autohet train: error: <command line>: field '--autohet-adapt': replan needs a "
+        "checkpoint location: every rank saves the iteration of a switch and the new plan "
+        "resumes from it (allowed: --save DIR or --autohet-local-ckpt-dir DIR (with "
+        "--save-interval), or log)"]
     assert not (tmp_path / "m.jsonl").exists()
     result = _autohet("train", "--plan", PLAN, "--model", MODEL, "--autohet-adapt", "often")
     assert result.returncode == 2
@@ -109,3 +129,23 @@ def test_log_mode_logs_each_windows_decision_from_its_measurements(tmp_path):
                       "--autohet-adapt", "off")
     assert result.returncode == 0, result.stderr[-3000:]
     assert " adapt: " not in result.stdout
+
+
+@pytest.mark.e2e
+def test_replan_through_the_launcher_decides_every_window_and_trains_every_iteration(tmp_path):
+    """autohet train --autohet-adapt replan --save: launch.run_worker's ranks decide at every
+    window's end on what the clock measured (switched or kept: their figures, not asserted
+    here) and train every iteration once."""
+    metrics = tmp_path / "m.jsonl"
+    result = _autohet("train", "--plan", PLAN, "--model", MODEL, "--iters", "4",
+                      "--data-dir", tmp_path / "data", "--autohet-measure-window", "2",
+                      "--autohet-adapt", "replan", "--save", tmp_path / "ckpt",
+                      "--save-interval", "4", "--metrics-jsonl", metrics)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [LINE.match(line) for line in result.stdout.splitlines()
+             if line.startswith(" adapt: iterations ")]
+    assert all(lines) and [(m[1], m[2]) for m in lines] == [("1", "2"), ("3", "4")], \
+        result.stdout
+    switches = sum(m[3] == "SWITCH" for m in lines)
+    assert result.stdout.count("adapt: switched plans after iteration") == switches
+    assert [json.loads(x)["iteration"] for x in metrics.read_text().splitlines()] == [1, 2, 3, 4]

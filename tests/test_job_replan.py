@@ -1,0 +1,141 @@
+"""--autohet-adapt replan (issue 40 item 4, the switch): job.train_adapting switches plans in the
+running processes at a window's end, and the run has the losses of an uninterrupted one.
+
+Four gloo ranks train tiny-two-pipelines with windows of two iterations. The windows they
+measure are injected (runtime/trainer.py's WindowMeter returns tests/helpers/windows.py's
+synthetic window: the cost model's stage times on the plan's fleet with one A100 at half
+speed, every GPU 1e8 times slower than priced, so the 30 s a switch is priced at pays back),
+never the wall clock, so the decisions are planner/adapt.py's on known figures: the gain is
+seen at iterations 1-2, held at 3-4, and the job switches after iteration 4 to the re-plan,
+which leaves the lone TP2 A100 group idle (one pipeline per other GPU): two of the four
+processes end once iteration 4 is saved, the other two train iterations 5-8 on a two-rank
+process group, the new plan's rank 0 being the old rank 2. There the H20 is made slow: a gain
+that the hysteresis carried over the switch holds back (1 of the 3 windows after it).
+
+The proof: every iteration is logged once, 1-8, with the loss and grad norm of the
+uninterrupted run on the same global batches: the same bits up to the switch, and from then on
+within tests/elastic/test_elastic.py's bound, ``(i - 4) * micro-batches * u`` relative (another
+layout sums the global batch's micro-batches in another order; u = 2^-24 in fp32). Loading
+nothing at the switch (the new plan's weights initialised afresh) fails it."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import replace
+
+import pytest
+
+import megatron_autohet.runtime.trainer as trainer_module
+from helpers.checkpointing import REL
+from helpers.dist_utils import run_on_ranks
+from helpers.training import plan as load_test_plan
+from helpers.windows import synthetic_window
+from megatron_autohet.checkpoint.manifest import committed_steps, read_manifest, step_dir_name
+from megatron_autohet.checkpoint.options import CheckpointOptions
+from megatron_autohet.job import TrainOptions, train_adapting
+from megatron_autohet.plan import plan_from_dict
+from megatron_autohet.planner.adapt import plan_fleet
+from megatron_autohet.runtime.optimizer import OptimizerSettings
+from megatron_autohet.runtime.stage_drift import WindowMeter
+from megatron_autohet.spec.gpus import load_gpu_catalog
+
+pytestmark = pytest.mark.e2e
+
+ITERS, WINDOW, SWITCH_AT = 8, 2, 4
+# one A100 at half speed; once the plan has no A100 (after the switch), the H20 at 0.3
+SLOW, SLOW_AFTER = {("a100", 1): 0.5}, {("h20", 0): 0.3}
+SCALE = 1e8
+
+
+class InjectedWindows(WindowMeter):
+    """The windows of the fleet with SLOW (SLOW_AFTER on a plan without A100s), whatever the
+    clock measured (module doc)."""
+
+    def add(self, iteration, times):
+        report = super().add(iteration, times)         # the real gather, on every rank
+        if report is None:
+            return None
+        slow = SLOW if any(r.node == "a100" for r in self.plan.ranks) else SLOW_AFTER
+        fleet = plan_fleet(self.plan, load_gpu_catalog()).with_speeds(slow)
+        return synthetic_window(self.plan, fleet, report.first_iteration,
+                                report.last_iteration, scale=SCALE)
+
+
+def _job(rank, world, plan, options):
+    import torch.distributed as dist
+
+    last = train_adapting(plan, "tiny-two-pipelines.yaml", plan.model, options, rank=rank,
+                          local_rank=rank)
+    if not dist.is_initialized():
+        # an idle GPU left the job's group: a group of its own for run_on_ranks to destroy
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    return last
+
+
+def _rel(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1e-12)
+
+
+def _metrics(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_a_switch_at_a_window_end_loses_nothing(tmp_path, monkeypatch, capfd):
+    plan = load_test_plan("tiny-two-pipelines")
+    base = TrainOptions(iters=ITERS, seed=1234, optimizer=OptimizerSettings(lr=1e-3),
+                        data_dir=str(tmp_path / "data"), measure_window=WINDOW, adapt="off",
+                        metrics_jsonl=str(tmp_path / "reference.jsonl"))
+    assert run_on_ranks(4, _job, plan, base, timeout=600) == [ITERS] * 4
+    reference = {r["iteration"]: r for r in _metrics(tmp_path / "reference.jsonl")}
+    capfd.readouterr()
+
+    monkeypatch.setattr(trainer_module, "WindowMeter", InjectedWindows)
+    ckpt = tmp_path / "ckpt"
+    options = replace(base, adapt="replan", metrics_jsonl=str(tmp_path / "switched.jsonl"),
+                      checkpoint=CheckpointOptions(save=str(ckpt), save_interval=100)).validate()
+    # the A100s are idle after the switch: their processes end with iteration 4 saved
+    assert run_on_ranks(4, _job, plan, options, timeout=600) == [SWITCH_AT] * 2 + [ITERS] * 2
+    out = capfd.readouterr().out
+
+    decisions = re.findall(r"^ adapt: iterations (\d+)-(\d+): (SWITCH|keep) \(([^)]*)\)", out,
+                           re.M)
+    assert [d[:3] for d in decisions] == [("1", "2", "keep"), ("3", "4", "SWITCH"),
+                                          ("5", "6", "keep"), ("7", "8", "keep")], out
+    # the H20's slowness after the switch is a gain held back by the switch's hysteresis, which
+    # the new plan's rank 0 (the old rank 2, another process) continues
+    assert [d[3].split(":")[0] for d in decisions] == [
+        "gain seen once", "+60.7% amortised gain held two windows", "hold",
+        "no iterations left"], decisions
+    assert decisions[2][3] == "hold: 1 of the 3 windows after the last switch"
+    switched = [line for line in out.splitlines() if "adapt: switched plans" in line]
+    assert len(switched) == 1, out
+    with capfd.disabled():
+        print(f"\n{switched[0]}")
+    assert ("after iteration 4: 2 pipelines on 4 GPUs [A100-80GB x2 layers 0-4 | H800 layers "
+            "4-6] x3, [H20 layers 0-6] x1 -> 2 pipelines on 2 GPUs" in switched[0]
+            and "(idle: a100:0, a100:1)" in switched[0]
+            and "recovered" in switched[0] and "from the stop to iteration 5 trained"
+            in switched[0]), switched
+    # iteration 4 saved under the old plan, the end under the new one, in the job's --save
+    assert committed_steps(ckpt) == [SWITCH_AT, ITERS]
+    assert read_manifest(ckpt / step_dir_name(SWITCH_AT)).plan["ranks"] == plan.to_dict()["ranks"]
+    assert len(read_manifest(ckpt / step_dir_name(ITERS)).plan["ranks"]) == 2
+
+    records = _metrics(tmp_path / "switched.jsonl")
+    assert [r["iteration"] for r in records] == list(range(1, ITERS + 1))
+    assert all(r["consumed_samples"] == 8 * r["iteration"] for r in records)
+    diffs = {r["iteration"]: max(_rel(r[key], reference[r["iteration"]][key])
+                                 for key in ("lm_loss", "grad_norm")) for r in records}
+    print(f"relative differences by iteration: {diffs}")
+    assert all(diffs[i] == 0 for i in range(1, SWITCH_AT + 1)), diffs
+    assert max(diffs.values()) <= REL, diffs
+    # and iterations 5-8 are, bit for bit, what the new plan trains when it resumes the saved
+    # iteration 4 in new processes: the switch is that save and that recovery, nothing else
+    after = plan_from_dict(read_manifest(ckpt / step_dir_name(ITERS)).plan, "<after>")
+    resumed = replace(base, metrics_jsonl=str(tmp_path / "resumed.jsonl"),
+                      checkpoint=CheckpointOptions(load=str(ckpt), ckpt_step=SWITCH_AT))
+    assert run_on_ranks(2, _job, after, resumed, timeout=600) == [ITERS] * 2
+    keys = ("iteration", "consumed_samples", "learning_rate", "lm_loss", "grad_norm")
+    assert [[r[k] for k in keys] for r in _metrics(tmp_path / "resumed.jsonl")] == \
+        [[r[k] for k in keys] for r in records[SWITCH_AT:]]
