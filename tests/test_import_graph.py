@@ -43,9 +43,9 @@ LAYERS = (
 
 # Optional or heavy dependencies a function may import to keep them out of its module's import
 # (`autohet --help` and the planner start without torch; pyscipopt, boto3 and matplotlib are
-# needed by one command each; moto by the tests' S3 server).
+# needed by one command each; moto by the tests' S3 server; wandb, optional, by --wandb-project).
 HEAVY = {"torch", "megatron", "transformer_engine", "apex", "pyscipopt", "boto3", "botocore",
-         "matplotlib", "moto"}
+         "matplotlib", "moto", "wandb"}
 
 
 def _modules() -> dict[str, Path]:

@@ -39,7 +39,9 @@ never a corrupt resume.
 
 Each save's timings are kept in ``save_times`` (:class:`SaveTimes`, the background part filled
 in when it is done) and logged with it; a resume's bytes and seconds per tier are in
-``last_report`` (checkpoint/recovery.py) and logged.
+``last_report`` (checkpoint/recovery.py) and logged. ``on_line(event, line)``: every line rank
+0 logs goes there too (the job's dashboard, runtime/dashboard.py: ``save``, ``recovery`` or
+``checkpoint`` text entries); it may be called from the writer thread.
 """
 
 from __future__ import annotations
@@ -122,8 +124,10 @@ def _log(message: str, *, file=None) -> None:
 
 class Checkpointer:
     def __init__(self, options: CheckpointOptions, trainer, scheduler, *, seed: int,
-                 train_args: dict, schedule_flags: dict | None = None, elastic: bool = False):
+                 train_args: dict, schedule_flags: dict | None = None, elastic: bool = False,
+                 on_line=None):
         self.options = options
+        self.on_line = on_line
         self.trainer = trainer
         self.scheduler = scheduler
         self.seed = seed
@@ -200,9 +204,11 @@ class Checkpointer:
             roots.append(StepDirs.per_node(self.options.load, self.plan).root(self.rank))
         return list(dict.fromkeys(roots))
 
-    def _log0(self, message: str) -> None:
+    def _log0(self, message: str, event: str = "checkpoint") -> None:
         if self.rank == 0:
             _log(message)
+            if self.on_line is not None:
+                self.on_line(event, message)
 
     # ---- resume ---------------------------------------------------------------------------
 
@@ -279,7 +285,7 @@ class Checkpointer:
             return start
         progress, report = result
         self.last_report = report
-        self._log0(f"successfully loaded checkpoint: {report.line()}")
+        self._log0(f"successfully loaded checkpoint: {report.line()}", "recovery")
         skipped = [what for what, flag in (
             ("iteration, consumed samples, Adam state, schedule and RNG states "
              "(--finetune: training starts at iteration 1)", self.options.finetune),
@@ -413,7 +419,7 @@ class Checkpointer:
                    f"{root} ({manifest.total_bytes / 2**20:.1f} MiB; state dict "
                    f"{times.build_s:.2f} s, copy to host memory {times.snapshot_s:.2f} "
                    f"s, waiting for the previous save {times.waited_s:.2f} s; written "
-                   f"in {times.write_s:.2f} s)")
+                   f"in {times.write_s:.2f} s)", "save")
         try:
             on_every_rank(lambda: remove_old_steps(root, self.options.keep)
                           if self.dirs.is_leader(self.rank) else None, self.group,

@@ -26,6 +26,7 @@ from megatron_autohet.job import (ElasticOptions, TrainOptions, job_precision, m
                                   measure_flags)
 from megatron_autohet.launch import DistEnv, launch_local, load_job, run_worker
 from megatron_autohet.plan import check_bf16_support
+from megatron_autohet.runtime.dashboard import dashboard_flags, dashboard_options
 from megatron_autohet.spec.cluster import load_cluster
 from megatron_autohet.spec.gpus import load_gpu_catalog
 from megatron_autohet.system.parent_death import die_with_launcher
@@ -98,6 +99,7 @@ def register(subparsers) -> None:
         *FUSION_FLAGS,
         (("--metrics-jsonl",), dict(default=None,
                                     help="also write one JSON object per iteration to this file")),
+        *dashboard_flags(),
         *measure_flags(),
         (("--data-path",), dict(default=None,
                                 help="prefix of a megatron indexed dataset (PREFIX.bin/.idx, "
@@ -319,7 +321,8 @@ def train_options(args: argparse.Namespace) -> TrainOptions:
                         split=args.split, distributed_optimizer=args.use_distributed_optimizer,
                         precision=check_precision(args), hidden_dropout=args.hidden_dropout,
                         attention_dropout=args.attention_dropout,
-                        **requested_fusions(args), **measure_fields(args), elastic=elastic)
+                        **requested_fusions(args), **measure_fields(args),
+                        dashboard=dashboard_options(args), elastic=elastic)
 
 
 def check_precision(args: argparse.Namespace) -> str | None:

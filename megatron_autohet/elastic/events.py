@@ -16,7 +16,8 @@ decision and why, the stragglers; planner/adapt.py), ``finished``. One rank writ
 0, except for the in-process re-plan after a preemption notice (its ``fleet`` and ``plan``),
 which the first rank that stays writes - the plan's rank 0 may be on a leaving node. Each JSON
 line names the node that wrote it (``reported_by``). The JSONL file is appended to, so the
-events of every restart of a job end up in one file.
+events of every restart of a job end up in one file. ``sink(event, message)``: each event also
+goes there (the job's TensorBoard / W&B text entries, runtime/dashboard.py).
 """
 
 from __future__ import annotations
@@ -27,8 +28,10 @@ from pathlib import Path
 
 
 class EventLog:
-    def __init__(self, jsonl: str | Path | None, *, enabled: bool, node: str | None = None):
+    def __init__(self, jsonl: str | Path | None, *, enabled: bool, node: str | None = None,
+                 sink=None):
         self.enabled = enabled
+        self.sink = sink
         self.node = node
         self.path = Path(jsonl) if jsonl and enabled else None
 
@@ -36,6 +39,8 @@ class EventLog:
         if not self.enabled:
             return
         print(f" [{time.strftime('%Y-%m-%d %H:%M:%S')}] autohet {event}: {message}", flush=True)
+        if self.sink is not None:
+            self.sink(event, message)
         if self.path is not None:
             record = {"event": event, "time_unix": round(time.time(), 3), **fields,
                       **({"reported_by": self.node} if self.node else {})}

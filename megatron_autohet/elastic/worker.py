@@ -74,8 +74,8 @@ from megatron_autohet.elastic.hold import hold_file_from_env, wait_while_held
 from megatron_autohet.elastic.rendezvous import stop_for_good
 from megatron_autohet.elastic.stop import StopDecision, StopRequests, stop_group
 from megatron_autohet.errors import ConfigError, JobConfigError
-from megatron_autohet.job import (host_generation_store, init_backend, job_precision,
-                                  join_generation_store, train_job)
+from megatron_autohet.job import (host_generation_store, init_backend, job_dashboard,
+                                  job_precision, join_generation_store, train_job)
 from megatron_autohet.plan import Plan, plan_from_dict
 from megatron_autohet.planner.replan import replan
 from megatron_autohet.runtime.cpu_mode import cpu_mode_required
@@ -184,11 +184,14 @@ class ElasticWorker:
         node, gpu = node_identity(self.local_rank)
         self.me = Member(node, gpu, self.local_rank)
         self.events_jsonl = events_jsonl
+        # TensorBoard / W&B of this process: its events and, on the plan's rank 0, iterations
+        self.dashboard = job_dashboard(options)
         self.events = self._log(self.rank == 0)
 
     def _log(self, reporting: bool) -> EventLog:
         """The job's event log, written only where ``reporting`` (one rank at a time)."""
-        return EventLog(self.events_jsonl, enabled=reporting, node=self.me.node)
+        return EventLog(self.events_jsonl, enabled=reporting, node=self.me.node,
+                        sink=self.dashboard and self.dashboard.event)
 
     # ---- 1-2: who is here, which plan ----------------------------------------------------
 
@@ -298,6 +301,13 @@ class ElasticWorker:
     # ---- 3-4: train, stop -------------------------------------------------------------------
 
     def run(self) -> int:
+        try:
+            return self._run()
+        finally:
+            if self.dashboard is not None:
+                self.dashboard.close()
+
+    def _run(self) -> int:
         store = _worker_store(self.rank)
         try:
             plan, members, _ = self.agree(store)
@@ -382,7 +392,8 @@ class ElasticWorker:
             return stop
         last = train_job(plan, "<elastic plan>", self.model, self.options, rank=plan_rank,
                          local_rank=self.local_rank, make_stop_check=make_stop_check,
-                         on_window=self._drift_event, on_adapt=self._adapt_event)
+                         on_window=self._drift_event, on_adapt=self._adapt_event,
+                         dashboard=self.dashboard)
         decision = stop.requests.decision if stop is not None else None
         if decision is None:
             return _Ended(last, None, None)

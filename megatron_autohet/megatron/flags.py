@@ -145,7 +145,23 @@ FLAGS: dict[str, FlagRule] = {
     "--no-bias-swiglu-fusion": FlagRule(RUNTIME, "SwiGLU models: the MLP's bias + SwiGLU "
                                                  "unfused"),
     "--no-bias-dropout-fusion": FlagRule(RUNTIME, "bias + dropout + residual add unfused"),
+    # runtime/dashboard.py: from the rank that logs, Megatron-LM's scalar names
+    "--tensorboard-dir": FlagRule(RUNTIME, "TensorBoard event files: Megatron-LM's scalars "
+                                           "every iteration, the job's events as text"),
+    "--wandb-project": FlagRule(RUNTIME, "W&B: the same scalars and events (wandb must be "
+                                         "installed: refused in one line otherwise)"),
+    "--wandb-exp-name": FlagRule(RUNTIME, "the W&B run's name"),
+    "--wandb-save-dir": FlagRule(RUNTIME, "W&B's local files (default: --save's wandb/)"),
     # ---- inert ---------------------------------------------------------------------------------
+    "--log-throughput": FlagRule(INERT, "the iteration line always shows throughput per GPU"),
+    "--log-timers-to-tensorboard": FlagRule(INERT, "--tensorboard-dir always gets iteration-time "
+                                                   "and throughput"),
+    "--log-memory-to-tensorboard": FlagRule(INERT, "--tensorboard-dir always gets "
+                                                   "mem-max-allocated-bytes (on GPUs)"),
+    "--log-validation-ppl-to-tensorboard": FlagRule(INERT, "--tensorboard-dir always gets the "
+                                                           "validation perplexity"),
+    "--tensorboard-queue-size": FlagRule(INERT, "the job's writer flushes after every "
+                                                "iteration"),
     "--use-dist-ckpt": FlagRule(INERT, _DEPRECATED),
     "--dist-ckpt-format": FlagRule(INERT, _DEPRECATED),
     "--ckpt-fully-parallel-save": FlagRule(INERT, _DEPRECATED),

@@ -67,6 +67,7 @@ from megatron_autohet.job import TrainOptions, measure_fields, train_job
 from megatron_autohet.launch import signal_stop_check
 from megatron_autohet.megatron.flags import check_flags, megatron_parser, stop_before_start
 from megatron_autohet.plan import Plan, load_plan
+from megatron_autohet.runtime.dashboard import dashboard_options
 from megatron_autohet.runtime.optimizer import MEGATRON_SCHEDULE_FLAGS, OptimizerSettings
 
 
@@ -88,6 +89,7 @@ def prepare_process(argv: list[str] | None = None) -> None:
     except ConfigError as err:
         stop_before_start(err, argv[0])
     _size_megatron_batch_calculator_for_plans()
+    _leave_dashboards_to_the_job()
     if cpu_mode_required():
         enable_cpu_mode()
         _adapt_megatron_lm_initialization_to_cpu()
@@ -124,6 +126,19 @@ def _size_megatron_batch_calculator_for_plans() -> None:
                  decrease_batch_size_if_needed)
 
     global_vars.init_num_microbatches_calculator = init_for_plan
+
+
+def _leave_dashboards_to_the_job() -> None:
+    """Megatron-LM's ``set_global_variables`` opens its TensorBoard writer and W&B run on the
+    last rank (and imports wandb there, a traceback where it is missing); the plan path's job
+    writes both from the rank that logs (runtime/dashboard.py: Megatron's scalar names, the
+    flags checked in one line by job.TrainOptions.validate), so Megatron's are not opened: no
+    second, empty event file, no second W&B run."""
+    # megatron-core: in the ranks of pretrain_gpt.py only
+    import megatron.training.global_vars as global_vars
+
+    global_vars._set_tensorboard_writer = lambda args: None
+    global_vars._set_wandb_writer = lambda args: None
 
 
 def _print_help_with_autohet_flags(prog: str) -> None:
@@ -307,7 +322,8 @@ def train_options(args, plan_path: str | Path) -> TrainOptions:
         bias_activation_fusion=bool(args.bias_swiglu_fusion if args.swiglu
                                     else args.bias_gelu_fusion),
         bias_dropout_fusion=bool(args.bias_dropout_fusion),
-        log_interval=args.log_interval, **measure_fields(args)
+        log_interval=args.log_interval, **measure_fields(args),
+        dashboard=dashboard_options(args)
     ).validate(str(plan_path), MEGATRON_FLAGS,
                # job.train_adapting's switch stops the iteration loop, which is Megatron-LM's
                no_replan="with pretrain_gpt.py --autohet-plan: Megatron-LM's training loop "

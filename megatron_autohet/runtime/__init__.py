@@ -22,4 +22,5 @@ trainer         HeteroTrainer: schedule, grad sync and optimizer step of one ite
 iteration_clock where a rank's iteration goes (compute, P2P waits, grad sync, optimizer), no sync
 stage_drift     every window: the stages' measured times against the plan's predictions
 train_log       Megatron-LM's per-iteration console line (throughput, peak memory) and JSON lines
+dashboard       TensorBoard and W&B: iterations as Megatron-LM's scalars, the job's events as text
 """

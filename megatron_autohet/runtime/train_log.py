@@ -119,11 +119,14 @@ def megatron_line(rec: IterationRecord) -> str:
 class IterationLogger:
     """Prints the Megatron line (where ``console``); appends the record to ``metrics_jsonl``
     when given (a new file, or the end of an existing one with ``append``), and each
-    measurement window to ``measured_jsonl`` likewise."""
+    measurement window to ``measured_jsonl`` likewise. ``dashboard`` (runtime/dashboard.py,
+    TensorBoard and W&B) gets every record and validation loss too; its owner closes it."""
 
     def __init__(self, metrics_jsonl: str | Path | None = None, stream: TextIO | None = None,
-                 append: bool = False, measured_jsonl: str | Path | None = None):
+                 append: bool = False, measured_jsonl: str | Path | None = None,
+                 dashboard=None):
         self._stream = stream
+        self._dashboard = dashboard
         mode = "a" if append else "w"
         self._jsonl = open(metrics_jsonl, mode) if metrics_jsonl else None
         self._measured = open(measured_jsonl, mode) if measured_jsonl else None
@@ -134,6 +137,8 @@ class IterationLogger:
         if self._jsonl:
             self._jsonl.write(json.dumps(asdict(rec)) + "\n")
             self._jsonl.flush()
+        if self._dashboard is not None:
+            self._dashboard.log(rec)
 
     def log_validation(self, iteration: int, lm_loss: float) -> None:
         ppl = math.exp(min(20.0, lm_loss))          # Megatron caps the exponent the same way
@@ -141,6 +146,8 @@ class IterationLogger:
                 f" lm loss PPL: {ppl:.6E} | ")
         rule = "-" * (len(line) + 1)
         print(f"{rule}\n{line}\n{rule}", file=self._stream, flush=True)
+        if self._dashboard is not None:
+            self._dashboard.log_validation(iteration, lm_loss, ppl)
         if self._jsonl:
             self._jsonl.write(json.dumps({"iteration": iteration, "validation_lm_loss": lm_loss,
                                           "validation_ppl": ppl}) + "\n")
@@ -159,3 +166,5 @@ class IterationLogger:
         for jsonl in (self._jsonl, self._measured):
             if jsonl:
                 jsonl.close()
+        if self._dashboard is not None:
+            self._dashboard.flush()

@@ -333,7 +333,8 @@ def train_iterations(trainer: HeteroTrainer, batches, scheduler, *, train_iters:
                      checkpointer=None, exit_interval: int | None = None,
                      stop_check=None, evaluation: Evaluation | None = None,
                      log_interval: int = 1, measure_window: int | None = DEFAULT_WINDOW,
-                     measured_jsonl: str | None = None, on_window=None) -> int:
+                     measured_jsonl: str | None = None, on_window=None,
+                     dashboard=None) -> int:
     """The iteration loop of a job (``autohet train`` and the Megatron-LM path): a train step on
     each global batch, the learning-rate scheduler stepped by ``scheduler_increment`` after it
     (1 for iteration-based schedules, the global batch size for Megatron's sample-based one),
@@ -355,6 +356,7 @@ def train_iterations(trainer: HeteroTrainer, batches, scheduler, *, train_iters:
     10% gets a line and the window a JSON line in ``measured_jsonl`` (None: not measured);
     ``on_window(report)`` is then called with the window's ``WindowReport`` there too (the
     front end's sinks: an elastic job's ``drift`` event, the measured profile).
+    ``dashboard`` (runtime/dashboard.py), where ``log``: every record to TensorBoard / W&B.
     Returns the last iteration trained."""
     plan = trainer.plan
     flops_per_iteration = num_floating_point_operations(
@@ -363,8 +365,8 @@ def train_iterations(trainer: HeteroTrainer, batches, scheduler, *, train_iters:
     if not trainer.weights_set:         # built for a checkpoint that was not there
         trainer.initialize_weights()
     # A resumed job appends to the metrics of the run it continues.
-    logger = (IterationLogger(metrics_jsonl, append=first > 0, measured_jsonl=measured_jsonl)
-              if log else None)
+    logger = (IterationLogger(metrics_jsonl, append=first > 0, measured_jsonl=measured_jsonl,
+                              dashboard=dashboard) if log else None)
     meter = (WindowMeter(plan, trainer.state.rank, trainer.device, measure_window)
              if measure_window else None)
     iteration = first
@@ -379,6 +381,8 @@ def train_iterations(trainer: HeteroTrainer, batches, scheduler, *, train_iters:
             elapsed, interval_start = now - interval_start, now
             scheduler.step(scheduler_increment)
             iteration += 1
+            if dashboard is not None and log:   # this iteration's events (its window's) on its step
+                dashboard.at(iteration)
             report = meter.add(iteration, trainer.clock.lap()) if meter else None
             if report and logger:
                 logger.log_measured(report)

@@ -542,8 +542,10 @@ def _allow_list_checks(tmp: str) -> None:
             check_flags([*job, *flags], parser)
         return str(refused.value)
 
-    assert refusal("--tensorboard-dir", tmp) == (
-        f"{PLAN}: field '--tensorboard-dir': {tmp!r} is not supported with --autohet-plan "
+    check_flags([*job, "--tensorboard-dir", tmp, "--log-timers-to-tensorboard",
+                 "--log-throughput"], parser)              # honoured (runtime/dashboard.py)
+    assert refusal("--wandb-entity", "team") == (
+        f"{PLAN}: field '--wandb-entity': 'team' is not supported with --autohet-plan "
         "(allowed: its default (docs/megatron-lm.md, 'Megatron-LM flags with --autohet-plan', "
         "lists the flags the plan path honours))")
     assert refusal("--fp16") == (f"{PLAN}: field '--fp16': not yet supported with --autohet-plan "
