@@ -477,7 +477,8 @@ def train_job(plan: Plan, plan_label: str, model: ModelSpec, options: TrainOptio
                                     train_args=(train_args(options) if recorded_args is None
                                                 else recorded_args),
                                     schedule_flags=schedule_flags,
-                                    elastic=options.elastic is not None,
+                                    keep_lease=(options.elastic is not None
+                                                or options.adapt == "replan"),
                                     on_line=dashboard and dashboard.event)
     stop_check = make_stop_check(checkpointer) if make_stop_check else None
     try:

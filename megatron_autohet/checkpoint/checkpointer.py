@@ -124,7 +124,7 @@ def _log(message: str, *, file=None) -> None:
 
 class Checkpointer:
     def __init__(self, options: CheckpointOptions, trainer, scheduler, *, seed: int,
-                 train_args: dict, schedule_flags: dict | None = None, elastic: bool = False,
+                 train_args: dict, schedule_flags: dict | None = None, keep_lease: bool = False,
                  on_line=None):
         self.options = options
         self.on_line = on_line
@@ -144,7 +144,7 @@ class Checkpointer:
         # thread may be in a collective on ``group``.
         self.decisions = dist.new_group(backend="gloo", timeout=CHECKPOINT_GROUP_TIMEOUT)
         self.s3 = object_store(options)
-        self.elastic = elastic
+        self.keep_lease = keep_lease
         self.lease = self._take_lease() if options.saving else None
         self.last_saved: int | None = None
         self.last_report = None                 # RecoveryReport of resume(), if it loaded
@@ -313,16 +313,17 @@ class Checkpointer:
             return
         self.save(iteration)
 
-    def finish(self, iteration: int) -> None:
+    def finish(self, iteration: int, *, completed: bool = True) -> None:
         """The last save of the run: waits for the background save (back-pressure does not
         apply), saves ``iteration`` unless that is already done, and waits for it; a failure of
-        it stops the job (:class:`CheckpointStop`)."""
+        it stops the job (:class:`CheckpointStop`), and so does, when the job's training is
+        ``completed`` (not a stop for a notice or a plan switch), an upload of it that failed."""
         self.wait()
         if self.dirs is not None and iteration > 0 and (
                 self.last_saved != iteration or self.failed_saves[-1:] == [iteration]):
             self.save(iteration, last=True)
             self.wait(last=True)
-        if self.s3 is not None and self.last_saved in self.upload_errors:
+        if completed and self.s3 is not None and self.last_saved in self.upload_errors:
             # the user asked for a durable copy of the run's end: a local one alone is no exit 0
             line = (f"the last checkpoint (iteration {self.last_saved}) did not reach "
                     f"{self.s3.location.uri()}: {self.upload_errors[self.last_saved]}; the job "
@@ -480,12 +481,13 @@ class Checkpointer:
 
     def close(self, *, completed: bool) -> None:
         """The end of this run's training (however it ended): the heartbeat stops and the
-        writer lease is given back - except by an elastic job's workers before the job is done,
-        whose next round takes it again (until then it stays theirs, fresh for
-        lease.DEFAULT_STALE_S)."""
+        writer lease is given back - except with ``keep_lease`` before the job is done: an
+        elastic job's workers, whose next round takes it again, and a plan switch
+        (``--autohet-adapt replan``), whose next plan's checkpointer does (until then it stays
+        theirs, fresh for lease.DEFAULT_STALE_S)."""
         if self.lease is None:
             return
-        if completed or not self.elastic:
+        if completed or not self.keep_lease:
             self.lease.release()
         else:
             self.lease.stop_heartbeat()

@@ -373,6 +373,7 @@ def train_iterations(trainer: HeteroTrainer, batches, scheduler, *, train_iters:
     # Megatron-LM's "elapsed time per iteration" is its interval timer: from one iteration's end
     # to the next, so a save, an evaluation or a stop check between them counts where it stalls.
     interval_start = time.perf_counter()
+    ends = True     # the run ends here: not a stop for a notice, a signal or a plan switch
     try:
         while iteration < train_iters:
             batch = batches.batch(iteration)
@@ -407,14 +408,15 @@ def train_iterations(trainer: HeteroTrainer, batches, scheduler, *, train_iters:
                 break
             action = stop_check(iteration) if stop_check else None
             if action == "stop":
+                ends = False
                 break
             if action == "save" and checkpointer and checkpointer.last_saved != iteration:
                 checkpointer.save(iteration)
         if checkpointer:
-            checkpointer.finish(iteration)
+            checkpointer.finish(iteration, completed=ends)
     finally:
         if logger:
             logger.close()
         if checkpointer:
-            checkpointer.close(completed=iteration >= train_iters)
+            checkpointer.close(completed=ends)
     return iteration
