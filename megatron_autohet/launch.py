@@ -17,8 +17,9 @@ Three pieces, used by ``autohet train`` (cli/train.py):
   nodes"). It checks the environment against the plan (``WORLD_SIZE`` = plan ranks; on GPUs
   ``LOCAL_RANK`` = the plan's ``local_rank`` of this rank), picks NCCL + the GPU of
   ``LOCAL_RANK`` among those the process sees (runtime/device.py: one GPU per task works too)
-  when this process has a GPU and gloo + the CPU mode otherwise, and trains (job.py
-  ``train_adapting``: ``train_job``, one generation per plan with ``--autohet-adapt replan``),
+  when this process has a GPU and gloo + the CPU mode otherwise, and trains
+  (plan_switch.py ``train_adapting``: job.py's ``train_job``, one generation per plan with
+  ``--autohet-adapt replan``),
   stopping on a signal with ``--exit-signal-handler`` (:func:`signal_stop_check`).
 
 It sits above job.py and elastic/ (whose stop check it uses); the elastic workers
@@ -38,9 +39,9 @@ from pathlib import Path
 
 from megatron_autohet.checkpoint.lease import take_job_lease
 from megatron_autohet.errors import ConfigError, JobConfigError
-from megatron_autohet.job import (TrainOptions, init_backend, report_job_config_error,
-                                  train_adapting)
+from megatron_autohet.job import TrainOptions, init_backend, report_job_config_error
 from megatron_autohet.plan import Plan, load_plan
+from megatron_autohet.plan_switch import train_adapting
 from megatron_autohet.spec.model import ModelSpec, load_model
 from megatron_autohet.system.parent_death import exported_parent_pid
 

@@ -35,6 +35,7 @@ LAYERS = (
     {"planner"},
     {"checkpoint"},
     {"job"},
+    {"plan_switch"},
     {"elastic"},
     {"launch"},
     {"cli", "megatron"},      # the two front ends: `autohet`, Megatron-LM's pretrain_gpt.py

@@ -1,5 +1,5 @@
-"""--autohet-adapt replan (issue 40 item 4, the switch): job.train_adapting switches plans in the
-running processes at a window's end, and the run has the losses of an uninterrupted one.
+"""--autohet-adapt replan (issue 40 item 4, the switch): plan_switch.train_adapting switches plans
+in the running processes at a window's end, and the run has the losses of an uninterrupted one.
 
 Four gloo ranks train tiny-two-pipelines with windows of two iterations. The windows they
 measure are injected (runtime/trainer.py's WindowMeter returns tests/helpers/windows.py's
@@ -33,7 +33,8 @@ from helpers.training import plan as load_test_plan
 from helpers.windows import synthetic_window
 from megatron_autohet.checkpoint.manifest import committed_steps, read_manifest, step_dir_name
 from megatron_autohet.checkpoint.options import CheckpointOptions
-from megatron_autohet.job import TrainOptions, train_adapting
+from megatron_autohet.job import TrainOptions
+from megatron_autohet.plan_switch import train_adapting
 from megatron_autohet.plan import plan_from_dict
 from megatron_autohet.planner.adapt import plan_fleet
 from megatron_autohet.runtime.optimizer import OptimizerSettings

@@ -74,9 +74,9 @@ from megatron_autohet.elastic.hold import hold_file_from_env, wait_while_held
 from megatron_autohet.elastic.rendezvous import stop_for_good
 from megatron_autohet.elastic.stop import StopDecision, StopRequests, stop_group
 from megatron_autohet.errors import ConfigError, JobConfigError
-from megatron_autohet.job import (host_generation_store, init_backend, job_dashboard,
-                                  job_precision, join_generation_store, train_job)
+from megatron_autohet.job import init_backend, job_dashboard, job_precision, train_job
 from megatron_autohet.plan import Plan, plan_from_dict
+from megatron_autohet.plan_switch import host_generation_store, join_generation_store
 from megatron_autohet.planner.replan import replan
 from megatron_autohet.runtime.cpu_mode import cpu_mode_required
 from megatron_autohet.runtime.device import device_index, free_memory, select_device

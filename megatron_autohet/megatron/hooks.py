@@ -325,7 +325,7 @@ def train_options(args, plan_path: str | Path) -> TrainOptions:
         log_interval=args.log_interval, **measure_fields(args),
         dashboard=dashboard_options(args)
     ).validate(str(plan_path), MEGATRON_FLAGS,
-               # job.train_adapting's switch stops the iteration loop, which is Megatron-LM's
+               # plan_switch.train_adapting's switch stops the iteration loop: Megatron-LM's here
                no_replan="with pretrain_gpt.py --autohet-plan: Megatron-LM's training loop "
                          "owns the iterations (autohet train switches plans)")
 

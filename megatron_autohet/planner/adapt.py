@@ -70,8 +70,8 @@ DEFAULT_HOLD = 3
 DEFAULT_SWITCH_OVERHEAD_S = 30.0
 # A plan's file does not record its links: the NIC of a fleet derived from a plan alone.
 DEFAULT_NIC_GBS = 25.0
-# --autohet-adapt: nothing; the decision logged every window; the switch made (job.py
-# train_adapting)
+# --autohet-adapt: nothing; the decision logged every window; the switch made
+# (plan_switch.train_adapting)
 MODES = ("off", "log", "replan")
 DEFAULT_MODE = "log"
 

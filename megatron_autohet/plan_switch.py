@@ -1,0 +1,232 @@
+"""``--autohet-adapt replan``: a job that switches plans in its processes (``autohet train``).
+
+:func:`train_adapting` is ``autohet train``'s job: job.py's ``train_job``, and with
+``--autohet-adapt replan`` one generation per plan in the same processes, switching at a
+window's end to the plan its decision chose (planner/adapt.py): every rank saves the iteration,
+the new plan's ranks make its process group (:func:`host_generation_store`, which an elastic
+job's in-process re-plan shares) and recover that step, and train on.
+
+torch is imported inside the functions that use it: ``autohet train`` imports this module at
+start-up, long before (and in the launcher, without) any training.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from dataclasses import asdict, dataclass, replace
+from datetime import timedelta
+
+from megatron_autohet.job import TrainOptions, train_job
+from megatron_autohet.plan import Plan, RankInfo, plan_from_dict
+from megatron_autohet.spec.model import ModelSpec
+
+# A switch's new process group meets on a store one of its ranks hosts (as an elastic job's
+# in-process re-plan, elastic/worker.py): the store of the old group belongs to its launcher.
+GENERATION_STORE_TIMEOUT = timedelta(minutes=5)
+
+
+def host_generation_store(timeout: timedelta = GENERATION_STORE_TIMEOUT):
+    """A TCP store for the next generation's process group, hosted by this rank: (store,
+    address, port). The address is ``AUTOHET_LOCAL_ADDR`` where set (emulated nodes), else the
+    host name; port 0: the store binds a port the system picks (no window for another process
+    to take it between choosing and binding)."""
+    import torch.distributed as dist     # torch: a rank's code (see the module's docstring)
+
+    addr = os.environ.get("AUTOHET_LOCAL_ADDR") or socket.gethostname()
+    store = dist.TCPStore(addr, 0, is_master=True, wait_for_workers=False, timeout=timeout)
+    return store, addr, store.port
+
+
+def join_generation_store(addr: str, port: int, timeout: timedelta = GENERATION_STORE_TIMEOUT):
+    """The store :func:`host_generation_store` hosts, from another rank."""
+    import torch.distributed as dist     # torch: a rank's code (see the module's docstring)
+
+    return dist.TCPStore(addr, port, is_master=False, timeout=timeout)
+
+
+def _rank_in(plan: Plan, gpu: RankInfo) -> int | None:
+    """The rank of ``plan`` on the GPU (node, local rank) of ``gpu``; None: idle in it."""
+    return next((r.rank for r in plan.ranks
+                 if (r.node, r.local_rank) == (gpu.node, gpu.local_rank)), None)
+
+
+def _store_host(old: Plan, new: Plan) -> int:
+    """The rank of ``old`` that hosts the new generation's store: the first that trains in
+    ``new`` (an idle one ends its process)."""
+    return next(r.rank for r in old.ranks if _rank_in(new, r) is not None)
+
+
+def describe_plan(plan: Plan) -> str:
+    """A plan in one phrase: its pipelines, each stage's GPUs and layers, micro-batches."""
+    pipes = ", ".join("[" + " | ".join(
+        f"{plan.ranks[s.ranks[0]].gpu}{f' x{s.tp}' if s.tp > 1 else ''} layers "
+        f"{s.layers[0]}-{s.layers[1]}" for s in pipe.stages) + f"] x{pipe.num_microbatches}"
+        for pipe in plan.pipelines)
+    return (f"{len(plan.pipelines)} pipeline{'s' if len(plan.pipelines) > 1 else ''} on "
+            f"{plan.world_size} GPUs {pipes}")
+
+
+def resume_options(options: TrainOptions, iteration: int) -> TrainOptions:
+    """The options of the generation after a switch at ``iteration``: the job's own, resuming
+    exactly that step from where the job saves it (checkpoint/recovery.py loads any plan's step
+    into any other plan), all of its state (a --finetune or --no-load-* was the first
+    generation's)."""
+    ckpt = options.checkpoint
+    return replace(options, checkpoint=replace(
+        ckpt, load=ckpt.local_dir or ckpt.save, ckpt_step=iteration, finetune=False,
+        no_load_optim=False, no_load_rng=False, exit_on_missing_checkpoint=True))
+
+
+@dataclass(frozen=True)
+class _Switched:
+    """A switch done, reported by the new plan's rank 0 after its first iteration."""
+    before: Plan
+    after: Plan
+    iteration: int
+    stopped_at: float           # time.monotonic(): the ranks agreed on the switch
+    saved_at: float             # the iteration saved on every rank, the trainer freed
+    grouped_at: float           # the new plan's process group made
+
+    def line(self, recovery) -> str:
+        now = time.monotonic()
+        idle = [f"{r.node}:{r.local_rank}" for r in self.before.ranks
+                if _rank_in(self.after, r) is None]
+        moved = ("" if recovery is None else
+                 f", recovered {sum(recovery.job_bytes.values()) / 2**20:.1f} MiB (local disks "
+                 f"{recovery.job_bytes.get('own', 0) / 2**20:.1f}, peers "
+                 f"{recovery.job_bytes.get('peer', 0) / 2**20:.1f}, S3 "
+                 f"{recovery.job_bytes.get('s3', 0) / 2**20:.1f})")
+        return (f"adapt: switched plans after iteration {self.iteration}: "
+                f"{describe_plan(self.before)} -> {describe_plan(self.after)}"
+                + (f" (idle: {', '.join(idle)})" if idle else "")
+                + f"; state saved in {self.saved_at - self.stopped_at:.2f} s{moved}; new process "
+                f"group {self.grouped_at - self.saved_at:.2f} s, model, optimizer, recovery and "
+                f"iteration {self.iteration + 1} {now - self.grouped_at:.2f} s; "
+                f"{now - self.stopped_at:.2f} s from the stop to iteration {self.iteration + 1} "
+                "trained")
+
+
+class _PlanSwitch:
+    """One generation's side of ``--autohet-adapt replan`` (:func:`train_adapting`): the window
+    sink's SWITCH decision (``decided``, on rank 0) and the stop check that makes every rank
+    learn it at the window's end (one broadcast on a gloo group of its own, as elastic/stop.py
+    explains: the checkpoint writer's collectives run beside it), wrapping the front end's
+    stop check; ``next``: the plan switched to, None while none."""
+
+    def __init__(self, plan: Plan, rank: int, options: TrainOptions, make_stop_check, adapter,
+                 previous: _Switched | None):
+        self.plan, self.rank, self.options = plan, rank, options
+        self.inner = make_stop_check
+        self.adapter = adapter                  # rank 0: the decisions' hysteresis
+        self.previous = previous
+        self.decision = None
+        self.next: Plan | None = None
+        self.adapter_state: dict | None = None  # the hysteresis the next generation continues
+        self.store = None                       # the new group's store, on the rank hosting it
+        self.address: tuple[str, int] | None = None
+        self.stopped_at: float | None = None
+
+    def decided(self, decision) -> None:
+        """``on_adapt`` of the window sink (rank 0)."""
+        if decision.switch:
+            self.decision = decision
+
+    def make_stop_check(self, checkpointer):
+        import torch.distributed as dist     # torch: a rank's code (see the module's docstring)
+
+        group = dist.new_group(backend="gloo", timeout=self.options.timeout)
+        inner = self.inner(checkpointer) if self.inner else None
+        first = [True]
+
+        def check(iteration: int) -> str | None:
+            if first[0]:
+                first[0] = False
+                if self.previous is not None and self.rank == 0:
+                    print(f" [{time.strftime('%Y-%m-%d %H:%M:%S')}] "
+                          f"{self.previous.line(checkpointer.last_report)}", flush=True)
+            switching = (iteration % self.options.measure_window == 0
+                         and self._agree(iteration, group))
+            action = inner(iteration) if inner else None
+            if action == "stop":            # a signal: the job stops, no switch
+                self.next = None
+                return action
+            return "stop" if switching else action
+        return check
+
+    def _agree(self, iteration: int, group) -> bool:
+        """At a window's end, on every rank: rank 0's decision, and where the new group meets."""
+        import torch.distributed as dist     # torch: a rank's code (see the module's docstring)
+
+        message = [None]
+        if self.rank == 0 and self.decision is not None:
+            message = [{"plan": self.decision.plan.to_dict(),
+                        "adapter": asdict(self.adapter)}]
+        self.decision = None
+        dist.broadcast_object_list(message, src=0, group=group)
+        if message[0] is None:
+            return False
+        new = plan_from_dict(message[0]["plan"], f"<re-plan at iteration {iteration}>")
+        host = _store_host(self.plan, new)
+        where = [None]
+        if self.rank == host:
+            self.store, *address = host_generation_store()
+            where = [tuple(address)]
+        dist.broadcast_object_list(where, src=host, group=group)
+        self.next, self.adapter_state, self.address = new, message[0]["adapter"], where[0]
+        self.stopped_at = time.monotonic()
+        return True
+
+
+def train_adapting(plan: Plan, plan_label: str, model: ModelSpec, options: TrainOptions, *,
+                   rank: int, local_rank: int, make_stop_check=None) -> int:
+    """``autohet train``'s job on an initialised default group whose ranks are the plan's:
+    :func:`train_job`, and with ``--autohet-adapt replan`` one generation per plan in the same
+    processes. When a window's decision (rank 0's, planner/adapt.py) says SWITCH, every rank
+    learns it and the new plan at that window's end, stops after that iteration and saves it
+    (the job's checkpointer, as at the end of a run), frees its trainer (runtime/device.py
+    ``free_memory``), leaves the old process group and joins the new plan's (its ranks by
+    GPU: node and local rank; a store hosted by the first rank that stays), and trains on from
+    the saved step (:func:`resume_options`: checkpoint/recovery.py loads any plan's step into
+    any other); the decisions' hysteresis goes on from where the switch left it. A GPU the new
+    plan leaves idle ends its process (status 0) once the step is saved; later re-plans plan
+    the new plan's GPUs. Returns the last iteration trained (on an idle GPU: the switch's)."""
+    if options.adapt != "replan" or not options.measure_window:
+        return train_job(plan, plan_label, model, options, rank=rank, local_rank=local_rank,
+                         make_stop_check=make_stop_check)
+    # torch: a rank's code (see the module's docstring)
+    import torch.distributed as dist
+
+    from megatron_autohet.runtime.device import free_memory
+
+    state, previous, generation = {}, None, 0
+    while True:
+        adapter = None
+        if rank == 0:
+            # the planner (pyscipopt): only on the rank that decides
+            from megatron_autohet.planner.adapt import Adapter
+            adapter = Adapter(**state)
+        switch = _PlanSwitch(plan, rank, options, make_stop_check, adapter, previous)
+        last = train_job(plan, plan_label, model, options, rank=rank, local_rank=local_rank,
+                         make_stop_check=switch.make_stop_check, on_adapt=switch.decided,
+                         adapter=adapter)
+        if switch.next is None:
+            return last
+        adapter = None
+        free_memory()           # train_job's trainer, optimizer and buffers are unreferenced
+        saved_at = time.monotonic()
+        new_rank = _rank_in(switch.next, plan.ranks[rank])
+        backend = dist.get_backend()
+        dist.destroy_process_group()
+        if new_rank is None:
+            return last
+        store = switch.store or join_generation_store(*switch.address)
+        dist.init_process_group(backend, rank=new_rank, world_size=switch.next.world_size,
+                                timeout=options.timeout,
+                                store=dist.PrefixStore(f"autohet/adapt/{generation}/", store))
+        previous = _Switched(plan, switch.next, last, switch.stopped_at, saved_at,
+                             time.monotonic())
+        plan, rank, plan_label = switch.next, new_rank, f"<re-plan at iteration {last}>"
+        options, state = resume_options(options, last), switch.adapter_state
+        generation += 1
