@@ -26,9 +26,11 @@ program to SCIP (scip_model.py):
    but with few pipelines the holders of a layer can share a node. Two closed-form families
    cover that and are judged by the cost model when a config is built: stacks of D <=
    MAX_STACK identical pipelines, each stage's sync at its own nodes' intra-node link (the tied
-   embedding too when the pipelines have one stage), the STACKS_TRIED best per D
-   (:meth:`BranchAndBound._stacks`), and every pair of options that fits the pools, with the
-   layers both hold on one pool synced at the intra-node rate (:meth:`BranchAndBound._pairs`).
+   embedding too when both ends are on one pool), judged per D in the order of that bound
+   until it reaches the best plan (:meth:`BranchAndBound._stacks`), and every pair of options
+   that fits the pools (drawn from every option built, not only those kept: the ones a lower
+   bound leaves a chance), with the layers both hold on one pool synced at the intra-node rate
+   (:meth:`BranchAndBound._pairs`).
    tests/planner/test_planner_optimality.py checks the result against the exhaustive search on
    random small fleets: within 1% on every one.
 
@@ -54,8 +56,9 @@ from megatron_autohet.planner import candidate
 from megatron_autohet.planner.candidate import STOP_COMPLETE, STOP_TIME, STOP_WORK, Candidate
 from megatron_autohet.planner.options import Config, build_options
 from megatron_autohet.planner.scip_model import BOUND_TOLERANCE, Composition, CompositionModel
-from megatron_autohet.planner.space import (PipelineOption, Problem, assign_microbatches,
-                                            build_plan, evaluate, layer_sync_s, ring_factor)
+from megatron_autohet.planner.space import (OptionTable, PipelineOption, Problem,
+                                            assign_microbatches, build_plan, evaluate,
+                                            layer_sync_s, ring_factor)
 
 # Pipeline-count bins: exact below 5; above, the bin's smallest count prices the sync (its ring
 # factor 2 (D-1)/D is then at most ~4% below the bin's largest).
@@ -74,6 +77,9 @@ PAIR_BLOCK_ELEMENTS = 1 << 20
 # the best few options per stack height judged by the cost model.
 MAX_STACK = 4
 STACKS_TRIED = 3
+MAX_STACKS_JUDGED = 24
+# The most options the pairs are drawn from (BranchAndBound._pair_options).
+MAX_PAIR_OPTIONS = 512
 
 
 @dataclass(order=True)
@@ -257,31 +263,37 @@ class BranchAndBound:
     def _stacks(self, config: Config) -> None:
         """Plans of D <= MAX_STACK identical pipelines whose stage s all sit on one node, so
         every layer's gradients sync inside a node (the SCIP branches price the sync over the
-        NIC). Closed form: per D, the STACKS_TRIED options with the smallest makespan plus sync
-        (layers and tied embedding, each stage's at its nodes' intra-node rate) and optimizer
-        step; the exact plans are judged by the cost model like every other candidate."""
-        M, pools = self.problem.num_microbatches, config.pools
-        # seconds at the sync link -> at the intra-node link, per pool
-        to_intra = [self.problem.sync_bandwidth_gbs(p) / p.intra_gbs for p in pools]
+        NIC). Closed form: per D, the options in the order of a lower bound on their stack's
+        iteration time (makespan plus the sync at its node-local bound, OptionTable.
+        local_extras_s: each stage's layers, and the tied embedding where both ends are on one
+        pool, at its nodes' intra-node rate; plus the optimizer step), judged by the cost model
+        like every other candidate until the bound reaches the best plan: at least
+        STACKS_TRIED, at most MAX_STACKS_JUDGED per D."""
+        M, pools, table = self.problem.num_microbatches, config.pools, config.table
+        use = np.array([[o.pools.count(k) for k in range(len(pools))] for o in config.options])
+        counts = np.array([p.count for p in pools])
+        per_node = np.array([p.groups_per_node for p in pools])
         for d in range(2, min(MAX_STACK, M) + 1):
-            stackable = [o for o in config.options
-                         if all(d * o.pools.count(k) <= pools[k].count
-                                and d <= pools[k].groups_per_node for k in set(o.pools))]
-
-            def estimate(o: PipelineOption) -> float:
-                # the tied embedding's 2D holders (D with one stage) share a node only then
-                single = len(o.pools) == 1
-                tied = ring_factor(d if single else 2 * d)
-                sync = max(ring_factor(d) * a * to_intra[k] + tied * t * (to_intra[k] if single
-                                                                          else 1.0)
-                           for a, t, k in zip(o.sync_shared_s, o.sync_tied_s, o.pools))
-                return o.time_s(math.ceil(M / d)) + sync + o.optimizer_s
-
-            for best in sorted(stackable, key=estimate)[:STACKS_TRIED]:
+            stackable = ((d * use <= counts) & ((use == 0) | (d <= per_node))).all(axis=1)
+            stackable &= np.array([o.cap(M) * d >= M for o in config.options], dtype=bool)
+            # a lower bound on each stack's iteration time: its makespan and its sync at the
+            # node-local bound (each stage's d copies on one node; the tied embedding's 2d
+            # holders too when both ends are on one pool), so stacks are judged in its order
+            # until the bound reaches the best plan (at least STACKS_TRIED, at most
+            # MAX_STACKS_JUDGED): a stack whose tied embedding syncs inside a node, priced at
+            # the NIC, had been ranked out of the few judged
+            bound = (table.fill_s + (math.ceil(M / d) - 1) * table.period_s
+                     + table.local_extras_s(d))
+            order = np.flatnonzero(stackable)
+            order = order[np.argsort(bound[order], kind="stable")]
+            for n, j in enumerate(order[:MAX_STACKS_JUDGED].tolist()):
+                best_s = self.best.cost.iteration_time_s if self.best else math.inf
+                if n >= STACKS_TRIED and bound[j] >= best_s * (1 - PRUNE_TOLERANCE):
+                    break
                 if candidate.clock() >= self.deadline:
                     return          # each plan costs a tenth of a second on 4096 GPUs
                 self.offer(self._candidate(config, Composition(
-                    [d if o is best else 0 for o in config.options], 0.0)))
+                    [d if i == j else 0 for i in range(len(config.options))], 0.0)))
 
     def _pairs(self, config: Config) -> None:
         """Two-pipeline plans whose layer-wise sync may stay inside a node: a layer both
@@ -291,13 +303,14 @@ class BranchAndBound:
         micro-batch split (the crossing point of the two pipelines' times, rounded both ways),
         plus the busier pipeline's sync with the co-held layers at the intra-node rate, plus the
         slower optimizer step; the PAIRS_TRIED best are judged by the cost model."""
-        problem, options, pools = self.problem, config.options, config.pools
-        M, L, n = problem.num_microbatches, problem.model.num_layers, len(config.options)
+        problem, pools = self.problem, config.pools
+        M, L = problem.num_microbatches, problem.model.num_layers
         saving = np.array([layer_sync_s(problem, p) * (
             1 - problem.sync_bandwidth_gbs(p) / max(problem.sync_bandwidth_gbs(p), p.intra_gbs))
             if p.groups_per_node >= 2 else 0.0 for p in pools])
-        table = config.table
         best_s = self.best.cost.iteration_time_s if self.best else math.inf
+        options, table = self._pair_options(config, saving, best_s)
+        n = len(options)
         if M < 2 or n < 2 or not saving.any() or (
                 table.fill_s.min() + (math.ceil(M / 2) - 1) * table.period_s.min() >= best_s):
             return
@@ -386,8 +399,40 @@ class BranchAndBound:
         for estimate, i, j in best:
             if not estimate < best_s:
                 break
-            self.offer(self._candidate(config, Composition(
-                [int(k in (i, j)) for k in range(n)], 0.0)))
+            self.offer(self._candidate_of(config, [options[i], options[j]]))
+
+    def _pair_options(self, config: Config, saving: np.ndarray, best_s: float
+                      ) -> tuple[list[PipelineOption], OptionTable]:
+        """The options the pairs are drawn from: every option the config built, not only
+        those kept for the SCIP model (options.py keeps one per GPU-count vector and pipeline
+        count, but a pair that co-holds its layers on one node may want two of one vector:
+        two 3-stage pipelines on 6 GPUs of two types, the pair 5.7% faster after the warm-up
+        pass than the best of the options kept), less those whose lower bound (beside the
+        best partner of all, with every layer co-held) cannot beat ``best_s``: at most
+        MAX_PAIR_OPTIONS, the smallest bounds first, and the kept options always."""
+        built, at = config.built, config.stage_pools
+        if built is None:
+            return config.options, config.table
+        full = built.table
+        width = full.shared.shape[1]
+        tied_factor = np.where(full.multi_stage, ring_factor(4), ring_factor(2))
+        floor = (ring_factor(2) * (full.shared - built.layers[:, :width]
+                                   * saving[np.maximum(at, 0)])
+                 + tied_factor[:, None] * full.tied).max(axis=1)
+        fill_min, period_min = full.fill_s.min(), full.period_s.min()
+        crossing = (fill_min - full.fill_s + full.period_s + (self.problem.num_microbatches - 1)
+                    * period_min) / (full.period_s + period_min)
+        M = self.problem.num_microbatches
+        span = np.full(len(crossing), math.inf)
+        for m in (np.floor(crossing), np.ceil(crossing)):
+            m = np.clip(m, 1, M - 1)
+            span = np.minimum(span, np.maximum(full.fill_s + (m - 1) * full.period_s,
+                                               fill_min + (M - m - 1) * period_min))
+        bound = span + full.optimizer_s + floor
+        live = np.flatnonzero(bound < best_s * (1 + 1e-9))
+        live = live[np.argsort(bound[live], kind="stable")][:MAX_PAIR_OPTIONS]
+        chosen = np.union1d(live, config.kept)
+        return [built.option(j) for j in chosen.tolist()], full.subset(chosen, self.problem)
 
     def _model(self, config: Config, bin_index: int) -> CompositionModel:
         lo, hi = PIPELINE_BINS[bin_index]
@@ -400,8 +445,13 @@ class BranchAndBound:
     def _candidate(self, config: Config, comp: Composition) -> Candidate | None:
         """The plan of a composition, judged by the cost model (None: its pipelines' micro-batch
         caps cannot take the batch)."""
-        problem = self.problem
         pipelines = [o for o, x in zip(config.options, comp.multiplicities) for _ in range(x)]
+        return self._candidate_of(config, pipelines)
+
+    def _candidate_of(self, config: Config, pipelines: list[PipelineOption]
+                      ) -> Candidate | None:
+        """The plan of these pipelines (options of ``config``), judged by the cost model."""
+        problem = self.problem
         if sum(o.cap(problem.num_microbatches) for o in pipelines) < problem.num_microbatches:
             return None
         counts = assign_microbatches(pipelines, problem.num_microbatches)

@@ -65,7 +65,8 @@ import numpy as np
 
 from megatron_autohet.cost_model import stage_compute_s, stage_memory_bytes
 from megatron_autohet.planner.space import (OptionTable, PipelineOption, Pool, Problem,
-                                            make_pools, sequence_options, sequence_terms)
+                                            SequenceOptions, make_pools, sequence_options,
+                                            sequence_terms)
 
 # Pipelines of S stages take every order of pools up to ALL_ORDERS_UP_TO stages, and beyond
 # while there are at most ALL_ORDERS_BUDGET orders of S stages (module doc, step 2); other
@@ -80,6 +81,10 @@ MAX_TYPES_PER_PIPELINE = 3
 MAX_STAGES_CAP = 16
 # Pipeline counts for which each GPU-count vector keeps its best option.
 KEEP_FOR_COUNTS = (1, 2, 4, 8, 32, 1024)
+# ... and for which it keeps its best option with the sync at its node-local lower bound
+# (OptionTable.local_extras_s): the stacks of branch_and_bound.py (up to its MAX_STACK = 4
+# pipelines), its pairs, and 8 pipelines on 8-GPU nodes.
+LOCAL_COUNTS = (2, 3, 4, 8)
 
 
 def default_max_stages(problem: Problem, pools: list[Pool]) -> int:
@@ -180,13 +185,21 @@ def _keep_best(table: OptionTable, group: np.ndarray, cap: np.ndarray, problem: 
     by_period = best_per_group(table.period_s)
     keep = [best_per_group(np.where(table.period_s == table.period_s[by_period][
         np.searchsorted(group[by_period], group)], table.fill_s, np.inf))]
-    for d in KEEP_FOR_COUNTS:
+    for d in sorted({*KEEP_FOR_COUNTS, *LOCAL_COUNTS}):
         share = math.ceil(total / d)
-        extras = table.extras_s(d)
-        for x in (max(1, share // 2), share, 2 * share):
-            # pipelines get uneven shares
-            m = np.minimum(x, cap)
-            keep.append(best_per_group(table.fill_s + (m - 1) * table.period_s + extras))
+        # every sync over the sync link, and (where it differs) at its lower bound where the
+        # copies of a layer can share a node: stacks and pairs sync there (branch_and_bound.py,
+        # step 6), and an option priced at the NIC alone was dropped though a stack of it was
+        # the optimum (tests/planner/test_option_pruning.py)
+        sync = [table.extras_s(d)] if d in KEEP_FOR_COUNTS else []
+        if d in LOCAL_COUNTS and table.node_local is not None:
+            local = table.local_extras_s(d)
+            sync += [local] if not sync or (local != sync[0]).any() else []
+        for extras in sync:
+            for x in (max(1, share // 2), share, 2 * share):
+                # pipelines get uneven shares
+                m = np.minimum(x, cap)
+                keep.append(best_per_group(table.fill_s + (m - 1) * table.period_s + extras))
     kept = np.unique(np.concatenate(keep))
     return kept[np.lexsort((kept, group[kept]))]
 
@@ -205,6 +218,11 @@ class Config:
     # Each option's sync + optimizer level per pipeline count: the branch and bound's cache
     # (branch_and_bound.levels_at).
     levels: dict[int, list[float]] = dataclasses.field(default_factory=dict)
+    # Every option built (kept or not), each stage's pool (-1: padding) and which were kept:
+    # the pairs of branch_and_bound.py draw from them.
+    built: SequenceOptions | None = None
+    stage_pools: np.ndarray | None = None
+    kept: np.ndarray | None = None
 
     @property
     def key(self) -> tuple:
@@ -306,6 +324,10 @@ def build_options(problem: Problem, config: Config, max_stages: int | None,
         for parts in by_stages.values()])
     if not len(built.sequence):
         return True
+    stage_pools = np.full((len(sequences), built.layers.shape[1]), -1)
+    for i, (seq, _) in enumerate(sequences):
+        stage_pools[i, :len(seq)] = seq
+    built.table.with_node_local(pools, stage_pools[built.sequence], problem)
     # Groups of equal GPU-count vector and cap, numbered by first appearance (entry order).
     keys = np.column_stack([np.concatenate([b[3] for b in blocks])[order], cap_of[order]])
     _, first, inverse = np.unique(keys, axis=0, return_index=True, return_inverse=True)
@@ -314,5 +336,6 @@ def build_options(problem: Problem, config: Config, max_stages: int | None,
     kept = _keep_best(built.table, group_of[built.sequence], caps[built.sequence], problem)
     config.options = [built.option(j) for j in kept]
     config.table = built.table.subset(kept, problem)
+    config.built, config.stage_pools, config.kept = built, stage_pools[built.sequence], kept
     return True
 

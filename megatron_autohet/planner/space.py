@@ -215,17 +215,57 @@ class OptionTable:
         self.shared, self.tied, self.tied_own = shared, tied, tied_own
         self.stages = stages
         self.multi_stage = stages > 1
+        # The node-local sync (:meth:`local_extras_s`; None until :meth:`with_node_local`).
+        self.node_local: tuple[np.ndarray, ...] | None = None
 
     def subset(self, index: np.ndarray, problem: Problem) -> OptionTable:
-        return OptionTable(problem, self.fill_s[index], self.period_s[index],
-                           self.shared[index], self.tied[index], self.tied_own[index],
-                           self.optimizer_s[index], self.stages[index])
+        out = OptionTable(problem, self.fill_s[index], self.period_s[index],
+                          self.shared[index], self.tied[index], self.tied_own[index],
+                          self.optimizer_s[index], self.stages[index])
+        if self.node_local is not None:
+            out.node_local = tuple(a[index] for a in self.node_local)
+        return out
+
+    def with_node_local(self, pools: list[Pool], stage_pools: np.ndarray, problem: Problem
+                        ) -> OptionTable:
+        """Record what the options' sync costs where the copies of a stage share a node
+        (:meth:`local_extras_s`); ``stage_pools`` (options, max stages) is each stage's pool
+        index, -1 where padded."""
+        bw = np.array([problem.sync_bandwidth_gbs(p) for p in pools])
+        best = bw / np.maximum(bw, [p.intra_gbs for p in pools])
+        groups = np.array([p.groups_per_node for p in pools])
+        at = np.maximum(stage_pools, 0)
+        last = np.take_along_axis(stage_pools, self.stages[:, None] - 1, axis=1)[:, 0]
+        ends = np.where(stage_pools[:, 0] == last, groups[at[:, 0]] // np.where(
+            self.multi_stage, 2, 1), 0)
+        self.node_local = (self.shared * best[at], np.where(stage_pools >= 0, groups[at], 0),
+                           self.tied * np.where((stage_pools[:, 0] == last)[:, None],
+                                                best[at], 1.0), ends)
+        return self
 
     def extras_s(self, pipelines: int) -> np.ndarray:
+        tied = self.tied_own if pipelines == 1 else self.tied
+        return self._extras(pipelines, self.shared, tied)
+
+    def local_extras_s(self, pipelines: int) -> np.ndarray:
+        """A lower bound on :meth:`extras_s` wherever the copies of a layer can share a node:
+        the sync over a stage's intra-node link (where faster than its sync link) when its
+        pool's nodes hold a TP group of every one of the D pipelines, the tied embedding's
+        likewise when both ends are on one pool whose nodes hold all its 2D holders (D with
+        one stage). A layer whose holders span nodes syncs no faster than the sync link of its
+        stage's pool (the slowest link of its group: cost_model.py), so no plan of these
+        options pays less; :meth:`extras_s` prices every sync over the sync link. Requires
+        :meth:`with_node_local`."""
+        shared_best, groups, tied_best, ends = self.node_local
+        shared = np.where(pipelines <= groups, shared_best, self.shared)
+        tied = self.tied_own if pipelines == 1 else np.where(
+            (pipelines <= ends)[:, None], tied_best, self.tied)
+        return self._extras(pipelines, shared, tied)
+
+    def _extras(self, pipelines: int, shared: np.ndarray, tied: np.ndarray) -> np.ndarray:
         tied_factor = np.where(self.multi_stage, ring_factor(2 * pipelines),
                                ring_factor(pipelines))
-        tied = self.tied_own if pipelines == 1 else self.tied
-        sync = (ring_factor(pipelines) * self.shared + tied_factor[:, None] * tied).max(axis=1)
+        sync = (ring_factor(pipelines) * shared + tied_factor[:, None] * tied).max(axis=1)
         if not self.distributed_optimizer:
             return sync + self.optimizer_s
         # reduce-scatter of fp32 gradients + all-gather of the weights (in bf16 (4 + 2) / 8 of

@@ -1,7 +1,8 @@
 """Seeded random small planning problems: the planner's optimality is checked on them against the
 exhaustive search (tests/planner/test_planner_optimality.py, scripts/bench_planner.py): general ones
-(:func:`random_case`), ones where memory decides (:func:`memory_bound_case`) and ones where the
-order of GPU types along a pipeline and the layer split decide (:func:`odd_case`).
+(:func:`random_case`), ones where memory decides (:func:`memory_bound_case`), ones where the
+order of GPU types along a pipeline and the layer split decide (:func:`odd_case`) and 6-GPU
+fleets of two catalog types whose layer copies can share a node (:func:`shared_node_case`).
 
 A case is a fleet of 2-4 GPU types drawn over realistic datasheet ranges (a catalog of its own,
 so types the bundled catalog lacks are covered too), at most 16 GPUs in nodes of 1-8 GPUs, every
@@ -199,3 +200,29 @@ def odd_case(seed: int) -> Case:
     cluster = cluster_from_dict({"name": f"odd-{seed}", "inter_node_bandwidth_gbs": 25,
                                  "nodes": nodes}, catalog=types)
     return Case(seed, cluster, model, rng.randint(2, 9), 1, [1], 4, False)
+
+
+# Catalog GPU types with bf16 (shared_node_case).
+CATALOG_TYPES = ("A100-40GB", "A100-80GB", "H100", "H800", "H20", "H200", "L4", "A10G", "L40S",
+                 "RTX-4090")
+
+
+def shared_node_case(seed: int) -> Case:
+    """6 GPUs of two catalog types (CATALOG_TYPES) in nodes of 1-4 GPUs, TP 1, a GPT of 4-8
+    layers and 2048-4096 hidden, NICs of 3-25 GB/s: a layer's copies in two pipelines can share
+    a node (stacks and pairs of pipelines whose sync stays inside it), which the option pruning
+    once priced at the NIC (tests/planner/test_option_pruning.py)."""
+    rng = random.Random(1000 + seed)
+    types = rng.sample(CATALOG_TYPES, 2)
+    sizes = rng.choice([(4, 2), (2, 4), (2, 2, 2), (3, 3), (4, 1, 1), (2, 2, 1, 1)])
+    nodes = [(types[i % 2] if i < 2 else rng.choice(types), n) for i, n in enumerate(sizes)]
+    nic = rng.choice((3.125, 6.25, 12.5, 25.0))
+    hidden = rng.choice((2048, 2560, 4096))
+    model = ModelSpec(name=f"gpt-shared-{seed}", num_layers=rng.randint(4, 8),
+                      hidden_size=hidden, num_attention_heads=32, ffn_hidden_size=4 * hidden,
+                      vocab_size=50257, seq_length=rng.choice((1024, 2048)), num_query_groups=32,
+                      tie_embeddings=rng.random() < 0.7)
+    cluster = cluster_from_dict({"name": f"shared-{seed}", "inter_node_bandwidth_gbs": nic,
+                                 "nodes": [{"name": f"n{i}", "gpu": g, "gpus": n}
+                                           for i, (g, n) in enumerate(nodes)]})
+    return Case(seed, cluster, model, rng.randint(2, 12), 1, [1], 4)
