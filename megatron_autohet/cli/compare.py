@@ -6,7 +6,7 @@ import json
 
 from megatron_autohet.cli._common import (add_planning_arguments, floor_error, format_hours,
                                           format_idle, format_tokens, load_planning_inputs,
-                                          planning_options)
+                                          planning_options, search_end)
 from megatron_autohet.cli._table import format_table
 
 
@@ -110,6 +110,10 @@ def run(args) -> int:
             row += [f"{baseline.speedup:.2f}x", format_idle(cost.idle_gpus), baseline.note]
         rows.append(row)
     print(format_table(header, rows))
+    # whether each search completed: ours as `autohet plan` says it; the baselines judge
+    # every grid (or bound it out), never cut
+    print(f"> searches: autohet (ours) {search_end(result)}; baselines complete (every grid "
+          f"judged)")
     if args.output:
         print(f"> wrote {args.output}")
     return 0

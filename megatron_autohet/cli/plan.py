@@ -8,7 +8,6 @@ from megatron_autohet.cli._common import (add_planning_arguments, floor_error, f
                                           format_plan_table, format_prediction,
                                           load_planning_inputs, planning_options, search_end)
 from megatron_autohet.cost_model import annotate_plan
-from megatron_autohet.spec.cluster import trainable_fleet
 
 
 def register(subparsers) -> None:
@@ -36,15 +35,16 @@ def register(subparsers) -> None:
 def run(args) -> int:
     # pyscipopt (the planner's SCIP) only when a command plans, not at `autohet` start-up
     from megatron_autohet.planner.cost_search import FloorNotMet
-    from megatron_autohet.planner.search import search, with_left_out
-    from megatron_autohet.planner.space import priced_precision
+    from megatron_autohet.planner.search import search
+    from megatron_autohet.planner.space import trainable_for
 
     cluster, model, profile = load_planning_inputs(args)
     # The plan trains in the precision it is priced in: GPUs that cannot (V100s and T4s in
-    # bf16) are left out of it and count as its idle GPUs.
-    cluster, left_out = trainable_fleet(cluster, priced_precision(profile), args.cluster)
-    print(f"> planning {model.name} on {cluster.name}: {cluster.world_size} GPUs "
-          f"({', '.join(f'{n} x {g}' for g, n in cluster.counts_by_type().items())}"
+    # bf16) are left out of it and count as its idle GPUs (the search decides, as for every
+    # caller; the first line says so).
+    trainable, left_out = trainable_for(cluster, profile, args.cluster)
+    print(f"> planning {model.name} on {cluster.name}: {trainable.world_size} GPUs "
+          f"({', '.join(f'{n} x {g}' for g, n in trainable.counts_by_type().items())}"
           + (f"; left out, no bf16: {format_idle(left_out)}" if left_out else "")
           + f"), global batch {args.global_batch_size}, micro-batch {args.micro_batch_size}")
     options = planning_options(args)
@@ -55,11 +55,12 @@ def run(args) -> int:
     try:
         best = search(cluster, model, profile, args.global_batch_size, args.micro_batch_size,
                       args.seq_length, tp_degrees=args.tp,
-                      distributed_optimizer=args.use_distributed_optimizer, **options)
+                      distributed_optimizer=args.use_distributed_optimizer,
+                      cluster_file=args.cluster, **options)
     except FloorNotMet as exc:
         raise floor_error(args, exc) from None
     elapsed = time.perf_counter() - started
-    cost = with_left_out(best.cost, left_out)
+    cost = best.cost
     annotate_plan(best.plan, cost)
     best.plan.save(args.output)
     print(format_plan_table(best.plan, cost))

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_autohet.cost_model import (DEFAULT_CHARGE, DEFAULT_MEMORY_HEADROOM, PlanCost,
-                                         annotate_plan)
+from megatron_autohet.cost_model import DEFAULT_CHARGE, DEFAULT_MEMORY_HEADROOM, PlanCost
 from megatron_autohet.plan import DEFAULT_OBJECTIVE, Plan
 from megatron_autohet.planner.baselines import all_baselines
+from megatron_autohet.planner.candidate import STOP_COMPLETE
 from megatron_autohet.planner.search import search, with_left_out
-from megatron_autohet.planner.space import Problem, check_batch, priced_precision, resolve_profile
+from megatron_autohet.planner.space import Problem, check_batch, resolve_profile, trainable_for
 from megatron_autohet.profiling.profile import Profile
-from megatron_autohet.spec.cluster import Cluster, trainable_fleet
+from megatron_autohet.spec.cluster import Cluster
 from megatron_autohet.spec.model import ModelSpec
 
 
@@ -31,7 +31,9 @@ class BaselineResult:
                                            else None),
                 "usd_per_hour": self.cost.usd_per_hour if self.cost else None,
                 "speedup": self.speedup,
-                "idle_gpus": dict(self.cost.idle_gpus) if self.cost else None}
+                "idle_gpus": dict(self.cost.idle_gpus) if self.cost else None,
+                # a baseline's grids are all judged (or bounded out, exactly): never cut
+                "search": {"complete": True, "stopped_by": STOP_COMPLETE}}
 
 
 @dataclass
@@ -39,7 +41,14 @@ class Comparison:
     plan: Plan
     cost: PlanCost
     baselines: list[BaselineResult]
-    stopped_by: str = "complete"    # how our search ended (candidate.Candidate.stopped_by)
+    stopped_by: str = STOP_COMPLETE     # how our search ended (candidate.Candidate.stopped_by)
+    work: int = 0                       # the SCIP nodes it used
+
+    @property
+    def complete(self) -> bool:
+        """Whether our search completed: nothing left that could beat its plan (not cut by the
+        work budget, the cost search's budget or the wall-clock safety net)."""
+        return self.stopped_by == STOP_COMPLETE
 
     def baseline(self, name: str) -> BaselineResult:
         return next(b for b in self.baselines if b.name == name)
@@ -52,7 +61,9 @@ class Comparison:
                             "charge": self.cost.charge,
                             "pipelines": len(self.plan.pipelines),
                             "activation_recompute": self.plan.activation_recompute,
-                            "idle_gpus": dict(self.cost.idle_gpus)},
+                            "idle_gpus": dict(self.cost.idle_gpus),
+                            "search": {"complete": self.complete,
+                                       "stopped_by": self.stopped_by, "work": self.work}},
                 "baselines": [b.to_dict() for b in self.baselines]}
 
 
@@ -67,15 +78,17 @@ def compare(cluster: Cluster, model: ModelSpec, profile: Profile | None, global_
     same cluster, model, profile and batch; speedup = baseline time / our time. Every plan
     carries its USD per million tokens when the nodes have prices, charged by ``charge``
     (``min_tokens_per_s``: the cost objective's floor, cost_search.py). All of them run on the GPUs
-    that can train in the profile's precision (spec/cluster.py ``trainable_fleet``: a bf16 job
-    of any kind has no use for V100s and T4s), the others counted idle."""
+    that can train in the profile's precision (space.py ``trainable_for``, which the search
+    applies too: a bf16 job of any kind has no use for V100s and T4s), the others counted
+    idle. The comparison says how our search ended (``stopped_by``, ``work``)."""
     seq_length = seq_length or model.seq_length
-    cluster, left_out = trainable_fleet(cluster, priced_precision(profile), cluster_file)
     best = search(cluster, model, profile, global_batch_size, micro_batch_size, seq_length,
                   allow_asymmetric_tp=allow_asymmetric_tp,
                   activation_recompute=activation_recompute, time_limit_s=time_limit_s,
                   progress=progress, memory_headroom=memory_headroom, objective=objective,
-                  min_tokens_per_s=min_tokens_per_s, charge=charge)
+                  min_tokens_per_s=min_tokens_per_s, charge=charge, cluster_file=cluster_file)
+    # the baselines on the fleet the search planned on (its GPUs left out counted idle)
+    cluster, left_out = trainable_for(cluster, profile, cluster_file)
     problem = Problem(cluster, model, resolve_profile(cluster, model, profile, micro_batch_size,
                                                       seq_length),
                       global_batch_size, micro_batch_size, seq_length,
@@ -87,6 +100,4 @@ def compare(cluster: Cluster, model: ModelSpec, profile: Profile | None, global_
         speedup = b.cost.iteration_time_s / best.cost.iteration_time_s if b.cost else None
         results.append(BaselineResult(b.name, b.note, b.plan,
                                       b.cost and with_left_out(b.cost, left_out), speedup))
-    cost = with_left_out(best.cost, left_out)
-    annotate_plan(best.plan, cost)          # the plan --output writes records its idle GPUs
-    return Comparison(best.plan, cost, results, best.stopped_by)
+    return Comparison(best.plan, best.cost, results, best.stopped_by, best.work)

@@ -401,7 +401,8 @@ def replan(previous: Plan, cluster: Cluster, model: ModelSpec, profile: Profile 
 
     def search_for(**objective_arguments) -> Candidate:
         return search(cluster, model, profile, previous.global_batch_size, mbs, seq,
-                      sub_fleets=False, **options, **objective_arguments)
+                      sub_fleets=False, precision=precision, **options,
+                      **objective_arguments)
 
     kept = objective_of(previous)
     objective, note = kept, None

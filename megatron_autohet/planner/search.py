@@ -16,12 +16,13 @@ import math
 from collections.abc import Callable, Sequence
 
 from megatron_autohet.cost_model import (DEFAULT_CHARGE, DEFAULT_MEMORY_HEADROOM, PlanCost,
-                                         check_charge, record_profile)
+                                         annotate_plan, check_charge, record_profile)
 from megatron_autohet.errors import ConfigError
 from megatron_autohet.plan import DEFAULT_OBJECTIVE, Plan
 from megatron_autohet.planner import candidate
 from megatron_autohet.planner.candidate import Candidate
 from megatron_autohet.planner.objective import objective_named
+from megatron_autohet.planner.space import trainable_for
 from megatron_autohet.planner.throughput_search import WORK_BUDGET
 from megatron_autohet.profiling.profile import Profile
 from megatron_autohet.spec.cluster import Cluster
@@ -29,7 +30,7 @@ from megatron_autohet.spec.model import ModelSpec
 
 
 def with_left_out(cost: PlanCost, left_out: dict[str, int]) -> PlanCost:
-    """``cost`` with the GPUs ``trainable_fleet`` left out among its idle GPUs: a plan records
+    """``cost`` with the GPUs ``trainable_for`` left out among its idle GPUs: a plan records
     every GPU of its cluster it leaves idle (the re-planner's unchanged-fleet test compares the
     fleet with that record)."""
     if not left_out:
@@ -83,8 +84,15 @@ def search(cluster: Cluster, model: ModelSpec, profile: Profile | None, global_b
            distributed_optimizer: bool = False,
            memory_headroom: float = DEFAULT_MEMORY_HEADROOM,
            sub_fleets: bool = True, min_tokens_per_s: float | None = None,
-           charge: str = DEFAULT_CHARGE, max_searches: int | None = None) -> Candidate:
+           charge: str = DEFAULT_CHARGE, max_searches: int | None = None,
+           cluster_file: str = "<cluster>", precision: str | None = None) -> Candidate:
     """make_plan, returning the plan with its cost and the TP/recompute choice.
+
+    The plan uses only the GPUs that train in ``precision`` (None: the one it is priced in;
+    space.py ``trainable_for``: no V100 or T4 in a bf16 plan), as ``autohet plan``,
+    ``compare``, ``replan`` and ``train`` have it; the others are among its idle GPUs
+    (recorded in the plan too); a cluster of none of them is a ConfigError naming
+    ``cluster_file``.
 
     ``charge`` prices the plans (cost_model.py, "Price": per-node or per-gpu); with objective
     "cost", ``min_tokens_per_s`` is the throughput floor the cheapest plan must reach
@@ -106,6 +114,7 @@ def search(cluster: Cluster, model: ModelSpec, profile: Profile | None, global_b
                           "a finite number of seconds > 0")
     goal = kind.from_arguments(min_tokens_per_s, max_searches)
     check_charge(charge, "charge")
+    cluster, left_out = trainable_for(cluster, profile, cluster_file, precision)
     deadline = candidate.clock() + time_limit_s
     best = goal.search(cluster, model, profile, global_batch_size, micro_batch_size, seq_length,
                        deadline, allow_asymmetric_tp=allow_asymmetric_tp,
@@ -114,6 +123,9 @@ def search(cluster: Cluster, model: ModelSpec, profile: Profile | None, global_b
                        baselines=baselines, work_budget=work_budget, on_candidate=on_candidate,
                        distributed_optimizer=distributed_optimizer,
                        memory_headroom=memory_headroom, sub_fleets=sub_fleets, charge=charge)
+    if left_out:
+        best = dataclasses.replace(best, cost=with_left_out(best.cost, left_out))
+        annotate_plan(best.plan, best.cost)
     record_profile(best.plan, profile)
     goal.record(best.plan)
     return best

@@ -40,7 +40,7 @@ from megatron_autohet.errors import ConfigError
 from megatron_autohet.plan import Pipeline, Plan, RankInfo, Stage
 from megatron_autohet.profiling.estimate import estimate_profile
 from megatron_autohet.profiling.profile import Profile, ProfileEntry
-from megatron_autohet.spec.cluster import Cluster
+from megatron_autohet.spec.cluster import Cluster, trainable_fleet
 from megatron_autohet.spec.model import ModelSpec
 from megatron_autohet.spec.precision import PLANNING_PRECISION, Precision
 
@@ -112,6 +112,16 @@ def priced_precision(profile: Profile | None) -> str:
     in (spec/cluster.py ``trainable_fleet`` chooses its GPUs by it): the profile's, else the
     analytic estimates' (spec/precision.py PLANNING_PRECISION, bf16)."""
     return (profile.precision if profile is not None else PLANNING_PRECISION).name
+
+
+def trainable_for(cluster: Cluster, profile: Profile | None, file: str = "<cluster>",
+                  precision: str | None = None) -> tuple[Cluster, dict[str, int]]:
+    """The fleet a plan priced on ``profile`` may use, and the GPUs left out by type: the GPUs
+    that train in ``precision`` (None: the one it is priced in, :func:`priced_precision`;
+    spec/cluster.py ``trainable_fleet``: no V100 or T4 in a bf16 plan). The one decision every
+    planning entry point takes (search.search, so ``autohet plan`` and ``compare``; the
+    re-planner; the exhaustive yardstick); ConfigError, naming ``file``, when none is left."""
+    return trainable_fleet(cluster, precision or priced_precision(profile), file)
 
 
 def check_batch(problem: Problem) -> None:

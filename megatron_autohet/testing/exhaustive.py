@@ -36,7 +36,8 @@ from megatron_autohet.plan import DEFAULT_OBJECTIVE, Pipeline, Plan, RankInfo, S
 from megatron_autohet.planner.candidate import Candidate
 from megatron_autohet.planner.cost_search import check_prices
 from megatron_autohet.planner.objective import objective_named
-from megatron_autohet.planner.space import resolve_profile
+from megatron_autohet.planner.search import with_left_out
+from megatron_autohet.planner.space import resolve_profile, trainable_for
 from megatron_autohet.planner.warmup import choose_warmups
 from megatron_autohet.profiling.profile import Profile
 from megatron_autohet.spec.cluster import Cluster, Device
@@ -155,6 +156,8 @@ def exhaustive_optimum(cluster: Cluster, model: ModelSpec, profile: Profile | No
     ``min_tokens_per_s``; the micro-batch split that minimises the iteration time minimises the
     price too: the arrangement fixes the GPUs paid for)."""
     goal = objective_named(objective).from_arguments(min_tokens_per_s)
+    # the GPUs the planner may use (search.search decides so: no V100 or T4 in a bf16 plan)
+    cluster, left_out = trainable_for(cluster, profile)
     if goal.priced:
         check_prices(cluster)
 
@@ -236,7 +239,12 @@ def exhaustive_optimum(cluster: Cluster, model: ModelSpec, profile: Profile | No
         raise ConfigError("<arguments>", "min_tokens_per_s", "no plan reaches it")
     plan, cost = choose_warmups(best.plan, best.cost, cluster, profile,   # the same post-pass
                                 memory_headroom, max_stages, goal.rank)
-    return best, Candidate(plan, cost, best.tp_of_gpu, best.recompute)
+    after = Candidate(plan, cost, best.tp_of_gpu, best.recompute)
+    if left_out:
+        for cand in (best, after):
+            cand.cost = with_left_out(cand.cost, left_out)
+            annotate_plan(cand.plan, cand.cost)
+    return best, after
 
 
 def exhaustive_search(*args, **kwargs) -> Candidate:

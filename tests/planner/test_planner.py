@@ -85,6 +85,9 @@ def test_errors():
     with pytest.raises(ConfigError, match="global_batch_size"):
         make_plan(cluster, TINY, None, 7, 2, progress=False)
     with pytest.raises(ConfigError, match="fits in memory"):
+        make_plan(_cluster([("L4", 1)]), load_model("configs/models/llama2-13b.yaml"), None, 8,
+                  1, progress=False)
+    with pytest.raises(ConfigError, match="no GPU with bf16"):       # as `autohet plan` says
         make_plan(_cluster([("T4", 2)]), load_model("configs/models/llama2-13b.yaml"), None, 8,
                   1, progress=False)
 

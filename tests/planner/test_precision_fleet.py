@@ -13,7 +13,7 @@ import pytest
 from megatron_autohet.cli.main import main
 from megatron_autohet.errors import ConfigError
 from megatron_autohet.plan import check_bf16_support, load_plan
-from megatron_autohet.planner import make_plan
+from megatron_autohet.planner import make_plan, search
 from megatron_autohet.planner.compare import compare
 from megatron_autohet.planner.replan import replan
 from megatron_autohet.spec import load_model
@@ -113,3 +113,31 @@ def test_compare_runs_every_plan_on_the_bf16_gpus():
         assert "V100-32GB" not in {r.gpu for r in b.plan.ranks}, b.name
         assert b.cost.idle_gpus.get("V100-32GB") == 2, b.name
 
+
+
+def test_search_plans_on_the_fleet_autohet_plan_does(tmp_path, capsys):
+    """planner.search() (and make_plan) decide the fleet as `autohet plan` does (space.py
+    trainable_for, one decision): a bf16 plan leaves the V100s idle and records them, an fp32
+    job uses them, a fleet of V100s alone is refused naming the cluster file."""
+    cluster = _cluster("mixed", [("a", "A100-80GB", 2), ("v", "V100-32GB", 2)])
+    best = search(cluster, GPT, None, 16, 1, progress=False)
+    assert {r.gpu for r in best.plan.ranks} == {"A100-80GB"}
+    assert best.cost.idle_gpus.get("V100-32GB") == 2
+    assert best.plan.predicted["idle_gpus"]["V100-32GB"] == 2
+    check_bf16_support(best.plan, CATALOG)
+    path = tmp_path / "mixed.yaml"
+    path.write_text("name: mixed\ninter_node_bandwidth_gbs: 25\nnodes:\n"
+                    "  - {name: a, gpu: A100-80GB, gpus: 2}\n"
+                    "  - {name: v, gpu: V100-32GB, gpus: 2}\n")
+    assert main(["plan", "--cluster", str(path), "--model",
+                 str(CONFIGS / "models" / "gpt3-1.3b.yaml"), "--global-batch-size", "16",
+                 "-o", str(tmp_path / "p.yaml")]) == 0
+    assert "left out, no bf16: 2 x V100-32GB" in capsys.readouterr().out
+    assert load_plan(tmp_path / "p.yaml").predicted["iteration_time_s"] == pytest.approx(
+        best.cost.iteration_time_s, rel=1e-5)
+    fp32 = search(cluster, GPT, None, 16, 1, progress=False, precision="fp32")
+    assert "V100-32GB" in {r.gpu for r in fp32.plan.ranks}
+    with pytest.raises(ConfigError) as err:
+        search(_cluster("v", [("v", "V100-32GB", 2)]), GPT, None, 16, 1, progress=False,
+               cluster_file="v.yaml")
+    assert str(err.value).startswith("v.yaml: field 'nodes': no GPU with bf16 (V100-32GB")
