@@ -7,43 +7,18 @@ timing)."""
 from __future__ import annotations
 
 import json
-import os
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from helpers.dist_utils import run_on_ranks
-from helpers.training import two_ranks
-from megatron_autohet.elastic.fleet import Member
-from megatron_autohet.runtime.optimizer import OptimizerSettings
-from megatron_autohet.spec.cluster import load_cluster
+from helpers.elastic_generation import generation_worker
 
 pytestmark = pytest.mark.integration
 
-ROOT = Path(__file__).resolve().parents[2]
-CLUSTER = ROOT / "configs/clusters/local-4.yaml"
-
 
 def _generation(rank, world_size, tmp: Path):
-    from megatron_autohet.elastic.worker import ElasticWorker
-    from megatron_autohet.job import TrainOptions
-
-    plan = two_ranks()
-    first = plan.pipelines[0]
-    plan.pipelines[0] = replace(first, stages=[replace(first.stages[0], predicted_time_s=1e-9)])
-    info = plan.ranks[rank]
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_RANK=str(info.local_rank), AUTOHET_NODE=info.node,
-                      AUTOHET_GPU=info.gpu, AUTOHET_LOCAL_ADDR="127.0.0.1")
-    options = TrainOptions(iters=4, seed=1, optimizer=OptimizerSettings(lr=1e-3),
-                           data_dir=str(tmp / "data"), measure_window=2,
-                           distributed_timeout_minutes=1.0)
-    worker = ElasticWorker(initial_plan=plan, template=load_cluster(CLUSTER), model=plan.model,
-                           options=options, notice_file=None,
-                           events_jsonl=str(tmp / "events.jsonl"))
-    worker.events = worker._log(rank == 0)          # as run() does: the plan's rank 0 reports
-    members = [Member(i.node, i.gpu, i.local_rank) for i in plan.ranks]
+    worker, plan, members = generation_worker(rank, world_size, tmp)
     return worker._generation(plan, rank, members).last
 
 

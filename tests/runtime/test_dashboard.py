@@ -185,35 +185,14 @@ def test_dashboard_options_travel_to_the_ranks_as_data(tmp_path):
 
 def _elastic_generation(rank, world_size, tmp: Path):
     """One generation of an elastic job (elastic/worker.py) on two gloo ranks, its windows'
-    drift events forced by predictions far below any machine's (tests/elastic/
-    test_drift_event.py's harness), with --tensorboard-dir and --metrics-jsonl."""
-    from dataclasses import replace
+    drift events forced by the plan (helpers/elastic_generation.py), with --tensorboard-dir and
+    --metrics-jsonl."""
+    from helpers.elastic_generation import generation_worker
 
-    from helpers.training import two_ranks
-    from megatron_autohet.elastic.fleet import Member
-    from megatron_autohet.elastic.worker import ElasticWorker
-    from megatron_autohet.job import TrainOptions
-    from megatron_autohet.runtime.optimizer import OptimizerSettings
-    from megatron_autohet.spec.cluster import load_cluster
-
-    plan = two_ranks()
-    first = plan.pipelines[0]
-    plan.pipelines[0] = replace(first, stages=[replace(first.stages[0], predicted_time_s=1e-9)])
-    info = plan.ranks[rank]
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_RANK=str(info.local_rank), AUTOHET_NODE=info.node,
-                      AUTOHET_GPU=info.gpu, AUTOHET_LOCAL_ADDR="127.0.0.1")
-    options = TrainOptions(iters=4, seed=1, optimizer=OptimizerSettings(lr=1e-3),
-                           data_dir=str(tmp / "data"), measure_window=2,
-                           distributed_timeout_minutes=1.0, adapt="off",
-                           metrics_jsonl=str(tmp / "metrics.jsonl"),
-                           dashboard=DashboardOptions(tensorboard_dir=str(tmp / "tb")))
-    worker = ElasticWorker(initial_plan=plan, template=load_cluster(
-        ROOT / "configs/clusters/local-4.yaml"), model=plan.model, options=options,
-        notice_file=None, events_jsonl=str(tmp / "events.jsonl"))
-    worker.events = worker._log(rank == 0)          # as run() does: the plan's rank 0 reports
+    worker, plan, members = generation_worker(
+        rank, world_size, tmp, adapt="off", metrics_jsonl=str(tmp / "metrics.jsonl"),
+        dashboard=DashboardOptions(tensorboard_dir=str(tmp / "tb")))
     worker.events.emit("plan", "kept the initial plan")      # before the first iteration
-    members = [Member(i.node, i.gpu, i.local_rank) for i in plan.ranks]
     try:
         return worker._generation(plan, rank, members).last
     finally:
