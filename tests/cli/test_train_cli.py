@@ -186,7 +186,7 @@ def test_train_two_pipelines_three_iterations(tmp_path, distributed_optimizer):
         return floor + 0.5 * (math.cos(math.pi * done) + 1.0) * (peak - floor)
     expected = [peak, cosine(0.5), cosine(1.0)]
     assert [r["learning_rate"] for r in records] == pytest.approx(expected, rel=1e-12)
-    lines = [line for line in result.stdout.splitlines() if " iteration " in line]
+    lines = [line for line in result.stdout.splitlines() if "] iteration " in line]
     assert len(lines) == 3 and "lm loss:" in lines[-1] and "tokens per second:" in lines[-1]
     # rank 0 (stage 0 of the TP2 pipeline: layers 0-4 + embeddings, asymmetric with the TP1
     # pipeline) keeps the state of about half of its elements

@@ -3,9 +3,11 @@
 torchrun's agents restart their workers whatever status they exit with: a worker that stopped
 the job because its saves failed (exit 1) was started again in a new round, which found no step,
 trained from scratch and failed its saves again - until the agents' restarts (1000) ran out.
-Here every node's local checkpoint directory is a plain file, so every save fails; the second in
-a row (--autohet-max-failed-saves 2) must end every node's `autohet node` with status 76 and the
-one line saying why and which steps are complete where, after one round only.
+Here every node's first two saves find their ``iter_N.partial`` taken by a plain file, so they
+fail; the second in a row (--autohet-max-failed-saves 2) must end every node's `autohet node`
+with status 76 and the one line saying why and which steps are complete where, after one round
+only. (A checkpoint directory that is a plain file is refused before training: the writer lease
+cannot be written there.)
 """
 
 from __future__ import annotations
@@ -25,9 +27,10 @@ GPUS = {"node0": "A100-80GB", "node2": "H800"}
 def test_failed_saves_stop_the_elastic_job_on_every_node_for_good(tmp_path):
     fleet = fleet_of(tmp_path, make_plan(tmp_path), 8, 2)
     fleet.train_args += ["--autohet-max-failed-saves", "2"]
-    for node in GPUS:           # the fleet's --autohet-local-ckpt-dir: a file, not a directory
-        (fleet.workdir / node).mkdir(parents=True)
-        (fleet.workdir / node / "ckpt").write_text("not a directory\n")
+    for node in GPUS:     # each save's iter_N.partial in --autohet-local-ckpt-dir: a file
+        (fleet.workdir / node / "ckpt").mkdir(parents=True)
+        for iteration in (2, 4):
+            (fleet.workdir / node / "ckpt" / f"iter_{iteration:07d}.partial").write_text("x\n")
     with fleet:
         for node, gpu in GPUS.items():
             fleet.add(node, gpu)
