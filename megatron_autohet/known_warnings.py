@@ -46,10 +46,6 @@ KNOWN_WARNINGS: tuple[tuple[str, tuple[str, ...], str], ...] = (
      "megatron-core's own TransformerConfig default (0.16's cuda_graph_scope='full', 0.19's "
      "cuda_graph_modules) triggers it on every config built; the runtime captures no CUDA "
      "graphs"),
-    (r"absl\.logging is not installed\.", ("0.19",),
-     "hyper_comm_grid (0.19 imports it with its process-group code) logs through absl when it is "
-     "installed and through the standard logging module otherwise: the same records, and absl "
-     "is no dependency of megatron-core's"),
     (r"MimoModelConfig is experimental", ("0.19",),
      "0.19's get_megatron_optimizer imports the multimodal MiMo model to check whether it was "
      "given one, and that module warns as it defines its config class; nothing here builds a "
