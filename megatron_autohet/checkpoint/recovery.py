@@ -72,7 +72,7 @@ from megatron_autohet.checkpoint.manifest import (MANIFEST_FILE, MODEL_FIELDS, I
                                                   read_manifest, step_dir_name)
 from megatron_autohet.checkpoint.recovery_plan import (ChunkUnavailable, assign_sources,
                                                        copies_of, needed_items, uncovered)
-from megatron_autohet.checkpoint.sources import OWN, PEER, S3, StoreReader, reach_delays
+from megatron_autohet.checkpoint.sources import OWN, PEER, S3, StoreReader
 from megatron_autohet.checkpoint.state import (RNG_KEY, apply_loaded, rank_sharded_state_dict,
                                                rng_sharded_object, saved_master_weights)
 from megatron_autohet.checkpoint.upload import byte_progress
@@ -295,8 +295,8 @@ def _without_s3(store: StoreReader, why: str, options: CheckpointOptions, log) -
     (said once); else every rank raises the same JobConfigError (printed once by the job)."""
     if not options.resume_without_s3:
         raise JobConfigError("<command line>", "--autohet-s3-uri",
-                             f"{store.uri()} cannot be reached at --load (tried for "
-                             f"{sum(reach_delays()):g} s: {why}); its newest step may be held "
+                             f"{store.uri()} cannot be reached at --load ({why}); its "
+                             "newest step may be held "
                              "there alone, and training from the disks alone or from scratch "
                              "could overwrite the steps it holds",
                              "make the S3 tier reachable and start again, or pass "

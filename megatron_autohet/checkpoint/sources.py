@@ -191,16 +191,19 @@ class StoreReader:
 
     def committed_steps(self, log, *, sleep=time.sleep) -> set[int] | str:
         """Steps with a manifest in the store (a listing: no manifest is downloaded), or, when
-        the store cannot be reached, the last failure's message: the listing is tried again
-        after each of :func:`reach_delays` (said once with ``log`` at the first failure), as a
-        store down for a minute must not make a resume miss the steps it holds."""
+        the store cannot be reached, how it was tried and the last failure's message: the
+        listing is tried again after each of :func:`reach_delays` (said once with ``log`` at the
+        first failure), as a store down for a minute must not make a resume miss the steps it
+        holds; a permanent failure (no such bucket, credentials refused) is not tried again."""
         delays = reach_delays()
         for attempt in range(len(delays) + 1):
             try:
                 return set(committed_s3(self.store))
             except StoreError as err:
-                if attempt == len(delays) or err.permanent:
-                    return str(err)
+                if err.permanent:
+                    return f"not tried again, as waiting cannot mend it: {err}"
+                if attempt == len(delays):
+                    return f"tried for {sum(delays):g} s: {err}"
                 if attempt == 0:
                     log(f"WARNING: the S3 tier {self.uri()} is unreachable ({err}); trying "
                         f"again for up to {sum(delays):g} s ({len(delays)} more attempts)")

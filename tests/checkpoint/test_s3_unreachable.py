@@ -62,6 +62,7 @@ def test_a_bucket_that_does_not_exist_is_not_waited_for(s3_endpoint):
     lines, slept = [], []
     why = StoreReader(store).committed_steps(lines.append, sleep=slept.append)
     assert "NoSuchBucket" in why and slept == [] and lines == []
+    assert why.startswith("not tried again, as waiting cannot mend it: ")
 
 
 @pytest.mark.unit
@@ -77,7 +78,8 @@ def test_the_listing_is_tried_again_within_the_stated_limit(monkeypatch):
             monkeypatch.setenv(S3_REACH_ENV, limit)
         store, lines, slept = _DownStore(), [], []
         why = StoreReader(store).committed_steps(lines.append, sleep=slept.append)
-        assert why == "S3 list s3://autohet-test/down failed: connection refused"
+        assert why == (f"tried for {sum(waits):g} s: S3 list s3://autohet-test/down failed: "
+                       "connection refused")
         assert store.attempts == attempts and slept == waits
         assert len(lines) == (1 if waits else 0)
     monkeypatch.delenv(S3_REACH_ENV)
