@@ -1,5 +1,7 @@
 #!/usr/bin/env python
-"""Check the product on one GPU machine against issue 18's targets: one table, pass/fail per row.
+"""Check on one GPU machine that profile, plan, train, resume and speed meet their targets.
+
+One table, pass/fail per row: each row's target is given below.
 
 Run it through ``scripts/gpu_check.sh`` (which installs megatron-core, pyscipopt and xxhash from
 ``.whl/`` on a machine that lacks them). Every step is the ``autohet`` command as a user types it
@@ -274,7 +276,7 @@ class GpuCheck:
             return (f"{env.get('gpu')} ({env.get('gpu_memory_gib')} GiB, sm "
                     f"{env.get('compute_capability')}, driver {env.get('driver')}, CUDA "
                     f"{env.get('torch_cuda')}, cuDNN {env.get('cudnn')})")
-        return f"no CUDA device (torch built for CUDA {env.get('torch_cuda')})"
+        return no_cuda_device(env.get("torch_cuda"))
 
     def versions(self) -> str:
         env = self.environment
@@ -805,9 +807,17 @@ def memory_meets_target(predicted_gib: float, measured_gib: float) -> bool:
     return abs(ratio - 1) <= MEMORY_TOLERANCE and ratio >= 1 - MEMORY_UNDER_TOLERANCE
 
 
+def no_cuda_device(torch_cuda: str | None) -> str:
+    """The device line without CUDA: ``torch_cuda`` is torch.version.cuda (None on a CPU-only
+    build of torch, else the CUDA version it was built for and cannot use here)."""
+    if torch_cuda is None:
+        return "no CUDA device (CPU-only torch build)"
+    return f"no CUDA device (torch built for CUDA {torch_cuda})"
+
+
 def loss_tolerance(reference: float, precision: str | None) -> float:
-    """How far a resumed loss may be from the uninterrupted run's: 2 bf16 ulps in bf16 (issue
-    18), nothing in fp32 (the same plan on the same device computes the same numbers)."""
+    """How far a resumed loss may be from the uninterrupted run's: BF16_ULPS bf16 ulps in
+    bf16, nothing in fp32 (the same plan on the same device computes the same numbers)."""
     return BF16_ULPS * bf16_ulp(reference) if precision == "bf16" else 0.0
 
 

@@ -8,9 +8,23 @@
 #   scripts/gpu_wheels.sh 3.11 3.12   # CPython 3.11's and 3.12's
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
+usage() {
+  echo "usage: scripts/gpu_wheels.sh [-h|--help] [VERSION ...]"
+  echo
+  # the header above, what the script does and how it is run
+  sed -n '2,/^set -euo/p' "$0" | sed -e '$d' -e 's/^# \{0,1\}//'
+}
+for arg in "$@"; do
+  if [[ "$arg" == -h || "$arg" == --help ]]; then usage; exit 0; fi
+done
 versions=("$@")
 if [[ ${#versions[@]} -eq 0 ]]; then versions=(3.12 3.13); fi
 for version in "${versions[@]}"; do
+  if [[ "$version" == -* ]]; then
+    echo "gpu_wheels.sh: error: unknown option '$version' (allowed: -h, --help, or Python" \
+         "versions 3.11, 3.12, ...)" >&2
+    exit 2
+  fi
   if [[ ! "$version" =~ ^3\.[0-9]+$ ]]; then
     echo "gpu_wheels.sh: error: '$version' is not a Python version (allowed: 3.11, 3.12, ...)" >&2
     exit 2

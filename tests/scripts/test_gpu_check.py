@@ -18,7 +18,8 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "scripts"))
 
 from gpu_check import (NOT_ON_CPU, bf16_ulp, loss_tolerance, memory_meets_target,  # noqa: E402
-                       memory_vs_plan, one_gpu_cluster, requested_rows, time_meets_target)
+                       memory_vs_plan, no_cuda_device, one_gpu_cluster, requested_rows,
+                       time_meets_target)
 
 from megatron_autohet.errors import ConfigError  # noqa: E402
 from megatron_autohet.spec.cluster import cluster_from_dict  # noqa: E402
@@ -81,7 +82,7 @@ def test_cpu_mode_runs_every_step_and_skips_only_the_gpu_targets(tmp_path):
     env = report["environment"]
     assert env["torch"] == torch.__version__ and env["megatron_core"] == "0.16.1"
     assert f"torch {torch.__version__}, megatron-core 0.16.1" in done.stdout
-    assert "no CUDA device" in done.stdout
+    assert no_cuda_device(torch.version.cuda) in done.stdout
     with tarfile.open(out_dir / "gpu_check-logs.tar.gz") as logs:
         train_log = logs.extractfile("gpu_check-logs/c-train.log").read().decode()
     assert train_log.startswith("$ -m megatron_autohet.cli.main train")
@@ -173,3 +174,19 @@ def test_the_default_cluster_is_one_gpu_of_the_local_device_type():
         cluster = cluster_from_dict(one_gpu_cluster(device, memory_gib))
         assert [(n.gpu, n.num_gpus) for n in cluster.nodes] == [(gpu, 1)], device
     assert one_gpu_cluster("NVIDIA B200", 178.4) is None
+
+
+@pytest.mark.unit
+def test_the_device_line_without_cuda_names_a_cpu_only_torch_build():
+    assert no_cuda_device(None) == "no CUDA device (CPU-only torch build)"
+    assert no_cuda_device("12.8") == "no CUDA device (torch built for CUDA 12.8)"
+
+
+@pytest.mark.unit
+def test_help_says_what_the_check_checks():
+    done = subprocess.run([sys.executable, str(REPO / "scripts/gpu_check.py"), "--help"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert ("Check on one GPU machine that profile, plan, train, resume and speed meet their "
+            "targets.") in done.stdout
+    assert "issue" not in done.stdout.lower()
