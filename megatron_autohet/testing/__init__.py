@@ -8,4 +8,5 @@ random_fleets  seeded random small fleets for the optimality checks
 emulate        an emulated fleet of spot nodes on one machine (processes, notices, kills)
 trace          spot traces (CSV) and their replay steps
 s3_server      a real S3 endpoint: moto's HTTP server on 127.0.0.1 (tests, bench_spot)
+doc_outputs    the docs' quoted command outputs checked against what the commands print today
 """
