@@ -10,7 +10,9 @@ Per iteration, instead of the all-reduce:
 
 1. reduce-scatter of the fp32 gradient bucket, in place: each member's shard of its own buffer
    receives the global-batch gradient of that shard (the sum over holders, as the all-reduce;
-   runtime/grad_sync.py explains why a sum); the rest of the buffer is left partial;
+   runtime/grad_sync.py explains why a sum); the rest of the buffer is left partial. GradSync
+   launches it (``shard_padding``), in its launch order, during the backward with
+   ``overlap_grad_reduce``;
 2. grad norm: every element of the world is in exactly one shard of exactly one group, except a
    TP-replicated parameter of a symmetric bucket, which each TP rank's group holds; it is counted
    by TP rank 0's group only. :meth:`DistributedOptimizer.owned_sum_of_squares` is this rank's
@@ -61,11 +63,10 @@ from megatron_autohet.runtime.mixed_precision import MASTER_KEY
 from megatron_autohet.runtime.optimizer import (ADAM_STATE_KEYS, OptimizerSettings, adam_step,
                                                 megatron_adamw)
 
-# torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor to *_single (same arguments;
-# the old names warn that they will go), torch 2.11 has only the old ones
-# (tests/test_torch_api.py checks every name against 2.11's).
+# torch 2.13 renamed all_gather_into_tensor to all_gather_single (same arguments; the old name
+# warns that it will go), torch 2.11 has only the old one (tests/test_torch_api.py checks every
+# name against 2.11's); the reduce-scatter's is runtime/grad_sync.py's.
 _all_gather_flat = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
-_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 
 
 @dataclass
@@ -92,10 +93,8 @@ class _ShardedBucket:
         hi = lo + self.shard_numel
         self.lo = lo
         device = bucket.grad_data.device
-        # This rank's slice of the reduced buffer, which the reduce-scatter fills in place (as
-        # megatron's DistributedOptimizer does: NCCL's in-place form, the output at
-        # rank * count of the input), so the shard takes no gradient memory of its own.
-        self.grad_shard = bucket.reduced[lo:hi]
+        # GradSync's reduce-scatter fills it in place: the shard takes no gradient memory.
+        self.grad_shard = bucket.shard
         self.master = torch.zeros(self.shard_numel, dtype=torch.float32, device=device)
         self.moments = {key: torch.zeros_like(self.master) for key in ADAM_STATE_KEYS}
         self.segments: list[_Segment] = []
@@ -206,17 +205,10 @@ class DistributedOptimizer:
 
     # ---- per iteration -----------------------------------------------------------------------
     def sync(self) -> None:
-        """Reduce-scatter every bucket: each rank gets the global-batch gradient of its shards."""
-        self.grad_sync.prepare()
-        pending = []
-        for sharded in self.buckets:
-            if sharded.size > 1:
-                sharded.bucket.stage()
-                pending.append(_reduce_scatter_flat(
-                    sharded.grad_shard, sharded.bucket.reduced, group=sharded.bucket.group,
-                    async_op=True))
-        for work in pending:
-            work.wait()
+        """Reduce-scatter every bucket (GradSync's sync with ``shard_padding``, overlapped with
+        the backward when it is built so): each rank gets the global-batch gradient of its
+        shards."""
+        self.grad_sync.sync()
 
     def owned_sum_of_squares(self) -> torch.Tensor:
         """This rank's share of the squared global grad norm (module doc, step 2), float64."""

@@ -29,9 +29,32 @@ normed and clipped in fp32; the optimizer steps fp32 master weights whose ``.gra
 (runtime/mixed_precision.py). A 16-bit parameter's ``.grad`` is added into it by a
 post-accumulate-grad hook and freed, as megatron-core's DDP does without
 ``gradient_accumulation_fusion`` (``_make_backward_post_hook``). An fp32 parameter's ``.grad`` IS
-its ``main_grad`` view: autograd accumulates into it in place, the same sums with no copy. Buckets
-are launched asynchronously in that global order on every rank (a consistent order over groups
-cannot deadlock) and waited for together.
+its ``main_grad`` view: autograd accumulates into it in place, the same sums with no copy.
+
+Launch order. Every rank launches its buckets asynchronously in one fixed order, the reverse of
+the build order above (the order in which the backward finishes them: last layers first), and
+waits for them in that order. The order is deadlock-free by construction: the build order sorts
+every bucket of the whole job by (its group's first spec in plan order, its place in the group),
+keys every member of a group computes alike, so each rank's launches are a subsequence of one
+global order of all collectives, and the earliest collective not yet done has been launched by
+all its members.
+
+Overlapped sync (Megatron-LM's ``--overlap-grad-reduce``, ``overlap_grad_reduce``): a bucket's
+collective starts during the backward, as soon as the last micro-batch's backward has produced
+its gradients, so it runs while the backward of the earlier layers computes. The mechanism is
+megatron-core's ``DistributedDataParallel`` one (distributed/distributed_data_parallel.py,
+distributed/param_and_grad_buffer.py): a post-accumulate-grad hook per parameter (after the
+16-bit gradient was added into ``main_grad``) calls megatron-core's own
+``_ParamAndGradBucketGroup.register_grad_ready`` on the parameter's bucket, which counts a
+gradient only while ``is_last_microbatch`` (megatron's schedules clear it through the model
+config's ``no_sync_func``, :meth:`GradSync.no_sync`, for every micro-batch but the last) and
+declares the bucket ready when every parameter has reached the counts of the first iteration
+(megatron's ``golden_per_param_grad_ready_counts``: the first iteration launches at its end, as
+megatron's does). A ready bucket is launched only after every bucket before it in the launch
+order: a bucket that is ready early waits for the ones before it, so the overlapped launches keep
+exactly the order above and the same deadlock-freedom. :meth:`GradSync.sync` then launches what
+is left (nothing after the first iteration) and waits. The sums are the same collectives on the
+same buffers: overlapped training is bit-identical to the non-overlapped run.
 
 Asymmetric TP (holders of a spec differ in TP degree; opt-in in the planner): a bucket also has a
 zero full-size staging buffer; every holder writes its shard at its slice of the full tensor
@@ -39,15 +62,18 @@ zero full-size staging buffer; every holder writes its shard at its slice of the
 holder ranks gives the full gradient everywhere, and each rank copies back its slice. That is exact
 (it is the same sum) and only asymmetric specs pay for the full-size buffer.
 
-With ``shard_padding`` the buckets are padded to a multiple of their group size, and the
-distributed optimizer (runtime/distributed_optimizer.py) reduce-scatters them instead of
-:meth:`GradSync.sync` (it calls :meth:`GradSync.prepare` and each bucket's ``stage``).
+With ``shard_padding`` the buckets are padded to a multiple of their group size and each bucket's
+collective is a reduce-scatter into this rank's shard of it instead of the all-reduce (the
+distributed optimizer's, runtime/distributed_optimizer.py, which reads the shards); the launch
+order and the overlap are the same.
 
 Sequence parallelism: Megatron's TP layers already all-reduce the *activation* gradients inside the
 TP group, so TP-partitioned weights and, without sequence parallelism, TP-replicated weights
 (layernorms) have complete gradients. With sequence parallelism each TP rank sees only its
 sequence chunk, so parameters Megatron tags ``.sequence_parallel`` (layernorms) hold partial sums;
-they are summed over the TP group first, as ``finalize_model_grads`` does.
+they are summed over the TP group first, as ``finalize_model_grads`` does: a bucket's launch
+all-reduces its sequence-parallel gradients over the TP group before its own collective (the TP
+ranks of a stage launch the same buckets at the same point of the same backward).
 
 Grad norm: each logical parameter is counted exactly once in the whole world, by its main replica
 (layout/owners.py): only by the first holder TP group of its spec (pipeline order) and, if
@@ -60,10 +86,13 @@ trainer clips the main gradients through the master weights' ``.grad`` with mega
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from megatron.core.distributed import DistributedDataParallelConfig
+from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketGroup
 
 from megatron_autohet.layout.owners import holds_main_replica
 from megatron_autohet.layout.topology import SyncGroupSpec, spec_index_of
@@ -71,6 +100,11 @@ from megatron_autohet.runtime.mixed_precision import MAIN_GRAD_DTYPE
 
 # Megatron's DDP default: 40M elements per bucket.
 DEFAULT_BUCKET_NUMEL = 40_000_000
+
+# torch 2.13 renamed reduce_scatter_tensor to reduce_scatter_single (same arguments; the old name
+# warns that it will go), torch 2.11 has only the old one (tests/test_torch_api.py checks every
+# name against 2.11's).
+reduce_scatter_flat = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 
 
 @dataclass
@@ -83,6 +117,8 @@ class _Bucket:
     full_data: torch.Tensor | None      # asymmetric only: flat full-size staging buffer
     full_offsets: list[int]             # of each param in full_data
     grad_offsets: list[int]             # of each param in grad_data
+    sharded: bool                       # shard_padding: reduce-scatter into `shard`
+    sequence_parallel_params: list[torch.nn.Parameter] = field(default_factory=list)
 
     @property
     def reduces(self) -> bool:
@@ -121,15 +157,64 @@ class _Bucket:
             if layout.partition_dim is not None or layout.tp_rank == 0:
                 layout.write_shard(self.full_view(i), self.grads[i])
 
-    def start(self) -> dist.Work:
+    @property
+    def shard(self) -> torch.Tensor:
+        """This rank's contiguous ``1/D`` of :attr:`reduced` (``shard_padding`` makes it split
+        evenly), which the reduce-scatter fills in place (as megatron's DistributedOptimizer
+        does: NCCL's in-place form, the output at rank * count of the input)."""
+        size = dist.get_world_size(self.group) if self.reduces else 1
+        numel = self.reduced.numel() // size
+        rank = dist.get_rank(self.group) if self.reduces else 0
+        return self.reduced[rank * numel:(rank + 1) * numel]
+
+    def start(self, tp_group: dist.ProcessGroup | None) -> dist.Work | None:
+        """Launch the bucket's collective: its sequence-parallel partial gradients summed over
+        ``tp_group`` first (module doc), its staging, then the all-reduce (or the reduce-scatter
+        into :attr:`shard`), asynchronous; None where the group has one rank."""
+        if self.sequence_parallel_params and dist.get_world_size(tp_group) > 1:
+            grads = [p.main_grad for p in self.sequence_parallel_params]
+            flat = torch._utils._flatten_dense_tensors(grads)
+            dist.all_reduce(flat, group=tp_group)
+            for grad, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+                grad.copy_(synced)
         self.stage()
+        if not self.reduces:
+            return None
+        if self.sharded:
+            return reduce_scatter_flat(self.shard, self.reduced, group=self.group,
+                                       async_op=True)
         return dist.all_reduce(self.reduced, group=self.group, async_op=True)
 
     def finish(self) -> None:
-        if self.full_data is None:
+        """After the collective: an asymmetric all-reduced bucket copies its slices back (a
+        reduce-scattered one is read through its shard)."""
+        if self.full_data is None or self.sharded:
             return
         for i, layout in enumerate(self.layouts):
             self.grads[i].copy_(layout.shard(self.full_view(i)))
+
+
+class _BucketReadiness(_ParamAndGradBucketGroup):
+    """One bucket's readiness in an overlapped sync, by megatron-core's own bookkeeping: its
+    ``register_grad_ready`` (called by the backward hook), ``is_last_microbatch`` (cleared by
+    :meth:`GradSync.no_sync`) and ``reset`` (each iteration's start; after the first iteration
+    it records the golden counts). Its ``start_grad_sync``, which megatron calls when the bucket
+    is ready, hands the bucket to ``on_ready`` instead of launching megatron's collective (this
+    runtime's buckets have their own, module doc). megatron's ``__init__`` is not run: it builds
+    megatron's buffers; the attributes the three methods read are set here."""
+
+    def __init__(self, params: list[torch.nn.Parameter], on_ready):
+        self.ddp_config = DistributedDataParallelConfig(overlap_grad_reduce=True)
+        self.params = set(params)
+        self.param_to_bucket = dict.fromkeys(params)   # membership is all megatron reads
+        self.per_param_grad_ready_counts: dict = {}
+        self.golden_per_param_grad_ready_counts: dict = {}
+        self.is_last_microbatch = True
+        self.is_first_batch = True
+        self.on_ready = on_ready
+
+    def start_grad_sync(self, force_all_reduce: bool = False) -> None:
+        self.on_ready()
 
 
 class GradSync:
@@ -145,21 +230,24 @@ class GradSync:
         sequence_parallel: whether the stage runs with Megatron sequence parallelism.
         bucket_numel: the most elements per bucket (a parameter is never split).
         shard_padding: pad each bucket's reduced buffer with zeros to a multiple of its group
-            size, so that it splits into equal contiguous shards (the distributed optimizer's
-            reduce-scatter, runtime/distributed_optimizer.py).
+            size, so that it splits into equal contiguous shards, and reduce-scatter it into
+            this rank's shard (the distributed optimizer's, runtime/distributed_optimizer.py).
+        overlap_grad_reduce: launch each bucket during the backward, as soon as the last
+            micro-batch has produced its gradients (module doc, "Overlapped sync"); the model
+            config's ``no_sync_func`` must be :meth:`no_sync` (the trainer sets it).
     """
 
     def __init__(self, model: torch.nn.Module, layouts: dict, specs: list[SyncGroupSpec],
                  groups: list, *, holder: tuple[int, ...], tp_group: dist.ProcessGroup | None,
                  sequence_parallel: bool, bucket_numel: int = DEFAULT_BUCKET_NUMEL,
-                 shard_padding: bool = False):
+                 shard_padding: bool = False, overlap_grad_reduce: bool = False):
         if len(specs) != len(groups):
             raise ValueError(f"{len(specs)} sync group specs but {len(groups)} groups")
         holder = tuple(holder)
         self.shard_padding = shard_padding
         self.tp_group = tp_group
         self.params: list[torch.nn.Parameter] = []
-        self.sequence_parallel_params: list[torch.nn.Parameter] = []
+        sequence_parallel_params: set[torch.nn.Parameter] = set()
         self.norm_params: list[torch.nn.Parameter] = []
         per_spec: list[list] = [[] for _ in specs]
         for name, param in model.named_parameters():
@@ -174,7 +262,7 @@ class GradSync:
             per_spec[i].append((layout.global_name, param, layout))
             self.params.append(param)
             if sequence_parallel and getattr(param, "sequence_parallel", False):
-                self.sequence_parallel_params.append(param)
+                sequence_parallel_params.add(param)
             if holds_main_replica(specs[i].holders, holder, layout):
                 self.norm_params.append(param)
 
@@ -191,6 +279,60 @@ class GradSync:
             self._add_buckets(group, symmetric, [m[1] for m in members],
                               [m[2] for m in members], bucket_numel)
         self._verify_bucket_extents()
+        tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
+        for bucket in self.buckets:
+            bucket.sequence_parallel_params = [p for p in bucket.params
+                                               if p in sequence_parallel_params]
+        # The launch order (module doc): the reverse of the build order, the buckets that have
+        # a collective to run (their group's or their sequence-parallel TP sum).
+        self.launch_order = [b for b in reversed(self.buckets)
+                             if b.reduces or (b.sequence_parallel_params and tp_size > 1)]
+        self._pending: list[tuple[_Bucket, dist.Work | None]] = []
+        self.overlap_grad_reduce = overlap_grad_reduce
+        self._readiness: list[_BucketReadiness] = []
+        if overlap_grad_reduce:
+            self._ready = [False] * len(self.launch_order)
+            for i, bucket in enumerate(self.launch_order):
+                readiness = _BucketReadiness(bucket.params, self._on_ready_callback(i))
+                self._readiness.append(readiness)
+                for param in bucket.params:
+                    param.register_post_accumulate_grad_hook(
+                        self._grad_ready_hook(readiness))
+
+    @staticmethod
+    def _grad_ready_hook(readiness: _BucketReadiness):
+        """megatron-core DDP's backward post-hook, minus the main-grad add (``attach_main_grads``'
+        hook, registered before this one, has done it): the parameter's gradient of this
+        backward is in its ``main_grad``."""
+        def hook(param: torch.Tensor) -> None:
+            readiness.register_grad_ready(param)
+        return hook
+
+    def _on_ready_callback(self, index: int):
+        def on_ready() -> None:
+            self._ready[index] = True
+            # launch every bucket whose predecessors are launched (module doc)
+            while (len(self._pending) < len(self.launch_order)
+                   and self._ready[len(self._pending)]):
+                self._launch_next()
+        return on_ready
+
+    def _launch_next(self) -> None:
+        bucket = self.launch_order[len(self._pending)]
+        self._pending.append((bucket, bucket.start(self.tp_group)))
+
+    @contextmanager
+    def no_sync(self):
+        """megatron-core DDP's ``no_sync``: the gradients of the micro-batches run inside are
+        accumulated and not counted towards a bucket's readiness (megatron's schedules enter it
+        through the model config's ``no_sync_func`` for every micro-batch but the last)."""
+        for readiness in self._readiness:
+            readiness.is_last_microbatch = False
+        try:
+            yield
+        finally:
+            for readiness in self._readiness:
+                readiness.is_last_microbatch = True
 
     def _add_buckets(self, group, symmetric, params, layouts, bucket_numel):
         def numel(i):   # what the bucket all-reduces per parameter
@@ -221,7 +363,8 @@ class GradSync:
             full_data = torch.zeros(_round_up(full_offsets[-1], multiple),
                                     dtype=grad_data.dtype, device=grad_data.device)
         self.buckets.append(_Bucket(params, layouts, grads, group, grad_data, full_data,
-                                    full_offsets[:-1], offsets[:-1]))
+                                    full_offsets[:-1], offsets[:-1],
+                                    sharded=self.shard_padding))
 
     def _verify_bucket_extents(self) -> None:
         """Every member of a group must bucket the same number of elements; a plan whose ranks
@@ -243,30 +386,30 @@ class GradSync:
     # ---- per iteration -----------------------------------------------------------------------
     def zero_grad(self) -> None:
         """Zero the gradient buffers in place (never ``optimizer.zero_grad()``: setting grads to
-        None would detach them from the buckets)."""
+        None would detach them from the buckets) and start an iteration's readiness."""
+        if self._pending:
+            raise RuntimeError("gradient buckets launched but not synced: call sync() first")
         for bucket in self.buckets:
             bucket.grad_data.zero_()
-
-    def prepare(self) -> None:
-        """Before any bucket collective: check the gradient views and sum the sequence-parallel
-        partial gradients over the TP group (module doc)."""
-        for bucket in self.buckets:
-            bucket.check_grad_views()
-        if self.sequence_parallel_params and dist.get_world_size(self.tp_group) > 1:
-            grads = [p.main_grad for p in self.sequence_parallel_params]
-            flat = torch._utils._flatten_dense_tensors(grads)
-            dist.all_reduce(flat, group=self.tp_group)
-            for grad, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
-                grad.copy_(synced)
+        for readiness in self._readiness:
+            readiness.reset()
+        if self.overlap_grad_reduce:
+            self._ready = [False] * len(self.launch_order)
 
     def sync(self) -> None:
-        """Sum every gradient over its holders; afterwards each replica holds the global-batch
-        gradient of its parameters."""
-        self.prepare()
-        pending = [(bucket, bucket.start()) for bucket in self.buckets if bucket.reduces]
-        for bucket, work in pending:
-            work.wait()
+        """Sum every gradient over its holders (with ``shard_padding``: into this rank's shard
+        of each bucket): launch the buckets the backward has not launched, in the launch order,
+        and wait for all; afterwards each replica holds the global-batch gradient of its
+        parameters."""
+        for bucket in self.buckets:
+            bucket.check_grad_views()
+        while len(self._pending) < len(self.launch_order):
+            self._launch_next()
+        for bucket, work in self._pending:
+            if work is not None:
+                work.wait()
             bucket.finish()
+        self._pending = []
 
     def owned_sum_of_squares(self) -> torch.Tensor:
         """This rank's share of the squared global grad norm (call after :meth:`sync`): the sum

@@ -135,6 +135,9 @@ class HeteroTrainer:
             bool; default none); on where every rank can run them (``self.fusions`` says).
         fused_optimizer: torch's fused AdamW kernel; None (default): on CUDA
             (runtime/optimizer.py ``fused_adamw``). ``self.fused_optimizer`` says which.
+        overlap_grad_reduce: start each gradient bucket's collective during the backward of
+            the last micro-batch, as soon as its gradients are final (Megatron-LM's
+            --overlap-grad-reduce; runtime/grad_sync.py, "Overlapped sync"); the same sums.
         initialize: give the weights (and masters) the seed's initial values now; False for a
             job that loads a checkpoint over them, which saves drawing every parameter's full
             fp32 tensor (runtime/init.py) on every (re)start. Such a trainer trains only once its
@@ -149,7 +152,7 @@ class HeteroTrainer:
                  distributed_optimizer: bool = False, precision: Precision = FP32,
                  hidden_dropout: float = 0.0, attention_dropout: float = 0.0,
                  jit_fusions: dict[str, bool] | None = None, initialize: bool = True,
-                 fused_optimizer: bool | None = None):
+                 fused_optimizer: bool | None = None, overlap_grad_reduce: bool = False):
         optimizer.validate(source=plan_file)
         self.plan = plan
         self.seed = seed
@@ -175,7 +178,10 @@ class HeteroTrainer:
             [g.spec for g in self.state.sync_groups], [g.group for g in self.state.sync_groups],
             holder=role.stage.ranks, tp_group=self.state.tp_group,
             sequence_parallel=sequence_parallel, bucket_numel=bucket_numel,
-            shard_padding=distributed_optimizer)
+            shard_padding=distributed_optimizer, overlap_grad_reduce=overlap_grad_reduce)
+        if overlap_grad_reduce:
+            # megatron's schedules enter it for every micro-batch but the last (grad_sync.py)
+            self.model.config.no_sync_func = self.grad_sync.no_sync
         self.distributed_optimizer = distributed_optimizer
         self.fused_optimizer = fused_adamw(self.device, fused_optimizer)
         if distributed_optimizer:
