@@ -43,6 +43,11 @@ never part of the test suite, the pure logic below is unit-tested):
   and so the command, so the command and every child it starts are confined from the first
   instruction.
 
+* **A straggler.** A rank's quota can change while it runs (:func:`set_share`; from the
+  command line ``--set-share RANK=SHARE --prefix P``, which rewrites that rank's cgroup of the
+  running emulation and exits): the kernel applies the new period at once, so a GPU slows down
+  or recovers in the middle of a job (scripts/bench_adapt.py's straggler scenario).
+
 Everything created (namespaces, cgroups, processes) is recorded as it is created and removed in
 reverse order on exit, on Ctrl-C and on SIGTERM; leftovers of an earlier run killed with SIGKILL
 (same ``--prefix``) are removed before building. Example, three iterations of a plan::
@@ -257,16 +262,20 @@ def place_ranks(fleet: EmulatedFleet, ranks: list[tuple[str, int]] | None = None
         period, quota = cfs_quota(fleet.cpu_share[device.gpu])
         out.append(Placement(rank, len(ranks), device.node, device.local_rank, device.gpu,
                              net.namespace, net.device, net.address,
-                             cgroup_root / prefix / f"rank{rank}", period, quota, cpu_of[key]))
+                             rank_cgroup(prefix, rank, cgroup_root), period, quota,
+                             cpu_of[key]))
     return out
 
 
 def rank_env(p: Placement, master: Placement, port: int) -> dict[str, str]:
-    """The torchrun-style environment of one rank, plus what gloo and torch need here."""
+    """The torchrun-style environment of one rank, plus what gloo, torch and a plan switch's
+    store (its node's address: the host name resolves outside the namespaces) need here."""
     return {"RANK": str(p.rank), "WORLD_SIZE": str(p.world_size), "LOCAL_RANK": str(p.local_rank),
             "MASTER_ADDR": master.address, "MASTER_PORT": str(port),
             "GLOO_SOCKET_IFNAME": p.device, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
-            "AUTOHET_EMULATED_GPU": p.gpu}
+            "AUTOHET_EMULATED_GPU": p.gpu,
+            # where a rank that hosts the next plan's store (an in-process re-plan) is reached
+            "AUTOHET_LOCAL_ADDR": p.address}
 
 
 def confined_command(p: Placement, cmd: list[str]) -> list[str]:
@@ -277,6 +286,26 @@ def confined_command(p: Placement, cmd: list[str]) -> list[str]:
     join = f"echo $$ > {shlex.quote(str(p.cgroup / 'tasks'))} && exec \"$@\""
     return ["sh", "-c", join, "sh", "taskset", "-c", str(p.cpu),
             *_netns.in_netns(cmd, p.namespace)]
+
+
+def write_quota(cgroup: Path, period_us: int, quota_us: int) -> None:
+    """Set a cgroup's CFS quota (v1: ``cpu.cfs_period_us``, ``cpu.cfs_quota_us``); the kernel
+    applies it to the processes in it at once, so a running rank slows or recovers in place."""
+    (cgroup / "cpu.cfs_period_us").write_text(str(period_us))
+    (cgroup / "cpu.cfs_quota_us").write_text(str(quota_us))
+
+
+def set_share(cgroup: Path, share: float) -> tuple[int, int]:
+    """Give the emulated GPU of ``cgroup`` ``share`` of one core from now on (a straggler:
+    its type's share times its speed); returns (period, quota) written."""
+    period, quota = cfs_quota(share)
+    write_quota(cgroup, period, quota)
+    return period, quota
+
+
+def rank_cgroup(prefix: str, rank: int, cgroup_root: Path = CGROUP_CPU_ROOT) -> Path:
+    """The cgroup of a running emulation's rank (:func:`place_ranks`' naming)."""
+    return cgroup_root / prefix / f"rank{rank}"
 
 
 # ---- what was created, and its removal -----------------------------------------------------------
@@ -351,12 +380,13 @@ class EmulatedCluster:
         self.close()
 
     def cgroup(self, path: Path, period_us: int, quota_us: int) -> Path:
-        """A cgroup under this run's parent with that quota (created once)."""
+        """A cgroup under this run's parent with that quota (created once; the quota written
+        every time: a later plan may put another GPU type's rank, or a restored straggler, in
+        it)."""
         if not path.exists():
             path.mkdir()
             self.ledger.add("cgroup", str(path))
-            (path / "cpu.cfs_period_us").write_text(str(period_us))
-            (path / "cpu.cfs_quota_us").write_text(str(quota_us))
+        write_quota(path, period_us, quota_us)
         return path
 
     def spawn(self, p: Placement, cmd: list[str], env: dict[str, str],
@@ -470,10 +500,54 @@ def require_root() -> None:
         raise SystemExit(f"needs cgroup v1's cpu controller at {CGROUP_CPU_ROOT}")
 
 
+def parse_share(text: str) -> tuple[int, float]:
+    """``RANK=SHARE`` of --set-share; ConfigError naming the flag otherwise."""
+    rank, sep, share = text.partition("=")
+    try:
+        if not sep:
+            raise ValueError
+        parsed = int(rank), float(share)
+        cfs_quota(parsed[1])
+    except ValueError:
+        raise ConfigError("<command line>", "--set-share", f"got {text!r}",
+                          f"RANK=SHARE, a rank number and a fraction of one core in "
+                          f"[{QUOTA_US / MAX_PERIOD_US:g}, 1]") from None
+    return parsed
+
+
+def set_shares_cli(values: list[str], prefix: str, cmd: list[str],
+                   cgroup_root: Path = CGROUP_CPU_ROOT) -> int:
+    """--set-share: rewrite the quotas of running ranks (0), or one error line (2)."""
+    try:
+        if cmd:
+            raise ConfigError("<command line>", "--set-share", "given with a command",
+                              "--set-share alone (it changes a running emulation)")
+        shares = [parse_share(v) for v in values]
+        for rank, _ in shares:
+            if not (rank_cgroup(prefix, rank, cgroup_root) / "cpu.cfs_quota_us").exists():
+                raise ConfigError("<command line>", "--set-share",
+                                  f"rank {rank} has no cgroup under "
+                                  f"{cgroup_root / prefix}", "a rank of a running emulation "
+                                  "with this --prefix")
+    except ConfigError as err:
+        print(f"emulate_cluster: error: {err}", file=sys.stderr)
+        return 2
+    for rank, share in shares:
+        period, quota = set_share(rank_cgroup(prefix, rank, cgroup_root), share)
+        print(f"rank {rank}: {share:.3g} of a core ({quota} us per {period} us)", flush=True)
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--cluster", required=True, metavar="C.yaml",
-                        help="emulated cluster (configs/emulated/*.yaml)")
+    parser.add_argument("--cluster", metavar="C.yaml",
+                        help="emulated cluster (configs/emulated/*.yaml); required unless "
+                             "--set-share")
+    parser.add_argument("--set-share", action="append", default=[], metavar="RANK=SHARE",
+                        help="change the CPU share (fraction of one core) of rank RANK of the "
+                             "running emulation with --prefix, now, and exit: a straggler "
+                             "(half its type's share) or its recovery (the type's share); "
+                             "repeatable")
     parser.add_argument("--gpu-catalog", default=str(DEFAULT_CATALOG), metavar="G.yaml",
                         help="catalog of the emulated GPU types (default: %(default)s)")
     parser.add_argument("--cpu-shares", default=str(DEFAULT_SHARES), metavar="S.yaml",
@@ -491,7 +565,12 @@ def main() -> int:
                         help="-- the command each rank runs")
     args = parser.parse_args()
     cmd = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if args.set_share:
+        return set_shares_cli(args.set_share, args.prefix, cmd)
     try:
+        if args.cluster is None:
+            raise ConfigError("<command line>", "--cluster", "missing",
+                              "an emulated cluster file (or --set-share RANK=SHARE)")
         if not cmd:
             raise ConfigError("<command line>", "command", "missing", "-- CMD ARGS...")
         fleet = load_fleet(args.cluster, args.gpu_catalog, args.cpu_shares)
