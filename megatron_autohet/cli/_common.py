@@ -223,6 +223,11 @@ def floor_error(args, exc) -> ConfigError:
                        f"at least {format_hours(hours)}, fewer tokens, or more GPUs")
 
 
+def counted(n: int, noun: str) -> str:
+    """``n`` and the noun, plural unless n is 1: "1 pipeline", "4 pipelines"."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
 def format_hours(hours: float) -> str:
     return f"{hours:,.3g} h" if hours < 48 else f"{hours / 24:,.3g} days"
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 
-from megatron_autohet.cli._common import (add_planning_arguments, floor_error, format_hours,
-                                          format_idle, format_tokens, load_planning_inputs,
-                                          planning_options, search_end)
+from megatron_autohet.cli._common import (add_planning_arguments, counted, floor_error,
+                                          format_hours, format_idle, format_tokens,
+                                          load_planning_inputs, planning_options, search_end)
 from megatron_autohet.cli._table import format_table
 
 
@@ -104,7 +104,7 @@ def run(args) -> int:
             row.append("yes" if figures["meets_floor"] else "no")
         if baseline is None:
             row += ["1.00x", format_idle(cost.idle_gpus),
-                    f"{len(result.plan.pipelines)} pipelines, recompute "
+                    f"{counted(len(result.plan.pipelines), 'pipeline')}, recompute "
                     f"{'on' if result.plan.activation_recompute else 'off'}"]
         else:
             row += [f"{baseline.speedup:.2f}x", format_idle(cost.idle_gpus), baseline.note]

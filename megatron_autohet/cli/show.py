@@ -28,7 +28,7 @@ import json
 from pathlib import Path
 
 from megatron_autohet.cli._common import (PROFILE_ARGUMENT, bundled_cluster_path,
-                                          check_output_path, check_plan_on_cluster,
+                                          check_output_path, check_plan_on_cluster, counted,
                                           format_plan_table, format_prediction, layer_range,
                                           load_profiles, rank_list)
 from megatron_autohet.cli._table import format_table
@@ -41,6 +41,12 @@ from megatron_autohet.spec import load_cluster, load_gpu_catalog
 # Colours per GPU type (matplotlib's tab10, in order of first appearance in the plan).
 PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2",
            "#7f7f7f", "#bcbd22", "#17becf"]
+# A forward is its GPU type's colour in this shade, a backward the full colour.
+FORWARD_ALPHA = 0.55
+# The gradient sync hatched light grey and the optimizer step black: apart from every GPU type's
+# colour and from each other at a glance, in both the timeline and the measured panel.
+SYNC_STYLE = {"facecolor": "#d9d9d9", "hatch": "////", "edgecolor": "#666666"}
+OPTIMIZER_STYLE = {"facecolor": "#111111", "hatch": None, "edgecolor": "#111111"}
 
 
 def register(subparsers) -> None:
@@ -80,8 +86,8 @@ def run(args) -> int:
     measured = (measured_window(plan, args.measured, args.window) if args.measured is not None
                 else None)
     cost = predict(plan, args)
-    print(f"plan {args.plan}: {plan.model.name} on {plan.cluster}, {plan.world_size} GPUs, "
-          f"{len(plan.pipelines)} pipelines")
+    print(f"plan {args.plan}: {plan.model.name} on {plan.cluster}, "
+          f"{counted(plan.world_size, 'GPU')}, {counted(len(plan.pipelines), 'pipeline')}")
     print(format_plan_table(plan, cost))
     print(format_prediction(plan, cost))
     if measured is not None:
@@ -90,6 +96,9 @@ def run(args) -> int:
     if args.figure:
         draw_plan(plan, cost, args.figure, measured[0] if measured else None)
         print(f"> wrote {args.figure}")
+        if cost is None:
+            print(f"> no timeline in the figure: no bundled cluster is named {plan.cluster!r}; "
+                  "--cluster C.yaml (the plan's cluster) adds it")
     return 0
 
 
@@ -287,15 +296,49 @@ def identical_pipelines(cost) -> list[list[int]]:
     return list(groups.values())
 
 
+def time_unit(seconds: float) -> tuple[float, str]:
+    """(factor, unit) that write ``seconds`` with a few digits: s, ms or µs."""
+    if seconds >= 1:
+        return 1.0, "s"
+    if seconds >= 1e-3:
+        return 1e3, "ms"
+    return 1e6, "µs"
+
+
+def _time_axis(ax, seconds: float) -> tuple[float, str]:
+    """The x axis in the unit of ``seconds`` (the iteration), ticks as plain numbers."""
+    from matplotlib.ticker import FuncFormatter
+
+    factor, unit = time_unit(seconds)
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x * factor:.4g}"))
+    ax.set_xlabel(f"time in the iteration ({unit})")
+    return factor, unit
+
+
 def draw_plan(plan, cost, path, measured: dict | None = None) -> None:
-    """Write the figure described in the module docstring (without ``cost``: the plan panel;
-    with a ``measured`` window, the panel of predicted and measured phases per stage)."""
+    """Write :func:`plan_figure` to ``path``."""
     # matplotlib: not at `autohet` start-up
     import matplotlib
 
     matplotlib.use("Agg")
     # after matplotlib.use: pyplot takes the file-only backend (no display needed)
     import matplotlib.pyplot as plt
+
+    fig = plan_figure(plan, cost, measured)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plan_figure(plan, cost, measured: dict | None = None):
+    """The figure described in the module docstring (without ``cost``: the plan panel; with a
+    ``measured`` window, the panel of predicted and measured phases per stage)."""
+    # matplotlib: not at `autohet` start-up
+    import matplotlib
+
+    matplotlib.use("Agg")
+    # after matplotlib.use: pyplot takes the file-only backend (no display needed)
+    import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
 
     gpus = list(dict.fromkeys(r.gpu for r in plan.ranks))
@@ -303,7 +346,7 @@ def draw_plan(plan, cost, path, measured: dict | None = None) -> None:
     groups = identical_pipelines(cost) if cost is not None else []
     timeline_rows = sum(len(cost.pipelines[g[0]].stages) for g in groups)
     plan_height = 0.7 * len(plan.pipelines) + 1.0
-    timeline_height = 0.28 * timeline_rows + 1.2 if cost is not None else 0.0
+    timeline_height = 0.28 * timeline_rows + 1.6 if cost is not None else 0.0
     stages = sum(len(pipe.stages) for pipe in plan.pipelines)
     measured_height = 0.5 * stages + 1.2 if measured is not None else 0.0
     heights = [h for h in (plan_height, timeline_height, measured_height) if h]
@@ -331,9 +374,10 @@ def draw_plan(plan, cost, path, measured: dict | None = None) -> None:
                              for p, pipe in reversed(list(enumerate(plan.pipelines)))], fontsize=8)
     ax_plan.set_xlim(0, num_layers)
     ax_plan.set_xlabel("transformer layer")
-    ax_plan.set_title(f"{plan.model.name} on {plan.cluster}: {plan.world_size} GPUs, "
-                      f"{len(plan.pipelines)} pipelines, global batch {plan.global_batch_size} "
-                      f"(micro-batch {plan.micro_batch_size})", fontsize=10)
+    ax_plan.set_title(f"{plan.model.name} on {plan.cluster}: {counted(plan.world_size, 'GPU')}, "
+                      f"{counted(len(plan.pipelines), 'pipeline')}, global batch "
+                      f"{plan.global_batch_size} (micro-batch {plan.micro_batch_size})",
+                      fontsize=10)
     ax_plan.legend(handles=[Patch(color=colour[g], label=g) for g in gpus], loc="upper left",
                    bbox_to_anchor=(1.0, 1.0), fontsize=8, title="GPU type", title_fontsize=8)
 
@@ -347,14 +391,18 @@ def draw_plan(plan, cost, path, measured: dict | None = None) -> None:
                 c = colour[scost.gpu]
                 fwd = [(e.start_s, e.end_s - e.start_s) for e in scost.timeline if e.kind == "fwd"]
                 bwd = [(e.start_s, e.end_s - e.start_s) for e in scost.timeline if e.kind == "bwd"]
-                ax_time.broken_barh(fwd, (y - 0.4, 0.8), facecolors=c, alpha=0.55,
+                ax_time.broken_barh(fwd, (y - 0.4, 0.8), facecolors=c, alpha=FORWARD_ALPHA,
                                     edgecolor="white", linewidth=0.3)
                 ax_time.broken_barh(bwd, (y - 0.4, 0.8), facecolors=c, alpha=1.0,
                                     edgecolor="white", linewidth=0.3)
                 # After the pipelines drain: this stage's gradient sync, then the optimizer step.
-                ax_time.broken_barh([(cost.pipeline_time_s, scost.sync_s),
-                                     (cost.pipeline_time_s + cost.grad_sync_s, scost.optimizer_s)],
-                                    (y - 0.4, 0.8), facecolors=["#999999", "#444444"])
+                ax_time.broken_barh([(cost.pipeline_time_s, scost.sync_s)], (y - 0.4, 0.8),
+                                    facecolors=SYNC_STYLE["facecolor"],
+                                    edgecolor=SYNC_STYLE["edgecolor"], hatch=SYNC_STYLE["hatch"],
+                                    linewidth=0.3)
+                ax_time.broken_barh([(cost.pipeline_time_s + cost.grad_sync_s,
+                                      scost.optimizer_s)], (y - 0.4, 0.8),
+                                    facecolors=OPTIMIZER_STYLE["facecolor"])
                 labels.append((y, f"{name} s{s} {scost.gpu} TP{scost.tp}"))
                 y -= 1
         ax_time.axvline(cost.pipeline_time_s, color="black", linestyle="--", linewidth=0.8)
@@ -363,24 +411,30 @@ def draw_plan(plan, cost, path, measured: dict | None = None) -> None:
         ax_time.set_yticklabels([label for _, label in labels], fontsize=7)
         ax_time.set_ylim(-0.6, timeline_rows - 0.4)
         ax_time.set_xlim(0, cost.iteration_time_s * 1.02)
-        ax_time.set_xlabel("time in the iteration (s)")
-        ax_time.set_title(f"predicted 1F1B timeline: iteration {cost.iteration_time_s:.3g} s, "
+        factor, unit = _time_axis(ax_time, cost.iteration_time_s)
+        ax_time.set_title(f"predicted 1F1B timeline: iteration "
+                          f"{cost.iteration_time_s * factor:.3g} {unit}, "
                           f"{cost.tokens_per_s:,.0f} tokens/s", fontsize=10)
-        ax_time.legend(handles=[Patch(color="#bbbbbb", label="forward (light)"),
-                                Patch(color="#555555", label="backward (dark)"),
-                                Patch(color="#999999", label="gradient sync"),
-                                Patch(color="#444444", label="optimizer step")],
-                       loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
+        first = colour[gpus[0]]
+        ax_time.legend(handles=[
+            Patch(facecolor=first, alpha=FORWARD_ALPHA, label="forward (light shade)"),
+            Patch(facecolor=first, label="backward (full colour)"),
+            Patch(**SYNC_STYLE, label="gradient sync"),
+            Patch(**OPTIMIZER_STYLE, label="optimizer step"),
+            Line2D([], [], color="black", linestyle="--", linewidth=0.8,
+                   label="pipelines drained"),
+            Line2D([], [], color="red", linewidth=0.8, label="iteration end")],
+            loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
     if ax_measured is not None:
         _draw_measured(ax_measured, plan, cost, measured, Patch)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    return fig
 
 
-# one colour per phase of runtime/stage_drift.py's PHASES
-_PHASE_COLOURS = {"compute": "#4c72b0", "p2p_wait": "#dd8452", "grad_sync": "#999999",
-                  "optimizer": "#444444"}
+# one look per phase of runtime/stage_drift.py's PHASES
+_PHASE_STYLES = {"compute": {"facecolor": "#4c72b0", "hatch": None, "edgecolor": "#4c72b0"},
+                 "p2p_wait": {"facecolor": "#dd8452", "hatch": None, "edgecolor": "#dd8452"},
+                 "grad_sync": SYNC_STYLE, "optimizer": OPTIMIZER_STYLE}
 
 
 def _draw_measured(ax, plan, cost, window: dict, Patch) -> None:
@@ -388,7 +442,7 @@ def _draw_measured(ax, plan, cost, window: dict, Patch) -> None:
     compute of its micro-batches, P2P waits, gradient sync, optimizer step, one after the
     other (the predicted bar only as far as the plan predicts it)."""
     predicted, measured = predicted_phases(plan, cost), measured_phases(window)
-    labels, y = [], 2 * len(measured) - 1
+    labels, y, longest = [], 2 * len(measured) - 1, 0.0
     for st, pred, meas in zip(window["stages"], predicted, measured):
         m = st["num_microbatches"]
         for kind, phases in (("predicted", pred), ("measured", meas)):
@@ -398,18 +452,21 @@ def _draw_measured(ax, plan, cost, window: dict, Patch) -> None:
                 if value is None:
                     break
                 width = value * m if phase == "compute" else value
-                ax.broken_barh([(left, width)], (y - 0.4, 0.8), facecolors=_PHASE_COLOURS[phase],
-                               alpha=0.55 if kind == "predicted" else 1.0)
+                style = _PHASE_STYLES[phase]
+                ax.broken_barh([(left, width)], (y - 0.4, 0.8), facecolors=style["facecolor"],
+                               edgecolor=style["edgecolor"], hatch=style["hatch"], linewidth=0.3,
+                               alpha=FORWARD_ALPHA if kind == "predicted" else 1.0)
                 left += width
+            longest = max(longest, left)
             labels.append((y, f"p{st['pipeline']} s{st['stage']} {st['gpu']} {kind}"))
             y -= 1
     first, last = window["window"]
     ax.set_yticks([t for t, _ in labels])
     ax.set_yticklabels([label for _, label in labels], fontsize=7)
     ax.set_ylim(-0.6, 2 * len(measured) - 0.4)
-    ax.set_xlabel("time in the iteration (s)")
+    _time_axis(ax, longest)
     ax.set_title(f"predicted (light) and measured (dark) phases per stage, iterations "
                  f"{first}-{last}", fontsize=10)
-    ax.legend(handles=[Patch(color=c, label=phase.replace("_", " "))
-                       for phase, c in _PHASE_COLOURS.items()],
+    ax.legend(handles=[Patch(**style, label=phase.replace("_", " "))
+                       for phase, style in _PHASE_STYLES.items()],
               loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
