@@ -510,7 +510,7 @@ def evaluate_plan(plan: Plan, cluster: Cluster, profile: Profile, with_timeline:
                 pair = (node_of[stage.ranks[0]], node_of[pipe.stages[s + 1].ranks[0]])
                 bw = links.get(pair)
                 if bw is None:
-                    bw = links[pair] = cluster.link_bandwidth_gbs(*pair)
+                    bw = links[pair] = cluster.link(*pair).bandwidth_gbs
             in_flight = min(depths[s] + 1, m)
             away = unsharded.get(stage.ranks[0], 0.0)
             # a TP group computes in lock step: at its slowest GPU's speed

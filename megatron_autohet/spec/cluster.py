@@ -1,4 +1,4 @@
-"""A cluster: nodes, each with one GPU type and a GPU count, joined by a network.
+"""A cluster: nodes, each with one GPU type and a GPU count, joined by a network; its zones.
 
 YAML form (``configs/clusters/*.yaml``)::
 
@@ -14,6 +14,40 @@ YAML form (``configs/clusters/*.yaml``)::
         spot_price: 1.10                # optional, USD per GPU-hour
     slow_gpus:                          # optional: GPUs running slower than their type
       - {node: a100-1, local_rank: 3, speed: 0.6}   # this GPU computes at 0.6x its type
+
+A fleet spread over zones and regions (``configs/clusters/two-zones.yaml``) names each node's
+``zone`` and maps every zone to its region once, in a ``zones`` section; ``links`` says what the
+network between zones is::
+
+    zones:                              # zone -> its region
+      us-east-1a: us-east-1
+      us-east-1b: us-east-1
+      us-west-2a: us-west-2
+    links:                              # optional, each field too: the defaults below
+      inter_zone:   {bandwidth_gbs: 1.25, latency_ms: 2, egress_usd_per_gb: 0.01}
+      inter_region: {bandwidth_gbs: 0.625, latency_ms: 30, egress_usd_per_gb: 0.02}
+    nodes:
+      - {name: a100, gpu: A100-80GB, gpus: 8, zone: us-east-1a}
+
+Why a ``zones`` section and not a ``region`` on every node: a zone belongs to one region, so it
+is said once and no two nodes can disagree about it; and the region cannot be read off the
+zone's name in general (an Azure zone is ``1``, ``2`` or ``3`` in every region). With a
+``zones`` section every node names one of its zones; without one no node may, and the cluster
+is one zone (a file without zones means what it always meant). ``inter_zone`` is the link
+between two zones of one region, ``inter_region`` between zones of two regions: its
+``bandwidth_gbs`` (GB/s per direction, like the NICs) is what the transfers crossing one zone
+pair share at once, ``latency_ms`` what each message waits before its bytes move (one way), and
+``egress_usd_per_gb`` what each GB crossing it is billed (``Cluster.link``; the cost model
+prices them, cost_model.py "Zones"). The defaults (DEFAULT_LINKS) come from public figures:
+bandwidth from EC2's documented 5 Gbit/s per flow outside a cluster placement group (0.625 GB/s;
+between regions EC2 also caps an instance below 32 vCPUs at 5 Gbit/s in all), twice that
+between zones of one region (10 Gbit/s, 1.25 GB/s: a few flows), where an instance may use its
+full bandwidth but a job's flows between two zones share what the zone pair gives them; latency
+2 ms between zones of a region (the providers promise single-digit milliseconds) and 30 ms
+between regions (about half the round trip between the US east and west coasts); egress at
+Google Cloud's VM-to-VM list prices, $0.01/GB between zones of a region and $0.02/GB between
+regions in North America (AWS bills $0.01/GB each way between zones, so $0.02 per GB crossing:
+say so in ``links`` for an AWS fleet).
 
 Global ranks are numbered node by node in file order, GPUs in local order inside a node; the
 plan and the launcher rely on that numbering.
@@ -47,6 +81,37 @@ class Node:
     intra_node_bandwidth_gbs: float   # GB/s per direction between two GPUs of this node
     inter_node_bandwidth_gbs: float   # NIC, GB/s per direction
     spot_price: float | None = None   # USD per GPU-hour
+    zone: str | None = None           # None: a cluster without zones (module doc)
+
+
+@dataclass(frozen=True)
+class ZoneLink:
+    """The network between two zones (module doc, ``links``)."""
+
+    bandwidth_gbs: float        # GB/s per direction, shared by the transfers crossing it at once
+    latency_ms: float           # what each message waits before its bytes move, one way
+    egress_usd_per_gb: float    # USD per GB crossing it
+
+
+@dataclass(frozen=True)
+class Links:
+    inter_zone: ZoneLink        # between two zones of one region
+    inter_region: ZoneLink      # between zones of two regions
+
+
+# The links of a file with zones but without them (module doc: the public figures they are from).
+DEFAULT_LINKS = Links(inter_zone=ZoneLink(1.25, 2.0, 0.01),
+                      inter_region=ZoneLink(0.625, 30.0, 0.02))
+
+
+@dataclass(frozen=True)
+class Link:
+    """What a transfer between GPUs of two nodes crosses (:meth:`Cluster.link`)."""
+
+    bandwidth_gbs: float        # GB/s per direction: the slower NIC, and the zone link if any
+    latency_s: float            # per message: the zone link's, 0 inside a zone
+    egress_usd_per_gb: float    # 0 inside a zone
+    zones: tuple[str, str] | None = None   # the zone pair crossed (sorted); None inside a zone
 
 
 @dataclass(frozen=True)
@@ -65,6 +130,9 @@ class Cluster:
     # (node, local rank) -> speed in (0, 1): GPUs slower than their type (module doc); a GPU
     # not listed runs at its type's speed (1.0)
     speeds: dict[tuple[str, int], float] = field(default_factory=dict)
+    # zone -> region (module doc); empty: a cluster without zones, every node in one
+    regions: dict[str, str] = field(default_factory=dict)
+    links: Links = DEFAULT_LINKS
 
     def speed(self, node: str, local_rank: int) -> float:
         """How fast this GPU computes relative to its type (1.0: as its type)."""
@@ -103,12 +171,27 @@ class Cluster:
         # evaluating a plan quadratic in the fleet size.
         return {n.name: n for n in self.nodes}
 
-    def link_bandwidth_gbs(self, node_a: str, node_b: str) -> float:
-        """Bandwidth of the link between two GPUs on these nodes (GB/s per direction)."""
+    def link(self, node_a: str, node_b: str) -> Link:
+        """The link between two GPUs on these nodes: the intra-node link on one node; across
+        nodes the slower NIC, and between zones the zone link too (its bandwidth if smaller,
+        its latency and egress price)."""
         a, b = self.node(node_a), self.node(node_b)
         if a.name == b.name:
-            return a.intra_node_bandwidth_gbs
-        return min(a.inter_node_bandwidth_gbs, b.inter_node_bandwidth_gbs)
+            return Link(a.intra_node_bandwidth_gbs, 0.0, 0.0)
+        nic = min(a.inter_node_bandwidth_gbs, b.inter_node_bandwidth_gbs)
+        between = self.zone_link(a.zone, b.zone)
+        if between is None:
+            return Link(nic, 0.0, 0.0)
+        return Link(min(nic, between.bandwidth_gbs), between.latency_ms / 1e3,
+                    between.egress_usd_per_gb, tuple(sorted((a.zone, b.zone))))
+
+    def zone_link(self, zone_a: str | None, zone_b: str | None) -> ZoneLink | None:
+        """The link between two zones; None inside one zone (or a cluster without zones)."""
+        if zone_a == zone_b:
+            return None
+        if self.regions[zone_a] == self.regions[zone_b]:
+            return self.links.inter_zone
+        return self.links.inter_region
 
     def counts_by_type(self) -> dict[str, int]:
         counts: dict[str, int] = {}
@@ -122,12 +205,15 @@ class Cluster:
         nodes = tuple(n for n in self.nodes if n.name in keep)
         types = {n.gpu: self.gpu_types[n.gpu] for n in nodes}
         return Cluster(name or self.name, nodes, types,
-                       {k: v for k, v in self.speeds.items() if k[0] in keep})
+                       {k: v for k, v in self.speeds.items() if k[0] in keep},
+                       self.regions, self.links)
 
 
-_CLUSTER_FIELDS = {"name", "inter_node_bandwidth_gbs", "nodes", "description", "slow_gpus"}
+_CLUSTER_FIELDS = {"name", "inter_node_bandwidth_gbs", "nodes", "description", "slow_gpus",
+                   "zones", "links"}
 _NODE_FIELDS = {"name", "gpu", "gpus", "count", "intra_node_bandwidth_gbs",
-                "inter_node_bandwidth_gbs", "spot_price"}
+                "inter_node_bandwidth_gbs", "spot_price", "zone"}
+_ZONE_LINK_FIELDS = {"bandwidth_gbs", "latency_ms", "egress_usd_per_gb"}
 
 
 def load_cluster(path: str | Path, catalog: dict[str, GPUType] | None = None) -> Cluster:
@@ -142,6 +228,7 @@ def cluster_from_dict(data: dict, file="<cluster>", catalog: dict[str, GPUType] 
     check_keys(data, _CLUSTER_FIELDS, file, "")
     name = get_field(data, "name", str, file)
     default_nic = get_field(data, "inter_node_bandwidth_gbs", float, file, positive=True)
+    regions = _zones(data, file)
     entries = get_field(data, "nodes", list, file)
     if not entries:
         raise ConfigError(file, "nodes", "empty", "a list of at least one node")
@@ -164,15 +251,70 @@ def cluster_from_dict(data: dict, file="<cluster>", catalog: dict[str, GPUType] 
         nic = get_field(entry, "inter_node_bandwidth_gbs", float, file, where,
                         default=default_nic, positive=True)
         price = get_field(entry, "spot_price", float, file, where, default=None, min_value=0)
+        zone = _node_zone(entry, file, where, regions)
         names = [base] if count == 1 else [f"{base}-{k}" for k in range(count)]
         for node_name in names:
             if node_name in seen:
                 raise ConfigError(file, f"{where}.name", f"duplicate node name {node_name!r}",
                                   "unique node names")
             seen.add(node_name)
-            nodes.append(Node(node_name, gpu, num_gpus, intra, nic, price))
+            nodes.append(Node(node_name, gpu, num_gpus, intra, nic, price, zone))
     types = {n.gpu: catalog[n.gpu] for n in nodes}
-    return Cluster(name, tuple(nodes), types, _slow_gpus(data, file, nodes))
+    return Cluster(name, tuple(nodes), types, _slow_gpus(data, file, nodes), regions,
+                   _links(data, file, regions))
+
+
+def _zones(data: dict, file) -> dict[str, str]:
+    """The ``zones`` section: zone -> region, both non-empty strings (empty: no zones)."""
+    zones = get_field(data, "zones", dict, file, default={})
+    if "zones" in data and not zones:
+        raise ConfigError(file, "zones", "empty", "a mapping of each zone to its region, "
+                          "e.g. {us-east-1a: us-east-1}, or no zones section")
+    for zone, region in zones.items():
+        if not isinstance(zone, str) or not zone or not isinstance(region, str) or not region:
+            raise ConfigError(file, f"zones.{zone}", f"got {zone!r}: {region!r}",
+                              "a zone name mapped to its region's name, e.g. "
+                              "us-east-1a: us-east-1")
+    return dict(zones)
+
+
+def _node_zone(entry: dict, file, where: str, regions: dict[str, str]) -> str | None:
+    """A node's ``zone``: one of the ``zones`` section's, on every node when there is one."""
+    if not regions:
+        if "zone" in entry:
+            raise ConfigError(file, f"{where}.zone", f"got {entry['zone']!r} without a zones "
+                              "section", "a zone of a top-level zones section (zone: region)")
+        return None
+    if "zone" not in entry:
+        raise ConfigError(file, f"{where}.zone", "missing (the file has a zones section)",
+                          ", ".join(regions))
+    zone = get_field(entry, "zone", str, file, where)
+    if zone not in regions:
+        raise ConfigError(file, f"{where}.zone", f"unknown zone {zone!r}", ", ".join(regions))
+    return zone
+
+
+def _links(data: dict, file, regions: dict[str, str]) -> Links:
+    """The ``links`` section: each zone link's fields, DEFAULT_LINKS' where left out."""
+    links = get_field(data, "links", dict, file, default={})
+    if links and not regions:
+        raise ConfigError(file, "links", "given without a zones section (a cluster without "
+                          "zones has no links between zones)", "a links section beside zones")
+    check_keys(links, {"inter_zone", "inter_region"}, file, "links")
+    out = {}
+    for kind in ("inter_zone", "inter_region"):
+        where = f"links.{kind}"
+        entry = get_field(links, kind, dict, file, "links", default={})
+        check_keys(entry, _ZONE_LINK_FIELDS, file, where)
+        default = getattr(DEFAULT_LINKS, kind)
+        out[kind] = ZoneLink(
+            get_field(entry, "bandwidth_gbs", float, file, where,
+                      default=default.bandwidth_gbs, positive=True),
+            get_field(entry, "latency_ms", float, file, where, default=default.latency_ms,
+                      min_value=0),
+            get_field(entry, "egress_usd_per_gb", float, file, where,
+                      default=default.egress_usd_per_gb, min_value=0))
+    return Links(**out)
 
 
 def _slow_gpus(data: dict, file, nodes: list[Node]) -> dict[tuple[str, int], float]:

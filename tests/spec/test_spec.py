@@ -230,7 +230,7 @@ def test_cluster_unknown_node_field(tmp_path):
     path = cluster_file(tmp_path, [{"name": "n", "gpu": "T4", "gpus": 1, "gpu_count": 1}])
     expect_error(load_cluster, path,
                  "field 'nodes[0].gpu_count': unknown field (allowed: count, gpu, gpus, "
-                 "inter_node_bandwidth_gbs, intra_node_bandwidth_gbs, name, spot_price)")
+                 "inter_node_bandwidth_gbs, intra_node_bandwidth_gbs, name, spot_price, zone)")
 
 
 def test_cluster_count_expands_nodes_and_ranks(tmp_path):
@@ -240,8 +240,8 @@ def test_cluster_count_expands_nodes_and_ranks(tmp_path):
     assert [n.name for n in cluster.nodes] == ["a", "t4-0", "t4-1"]
     assert [(d.rank, d.node, d.local_rank) for d in cluster.devices()] == [
         (0, "a", 0), (1, "a", 1), (2, "t4-0", 0), (3, "t4-1", 0)]
-    assert cluster.link_bandwidth_gbs("a", "t4-0") == 5.0     # the slower NIC
-    assert cluster.link_bandwidth_gbs("a", "a") == 300.0      # the catalog's NVLink figure
+    assert cluster.link("a", "t4-0").bandwidth_gbs == 5.0    # the slower NIC
+    assert cluster.link("a", "a").bandwidth_gbs == 300.0     # the catalog's NVLink figure
 
 
 # ---- model ----------------------------------------------------------------------------------
