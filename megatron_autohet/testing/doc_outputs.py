@@ -13,6 +13,9 @@ an HTML comment, which the rendered page does not show, saying what the block is
     terminal shows them) line for line, but for each ``variable`` pattern: a field that honestly
     differs between runs (seconds taken, a timestamp), ``*`` standing for one word, in the quoted
     and the printed line alike. ``name`` (optional) is what ``figures-from`` calls the block.
+``<!-- output-of command="autohet compare ..." variable="..." -->``
+    the same, for an output whose command the page names in prose instead of a ``bash`` block
+    (the quick start's, which scripts/quickstart.sh runs): the command is the comment's.
 ``<!-- figures-from quick-start="$0.02567 per million tokens" -->``
     the paragraph after the comment quotes these figures from the output of the named block of the
     same document: each must be in the paragraph and in what that block's command prints today.
@@ -29,7 +32,7 @@ by hand (after a change to the planner, say)::
     python -m megatron_autohet.testing.doc_outputs            # list the drift, status 1 if any
     python -m megatron_autohet.testing.doc_outputs --write    # rewrite the output-of blocks
 
-``--write`` replaces each ``output-of-above`` block by what its command prints today (the
+``--write`` replaces each ``output-of(-above)`` block by what its command prints today (the
 variable fields as printed); figures quoted in prose it only reports, for a person to reword.
 """
 
@@ -48,7 +51,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 OUTPUT_FENCES = ("", "json")
-KINDS = ("output-of-above", "figures-from", "measured", "illustration")
+KINDS = ("output-of-above", "output-of", "figures-from", "measured", "illustration")
+# the kinds that say what the fenced block right below them is
+BLOCK_KINDS = ("output-of-above", "output-of", "measured", "illustration")
 # The longest a documented fast command may take, at any machine load.
 COMMAND_TIMEOUT_S = 600
 
@@ -60,11 +65,13 @@ def documents(root: Path = REPO) -> list[Path]:
 
 @dataclasses.dataclass
 class Fence:
-    """A fenced block: ``start`` is the index of its opening line, ``end`` of its closing one."""
+    """A fenced block: ``start`` is the index of its opening line, ``end`` of its closing one;
+    ``lines`` without the ``indent`` of the fence (a block inside a list item)."""
     lang: str
     start: int
     end: int
     lines: list[str]
+    indent: int = 0
 
 
 @dataclasses.dataclass
@@ -81,7 +88,8 @@ class Marker:
 
 @dataclasses.dataclass
 class OutputBlock:
-    """An output-of-above block: its command (the bash block above) and its quoted output."""
+    """An output-of(-above) block: its command (the bash block above, or the comment's) and its
+    quoted output."""
     name: str | None
     command: str
     variable: list[str]
@@ -126,11 +134,14 @@ def parse(path: Path, text: str | None = None) -> Document:
     i = 0
     while i < len(lines):
         line = lines[i]
-        if line.startswith("```"):
-            lang, end = line[3:].strip(), i + 1
-            while end < len(lines) and not lines[end].startswith("```"):
+        if line.lstrip().startswith("```"):
+            indent = len(line) - len(line.lstrip())
+            lang, end = line.strip()[3:].strip(), i + 1
+            while end < len(lines) and not lines[end].lstrip().startswith("```"):
                 end += 1
-            items.append(Fence(lang, i, end, lines[i + 1:end]))
+            items.append(Fence(lang, i, end, [text[indent:] if not text[:indent].strip()
+                                              else text.lstrip()
+                                              for text in lines[i + 1:end]], indent))
             i = end + 1
             continue
         if line.lstrip().startswith("<!--"):
@@ -154,21 +165,30 @@ def parse(path: Path, text: str | None = None) -> Document:
             if item.lang not in OUTPUT_FENCES:
                 continue
             before = items[n - 1] if n else None
-            if not (isinstance(before, Marker) and before.kind in ("output-of-above", "measured",
-                                                                   "illustration")
+            if not (isinstance(before, Marker) and before.kind in BLOCK_KINDS
                     and blank_between(before.end, item.start)):
                 doc.problems.append(f"{where}: a quoted output with no <!-- output-of-above -->, "
                                     "<!-- measured --> or <!-- illustration --> comment above it")
             continue
-        if item.kind == "output-of-above":
+        below = items[n + 1] if n + 1 < len(items) else None
+        output_below = (isinstance(below, Fence) and below.lang in OUTPUT_FENCES
+                        and blank_between(item.end, below.start))
+        if item.kind == "output-of":
+            commands = item.get("command")
+            if not (commands and commands[0] and output_below):
+                doc.problems.append(f"{where}: output-of needs command=... and the quoted output "
+                                    "right below it")
+            else:
+                names = item.get("name")
+                doc.blocks.append(OutputBlock(names[0] if names else None, commands[0],
+                                              item.get("variable"), below))
+        elif item.kind == "output-of-above":
             above = items[n - 1] if n else None
-            below = items[n + 1] if n + 1 < len(items) else None
             if not (isinstance(above, Fence) and above.lang == "bash"
                     and blank_between(above.end, item.start)):
                 doc.problems.append(f"{where}: output-of-above needs the ```bash block of the "
                                     "command right above it")
-            elif not (isinstance(below, Fence) and below.lang in OUTPUT_FENCES
-                      and blank_between(item.end, below.start)):
+            elif not output_below:
                 doc.problems.append(f"{where}: output-of-above needs the quoted output right "
                                     "below it")
             else:
@@ -189,7 +209,7 @@ def parse(path: Path, text: str | None = None) -> Document:
                 doc.problems.append(f"{where}: measured needs date=YYYY-MM-DD and load=...")
     names = [b.name for b in doc.blocks if b.name]
     for name in sorted({n for n in names if names.count(n) > 1}):
-        doc.problems.append(f"{path.name}: two output-of-above blocks named {name!r}")
+        doc.problems.append(f"{path.name}: two output blocks named {name!r}")
     return doc
 
 
@@ -215,7 +235,7 @@ def run_block(command: str, workdir: Path) -> tuple[int, list[str]]:
 
 
 def check(doc: Document, write: bool = False) -> list[str]:
-    """The document's problems: its markers', each output-of-above block that differs from what
+    """The document's problems: its markers', each output-of(-above) block that differs from what
     its command prints (a diff), each quoted figure missing from the paragraph or the output.
     With ``write``, the differing blocks are replaced in ``doc.lines`` by today's output."""
     problems = list(doc.problems)
@@ -246,8 +266,8 @@ def check(doc: Document, write: bool = False) -> list[str]:
         for name, figure in quote.figures:
             where = f"{doc.path.name}:{quote.line + 1}"
             if name not in outputs:
-                problems.append(f"{where}: figures-from names {name!r}, which no output-of-above "
-                                "block of this document is called")
+                problems.append(f"{where}: figures-from names {name!r}, which no output block "
+                                "of this document is called")
             elif " ".join(figure.split()) not in paragraph:
                 problems.append(f"{where}: {figure!r} is not in the paragraph below the comment")
             elif " ".join(figure.split()) not in " ".join(outputs[name].split()):
@@ -255,7 +275,8 @@ def check(doc: Document, write: bool = False) -> list[str]:
                                 "paragraph and the comment need today's figure)")
     if write:
         for fence, printed in sorted(replacements, key=lambda r: -r[0].start):
-            doc.lines[fence.start + 1:fence.end] = printed
+            doc.lines[fence.start + 1:fence.end] = [" " * fence.indent + line if line else ""
+                                                    for line in printed]
     return problems
 
 
@@ -264,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("files", nargs="*", type=Path,
                         help="markdown files (default: README.md and docs/*.md)")
     parser.add_argument("--write", action="store_true",
-                        help="replace each differing output-of-above block by today's output")
+                        help="replace each differing output block by today's output")
     args = parser.parse_args(argv)
     for path in args.files:
         if not path.is_file():

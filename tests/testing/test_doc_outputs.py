@@ -75,6 +75,16 @@ def test_every_quoted_output_says_what_it_is(tmp_path):
 
 
 @pytest.mark.unit
+def test_an_output_in_a_list_item_with_its_command_in_the_comment(tmp_path):
+    path, problems = doc(tmp_path, "1. the plan:\n\n   <!-- output-of command=\"echo 'plan: 5 "
+                         "stages'\" -->\n   ```\n   plan: 4 stages\n   ```\n")
+    assert len(problems) == 1 and "-plan: 4 stages\n+plan: 5 stages" in problems[0]
+    assert main([str(path), "--write"]) == 1
+    assert path.read_text().endswith("   ```\n   plan: 5 stages\n   ```\n")
+    assert main([str(path)]) == 0
+
+
+@pytest.mark.unit
 def test_a_failing_command_is_reported_with_its_status(tmp_path):
     _, problems = doc(tmp_path, "```bash\necho half; exit 3\n```\n\n<!-- output-of-above -->\n"
                       "```\nhalf\n```\n")
