@@ -15,6 +15,8 @@ File form (``plan.yaml``)::
     activation_recompute: false
     use_distributed_optimizer: true   # optional (default false): planned for, and trained with,
                                       # Adam state sharded over each parameter's holders
+    overlap_grad_reduce: true      # optional (default false): priced and trained with each
+                                   # gradient bucket synced during the backward
     ranks:                         # index i describes global rank i
       - {rank: 0, node: a100, local_rank: 0, gpu: A100-80GB}
     pipelines:
@@ -121,6 +123,10 @@ class Plan:
     # Planned for Megatron-LM's --use-distributed-optimizer (Adam state sharded over each
     # parameter's holders): the cost model prices it, the runtime trains with it.
     use_distributed_optimizer: bool = False
+    # Planned for Megatron-LM's --overlap-grad-reduce (each gradient bucket synced during the
+    # last micro-batch's backward, runtime/grad_sync.py): the cost model prices the overlap,
+    # the runtime trains with it.
+    overlap_grad_reduce: bool = False
     predicted: dict = field(default_factory=dict)
     # The profile file's mapping the plan was priced on (None: analytic estimates); read as a
     # profile by cost_model.plan_profile, where the layers that know profiles are.
@@ -161,6 +167,7 @@ class Plan:
             "activation_recompute": self.activation_recompute,
             # written only when set: a plan without it keeps its old file (and checkpoint) form
             **({"use_distributed_optimizer": True} if self.use_distributed_optimizer else {}),
+            **({"overlap_grad_reduce": True} if self.overlap_grad_reduce else {}),
             "ranks": [asdict(r) for r in self.ranks],
             "pipelines": [{"num_microbatches": p.num_microbatches,
                            "stages": [stage_dict(s) for s in p.stages]} for p in self.pipelines],
@@ -186,8 +193,9 @@ def load_plan(path: str | Path) -> Plan:
 
 
 _PLAN_FIELDS = {"format_version", "cluster", "model", "micro_batch_size", "global_batch_size",
-                "seq_length", "activation_recompute", "use_distributed_optimizer", "ranks",
-                "pipelines", "predicted", "profile", "objective", "min_tokens_per_s"}
+                "seq_length", "activation_recompute", "use_distributed_optimizer",
+                "overlap_grad_reduce", "ranks", "pipelines", "predicted", "profile", "objective",
+                "min_tokens_per_s"}
 _STAGE_FIELDS = {"ranks", "layers", "warmup_microbatches", "predicted_time_s",
                  "predicted_memory_gib"}
 
@@ -256,6 +264,7 @@ def plan_from_dict(data: dict, file: str | Path = "<plan>") -> Plan:
         activation_recompute=get_field(data, "activation_recompute", bool, file, default=False),
         use_distributed_optimizer=get_field(data, "use_distributed_optimizer", bool, file,
                                             default=False),
+        overlap_grad_reduce=get_field(data, "overlap_grad_reduce", bool, file, default=False),
         predicted=get_field(data, "predicted", dict, file, default={}),
         profile=get_field(data, "profile", dict, file, default=None),
         objective=get_field(data, "objective", str, file, default=DEFAULT_OBJECTIVE),

@@ -140,12 +140,30 @@ def sync_group_specs(plan: Plan) -> list[SyncGroupSpec]:
     return specs
 
 
+def layer_of(global_name: str) -> int | None:
+    """The global layer index of a transformer layer's parameter, None for the others."""
+    match = _LAYER_NAME.match(global_name)
+    return int(match.group(1)) if match else None
+
+
+def gradient_ready_key(spec: SyncGroupSpec, layer: int | None = None) -> float:
+    """When a backward makes the gradients of ``spec``'s parameters final, as a key that
+    decreases along the backward: the post-process part first (inf), then the layers from the
+    last to the first (``layer``, a parameter's own, default the spec's first), the embeddings
+    last (-1; a tied word embedding accumulates its two uses). Every holder computes the same
+    keys, so an order by them is one order for the whole job (runtime/grad_sync.py)."""
+    if spec.kind == "post_process":
+        return float("inf")
+    if spec.kind == "layers":
+        return spec.layers[0] if layer is None else layer
+    return -1
+
+
 def spec_index_of(global_name: str, specs: list[SyncGroupSpec]) -> int:
     """Index of the spec whose holders sync the parameter called ``global_name`` (megatron
     GPTModel naming with GLOBAL layer numbers)."""
-    match = _LAYER_NAME.match(global_name)
-    layer = int(match.group(1)) if match else None
-    kind = "layers" if match else next(
+    layer = layer_of(global_name)
+    kind = "layers" if layer is not None else next(
         (kind for prefix, kind in _NON_LAYER_KINDS if global_name.startswith(prefix)), None)
     if kind is None:
         raise ValueError(f"parameter {global_name!r} belongs to no gradient sync group")

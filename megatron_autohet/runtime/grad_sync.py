@@ -31,13 +31,15 @@ post-accumulate-grad hook and freed, as megatron-core's DDP does without
 ``gradient_accumulation_fusion`` (``_make_backward_post_hook``). An fp32 parameter's ``.grad`` IS
 its ``main_grad`` view: autograd accumulates into it in place, the same sums with no copy.
 
-Launch order. Every rank launches its buckets asynchronously in one fixed order, the reverse of
-the build order above (the order in which the backward finishes them: last layers first), and
-waits for them in that order. The order is deadlock-free by construction: the build order sorts
-every bucket of the whole job by (its group's first spec in plan order, its place in the group),
-keys every member of a group computes alike, so each rank's launches are a subsequence of one
-global order of all collectives, and the earliest collective not yet done has been launched by
-all its members.
+Launch order. Every rank launches its buckets asynchronously in one fixed order and waits for
+them in that order: the order in which a backward makes them final, by
+:func:`~megatron_autohet.layout.topology.gradient_ready_key` (the post-process part first, then
+the layers from the last to the first, by a bucket's first layer, the embeddings last), ties in
+build order. The order is deadlock-free by construction: a bucket's key (its parameters' global
+names) and its build position (its group's first spec in plan order, its place in the group) are
+computed alike by every member of its group, so every rank's launches are a subsequence of one
+order of all the job's collectives, and the earliest collective not yet done has been launched
+by all its members.
 
 Overlapped sync (Megatron-LM's ``--overlap-grad-reduce``, ``overlap_grad_reduce``): a bucket's
 collective starts during the backward, as soon as the last micro-batch's backward has produced
@@ -95,7 +97,8 @@ from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketGroup
 
 from megatron_autohet.layout.owners import holds_main_replica
-from megatron_autohet.layout.topology import SyncGroupSpec, spec_index_of
+from megatron_autohet.layout.topology import (SyncGroupSpec, gradient_ready_key, layer_of,
+                                              spec_index_of)
 from megatron_autohet.runtime.mixed_precision import MAIN_GRAD_DTYPE
 
 # Megatron's DDP default: 40M elements per bucket.
@@ -250,6 +253,7 @@ class GradSync:
         sequence_parallel_params: set[torch.nn.Parameter] = set()
         self.norm_params: list[torch.nn.Parameter] = []
         per_spec: list[list] = [[] for _ in specs]
+        ready_key: dict[torch.nn.Parameter, float] = {}     # module doc, "Launch order"
         for name, param in model.named_parameters():
             if not param.requires_grad:
                 continue
@@ -260,6 +264,7 @@ class GradSync:
                                  f"{specs[i].holders}, which do not include this rank's stage "
                                  f"{holder}")
             per_spec[i].append((layout.global_name, param, layout))
+            ready_key[param] = gradient_ready_key(specs[i], layer_of(layout.global_name))
             self.params.append(param)
             if sequence_parallel and getattr(param, "sequence_parallel", False):
                 sequence_parallel_params.add(param)
@@ -283,10 +288,12 @@ class GradSync:
         for bucket in self.buckets:
             bucket.sequence_parallel_params = [p for p in bucket.params
                                                if p in sequence_parallel_params]
-        # The launch order (module doc): the reverse of the build order, the buckets that have
-        # a collective to run (their group's or their sequence-parallel TP sum).
-        self.launch_order = [b for b in reversed(self.buckets)
-                             if b.reduces or (b.sequence_parallel_params and tp_size > 1)]
+        # The launch order (module doc): the buckets that have a collective to run (their
+        # group's or their sequence-parallel TP sum), each ready with its last parameter.
+        built = sorted(range(len(self.buckets)), key=lambda i: (
+            -min(ready_key[p] for p in self.buckets[i].params), i))
+        self.launch_order = [self.buckets[i] for i in built if self.buckets[i].reduces or (
+            self.buckets[i].sequence_parallel_params and tp_size > 1)]
         self._pending: list[tuple[_Bucket, dist.Work | None]] = []
         self.overlap_grad_reduce = overlap_grad_reduce
         self._readiness: list[_BucketReadiness] = []

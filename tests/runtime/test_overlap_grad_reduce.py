@@ -9,8 +9,9 @@ between the two (the same collectives on the same buffers), the losses and grad 
 1e-5 of the single-process reference (testing/reference.py), and proof that the overlap
 happened: from the second iteration on (the first records megatron's golden counts and launches
 at its end), every bucket a rank launches is launched while megatron's schedule still runs, in
-the rank's fixed launch order. A bucket launched before its last micro-batch's gradients are in
-makes the losses differ from the reference and from the non-overlapped run.
+the rank's fixed launch order, and some before the backward has produced every gradient. A
+bucket launched before its last micro-batch's gradients are in makes the losses differ from the
+reference and from the non-overlapped run.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ OVERLAP_PLANS = [   # (plan, sequence parallelism on TP>1 stages, distributed op
 
 def _train(rank, world, plan, batches, sequence_parallel, distributed_optimizer, overlap):
     """(metrics, final parameters, per iteration: (buckets launched inside the schedule,
-    launched in all), whether every launch followed the launch order)."""
+    launched in all, launched before the backward had made every gradient final), whether
+    every launch followed the launch order)."""
     import megatron_autohet.runtime.trainer as trainer_module
     from megatron_autohet.runtime.trainer import HeteroTrainer
 
@@ -49,7 +51,7 @@ def _train(rank, world, plan, batches, sequence_parallel, distributed_optimizer,
     schedule, launch_next = trainer_module.run_schedule, grad_sync._launch_next
 
     def timed_schedule(*args, **kwargs):
-        launches.append([0, 0])
+        launches.append([0, 0, 0])
         in_schedule[0] = True
         try:
             return schedule(*args, **kwargs)
@@ -58,10 +60,14 @@ def _train(rank, world, plan, batches, sequence_parallel, distributed_optimizer,
 
     def recorded_launch():
         expected = grad_sync.launch_order[len(grad_sync._pending)]
+        # gradients of this backward still to come: the launch overlaps the rest of it
+        to_come = sum(len(r.params) - len(r.per_param_grad_ready_counts)
+                      for r in grad_sync._readiness)
         launch_next()
         in_order[0] &= grad_sync._pending[-1][0] is expected
         launches[-1][0] += in_schedule[0]
         launches[-1][1] += 1
+        launches[-1][2] += to_come > 0
 
     trainer_module.run_schedule = timed_schedule
     grad_sync._launch_next = recorded_launch
@@ -101,9 +107,11 @@ def test_overlapped_sync_is_bit_identical_and_overlaps(plan_file, sequence_paral
             assert value.equal(plain_params[name]), (rank, name)
         assert in_order, f"rank {rank} launched a bucket out of its launch order"
         assert launches[0][0] == 0, (rank, launches)       # first iteration: at its end
-        assert all(inside == total for inside, total in launches[1:]), (rank, launches)
-    assert any(launches[1][0] for _, _, launches, _ in overlapped)   # some rank overlapped
+        assert all(inside == total for inside, total, _ in launches[1:]), (rank, launches)
+    # some rank launched a bucket while its backward still computed gradients of others
+    assert any(early for _, _, rank_launches, _ in overlapped
+               for _, _, early in rank_launches[1:]), [r[2] for r in overlapped]
     assert all(inside == 0 for _, _, rank_launches, _ in plain
-               for inside, _ in rank_launches)             # without overlap: after the schedule
+               for inside, *_ in rank_launches)            # without overlap: after the schedule
     for (loss, norm), (ref_loss, ref_norm) in zip(ours, reference):
         assert rel(loss, ref_loss) <= REL and rel(norm, ref_norm) <= REL, (ours, reference)
