@@ -93,6 +93,8 @@ class TrainOptions:
     eval_iters: int = 100                  # validation global batches per evaluation
     split: str | None = None               # Megatron-LM's --split (data/batches.default_split)
     distributed_optimizer: bool = False        # --use-distributed-optimizer
+    # --overlap-grad-reduce: each gradient bucket synced during the last micro-batch's backward
+    overlap_grad_reduce: bool = False
     precision: str | None = None        # "bf16" or "fp32"; None: bf16 on CUDA GPUs, fp32 on CPU
     hidden_dropout: float = 0.0         # Megatron-LM's --hidden-dropout / --attention-dropout
     attention_dropout: float = 0.0
@@ -421,6 +423,7 @@ def train_job(plan: Plan, plan_label: str, model: ModelSpec, options: TrainOptio
     evaluation = (Evaluation(options.eval_interval, options.eval_iters, valid)
                   if valid is not None else None)
     distributed_optimizer = options.distributed_optimizer or plan.use_distributed_optimizer
+    overlap_grad_reduce = options.overlap_grad_reduce or plan.overlap_grad_reduce
     precision, why = job_precision(options)
     if rank == 0:
         print(f"training in {precision.name} ({why}): "
@@ -430,6 +433,7 @@ def train_job(plan: Plan, plan_label: str, model: ModelSpec, options: TrainOptio
     trainer = HeteroTrainer(plan, model, rank=rank, seed=options.seed,
                             optimizer=options.optimizer, plan_file=plan_label,
                             distributed_optimizer=distributed_optimizer, precision=precision,
+                            overlap_grad_reduce=overlap_grad_reduce,
                             hidden_dropout=options.hidden_dropout,
                             attention_dropout=options.attention_dropout,
                             jit_fusions=options.jit_fusions,
@@ -438,7 +442,8 @@ def train_job(plan: Plan, plan_label: str, model: ModelSpec, options: TrainOptio
     if rank == 0:
         print(f"layer: {LAYER_SPECS[trainer.layer_spec]}"
               + (f"; {trainer.fusions.describe()}" if trainer.device.type == "cuda" else "")
-              + ("; AdamW: torch's fused kernel" if trainer.fused_optimizer else ""),
+              + ("; AdamW: torch's fused kernel" if trainer.fused_optimizer else "")
+              + ("; gradient sync overlapped with the backward" if overlap_grad_reduce else ""),
               flush=True)
         other = priced_on_other_fusions(priced and priced.fusions, trainer.fusions)
         if other:

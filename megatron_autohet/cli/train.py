@@ -77,6 +77,11 @@ def register(subparsers) -> None:
                  "parameter (reduce-scatter of gradients, all-gather of weights), as "
                  "Megatron-LM's flag; a plan made with it (`autohet plan "
                  "--use-distributed-optimizer`) always trains with it")),
+        (("--overlap-grad-reduce",), dict(
+            action="store_true",
+            help="start each gradient bucket's sync during the last micro-batch's backward, as "
+                 "soon as its gradients are final, as Megatron-LM's flag (default off); a plan "
+                 "with overlap_grad_reduce always trains with it")),
         # Megatron-LM's precision flags (spec/precision.py, runtime/mixed_precision.py).
         (("--bf16",), dict(action="store_true",
                            help="bf16 mixed precision as Megatron-LM's --bf16: bf16 weights and "
@@ -319,6 +324,7 @@ def train_options(args: argparse.Namespace) -> TrainOptions:
                         distributed_timeout_minutes=args.distributed_timeout_minutes,
                         eval_interval=args.eval_interval, eval_iters=args.eval_iters,
                         split=args.split, distributed_optimizer=args.use_distributed_optimizer,
+                        overlap_grad_reduce=args.overlap_grad_reduce,
                         precision=check_precision(args), hidden_dropout=args.hidden_dropout,
                         attention_dropout=args.attention_dropout,
                         **requested_fusions(args), **measure_fields(args),

@@ -112,6 +112,8 @@ FLAGS: dict[str, FlagRule] = {
                                 "gradients, master weights and Adam state"),
     "--use-distributed-optimizer": FlagRule(RUNTIME, "master weights and Adam state sharded "
                                                      "over each parameter's holders"),
+    "--overlap-grad-reduce": FlagRule(RUNTIME, "each gradient bucket synced during the last "
+                                               "micro-batch's backward"),
     "--seed": FlagRule(RUNTIME, "initial weights, data shuffle, dropout streams"),
     "--hidden-dropout": FlagRule(RUNTIME, "dropout of the hidden states, a probability in [0, 1)"),
     "--attention-dropout": FlagRule(RUNTIME, "dropout of the attention weights, in [0, 1)"),
@@ -177,6 +179,9 @@ FLAGS: dict[str, FlagRule] = {
     # ---- refused, with what to use instead ----------------------------------------------------
     # Being implemented; flipped to honoured when they land.
     "--fp16": FlagRule(REFUSED, _NO_FP16),
+    "--overlap-param-gather": FlagRule(REFUSED, "not set (the distributed optimizer gathers the "
+                                                "weights after its step, not during the next "
+                                                "forward)"),
     "--recompute-activations": FlagRule(REFUSED, "not set (selective recompute: the planner "
                                                  "does not price it; the plan's "
                                                  "activation_recompute turns full recompute on)"),

@@ -314,6 +314,7 @@ def train_options(args, plan_path: str | Path) -> TrainOptions:
         eval_interval=args.eval_interval, eval_iters=args.eval_iters,
         # With --data-path, Megatron's validate_args has already set its default --split.
         split=args.split, distributed_optimizer=bool(args.use_distributed_optimizer),
+        overlap_grad_reduce=bool(args.overlap_grad_reduce),
         # fp32 without --bf16, as Megatron-LM (--fp16 never gets here: megatron/flags.py
         # refuses it before Megatron starts)
         precision="bf16" if getattr(args, "bf16", False) else "fp32",
