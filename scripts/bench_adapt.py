@@ -48,9 +48,12 @@ is logged (importing torch and building the model at 0.15 of a core takes a minu
 type's share. The machine is shared: the load average (1 minute) before and after each run is
 in its row, and a quota is a ceiling, not a guarantee (emulate_cluster.py).
 
-Hook: the job prices its re-plans on the bundled GPU catalog, which does not hold the emulated
-types (a job with them logs "not adapting"); each rank here runs ``autohet train`` through this
-script's ``--rank-worker``, which makes the emulated catalog the bundled one first.
+Hooks: each rank runs ``autohet train`` through this script's ``--rank-worker``, which (1) makes
+the emulated GPU catalog the bundled one (the job prices its re-plans on the bundled catalog,
+which does not hold the emulated types: a job with them logs "not adapting"), and (2) names the
+job's checkpoint owner for all its ranks, as autohet train's own launcher does: ranks started
+one by one (here, or by a user's torchrun) draw the owner on each generation's rank 0, so a
+switch whose new rank 0 is another process is refused by the lease the old one kept.
 
     sudo python scripts/bench_adapt.py [--scenarios a,b,c] [--iters 300] [--window 20]
         [--quick] [--json bench-out/bench_adapt.json]
@@ -82,6 +85,8 @@ SCENARIOS = ("a", "b", "c")
 UNIT_ROUNDOFF = 2.0 ** -24          # fp32: the CPU runtime trains in fp32
 SWAPPED = ("EMU-MID", "EMU-SLOW")   # scenario a: these two types' profile entries exchanged
 BASE_PORT = 29700
+# the writer lease's owner of a job's ranks (rank_worker)
+OWNER_ENV = "BENCH_ADAPT_JOB"
 SEED = 1234
 
 SWITCH_LINE = re.compile(r"adapt: switched plans after iteration (\d+): (.*?); state saved.*?"
@@ -277,10 +282,13 @@ class Fleet:
 
     def train(self, name: str, plan_path: Path, adapt: str, iters: int,
               slow: tuple[tuple[str, int], int, int] | None = None,
-              slow_from_start: tuple[str, int] | None = None) -> Run:
-        """``autohet train`` of ``plan_path`` on the emulated ranks. ``slow``: (GPU, k, k2),
-        that GPU at half its share after iteration k, back after k2 (k2 past the run: never);
-        ``slow_from_start``: that GPU at half its share from iteration 1."""
+              slow_from_start: tuple[str, int] | None = None,
+              stop_after: int | None = None) -> Run:
+        """``autohet train`` of ``plan_path`` on the emulated ranks, ``--iters iters``.
+        ``slow``: (GPU, k, k2), that GPU at half its share after iteration k, back after k2 (k2
+        past the run: never); ``slow_from_start``: that GPU at half its share from iteration 1;
+        ``stop_after``: ``--exit-interval`` (a reference shorter than the run it is compared
+        with, on the same learning-rate schedule: the schedule's length is --iters)."""
         import yaml
 
         from megatron_autohet.plan import load_plan
@@ -297,6 +305,8 @@ class Fleet:
                "--metrics-jsonl", str(metrics), "--data-dir", str(self.tmp / "data"),
                "--autohet-measure-window", str(self.args.window), "--autohet-adapt", adapt,
                "--save", str(work / "ckpt"), "--save-interval", str(iters)]
+        if stop_after is not None and stop_after < iters:
+            cmd += ["--exit-interval", str(stop_after)]
         self.port += 1
         share = {gpu: self.fleet.cpu_share[p.gpu] for gpu, p in by_gpu.items()}
         if slow_from_start is not None:
@@ -309,7 +319,8 @@ class Fleet:
         started = time.monotonic()
         procs = []
         for p in placements:
-            env = {**emu.rank_env(p, placements[0], self.port), "PYTHONPATH": str(ROOT)}
+            env = {**emu.rank_env(p, placements[0], self.port), "PYTHONPATH": str(ROOT),
+                   OWNER_ENV: f"bench_adapt {name} {os.getpid()}"}
             procs.append(self.cluster.spawn(p, cmd, env, work / f"rank{p.rank}.log"))
             # a whole core while starting up (module doc); the shares from iteration 1 on
             emu.set_share(p.cgroup, 1.0)
@@ -423,8 +434,8 @@ def scenario_b(bench: Fleet, true_plan: Path) -> dict:
     iters = args.straggler_iters
     adapting = bench.train("b-replan-straggler", true_plan, "replan", iters, (gpu, k, k2))
     # without adapting: through the slowed span and a window after the recovery
-    paired = bench.train("b-off-straggler", true_plan, "off", min(iters, k2 + args.window),
-                         (gpu, k, k2))
+    paired = bench.train("b-off-straggler", true_plan, "off", iters, (gpu, k, k2),
+                         stop_after=k2 + args.window)
     slowed_cluster = bench.tmp / "slowed-cluster.yaml"
     data = yaml.safe_load(Path(args.cluster).read_text())
     data["slow_gpus"] = [{"node": node, "local_rank": int(local), "speed": 0.5}]
@@ -485,8 +496,8 @@ def scenario_c(bench: Fleet, true_plan: Path) -> dict:
     pairs = []
     for p in range(args.pairs):
         order = ("off", "log") if p % 2 == 0 else ("log", "off")
-        runs = {mode: bench.train(f"c-{mode}-{p}", true_plan, mode, args.overhead_iters)
-                for mode in order}
+        runs = {mode: bench.train(f"c-{mode}-{p}", true_plan, mode, args.iters,
+                                  stop_after=args.overhead_iters) for mode in order}
         pairs.append({"order": list(order), "overhead": overhead(runs["off"].records,
                                                                  runs["log"].records),
                       "losses_log_vs_off": compare_losses(runs["log"].records,
@@ -633,12 +644,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def rank_worker(argv: list[str]) -> int:
-    """One emulated rank: ``autohet train`` with the emulated catalog as the bundled one (the
-    module doc's hook)."""
+    """One emulated rank: ``autohet train`` with the emulated catalog as the bundled one and
+    the job's checkpoint owner named by the bench (the module doc's hooks)."""
+    from dataclasses import replace
+
+    import megatron_autohet.checkpoint.checkpointer as checkpointer
     import megatron_autohet.spec.gpus as gpus
     from megatron_autohet.cli.main import main as autohet
 
     gpus.DEFAULT_CATALOG = emu.DEFAULT_CATALOG
+    init = checkpointer.Checkpointer.__init__
+
+    def owned(self, options, *args, **kwargs):
+        init(self, replace(options, owner=options.owner or os.environ[OWNER_ENV]), *args,
+             **kwargs)
+    checkpointer.Checkpointer.__init__ = owned
     return autohet(argv)
 
 
