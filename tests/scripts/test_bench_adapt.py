@@ -20,7 +20,7 @@ import bench_adapt as bench  # noqa: E402
 import emulate_cluster as emu  # noqa: E402
 
 from megatron_autohet.plan import load_plan  # noqa: E402
-from megatron_autohet.plan_switch import _Switched  # noqa: E402
+from megatron_autohet.plan_switch import describe_plan  # noqa: E402
 from megatron_autohet.planner.adapt import AdaptDecision  # noqa: E402
 
 PLAN = REPO / "configs" / "plans" / "tiny-two-pipelines.yaml"
@@ -97,10 +97,18 @@ def test_rank_env_names_the_nodes_address_for_a_switchs_store(tmp_path):
 
 @pytest.mark.unit
 def test_switches_and_decisions_are_read_from_the_products_own_lines():
-    """The lines the job prints (plan_switch's switch line, planner/adapt.py's decision line),
-    made by the product's own code, so a changed wording fails here."""
-    plan = load_plan(PLAN)
-    switched = _Switched(plan, plan, 40, 0.0, 1.5, 2.0).line(None)
+    """The lines the job prints: planner/adapt.py's decision line made by its own code (a
+    changed wording fails here), plan_switch's switch line as it printed it in the bench's runs,
+    without and with the switch's parts timed."""
+    plan = describe_plan(load_plan(PLAN))
+    switched = (f"adapt: switched plans after iteration 40: {plan} -> {plan}; state saved in "
+                "2.26 s, recovered 175.0 MiB (local disks 175.0, peers 0.0, S3 0.0); new process "
+                "group 1.56 s, model, optimizer, recovery and iteration 41 7.67 s; 11.50 s from "
+                "the stop to iteration 41 trained")
+    timed = (f"adapt: switched plans after iteration 40: {plan} -> {plan}; state saved in "
+             "2.26 s; new process group 1.56 s, model and optimizer 3.00 s, recovery 1.00 s, "
+             "iteration 41 3.67 s; 11.50 s from the stop to iteration 41 trained; later switches "
+             "priced at 11.50 s plus the state they move across nodes")
     decision = AdaptDecision((31, 40), True, "+9.0% amortised gain held two windows", 1.2, 0.9,
                              0.25, 30.0, 10, 80, 0.09).line()
     keep = AdaptDecision((21, 30), False, "gain seen once: it must hold for a second window",
@@ -108,7 +116,8 @@ def test_switches_and_decisions_are_read_from_the_products_own_lines():
     console = f"noise\n [t] {keep}\n [t] {decision}\n [t] {switched}\n [t] {switched}\n"
     found = bench.switches(console)
     assert [s["iteration"] for s in found] == [40]          # two ranks' copies: one switch
-    assert found[0]["stop_to_trained_s"] >= 0 and "->" in found[0]["plans"]
+    assert found[0]["stop_to_trained_s"] == 11.5 and found[0]["plans"] == f"{plan} -> {plan}"
+    assert bench.switches(timed) == found
     assert bench.decisions(console) == [
         {"window": [21, 30], "switch": False,
          "why": "gain seen once: it must hold for a second window"},
