@@ -83,7 +83,12 @@ class TrainOptions:
     seed: int
     optimizer: OptimizerSettings
     metrics_jsonl: str | None = None
-    data_path: str | None = None
+    # Megatron-LM's dataset flags (data/batches.py DataOptions): --data-path (a prefix or a
+    # blend, cut by --split) or a blend per split; none: the built-in corpus
+    data_path: list[str] | None = None
+    train_data_path: list[str] | None = None
+    valid_data_path: list[str] | None = None
+    test_data_path: list[str] | None = None
     data_dir: str | None = None
     checkpoint: CheckpointOptions = CheckpointOptions()
     exit_interval: int | None = None
@@ -174,6 +179,7 @@ class TrainOptions:
         if self.adapt == "replan":
             self._check_replan(source, flags, no_replan)
         self.optimizer.validate(train_iters=self.iters, source=source)
+        self._check_data(source)
         self.checkpoint.validate(source)
         self.dashboard.validate(source)
         check_scheduler_flags(self.checkpoint,
@@ -186,6 +192,29 @@ class TrainOptions:
             raise ConfigError(source, flags["distributed_timeout_minutes"],
                               f"got {self.distributed_timeout_minutes}", "minutes > 0")
         return self
+
+    def _check_data(self, source: str) -> None:
+        """Megatron-LM's rules for its dataset flags: --data-path or a blend per split, not
+        both; per split, a training blend, no --split, and a validation blend to evaluate on."""
+        per_split = {"--train-data-path": self.train_data_path,
+                     "--valid-data-path": self.valid_data_path,
+                     "--test-data-path": self.test_data_path}
+        given = [flag for flag, paths in per_split.items() if paths]
+        if not given:
+            return
+        if self.data_path:
+            raise ConfigError(source, "--data-path", f"given with {given[0]}",
+                              "--data-path (cut by --split) or --train-data-path, "
+                              "--valid-data-path, --test-data-path, as Megatron-LM")
+        if not self.train_data_path:
+            raise ConfigError(source, given[0], "given without --train-data-path",
+                              "--train-data-path with it (the blend this job trains on)")
+        if self.split is not None:
+            raise ConfigError(source, "--split", "given with --train-data-path",
+                              "no --split: each split is its own blend, as in Megatron-LM")
+        if self.eval_interval is not None and not self.valid_data_path:
+            raise ConfigError(source, "--eval-interval", "given with --train-data-path and no "
+                              "--valid-data-path", "--valid-data-path: the blend to evaluate on")
 
     def _check_replan(self, source: str, flags: dict, no_replan: str | None) -> None:
         """Where ``--autohet-adapt replan`` is refused, in one line (validate's doc)."""
@@ -204,6 +233,9 @@ class TrainOptions:
                               "resumes from it", "--save DIR or --autohet-local-ckpt-dir DIR "
                               "(with --save-interval), or log")
 
+            "train_data_path": options.train_data_path,
+            "valid_data_path": options.valid_data_path,
+            "test_data_path": options.test_data_path,
 
 def train_args(options: TrainOptions) -> dict:
     """The arguments a checkpoint records (plain values; ``autohet checkpoint ls`` shows them)."""
@@ -416,7 +448,9 @@ def train_job(plan: Plan, plan_label: str, model: ModelSpec, options: TrainOptio
                                               options.eval_iters)
     data = DataOptions(seq_length=plan.seq_length, global_batch_size=plan.global_batch_size,
                        num_iterations=options.iters, seed=options.seed,
-                       data_path=options.data_path, data_dir=options.data_dir,
+                       data_path=options.data_path, train_data_path=options.train_data_path,
+                       valid_data_path=options.valid_data_path,
+                       test_data_path=options.test_data_path, data_dir=options.data_dir,
                        split=default_split(options.split, valid_batches > 0),
                        valid_batches=valid_batches)
     batches, valid = open_global_batches(data, model.vocab_size, local_rank)

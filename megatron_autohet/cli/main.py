@@ -38,11 +38,17 @@ def main(argv: list[str] | None = None) -> int:
     # every rank (torchrun's workers run this main too).
     ignore_known_warnings()
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown and not getattr(args, "refuse_unknown", None):
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
     try:
+        if unknown:
+            # a sub-command that says what its unknown arguments are (train: Megatron-LM's
+            # flags with what to use instead), in its own one line
+            args.refuse_unknown(unknown)
         status = int(args.func(args) or 0)
     except ConfigError as exc:
         print(f"autohet {args.command}: error: {exc}", file=sys.stderr)

@@ -21,6 +21,9 @@ from megatron_autohet.checkpoint.manifest import (MODEL_FIELDS, committed_steps,
 from megatron_autohet.checkpoint.options import CheckpointOptions, tier_fields, tier_flags
 from megatron_autohet.cli._common import (FUSION_FLAGS, check_activation_fusion_flag,
                                           requested_fusions)
+from megatron_autohet.cli.megatron_flags import refuse_unknown
+from megatron_autohet.data.indexed import check_datasets
+from megatron_autohet.data.vocabulary import TokenizerFlags, check_vocabulary
 from megatron_autohet.errors import ConfigError
 from megatron_autohet.job import (ElasticOptions, TrainOptions, job_precision, measure_fields,
                                   measure_flags)
@@ -37,6 +40,11 @@ from megatron_autohet.runtime.optimizer import (LR_DECAY_STYLES, SCHEDULE_CHOICE
 # (dest, option string, default) of every option but --plan/--model: a rank that reads its
 # options from --job-file takes no other (it would be ignored).
 _OPTIONS: list[tuple[str, str, object]] = []
+DEFAULT_ITERS = 10
+# The most ranks one machine runs as CPU processes when it has no GPU for each (the local-8
+# cluster's plans, the most the quick start and the tests train on one machine): a plan of more
+# is a fleet's, to be started on its nodes.
+MAX_CPU_RANKS = 8
 
 
 def register(subparsers) -> None:
@@ -46,7 +54,21 @@ def register(subparsers) -> None:
     opts = [
         (("--plan",), dict(required=True, help="plan YAML (from `autohet plan`)")),
         (("--model",), dict(required=True, help="model YAML the plan was made for")),
-        (("--iters",), dict(type=int, default=10, help="training iterations (default 10)")),
+        (("--train-iters",), dict(type=int, default=None,
+                                  help=f"training iterations, as Megatron-LM's flag (default "
+                                       f"{DEFAULT_ITERS})")),
+        (("--iters",), dict(type=int, default=None,
+                            help="the same as --train-iters (its older name here)")),
+        (("--log-interval",), dict(type=int, default=1,
+                                   help="print the iteration line after every N iterations, as "
+                                        "Megatron-LM (default 1; --metrics-jsonl gets every one)")),
+        # The plan decides the batch; Megatron-LM's flags are accepted when they say the same.
+        (("--micro-batch-size",), dict(type=int, default=None,
+                                       help="accepted when equal to the plan's micro_batch_size "
+                                            "(the plan decides it)")),
+        (("--global-batch-size",), dict(type=int, default=None,
+                                        help="accepted when equal to the plan's "
+                                             "global_batch_size (the plan decides it)")),
         (("--seed",), dict(type=int, default=1234,
                            help="seed of the initial weights and the data shuffle (default 1234)")),
         # Optimizer and schedule: Megatron-LM's flag names and defaults (runtime/optimizer.py).
@@ -57,6 +79,10 @@ def register(subparsers) -> None:
         (("--lr-warmup-iters",), dict(type=int, default=0,
                                       help="iterations of linear warm-up from 0 to --lr "
                                            "(default 0)")),
+        (("--lr-warmup-fraction",), dict(type=float, default=None,
+                                         help="the warm-up as a fraction of --lr-decay-iters "
+                                              "(default: of the training iterations), as "
+                                              "Megatron-LM; not with --lr-warmup-iters")),
         (("--lr-decay-iters",), dict(type=int, default=None,
                                      help="iterations over which the learning rate decays to "
                                           "--min-lr, warm-up included (default: --iters)")),
@@ -77,11 +103,6 @@ def register(subparsers) -> None:
                  "parameter (reduce-scatter of gradients, all-gather of weights), as "
                  "Megatron-LM's flag; a plan made with it (`autohet plan "
                  "--use-distributed-optimizer`) always trains with it")),
-        (("--overlap-grad-reduce",), dict(
-            action="store_true",
-            help="start each gradient bucket's sync during the last micro-batch's backward, as "
-                 "soon as its gradients are final, as Megatron-LM's flag (default off); a plan "
-                 "with overlap_grad_reduce always trains with it")),
         # Megatron-LM's precision flags (spec/precision.py, runtime/mixed_precision.py).
         (("--bf16",), dict(action="store_true",
                            help="bf16 mixed precision as Megatron-LM's --bf16: bf16 weights and "
@@ -106,14 +127,39 @@ def register(subparsers) -> None:
                                     help="also write one JSON object per iteration to this file")),
         *dashboard_flags(),
         *measure_flags(),
-        (("--data-path",), dict(default=None,
-                                help="prefix of a megatron indexed dataset (PREFIX.bin/.idx, "
-                                     "token ids < the model's vocab_size, EOD = 0); default: the "
-                                     "built-in corpus (Python standard-library docstrings, "
-                                     "byte-level tokens)")),
+        (("--data-path",), dict(nargs="+", default=None, metavar="[WEIGHT] PREFIX",
+                                help="megatron indexed datasets (PREFIX.bin/.idx, token ids < "
+                                     "the model's vocab_size, EOD = 0), as Megatron-LM's flag: "
+                                     "one prefix, prefixes, or weights and prefixes alternating "
+                                     "(0.5 A 0.5 B), blended by megatron-core and cut by "
+                                     "--split; default: the built-in corpus (Python "
+                                     "standard-library docstrings, byte-level tokens)")),
+        *[((f"--{split}-data-path",), dict(nargs="+", default=None, metavar="[WEIGHT] PREFIX",
+                                          help=f"the {split} split's own blend, as "
+                                               "Megatron-LM's flag (instead of --data-path and "
+                                               "--split)"))
+          for split in ("train", "valid", "test")],
         (("--split",), dict(default=None,
                              help="Megatron-LM's --split: train,valid,test proportions of the "
                                   "documents (default 100,0,0; 969,30,1 with --eval-interval)")),
+        # Megatron-LM's tokenizer flags: the data is tokenized already, they are checked
+        # against the model file's vocabulary (data/vocabulary.py).
+        (("--tokenizer-type",), dict(default=None, help="the tokenizer the data was written "
+                                                        "with; its vocabulary (megatron-core "
+                                                        "builds it) must be the model file's "
+                                                        "vocab_size")),
+        (("--vocab-file",), dict(default=None, help="with --tokenizer-type GPT2BPETokenizer")),
+        (("--merge-file",), dict(default=None, help="with --tokenizer-type GPT2BPETokenizer")),
+        (("--tokenizer-model",), dict(default=None,
+                                      help="with the SentencePiece, HuggingFace and TikToken "
+                                           "tokenizer types")),
+        (("--vocab-size",), dict(type=int, default=None,
+                                 help="with --tokenizer-type NullTokenizer: the vocabulary "
+                                      "before the EOD (the model file's vocab_size - 1)")),
+        (("--make-vocab-size-divisible-by",), dict(
+            type=int, default=None,
+            help="accepted when it pads the vocabulary as the runtime does (to a multiple of "
+                 "128 x TP, Megatron-LM's default)")),
         (("--eval-interval",), dict(type=int, default=None,
                                     help="evaluate on the validation split after every N "
                                          "iterations, as Megatron-LM (default: never)")),
@@ -200,7 +246,8 @@ def register(subparsers) -> None:
             _OPTIONS.append((action.dest, flags[0], action.default))
     # Internal: how launch_local's ranks get the job's options, as data (job.TrainOptions.write).
     p.add_argument("--job-file", default=None, help=argparse.SUPPRESS)
-    p.set_defaults(func=run)
+    # cli/main.py hands the arguments this parser did not take to refuse_unknown
+    p.set_defaults(func=run, refuse_unknown=refuse_unknown)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -214,24 +261,87 @@ def run(args: argparse.Namespace) -> int:
         return run_elastic(plan, model, options)
     env = DistEnv.from_environ()
     if env is None:
-        return launch_local(plan, args.plan, args.model, options,
-                            gpus_available=_gpu_count())
+        gpus = _gpu_count()
+        check_runs_here(plan, args.plan, gpus)
+        return launch_local(plan, args.plan, args.model, options, gpus_available=gpus)
     return run_worker(plan, args.plan, model, options, env)
+
+
+def check_runs_here(plan, plan_file: str, gpus: int) -> None:
+    """The plan's ranks can run on this one machine (launch.launch_local): one node's plan on a
+    GPU each, or at most :data:`MAX_CPU_RANKS` ranks on the CPU (a plan of emulated nodes, as
+    the local-N clusters'); else one ConfigError naming the plan's nodes and how to start it on
+    them."""
+    nodes: dict[str, int] = {}
+    for rank in plan.ranks:
+        nodes[rank.node] = nodes.get(rank.node, 0) + 1
+    on_gpus = gpus >= plan.world_size
+    if (on_gpus and len(nodes) == 1) or (not on_gpus and plan.world_size <= MAX_CPU_RANKS):
+        return
+    listed = ", ".join(f"{node} ({count} GPUs)" for node, count in nodes.items())
+    here = (f"this machine has {gpus} GPUs and is one node" if on_gpus else
+            f"this machine has {gpus} GPUs and runs at most {MAX_CPU_RANKS} ranks on its CPU")
+    raise ConfigError(plan_file, "ranks", f"the plan's {plan.world_size} ranks are on "
+                      f"{len(nodes)} nodes: {listed}; {here}",
+                      "the same command on each of the plan's nodes, in its node order: "
+                      f"torchrun --nnodes {len(nodes)} --node-rank K --nproc-per-node (that "
+                      "node's GPUs) --master-addr HOST --master-port PORT -m "
+                      "megatron_autohet.cli.main train ..., or an elastic job: `autohet node` "
+                      "on each node")
 
 
 def checked_job(args: argparse.Namespace):
     """(options, plan, model) of the flags, every value checked: the one validation of a job's
     flags, before any process starts (the launcher's ranks and `autohet node`'s workers read the
     options it returns from a job file)."""
-    options = train_options(args).validate()
+    options = train_options(args).validate(flags={"iters": iters_flag(args)})
     check_elastic(args, options.checkpoint)
     plan, model = load_job(args.plan, args.model)
     check_activation_fusion_flag(args, model)
+    check_batch_flags(args, plan, args.plan)
+    check_vocabulary(tokenizer_flags(args), model, args.model,
+                     {s.tp for p in plan.pipelines for s in p.stages})
+    check_datasets(options, model.vocab_size)
     if not args.elastic:
-        check_resume(options.checkpoint, plan, options.optimizer, args.iters, args.model)
+        check_resume(options.checkpoint, plan, options.optimizer, options.iters, args.model)
     if job_precision(options)[0].name == "bf16":
         check_bf16_support(plan, load_gpu_catalog(), args.plan)
     return options, plan, model
+
+
+def iters_flag(args: argparse.Namespace) -> str:
+    """The iteration flag given (what a message about the count names)."""
+    return "--iters" if args.iters is not None and args.train_iters is None else "--train-iters"
+
+
+def train_iters(args: argparse.Namespace) -> int:
+    """--train-iters, or its older name --iters; both given must agree."""
+    if None not in (args.iters, args.train_iters) and args.iters != args.train_iters:
+        raise ConfigError("<command line>", "--iters", f"{args.iters}, but --train-iters "
+                          f"{args.train_iters}", "one of them (--iters is --train-iters' older "
+                          "name)")
+    return next((n for n in (args.train_iters, args.iters) if n is not None), DEFAULT_ITERS)
+
+
+def check_batch_flags(args: argparse.Namespace, plan, plan_file: str) -> None:
+    """Megatron-LM's batch flags say what the plan says, or are not given (the plan decides
+    the batch: its micro-batches are split over pipelines of different shapes)."""
+    for flag, given, planned in (("--micro-batch-size", args.micro_batch_size,
+                                  plan.micro_batch_size),
+                                 ("--global-batch-size", args.global_batch_size,
+                                  plan.global_batch_size)):
+        if given is not None and given != planned:
+            field = flag[2:].replace("-", "_")
+            raise ConfigError("<command line>", flag, f"{given}, but the plan {plan_file} has "
+                              f"{field} {planned}", f"{planned} or not set (the plan decides "
+                              f"it: `autohet plan --{field.replace('_', '-')}`)")
+
+
+def tokenizer_flags(args: argparse.Namespace) -> TokenizerFlags:
+    return TokenizerFlags(tokenizer_type=args.tokenizer_type, vocab_file=args.vocab_file,
+                          merge_file=args.merge_file, tokenizer_model=args.tokenizer_model,
+                          vocab_size=args.vocab_size,
+                          make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
 
 
 def run_elastic(plan, model, options: TrainOptions) -> int:
@@ -302,7 +412,9 @@ def node_job(train_args: list[str]) -> NodeJob:
                           "-- followed by `autohet train` arguments (--plan, --model, ...)")
     parser = _TrainArgsParser(prog="autohet node ... --", add_help=False)
     register(parser.add_subparsers())
-    args = parser.parse_args(["train", *train_args, "--elastic"])
+    args, unknown = parser.parse_known_args(["train", *train_args, "--elastic"])
+    if unknown:
+        refuse_unknown(unknown)
     if args.job_file is not None:
         raise ConfigError("<command line>", "--job-file", "given after --",
                           "the `autohet train` flags but --job-file (autohet node writes it)")
@@ -316,15 +428,17 @@ def train_options(args: argparse.Namespace) -> TrainOptions:
     place that checks them); the precision flags are read here (--fp16 is refused)."""
     elastic = (ElasticOptions(cluster=args.cluster, notice_file=args.autohet_notice_file,
                               events_jsonl=args.autohet_events_jsonl) if args.elastic else None)
-    return TrainOptions(iters=args.iters, seed=args.seed, optimizer=optimizer_settings(args),
-                        metrics_jsonl=args.metrics_jsonl, data_path=args.data_path,
+    return TrainOptions(iters=train_iters(args), seed=args.seed,
+                        optimizer=optimizer_settings(args), metrics_jsonl=args.metrics_jsonl,
+                        data_path=args.data_path, train_data_path=args.train_data_path,
+                        valid_data_path=args.valid_data_path,
+                        test_data_path=args.test_data_path, log_interval=args.log_interval,
                         data_dir=args.data_dir, checkpoint=checkpoint_options(args),
                         exit_interval=args.exit_interval,
                         exit_signal_handler=args.exit_signal_handler,
                         distributed_timeout_minutes=args.distributed_timeout_minutes,
                         eval_interval=args.eval_interval, eval_iters=args.eval_iters,
                         split=args.split, distributed_optimizer=args.use_distributed_optimizer,
-                        overlap_grad_reduce=args.overlap_grad_reduce,
                         precision=check_precision(args), hidden_dropout=args.hidden_dropout,
                         attention_dropout=args.attention_dropout,
                         **requested_fusions(args), **measure_fields(args),
@@ -373,6 +487,7 @@ def optimizer_settings(args: argparse.Namespace) -> OptimizerSettings:
         lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
         adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
         clip_grad=args.clip_grad, lr_warmup_iters=args.lr_warmup_iters,
+        lr_warmup_fraction=args.lr_warmup_fraction,
         lr_decay_iters=args.lr_decay_iters, lr_decay_style=args.lr_decay_style,
         override_opt_param_scheduler=args.override_opt_param_scheduler,
         use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler)
@@ -400,12 +515,28 @@ def check_resume(checkpoint: CheckpointOptions, plan, optimizer: OptimizerSettin
     schedule is not loaded (--finetune, --no-load-optim). A ``--ckpt-step`` not committed here
     is refused unless the S3 tier may hold it (the ranks check that again); so is a --load whose
     every step has an unreadable manifest (one with a readable older step resumes that one, and
-    recovery says so)."""
+    recovery says so). A --load directory that does not exist is refused unless the job saves
+    there (its first run); with --exit-on-missing-checkpoint, a --load without a committed step
+    here (nor where the job saves: recovery reads there too) is refused now, unless the S3 tier
+    may hold one (the ranks decide then)."""
     if not checkpoint.load:
         return
     roots = existing_dirs(checkpoint.load)
+    saves_there = checkpoint.load in (checkpoint.save, checkpoint.local_dir)
+    if not roots and not saves_there and checkpoint.s3_uri is None:
+        raise ConfigError("<command line>", "--load", f"{checkpoint.load} does not exist",
+                          "a checkpoint directory, or the directory this job saves to (a "
+                          "first run starts from scratch there)")
     steps = sorted(((it, root / step_dir_name(it)) for root in roots
                     for it in committed_steps(root)), reverse=True)
+    if checkpoint.exit_on_missing_checkpoint and checkpoint.s3_uri is None:
+        saved = [root for location in (checkpoint.save, checkpoint.local_dir) if location
+                 for root in existing_dirs(location) if committed_steps(root)]
+        if not steps and not saved:
+            # the line the ranks' recovery would print (checkpoint/checkpointer.py)
+            raise ConfigError("<command line>", "--load",
+                              f"no complete checkpoint in {checkpoint.load}",
+                              "a directory holding one, as --exit-on-missing-checkpoint is set")
     if checkpoint.ckpt_step is not None:
         chosen = [(it, step) for it, step in steps if it == checkpoint.ckpt_step]
         if not chosen:

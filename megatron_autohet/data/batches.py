@@ -25,6 +25,13 @@ the directory and the ranks, where megatron would fail on each such rank with a 
 Building the indices per node instead would take megatron-core's builder apart (its rank-0 rule
 is global), so the shared directory it expects is what is asked for.
 
+The data is the built-in corpus, or Megatron-LM's dataset flags: ``--data-path`` (one prefix, or
+a blend of prefixes with or without weights, ``0.5 A 0.5 B``, cut into the splits by
+``--split``) or ``--train-data-path`` / ``--valid-data-path`` / ``--test-data-path`` (a blend per
+split, no ``--split``). megatron-core reads them as the builder's ``blend`` and
+``blend_per_split`` (data/indexed.py ``blend_of``) and blends them itself: a blend's samples come
+from a ``BlendedDataset`` over one GPTDataset per prefix, as in Megatron-LM.
+
 Validation (``--eval-interval``/``--eval-iters``): the builder's ``split`` (Megatron-LM's
 ``--split`` string, "train,valid,test" proportions of the documents) carves a validation dataset
 out of the same files, read in global batches like the training one (:func:`build_splits`).
@@ -42,6 +49,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_autohet.data.corpus import build_corpus, byte_tokenizer, default_data_dir
+from megatron_autohet.data.indexed import blend_of
 from megatron_autohet.errors import ConfigError, JobConfigError
 
 # The global-batch contract's keys, defined here where the batches are made (data is upstream of
@@ -65,10 +73,33 @@ class DataOptions:
     global_batch_size: int
     num_iterations: int
     seed: int = 1234
-    data_path: str | None = None          # indexed dataset prefix; None = the built-in corpus
+    # Megatron-LM's --data-path values (a prefix, or a blend); None and no per-split paths: the
+    # built-in corpus
+    data_path: list[str] | None = None
+    train_data_path: list[str] | None = None   # --train-data-path / --valid-data-path /
+    valid_data_path: list[str] | None = None   # --test-data-path: a blend per split
+    test_data_path: list[str] | None = None
     data_dir: str | None = None           # cache of the built-in corpus and the sample indices
     split: str = TRAIN_ONLY_SPLIT         # Megatron-LM's --split: train,valid,test proportions
     valid_batches: int = 0                # validation global batches to build (0: none)
+
+    @property
+    def per_split(self) -> bool:
+        """Whether the splits are datasets of their own (--train-data-path, ...)."""
+        return any((self.train_data_path, self.valid_data_path, self.test_data_path))
+
+    @property
+    def user_data(self) -> bool:
+        return self.data_path is not None or self.per_split
+
+    def describe(self) -> str:
+        """The data as the flags named it (what a bad token id's line names)."""
+        if self.per_split:
+            return " ".join(f"{flag} {' '.join(paths)}" for flag, paths in (
+                ("--train-data-path", self.train_data_path),
+                ("--valid-data-path", self.valid_data_path),
+                ("--test-data-path", self.test_data_path)) if paths)
+        return " ".join(self.data_path) if self.data_path else "the built-in corpus"
 
 
 class GlobalBatches:
@@ -81,11 +112,11 @@ class GlobalBatches:
     an index error inside the embedding.
     """
 
-    def __init__(self, dataset, global_batch_size: int, vocab_size: int, data_path: Path):
+    def __init__(self, dataset, global_batch_size: int, vocab_size: int, data_path: str):
         self.dataset = dataset
         self.global_batch_size = global_batch_size
         self.vocab_size = vocab_size
-        self.data_path = data_path
+        self.data_path = data_path          # the data as the flags named it
 
     def __len__(self) -> int:
         return len(self.dataset) // self.global_batch_size
@@ -147,16 +178,12 @@ def microbatches(global_batch, micro_batch_size: int, first: int, count: int) ->
             for i in range(first, first + count)]
 
 
-def resolve_data_path(options: DataOptions) -> Path:
-    """The indexed dataset to read: the user's ``--data-path``, or the built-in corpus."""
-    if options.data_path is None:
-        return build_corpus(options.data_dir)
-    prefix = Path(options.data_path)
-    for suffix in (".bin", ".idx"):
-        if not prefix.with_suffix(suffix).is_file():
-            raise ConfigError(None, "--data-path", f"{prefix.with_suffix(suffix)} not found",
-                              "the prefix of a megatron indexed dataset (PREFIX.bin + PREFIX.idx)")
-    return prefix
+def resolve_data_path(options: DataOptions) -> Path | None:
+    """The built-in corpus's prefix, built if needed; None with the user's data (checked where
+    the job starts: data/indexed.py)."""
+    if options.user_data:
+        return None
+    return build_corpus(options.data_dir)
 
 
 def index_cache_dir(options: DataOptions) -> Path:
@@ -231,12 +258,23 @@ def build_splits(options: DataOptions,
         BlendedMegatronDatasetBuilder)
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
-    prefix = resolve_data_path(options)
+    corpus = resolve_data_path(options)
+    if corpus is not None:
+        blend, blend_per_split, split = ([str(corpus)], None), None, options.split
+    elif options.per_split:
+        blend, split = None, None
+        blend_per_split = [blend_of(options.train_data_path, "--train-data-path"),
+                           blend_of(options.valid_data_path, "--valid-data-path"),
+                           blend_of(options.test_data_path, "--test-data-path")]
+    else:
+        blend, blend_per_split = blend_of(options.data_path, "--data-path"), None
+        split = options.split
     config = GPTDatasetConfig(
         random_seed=options.seed,
         sequence_length=options.seq_length,
-        blend=([str(prefix)], None),
-        split=options.split,
+        blend=blend,
+        blend_per_split=blend_per_split,
+        split=split,
         path_to_cache=str(index_cache_dir(options)),
         tokenizer=byte_tokenizer(vocab_size),
         reset_position_ids=False,
@@ -245,21 +283,26 @@ def build_splits(options: DataOptions,
         create_attention_mask=False,    # GPTModel applies the causal mask itself
     )
     num_samples = options.num_iterations * options.global_batch_size
-    valid_samples = options.valid_batches * options.global_batch_size or None
+    # A split not read: no size (its whole documents, if any, are indexed), but a weighted blend
+    # needs one (megatron-core asserts it): none of its samples then
+    weighted = any(b is not None and b[1] is not None for b in [blend, *(blend_per_split or [])])
+    unread = 0 if weighted else None
+    valid_samples = options.valid_batches * options.global_batch_size or unread
     try:
         train, valid, _ = BlendedMegatronDatasetBuilder(
-            GPTDataset, [num_samples, valid_samples, None], lambda: True, config).build()
+            GPTDataset, [num_samples, valid_samples, unread], lambda: True, config).build()
     except (AssertionError, ValueError) as err:     # megatron's checks of the split string
         raise ConfigError(None, "--split", f"{options.split!r}: {err}",
                           "three comma-separated proportions train,valid,test") from None
+    described = str(corpus) if corpus is not None else options.describe()
     if train is None:
         raise ConfigError(None, "--split", f"{options.split!r} leaves no training documents",
                           "a split with a non-zero training share")
     if not options.valid_batches:
-        return GlobalBatches(train, options.global_batch_size, vocab_size, prefix), None
+        return GlobalBatches(train, options.global_batch_size, vocab_size, described), None
     if valid is None:
         raise ConfigError(None, "--split", f"{options.split!r} leaves no validation documents "
                           "for --eval-iters", "a split with a non-zero validation share, e.g. "
                           f"{EVAL_SPLIT}")
-    return (GlobalBatches(train, options.global_batch_size, vocab_size, prefix),
-            GlobalBatches(valid, options.global_batch_size, vocab_size, prefix))
+    return (GlobalBatches(train, options.global_batch_size, vocab_size, described),
+            GlobalBatches(valid, options.global_batch_size, vocab_size, described))

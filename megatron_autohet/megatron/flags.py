@@ -117,7 +117,11 @@ FLAGS: dict[str, FlagRule] = {
     "--seed": FlagRule(RUNTIME, "initial weights, data shuffle, dropout streams"),
     "--hidden-dropout": FlagRule(RUNTIME, "dropout of the hidden states, a probability in [0, 1)"),
     "--attention-dropout": FlagRule(RUNTIME, "dropout of the attention weights, in [0, 1)"),
-    "--data-path": FlagRule(RUNTIME, "one indexed-dataset prefix read by every rank"),
+    "--data-path": FlagRule(RUNTIME, "indexed-dataset prefixes, a weighted blend of them, "
+                                     "blended by megatron-core"),
+    "--train-data-path": FlagRule(RUNTIME, "the training split's own blend"),
+    "--valid-data-path": FlagRule(RUNTIME, "the validation split's own blend"),
+    "--test-data-path": FlagRule(RUNTIME, "the test split's own blend"),
     "--split": FlagRule(RUNTIME, "train/validation documents of --data-path or the built-in "
                                  "corpus"),
     "--eval-interval": FlagRule(RUNTIME, "forward-only validation every N iterations"),

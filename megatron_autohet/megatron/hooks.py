@@ -62,6 +62,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from megatron_autohet.checkpoint.options import CheckpointOptions, tier_fields
+from megatron_autohet.data.indexed import check_datasets
 from megatron_autohet.errors import ConfigError
 from megatron_autohet.job import TrainOptions, measure_fields, train_job
 from megatron_autohet.launch import signal_stop_check
@@ -249,9 +250,6 @@ def check_megatron_args(args, plan: Plan, plan_path: str | Path,
                           "an iteration count (--train-samples is not supported with a plan)")
     if args.lr is None:
         raise ConfigError(plan_path, "--lr", "missing", "a peak learning rate > 0")
-    if args.data_path and len(args.data_path) != 1:
-        raise ConfigError(plan_path, "--data-path", f"got {args.data_path}",
-                          "one indexed-dataset prefix (blends are not supported with a plan)")
 
 
 # What the plan's activation_recompute means in megatron-core's TransformerConfig
@@ -307,7 +305,10 @@ def train_options(args, plan_path: str | Path) -> TrainOptions:
         use_checkpoint_opt_param_scheduler=bool(args.use_checkpoint_opt_param_scheduler))
     return TrainOptions(
         iters=args.train_iters, seed=args.seed, optimizer=optimizer,
-        metrics_jsonl=args.autohet_metrics_jsonl, data_path=_data_path(args),
+        metrics_jsonl=args.autohet_metrics_jsonl, data_path=args.data_path or None,
+        train_data_path=args.train_data_path or None,
+        valid_data_path=args.valid_data_path or None,
+        test_data_path=args.test_data_path or None,
         data_dir=args.autohet_data_dir, checkpoint=checkpoint, exit_interval=args.exit_interval,
         exit_signal_handler=bool(args.exit_signal_handler),
         distributed_timeout_minutes=args.distributed_timeout_minutes,
@@ -331,14 +332,10 @@ def train_options(args, plan_path: str | Path) -> TrainOptions:
                          "owns the iterations (autohet train switches plans)")
 
 
-def _data_path(args) -> str | None:
-    return args.data_path[0] if args.data_path else None
-
-
 def recorded_args(args) -> dict:
     """What a checkpoint records of the job (plain values; ``autohet checkpoint ls`` shows them):
     Megatron's schedule flags, which its scheduler reads, rather than the options'."""
-    return {"train_iters": args.train_iters, "seed": args.seed, "data_path": _data_path(args),
+    return {"train_iters": args.train_iters, "seed": args.seed, "data_path": args.data_path,
             "lr": args.lr, "min_lr": args.min_lr, "lr_decay_style": args.lr_decay_style,
             "lr_warmup_iters": args.lr_warmup_iters, "lr_decay_iters": args.lr_decay_iters,
             "weight_decay": args.weight_decay}
@@ -372,6 +369,7 @@ def pretrain_from_plan(args) -> None:
         plan = load_plan(plan_path)
         check_megatron_args(args, plan, plan_path, tokenizer_vocab_size=get_tokenizer().vocab_size)
         options = train_options(args, plan_path)
+        check_datasets(options, plan.model.vocab_size)
     except ConfigError as err:
         stop_job(err)
     # Megatron's homogeneous groups are replaced by the plan's (build_parallel_state installs

@@ -5,7 +5,8 @@ Public API
 ``OptimizerSettings``
     Every knob, named and defaulted as Megatron-LM's flags (``--lr``, ``--min-lr``,
     ``--weight-decay`` 0.01, ``--adam-beta1/2``, ``--adam-eps``, ``--clip-grad`` 1.0,
-    ``--lr-warmup-iters``, ``--lr-decay-iters``, ``--lr-decay-style`` linear).
+    ``--lr-warmup-iters`` or ``--lr-warmup-fraction``, ``--lr-decay-iters``,
+    ``--lr-decay-style`` linear).
     ``validate(train_iters=None, source=None)`` raises :class:`ConfigError` naming the flag.
 ``applies_weight_decay(layout) -> bool``
     Megatron-core's no-decay rule on a parameter's GLOBAL identity.
@@ -23,7 +24,8 @@ Public API
     The ``step`` state tensor of ``param`` as a torch AdamW with ``options`` (its ``defaults``)
     keeps it (on the parameter's device for the fused kernel): what a checkpoint load writes.
 ``schedule_fields(settings, train_iters, global_batch_size) -> dict``, ``SCHEDULE_FLAGS``
-    The scheduler's fields (counted in samples) and the flag that sets each (torch-free).
+    The scheduler's fields (counted in samples) and the flag that sets each (torch-free);
+    ``warmup_steps`` the warm-up's samples, as Megatron-LM computes them.
 ``schedule_mismatch(wanted, saved)``, ``SCHEDULE_CHOICE``
     The first field where a checkpoint's schedule differs from this run's (what a resume refuses
     unless ``--override-opt-param-scheduler`` or ``--use-checkpoint-opt-param-scheduler``).
@@ -105,6 +107,9 @@ class OptimizerSettings:
     adam_eps: float = 1e-8
     clip_grad: float = 1.0                    # 0: no clipping
     lr_warmup_iters: int = 0
+    # Megatron-LM's --lr-warmup-fraction: the warm-up as a fraction of the decay (in samples,
+    # not rounded to iterations); None: --lr-warmup-iters
+    lr_warmup_fraction: float | None = None
     lr_decay_iters: int | None = None         # None: decay over the whole run (train_iters)
     lr_decay_style: str = "linear"
     # What a resume does with a checkpoint whose schedule differs (Megatron-LM's flags, the
@@ -145,6 +150,14 @@ class OptimizerSettings:
             bad("--lr-decay-style", self.lr_decay_style, ", ".join(LR_DECAY_STYLES))
         if self.lr_warmup_iters < 0:
             bad("--lr-warmup-iters", self.lr_warmup_iters, ">= 0")
+        if self.lr_warmup_fraction is not None:
+            if self.lr_warmup_iters:
+                # Megatron-LM's validate_args asserts the same
+                raise ConfigError(source, "--lr-warmup-fraction", "given with --lr-warmup-iters",
+                                  "one of them, as in Megatron-LM")
+            if not 0 <= self.lr_warmup_fraction < 1:
+                bad("--lr-warmup-fraction", self.lr_warmup_fraction,
+                    "a fraction of the decay iterations in [0, 1)")
         if self.lr_decay_iters is not None and self.lr_decay_iters <= 0:
             bad("--lr-decay-iters", self.lr_decay_iters, "> 0")
         if train_iters is not None and self.lr_warmup_iters >= self.decay_iters(train_iters):
@@ -217,11 +230,19 @@ def schedule_fields(settings: OptimizerSettings, train_iters: int,
     if global_batch_size < 1:
         raise ValueError(f"global_batch_size must be >= 1, got {global_batch_size}")
     return {"max_lr": settings.lr, "min_lr": settings.min_lr,
-            "lr_warmup_steps": settings.lr_warmup_iters * global_batch_size,
+            "lr_warmup_steps": warmup_steps(settings, train_iters, global_batch_size),
             "lr_decay_steps": settings.decay_iters(train_iters) * global_batch_size,
             "lr_decay_style": settings.lr_decay_style, "start_wd": settings.weight_decay,
             "end_wd": settings.weight_decay, "wd_incr_steps": train_iters * global_batch_size,
             "wd_incr_style": "constant"}
+
+
+def warmup_steps(settings: OptimizerSettings, train_iters: int, global_batch_size: int) -> float:
+    """The warm-up in samples, as Megatron-LM's get_optimizer_param_scheduler computes it:
+    --lr-warmup-fraction of the decay samples, else --lr-warmup-iters global batches."""
+    if settings.lr_warmup_fraction is not None:
+        return settings.lr_warmup_fraction * settings.decay_iters(train_iters) * global_batch_size
+    return settings.lr_warmup_iters * global_batch_size
 
 
 # The flag that sets each scheduler field (what a mismatch on resume names), in the order

@@ -48,8 +48,9 @@ def test_the_workers_get_the_checked_options_as_a_job_file(tmp_path):
 
 @pytest.mark.parametrize("train_args,message", [
     (["--iters", "0"], "field '--iters': got 0"),
-    (["--bogus", "1"], "field '-- (the `autohet train` arguments)': unrecognized arguments: "
-                       "--bogus 1"),
+    (["--bogus", "1"], "field '--bogus': not a flag of autohet train"),
+    (["--num-layers", "4"], "field '--num-layers': a Megatron-LM flag autohet train does not "
+                            "take (allowed: the model file's num_layers)"),
     (["--lr-decay-style", "steps"], "argument --lr-decay-style: invalid choice: 'steps'"),
     (["--ckpt-step", "4"], "field '--ckpt-step': given with --elastic"),
     (["--job-file", "x.json"], "field '--job-file': given after --"),

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from megatron_autohet.data.batches import BATCH_KEYS, DataOptions, build_global_batches
+from megatron_autohet.data.indexed import check_prefixes
 from megatron_autohet.data.corpus import (build_corpus, byte_tokenizer, corpus_prefix,
                                           stdlib_documents)
 from megatron_autohet.errors import ConfigError
@@ -44,7 +45,7 @@ def test_corpus_is_cached_and_deterministic(corpus, tmp_path):
 @pytest.mark.integration
 def test_global_batches_deterministic_and_identical_across_opens(corpus, tmp_path):
     options = DataOptions(seq_length=32, global_batch_size=6, num_iterations=4, seed=7,
-                          data_path=str(corpus), data_dir=str(tmp_path))
+                          data_path=[str(corpus)], data_dir=str(tmp_path))
     first = build_global_batches(options, vocab_size=512)
     second = build_global_batches(options, vocab_size=512)     # as another rank would
     assert len(first) >= 4
@@ -67,8 +68,7 @@ def test_global_batches_deterministic_and_identical_across_opens(corpus, tmp_pat
 @pytest.mark.unit
 def test_bad_data_path_and_vocab_are_config_errors(corpus, tmp_path):
     with pytest.raises(ConfigError, match="--data-path.*not found"):
-        build_global_batches(DataOptions(32, 4, 1, data_path=str(tmp_path / "nope"),
-                                         data_dir=str(tmp_path)), 512)
+        check_prefixes([str(tmp_path / "nope")], "--data-path", 512)
     with pytest.raises(ConfigError, match="vocab_size"):
         byte_tokenizer(100)
     assert int(np.max(np.fromfile(corpus.with_suffix(".bin"), dtype=np.uint16))) < 256
@@ -90,7 +90,7 @@ def test_token_beyond_the_vocab_is_a_config_error_in_the_batches_that_read_it(tm
             ids[25] = 300                  # tokenized for a larger vocabulary than the model's
         builder.add_document(np.append(ids, 0).astype(np.uint16), [51])
     builder.finalize(str(prefix.with_suffix(".idx")))
-    batches = build_global_batches(DataOptions(16, 4, 20, data_path=str(prefix),
+    batches = build_global_batches(DataOptions(16, 4, 20, data_path=[str(prefix)],
                                                data_dir=str(tmp_path)), vocab_size=256)
     failed = []
     for i in range(len(batches)):
@@ -179,7 +179,7 @@ def test_each_rank_reads_only_its_micro_batches_and_trains_like_the_reference(co
 
     iters = 2
     plan = _per_rank_plan()
-    batches = build_global_batches(DataOptions(32, 8, iters, data_path=str(corpus),
+    batches = build_global_batches(DataOptions(32, 8, iters, data_path=[str(corpus)],
                                                data_dir=str(tmp_path)), vocab_size=512)
     out = run_on_ranks(3, _train_reading, batches, iters, timeout=180)
     for rank, (read, _) in enumerate(out):
