@@ -300,13 +300,9 @@ class Fleet:
         work = self.tmp / name
         work.mkdir()
         metrics = work / "metrics.jsonl"
-        cmd = [sys.executable, __file__, "--rank-worker", "train", "--plan", str(plan_path),
-               "--model", self.args.model, "--iters", str(iters), "--seed", str(SEED),
-               "--metrics-jsonl", str(metrics), "--data-dir", str(self.tmp / "data"),
-               "--autohet-measure-window", str(self.args.window), "--autohet-adapt", adapt,
-               "--save", str(work / "ckpt"), "--save-interval", str(iters)]
-        if stop_after is not None and stop_after < iters:
-            cmd += ["--exit-interval", str(stop_after)]
+        cmd = [sys.executable, __file__, "--rank-worker"] + train_args(
+            plan_path, self.args.model, iters, self.args.window, adapt, work,
+            self.tmp / "data", stop_after)
         self.port += 1
         share = {gpu: self.fleet.cpu_share[p.gpu] for gpu, p in by_gpu.items()}
         if slow_from_start is not None:
@@ -361,6 +357,21 @@ class Fleet:
                  f"{len(run.switches)} switch(es), load {load_before:.1f} -> "
                  f"{run.load[1]:.1f}")
         return run
+
+
+def train_args(plan: Path, model: str, iters: int, window: int, adapt: str, work: Path,
+               data_dir: Path, stop_after: int | None = None) -> list[str]:
+    """``autohet train``'s arguments of one run. Every run of a scenario has the same
+    ``--iters`` (the learning-rate schedule's length, so their losses compare); a shorter
+    reference stops at ``stop_after`` (``--exit-interval``). It saves only at its end (or a
+    switch: the state moves through the job's checkpoints)."""
+    args = ["train", "--plan", str(plan), "--model", model, "--iters", str(iters),
+            "--seed", str(SEED), "--metrics-jsonl", str(work / "metrics.jsonl"),
+            "--data-dir", str(data_dir), "--autohet-measure-window", str(window),
+            "--autohet-adapt", adapt, "--save", str(work / "ckpt"), "--save-interval", str(iters)]
+    if stop_after is not None and stop_after < iters:
+        args += ["--exit-interval", str(stop_after)]
+    return args
 
 
 def _last_iteration(metrics: Path) -> int:

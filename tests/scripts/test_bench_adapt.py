@@ -188,3 +188,15 @@ def test_flags_quick_presets_and_refusals(capsys):
         err = capsys.readouterr().err
         assert stop.value.code == 2 and err.startswith(f"bench_adapt: error: {flag}")
         assert err.count("\n") == 1
+
+
+@pytest.mark.unit
+def test_a_shorter_reference_keeps_the_runs_learning_rate_schedule(tmp_path):
+    """A reference run stopped early must train on the same schedule (its length is --iters),
+    or its losses differ from the second iteration on."""
+    full = bench.train_args(PLAN, "m.yaml", 110, 5, "replan", tmp_path, tmp_path / "data")
+    short = bench.train_args(PLAN, "m.yaml", 110, 5, "off", tmp_path, tmp_path / "data", 55)
+    assert full[full.index("--iters") + 1] == short[short.index("--iters") + 1] == "110"
+    assert short[short.index("--exit-interval") + 1] == "55" and "--exit-interval" not in full
+    assert short[short.index("--autohet-adapt") + 1] == "off"
+    assert "--save" in full and "--autohet-measure-window" in full
