@@ -11,7 +11,10 @@ Three pieces, used by ``autohet train`` (cli/train.py):
   ``WORLD_SIZE``/``LOCAL_RANK``/``MASTER_*`` set, and stops the others when one fails. The job's
   options reach the ranks as data: the launcher writes its validated :class:`TrainOptions` to the
   job file (JSON) and every rank reads them from it. Local rank = global rank (one node); a
-  multi-node plan run on one machine is the CPU quick start.
+  multi-node plan run on one machine is the CPU quick start. A bad input only a rank can find
+  (a token id beyond the vocabulary, in the rows it reads) is reported once, by the launcher:
+  the first rank to find it writes it next to the job file (:func:`report_to_launcher`) and
+  exits 2 without printing, the launcher raises it when the ranks have ended.
 * :func:`run_worker` - what each rank runs, whether started by :func:`launch_local` or by
   ``torchrun`` on a GPU cluster (multi-node command: docs/runtime.md, "Devices and several
   nodes"). It checks the environment against the plan (``WORLD_SIZE`` = plan ranks; on GPUs
@@ -28,6 +31,7 @@ It sits above job.py and elastic/ (whose stop check it uses); the elastic worker
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
@@ -44,6 +48,9 @@ from megatron_autohet.plan import Plan, load_plan
 from megatron_autohet.plan_switch import train_adapting
 from megatron_autohet.spec.model import ModelSpec, load_model
 from megatron_autohet.system.parent_death import exported_parent_pid
+
+# Next to the job file: the first bad-input error a rank found (report_to_launcher).
+JOB_ERROR_FILE = "error.json"
 
 
 @dataclass(frozen=True)
@@ -144,6 +151,9 @@ def launch_local(plan: Plan, plan_path: str | Path, model_path: str | Path,
                 "-m", "megatron_autohet.cli.main", "train", "--plan", str(plan_path),
                 "--model", str(model_path), "--job-file", job_file)
     except ChildFailedError as failed:
+        reported = Path(job_dir) / JOB_ERROR_FILE
+        if reported.is_file():          # the ranks have ended: it is complete
+            raise ConfigError(**json.loads(reported.read_text())) from None
         first = min(failed.failures.values(), key=lambda f: f.timestamp)
         return first.exitcode if first.exitcode > 0 else 1
     except SignalException as stopped:
@@ -157,6 +167,20 @@ def launch_local(plan: Plan, plan_path: str | Path, model_path: str | Path,
         if lease is not None:           # the ranks are gone: nobody of this job writes any more
             lease.release()
     return 0
+
+
+def report_to_launcher(err: ConfigError, job_file: str | Path) -> None:
+    """A rank's bad-input error for launch_local to raise once (module docstring): written next
+    to ``job_file`` by the first rank to find one (created exclusively: later ones are the same
+    mistake found elsewhere, or its consequence)."""
+    path = Path(job_file).parent / JOB_ERROR_FILE
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+    except FileExistsError:
+        return
+    with os.fdopen(fd, "w") as out:
+        json.dump({"file": err.file, "field": err.field, "problem": err.problem,
+                   "allowed": err.allowed}, out)
 
 
 # ---- worker --------------------------------------------------------------------------------

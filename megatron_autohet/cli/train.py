@@ -27,7 +27,8 @@ from megatron_autohet.data.vocabulary import TokenizerFlags, check_vocabulary
 from megatron_autohet.errors import ConfigError
 from megatron_autohet.job import (ElasticOptions, TrainOptions, job_precision, measure_fields,
                                   measure_flags)
-from megatron_autohet.launch import DistEnv, launch_local, load_job, run_worker
+from megatron_autohet.launch import (DistEnv, launch_local, load_job, report_to_launcher,
+                                     run_worker)
 from megatron_autohet.plan import check_bf16_support
 from megatron_autohet.runtime.dashboard import dashboard_flags, dashboard_options
 from megatron_autohet.spec.cluster import load_cluster
@@ -103,6 +104,11 @@ def register(subparsers) -> None:
                  "parameter (reduce-scatter of gradients, all-gather of weights), as "
                  "Megatron-LM's flag; a plan made with it (`autohet plan "
                  "--use-distributed-optimizer`) always trains with it")),
+        (("--overlap-grad-reduce",), dict(
+            action="store_true",
+            help="start each gradient bucket's sync during the last micro-batch's backward, as "
+                 "soon as its gradients are final, as Megatron-LM's flag (default off); a plan "
+                 "with overlap_grad_reduce always trains with it")),
         # Megatron-LM's precision flags (spec/precision.py, runtime/mixed_precision.py).
         (("--bf16",), dict(action="store_true",
                            help="bf16 mixed precision as Megatron-LM's --bf16: bf16 weights and "
@@ -374,7 +380,13 @@ def run_launched_rank(args: argparse.Namespace) -> int:
     options = TrainOptions.read(args.job_file)
     if options.elastic is not None:
         return run_elastic(plan, model, options)
-    return run_worker(plan, args.plan, model, options, env)
+    try:
+        return run_worker(plan, args.plan, model, options, env)
+    except ConfigError as err:
+        # a check only this rank could make (the token ids it read): launch_local reports it,
+        # once for the job
+        report_to_launcher(err, args.job_file)
+        return 2
 
 
 class _TrainArgsParser(argparse.ArgumentParser):
@@ -439,6 +451,7 @@ def train_options(args: argparse.Namespace) -> TrainOptions:
                         distributed_timeout_minutes=args.distributed_timeout_minutes,
                         eval_interval=args.eval_interval, eval_iters=args.eval_iters,
                         split=args.split, distributed_optimizer=args.use_distributed_optimizer,
+                        overlap_grad_reduce=args.overlap_grad_reduce,
                         precision=check_precision(args), hidden_dropout=args.hidden_dropout,
                         attention_dropout=args.attention_dropout,
                         **requested_fusions(args), **measure_fields(args),

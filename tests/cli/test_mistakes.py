@@ -114,3 +114,40 @@ def test_a_mistaken_command_line_is_one_line_and_status_2(case, args, line, data
     if not expected.startswith(plan):
         expected = "<command line>: " + expected
     assert result.stderr.startswith(f"autohet train: error: {expected}"), (case, result.stderr)
+
+
+def _two_rank_plan(path: Path) -> Path:
+    """The tiny model as two one-stage pipelines: both ranks read tokens."""
+    plan = yaml.safe_load(PLAN.read_text())
+    plan["ranks"] = plan["ranks"][:2]
+    plan["pipelines"] = [{"num_microbatches": 2, "stages": [{"ranks": [r], "layers": [0, 6]}]}
+                         for r in range(2)]
+    plan.pop("predicted", None)
+    path.write_text(yaml.safe_dump(plan))
+    return path
+
+
+@pytest.mark.e2e
+def test_a_token_beyond_the_vocabulary_is_reported_once_for_the_job(tmp_path):
+    """Only the ranks read the tokens (data/batches.py): every rank that reads the bad id finds
+    it, the launcher prints it once, status 2, no traceback."""
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    prefix = tmp_path / "data" / "text"
+    prefix.parent.mkdir()
+    builder = IndexedDatasetBuilder(str(prefix.with_suffix(".bin")), dtype=np.uint16)
+    for _ in range(100):
+        builder.add_document(np.array([600] * 80 + [0], dtype=np.uint16), [81])
+    builder.finalize(str(prefix.with_suffix(".idx")))
+    result = subprocess.run(
+        [sys.executable, "-m", "megatron_autohet.cli.main", "train",
+         "--plan", str(_two_rank_plan(tmp_path / "plan.yaml")), "--model", str(MODEL),
+         "--train-iters", "1", "--data-path", str(prefix), "--data-dir", str(tmp_path)],
+        capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    console = result.stdout + result.stderr
+    assert result.returncode == 2, console[-3000:]
+    assert "Traceback" not in console, console[-3000:]
+    line = (f"autohet train: error: <input>: field '--data-path': {prefix} holds token id 600 "
+            "(read by global batch 0), beyond the model's vocab_size 512 (allowed: a dataset "
+            "tokenized for this model's vocabulary)")
+    assert console.count("holds token id") == 1 and line in result.stderr, console[-3000:]
