@@ -99,7 +99,7 @@ iteration to the ``finished`` event, the fraction of it spent in iterations (``b
 iterations that were not re-trained (``useful``), the iterations kept times the job's own
 median iteration time over that wall time (``at median``: 1.0 never stopped, never re-trained,
 never saved), the ``rate`` (iterations kept per second of that wall time) and the ``goodput``:
-the rate over the no-event run's rate (issue 22's figure: what the events cost, the saves not).
+the rate over the no-event run's rate (what the events cost, the saves not; the target is >= 70%).
 The wall time leaves out the join holds (``held_s``).
 
     python scripts/bench_spot.py [--quick] [--trace configs/traces/churn-4node-5h.csv]

@@ -307,6 +307,7 @@ def time_unit(seconds: float) -> tuple[float, str]:
 
 def _time_axis(ax, seconds: float) -> tuple[float, str]:
     """The x axis in the unit of ``seconds`` (the iteration), ticks as plain numbers."""
+    # matplotlib: not at `autohet` start-up
     from matplotlib.ticker import FuncFormatter
 
     factor, unit = time_unit(seconds)
