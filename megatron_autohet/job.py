@@ -233,13 +233,12 @@ class TrainOptions:
                               "resumes from it", "--save DIR or --autohet-local-ckpt-dir DIR "
                               "(with --save-interval), or log")
 
-            "train_data_path": options.train_data_path,
-            "valid_data_path": options.valid_data_path,
-            "test_data_path": options.test_data_path,
-
 def train_args(options: TrainOptions) -> dict:
     """The arguments a checkpoint records (plain values; ``autohet checkpoint ls`` shows them)."""
     return {"iters": options.iters, "seed": options.seed, "data_path": options.data_path,
+            "train_data_path": options.train_data_path,
+            "valid_data_path": options.valid_data_path,
+            "test_data_path": options.test_data_path,
             "optimizer": asdict(options.optimizer), "precision": options.precision,
             "hidden_dropout": options.hidden_dropout,
             "attention_dropout": options.attention_dropout}
@@ -347,19 +346,58 @@ def measured_profile_sink(plan: Plan, path: str, priors, trainer, precision, the
     return sink
 
 
+class _AdaptSink:
+    """:func:`adapt_sink`'s window sink: one window's search in flight in a child process
+    (planner/adapt_process.py), taken at the next window's end."""
+
+    def __init__(self, options: TrainOptions, search, adapter, then, on_adapt):
+        self.options, self.search, self.adapter = options, search, adapter
+        self.then, self.on_adapt = then, on_adapt
+
+    def __call__(self, report) -> None:
+        end, switching = report.last_iteration, False
+        if self.search.pending is not None:
+            first, last = self.search.pending
+            try:
+                found = self.search.result()
+            except ConfigError as err:
+                print(f" adapt: iterations {first}-{last} (decided after iteration {end}): no "
+                      f"re-plan: {err}", flush=True)
+            else:
+                decision = self.adapter.decide(found, self.options.iters - end, decided_at=end)
+                print(f" {decision.line()}", flush=True)
+                if self.on_adapt is not None:
+                    self.on_adapt(decision)
+                switching = decision.switch and self.options.adapt == "replan"
+        # a window is searched where its decision leaves iterations to switch for (it is taken
+        # at the next window's end), and not when the job switches plans here
+        if not switching and end + self.options.measure_window < self.options.iters:
+            self.search.submit(report.stages, (report.first_iteration, end))
+        if self.then is not None:
+            self.then(report)
+
+    def close(self) -> None:
+        self.search.close()
+
+
 def adapt_sink(plan: Plan, plan_label: str, options: TrainOptions, trainer, precision,
                then=None, on_adapt=None, adapter=None):
-    """With ``options.adapt`` log or replan and windows: the window sink deciding at every
-    window's end whether to re-plan (planner/adapt.py ``window_decision`` with ``adapter``, the
-    hysteresis so far; default a new one), on the rank that logs, printing its line and handing
-    the decision to ``on_adapt`` (an elastic job's ``adapt`` event; replan's switch,
-    :func:`train_adapting`); then ``then(report)``. The re-plan runs between two iterations on
-    this rank alone; the others wait for it at the next collective, which one window's medians
-    shrug off. None without it."""
+    """With ``options.adapt`` log or replan and windows: the window sink deciding whether to
+    re-plan (planner/adapt.py, on ``adapter``: the hysteresis so far; default a new one), on
+    the rank that logs; its owner calls its ``close()`` at the generation's end. Each window's
+    search runs in a child process (planner/adapt_process.py) while the job trains the next
+    window, and its decision is taken at that next window's end - waiting there for the search
+    if it is not done, so the iteration a job switches after depends on its inputs only, never
+    on the machine's load: the line is printed, the decision handed to ``on_adapt`` (an elastic
+    job's ``adapt`` event; replan's switch, plan_switch.py); then ``then(report)``. A window
+    whose decision would come at or after the job's last iteration is not searched (no
+    iteration would be left to switch for), nor the window a job switches plans at. None
+    without windows or adapting."""
     if options.adapt not in ("log", "replan") or not options.measure_window:
         return None
     # the planner (pyscipopt, through the search): only a job that adapts loads it
-    from megatron_autohet.planner.adapt import Adapter, window_decision
+    from megatron_autohet.planner.adapt import Adapter
+    from megatron_autohet.planner.adapt_process import ReplanProcess
 
     catalog = load_gpu_catalog()
     try:
@@ -368,25 +406,11 @@ def adapt_sink(plan: Plan, plan_label: str, options: TrainOptions, trainer, prec
         print(f"WARNING: {FLAGS['adapt']} {options.adapt}: not adapting: {err}", flush=True)
         return None
     template = load_cluster(options.elastic.cluster) if options.elastic is not None else None
-    adapter = adapter if adapter is not None else Adapter()
-
-    def sink(report) -> None:
-        try:
-            decision = window_decision(
-                adapter, plan, report.stages, (report.first_iteration, report.last_iteration),
-                priors, options.iters - report.last_iteration, catalog=catalog,
-                precision=precision, attention=trainer.attention,
-                fusions=trainer.fusions.config_fields(), template=template)
-        except ConfigError as err:
-            print(f" adapt: iterations {report.first_iteration}-{report.last_iteration}: no "
-                  f"re-plan: {err}", flush=True)
-        else:
-            print(f" {decision.line()}", flush=True)
-            if on_adapt is not None:
-                on_adapt(decision)
-        if then is not None:
-            then(report)
-    return sink
+    search = ReplanProcess(plan, priors, catalog=catalog, precision=precision,
+                           attention=trainer.attention,
+                           fusions=trainer.fusions.config_fields(), template=template)
+    return _AdaptSink(options, search, adapter if adapter is not None else Adapter(), then,
+                      on_adapt)
 
 
 def measure_fields(args) -> dict:
@@ -424,9 +448,10 @@ def train_job(plan: Plan, plan_label: str, model: ModelSpec, options: TrainOptio
     ``on_window(report)``: called on rank 0 with every measurement window's
     runtime/stage_drift.py ``WindowReport`` (an elastic job's ``drift`` event), after the
     window's profile is written (``options.measured_profile``, :func:`measured_profile_sink`)
-    and the window's adaptation decided (``options.adapt``, :func:`adapt_sink`, on
-    ``adapter``: planner/adapt.py's ``Adapter``, a new one by default), whose decisions go to
-    ``on_adapt(decision)`` there (an elastic job's ``adapt`` event, replan's switch).
+    and the adaptation done (``options.adapt``, :func:`adapt_sink`, on ``adapter``:
+    planner/adapt.py's ``Adapter``, a new one by default: the previous window's decision taken,
+    this window's search started), whose decisions go to ``on_adapt(decision)`` there (an
+    elastic job's ``adapt`` event, replan's switch).
     ``dashboard`` (runtime/dashboard.py, rank 0's): gets every iteration and the checkpoints'
     lines; its owner closes it. None with ``options.dashboard``: this call opens and closes one
     on rank 0 (an elastic worker passes its own, which its events go to too)."""
@@ -484,12 +509,6 @@ def train_job(plan: Plan, plan_label: str, model: ModelSpec, options: TrainOptio
             print(f"WARNING: {other}", flush=True)
     if trainer.distributed_optimizer and rank == 0:
         print(trainer.optimizer.summary(), flush=True)
-    if rank == 0:
-        on_window = adapt_sink(plan, plan_label, options, trainer, precision, then=on_window,
-                               on_adapt=on_adapt, adapter=adapter) or on_window
-    if priors is not None and rank == 0:
-        on_window = measured_profile_sink(plan, options.measured_profile, priors, trainer,
-                                          precision, then=on_window)
     # Counting samples, as Megatron-LM does (runtime/optimizer.py): checkpoints of this job
     # load into the pretrain_gpt.py path and stock Megatron-LM, and theirs into this job.
     scheduler = (make_scheduler(trainer.optimizer) if make_scheduler else
@@ -515,6 +534,12 @@ def train_job(plan: Plan, plan_label: str, model: ModelSpec, options: TrainOptio
                                                 or options.adapt == "replan"),
                                     on_line=dashboard and dashboard.event)
     stop_check = make_stop_check(checkpointer) if make_stop_check else None
+    adapting = (adapt_sink(plan, plan_label, options, trainer, precision, then=on_window,
+                           on_adapt=on_adapt, adapter=adapter) if rank == 0 else None)
+    on_window = adapting or on_window
+    if priors is not None and rank == 0:
+        on_window = measured_profile_sink(plan, options.measured_profile, priors, trainer,
+                                          precision, then=on_window)
     try:
         return train_iterations(trainer, batches, scheduler, train_iters=options.iters,
                                 scheduler_increment=plan.global_batch_size, log=rank == 0,
@@ -525,5 +550,7 @@ def train_job(plan: Plan, plan_label: str, model: ModelSpec, options: TrainOptio
                                 measured_jsonl=options.measured_jsonl, on_window=on_window,
                                 dashboard=dashboard)
     finally:
+        if adapting is not None:
+            adapting.close()
         if own_dashboard and dashboard is not None:
             dashboard.close()

@@ -183,8 +183,9 @@ def train_adapting(plan: Plan, plan_label: str, model: ModelSpec, options: Train
                    rank: int, local_rank: int, make_stop_check=None) -> int:
     """``autohet train``'s job on an initialised default group whose ranks are the plan's:
     :func:`train_job`, and with ``--autohet-adapt replan`` one generation per plan in the same
-    processes. When a window's decision (rank 0's, planner/adapt.py) says SWITCH, every rank
-    learns it and the new plan at that window's end, stops after that iteration and saves it
+    processes. When a window's decision (rank 0's, planner/adapt.py; taken at the next
+    window's end, job.py ``adapt_sink``) says SWITCH, every rank learns it and the new plan at
+    that window's end, stops after that iteration and saves it
     (the job's checkpointer, as at the end of a run), frees its trainer (runtime/device.py
     ``free_memory``), leaves the old process group and joins the new plan's (its ranks by
     GPU: node and local rank; a store hosted by the first rank that stays), and trains on from

@@ -5,16 +5,19 @@ Four gloo ranks train tiny-two-pipelines with windows of two iterations. The win
 measure are injected (runtime/trainer.py's WindowMeter returns tests/helpers/windows.py's
 synthetic window: the cost model's stage times on the plan's fleet with one A100 at half
 speed, every GPU 1e8 times slower than priced, so the 30 s a switch is priced at pays back),
-never the wall clock, so the decisions are planner/adapt.py's on known figures: the gain is
-seen at iterations 1-2, held at 3-4, and the job switches after iteration 4 to the re-plan,
-which leaves the lone TP2 A100 group idle (one pipeline per other GPU): two of the four
-processes end once iteration 4 is saved, the other two train iterations 5-8 on a two-rank
-process group, the new plan's rank 0 being the old rank 2. There the H20 is made slow: a gain
-that the hysteresis carried over the switch holds back (1 of the 3 windows after it).
+never the wall clock, so the decisions are planner/adapt.py's on known figures. Each window's
+search runs during the next window and its decision is taken at that window's end: the gain of
+iterations 1-2 is seen after iteration 4, held by 3-4 after iteration 6, and the job switches
+after iteration 6 to the re-plan, which leaves the lone TP2 A100 group idle (one pipeline per
+other GPU): two of the four processes end once iteration 6 is saved, the other two train
+iterations 7-12 on a two-rank process group, the new plan's rank 0 being the old rank 2 (which
+starts a search process of its own). There the H20 is made slow: a gain that the hysteresis
+carried over the switch holds back (1 of the 3 windows after it: iterations 7-8, decided after
+iteration 10); 9-10 and 11-12 leave no iteration to switch for and are not searched.
 
 The proof: every iteration is logged once, 1-8, with the loss and grad norm of the
 uninterrupted run on the same global batches: the same bits up to the switch, and from then on
-within tests/elastic/test_elastic.py's bound, ``(i - 4) * micro-batches * u`` relative (another
+within tests/elastic/test_elastic.py's bound, ``(i - 6) * micro-batches * u`` relative (another
 layout sums the global batch's micro-batches in another order; u = 2^-24 in fp32). Loading
 nothing at the switch (the new plan's weights initialised afresh) fails it."""
 
@@ -43,7 +46,7 @@ from megatron_autohet.spec.gpus import load_gpu_catalog
 
 pytestmark = pytest.mark.e2e
 
-ITERS, WINDOW, SWITCH_AT = 8, 2, 4
+ITERS, WINDOW, SWITCH_AT = 12, 2, 6
 # one A100 at half speed; once the plan has no A100 (after the switch), the H20 at 0.3
 SLOW, SLOW_AFTER = {("a100", 1): 0.5}, {("h20", 0): 0.3}
 SCALE = 1e8
@@ -94,31 +97,33 @@ def test_a_switch_at_a_window_end_loses_nothing(tmp_path, monkeypatch, capfd):
     monkeypatch.setattr(trainer_module, "WindowMeter", InjectedWindows)
     ckpt = tmp_path / "ckpt"
     options = replace(base, adapt="replan", metrics_jsonl=str(tmp_path / "switched.jsonl"),
-                      checkpoint=CheckpointOptions(save=str(ckpt), save_interval=100)).validate()
-    # the A100s are idle after the switch: their processes end with iteration 4 saved
+                      # the job's lease owner, as autohet train's launcher sets it: the new
+                      # plan's rank 0 (another process) takes the lease the old one kept
+                      checkpoint=CheckpointOptions(save=str(ckpt), save_interval=100,
+                                                   owner="test_job_replan")).validate()
+    # the A100s are idle after the switch: their processes end with iteration 6 saved
     assert run_on_ranks(4, _job, plan, options, timeout=600) == [SWITCH_AT] * 2 + [ITERS] * 2
     out = capfd.readouterr().out
 
-    decisions = re.findall(r"^ adapt: iterations (\d+)-(\d+): (SWITCH|keep) \(([^)]*)\)", out,
-                           re.M)
-    assert [d[:3] for d in decisions] == [("1", "2", "keep"), ("3", "4", "SWITCH"),
-                                          ("5", "6", "keep"), ("7", "8", "keep")], out
+    decisions = re.findall(r"^ adapt: iterations (\d+)-(\d+) \(decided after iteration (\d+)\): "
+                           r"(SWITCH|keep) \(([^)]*)\)", out, re.M)
+    assert [d[:4] for d in decisions] == [("1", "2", "4", "keep"), ("3", "4", "6", "SWITCH"),
+                                          ("7", "8", "10", "keep")], out
     # the H20's slowness after the switch is a gain held back by the switch's hysteresis, which
     # the new plan's rank 0 (the old rank 2, another process) continues
-    assert [d[3].split(":")[0] for d in decisions] == [
-        "gain seen once", "+60.7% amortised gain held two windows", "hold",
-        "no iterations left"], decisions
-    assert decisions[2][3] == "hold: 1 of the 3 windows after the last switch"
+    assert [d[4].split(":")[0] for d in decisions] == [
+        "gain seen once", "+60.8% amortised gain held two windows", "hold"], decisions
+    assert decisions[2][4] == "hold: 1 of the 3 windows after the last switch"
     switched = [line for line in out.splitlines() if "adapt: switched plans" in line]
     assert len(switched) == 1, out
     with capfd.disabled():
         print(f"\n{switched[0]}")
-    assert ("after iteration 4: 2 pipelines on 4 GPUs [A100-80GB x2 layers 0-4 | H800 layers "
+    assert ("after iteration 6: 2 pipelines on 4 GPUs [A100-80GB x2 layers 0-4 | H800 layers "
             "4-6] x3, [H20 layers 0-6] x1 -> 2 pipelines on 2 GPUs" in switched[0]
             and "(idle: a100:0, a100:1)" in switched[0]
-            and "recovered" in switched[0] and "from the stop to iteration 5 trained"
+            and "recovered" in switched[0] and "from the stop to iteration 7 trained"
             in switched[0]), switched
-    # iteration 4 saved under the old plan, the end under the new one, in the job's --save
+    # iteration 6 saved under the old plan, the end under the new one, in the job's --save
     assert committed_steps(ckpt) == [SWITCH_AT, ITERS]
     assert read_manifest(ckpt / step_dir_name(SWITCH_AT)).plan["ranks"] == plan.to_dict()["ranks"]
     assert len(read_manifest(ckpt / step_dir_name(ITERS)).plan["ranks"]) == 2
@@ -131,8 +136,8 @@ def test_a_switch_at_a_window_end_loses_nothing(tmp_path, monkeypatch, capfd):
     print(f"relative differences by iteration: {diffs}")
     assert all(diffs[i] == 0 for i in range(1, SWITCH_AT + 1)), diffs
     assert max(diffs.values()) <= REL, diffs
-    # and iterations 5-8 are, bit for bit, what the new plan trains when it resumes the saved
-    # iteration 4 in new processes: the switch is that save and that recovery, nothing else
+    # and iterations 7-12 are, bit for bit, what the new plan trains when it resumes the saved
+    # iteration 6 in new processes: the switch is that save and that recovery, nothing else
     after = plan_from_dict(read_manifest(ckpt / step_dir_name(ITERS)).plan, "<after>")
     resumed = replace(base, metrics_jsonl=str(tmp_path / "resumed.jsonl"),
                       checkpoint=CheckpointOptions(load=str(ckpt), ckpt_step=SWITCH_AT))

@@ -16,6 +16,8 @@
 ``state_moves``        where the training state lies, and what a new plan's recovery moves
 ``adapt``              whether a running job should switch to the plan of what it measured:
                        gain, switch cost amortised over the iterations left, hysteresis
+``adapt_process``      each window's re-plan search in a child process, off the training's
+                       critical path
 (the brute-force search of the same space for small clusters, the yardstick for tests and the
 benchmark, is testing/exhaustive.py)
 """

@@ -31,15 +31,20 @@ tolerance that moves nothing), and the gain is nil. Each decision is an :class:`
 a switch it would have made as made (:meth:`Adapter.consider`'s ``switched``), so its log shows
 the decisions the job would take, one correction and its hold, not the same advice every window.
 
+The expensive part, the search, is :func:`replan_window` (a :class:`Replan`: the re-plan and
+both plans priced; planner/adapt_process.py runs it in a process of its own, off the training's
+critical path); :meth:`Adapter.decide` adds the switch's fixed cost, the amortisation and the
+hysteresis, on the rank that decides, cheaply. :meth:`Adapter.consider` is the two in one call.
+
 ``plan_fleet(plan, catalog, template=None)``: the fleet a plan runs on, as a cluster (its nodes
 and GPUs; links from ``template``, the job's cluster file where it has one, else the catalog's
 intra-node figure and DEFAULT_NIC_GBS).
 ``switch_cost(previous, new, cluster, overhead_s)``: (seconds, bytes moved).
 ``amortised_gain(now, new, switch, remaining)``: the fraction above.
-``window_decision(adapter, plan, stages, window, priors, remaining, ...)``: the whole step a job
-takes at a window's end (``--autohet-adapt log`` and ``replan``, job.py): the stragglers and the
-measured profile of the window (profiling/from_run.py), merged over the plan's recorded profile,
-the plan's fleet with the measured speeds, :meth:`Adapter.consider`.
+``replan_window(plan, stages, window, priors, ...)``: the search of a window's end
+(``--autohet-adapt log`` and ``replan``, job.py): the stragglers and the measured profile of the
+window (profiling/from_run.py), merged over the plan's recorded profile, the plan's fleet with
+the measured speeds, re-planned and priced.
 """
 
 from __future__ import annotations
@@ -77,10 +82,29 @@ DEFAULT_MODE = "log"
 
 
 @dataclass(frozen=True)
+class Replan:
+    """What the search of one window found (:func:`replan_window`): the re-plan, both plans
+    priced on the window's measurements, and the state the switch would move; the switch's
+    fixed part, the amortisation and the hysteresis are the deciding rank's
+    (:meth:`Adapter.decide`)."""
+
+    window: tuple[int, int]
+    plan: Plan = field(compare=False)       # the re-plan's plan
+    same_layout: bool                       # the re-plan is the plan it runs: no switch to pay
+    current: float                          # the current plan's iteration, objective's unit
+    new: float                              # the re-plan's
+    move_s: float                           # the state crossing nodes, slowest node's NIC time
+    moved_bytes: int
+    usd_per_second: float | None            # the cost objective's rate of the switch's seconds
+    search_s: float                         # the search's wall-clock seconds (reported only)
+    stragglers: tuple[Straggler, ...] = ()
+
+
+@dataclass(frozen=True)
 class AdaptDecision:
     """One re-plan considered at a window's end (module doc)."""
 
-    window: tuple[int, int]
+    window: tuple[int, int]     # the iterations whose measurements it is made on
     switch: bool
     why: str
     current_s: float            # the current plan's iteration, on the measured profile
@@ -90,13 +114,16 @@ class AdaptDecision:
     moved_bytes: int
     remaining_iterations: int
     amortised_gain: float
+    decided_at: int | None = None   # the iteration after which it is taken (None: the window's)
     search_s: float = 0.0       # the re-plan's wall-clock seconds (reported, never decided on)
     stragglers: tuple[Straggler, ...] = ()
     plan: Plan | None = field(default=None, compare=False)   # the re-plan's plan
 
     def line(self) -> str:
         """The Megatron-style console line of the decision."""
-        head = f"adapt: iterations {self.window[0]}-{self.window[1]}: "
+        decided = self.window[1] if self.decided_at is None else self.decided_at
+        head = (f"adapt: iterations {self.window[0]}-{self.window[1]} (decided after iteration "
+                f"{decided}): ")
         slow = ("; stragglers: " + ", ".join(s.describe() for s in self.stragglers)
                 if self.stragglers else "")
         return (head + f"{'SWITCH' if self.switch else 'keep'} ({self.why}): re-plan predicted "
@@ -110,7 +137,9 @@ class AdaptDecision:
         """The decision as an elastic job's ``adapt`` event: a message and its JSON fields."""
         message = self.line().split(": ", 1)[1]
         return message, {
-            "window": list(self.window), "switch": self.switch, "why": self.why,
+            "window": list(self.window),
+            "decided_at": self.window[1] if self.decided_at is None else self.decided_at,
+            "switch": self.switch, "why": self.why,
             "current_iteration_s": round(self.current_s, 6),
             "new_iteration_s": round(self.new_s, 6),
             "predicted_gain": round(self.predicted_gain, 6),
@@ -199,7 +228,7 @@ class Adapter:
 
     def judge(self, window: tuple[int, int], current: float, new: float, switch_s: float,
               switch_unit: float, moved: int, remaining: int, **extra) -> AdaptDecision:
-        """The decision from the figures (pure; :meth:`consider` prices them): ``current`` and
+        """The decision from the figures (pure; :meth:`decide` prices them): ``current`` and
         ``new`` per iteration and ``switch_unit`` in the objective's unit, ``switch_s`` the
         switch in seconds. Advances the hysteresis state."""
         if self.windows_since_switch is not None:
@@ -229,28 +258,49 @@ class Adapter:
         return AdaptDecision(window, switch, why, current, new, gain, switch_s, moved,
                              remaining, amortised, **extra)
 
+    def decide(self, found: Replan, remaining: int, decided_at: int | None = None
+               ) -> AdaptDecision:
+        """The decision on a window's re-plan, switching after iteration ``decided_at`` (None:
+        the window's last) with ``remaining`` iterations after it: the switch priced at its
+        state moves plus ``overhead_s`` (nothing where the re-plan is the plan it runs), then
+        :meth:`judge`."""
+        seconds = 0.0 if found.same_layout else self.overhead_s + found.move_s
+        unit = seconds * found.usd_per_second if found.usd_per_second is not None else seconds
+        return self.judge(found.window, found.current, found.new, seconds, unit,
+                          found.moved_bytes, remaining, decided_at=decided_at,
+                          search_s=found.search_s, stragglers=found.stragglers,
+                          plan=found.plan)
+
     def consider(self, plan: Plan, cluster: Cluster, profile: Profile, remaining: int,
                  window: tuple[int, int], stragglers: tuple[Straggler, ...] = (), *,
                  precision: str | None = None) -> AdaptDecision:
-        """Re-plan ``cluster`` (the fleet ``plan`` runs on, with the stragglers' speeds) on
-        ``profile`` (what the window measured, merged over the plan's own) and decide (module
-        doc). ConfigError where no plan fits."""
-        started = time.perf_counter()
-        found = replan(plan, cluster, plan.model, profile, precision=precision,
-                       cluster_file="<fleet>", search_unchanged=True)
-        resolved = resolve_profile(cluster, plan.model, profile, plan.micro_batch_size,
-                                   plan.seq_length)
-        now = evaluate_plan(plan, cluster, resolved, with_timeline=False,
-                            memory_headroom=plan_memory_headroom(plan), charge=plan_charge(plan))
-        search_s = time.perf_counter() - started
-        seconds, moved = switch_cost(plan, found.plan, cluster, self.overhead_s)
-        objective = objective_of(plan)
-        if objective.priced and (now.usd_per_hour is None or found.cost.usd_per_hour is None):
-            objective = THROUGHPUT
-        current, new = _per_iteration(objective, now), _per_iteration(objective, found.cost)
-        unit = seconds * now.usd_per_hour / 3600 if objective.priced else seconds
-        return self.judge(window, current, new, seconds, unit, moved, remaining,
-                          search_s=search_s, stragglers=tuple(stragglers), plan=found.plan)
+        """:func:`price_replan` and :meth:`decide` in one call, decided at the window's end."""
+        return self.decide(price_replan(plan, cluster, profile, window, stragglers,
+                                        precision=precision), remaining)
+
+
+def price_replan(plan: Plan, cluster: Cluster, profile: Profile, window: tuple[int, int],
+                 stragglers: tuple[Straggler, ...] = (), *,
+                 precision: str | None = None) -> Replan:
+    """Re-plan ``cluster`` (the fleet ``plan`` runs on, with the stragglers' speeds) on
+    ``profile`` (what the window measured, merged over the plan's own) and price both plans and
+    the state the switch moves (module doc). ConfigError where no plan fits."""
+    started = time.perf_counter()
+    found = replan(plan, cluster, plan.model, profile, precision=precision,
+                   cluster_file="<fleet>", search_unchanged=True)
+    resolved = resolve_profile(cluster, plan.model, profile, plan.micro_batch_size,
+                               plan.seq_length)
+    now = evaluate_plan(plan, cluster, resolved, with_timeline=False,
+                        memory_headroom=plan_memory_headroom(plan), charge=plan_charge(plan))
+    search_s = time.perf_counter() - started
+    move_s, moved = switch_cost(plan, found.plan, cluster, overhead_s=0.0)
+    objective = objective_of(plan)
+    if objective.priced and (now.usd_per_hour is None or found.cost.usd_per_hour is None):
+        objective = THROUGHPUT
+    return Replan(window, found.plan, _same_layout(plan, found.plan),
+                  _per_iteration(objective, now), _per_iteration(objective, found.cost),
+                  move_s, moved, now.usd_per_hour / 3600 if objective.priced else None,
+                  search_s, tuple(stragglers))
 
 
 def _per_iteration(objective, cost: PlanCost) -> float:
@@ -260,13 +310,12 @@ def _per_iteration(objective, cost: PlanCost) -> float:
     return cost.iteration_time_s
 
 
-def window_decision(adapter: Adapter, plan: Plan, stages, window: tuple[int, int],
-                    priors, remaining: int, *, catalog: dict[str, GPUType], precision,
-                    attention: str, fusions: dict[str, bool] | None,
-                    template: Cluster | None = None) -> AdaptDecision:
-    """The decision at a window's end (module doc): ``stages`` the window's StageMeasures,
-    ``priors`` the entries the plan was priced on (from_run.priced_entries), ``precision`` the
-    job's (spec/precision.py), ``attention`` and ``fusions`` what its layers ran."""
+def replan_window(plan: Plan, stages, window: tuple[int, int], priors, *,
+                  catalog: dict[str, GPUType], precision, attention: str,
+                  fusions: dict[str, bool] | None, template: Cluster | None = None) -> Replan:
+    """The search of a window (module doc): ``stages`` the window's StageMeasures, ``priors``
+    the entries the plan was priced on (from_run.priced_entries), ``precision`` the job's
+    (spec/precision.py), ``attention`` and ``fusions`` what its layers ran."""
     speeds = measured_speeds(plan, stages, priors)
     stragglers = tuple(find_stragglers(plan, stages, priors))
     measured = profile_from_window(plan, stages, priors, precision=precision,
@@ -280,5 +329,4 @@ def window_decision(adapter: Adapter, plan: Plan, stages, window: tuple[int, int
         except ConfigError:
             profile = measured          # another precision or attention: the run's alone
     fleet = plan_fleet(plan, catalog, template, speeds)
-    return adapter.consider(plan, fleet, profile, remaining, window, stragglers,
-                            precision=precision.name)
+    return price_replan(plan, fleet, profile, window, stragglers, precision=precision.name)

@@ -22,7 +22,7 @@ from megatron_autohet.checkpoint.options import CheckpointOptions
 from megatron_autohet.errors import ConfigError
 from megatron_autohet.job import ADAPT_MODES, DEFAULT_ADAPT, ElasticOptions, TrainOptions
 from megatron_autohet.plan import load_plan
-from megatron_autohet.planner.adapt import DEFAULT_MODE, MODES, Adapter, window_decision
+from megatron_autohet.planner.adapt import DEFAULT_MODE, MODES, Adapter, replan_window
 from megatron_autohet.profiling.from_run import priced_entries
 from megatron_autohet.runtime.optimizer import OptimizerSettings
 from megatron_autohet.runtime.stage_drift import PHASES, window_report
@@ -84,28 +84,28 @@ def test_replan_without_checkpoints_and_an_unknown_mode_are_one_line_before_any_
     assert "'--autohet-adapt': got 'often' (allowed: off, log, replan)" in result.stderr
 
 
-LINE = re.compile(r"^ adapt: iterations (\d+)-(\d+): (SWITCH|keep) \((.*?)\): re-plan predicted "
-                  r"(\S+) s per iteration against (\S+) s now .* amortised over (\d+) "
-                  r"iterations .*; re-plan search (\S+) s")
+LINE = re.compile(r"^ adapt: iterations (\d+)-(\d+) \(decided after iteration (\d+)\): "
+                  r"(SWITCH|keep) \((.*?)\): re-plan predicted (\S+) s per iteration against "
+                  r"(\S+) s now .* amortised over (\d+) iterations .*; re-plan search (\S+) s")
 
 
 @pytest.mark.e2e
 def test_log_mode_logs_each_windows_decision_from_its_measurements(tmp_path):
-    """Four gloo ranks, six iterations, windows of two: one decision line per window on rank 0,
-    each the decision window_decision takes from that window as the JSONL recorded it (the
-    same switch, reason and predicted times), the last with no iteration left; `off` logs
-    none."""
+    """Four gloo ranks, eight iterations, windows of two: each window's decision taken at the
+    next window's end (its search ran meanwhile in a child process), on rank 0 - the decision
+    planner/adapt.py takes from that window as the JSONL recorded it (the same switch, reason
+    and predicted times, amortised over the iterations after the decision); the windows whose
+    decision would come at or after iteration 8 are not searched; `off` logs none."""
     measured = tmp_path / "measured.jsonl"
-    result = _autohet("train", "--plan", PLAN, "--model", MODEL, "--iters", "6",
+    result = _autohet("train", "--plan", PLAN, "--model", MODEL, "--iters", "8",
                       "--data-dir", tmp_path / "data", "--autohet-measure-window", "2",
                       "--autohet-measured-jsonl", measured, "--autohet-adapt", "log")
     assert result.returncode == 0, result.stderr[-3000:]
     lines = [LINE.match(line) for line in result.stdout.splitlines()
              if line.startswith(" adapt: ")]
     assert all(lines), result.stdout
-    assert [(m[1], m[2], m[7]) for m in lines] == [("1", "2", "4"), ("3", "4", "2"),
-                                                   ("5", "6", "0")]
-    assert lines[-1][4] == "no iterations left"
+    assert [(m[1], m[2], m[3], m[8]) for m in lines] == [("1", "2", "4", "4"),
+                                                         ("3", "4", "6", "2")]
 
     plan = load_plan(PLAN)
     catalog = load_gpu_catalog()
@@ -117,12 +117,14 @@ def test_log_mode_logs_each_windows_decision_from_its_measurements(tmp_path):
             for r in stage["ranks"]:
                 medians[r] = [stage[f"{phase}_s"] for phase in PHASES]
         report = window_report(plan, *window["window"], medians)
-        again = window_decision(adapter, plan, report.stages, tuple(window["window"]), priors,
-                                6 - window["window"][1], catalog=catalog,
-                                precision=PRECISIONS["fp32"], attention="flash", fusions=None)
-        assert (m[3] == "SWITCH", m[4]) == (again.switch, again.why)
-        assert float(m[5]) == pytest.approx(again.new_s, rel=2e-3)
-        assert float(m[6]) == pytest.approx(again.current_s, rel=2e-3)
+        decided_at = window["window"][1] + 2
+        again = adapter.decide(replan_window(
+            plan, report.stages, tuple(window["window"]), priors, catalog=catalog,
+            precision=PRECISIONS["fp32"], attention="flash", fusions=None), 8 - decided_at,
+            decided_at=decided_at)
+        assert (m[4] == "SWITCH", m[5]) == (again.switch, again.why)
+        assert float(m[6]) == pytest.approx(again.new_s, rel=2e-3)
+        assert float(m[7]) == pytest.approx(again.current_s, rel=2e-3)
 
     result = _autohet("train", "--plan", PLAN, "--model", MODEL, "--iters", "2",
                       "--data-dir", tmp_path / "data", "--autohet-measure-window", "2",
@@ -133,19 +135,20 @@ def test_log_mode_logs_each_windows_decision_from_its_measurements(tmp_path):
 
 @pytest.mark.e2e
 def test_replan_through_the_launcher_decides_every_window_and_trains_every_iteration(tmp_path):
-    """autohet train --autohet-adapt replan --save: launch.run_worker's ranks decide at every
-    window's end on what the clock measured (switched or kept: their figures, not asserted
-    here) and train every iteration once."""
+    """autohet train --autohet-adapt replan --save: launch.run_worker's ranks take each
+    window's decision at the next window's end, on what the clock measured (switched after
+    iteration 6 or kept: their figures, not asserted here), and train every iteration once."""
     metrics = tmp_path / "m.jsonl"
-    result = _autohet("train", "--plan", PLAN, "--model", MODEL, "--iters", "4",
+    result = _autohet("train", "--plan", PLAN, "--model", MODEL, "--iters", "8",
                       "--data-dir", tmp_path / "data", "--autohet-measure-window", "2",
                       "--autohet-adapt", "replan", "--save", tmp_path / "ckpt",
-                      "--save-interval", "4", "--metrics-jsonl", metrics)
+                      "--save-interval", "8", "--metrics-jsonl", metrics)
     assert result.returncode == 0, result.stderr[-3000:]
     lines = [LINE.match(line) for line in result.stdout.splitlines()
              if line.startswith(" adapt: iterations ")]
     assert all(lines) and [(m[1], m[2]) for m in lines] == [("1", "2"), ("3", "4")], \
         result.stdout
-    switches = sum(m[3] == "SWITCH" for m in lines)
+    switches = sum(m[4] == "SWITCH" for m in lines)
     assert result.stdout.count("adapt: switched plans after iteration") == switches
-    assert [json.loads(x)["iteration"] for x in metrics.read_text().splitlines()] == [1, 2, 3, 4]
+    assert [json.loads(x)["iteration"] for x in metrics.read_text().splitlines()] == \
+        list(range(1, 9))
