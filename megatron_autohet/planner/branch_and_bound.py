@@ -59,6 +59,7 @@ from megatron_autohet.planner.scip_model import BOUND_TOLERANCE, Composition, Co
 from megatron_autohet.planner.space import (OptionTable, PipelineOption, Problem,
                                             assign_microbatches, build_plan, evaluate,
                                             layer_sync_s, ring_factor)
+from megatron_autohet.planner.warmup import WARMED_UP_PLANS
 
 # Pipeline-count bins: exact below 5; above, the bin's smallest count prices the sync (its ring
 # factor 2 (D-1)/D is then at most ~4% below the bin's largest).
@@ -142,6 +143,16 @@ def _level(value: float) -> float:
     return LEVEL_RATIO ** math.ceil(math.log(value) / math.log(LEVEL_RATIO) - 1e-9)
 
 
+def _layout(cand: Candidate) -> tuple:
+    """What tells two candidates' plans apart: the GPUs, each stage's ranks and layers, each
+    pipeline's micro-batches, the recompute choice (a plan found again by another solve is one
+    plan)."""
+    plan = cand.plan
+    return (plan.activation_recompute, tuple((r.node, r.local_rank) for r in plan.ranks), tuple(
+        (p.num_microbatches, tuple((tuple(s.ranks), s.layers) for s in p.stages))
+        for p in plan.pipelines))
+
+
 class BranchAndBound:
     """Best-first search over the branches of several configs (module doc)."""
 
@@ -157,6 +168,10 @@ class BranchAndBound:
         self.max_stages = max_stages
         self.skip_needless_recompute = skip_needless_recompute
         self.best: Candidate | None = None
+        # The best few distinct plans offered, fastest first (ties: the first offered): the
+        # warm-up pass's input (warmup.py, "The best few"); ``best`` is the first until the
+        # pass replaces it.
+        self.best_few: list[Candidate] = []
         self.built: dict[tuple, Config] = {}
         self.solves = 0
 
@@ -180,6 +195,17 @@ class BranchAndBound:
             self.on_candidate(cand)
         if self.best is None or cand.cost.iteration_time_s < self.best.cost.iteration_time_s:
             self.best = cand
+        few = self.best_few
+        if len(few) == WARMED_UP_PLANS and \
+                cand.cost.iteration_time_s >= few[-1].cost.iteration_time_s:
+            return
+        key = _layout(cand)
+        if any(_layout(c) == key for c in few):
+            return
+        at = next((i for i, c in enumerate(few)
+                   if cand.cost.iteration_time_s < c.cost.iteration_time_s), len(few))
+        few.insert(at, cand)
+        del few[WARMED_UP_PLANS:]
 
     def _build(self, config: Config) -> bool:
         """Build a config's options when the search reaches it; False when it has none, when

@@ -12,13 +12,14 @@ non-linearly in an outer enumeration, and leaves an exact integer program to SCI
    (planner/baselines.py) are points of this space (uniform grids, a subset of the GPUs); they
    seed the incumbent, as a MIP start does, so the result is never slower than any of them and
    their bound prunes branches from the start.
-7. **HAPT warm-up post-pass** (planner/warmup.py): the best plan's pipelines that set the
-   iteration time get deeper 1F1B warm-ups where the event-level simulation says they overlap
-   a slow boundary with compute, within memory; where that is cheap (small fleets and models)
-   the plans next to it (other layer splits, two stages' GPUs swapped, an idle GPU as one
-   stage more) get the pass too, since deeper warm-ups can favour a plan the closed form ranks
-   equal. The exhaustive search's best gets the same pass, the baselines never (Megatron-LM has
-   no such option).
+7. **HAPT warm-up post-pass** (planner/warmup.py): the pipelines that set the iteration
+   time in each of the best few plans judged (BranchAndBound.best_few) get deeper 1F1B
+   warm-ups where the event-level simulation says they overlap a slow boundary with compute,
+   within memory, and the fastest result wins; where that is cheap (small fleets and models)
+   the plans next to the best one (other layer splits, two stages' GPUs swapped, an idle GPU as
+   one stage more) get the pass too, since deeper warm-ups can favour a plan the closed form
+   ranks equal. The exhaustive search's best gets the pass, the baselines never (Megatron-LM
+   has no such option).
 8. **Never slower than a sub-fleet** (:class:`SubFleets`): the plan of every fleet the fleet
    holds minus one GPU type (recursively, each set of types searched once, and only where its
    lower bound is below the best plan found by then) is a candidate, as are the baselines and,
@@ -70,7 +71,7 @@ from megatron_autohet.planner.branch_and_bound import BranchAndBound
 from megatron_autohet.planner.candidate import STOP_COMPLETE, STOP_TIME, Candidate
 from megatron_autohet.planner.options import Config, make_config
 from megatron_autohet.planner.space import Problem, check_batch, evaluate, resolve_profile
-from megatron_autohet.planner.warmup import choose_warmups
+from megatron_autohet.planner.warmup import warm_up_best
 from megatron_autohet.profiling.profile import Profile
 from megatron_autohet.spec.cluster import Cluster
 from megatron_autohet.spec.model import ModelSpec
@@ -181,9 +182,11 @@ class SubFleets:
             # at standard depths it lost the bundled a100-h800-h20 fleet (GPT-3 1.3B, global
             # batch 64) to its A100 + H800 sub-fleet's plan, 0.2744 s warmed up, though it
             # was 0.2851 s against that plan's 0.2857 at standard depths and 0.2656 warmed up.
-            plan, cost = choose_warmups(own.plan, own.cost, cluster, problem.profile,
-                                        problem.memory_headroom, self.max_stages)
-            search_bb.best = dataclasses.replace(own, plan=plan, cost=cost)
+            few = search_bb.best_few
+            index, plan, cost = warm_up_best([(c.plan, c.cost) for c in few], cluster,
+                                             problem.profile, problem.memory_headroom,
+                                             self.max_stages)
+            search_bb.best = dataclasses.replace(few[index], plan=plan, cost=cost)
         elif own is not None:
             self._stopped(STOP_TIME)    # cut: the plan as judged, without the warm-up pass
         sub_plans: set[int] = set()     # plans of sub-fleets: warmed up already
