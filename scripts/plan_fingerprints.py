@@ -11,8 +11,8 @@ on seeded random small fleets; writes one line per case: its name, the SHA-256 o
     python scripts/plan_fingerprints.py > after.txt      # after it
     diff before.txt after.txt                            # no output: the same plans
 
-Cases whose search a wall-clock limit cut say so (``ended`` is then not ``complete`` or a
-budget): their plan depends on the machine's speed, so run both sides on a quiet machine.
+Every search gets a safety net of SAFETY_NET_S, which no load reaches, so the work budget
+alone ends it and both sides may run at any load (``ended`` says how each ended).
 About 10 CPU-minutes.
 """
 
@@ -35,6 +35,10 @@ from megatron_autohet.spec.cluster import load_cluster  # noqa: E402
 from megatron_autohet.spec.model import load_model  # noqa: E402
 from megatron_autohet.testing.exhaustive import exhaustive_optimum  # noqa: E402
 from megatron_autohet.testing.random_fleets import random_case  # noqa: E402
+
+
+# The wall-clock safety net of every search (a loaded machine cut the default 60 s ones).
+SAFETY_NET_S = 3600.0
 
 
 def digest(plan) -> str:
@@ -66,25 +70,29 @@ def main() -> None:
         cluster = load_cluster(path)
         for name, model in models.items():
             emit(f"bundled {path.stem} {name}",
-                 attempt(lambda: search(cluster, model, None, 512, 1, progress=False)))
+                 attempt(lambda: search(cluster, model, None, 512, 1, progress=False,
+                                           time_limit_s=SAFETY_NET_S)))
     for gpus in (8, 32, 64, 128, 512):
         for name in ("gpt3-1.3b", "llama2-7b"):
             emit(f"bench {gpus} {name}", attempt(lambda: search(
-                fleet(gpus), models[name], None, max(64, 2 * gpus), 1, progress=False)))
+                fleet(gpus), models[name], None, max(64, 2 * gpus), 1, progress=False,
+                time_limit_s=SAFETY_NET_S)))
     for gpus, charge in ((64, "per-node"), (256, "per-node"), (64, "per-gpu")):
         cluster = fleet(gpus, priced=True)
         names = [n.name for n in cluster.nodes]
         for name in ("gpt3-1.3b", "llama2-7b"):
             gbs = 2 * gpus
-            fastest = search(cluster, models[name], None, gbs, 1, progress=False, charge=charge)
+            fastest = search(cluster, models[name], None, gbs, 1, progress=False, charge=charge,
+                             time_limit_s=SAFETY_NET_S)
             emit(f"fastest {gpus} {charge} {name}", fastest)
             cheap = search(cluster, models[name], None, gbs, 1, progress=False, objective="cost",
-                           min_tokens_per_s=0.6 * fastest.cost.tokens_per_s, charge=charge)
+                           min_tokens_per_s=0.6 * fastest.cost.tokens_per_s, charge=charge,
+                           time_limit_s=SAFETY_NET_S)
             emit(f"cost {gpus} {charge} {name}", cheap)
             for label, plan in (("throughput", fastest.plan), ("cost", cheap.plan)):
                 used = sorted({r.node for r in plan.ranks})
                 new = replan(plan, cluster.subset([n for n in names if n != used[0]]),
-                             models[name])
+                             models[name], time_limit_s=SAFETY_NET_S)
                 emit(f"replan {label} {gpus} {charge} {name} lost {used[0]}", new)
                 print(f"  moves {new.recovery_bytes} note {new.objective_note!r}", flush=True)
     for seed in range(12):
@@ -93,6 +101,7 @@ def main() -> None:
         best = attempt(lambda: exhaustive_optimum(*args, **case.space())[1])
         emit(f"exhaustive seed {seed}", best)
         emit(f"search seed {seed}", attempt(lambda: search(*args, progress=False,
+                                                           time_limit_s=SAFETY_NET_S,
                                                            **case.space())))
 
 

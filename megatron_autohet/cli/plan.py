@@ -6,7 +6,8 @@ import time
 
 from megatron_autohet.cli._common import (add_planning_arguments, floor_error, format_idle,
                                           format_plan_table, format_prediction,
-                                          load_planning_inputs, planning_options, search_end)
+                                          load_planning_inputs, planning_options,
+                                          print_cut_warning, search_end)
 from megatron_autohet.cost_model import annotate_plan
 
 
@@ -66,5 +67,6 @@ def run(args) -> int:
     print(format_plan_table(best.plan, cost))
     print(format_prediction(best.plan, cost, args.train_tokens))
     tp = ", ".join(f"{g} TP{t}" for g, t in best.tp_of_gpu.items())
+    print_cut_warning(best, args.time_limit)
     print(f"> searched in {elapsed:.1f} s ({tp}; {search_end(best)}); wrote {args.output}")
     return 0

@@ -6,7 +6,8 @@ from __future__ import annotations
 import time
 
 from megatron_autohet.cli._common import (check_output_path, format_plan_table, format_prediction,
-                                          load_profiles, positive, search_end)
+                                          load_profiles, positive, print_cut_warning,
+                                          search_end)
 from megatron_autohet.errors import ConfigError
 from megatron_autohet.plan import load_plan
 from megatron_autohet.spec import load_cluster, load_gpu_catalog, load_model
@@ -119,6 +120,7 @@ def run(args) -> int:
                                                  if floor else ""))
         if result.objective_warning:
             print(f"> WARNING: {result.objective_warning}")
+        print_cut_warning(result, args.time_limit or REPLAN_TIME_LIMIT_S)
         print(f"> compared {result.candidates} plans in {elapsed:.1f} s ({best}, tolerance "
               f"{args.tolerance:.0%}; search {search_end(result)}); wrote {args.output}")
     return 0

@@ -1,6 +1,6 @@
 """`autohet compare` says whether each search completed, in its table and in --json: ours as
-`autohet plan` says it (complete, work budget spent, cut by the safety net), the baselines'
-grids never cut."""
+`autohet plan` says it (complete, work budget spent, cut by the safety net, then with one
+WARNING line naming the flag to raise), the baselines' grids never cut."""
 
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ def test_a_complete_search_says_so(capsys):
     assert main(ARGS) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[-1].startswith("> searches: autohet (ours) complete, ")
+    assert not any(line.startswith("> WARNING:") for line in out)
     assert out[-1].endswith("SCIP nodes; baselines complete (every grid judged)")
     assert main(ARGS + ["--json"]) == 0
     data = json.loads(capsys.readouterr().out)
@@ -40,8 +41,11 @@ def test_a_cut_search_says_so(capsys, monkeypatch):
     ticks = iter(range(10 ** 9))
     monkeypatch.setattr(candidate, "clock", lambda: 1e6 * next(ticks))
     assert main(ARGS) == 0
-    line = capsys.readouterr().out.splitlines()[-1]
-    assert line.startswith("> searches: autohet (ours) cut by --time-limit"), line
+    out = capsys.readouterr().out.splitlines()
+    assert out[-1].startswith("> searches: autohet (ours) cut by --time-limit"), out[-1]
+    # loud, once: the flag to raise for the plan the work budget decides
+    warnings = [line for line in out if line.startswith("> WARNING:")]
+    assert warnings == [out[-2]] and "raise --time-limit (e.g. 240)" in out[-2], out
     ticks = iter(range(10 ** 9))
     assert main(ARGS + ["--json"]) == 0
     search = json.loads(capsys.readouterr().out)["autohet"]["search"]
