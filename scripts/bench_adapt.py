@@ -195,7 +195,7 @@ def compare_losses(run: list[dict], reference: list[dict], same_layout_until: in
             worst_ratio = max(worst_ratio, rel / ((i - same_layout_until) * microbatches
                                                   * UNIT_ROUNDOFF))
     logged = [r["iteration"] for r in run]
-    return {"iterations": iterations, "bitwise_until": same_layout_until,
+    return {"iterations": iterations, "bitwise_until": min(same_layout_until, last),
             "bitwise_equal_until": exact, "max_rel_diff": worst_rel,
             "max_over_bound": worst_ratio, "once_each": len(logged) == len(set(logged)),
             "missing_in_reference": missing,

@@ -162,6 +162,7 @@ def test_losses_must_match_bit_for_bit_on_one_layout_then_within_the_bound():
     assert not bench.compare_losses(run, ref[:4] + ref[5:], 3, 4)["equivalent"]   # one missing
     shorter = bench.compare_losses(run, ref[:4], 3, 4)      # compared over the reference's
     assert shorter["equivalent"] and shorter["iterations"] == 4
+    assert bench.compare_losses(run, ref[:2], 3, 4)["bitwise_until"] == 2   # what was compared
 
 
 @pytest.mark.unit
