@@ -29,19 +29,6 @@ below are bf16's.
   unsharded gradients (the re-sharding moves at least that much). A GPU runs its groups one after
   the other, groups of disjoint GPUs run concurrently: ``T_sync = max over GPUs of the sum of its
   groups' times``.
-* **Overlapped gradient sync** (a plan's ``overlap_grad_reduce``, Megatron-LM's
-  ``--overlap-grad-reduce``; runtime/grad_sync.py): a GPU launches its groups during the last
-  micro-batch's backward, in the runtime's launch order (the post-process part, the layers from
-  the last, the embeddings), each once its gradients are final and the one before it is done,
-  so only what the backward after a group cannot hide is charged. Over a stage of layers
-  ``[a, c)`` with backward ``b_s``, a layer run ``[lo, hi)`` is ready ``b_s (c - lo) / (c - a)``
-  into the backward (its lowest layer done; the layers share the backward evenly), the
-  post-process part at once, the embeddings at its end; a group's collective runs its time
-  above from ``max(ready, end of the one before)``, and the GPU is charged ``max(0, end of its
-  last - b_s)``. The distributed optimizer's weight all-gather comes after the step and is
-  never hidden. Not modelled: a group's members reaching it at different times (each GPU is
-  priced on its own backward), a run split into several buckets (priced as one: the estimate
-  hides less than the runtime may).
 * **Distributed optimizer** (a plan's ``use_distributed_optimizer``, Megatron-LM's
   ``--use-distributed-optimizer``; runtime/distributed_optimizer.py): each sync group of D ranks
   shards its parameters' master weights and Adam moments D ways. Its sync is a reduce-scatter of
@@ -64,6 +51,28 @@ below are bf16's.
   rank, for fleets that rent single GPUs. Nodes without a rank are not charged either way (a
   fleet can release them). USD per million tokens = rate / 3600 * T_iter / tokens per iteration
   * 1e6.
+* **Zones** (a cluster whose nodes name zones, spec/cluster.py): two nodes in different zones
+  are joined by ``Cluster.link``: the slower NIC or the zone link's bandwidth, whichever is
+  smaller, plus the zone link's latency and egress price (between zones of one region, or of
+  two regions). P2P: each of a micro-batch's two messages waits the latency, ``c_s = 2 *
+  b*s*h*2 / bw + 2 * latency``. Gradient sync: a group's ring visits each zone's members one
+  after the other, regions together (the cheapest ring; NCCL orders its rings by topology),
+  so a ring over z >= 2 zones has z edges between zones, each carrying what one member sends;
+  a zone link is shared by every sync group whose ring crosses that zone pair, each getting
+  ``bandwidth / k`` of it (k such groups), so the group's ``bw_min`` is the smaller of its
+  slowest node link and that share; each of the ring's ``2 (D-1)`` steps adds the slowest
+  crossed link's latency. Egress, USD per iteration (``PlanCost.egress_usd_per_iteration``):
+  every byte crossing a zone link at its price: per micro-batch and boundary between zones a
+  copy of the activation for each receiving TP rank and of its gradient for each sending one
+  (runtime/p2p.py), per sync group each ring edge between zones carrying ``2 (D-1)/D`` of the
+  fp32 gradients (the distributed optimizer: ``(D-1)/D`` of gradients and weights). USD per
+  million tokens = (rate / 3600 + egress per iteration / T_iter) / tokens/s * 1e6, which the
+  cost objective ranks by; ``usd_per_hour`` stays the GPUs' rate. Simplifications: the sync
+  groups crossing a zone pair are counted as if all ran at once (groups a GPU runs one after the
+  other included: pessimistic); P2P transfers are priced as if each boundary had the zone link
+  to itself (pipelines' sends interleave in 1F1B; the TP copies of one boundary share it in
+  truth), and P2P and gradient sync never overlap (they are phases of the iteration). A cluster
+  without zones crosses none of this: its figures are what they were.
 * **Slow GPUs** (a cluster's ``speeds``, spec/cluster.py: a straggler measured by the job or
   stated in the cluster file): a stage's ``f_s`` and ``b_s`` are divided by the speed of its
   slowest GPU (a TP group computes in lock step), so a GPU at 0.6x its type computes its stage
@@ -124,12 +133,12 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from megatron_autohet.errors import ConfigError
-from megatron_autohet.layout.topology import gradient_ready_key, sync_group_specs
+from megatron_autohet.layout.topology import sync_group_specs
 from megatron_autohet.plan import Plan, standard_warmup_depths
 from megatron_autohet.profiling.estimate import (MEMORY_EFFICIENCY, layer_param_count,
                                                  norm_param_count, ring_allreduce_s)
 from megatron_autohet.profiling.profile import PARTS, Profile, ProfileEntry
-from megatron_autohet.spec.cluster import Cluster
+from megatron_autohet.spec.cluster import Cluster, Link
 from megatron_autohet.spec.gpus import GPUType
 from megatron_autohet.spec.model import ModelSpec
 from megatron_autohet.spec.precision import MAIN_GRAD_BYTES, Precision
@@ -214,10 +223,11 @@ def activation_transfer_bytes(model: ModelSpec, micro_batch_size: int, seq_lengt
 
 
 def p2p_s(model: ModelSpec, micro_batch_size: int, seq_length: int, bandwidth_gbs: float,
-          precision: Precision) -> float:
-    """Per micro-batch: the activation forward plus its gradient backward over one boundary."""
+          precision: Precision, latency_s: float = 0.0) -> float:
+    """Per micro-batch: the activation forward plus its gradient backward over one boundary,
+    two messages, each waiting the link's latency (module doc, "Zones")."""
     return (2 * activation_transfer_bytes(model, micro_batch_size, seq_length, precision)
-            / (bandwidth_gbs * 1e9))
+            / (bandwidth_gbs * 1e9) + 2 * latency_s)
 
 
 def stage_param_count(entry: ProfileEntry, model: ModelSpec, num_layers: int, first: bool,
@@ -286,34 +296,6 @@ def grad_allreduce_s(param_count: float, holders: int, bandwidth_gbs: float) -> 
     return ring_allreduce_s(param_count * GRAD_BYTES_PER_PARAM, holders, bandwidth_gbs)
 
 
-def weight_all_gather_s(param_count: float, holders: int, bandwidth_gbs: float,
-                        precision: Precision) -> float:
-    """The distributed optimizer's all-gather of the updated weights in their dtype (the part
-    of :func:`grad_reduce_scatter_all_gather_s` after the step)."""
-    return ring_allreduce_s(param_count * precision.element_bytes, holders, bandwidth_gbs) / 2
-
-
-def overlapped_sync_s(backward_s: float, launches: list[tuple[float, float, float]]) -> float:
-    """A GPU's sync not hidden by its last backward (module doc, "Overlapped gradient sync"):
-    ``launches`` in launch order, each (ready after this many seconds of the backward, seconds
-    of its collective the backward can hide, seconds after the step)."""
-    end = 0.0
-    for ready, during, _ in launches:
-        end = max(end, ready) + during
-    return max(0.0, end - backward_s) + sum(after for _, _, after in launches)
-
-
-def sync_ready_s(kind: str, layers: tuple[int, int], stage_layers: tuple[int, int],
-                 backward_s: float) -> float:
-    """When a sync group's gradients are final in a stage's last backward (module doc)."""
-    if kind == "post_process":
-        return 0.0
-    if kind != "layers":
-        return backward_s               # the embeddings: the backward's end
-    a, c = stage_layers
-    return backward_s * (c - max(layers[0], a)) / (c - a)
-
-
 def grad_reduce_scatter_all_gather_s(param_count: float, holders: int, bandwidth_gbs: float,
                                      precision: Precision) -> float:
     """The distributed optimizer's sync: reduce-scatter of the fp32 gradients, all-gather of the
@@ -348,8 +330,7 @@ class StageCost:
     param_count: int            # per GPU
     memory_gib: float           # peak per GPU
     memory_limit_gib: float
-    sync_s: float               # gradient collectives of its busiest GPU, one after the other
-                                # (with overlap_grad_reduce: what the backward does not hide)
+    sync_s: float               # gradient all-reduces of its busiest GPU, one after the other
     optimizer_s: float
     timeline: list[TimelineEvent] = field(default_factory=list)
 
@@ -388,6 +369,9 @@ class PlanCost:
     # when a used node has no spot price.
     usd_per_hour: float | None = None
     charge: str = DEFAULT_CHARGE
+    # USD per iteration of the bytes crossing zones (module doc, "Zones"); in
+    # ``usd_per_million_tokens``, not in ``usd_per_hour`` (the GPUs' rate)
+    egress_usd_per_iteration: float = 0.0
 
     def hours_to_train(self, tokens: float) -> float:
         return tokens / self.tokens_per_s / 3600
@@ -420,7 +404,48 @@ class PlanCost:
                 "usd_per_hour": (None if self.usd_per_hour is None
                                  else round(self.usd_per_hour, 6)),
                 "charge": self.charge,
-                "profile_sources": {k: dict(v) for k, v in self.sources.items()}}
+                "profile_sources": {k: dict(v) for k, v in self.sources.items()},
+                # only where bytes cross zones: a plan without is what it always was
+                **({"egress_usd_per_iteration": float(f"{self.egress_usd_per_iteration:.9g}")}
+                   if self.egress_usd_per_iteration else {})}
+
+
+@dataclass(frozen=True)
+class SyncRing:
+    """What a sync group's ring crosses (:func:`_sync_rings`)."""
+
+    bandwidth_gbs: float        # the slowest link a member's sends take, a zone link's share
+    latency_s: float            # the slowest crossed link's, paid per ring step
+    egress_usd_per_gb: float    # the sum over the ring's edges between zones of their prices
+
+
+def _ring_zone_edges(cluster: Cluster, nodes: list[str]) -> list[tuple[str, str]]:
+    """The edges between zones of a ring over these nodes (sorted zone pairs): the ring visits
+    each zone's members one after the other, regions together (module doc, "Zones")."""
+    zones = sorted({cluster.node(n).zone for n in nodes},
+                   key=lambda z: (cluster.regions[z], z)) if cluster.regions else []
+    if len(zones) < 2:
+        return []
+    return [tuple(sorted((a, b))) for a, b in zip(zones, zones[1:] + zones[:1])]
+
+
+def _sync_rings(cluster: Cluster, groups_nodes: list[list[str]]) -> list[SyncRing]:
+    """Each sync group's ring (module doc, "Zones"): its slowest node link
+    (:func:`_slowest_link_gbs`), and where it crosses zones each zone link's bandwidth shared
+    by every group crossing that zone pair, the slowest crossed latency, the edges' prices."""
+    edges = [_ring_zone_edges(cluster, nodes) for nodes in groups_nodes]
+    sharing = Counter(pair for ring in edges for pair in set(ring))
+    out = []
+    for nodes, ring in zip(groups_nodes, edges):
+        bw = _slowest_link_gbs(cluster, nodes)
+        if not ring:
+            out.append(SyncRing(bw, 0.0, 0.0))
+            continue
+        crossed = {pair: cluster.zone_link(*pair) for pair in ring}
+        bw = min([bw] + [link.bandwidth_gbs / sharing[pair] for pair, link in crossed.items()])
+        out.append(SyncRing(bw, max(link.latency_ms for link in crossed.values()) / 1e3,
+                            sum(crossed[pair].egress_usd_per_gb for pair in ring)))
+    return out
 
 
 def _slowest_link_gbs(cluster: Cluster, ranks_nodes: list[str]) -> float:
@@ -491,8 +516,8 @@ def _unsharded_state_params(groups: list[tuple]) -> dict[int, float]:
 
 def _stage_shape(plan: Plan, cluster: Cluster, profile: Profile, memory_headroom: float,
                  sources: dict[str, dict[str, str]], gpu: str, tp: int, num_layers: int,
-                 first: bool, last: bool, bw: float | None, in_flight: int, away: float,
-                 speed: float) -> tuple:
+                 first: bool, last: bool, bw: float | None, latency_s: float, in_flight: int,
+                 away: float, speed: float) -> tuple:
     """(forward, backward, P2P seconds, parameters, peak GiB, usable GiB, optimizer seconds) of
     a stage of this shape (evaluate_plan); records its profile entry's sources. ``speed``: its
     slowest GPU's (module doc, "Slow GPUs")."""
@@ -503,7 +528,7 @@ def _stage_shape(plan: Plan, cluster: Cluster, profile: Profile, memory_headroom
     fwd, bwd = stage_compute_s(entry, num_layers, first, last, plan.activation_recompute)
     fwd, bwd = fwd / speed, bwd / speed
     comm = 0.0 if bw is None else p2p_s(model, plan.micro_batch_size, plan.seq_length, bw,
-                                        precision)
+                                        precision, latency_s)
     params = stage_param_count(entry, model, num_layers, first, last)
     # the elements whose master weight and moments this GPU keeps (all without sharding)
     state_params = params - away
@@ -524,7 +549,6 @@ def evaluate_plan(plan: Plan, cluster: Cluster, profile: Profile, with_timeline:
     precision = profile.precision
     node_of = [r.node for r in plan.ranks]
     groups = _sync_group_params(plan, with_local=plan.use_distributed_optimizer)
-    spec_order = {id(spec): i for i, (spec, *_) in enumerate(groups)}     # plan order
     unsharded = _unsharded_state_params(groups) if plan.use_distributed_optimizer else {}
     pipelines: list[PipelineCost] = []
     stage_of_rank: dict[int, StageCost] = {}
@@ -533,7 +557,11 @@ def evaluate_plan(plan: Plan, cluster: Cluster, profile: Profile, with_timeline:
     # to the next stage, micro-batches in flight, optimizer state moved away): computed once
     # per shape, since a plan of thousands of GPUs repeats a few shapes hundreds of times.
     shapes: dict[tuple, tuple] = {}
-    links: dict[tuple[str, str], float] = {}
+    links: dict[tuple[str, str], Link] = {}
+    # USD of the bytes crossing zones per iteration (module doc, "Zones")
+    egress_usd = 0.0
+    activation_bytes = activation_transfer_bytes(plan.model, plan.micro_batch_size,
+                                                 plan.seq_length, precision)
     simulated: dict[tuple, tuple[float, list[list[TimelineEvent]]]] = {}
     standards: dict[tuple[int, int], list[int]] = {}
     for p, pipe in enumerate(plan.pipelines):
@@ -548,19 +576,25 @@ def evaluate_plan(plan: Plan, cluster: Cluster, profile: Profile, with_timeline:
         for s, stage in enumerate(pipe.stages):
             gpu, tp = plan.ranks[stage.ranks[0]].gpu, len(stage.ranks)
             first, last = s == 0, s == S - 1
-            bw = None
+            bw, latency = None, 0.0
             if not last:
-                pair = (node_of[stage.ranks[0]], node_of[pipe.stages[s + 1].ranks[0]])
-                bw = links.get(pair)
-                if bw is None:
-                    bw = links[pair] = cluster.link(*pair).bandwidth_gbs
+                after = pipe.stages[s + 1]
+                pair = (node_of[stage.ranks[0]], node_of[after.ranks[0]])
+                link = links.get(pair)
+                if link is None:
+                    link = links[pair] = cluster.link(*pair)
+                bw, latency = link.bandwidth_gbs, link.latency_s
+                # forward, a copy for each receiving TP rank; backward, one for each sending
+                # TP rank (runtime/p2p.py)
+                egress_usd += (m * (len(after.ranks) + len(stage.ranks)) * activation_bytes
+                               / 1e9 * link.egress_usd_per_gb)
             in_flight = min(depths[s] + 1, m)
             away = unsharded.get(stage.ranks[0], 0.0)
             # a TP group computes in lock step: at its slowest GPU's speed
             speed = min(cluster.speed(plan.ranks[r].node, plan.ranks[r].local_rank)
                         for r in stage.ranks) if cluster.speeds else 1.0
-            key = (gpu, tp, stage.layers[1] - stage.layers[0], first, last, bw, in_flight, away,
-                   speed)
+            key = (gpu, tp, stage.layers[1] - stage.layers[0], first, last, bw, latency,
+                   in_flight, away, speed)
             shape = shapes.get(key)
             if shape is None:
                 shape = shapes[key] = _stage_shape(plan, cluster, profile, memory_headroom,
@@ -597,34 +631,29 @@ def evaluate_plan(plan: Plan, cluster: Cluster, profile: Profile, with_timeline:
     # Layer-wise gradient sync: charge each group's collectives to every GPU in it (the TP ranks
     # of a stage sync their shards in separate, concurrent groups); a stage reports its busiest GPU.
     sync_of_rank = {r: 0.0 for r in stage_of_rank}
-    # with overlap_grad_reduce: each GPU's groups, (ready, hideable, after the step) seconds
-    launches_of_rank: dict[int, list[tuple[tuple, float, float, float]]] = {
-        r: [] for r in stage_of_rank}
     # An asymmetric group also has a zero full-size fp32 staging buffer on every member
     # (runtime/grad_sync.py): its bytes add to the stage's peak.
     staging_of_rank = {r: 0.0 for r in stage_of_rank}
     stage_bytes = {id(c): c.memory_gib * GIB for c in stage_of_rank.values()}
-    for spec, group, params, _ in groups:
+    rings = _sync_rings(cluster, [[node_of[r] for r in group] for _, group, _, _ in groups])
+    for (spec, group, params, _), ring in zip(groups, rings):
         holders = len(spec.holders)
-        bw = _slowest_link_gbs(cluster, [node_of[r] for r in group])
+        bw = ring.bandwidth_gbs
         t = (grad_reduce_scatter_all_gather_s(params, holders, bw, precision)
              if plan.use_distributed_optimizer else grad_allreduce_s(params, holders, bw))
-        after = (weight_all_gather_s(params, holders, bw, precision)
-                 if plan.use_distributed_optimizer else 0.0)
+        # each of the ring's 2 (D - 1) steps waits for its slowest crossed link's latency
+        t += 2 * (holders - 1) * ring.latency_s
+        if ring.egress_usd_per_gb:
+            # every ring edge carries what one member sends: (D - 1) / D of the gradients
+            # twice (all-reduce), or of the gradients and the weights (distributed optimizer)
+            sent = (holders - 1) / holders * params * (
+                GRAD_BYTES_PER_PARAM + precision.element_bytes if plan.use_distributed_optimizer
+                else 2 * GRAD_BYTES_PER_PARAM)
+            egress_usd += sent / 1e9 * ring.egress_usd_per_gb
         for r in group:
             sync_of_rank[r] += t
-            if plan.overlap_grad_reduce:
-                stage = stage_of_rank[r]
-                order = (-gradient_ready_key(spec), spec_order[id(spec)])
-                launches_of_rank[r].append((order, sync_ready_s(
-                    spec.kind, spec.layers, stage.layers, stage.backward_s), t - after, after))
             if not spec.symmetric:
                 staging_of_rank[r] += params * GRAD_BYTES_PER_PARAM
-    if plan.overlap_grad_reduce:
-        for r, launches in launches_of_rank.items():
-            launches.sort(key=lambda launch: launch[0])     # the runtime's launch order
-            sync_of_rank[r] = overlapped_sync_s(stage_of_rank[r].backward_s,
-                                                [launch[1:] for launch in launches])
     for r, t in sync_of_rank.items():
         stage_of_rank[r].sync_s = max(stage_of_rank[r].sync_s, t)
     for r, extra in staging_of_rank.items():
@@ -643,9 +672,9 @@ def evaluate_plan(plan: Plan, cluster: Cluster, profile: Profile, with_timeline:
         if (d.node, d.local_rank) not in used:
             idle[d.gpu] = idle.get(d.gpu, 0) + 1
     rate = usd_per_hour(plan, cluster, charge)
-    usd = None if rate is None else rate / 3600 / tokens * 1e6
+    usd = None if rate is None else (rate / 3600 + egress_usd / iteration) / tokens * 1e6
     return PlanCost(iteration, pipeline_time, sync, opt, tokens, pipelines, idle, usd, sources,
-                    memory_headroom, rate, charge)
+                    memory_headroom, rate, charge, egress_usd)
 
 
 def usd_per_hour(plan: Plan, cluster: Cluster, charge: str = DEFAULT_CHARGE) -> float | None:

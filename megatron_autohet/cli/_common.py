@@ -360,7 +360,10 @@ def format_prediction(plan, cost=None, train_tokens: float | None = None) -> str
                         predicted else "")
                      + ("(spot prices of every GPU of the nodes used, idle ones included: "
                         "--charge per-node)" if charge == "per-node" else
-                        "(spot prices of the GPUs used: --charge per-gpu)"))
+                        "(spot prices of the GPUs used: --charge per-gpu)")
+                     + (f" + ${predicted['egress_usd_per_iteration']:.4g} of egress per "
+                        "iteration (bytes crossing zones)"
+                        if "egress_usd_per_iteration" in predicted else ""))
     said = objective_of(plan).describe(predicted)
     if said is not None:
         lines.append(f"  objective: {said}; its re-plans keep it")
@@ -373,20 +376,6 @@ def format_prediction(plan, cost=None, train_tokens: float | None = None) -> str
             f"{key} " + "/".join(dict.fromkeys(parts.values()))
             for key, parts in predicted["profile_sources"].items()))
     return "\n".join(lines)
-
-
-def print_cut_warning(cand, time_limit_s: float) -> None:
-    """One WARNING line when the safety net, not the work budget, ended the search: its plan
-    then depends on the machine's speed and load, so the line names the flag that lets the
-    work budget decide."""
-    # pyscipopt: not at `autohet` start-up
-    from megatron_autohet.planner.candidate import STOP_TIME
-
-    if cand.stopped_by == STOP_TIME:
-        print(f"> WARNING: --time-limit {time_limit_s:g} s cut the search before its work "
-              "budget ended it (a slow or loaded machine): the plan may differ on another "
-              f"machine or at another load; raise --time-limit (e.g. {4 * time_limit_s:g}) "
-              "for the plan the work budget decides")
 
 
 def search_end(cand) -> str:

@@ -6,8 +6,7 @@ import json
 
 from megatron_autohet.cli._common import (add_planning_arguments, counted, floor_error,
                                           format_hours, format_idle, format_tokens,
-                                          load_planning_inputs, planning_options,
-                                          print_cut_warning, search_end)
+                                          load_planning_inputs, planning_options, search_end)
 from megatron_autohet.cli._table import format_table
 
 
@@ -79,7 +78,9 @@ def run(args) -> int:
     priced = result.cost.usd_per_million_tokens is not None
     header = ["plan", "iteration s", "tokens/s"]
     if priced:
-        header.append(f"$/1M tokens ({options['charge']})")
+        # on a fleet across zones the price includes the egress of the bytes crossing them
+        header.append(f"$/1M tokens ({options['charge']}"
+                      + (", egress included)" if cluster.regions else ")"))
     if args.train_tokens is not None:
         header.append(f"time to train {format_tokens(args.train_tokens)}")
         header += ["$ to train"] if priced else []
@@ -113,7 +114,6 @@ def run(args) -> int:
     print(format_table(header, rows))
     # whether each search completed: ours as `autohet plan` says it; the baselines judge
     # every grid (or bound it out), never cut
-    print_cut_warning(result, args.time_limit)
     print(f"> searches: autohet (ours) {search_end(result)}; baselines complete (every grid "
           f"judged)")
     if args.output:

@@ -30,6 +30,8 @@ class BaselineResult:
                 "usd_per_million_tokens": (self.cost.usd_per_million_tokens if self.cost
                                            else None),
                 "usd_per_hour": self.cost.usd_per_hour if self.cost else None,
+                "egress_usd_per_iteration": (self.cost.egress_usd_per_iteration if self.cost
+                                             else None),
                 "speedup": self.speedup,
                 "idle_gpus": dict(self.cost.idle_gpus) if self.cost else None,
                 # a baseline's grids are all judged (or bounded out, exactly): never cut
@@ -58,6 +60,7 @@ class Comparison:
                             "tokens_per_s": self.cost.tokens_per_s,
                             "usd_per_million_tokens": self.cost.usd_per_million_tokens,
                             "usd_per_hour": self.cost.usd_per_hour,
+                            "egress_usd_per_iteration": self.cost.egress_usd_per_iteration,
                             "charge": self.cost.charge,
                             "pipelines": len(self.plan.pipelines),
                             "activation_recompute": self.plan.activation_recompute,

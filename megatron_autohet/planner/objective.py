@@ -13,7 +13,9 @@ exhaustive oracle (testing/exhaustive.py) ask the objective and never compare it
   (throughput_search.py).
 * :class:`Cost`: the fewest USD per million tokens among the plans reaching a throughput floor
   (``min_tokens_per_s``; None: none, the degenerate cheapest plan), by the cost search
-  (cost_search.py), within ``max_searches`` throughput searches.
+  (cost_search.py), within ``max_searches`` throughput searches. The price is the cost model's
+  ``usd_per_million_tokens``: the GPUs' rate and, on a fleet across zones, the egress of the
+  bytes crossing them (cost_model.py, "Zones").
 
 Adding one: its class, registered in :data:`OBJECTIVES`, its name in plan.py's OBJECTIVES (the
 plan file's vocabulary, which plan.py validates and the CLI offers without importing the
