@@ -29,6 +29,19 @@ below are bf16's.
   unsharded gradients (the re-sharding moves at least that much). A GPU runs its groups one after
   the other, groups of disjoint GPUs run concurrently: ``T_sync = max over GPUs of the sum of its
   groups' times``.
+* **Overlapped gradient sync** (a plan's ``overlap_grad_reduce``, Megatron-LM's
+  ``--overlap-grad-reduce``; runtime/grad_sync.py): a GPU launches its groups during the last
+  micro-batch's backward, in the runtime's launch order (the post-process part, the layers from
+  the last, the embeddings), each once its gradients are final and the one before it is done,
+  so only what the backward after a group cannot hide is charged. Over a stage of layers
+  ``[a, c)`` with backward ``b_s``, a layer run ``[lo, hi)`` is ready ``b_s (c - lo) / (c - a)``
+  into the backward (its lowest layer done; the layers share the backward evenly), the
+  post-process part at once, the embeddings at its end; a group's collective runs its time
+  above from ``max(ready, end of the one before)``, and the GPU is charged ``max(0, end of its
+  last - b_s)``. The distributed optimizer's weight all-gather comes after the step and is
+  never hidden. Not modelled: a group's members reaching it at different times (each GPU is
+  priced on its own backward), a run split into several buckets (priced as one: the estimate
+  hides less than the runtime may).
 * **Distributed optimizer** (a plan's ``use_distributed_optimizer``, Megatron-LM's
   ``--use-distributed-optimizer``; runtime/distributed_optimizer.py): each sync group of D ranks
   shards its parameters' master weights and Adam moments D ways. Its sync is a reduce-scatter of
@@ -133,7 +146,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from megatron_autohet.errors import ConfigError
-from megatron_autohet.layout.topology import sync_group_specs
+from megatron_autohet.layout.topology import gradient_ready_key, sync_group_specs
 from megatron_autohet.plan import Plan, standard_warmup_depths
 from megatron_autohet.profiling.estimate import (MEMORY_EFFICIENCY, layer_param_count,
                                                  norm_param_count, ring_allreduce_s)
@@ -296,6 +309,34 @@ def grad_allreduce_s(param_count: float, holders: int, bandwidth_gbs: float) -> 
     return ring_allreduce_s(param_count * GRAD_BYTES_PER_PARAM, holders, bandwidth_gbs)
 
 
+def weight_all_gather_s(param_count: float, holders: int, bandwidth_gbs: float,
+                        precision: Precision) -> float:
+    """The distributed optimizer's all-gather of the updated weights in their dtype (the part
+    of :func:`grad_reduce_scatter_all_gather_s` after the step)."""
+    return ring_allreduce_s(param_count * precision.element_bytes, holders, bandwidth_gbs) / 2
+
+
+def overlapped_sync_s(backward_s: float, launches: list[tuple[float, float, float]]) -> float:
+    """A GPU's sync not hidden by its last backward (module doc, "Overlapped gradient sync"):
+    ``launches`` in launch order, each (ready after this many seconds of the backward, seconds
+    of its collective the backward can hide, seconds after the step)."""
+    end = 0.0
+    for ready, during, _ in launches:
+        end = max(end, ready) + during
+    return max(0.0, end - backward_s) + sum(after for _, _, after in launches)
+
+
+def sync_ready_s(kind: str, layers: tuple[int, int], stage_layers: tuple[int, int],
+                 backward_s: float) -> float:
+    """When a sync group's gradients are final in a stage's last backward (module doc)."""
+    if kind == "post_process":
+        return 0.0
+    if kind != "layers":
+        return backward_s               # the embeddings: the backward's end
+    a, c = stage_layers
+    return backward_s * (c - max(layers[0], a)) / (c - a)
+
+
 def grad_reduce_scatter_all_gather_s(param_count: float, holders: int, bandwidth_gbs: float,
                                      precision: Precision) -> float:
     """The distributed optimizer's sync: reduce-scatter of the fp32 gradients, all-gather of the
@@ -330,7 +371,8 @@ class StageCost:
     param_count: int            # per GPU
     memory_gib: float           # peak per GPU
     memory_limit_gib: float
-    sync_s: float               # gradient all-reduces of its busiest GPU, one after the other
+    sync_s: float               # gradient collectives of its busiest GPU, one after the other
+                                # (with overlap_grad_reduce: what the backward does not hide)
     optimizer_s: float
     timeline: list[TimelineEvent] = field(default_factory=list)
 
@@ -549,6 +591,7 @@ def evaluate_plan(plan: Plan, cluster: Cluster, profile: Profile, with_timeline:
     precision = profile.precision
     node_of = [r.node for r in plan.ranks]
     groups = _sync_group_params(plan, with_local=plan.use_distributed_optimizer)
+    spec_order = {id(spec): i for i, (spec, *_) in enumerate(groups)}     # plan order
     unsharded = _unsharded_state_params(groups) if plan.use_distributed_optimizer else {}
     pipelines: list[PipelineCost] = []
     stage_of_rank: dict[int, StageCost] = {}
@@ -631,6 +674,9 @@ def evaluate_plan(plan: Plan, cluster: Cluster, profile: Profile, with_timeline:
     # Layer-wise gradient sync: charge each group's collectives to every GPU in it (the TP ranks
     # of a stage sync their shards in separate, concurrent groups); a stage reports its busiest GPU.
     sync_of_rank = {r: 0.0 for r in stage_of_rank}
+    # with overlap_grad_reduce: each GPU's groups, (ready, hideable, after the step) seconds
+    launches_of_rank: dict[int, list[tuple[tuple, float, float, float]]] = {
+        r: [] for r in stage_of_rank}
     # An asymmetric group also has a zero full-size fp32 staging buffer on every member
     # (runtime/grad_sync.py): its bytes add to the stage's peak.
     staging_of_rank = {r: 0.0 for r in stage_of_rank}
@@ -650,10 +696,22 @@ def evaluate_plan(plan: Plan, cluster: Cluster, profile: Profile, with_timeline:
                 GRAD_BYTES_PER_PARAM + precision.element_bytes if plan.use_distributed_optimizer
                 else 2 * GRAD_BYTES_PER_PARAM)
             egress_usd += sent / 1e9 * ring.egress_usd_per_gb
+        after = (weight_all_gather_s(params, holders, bw, precision)
+                 if plan.use_distributed_optimizer else 0.0)
         for r in group:
             sync_of_rank[r] += t
+            if plan.overlap_grad_reduce:
+                stage = stage_of_rank[r]
+                order = (-gradient_ready_key(spec), spec_order[id(spec)])
+                launches_of_rank[r].append((order, sync_ready_s(
+                    spec.kind, spec.layers, stage.layers, stage.backward_s), t - after, after))
             if not spec.symmetric:
                 staging_of_rank[r] += params * GRAD_BYTES_PER_PARAM
+    if plan.overlap_grad_reduce:
+        for r, launches in launches_of_rank.items():
+            launches.sort(key=lambda launch: launch[0])     # the runtime's launch order
+            sync_of_rank[r] = overlapped_sync_s(stage_of_rank[r].backward_s,
+                                                [launch[1:] for launch in launches])
     for r, t in sync_of_rank.items():
         stage_of_rank[r].sync_s = max(stage_of_rank[r].sync_s, t)
     for r, extra in staging_of_rank.items():

@@ -378,6 +378,20 @@ def format_prediction(plan, cost=None, train_tokens: float | None = None) -> str
     return "\n".join(lines)
 
 
+def print_cut_warning(cand, time_limit_s: float) -> None:
+    """One WARNING line when the safety net, not the work budget, ended the search: its plan
+    then depends on the machine's speed and load, so the line names the flag that lets the
+    work budget decide."""
+    # pyscipopt: not at `autohet` start-up
+    from megatron_autohet.planner.candidate import STOP_TIME
+
+    if cand.stopped_by == STOP_TIME:
+        print(f"> WARNING: --time-limit {time_limit_s:g} s cut the search before its work "
+              "budget ended it (a slow or loaded machine): the plan may differ on another "
+              f"machine or at another load; raise --time-limit (e.g. {4 * time_limit_s:g}) "
+              "for the plan the work budget decides")
+
+
 def search_end(cand) -> str:
     """How the search that found ``cand`` ended, in words."""
     # pyscipopt: not at `autohet` start-up

@@ -6,7 +6,8 @@ import json
 
 from megatron_autohet.cli._common import (add_planning_arguments, counted, floor_error,
                                           format_hours, format_idle, format_tokens,
-                                          load_planning_inputs, planning_options, search_end)
+                                          load_planning_inputs, planning_options,
+                                          print_cut_warning, search_end)
 from megatron_autohet.cli._table import format_table
 
 
@@ -114,6 +115,7 @@ def run(args) -> int:
     print(format_table(header, rows))
     # whether each search completed: ours as `autohet plan` says it; the baselines judge
     # every grid (or bound it out), never cut
+    print_cut_warning(result, args.time_limit)
     print(f"> searches: autohet (ours) {search_end(result)}; baselines complete (every grid "
           f"judged)")
     if args.output:
