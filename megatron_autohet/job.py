@@ -153,8 +153,8 @@ class TrainOptions:
         flag (``flags``: the front end's spelling of :data:`FLAGS`, ``source``: its input) with
         the optimizer's and the checkpoints' own checks; returns the options. ``no_replan``:
         why this front end refuses ``--autohet-adapt replan`` (pretrain_gpt.py's: Megatron-LM's
-        loop owns the iterations); an elastic job refuses it too, and a job without a
-        checkpoint location (the switch moves the state through it)."""
+        loop owns the iterations); a job without a checkpoint location refuses it too (the
+        switch moves the state through it)."""
         flags = {**FLAGS, **(flags or {})}
         positive(self.iters, flags["iters"], source)
         # probability(): "<command line>", both front ends' dropout flags are spelled alike
@@ -221,10 +221,6 @@ class TrainOptions:
         if no_replan is not None:
             raise ConfigError(source, flags["adapt"], f"replan is not available {no_replan}",
                               _NO_REPLAN)
-        if self.elastic is not None:
-            raise ConfigError(source, flags["adapt"], "replan is not yet available on an "
-                              "elastic job (autohet node): its generations switch plans on a "
-                              "fleet's change only", _NO_REPLAN)
         if not self.checkpoint.saving:
             # The switch saves the iteration and the new plan recovers it (any plan's step into
             # any other plan): through the job's own checkpoints, not a hidden second copy.
@@ -313,10 +309,10 @@ def measure_flags(prefix: str = "") -> list[tuple[tuple[str, ...], dict]]:
             help=prefix + "at every window's end re-plan the fleet on what the window measured "
                           "(the GPU types' times, the stragglers) and decide whether switching "
                           "pays back over the iterations left: off; log (the default: one "
-                          "'adapt' line per decision, nothing switched); replan (autohet "
-                          "train with --save or --autohet-local-ckpt-dir: the job switches to "
-                          "the re-plan in its processes, through a checkpoint of the "
-                          "iteration)")),
+                          "'adapt' line per decision, nothing switched); replan (with --save "
+                          "or --autohet-local-ckpt-dir, which an elastic job has: the job "
+                          "switches to the re-plan in its processes, through a checkpoint of "
+                          "the iteration)")),
     ]
 
 

@@ -35,6 +35,15 @@ ranks. It cannot see GPU types and its ranks are not stable, so on every (re)sta
    So a preemption with notice or a join loses no iteration; a node lost without notice (its
    peers' collectives fail, the survivors exit, torchrun starts a new round) loses the
    iterations since the last save.
+5. **Adapt** (``--autohet-adapt replan``): at a window's end whose decision (the plan's rank
+   0's, planner/adapt.py) says SWITCH, every rank learns it and the new plan (plan_switch.py's
+   switch agreement, wrapping the stop check above), stops after that iteration and saves it;
+   the checkpoint files of nodes the new plan leaves idle go to nodes that train in it, on the
+   old process group; the new plan's ranks make its process group in the same processes and
+   recover that iteration, the decisions' hysteresis going on from the switch. The members do
+   not change: a GPU the new plan leaves idle keeps its worker as a standby (below). A fleet
+   change at the same iteration (a notice, a signal) wins over the switch: the decision priced
+   the fleet that is changing, and the fleet's re-plan plans the fleet that stays.
 
 A GPU the plan leaves idle keeps its worker waiting until the job ends (its agent stays in the
 rendezvous, so the GPU is used at the next re-plan). When the fleet present has no plan (no GPU
@@ -48,6 +57,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import time
 from collections import Counter
@@ -76,7 +86,10 @@ from megatron_autohet.elastic.stop import StopDecision, StopRequests, stop_group
 from megatron_autohet.errors import ConfigError, JobConfigError
 from megatron_autohet.job import init_backend, job_dashboard, job_precision, train_job
 from megatron_autohet.plan import Plan, plan_from_dict
-from megatron_autohet.plan_switch import host_generation_store, join_generation_store
+# _PlanSwitch: autohet train's switch agreement, one decision protocol for both front ends
+from megatron_autohet.plan_switch import (_PlanSwitch, host_generation_store,
+                                          join_generation_store)
+from megatron_autohet.planner.adapt import Adapter
 from megatron_autohet.planner.replan import replan
 from megatron_autohet.runtime.cpu_mode import cpu_mode_required
 from megatron_autohet.runtime.device import device_index, free_memory, select_device
@@ -152,11 +165,21 @@ def _s3_step(options) -> dict | None:
 
 
 @dataclass(frozen=True)
+class _Adapted:
+    """An adapt switch agreed and its iteration saved: the next generation's plan on the same
+    members, the store its process group meets on (None: idle in it) and the hysteresis."""
+    plan: Plan
+    store: object
+    adapter_state: dict
+
+
+@dataclass(frozen=True)
 class _Ended:
     """How a generation (one plan in this process) ended, in plain values."""
     last: int                           # the last iteration trained
-    decision: StopDecision | None       # None: the job trained to its end
+    decision: StopDecision | None       # None: the job trained to its end (or adapted)
     warm: tuple | None                  # after an in-process re-plan: (plan, members, store, host)
+    adapted: _Adapted | None = None     # after an adapt switch
 
 
 class NoPlan(Exception):
@@ -317,12 +340,18 @@ class ElasticWorker:
         # Who hosts the store the workers finish on (members: the workers that finish the job).
         store_host = self.rank == 0
         generation = 0
+        # The store the generation's process group meets on (an adapt switch's own, hosted by a
+        # rank of the new plan: the members' store stays the one the standbys wait on), and the
+        # adaptation's hysteresis an adapt switch carries over.
+        group_store, adapter_state, adapted = store, {}, False
         while True:
             ranks = plan_ranks(plan, members)
             plan_rank = ranks[members.index(self.me)]
             # From here on the plan's rank 0 reports (torchrun's rank 0 may be idle).
             self.events = self._log(plan_rank == 0)
-            if None in ranks:
+            if None in ranks and not adapted:
+                # (after an adapt switch the old plan's ranks moved the files already: the
+                # standbys of before wait in _idle and take part in no handover)
                 self._hand_over(store, plan, members)
             if plan_rank is None:
                 return self._idle(store, host=store_host, expected=len(members))
@@ -338,9 +367,9 @@ class ElasticWorker:
             dist.init_process_group("gloo" if on_cpu else "nccl", rank=plan_rank,
                                     world_size=plan.world_size, timeout=self.options.timeout,
                                     store=dist.PrefixStore(f"{_PREFIX}train/{generation}/",
-                                                           store))
+                                                           group_store))
             try:
-                ended = self._generation(plan, plan_rank, members)
+                ended = self._generation(plan, plan_rank, members, adapter_state)
             except JobConfigError as err:
                 # Every rank raised it from the same plan, flags and steps (no step the fleet
                 # present can serve: a node lost without notice held the only copy of its
@@ -352,18 +381,24 @@ class ElasticWorker:
                 return stop_for_good(failed.line)
             finally:
                 dist.destroy_process_group()
-            if ended.decision is None:
+            adapted = ended.adapted is not None
+            if adapted:
+                plan, group_store = ended.adapted.plan, ended.adapted.store
+                adapter_state = ended.adapted.adapter_state
+            elif ended.decision is None:
                 self._finish(store, ended.last if plan_rank == 0 else None, host=store_host,
                              expected=len(members))
                 return 0
-            if ended.decision.leaving:
+            elif ended.decision.leaving:
                 # Leave the job: with all its workers done, our agent waits in torchrun's exit
                 # barrier (counted there, so the others' barrier at the job's end completes)
                 # until the machine goes; it takes part in no further rendezvous round.
                 return 0
-            if ended.warm is None:
+            elif ended.warm is None:
                 return EXIT_REPLAN
-            plan, members, store, store_host = ended.warm
+            else:
+                plan, members, store, store_host = ended.warm
+                group_store, adapter_state = store, {}
             generation += 1
 
     def _drift_event(self, report) -> None:
@@ -374,27 +409,47 @@ class ElasticWorker:
 
     def _adapt_event(self, decision) -> None:
         """Every window's adaptation decision (planner/adapt.py ``AdaptDecision``, with
-        ``--autohet-adapt log``, on the plan's rank 0): one ``adapt`` event."""
+        ``--autohet-adapt log`` or ``replan``, on the plan's rank 0): one ``adapt`` event."""
         message, fields = decision.event()
         self.events.emit("adapt", message, **fields)
 
-    def _generation(self, plan: Plan, plan_rank: int, members: list[Member]) -> _Ended:
+    def _generation(self, plan: Plan, plan_rank: int, members: list[Member],
+                    adapter_state: dict) -> _Ended:
         """Train ``plan`` on the initialised default group until the job ends or stops; after a
-        notice, evacuate and re-plan on that group. What it returns holds nothing of the
+        notice, evacuate and re-plan on that group; after an adapt switch, hand the idle nodes'
+        files over on it (:meth:`_adapt_switch`). What it returns holds nothing of the
         generation's model: its trainer, optimizer and buffers are freed before the files move
         and the re-plan, so the next generation in this process starts from the memory the
-        first one had (survivors that take more layers need it)."""
+        first one had (survivors that take more layers need it). ``adapter_state``: the
+        adaptation's hysteresis so far (``--autohet-adapt replan``; {}: a new one)."""
         stop = None
 
         def make_stop_check(checkpointer):
             nonlocal stop
             stop = _StopCheck(self, checkpointer)
             return stop
+        switch, adapter, on_adapt, switched = None, None, self._adapt_event, []
+        if self.options.adapt == "replan" and self.options.measure_window:
+            # the plan's rank 0 decides (job.adapt_sink), every rank learns it (_PlanSwitch)
+            adapter = Adapter(**adapter_state) if plan_rank == 0 else None
+            switch = _PlanSwitch(plan, plan_rank, self.options, make_stop_check, adapter, None)
+
+            def on_adapt(decision):
+                self._adapt_event(decision)
+                if decision.switch:
+                    switched.append(decision)       # for the switch's plan event
+                switch.decided(decision)
         last = train_job(plan, "<elastic plan>", self.model, self.options, rank=plan_rank,
-                         local_rank=self.local_rank, make_stop_check=make_stop_check,
-                         on_window=self._drift_event, on_adapt=self._adapt_event,
+                         local_rank=self.local_rank,
+                         make_stop_check=switch.make_stop_check if switch else make_stop_check,
+                         on_window=self._drift_event, on_adapt=on_adapt, adapter=adapter,
                          dashboard=self.dashboard)
         decision = stop.requests.decision if stop is not None else None
+        if decision is None and switch is not None and switch.next is not None:
+            group, stopped_at = stop.requests.group, switch.stopped_at
+            stop = None             # the last reference to the checkpointer, hence the trainer
+            return self._adapt_switch(plan, plan_rank, members, last, switch, group, stopped_at,
+                                      switched[-1:])
         if decision is None:
             return _Ended(last, None, None)
         seconds = time.monotonic() - stop.stopped_at
@@ -418,6 +473,37 @@ class ElasticWorker:
             if not decision.signalled and len(members) == plan.world_size:
                 warm = self._replan_in_process(plan, plan_rank, members, leaving_nodes, last)
         return _Ended(last, decision, warm)
+
+    def _adapt_switch(self, plan: Plan, plan_rank: int, members: list[Member], last: int,
+                      switch: _PlanSwitch, group, stopped_at: float, decided: list) -> _Ended:
+        """After an adapt switch's save of ``last``, on the old process group (``group``: the
+        stop check's, of every plan rank): the ``saved`` event, the files of nodes the new plan
+        leaves idle to nodes that train in it (as a round's handover: recovery reads the
+        training ranks' disks), the ``plan`` event (the old plan's rank 0, with the decision
+        it took: ``decided``), and the new generation's store, joined by its ranks."""
+        new, seconds = switch.next, time.monotonic() - stopped_at
+        self.events.emit("saved", f"iteration {last} saved on every node {seconds:.2f} s after "
+                         "the switch's stop", iteration=last, seconds=round(seconds, 3))
+        free_memory()
+        training = {info.node for info in new.ranks}
+        idle_nodes = sorted({info.node for info in plan.ranks} - training)
+        if idle_nodes:
+            start = time.monotonic()
+            first_of_node = min(i.rank for i in plan.ranks if i.node == self.me.node) == plan_rank
+            moved = move_files(self._local_root(), rank=plan_rank, speaks_for_node=first_of_node,
+                               receives=self.me.node in training, group=group)
+            self._emit_handover(idle_nodes, moved.bytes, start)
+        ranks = plan_ranks(new, members)
+        idle = [f"{m.node}:{m.local_rank}" for m, r in zip(members, ranks) if r is None]
+        for decision in decided:        # on the old plan's rank 0, which decided
+            self._emit_plan("adapted in-process", members, new, decision.search_s, idle=idle,
+                            warm=True, detail=f" after iteration {last}, predicted iteration "
+                            f"{decision.new_s:.3g} s against {decision.current_s:.3g} s")
+        self.started = time.monotonic()
+        store = switch.store
+        if store is None and ranks[members.index(self.me)] is not None:
+            store = join_generation_store(*switch.address, _STORE_TIMEOUT)
+        return _Ended(last, None, None, _Adapted(new, store, switch.adapter_state))
 
     def _replan_in_process(self, plan: Plan, plan_rank: int, members: list[Member],
                            leaving: list[str], iteration: int):
@@ -553,13 +639,20 @@ class ElasticWorker:
                              timeout=self.options.timeout)
         idle = sorted({m.node for m in members} - training_nodes)
         if idle:
-            self.events.emit("handover", f"{moved / 2**20:.1f} MiB of checkpoint files that "
-                             f"only idle node(s) {', '.join(idle)} held sent to training nodes "
-                             f"in {time.monotonic() - start:.2f} s", idle_nodes=idle,
-                             bytes=moved, seconds=round(time.monotonic() - start, 3))
+            self._emit_handover(idle, moved, start)
+
+    def _emit_handover(self, idle: list[str], moved: int, start: float) -> None:
+        self.events.emit("handover", f"{moved / 2**20:.1f} MiB of checkpoint files that "
+                         f"only idle node(s) {', '.join(idle)} held sent to training nodes "
+                         f"in {time.monotonic() - start:.2f} s", idle_nodes=idle,
+                         bytes=moved, seconds=round(time.monotonic() - start, 3))
 
     def _idle(self, store, *, host: bool, expected: int) -> int:
-        """A standby: wait for the job's end, then finish (:meth:`_finish`)."""
+        """A standby: wait for the job's end, then finish (:meth:`_finish`). It has nothing to
+        save, so torchrun's SIGTERM (a new round) ends it at once, by the signal's default
+        action: a generation it trained before (an adapt switch or a notice left it idle) had
+        that signal only recorded, for a stop check no standby runs."""
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
         while True:
             try:
                 store.wait([f"{_PREFIX}finished"], timedelta(minutes=1))

@@ -42,9 +42,10 @@ def _autohet(*args, timeout=600) -> subprocess.CompletedProcess:
 
 @pytest.mark.unit
 def test_the_modes_are_the_planners_and_replan_is_refused_where_it_cannot_switch():
-    """replan: pretrain_gpt.py refuses it (Megatron-LM's loop owns the iterations), an elastic
-    job too, and autohet train without a checkpoint location (the switch moves the state
-    through it); autohet train with --save or --autohet-local-ckpt-dir takes it."""
+    """replan: pretrain_gpt.py refuses it (Megatron-LM's loop owns the iterations), and autohet
+    train without a checkpoint location (the switch moves the state through it); autohet train
+    with --save or --autohet-local-ckpt-dir takes it, and an elastic job (which has a node-local
+    directory; tests/elastic/test_elastic_adapt.py switches one)."""
     assert ADAPT_MODES == MODES and DEFAULT_ADAPT == DEFAULT_MODE == "log"
     options = TrainOptions(iters=4, seed=1, optimizer=OptimizerSettings(lr=1e-3), adapt="replan")
     saving = replace(options, checkpoint=CheckpointOptions(save="ckpt", save_interval=2))
@@ -52,9 +53,6 @@ def test_the_modes_are_the_planners_and_replan_is_refused_where_it_cannot_switch
             (saving, {"no_replan": "with pretrain_gpt.py --autohet-plan: Megatron-LM's training "
                                    "loop owns the iterations"},
              "replan is not available with pretrain_gpt.py --autohet-plan"),
-            (replace(options, elastic=ElasticOptions(cluster="c.yaml"),
-                     checkpoint=CheckpointOptions(local_dir="d", save_interval=2)), {},
-             "not yet available on an elastic job"),
             (options, {}, "replan needs a checkpoint location")):
         with pytest.raises(ConfigError) as err:
             bad.validate("<command line>", **kwargs)
@@ -62,6 +60,8 @@ def test_the_modes_are_the_planners_and_replan_is_refused_where_it_cannot_switch
     assert saving.validate() is saving
     local = replace(options, checkpoint=CheckpointOptions(local_dir="d/{node}", save_interval=2))
     assert local.validate() is local
+    elastic = replace(local, elastic=ElasticOptions(cluster="c.yaml"))
+    assert elastic.validate() is elastic
     for mode in ("off", "log"):
         TrainOptions(iters=4, seed=1, optimizer=OptimizerSettings(lr=1e-3), adapt=mode).validate()
 
