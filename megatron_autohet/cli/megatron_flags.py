@@ -33,8 +33,6 @@ INSTEAD: dict[str, str] = {
     "--data-parallel-sharding-strategy": "--use-distributed-optimizer",
     "--use-torch-fsdp2": "--use-distributed-optimizer",
     "--use-megatron-fsdp": "--use-distributed-optimizer",
-    "--overlap-grad-reduce": _NOT_HERE + "the runtime syncs each layer's gradients across "
-                                         "pipelines of different shapes after the backward",
     "--overlap-param-gather": _NOT_HERE + "the distributed optimizer gathers after the step",
     # ---- the batch and the sequence: the plan's
     "--seq-length": _PLAN + "seq_length",
