@@ -13,6 +13,7 @@ from megatron_autohet.spec.cluster import (DEFAULT_LINKS, Link, Links, ZoneLink,
 
 pytestmark = pytest.mark.unit
 
+CLUSTERS = Path(__file__).resolve().parents[2] / "configs" / "clusters"
 ZONES = {"us-east-1a": "us-east-1", "us-east-1b": "us-east-1", "us-west-2a": "us-west-2"}
 
 
@@ -71,6 +72,13 @@ def test_a_file_without_zones_is_one_zone(tmp_path):
     cluster = load_cluster(path)
     assert cluster.regions == {} and [n.zone for n in cluster.nodes] == [None, None]
     assert cluster.link("a", "b") == Link(12.0, 0.0, 0.0)
+
+
+def test_bundled_two_zones():
+    cluster = load_cluster(CLUSTERS / "two-zones.yaml")
+    assert {n.zone for n in cluster.nodes} == {"us-east-1a", "us-east-1b"}
+    assert cluster.link("a100-0", "h800-1") == Link(1.25, 0.002, 0.02,
+                                                    ("us-east-1a", "us-east-1b"))
 
 
 ALL_ZONES = "us-east-1a, us-east-1b, us-west-2a"
