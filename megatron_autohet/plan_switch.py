@@ -4,7 +4,8 @@
 ``--autohet-adapt replan`` one generation per plan in the same processes, switching at a
 window's end to the plan its decision chose (planner/adapt.py): every rank saves the iteration,
 the new plan's ranks make its process group (:func:`host_generation_store`, which an elastic
-job's in-process re-plan shares) and recover that step, and train on.
+job's in-process re-plan shares) and recover that step, and train on; the new plan's rank 0
+times the switch, whose seconds price the next one.
 
 torch is imported inside the functions that use it: ``autohet train`` imports this module at
 start-up, long before (and in the launcher, without) any training.
@@ -80,17 +81,51 @@ def resume_options(options: TrainOptions, iteration: int) -> TrainOptions:
 
 
 @dataclass(frozen=True)
+class SwitchTiming:
+    """Where a switch's seconds went, on the clock of the process that is the new plan's rank 0
+    (it stopped, saved and left the old group with the others)."""
+    save_s: float               # the stop agreed -> the iteration saved, the trainer freed
+    group_s: float              # the new plan's process group made
+    build_s: float              # its model, optimizer and checkpointer built
+    recovery_s: float           # the step recovered (checkpoint/recovery.py's phases)
+    first_iteration_s: float    # the new plan's first iteration trained
+
+    @property
+    def total_s(self) -> float:
+        """From the stop to the new plan's first iteration trained: what the switch cost."""
+        return (self.save_s + self.group_s + self.build_s + self.recovery_s
+                + self.first_iteration_s)
+
+
+# The recovery's sequential phases (checkpoint/recovery.py RecoveryReport: its load runs during
+# its fetch, and each tier's seconds lie inside the fetch's)
+_RECOVERY_PHASES = ("agree", "stage", "fetch", "apply")
+
+
+@dataclass(frozen=True)
 class _Switched:
     """A switch done, reported by the new plan's rank 0 after its first iteration."""
     before: Plan
     after: Plan
     iteration: int
+    move_s: float               # the state crossing nodes, as the decision priced it
     stopped_at: float           # time.monotonic(): the ranks agreed on the switch
     saved_at: float             # the iteration saved on every rank, the trainer freed
     grouped_at: float           # the new plan's process group made
 
-    def line(self, recovery) -> str:
-        now = time.monotonic()
+    def timing(self, built_at: float, recovery, trained_at: float) -> SwitchTiming:
+        """The switch's parts, ``built_at`` the new plan's trainer and checkpointer built,
+        ``recovery`` its RecoveryReport (None: nothing loaded), ``trained_at`` its first
+        iteration done."""
+        recovery_s = (sum(recovery.seconds.get(p, 0.0) for p in _RECOVERY_PHASES)
+                      if recovery is not None else 0.0)
+        return SwitchTiming(self.saved_at - self.stopped_at, self.grouped_at - self.saved_at,
+                            built_at - self.grouped_at, recovery_s,
+                            max(0.0, trained_at - built_at - recovery_s))
+
+    def line(self, timing: SwitchTiming, recovery, priced_s: float) -> str:
+        """The switch's console line: the plans, the state moved, each part's seconds and the
+        fixed part later switches are priced at (``priced_s``)."""
         idle = [f"{r.node}:{r.local_rank}" for r in self.before.ranks
                 if _rank_in(self.after, r) is None]
         moved = ("" if recovery is None else
@@ -98,14 +133,15 @@ class _Switched:
                  f"{recovery.job_bytes.get('own', 0) / 2**20:.1f}, peers "
                  f"{recovery.job_bytes.get('peer', 0) / 2**20:.1f}, S3 "
                  f"{recovery.job_bytes.get('s3', 0) / 2**20:.1f})")
+        nxt = self.iteration + 1
         return (f"adapt: switched plans after iteration {self.iteration}: "
                 f"{describe_plan(self.before)} -> {describe_plan(self.after)}"
                 + (f" (idle: {', '.join(idle)})" if idle else "")
-                + f"; state saved in {self.saved_at - self.stopped_at:.2f} s{moved}; new process "
-                f"group {self.grouped_at - self.saved_at:.2f} s, model, optimizer, recovery and "
-                f"iteration {self.iteration + 1} {now - self.grouped_at:.2f} s; "
-                f"{now - self.stopped_at:.2f} s from the stop to iteration {self.iteration + 1} "
-                "trained")
+                + f"; state saved in {timing.save_s:.2f} s{moved}; new process group "
+                f"{timing.group_s:.2f} s, model and optimizer {timing.build_s:.2f} s, recovery "
+                f"{timing.recovery_s:.2f} s, iteration {nxt} {timing.first_iteration_s:.2f} s; "
+                f"{timing.total_s:.2f} s from the stop to iteration {nxt} trained; later "
+                f"switches priced at {priced_s:.2f} s plus the state they move across nodes")
 
 
 class _PlanSwitch:
@@ -126,6 +162,7 @@ class _PlanSwitch:
         self.adapter_state: dict | None = None  # the hysteresis the next generation continues
         self.store = None                       # the new group's store, on the rank hosting it
         self.address: tuple[str, int] | None = None
+        self.move_s = 0.0                       # the switch's state moves, as it was priced
         self.stopped_at: float | None = None
 
     def decided(self, decision) -> None:
@@ -136,6 +173,7 @@ class _PlanSwitch:
     def make_stop_check(self, checkpointer):
         import torch.distributed as dist     # torch: a rank's code (see the module's docstring)
 
+        built_at = time.monotonic()     # the new plan's trainer and checkpointer exist
         group = dist.new_group(backend="gloo", timeout=self.options.timeout)
         inner = self.inner(checkpointer) if self.inner else None
         first = [True]
@@ -144,8 +182,7 @@ class _PlanSwitch:
             if first[0]:
                 first[0] = False
                 if self.previous is not None and self.rank == 0:
-                    print(f" [{time.strftime('%Y-%m-%d %H:%M:%S')}] "
-                          f"{self.previous.line(checkpointer.last_report)}", flush=True)
+                    self._measured(built_at, checkpointer.last_report)
             switching = (iteration % self.options.measure_window == 0
                          and self._agree(iteration, group))
             action = inner(iteration) if inner else None
@@ -155,6 +192,16 @@ class _PlanSwitch:
             return "stop" if switching else action
         return check
 
+    def _measured(self, built_at: float, recovery) -> None:
+        """After the new plan's first iteration, on its rank 0: the switch's seconds, logged,
+        and the price of the next switch's fixed part (planner/adapt.py
+        ``Adapter.switch_measured``)."""
+        timing = self.previous.timing(built_at, recovery, time.monotonic())
+        self.adapter.switch_measured(self.previous.iteration, timing.total_s,
+                                     self.previous.move_s)
+        print(f" [{time.strftime('%Y-%m-%d %H:%M:%S')}] "
+              f"{self.previous.line(timing, recovery, self.adapter.fixed_switch_s)}", flush=True)
+
     def _agree(self, iteration: int, group) -> bool:
         """At a window's end, on every rank: rank 0's decision, and where the new group meets."""
         import torch.distributed as dist     # torch: a rank's code (see the module's docstring)
@@ -162,7 +209,8 @@ class _PlanSwitch:
         message = [None]
         if self.rank == 0 and self.decision is not None:
             message = [{"plan": self.decision.plan.to_dict(),
-                        "adapter": asdict(self.adapter)}]
+                        "adapter": asdict(self.adapter),
+                        "move_s": self.decision.switch_cost_s - self.decision.overhead_s}]
         self.decision = None
         dist.broadcast_object_list(message, src=0, group=group)
         if message[0] is None:
@@ -175,6 +223,7 @@ class _PlanSwitch:
             where = [tuple(address)]
         dist.broadcast_object_list(where, src=host, group=group)
         self.next, self.adapter_state, self.address = new, message[0]["adapter"], where[0]
+        self.move_s = message[0]["move_s"]
         self.stopped_at = time.monotonic()
         return True
 
@@ -190,7 +239,9 @@ def train_adapting(plan: Plan, plan_label: str, model: ModelSpec, options: Train
     ``free_memory``), leaves the old process group and joins the new plan's (its ranks by
     GPU: node and local rank; a store hosted by the first rank that stays), and trains on from
     the saved step (:func:`resume_options`: checkpoint/recovery.py loads any plan's step into
-    any other); the decisions' hysteresis goes on from where the switch left it. A GPU the new
+    any other); the decisions' hysteresis goes on from where the switch left it, and the new
+    plan's rank 0 times the switch (:class:`SwitchTiming`, logged) and prices later switches'
+    fixed part at what it took (planner/adapt.py ``Adapter.switch_measured``). A GPU the new
     plan leaves idle ends its process (status 0) once the step is saved; later re-plans plan
     the new plan's GPUs. Returns the last iteration trained (on an idle GPU: the switch's)."""
     if options.adapt != "replan" or not options.measure_window:
@@ -226,8 +277,8 @@ def train_adapting(plan: Plan, plan_label: str, model: ModelSpec, options: Train
         dist.init_process_group(backend, rank=new_rank, world_size=switch.next.world_size,
                                 timeout=options.timeout,
                                 store=dist.PrefixStore(f"autohet/adapt/{generation}/", store))
-        previous = _Switched(plan, switch.next, last, switch.stopped_at, saved_at,
-                             time.monotonic())
+        previous = _Switched(plan, switch.next, last, switch.move_s, switch.stopped_at,
+                             saved_at, time.monotonic())
         plan, rank, plan_label = switch.next, new_rank, f"<re-plan at iteration {last}>"
         options, state = resume_options(options, last), switch.adapter_state
         generation += 1

@@ -116,6 +116,12 @@ def test_a_switch_at_a_window_end_loses_nothing(tmp_path, monkeypatch, capfd):
     assert decisions[2][4] == "hold: 1 of the 3 windows after the last switch"
     switched = [line for line in out.splitlines() if "adapt: switched plans" in line]
     assert len(switched) == 1, out
+    # the switch is timed, and the decisions after it price a switch at what it took: the
+    # fixed 30 s before it, the measured seconds (the switch's, its state moves apart) after
+    fixed = re.findall(r"^ adapt: iterations \d+-\d+ .*GB moved; ([^)]*)\)", out, re.M)
+    priced = re.search(r"later switches priced at (\S+) s", switched[0])
+    assert priced and fixed[:2] == ["30 s fixed, no switch measured yet"] * 2, (fixed, switched)
+    assert fixed[2] == f"the switch after iteration 6 measured {float(priced[1]):.3g} s", fixed
     with capfd.disabled():
         print(f"\n{switched[0]}")
     assert ("after iteration 6: 2 pipelines on 4 GPUs [A100-80GB x2 layers 0-4 | H800 layers "

@@ -15,9 +15,13 @@ the switch:
   objective's USD).
 * **Switch cost**: the state the new plan's ranks need from other nodes
   (planner/state_moves.py, as re-plans price it), at each node's NIC, the slowest node's time,
-  plus ``overhead_s`` (DEFAULT_SWITCH_OVERHEAD_S: saving the state, rebuilding process groups,
-  model and optimizer on the new layout, the first iteration's warm-up), in seconds (the cost
-  objective pays them at the current plan's rate).
+  plus the switch's fixed part: saving the state, rebuilding process groups, model and
+  optimizer on the new layout, the recovery and the first iteration. Before the job has
+  switched that is ``overhead_s`` (DEFAULT_SWITCH_OVERHEAD_S, a guess); after a switch, what
+  that switch took beyond its own priced state moves (:meth:`Adapter.switch_measured`, from
+  plan_switch.py's timing of it): the latest one's, as the closest to the next switch's
+  conditions (the same processes, checkpoint tiers and load), not an average over switches of
+  other plans. In seconds (the cost objective pays them at the current plan's rate).
 * **Amortised gain**: ``(N (T_now - T_new) - switch) / (N T_now)`` over the ``N`` iterations
   left: a gain that does not pay the switch back before the job ends is declined.
 
@@ -70,8 +74,8 @@ DEFAULT_THRESHOLD = 0.05
 DEFAULT_HOLD = 3
 # The fixed part of a switch (module doc): a checkpoint of the state, new process groups, the
 # model and optimizer built on the new layout, a first iteration; an elastic re-plan's restart
-# measured 10-40 s on the emulated fleets (docs/spot.md), so 30 s until the in-process switch
-# measures its own.
+# measured 10-40 s on the emulated fleets (docs/spot.md): 30 s until the job's first switch is
+# measured (Adapter.switch_measured).
 DEFAULT_SWITCH_OVERHEAD_S = 30.0
 # A plan's file does not record its links: the NIC of a fleet derived from a plan alone.
 DEFAULT_NIC_GBS = 25.0
@@ -115,6 +119,8 @@ class AdaptDecision:
     remaining_iterations: int
     amortised_gain: float
     decided_at: int | None = None   # the iteration after which it is taken (None: the window's)
+    overhead_s: float = DEFAULT_SWITCH_OVERHEAD_S   # the switch's fixed part priced
+    overhead_measured_at: int | None = None     # the switch it was measured at (None: a guess)
     search_s: float = 0.0       # the re-plan's wall-clock seconds (reported, never decided on)
     stragglers: tuple[Straggler, ...] = ()
     plan: Plan | None = field(default=None, compare=False)   # the re-plan's plan
@@ -126,10 +132,13 @@ class AdaptDecision:
                 f"{decided}): ")
         slow = ("; stragglers: " + ", ".join(s.describe() for s in self.stragglers)
                 if self.stragglers else "")
+        fixed = (f"the switch after iteration {self.overhead_measured_at} measured "
+                 f"{self.overhead_s:.3g} s" if self.overhead_measured_at is not None
+                 else f"{self.overhead_s:.3g} s fixed, no switch measured yet")
         return (head + f"{'SWITCH' if self.switch else 'keep'} ({self.why}): re-plan predicted "
                 f"{self.new_s:.4g} s per iteration against {self.current_s:.4g} s now "
                 f"({self.predicted_gain:+.1%}), switch cost {self.switch_cost_s:.3g} s "
-                f"({self.moved_bytes / 1e9:.3g} GB moved), amortised over "
+                f"({self.moved_bytes / 1e9:.3g} GB moved; {fixed}), amortised over "
                 f"{self.remaining_iterations} iterations {self.amortised_gain:+.1%}; re-plan "
                 f"search {self.search_s:.2f} s" + slow)
 
@@ -144,6 +153,8 @@ class AdaptDecision:
             "new_iteration_s": round(self.new_s, 6),
             "predicted_gain": round(self.predicted_gain, 6),
             "switch_cost_s": round(self.switch_cost_s, 3), "moved_bytes": self.moved_bytes,
+            "switch_overhead_s": round(self.overhead_s, 3),
+            "switch_overhead_measured_at": self.overhead_measured_at,
             "remaining_iterations": self.remaining_iterations,
             "amortised_gain": round(self.amortised_gain, 6),
             "search_s": round(self.search_s, 3),
@@ -217,14 +228,29 @@ def amortised_gain(now: float, new: float, switch: float, remaining: int) -> flo
 
 @dataclass
 class Adapter:
-    """The decision's state across windows (module doc): when it last switched and whether the
-    previous window's gain qualified."""
+    """The decision's state across windows (module doc): when it last switched, whether the
+    previous window's gain qualified, and the last switch's measured fixed part. Its fields are
+    plain values: plan_switch.py hands them to the next generation's deciding rank."""
 
     threshold: float = DEFAULT_THRESHOLD
     hold_windows: int = DEFAULT_HOLD
-    overhead_s: float = DEFAULT_SWITCH_OVERHEAD_S
+    overhead_s: float = DEFAULT_SWITCH_OVERHEAD_S   # the fixed part before any switch measured
     windows_since_switch: int | None = None     # None: never switched
     pending: bool = False                       # the previous window's gain qualified
+    measured_overhead_s: float | None = None    # the last switch's fixed part, measured
+    measured_at: int | None = None              # the iteration that switch came after
+
+    @property
+    def fixed_switch_s(self) -> float:
+        """The fixed part a switch is priced at (module doc)."""
+        return self.overhead_s if self.measured_overhead_s is None else self.measured_overhead_s
+
+    def switch_measured(self, iteration: int, seconds: float, move_s: float) -> None:
+        """A switch after ``iteration`` took ``seconds`` from the stop to the new plan's first
+        iteration trained, of which ``move_s`` was priced as its state crossing nodes: later
+        switches are priced at the rest (module doc)."""
+        self.measured_overhead_s = max(0.0, seconds - move_s)
+        self.measured_at = iteration
 
     def judge(self, window: tuple[int, int], current: float, new: float, switch_s: float,
               switch_unit: float, moved: int, remaining: int, **extra) -> AdaptDecision:
@@ -262,12 +288,13 @@ class Adapter:
                ) -> AdaptDecision:
         """The decision on a window's re-plan, switching after iteration ``decided_at`` (None:
         the window's last) with ``remaining`` iterations after it: the switch priced at its
-        state moves plus ``overhead_s`` (nothing where the re-plan is the plan it runs), then
-        :meth:`judge`."""
-        seconds = 0.0 if found.same_layout else self.overhead_s + found.move_s
+        state moves plus :attr:`fixed_switch_s` (nothing where the re-plan is the plan it
+        runs), then :meth:`judge`."""
+        seconds = 0.0 if found.same_layout else self.fixed_switch_s + found.move_s
         unit = seconds * found.usd_per_second if found.usd_per_second is not None else seconds
         return self.judge(found.window, found.current, found.new, seconds, unit,
                           found.moved_bytes, remaining, decided_at=decided_at,
+                          overhead_s=self.fixed_switch_s, overhead_measured_at=self.measured_at,
                           search_s=found.search_s, stragglers=found.stragglers,
                           plan=found.plan)
 

@@ -1,15 +1,19 @@
 """Adaptive re-planning's decision (planner/adapt.py): the amortisation of a switch's cost over
-the iterations left, the hysteresis (no switch within K windows of the last, a gain held for
-two windows), a steady fleet corrected once, and a straggler's work moved off it. Windows are
+the iterations left, the switch's fixed part priced at the last switch measured, the hysteresis
+(no switch within K windows of the last, a gain held for two windows), a steady fleet corrected
+once, and a straggler's work moved off it. Windows are
 synthetic (the cost model's stage times on a fleet with a slowed GPU, tests/helpers/windows.py),
 never the wall clock."""
 
 from __future__ import annotations
 
+from dataclasses import asdict, replace
+
 import pytest
 
 from helpers.windows import synthetic_window
-from megatron_autohet.planner.adapt import Adapter, amortised_gain, plan_fleet, switch_cost
+from megatron_autohet.planner.adapt import (DEFAULT_SWITCH_OVERHEAD_S, Adapter, Replan,
+                                            amortised_gain, plan_fleet, switch_cost)
 from megatron_autohet.planner.search import make_plan
 from megatron_autohet.profiling.from_run import (find_stragglers, measured_speeds,
                                                  priced_entries, profile_from_window)
@@ -125,3 +129,37 @@ def test_a_straggler_has_work_moved_off_it_and_a_steady_fleet_switches_once():
                              (w, w)) for w in (9, 10)]
     assert [d.switch for d in back] == [False, True]
     assert _work_on(back[1].plan, *SLOW) > _work_on(current, *SLOW)
+
+
+def test_a_measured_switch_prices_the_later_ones():
+    """Before any switch the fixed part is the guess (30 s); after one, what it measured beyond
+    its own priced state moves (injected here as plan_switch.py reports it), carried to the
+    next generation's deciding rank as plain fields, and a re-plan that is the running plan
+    costs nothing."""
+    found = Replan(window=(1, 2), plan=None, same_layout=False, current=1.0, new=0.8,
+                   move_s=2.0, moved_bytes=10, usd_per_second=None, search_s=0.0)
+    adapter = Adapter()
+    guessed = adapter.decide(found, 100, decided_at=4)
+    assert guessed.switch_cost_s == pytest.approx(DEFAULT_SWITCH_OVERHEAD_S + 2.0)
+    assert guessed.why.startswith("declined") and guessed.overhead_measured_at is None
+    assert "(decided after iteration 4)" in guessed.line()
+    assert "30 s fixed, no switch measured yet" in guessed.line()
+
+    adapter.switch_measured(6, seconds=5.0, move_s=1.5)
+    handed_over = Adapter(**asdict(adapter))
+    for a in (adapter, handed_over):
+        assert a.fixed_switch_s == pytest.approx(3.5)
+    measured = handed_over.decide(found, 100, decided_at=8)
+    assert measured.switch_cost_s == pytest.approx(3.5 + 2.0)
+    # (100 * 0.2 - 5.5) / 100: the measured switch pays back where the guess did not
+    assert measured.amortised_gain == pytest.approx(0.145)
+    assert "gain seen once" in measured.why
+    assert "the switch after iteration 6 measured 3.5 s" in measured.line()
+    fields = measured.event()[1]
+    assert (fields["switch_overhead_s"], fields["switch_overhead_measured_at"],
+            fields["window"], fields["decided_at"]) == (3.5, 6, [1, 2], 8)
+
+    # a switch faster than its priced moves: no negative fixed part
+    adapter.switch_measured(10, seconds=1.0, move_s=4.0)
+    assert adapter.fixed_switch_s == 0.0
+    assert adapter.decide(replace(found, same_layout=True), 100).switch_cost_s == 0.0
