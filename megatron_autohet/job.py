@@ -416,14 +416,17 @@ def measure_fields(args) -> dict:
                 measured_profile=args.autohet_measured_profile, adapt=args.autohet_adapt)
 
 
-def job_dashboard(options: TrainOptions, recorded_args: dict | None = None):
+def job_dashboard(options: TrainOptions, recorded_args: dict | None = None,
+                  continues: dict | None = None):
     """The job's TensorBoard / W&B writers (runtime/dashboard.py ``Dashboard``), None without:
     W&B's config is what a checkpoint records, its default directory ``--save``'s wandb/ (as
-    Megatron-LM's)."""
+    Megatron-LM's); ``continues``: another process's ``Dashboard.handover()`` (a plan switch
+    that moves the rank that logs, plan_switch.py)."""
     save = options.checkpoint.save
     return open_dashboard(options.dashboard,
                           config=train_args(options) if recorded_args is None else recorded_args,
-                          wandb_dir=str(Path(save) / "wandb") if save else None)
+                          wandb_dir=str(Path(save) / "wandb") if save else None,
+                          continues=continues)
 
 
 def train_job(plan: Plan, plan_label: str, model: ModelSpec, options: TrainOptions, *, rank: int,

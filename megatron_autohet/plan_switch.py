@@ -19,7 +19,7 @@ import time
 from dataclasses import asdict, dataclass, replace
 from datetime import timedelta
 
-from megatron_autohet.job import TrainOptions, train_job
+from megatron_autohet.job import TrainOptions, job_dashboard, train_job
 from megatron_autohet.plan import Plan, RankInfo, plan_from_dict
 from megatron_autohet.spec.model import ModelSpec
 
@@ -163,6 +163,7 @@ class _PlanSwitch:
         self.store = None                       # the new group's store, on the rank hosting it
         self.address: tuple[str, int] | None = None
         self.move_s = 0.0                       # the switch's state moves, as it was priced
+        self.group = None                       # the stop check's gloo group, every rank's
         self.stopped_at: float | None = None
 
     def decided(self, decision) -> None:
@@ -174,7 +175,7 @@ class _PlanSwitch:
         import torch.distributed as dist     # torch: a rank's code (see the module's docstring)
 
         built_at = time.monotonic()     # the new plan's trainer and checkpointer exist
-        group = dist.new_group(backend="gloo", timeout=self.options.timeout)
+        group = self.group = dist.new_group(backend="gloo", timeout=self.options.timeout)
         inner = self.inner(checkpointer) if self.inner else None
         first = [True]
 
@@ -253,32 +254,56 @@ def train_adapting(plan: Plan, plan_label: str, model: ModelSpec, options: Train
     from megatron_autohet.runtime.device import free_memory
 
     state, previous, generation = {}, None, 0
-    while True:
-        adapter = None
-        if rank == 0:
-            # the planner (pyscipopt): only on the rank that decides
-            from megatron_autohet.planner.adapt import Adapter
-            adapter = Adapter(**state)
-        switch = _PlanSwitch(plan, rank, options, make_stop_check, adapter, previous)
-        last = train_job(plan, plan_label, model, options, rank=rank, local_rank=local_rank,
-                         make_stop_check=switch.make_stop_check, on_adapt=switch.decided,
-                         adapter=adapter)
-        if switch.next is None:
-            return last
-        adapter = None
-        free_memory()           # train_job's trainer, optimizer and buffers are unreferenced
-        saved_at = time.monotonic()
-        new_rank = _rank_in(switch.next, plan.ranks[rank])
-        backend = dist.get_backend()
-        dist.destroy_process_group()
-        if new_rank is None:
-            return last
-        store = switch.store or join_generation_store(*switch.address)
-        dist.init_process_group(backend, rank=new_rank, world_size=switch.next.world_size,
-                                timeout=options.timeout,
-                                store=dist.PrefixStore(f"autohet/adapt/{generation}/", store))
-        previous = _Switched(plan, switch.next, last, switch.move_s, switch.stopped_at,
-                             saved_at, time.monotonic())
-        plan, rank, plan_label = switch.next, new_rank, f"<re-plan at iteration {last}>"
-        options, state = resume_options(options, last), switch.adapter_state
-        generation += 1
+    # one dashboard across the plans (runtime/dashboard.py): opened once, by the rank that logs
+    dashboard = job_dashboard(options) if rank == 0 else None
+    try:
+        while True:
+            adapter = None
+            if rank == 0:
+                # the planner (pyscipopt): only on the rank that decides
+                from megatron_autohet.planner.adapt import Adapter
+                adapter = Adapter(**state)
+            switch = _PlanSwitch(plan, rank, options, make_stop_check, adapter, previous)
+            last = train_job(plan, plan_label, model, options, rank=rank,
+                             local_rank=local_rank, make_stop_check=switch.make_stop_check,
+                             on_adapt=switch.decided, adapter=adapter, dashboard=dashboard)
+            if switch.next is None:
+                return last
+            adapter = None
+            free_memory()       # train_job's trainer, optimizer and buffers are unreferenced
+            saved_at = time.monotonic()
+            new_rank = _rank_in(switch.next, plan.ranks[rank])
+            dashboard = _pass_dashboard(dashboard, rank, new_rank, options, switch.group)
+            backend = dist.get_backend()
+            dist.destroy_process_group()
+            if new_rank is None:
+                return last
+            store = switch.store or join_generation_store(*switch.address)
+            dist.init_process_group(backend, rank=new_rank, world_size=switch.next.world_size,
+                                    timeout=options.timeout,
+                                    store=dist.PrefixStore(f"autohet/adapt/{generation}/",
+                                                           store))
+            previous = _Switched(plan, switch.next, last, switch.move_s, switch.stopped_at,
+                                 saved_at, time.monotonic())
+            plan, rank, plan_label = switch.next, new_rank, f"<re-plan at iteration {last}>"
+            options, state = resume_options(options, last), switch.adapter_state
+            generation += 1
+    finally:
+        if dashboard is not None:
+            dashboard.close()
+
+
+def _pass_dashboard(dashboard, rank: int, new_rank: int | None, options: TrainOptions, group):
+    """At a switch, on every rank of the old plan (one broadcast on the switch's group, which
+    also orders the old writer's close before the next one's first write): the dashboard stays
+    with its process where that process is the new plan's rank 0 too; else the old rank 0
+    hands it over (runtime/dashboard.py ``Dashboard.handover``) and the process that is the
+    new rank 0 goes on with the same event file and W&B run. Returns this process's dashboard
+    for the new plan."""
+    import torch.distributed as dist     # torch: a rank's code (see the module's docstring)
+
+    message = [dashboard.handover() if rank == 0 and new_rank != 0 and dashboard else None]
+    dist.broadcast_object_list(message, src=0, group=group)
+    if new_rank != 0:
+        return None
+    return dashboard if rank == 0 else job_dashboard(options, continues=message[0])

@@ -44,9 +44,10 @@ LAYERS = (
 
 # Optional or heavy dependencies a function may import to keep them out of its module's import
 # (`autohet --help` and the planner start without torch; pyscipopt, boto3 and matplotlib are
-# needed by one command each; moto by the tests' S3 server; wandb, optional, by --wandb-project).
+# needed by one command each; moto by the tests' S3 server; wandb, optional, by --wandb-project;
+# tensorboard by the rank that writes event files).
 HEAVY = {"torch", "megatron", "transformer_engine", "apex", "pyscipopt", "boto3", "botocore",
-         "matplotlib", "moto", "wandb"}
+         "matplotlib", "moto", "wandb", "tensorboard"}
 
 
 def _modules() -> dict[str, Path]:

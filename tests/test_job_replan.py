@@ -13,7 +13,8 @@ other GPU): two of the four processes end once iteration 6 is saved, the other t
 iterations 7-12 on a two-rank process group, the new plan's rank 0 being the old rank 2 (which
 starts a search process of its own). There the H20 is made slow: a gain that the hysteresis
 carried over the switch holds back (1 of the 3 windows after it: iterations 7-8, decided after
-iteration 10); 9-10 and 11-12 leave no iteration to switch for and are not searched.
+iteration 10); 9-10 and 11-12 leave no iteration to switch for and are not searched. The run's
+TensorBoard is one event file: the old rank 0 hands its writer over to the new one.
 
 The proof: every iteration is logged once, 1-8, with the loss and grad norm of the
 uninterrupted run on the same global batches: the same bits up to the switch, and from then on
@@ -40,6 +41,7 @@ from megatron_autohet.job import TrainOptions
 from megatron_autohet.plan_switch import train_adapting
 from megatron_autohet.plan import plan_from_dict
 from megatron_autohet.planner.adapt import plan_fleet
+from megatron_autohet.runtime.dashboard import DashboardOptions
 from megatron_autohet.runtime.optimizer import OptimizerSettings
 from megatron_autohet.runtime.stage_drift import WindowMeter
 from megatron_autohet.spec.gpus import load_gpu_catalog
@@ -81,6 +83,15 @@ def _rel(a: float, b: float) -> float:
     return abs(a - b) / max(abs(b), 1e-12)
 
 
+def _event_scalars(path):
+    """tag -> [(step, value)] of one event file, as TensorBoard's EventAccumulator loads it."""
+    from tensorboard.backend.event_processing import event_accumulator as ea
+
+    acc = ea.EventAccumulator(str(path), size_guidance={ea.SCALARS: 0})
+    acc.Reload()
+    return {t: [(e.step, e.value) for e in acc.Scalars(t)] for t in acc.Tags()["scalars"]}
+
+
 def _metrics(path):
     return [json.loads(line) for line in path.read_text().splitlines()]
 
@@ -96,7 +107,9 @@ def test_a_switch_at_a_window_end_loses_nothing(tmp_path, monkeypatch, capfd):
 
     monkeypatch.setattr(trainer_module, "WindowMeter", InjectedWindows)
     ckpt = tmp_path / "ckpt"
+    tensorboard = tmp_path / "tb"
     options = replace(base, adapt="replan", metrics_jsonl=str(tmp_path / "switched.jsonl"),
+                      dashboard=DashboardOptions(tensorboard_dir=str(tensorboard)),
                       # the job's lease owner, as autohet train's launcher sets it: the new
                       # plan's rank 0 (another process) takes the lease the old one kept
                       checkpoint=CheckpointOptions(save=str(ckpt), save_interval=100,
@@ -136,6 +149,14 @@ def test_a_switch_at_a_window_end_loses_nothing(tmp_path, monkeypatch, capfd):
 
     records = _metrics(tmp_path / "switched.jsonl")
     assert [r["iteration"] for r in records] == list(range(1, ITERS + 1))
+    # one dashboard across the switch: the old rank 0's event file, which the new rank 0 (another
+    # process) goes on writing, holds every iteration's loss as the metrics file does
+    files = sorted(tensorboard.iterdir())
+    assert len(files) == 1 and files[0].name.startswith("events.out.tfevents."), files
+    scalars = _event_scalars(files[0])
+    assert [step for step, _ in scalars["lm loss"]] == list(range(1, ITERS + 1))
+    assert [v for _, v in scalars["lm loss"]] == pytest.approx(
+        [r["lm_loss"] for r in records], rel=1e-6)
     assert all(r["consumed_samples"] == 8 * r["iteration"] for r in records)
     diffs = {r["iteration"]: max(_rel(r[key], reference[r["iteration"]][key])
                                  for key in ("lm_loss", "grad_norm")) for r in records}

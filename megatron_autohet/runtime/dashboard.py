@@ -35,7 +35,12 @@ package, which is not a dependency: without it the flag is refused before any pr
 
 One rank writes: the rank that logs (the plan's rank 0; an elastic job's reporting rank). A
 :class:`Dashboard` opens its writers at its first entry, so a process that never reports leaves
-no file, and flushes after every iteration.
+no file, and flushes after every iteration. A job that switches plans in its processes
+(plan_switch.py) keeps one dashboard across its plans: one event file, one W&B run. Where the
+logging rank moves to another process, the one that wrote so far closes its writers and hands
+them over (:meth:`Dashboard.handover`): the next process appends to the same event file (a
+TensorBoard event file is a sequence of records, read as one file whoever appended them) and
+resumes the same W&B run (``wandb.init(id=..., resume="must")``).
 """
 
 from __future__ import annotations
@@ -43,6 +48,8 @@ from __future__ import annotations
 import html
 import importlib.util
 import os
+import socket
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -127,30 +134,71 @@ def dashboard_options(args) -> DashboardOptions:
     return DashboardOptions(**{field: getattr(args, field, None) or None for field in FLAGS})
 
 
+class _EventFile:
+    """One TensorBoard event file, new or continued: tensorboard's records (the Event protocol
+    buffer, torch's scalar and text summaries), written at once, flushed on demand."""
+
+    def __init__(self, path: str, new: bool):
+        # tensorboard's record format and torch's summaries: only in the rank that logs
+        from tensorboard.compat.proto.event_pb2 import Event
+        from tensorboard.summary.writer.record_writer import RecordWriter
+        from torch.utils.tensorboard.summary import scalar, text
+
+        self.path, self._event, self._scalar, self._text = path, Event, scalar, text
+        self._records = RecordWriter(open(path, "ab"))
+        if new:
+            self._write(Event(wall_time=time.time(), file_version="brain.Event:2"))
+
+    def _write(self, event) -> None:
+        self._records.write(event.SerializeToString())
+
+    def add_scalar(self, tag: str, value: float, step: int) -> None:
+        self._write(self._event(wall_time=time.time(), step=step,
+                                summary=self._scalar(tag, value)))
+
+    def add_text(self, tag: str, message: str, step: int) -> None:
+        self._write(self._event(wall_time=time.time(), step=step,
+                                summary=self._text(tag, message)))
+
+    def flush(self) -> None:
+        self._records.flush()
+
+    def close(self) -> None:
+        self._records.close()
+
+
 class Dashboard:
     """The writers of one process (see the module doc); ``config``: the run's settings for W&B,
-    ``wandb_dir``: its directory when ``--wandb-save-dir`` is not given."""
+    ``wandb_dir``: its directory when ``--wandb-save-dir`` is not given; ``continues``: what
+    another process's :meth:`handover` returned, whose event file and W&B run this one goes on
+    writing."""
 
     def __init__(self, options: DashboardOptions, *, config: dict | None = None,
-                 wandb_dir: str | None = None):
+                 wandb_dir: str | None = None, continues: dict | None = None):
         self.options = options
         self.config = config or {}
         self.wandb_dir = wandb_dir
-        self._tb = None
+        self.continues = continues or {}
+        self._tb: _EventFile | None = None
         self._wandb = None
         self._opened = False
         self.step: int | None = None          # the last iteration logged by this process
         self._pending: list[tuple[str, str]] = []     # events before the first iteration
-        self._samples = 0                     # consumed samples of the last iteration logged
+        # consumed samples of the last iteration logged
+        self._samples = self.continues.get("samples", 0)
 
     def _open(self) -> None:
         if self._opened:
             return
         self._opened = True
         if self.options.tensorboard_dir:
-            # torch's writer (it imports the tensorboard package): only in the rank that logs
-            from torch.utils.tensorboard import SummaryWriter
-            self._tb = SummaryWriter(log_dir=self.options.tensorboard_dir)
+            path = self.continues.get("event_file")
+            if path is None:        # TensorBoard's own naming
+                Path(self.options.tensorboard_dir).mkdir(parents=True, exist_ok=True)
+                path = str(Path(self.options.tensorboard_dir) / (
+                    f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}."
+                    f"{os.getpid()}"))
+            self._tb = _EventFile(path, new="event_file" not in self.continues)
         if self.options.wandb_project:
             # wandb: an optional package (validate refuses the flag without it)
             import wandb
@@ -158,8 +206,25 @@ class Dashboard:
             if save_dir:
                 Path(save_dir).mkdir(parents=True, exist_ok=True)
             self._wandb = wandb
+            run = self.continues.get("wandb_run")
             wandb.init(project=self.options.wandb_project, name=self.options.wandb_exp_name,
-                       dir=save_dir, config=self.config)
+                       dir=save_dir, config=self.config,
+                       **({"id": run, "resume": "must"} if run else {}))
+
+    def handover(self) -> dict:
+        """Close this process's writers for the process that logs next (module doc): what its
+        :class:`Dashboard` ``continues``."""
+        state = {"samples": self._samples}
+        if self._tb is not None:
+            state["event_file"] = self._tb.path
+        elif "event_file" in self.continues:
+            state["event_file"] = self.continues["event_file"]
+        if self._wandb is not None:
+            state["wandb_run"] = self._wandb.run.id
+        elif "wandb_run" in self.continues:
+            state["wandb_run"] = self.continues["wandb_run"]
+        self.close()
+        return state
 
     def _scalars(self, values: dict[str, float], step: int) -> None:
         if self._tb is not None:
@@ -244,7 +309,8 @@ class Dashboard:
 
 
 def open_dashboard(options: DashboardOptions, *, config: dict | None = None,
-                   wandb_dir: str | None = None) -> Dashboard | None:
+                   wandb_dir: str | None = None, continues: dict | None = None
+                   ) -> Dashboard | None:
     """A :class:`Dashboard` where the options ask for one, else None."""
-    return (Dashboard(options, config=config, wandb_dir=wandb_dir) if options.enabled
-            else None)
+    return (Dashboard(options, config=config, wandb_dir=wandb_dir, continues=continues)
+            if options.enabled else None)
