@@ -229,6 +229,7 @@ class TrainOptions:
                               "resumes from it", "--save DIR or --autohet-local-ckpt-dir DIR "
                               "(with --save-interval), or log")
 
+
 def train_args(options: TrainOptions) -> dict:
     """The arguments a checkpoint records (plain values; ``autohet checkpoint ls`` shows them)."""
     return {"iters": options.iters, "seed": options.seed, "data_path": options.data_path,
