@@ -343,7 +343,7 @@ class ElasticWorker:
         # The store the generation's process group meets on (an adapt switch's own, hosted by a
         # rank of the new plan: the members' store stays the one the standbys wait on), and the
         # adaptation's hysteresis an adapt switch carries over.
-        group_store, adapter_state, adapted = store, {}, False
+        group_store, adapter_state, adapted = store, None, False
         while True:
             ranks = plan_ranks(plan, members)
             plan_rank = ranks[members.index(self.me)]
@@ -398,7 +398,7 @@ class ElasticWorker:
                 return EXIT_REPLAN
             else:
                 plan, members, store, store_host = ended.warm
-                group_store, adapter_state = store, {}
+                group_store, adapter_state = store, None
             generation += 1
 
     def _drift_event(self, report) -> None:
@@ -414,14 +414,14 @@ class ElasticWorker:
         self.events.emit("adapt", message, **fields)
 
     def _generation(self, plan: Plan, plan_rank: int, members: list[Member],
-                    adapter_state: dict) -> _Ended:
+                    adapter_state: dict | None = None) -> _Ended:
         """Train ``plan`` on the initialised default group until the job ends or stops; after a
         notice, evacuate and re-plan on that group; after an adapt switch, hand the idle nodes'
         files over on it (:meth:`_adapt_switch`). What it returns holds nothing of the
         generation's model: its trainer, optimizer and buffers are freed before the files move
         and the re-plan, so the next generation in this process starts from the memory the
         first one had (survivors that take more layers need it). ``adapter_state``: the
-        adaptation's hysteresis so far (``--autohet-adapt replan``; {}: a new one)."""
+        adaptation's hysteresis so far (``--autohet-adapt replan``; None: a new one)."""
         stop = None
 
         def make_stop_check(checkpointer):
@@ -431,7 +431,7 @@ class ElasticWorker:
         switch, adapter, on_adapt, switched = None, None, self._adapt_event, []
         if self.options.adapt == "replan" and self.options.measure_window:
             # the plan's rank 0 decides (job.adapt_sink), every rank learns it (_PlanSwitch)
-            adapter = Adapter(**adapter_state) if plan_rank == 0 else None
+            adapter = Adapter(**(adapter_state or {})) if plan_rank == 0 else None
             switch = _PlanSwitch(plan, plan_rank, self.options, make_stop_check, adapter, None)
 
             def on_adapt(decision):
