@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from megatron_autohet.planner import options, search
+from megatron_autohet.planner import branch_and_bound, options, search
 from megatron_autohet.testing.random_fleets import shared_node_case
 
 pytestmark = pytest.mark.integration
@@ -22,7 +22,11 @@ SEEDS = range(24)
 
 
 def _searches(case, monkeypatch):
-    """(pruned, unpruned) search of a case."""
+    """(pruned, unpruned) search of a case, each warming up its best plan only: the warm-up
+    pass over the best few (planner/warmup.py) depends on the runners-up each search judged,
+    which the pruning changes without losing the best (shared_node_case seed 11: 1.9% apart
+    with the best 8 warmed up)."""
+    monkeypatch.setattr(branch_and_bound, "WARMED_UP_PLANS", 1)
     args = (case.cluster, case.model, None, case.global_batch_size, case.micro_batch_size)
     pruned = search(*args, progress=False, **case.space())
     with monkeypatch.context() as m:
