@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import socket
 import time
+import uuid
 from dataclasses import asdict, dataclass, replace
 from datetime import timedelta
 
@@ -253,6 +254,15 @@ def train_adapting(plan: Plan, plan_label: str, model: ModelSpec, options: Train
 
     from megatron_autohet.runtime.device import free_memory
 
+    if options.checkpoint.owner is None:
+        # One writer-lease owner for the whole run (checkpoint/lease.py): each generation's
+        # Checkpointer would otherwise draw its own on its rank 0, and where that is another
+        # process than the old rank 0 (ranks started one by one, without autohet train's
+        # launcher or torchrun to name the run), the lease the old generation kept refuses it.
+        owner = [f"job {uuid.uuid4().hex[:8]} on {socket.gethostname()} (rank 0 pid "
+                 f"{os.getpid()})" if rank == 0 else None]
+        dist.broadcast_object_list(owner, src=0)
+        options = replace(options, checkpoint=replace(options.checkpoint, owner=owner[0]))
     state, previous, generation = {}, None, 0
     # one dashboard across the plans (runtime/dashboard.py): opened once, by the rank that logs
     dashboard = job_dashboard(options) if rank == 0 else None

@@ -1,4 +1,4 @@
-"""--autohet-adapt replan (issue 40 item 4, the switch): plan_switch.train_adapting switches plans
+"""--autohet-adapt replan, the switch: plan_switch.train_adapting switches plans
 in the running processes at a window's end, and the run has the losses of an uninterrupted one.
 
 Four gloo ranks train tiny-two-pipelines with windows of two iterations. The windows they
@@ -30,6 +30,7 @@ from dataclasses import replace
 
 import pytest
 
+import megatron_autohet.checkpoint.checkpointer as checkpointer_module
 import megatron_autohet.runtime.trainer as trainer_module
 from helpers.checkpointing import REL
 from helpers.dist_utils import run_on_ranks
@@ -79,6 +80,18 @@ def _job(rank, world, plan, options):
     return last
 
 
+def _recording(path):
+    """checkpoint/lease.py's take_job_lease, each owner a rank takes the lease for appended to
+    ``path``."""
+    from megatron_autohet.checkpoint.lease import take_job_lease
+
+    def take(options, roots, owner, **kwargs):
+        with open(path, "a") as out:
+            out.write(owner + "\n")
+        return take_job_lease(options, roots, owner, **kwargs)
+    return take
+
+
 def _rel(a: float, b: float) -> float:
     return abs(a - b) / max(abs(b), 1e-12)
 
@@ -106,14 +119,16 @@ def test_a_switch_at_a_window_end_loses_nothing(tmp_path, monkeypatch, capfd):
     capfd.readouterr()
 
     monkeypatch.setattr(trainer_module, "WindowMeter", InjectedWindows)
+    owners = tmp_path / "lease-owners"
+    monkeypatch.setattr(checkpointer_module, "take_job_lease", _recording(owners))
     ckpt = tmp_path / "ckpt"
     tensorboard = tmp_path / "tb"
     options = replace(base, adapt="replan", metrics_jsonl=str(tmp_path / "switched.jsonl"),
                       dashboard=DashboardOptions(tensorboard_dir=str(tensorboard)),
-                      # the job's lease owner, as autohet train's launcher sets it: the new
-                      # plan's rank 0 (another process) takes the lease the old one kept
-                      checkpoint=CheckpointOptions(save=str(ckpt), save_interval=100,
-                                                   owner="test_job_replan")).validate()
+                      # no lease owner (ranks started one by one, as here, get none from a
+                      # launcher): the new plan's rank 0, another process, holds the run's lease
+                      checkpoint=CheckpointOptions(save=str(ckpt), save_interval=100)
+                      ).validate()
     # the A100s are idle after the switch: their processes end with iteration 6 saved
     assert run_on_ranks(4, _job, plan, options, timeout=600) == [SWITCH_AT] * 2 + [ITERS] * 2
     out = capfd.readouterr().out
@@ -144,6 +159,9 @@ def test_a_switch_at_a_window_end_loses_nothing(tmp_path, monkeypatch, capfd):
             in switched[0]), switched
     # iteration 6 saved under the old plan, the end under the new one, in the job's --save
     assert committed_steps(ckpt) == [SWITCH_AT, ITERS]
+    # one lease owner for the run, which every generation's ranks took the lease for (4 + 2)
+    taken = owners.read_text().splitlines()
+    assert len(taken) == 6 and len(set(taken)) == 1, taken
     assert read_manifest(ckpt / step_dir_name(SWITCH_AT)).plan["ranks"] == plan.to_dict()["ranks"]
     assert len(read_manifest(ckpt / step_dir_name(ITERS)).plan["ranks"]) == 2
 
