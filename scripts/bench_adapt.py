@@ -48,12 +48,9 @@ is logged (importing torch and building the model at 0.15 of a core takes a minu
 type's share. The machine is shared: the load average (1 minute) before and after each run is
 in its row, and a quota is a ceiling, not a guarantee (emulate_cluster.py).
 
-Hooks: each rank runs ``autohet train`` through this script's ``--rank-worker``, which (1) makes
-the emulated GPU catalog the bundled one (the job prices its re-plans on the bundled catalog,
-which does not hold the emulated types: a job with them logs "not adapting"), and (2) names the
-job's checkpoint owner for all its ranks, as autohet train's own launcher does: ranks started
-one by one (here, or by a user's torchrun) draw the owner on each generation's rank 0, so a
-switch whose new rank 0 is another process is refused by the lease the old one kept.
+Hook: each rank runs ``autohet train`` through this script's ``--rank-worker``, which makes the
+emulated GPU catalog the bundled one (the job prices its re-plans on the bundled catalog, which
+does not hold the emulated types: a job with them logs "not adapting").
 
     sudo python scripts/bench_adapt.py [--scenarios a,b,c] [--iters 300] [--window 20]
         [--quick] [--json bench-out/bench_adapt.json]
@@ -85,8 +82,6 @@ SCENARIOS = ("a", "b", "c")
 UNIT_ROUNDOFF = 2.0 ** -24          # fp32: the CPU runtime trains in fp32
 SWAPPED = ("EMU-MID", "EMU-SLOW")   # scenario a: these two types' profile entries exchanged
 BASE_PORT = 29700
-# the writer lease's owner of a job's ranks (rank_worker)
-OWNER_ENV = "BENCH_ADAPT_JOB"
 SEED = 1234
 
 SWITCH_LINE = re.compile(r"adapt: switched plans after iteration (\d+): (.*?); state saved.*?"
@@ -315,8 +310,7 @@ class Fleet:
         started = time.monotonic()
         procs = []
         for p in placements:
-            env = {**emu.rank_env(p, placements[0], self.port), "PYTHONPATH": str(ROOT),
-                   OWNER_ENV: f"bench_adapt {name} {os.getpid()}"}
+            env = {**emu.rank_env(p, placements[0], self.port), "PYTHONPATH": str(ROOT)}
             procs.append(self.cluster.spawn(p, cmd, env, work / f"rank{p.rank}.log"))
             # a whole core while starting up (module doc); the shares from iteration 1 on
             emu.set_share(p.cgroup, 1.0)
@@ -655,21 +649,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def rank_worker(argv: list[str]) -> int:
-    """One emulated rank: ``autohet train`` with the emulated catalog as the bundled one and
-    the job's checkpoint owner named by the bench (the module doc's hooks)."""
-    from dataclasses import replace
-
-    import megatron_autohet.checkpoint.checkpointer as checkpointer
+    """One emulated rank: ``autohet train`` with the emulated catalog as the bundled one (the
+    module doc's hook)."""
     import megatron_autohet.spec.gpus as gpus
     from megatron_autohet.cli.main import main as autohet
 
     gpus.DEFAULT_CATALOG = emu.DEFAULT_CATALOG
-    init = checkpointer.Checkpointer.__init__
-
-    def owned(self, options, *args, **kwargs):
-        init(self, replace(options, owner=options.owner or os.environ[OWNER_ENV]), *args,
-             **kwargs)
-    checkpointer.Checkpointer.__init__ = owned
     return autohet(argv)
 
 
