@@ -29,6 +29,8 @@ steps.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import socket
@@ -44,6 +46,8 @@ from megatron_autohet.checkpoint.sources import StoreError
 from megatron_autohet.errors import ConfigError
 
 LEASE_FILE = "autohet-writer.lease"
+# beside it: held while a writer compares and writes the lease (DirectorySlot)
+LOCK_FILE = "autohet-writer.lease.lock"
 DEFAULT_STALE_S = 120.0
 REFRESH_S = 10.0
 TAKE_OVER_FLAG = "--autohet-take-over-ckpt"
@@ -171,7 +175,14 @@ class LeaseSlot(ABC):
 
 
 class DirectorySlot(LeaseSlot):
-    """:data:`LEASE_FILE` in a checkpoint directory (created if missing); ``flag`` names it."""
+    """:data:`LEASE_FILE` in a checkpoint directory (created if missing); ``flag`` names it.
+
+    A directory has no compare-and-swap: each write compares and renames while holding an
+    exclusive ``flock`` of :data:`LOCK_FILE` beside it, which every writer takes. Without it a
+    heartbeat that read its own record, then lost the lease to a take-over, would rename its
+    record over the new owner's (the fsyncs of staging make that window long on a busy disk),
+    and both jobs would go on writing. A file system without locks (some FUSE mounts) gets the
+    writes unlocked: the rename alone, as atomic as it can be there."""
 
     def __init__(self, directory: str | Path, flag: str = "--save"):
         self.directory = Path(directory)
@@ -193,32 +204,54 @@ class DirectorySlot(LeaseSlot):
             f.write(holder.to_json())
             f.flush()
             os.fsync(f.fileno())
-        fsync_dir(self.directory)
         return tmp
 
-    def create(self, holder: Holder) -> bool:
-        tmp = self._staged(holder)
+    @contextlib.contextmanager
+    def _locked(self):
+        with open(self.directory / LOCK_FILE, "a") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+            except OSError:         # no locks on this file system (class docstring)
+                yield
+                return
+            try:
+                yield
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+
+    def _current(self) -> bytes | None:
         try:
-            os.link(tmp, self.path)         # atomic, and fails if a lease exists
+            return self.path.read_bytes()
+        except FileNotFoundError:
+            return None
+
+    def create(self, holder: Holder) -> bool:
+        tmp = self._staged(holder)          # the slow part before the lock
+        try:
+            with self._locked():
+                os.link(tmp, self.path)     # atomic, and fails if a lease exists
         except FileExistsError:
             return False
         finally:
             tmp.unlink(missing_ok=True)
+        fsync_dir(self.directory)
         return True
 
     def replace(self, holder: Holder, token: object) -> bool:
-        try:
-            if self.path.read_bytes() != token:
-                return False
-        except FileNotFoundError:
-            if token is not None:
-                return False
         tmp = self._staged(holder)
-        os.replace(tmp, self.path)
-        return self.path.read_bytes() == holder.to_json()
+        try:
+            with self._locked():
+                if self._current() != token:
+                    return False
+                os.replace(tmp, self.path)
+        finally:
+            tmp.unlink(missing_ok=True)
+        fsync_dir(self.directory)
+        return True
 
     def delete(self) -> None:
-        self.path.unlink(missing_ok=True)
+        with self._locked():
+            self.path.unlink(missing_ok=True)
 
 
 class ObjectStoreSlot(LeaseSlot):

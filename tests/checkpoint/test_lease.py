@@ -105,6 +105,27 @@ def test_the_heartbeat_keeps_it_fresh_and_notices_a_take_over(tmp_path):
     assert DirectorySlot(tmp_path).read()[0].owner == "job-b"
 
 
+def test_a_heartbeat_never_writes_over_a_take_over(tmp_path, monkeypatch):
+    """The take-over lands between the heartbeat's read of its own record and its write
+    (injected where the heartbeat stages the record it will write, a window of two fsyncs that
+    a busy disk makes long): the heartbeat finds the lease lost and the new owner keeps it.
+    Unlocked, the heartbeat's rename put job-a back over job-b, and both went on writing."""
+    lease = Lease([DirectorySlot(tmp_path)], "job-a")
+    lease.take()
+    staged, taken_over = DirectorySlot._staged, []
+
+    def stage_then_take_over(self, holder):
+        path = staged(self, holder)
+        if holder.owner == "job-a" and not taken_over:
+            taken_over.append(True)
+            Lease([DirectorySlot(tmp_path)], "job-b").take(take_over=True)
+        return path
+    monkeypatch.setattr(DirectorySlot, "_staged", stage_then_take_over)
+    with pytest.raises(LeaseLost):
+        lease.refresh()
+    assert taken_over and DirectorySlot(tmp_path).read()[0].owner == "job-b"
+
+
 def test_a_torn_record_is_free(tmp_path):
     (tmp_path / LEASE_FILE).write_bytes(b"{not json")
     Lease([DirectorySlot(tmp_path)], "job-b").take()
