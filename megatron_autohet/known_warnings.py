@@ -1,4 +1,4 @@
-"""megatron-core's known-benign warnings: the one list, and the filter every process installs.
+"""Known-benign warnings of megatron-core and Megatron-LM: the lists, and the filters to install.
 
 megatron-core warns at import about every optional fused kernel it cannot find, its
 ``TransformerConfig`` warns about its own default, and 0.19 logs deprecations of what 0.16.1
@@ -13,6 +13,11 @@ these, before megatron-core is imported:
 * the profiler's spawned tensor-parallel processes (profiling/measure.py ``_worker``);
 * Megatron-LM's ``pretrain_gpt.py`` with the patch (patches/), first thing after its imports of
   the standard library.
+
+Megatron-LM's own start-up warnings (its training package's, and megatron-core's that only its
+start-up triggers) are a second pair of lists, ignored by the ranks of ``pretrain_gpt.py
+--autohet-plan`` alone (megatron/hooks.py) and pinned by the Megatron-LM tests (tests/megatron)
+rather than by megatron-core's (tests/cli/test_known_warnings.py).
 
 Two kinds, as megatron-core emits them: Python warnings (``warnings.warn``: a filter matches one
 message of megatron-core's own modules only, ``module="megatron\\."``, as a UserWarning) and
@@ -67,6 +72,31 @@ KNOWN_LOG_RECORDS: tuple[tuple[str, str, tuple[str, ...], str], ...] = (
      "before the release that would drop it"),
 )
 
+# Megatron-LM's (training package and megatron-core, given by `pretrain_gpt.py --autohet-plan`
+# only, core_v0.16.1): as above, ignored by megatron/hooks.py prepare_process, before Megatron-LM
+# parses its flags.
+MEGATRON_LM_WARNINGS: tuple[tuple[str, tuple[str, ...], str], ...] = (
+    (r"Overriding default arguments for tokenizer_type:GPT2BPETokenizer with tokenizer_type:",
+     ("0.16",),
+     "pretrain_gpt.py's own default tokenizer replaced by the --tokenizer-type the user gave: "
+     "the warning repeats the command line"),
+    (r"Constraints for invoking optimized fused softmax kernel are not met\.", ("0.16",),
+     "Megatron-LM's start-up checks its fused-softmax constraints on its own flags; the plan "
+     "runtime builds the stage models with masked_softmax_fusion off (runtime/stage_model.py), "
+     "whatever the flags say"),
+)
+MEGATRON_LM_LOG_RECORDS: tuple[tuple[str, str, tuple[str, ...], str], ...] = (
+    ("megatron.core.datasets.megatron_tokenizer", r"You're using the legacy tokenizer system",
+     ("0.16",),
+     "Megatron-LM core_v0.16.1's training package builds --tokenizer-type with the legacy "
+     "tokenizer classes itself (megatron.training.tokenizer); the plan path only reads its "
+     "vocabulary size and EOD token, and core_v0.16.1 offers no flag for the new system"),
+    ("megatron.core.rerun_state_machine", r"RerunStateMachine initialized in mode",
+     ("0.16",),
+     "initialize_megatron sets up the state machine of Megatron's own train loop (its default "
+     "mode, no --rerun-mode given); the plan path's runtime runs the iterations without it"),
+)
+
 
 class _DropMessage(logging.Filter):
     def __init__(self, pattern: str):
@@ -87,10 +117,20 @@ def ignore_known_warnings() -> None:
     """Ignore the warnings of :data:`KNOWN_WARNINGS` and the records of
     :data:`KNOWN_LOG_RECORDS` in this process (idempotent: ``warnings`` drops a filter equal to
     one it has, a logger one equal to a filter it holds)."""
-    for message, _versions, _why in KNOWN_WARNINGS:
+    _ignore(KNOWN_WARNINGS, KNOWN_LOG_RECORDS)
+
+
+def ignore_megatron_lm_warnings() -> None:
+    """Ignore :data:`MEGATRON_LM_WARNINGS` and :data:`MEGATRON_LM_LOG_RECORDS` in this process
+    (a rank of ``pretrain_gpt.py --autohet-plan``; idempotent)."""
+    _ignore(MEGATRON_LM_WARNINGS, MEGATRON_LM_LOG_RECORDS)
+
+
+def _ignore(known_warnings, known_log_records) -> None:
+    for message, _versions, _why in known_warnings:
         warnings.filterwarnings("ignore", message=message, category=UserWarning,
                                 module=r"megatron\.")
-    for name, message, _versions, _why in KNOWN_LOG_RECORDS:
+    for name, message, _versions, _why in known_log_records:
         logger = logging.getLogger(name)
         if _DropMessage(message) not in logger.filters:
             logger.addFilter(_DropMessage(message))

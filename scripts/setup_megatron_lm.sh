@@ -16,9 +16,9 @@
 #    PYTHON cannot import. So the build is given PYTHON's include flags and extension suffix,
 #    and helper builds for other Pythons are removed.
 #
-# PYTHON defaults to the active virtual environment's python, else python3 on PATH. Run
-# pretrain_gpt.py with PYTHON's bin directory first on PATH: Megatron's first rank runs the
-# Makefile again at start-up (a no-op once the helper of that `python3` exists).
+# PYTHON defaults to the active virtual environment's python, else python3 on PATH. Megatron's
+# first rank runs the Makefile again at start-up; with --autohet-plan it is given the same
+# variables for the running Python (megatron/hooks.py), so that is a no-op after this script.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

@@ -49,14 +49,17 @@ Megatron's format.
 
 megatron-core's known-benign warnings (known_warnings.py: Apex or Transformer Engine missing, its
 own deprecated default) are ignored on every rank from the top of the patched ``pretrain_gpt.py``;
-once :func:`prepare_process` runs, ranks other than the first ignore all Python warnings.
+once :func:`prepare_process` runs, so are Megatron-LM's own start-up ones (the same module's
+second lists), and ranks other than the first ignore all Python warnings.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import subprocess
 import sys
+import sysconfig
 import warnings
 from pathlib import Path
 from typing import NoReturn
@@ -64,7 +67,8 @@ from typing import NoReturn
 from megatron_autohet.checkpoint.options import CheckpointOptions, tier_fields
 from megatron_autohet.data.indexed import check_datasets
 from megatron_autohet.errors import ConfigError
-from megatron_autohet.job import TrainOptions, measure_fields, train_job
+from megatron_autohet.job import TrainOptions, init_backend, measure_fields, train_job
+from megatron_autohet.known_warnings import ignore_megatron_lm_warnings
 from megatron_autohet.launch import signal_stop_check
 from megatron_autohet.megatron.flags import check_flags, megatron_parser, stop_before_start
 from megatron_autohet.plan import Plan, load_plan
@@ -82,17 +86,21 @@ def prepare_process(argv: list[str] | None = None) -> None:
     if not any(a == "--autohet-plan" or a.startswith("--autohet-plan=") for a in argv):
         return
     # torch: in the ranks of pretrain_gpt.py only
-    from megatron_autohet.runtime.cpu_mode import cpu_mode_required, enable_cpu_mode
+    from megatron_autohet.runtime.cpu_mode import cpu_mode_required
 
     _quiet_other_ranks()
+    ignore_megatron_lm_warnings()
     try:
         check_flags(argv[1:])
     except ConfigError as err:
         stop_before_start(err, argv[0])
     _size_megatron_batch_calculator_for_plans()
     _leave_dashboards_to_the_job()
-    if cpu_mode_required():
-        enable_cpu_mode()
+    _build_dataset_helpers_for_this_python()
+    on_cpu = cpu_mode_required()
+    # as an `autohet train` rank: one CUDA work queue, the CPU mode without a GPU
+    init_backend(on_cpu)
+    if on_cpu:
         _adapt_megatron_lm_initialization_to_cpu()
 
 
@@ -140,6 +148,32 @@ def _leave_dashboards_to_the_job() -> None:
 
     global_vars._set_tensorboard_writer = lambda args: None
     global_vars._set_wandb_writer = lambda args: None
+    # one_logger times Megatron's own train loop, which the plan path replaces; without the
+    # package its set-up prints a WARNING line naming NVIDIA's internal package index.
+    global_vars._set_one_logger = lambda args: None
+
+
+def _build_dataset_helpers_for_this_python() -> None:
+    """Megatron's first rank builds its dataset helpers at start-up (``compile_helpers``: make in
+    megatron/core/datasets), and the Makefile names the library by ``python3-config`` on PATH. A
+    venv has no ``python3-config``, so pyenv's answers, from Megatron-LM's ``.python-version``
+    (3.12): every run rebuilt a helper for that Python, one this interpreter never imports. The
+    build is given this interpreter's extension suffix and include flags instead, as
+    scripts/setup_megatron_lm.sh gives them: a no-op once that script has built the helper."""
+    # megatron-core: in the ranks of pretrain_gpt.py only
+    import megatron.core.datasets.utils as dataset_utils
+
+    def compile_helpers() -> None:
+        includes = subprocess.run([sys.executable, "-m", "pybind11", "--includes"],
+                                  capture_output=True, text=True, check=True).stdout.strip()
+        make = ["make", "-C", str(Path(dataset_utils.__file__).parent),
+                f"LIBEXT={sysconfig.get_config_var('EXT_SUFFIX')}", f"CPPFLAGS={includes}"]
+        if subprocess.run(make).returncode != 0:
+            logging.getLogger(dataset_utils.__name__).error(
+                "Failed to compile the C++ dataset helper functions")
+            sys.exit(1)
+
+    dataset_utils.compile_helpers = compile_helpers
 
 
 def _print_help_with_autohet_flags(prog: str) -> None:

@@ -142,20 +142,23 @@ TINY_ARGS = ["--num-layers", "6", "--hidden-size", "64", "--num-attention-heads"
              "--hidden-dropout", "0", "--attention-dropout", "0"]
 
 
-def _venv_env(**extra) -> dict:
-    """This interpreter's bin first on PATH: Megatron's dataset-helper Makefile runs `python3 -m
-    pybind11`, and `autohet` is the one of the venv under test."""
-    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
-    return dict(os.environ, OMP_NUM_THREADS="1", CUDA_DEVICE_MAX_CONNECTIONS="1", PATH=path,
-                **extra)
+def _venv_env(path_first: str | None = None, **extra) -> dict:
+    """This interpreter's bin first on PATH (``autohet`` is the one of the venv under test), after
+    ``path_first``; no CUDA_DEVICE_MAX_CONNECTIONS, as in the documented command (the ranks set
+    it, as `autohet train`'s do)."""
+    path = os.pathsep.join(p for p in (path_first, str(Path(sys.executable).parent),
+                                       os.environ["PATH"]) if p)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PATH=path, **extra)
+    env.pop("CUDA_DEVICE_MAX_CONNECTIONS", None)
+    return env
 
 
-def _torchrun(tree: Path, plan: Path, args: list[str], tiny_args=TINY_ARGS):
+def _torchrun(tree: Path, plan: Path, args: list[str], tiny_args=TINY_ARGS, **env):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
            "--master-port", str(free_port()), "pretrain_gpt.py", "--autohet-plan", str(plan),
            *tiny_args, *map(str, args)]
     return subprocess.run(cmd, cwd=tree, capture_output=True, text=True, timeout=600,
-                          env=_venv_env())
+                          env=_venv_env(**env))
 
 
 def _autohet_train(plan: Path, metrics: Path, data_dir: Path, *flags: str) -> str:
@@ -171,13 +174,80 @@ def _autohet_train(plan: Path, metrics: Path, data_dir: Path, *flags: str) -> st
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tree, data_dir, tmp_path_factory) -> list[tuple]:
-    """TRAIN_ITERS iterations of PLAN, no checkpoint: what every other run is compared with."""
+def uninterrupted_job(tree, data_dir, tmp_path_factory) -> tuple[list[tuple], str]:
+    """TRAIN_ITERS iterations of PLAN, no checkpoint: its metrics (what every other run is
+    compared with) and its output."""
     metrics = tmp_path_factory.mktemp("uninterrupted") / "metrics.jsonl"
     result = _torchrun(tree, PLAN, ["--autohet-metrics-jsonl", metrics,
                                     "--autohet-data-dir", data_dir])
     assert result.returncode == 0, output_tail(result)
-    return logged_metrics(metrics)
+    return logged_metrics(metrics), result.stdout + result.stderr
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(uninterrupted_job) -> list[tuple]:
+    return uninterrupted_job[0]
+
+
+def _warning_lines(output: str) -> list[str]:
+    return [line for line in output.splitlines() if re.search(r"warning", line, re.I)]
+
+
+def test_pretrain_gpt_starts_without_warnings(uninterrupted_job):
+    """The documented command's start-up on a CPU: Megatron-LM's known-benign warnings ignored
+    (known_warnings.py), one_logger not set up, CUDA_DEVICE_MAX_CONNECTIONS set by the ranks."""
+    assert _warning_lines(uninterrupted_job[1]) == []
+
+
+# Run before pretrain_gpt.py: Megatron-LM's lists of known-benign warnings emptied, so that the
+# job shows what they ignore.
+_UNFILTERED = """\
+import megatron_autohet.known_warnings as known
+known.MEGATRON_LM_WARNINGS = known.MEGATRON_LM_LOG_RECORDS = ()
+"""
+
+
+def test_megatron_lm_known_warnings_are_all_given(tree, data_dir, tmp_path):
+    """Each entry of MEGATRON_LM_WARNINGS / MEGATRON_LM_LOG_RECORDS is given by a job whose
+    filter has them emptied (no stale entry); the vocabulary job stops after
+    ``initialize_megatron``, which gives them all."""
+    (tmp_path / "sitecustomize.py").write_text(_UNFILTERED)
+    pythonpath = os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH")) if p)
+    result = _torchrun(tree, PLAN, ["--vocab-size", "1000", "--autohet-data-dir", data_dir],
+                       PYTHONPATH=pythonpath)
+    assert "field '--vocab-size'" in result.stderr, output_tail(result)
+    from megatron_autohet.known_warnings import MEGATRON_LM_LOG_RECORDS, MEGATRON_LM_WARNINGS
+    warned = re.findall(r"^\S+/megatron/\S+:\d+: UserWarning: (.*)$", result.stderr, re.M)
+    logged = re.findall(r"^WARNING:(\S+?):(.*)$", result.stdout, re.M)
+    assert [m for m, *_ in MEGATRON_LM_WARNINGS
+            if not any(re.match(m, message) for message in warned)] == [], output_tail(result)
+    assert [m for name, m, *_ in MEGATRON_LM_LOG_RECORDS
+            if not any(n == name and re.match(m, msg) for n, msg in logged)] == [], \
+        output_tail(result)
+
+
+def test_first_run_after_setup_builds_no_dataset_helper(tmp_path, data_dir):
+    """After scripts/setup_megatron_lm.sh, the first job's rank 0 runs Megatron's helper Makefile
+    again: with a ``python3-config`` on PATH that answers for another Python (as pyenv's shim does
+    from Megatron-LM's ``.python-version``) it builds nothing."""
+    if megatron_lm_runnable():
+        pytest.skip(megatron_lm_runnable())
+    tree = _patched_tree(tmp_path / "tree")
+    setup = subprocess.run(["bash", str(SETUP), "--python", sys.executable, str(tree)],
+                           capture_output=True, text=True, timeout=600)
+    assert setup.returncode == 0, setup.stdout + setup.stderr
+    datasets = tree / "megatron/core/datasets"
+    built = {p.name: p.stat().st_mtime_ns for p in datasets.glob("helpers_cpp*")}
+    other = tmp_path / "other-python"
+    other.mkdir()
+    config = other / "python3-config"
+    config.write_text("#!/bin/sh\necho .cpython-312-x86_64-linux-gnu.so\n")
+    config.chmod(0o755)
+    result = _torchrun(tree, PLAN, ["--vocab-size", "1000", "--autohet-data-dir", data_dir],
+                       path_first=str(other))
+    assert "field '--vocab-size'" in result.stderr, output_tail(result)    # initialised
+    assert "> compiling dataset index builder" in result.stdout, output_tail(result)
+    assert {p.name: p.stat().st_mtime_ns for p in datasets.glob("helpers_cpp*")} == built
 
 
 def test_pretrain_gpt_trains_the_plan_like_autohet_train(uninterrupted, data_dir, tmp_path):
