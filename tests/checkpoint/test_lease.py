@@ -89,7 +89,7 @@ def test_all_or_nothing_over_several_locations(tmp_path):
 
 
 def test_the_heartbeat_keeps_it_fresh_and_notices_a_take_over(tmp_path):
-    lease = Lease([DirectorySlot(tmp_path)], "job-a", stale_s=60, refresh_s=0.05)
+    lease = Lease([DirectorySlot(tmp_path)], "job-a", stale_s=60, refresh_s=0.5)
     lease.take()
     first = DirectorySlot(tmp_path).read()[0].heartbeat
     lease.start_heartbeat()
