@@ -88,7 +88,7 @@ from megatron_autohet.profiling.profile import Profile          # noqa: E402
 from megatron_autohet.spec import load_cluster, load_gpu_catalog, load_model  # noqa: E402
 
 PASS, FAIL, SKIP = "pass", "FAIL", "skip"
-# Issue 18's targets.
+# The targets the checks judge against.
 TIME_TOLERANCE = 0.10          # predicted iteration time within 10% of the measured one
 MEMORY_TOLERANCE = 0.10        # predicted peak memory within 10% of the measured one ...
 MEMORY_UNDER_TOLERANCE = 0.05  # ... and never more than 5% below it
@@ -785,7 +785,7 @@ def attention_note(log: str) -> str:
 
 
 def time_meets_target(predicted_s: float, measured_s: float) -> bool:
-    """Issue 18: the predicted iteration time within 10% of the measured one."""
+    """The predicted iteration time within 10% of the measured one."""
     return abs(predicted_s / measured_s - 1) <= TIME_TOLERANCE
 
 
@@ -801,7 +801,7 @@ def memory_vs_plan(plan_peak_gib: float, allocated_gib: float) -> tuple[bool, st
 
 
 def memory_meets_target(predicted_gib: float, measured_gib: float) -> bool:
-    """Issue 18: the predicted peak memory within 10% of the measured one and never more than 5%
+    """The predicted peak memory within 10% of the measured one and never more than 5%
     below it (a plan that under-predicts memory runs out of it)."""
     ratio = predicted_gib / measured_gib
     return abs(ratio - 1) <= MEMORY_TOLERANCE and ratio >= 1 - MEMORY_UNDER_TOLERANCE

@@ -1,4 +1,4 @@
-"""--autohet-adapt (issue 40 items 4 and 7): the flag's values, and replan where it cannot
+"""--autohet-adapt: the flag's values, and replan where it cannot
 switch, refused in one line before any process; a real `autohet train` whose rank 0 logs one
 decision per window - the decision planner/adapt.py takes from that window's measurements,
 recomputed here from the windows the run wrote (its figures compared with the run's numbers,

@@ -1,4 +1,4 @@
-"""A profile from the run (issue 40 item 3): `autohet train --autohet-measured-profile` writes
+"""A profile from the run: `autohet train --autohet-measured-profile` writes
 what the job measured as a profile that `autohet plan --profile` takes and merges with others,
 and that prices the plan the job ran at the times the job measured (compared with the numbers
 the run wrote, never with a wall-clock expectation); refused in one line where it cannot be

@@ -1,4 +1,4 @@
-"""Multi-node data (issue 21, item 5): megatron-core builds the dataset's indices on global rank 0
+"""Multi-node data: megatron-core builds the dataset's indices on global rank 0
 only and the other ranks read them from the cache, so every node must see rank 0's cache. Two
 processes with different data directories stand for two nodes with their own disks."""
 

@@ -1,4 +1,4 @@
-"""A node that gets no CPU for a while is busy, not lost (issue 35 item 1): its whole process
+"""A node that gets no CPU for a while is busy, not lost: its whole process
 tree (agent, warm fork server, workers) is frozen with SIGSTOP for 8 s, beyond the 3 s after
 which the agents used to declare a member lost (its keep-alive expired in torch's rendezvous
 state, on one reading) - the job had started a new round and lost up to a save interval, and the

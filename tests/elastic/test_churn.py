@@ -1,4 +1,4 @@
-"""Spot churn on small emulated fleets (issue 22 items 1-3), each event at a known iteration
+"""Spot churn on small emulated fleets, each event at a known iteration
 (megatron_autohet/elastic/hold.py):
 
 * the plan's rank 0 gets a preemption notice: every step of what follows is in events.jsonl -

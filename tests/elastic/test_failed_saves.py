@@ -1,4 +1,4 @@
-"""An elastic job whose checkpoint saves fail stops for good, on every node (issue 19).
+"""An elastic job whose checkpoint saves fail stops for good, on every node.
 
 torchrun's agents restart their workers whatever status they exit with: a worker that stopped
 the job because its saves failed (exit 1) was started again in a new round, which found no step,

@@ -1,4 +1,4 @@
-"""A node lost without notice while the others wait for it in a collective (issue 22 item 5):
+"""A node lost without notice while the others wait for it in a collective:
 its network cut - here its processes frozen (SIGSTOP), so its connections stay open and no
 collective fails. The survivors' agents see its keep-alive lapse for the loss timeout (5 s
 here), end their workers and train on in the next round from the newest checkpoint; torchrun's

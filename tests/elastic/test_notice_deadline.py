@@ -1,4 +1,4 @@
-"""A preemption notice's deadline drives the emergency path (issue 22 item 4): 30 s between the
+"""A preemption notice's deadline drives the emergency path: 30 s between the
 notice and the machine going, and a link to S3 (a real moto server behind a throttle) on which
 the state needs longer than that. The background upload of the save before is given up, the
 leaving node's files go to the node that stays first; S3, not needed then, is skipped and said;

@@ -1,5 +1,5 @@
-"""An elastic job's in-process re-plan starts from the memory the first generation had (issue 21,
-item 8): the old trainer, optimizer and buffers are gone before the re-plan and the next
+"""An elastic job's in-process re-plan starts from the memory the first generation had: the old
+trainer, optimizer and buffers are gone before the re-plan and the next
 generation's model, not kept alive beside them."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""An elastic job's re-plan prices plans on the profile its plan was priced on (issue 22): the
+"""An elastic job's re-plan prices plans on the profile its plan was priced on: the
 plan records the profile (``autohet plan --profile``), and the worker's re-plan - which has none
 of `autohet plan`'s flags - prices on it, not on the analytic estimates, and records it in the
 new plan for the next re-plan."""

@@ -1,4 +1,4 @@
-"""runtime/device.py: the GPU of a local rank among the GPUs a process sees (issue 21, item 10)."""
+"""runtime/device.py: the GPU of a local rank among the GPUs a process sees."""
 
 from __future__ import annotations
 

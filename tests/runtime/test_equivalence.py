@@ -1,4 +1,4 @@
-"""The proof of issue 3: heterogeneous training equals single-process training.
+"""The proof: heterogeneous training equals single-process training.
 
 For each proof plan (configs/plans/tiny-*.yaml) the tiny GPT trains ITERS iterations with AdamW
 (decoupled weight decay, none on biases and 1-D parameters), gradient clipping and megatron-core's

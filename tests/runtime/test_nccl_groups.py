@@ -90,7 +90,7 @@ def _notice_then_evacuate(rank, world_size, tmp: Path):
 
 
 def test_a_notice_stops_and_evacuates_on_gloo_groups_only(tmp_path):
-    """Item 1 and 3 of issue 21: the stop check's flags and the evacuated files are CPU tensors;
+    """The stop check's flags and the evacuated files are CPU tensors;
     they travel on the stop check's own gloo group, never on the default group (NCCL on GPUs,
     where the first notice would crash the job right after its emergency save)."""
     distcp = os.urandom(5000)

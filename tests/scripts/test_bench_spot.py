@@ -134,7 +134,7 @@ def _quiet_run(bench, tmp_path, name: str, iterations: list[int], seconds: float
 
 
 def test_goodput_is_the_rate_against_the_no_event_run(bench, tmp_path, capsys):
-    """Issue 22's goodput: iterations kept per second from the first iteration to the end,
+    """The goodput: iterations kept per second from the first iteration to the end,
     over the same figure of the run without events - which paid the same saves."""
     reference = _quiet_run(bench, tmp_path, "no-events", list(range(1, 31)), 15.0)
     # 18-20 re-trained after a restore: 32 logged, still 29 kept after the first, in 30 s

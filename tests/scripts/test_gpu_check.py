@@ -139,7 +139,7 @@ def test_bf16_ulp_is_the_spacing_of_bfloat16_numbers():
 
 
 @pytest.mark.unit
-def test_the_gpu_targets_as_issue_18_words_them():
+def test_the_gpu_targets_as_the_checks_word_them():
     """The rows a CPU only reports: predicted within 10% of measured, memory never more than 5%
     under the measured peak, resumed bf16 losses within 2 bf16 ulps."""
     assert time_meets_target(0.562, 0.60) and time_meets_target(0.62, 0.57)
