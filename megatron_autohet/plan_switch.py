@@ -16,10 +16,10 @@ from __future__ import annotations
 import os
 import socket
 import time
-import uuid
 from dataclasses import asdict, dataclass, replace
 from datetime import timedelta
 
+from megatron_autohet.checkpoint.lease import rank_owner_name
 from megatron_autohet.job import TrainOptions, job_dashboard, train_job
 from megatron_autohet.plan import Plan, RankInfo, plan_from_dict
 from megatron_autohet.spec.model import ModelSpec
@@ -259,8 +259,7 @@ def train_adapting(plan: Plan, plan_label: str, model: ModelSpec, options: Train
         # Checkpointer would otherwise draw its own on its rank 0, and where that is another
         # process than the old rank 0 (ranks started one by one, without autohet train's
         # launcher or torchrun to name the run), the lease the old generation kept refuses it.
-        owner = [f"job {uuid.uuid4().hex[:8]} on {socket.gethostname()} (rank 0 pid "
-                 f"{os.getpid()})" if rank == 0 else None]
+        owner = [rank_owner_name() if rank == 0 else None]
         dist.broadcast_object_list(owner, src=0)
         options = replace(options, checkpoint=replace(options.checkpoint, owner=owner[0]))
     state, previous, generation = {}, None, 0

@@ -47,12 +47,10 @@ in when it is done) and logged with it; a resume's bytes and seconds per tier ar
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import threading
 import time
 import traceback
-import uuid
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -61,7 +59,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_autohet.checkpoint.failures import log_traceback, root_cause
-from megatron_autohet.checkpoint.lease import Lease, take_job_lease
+from megatron_autohet.checkpoint.lease import Lease, rank_owner_name, take_job_lease
 from megatron_autohet.checkpoint.manifest import (LATEST_FILE, committed_steps, remove_old_steps,
                                                   step_dir_name, write_atomic)
 from megatron_autohet.checkpoint.options import CheckpointOptions, object_store
@@ -177,8 +175,7 @@ class Checkpointer:
         the directory's leader, the S3 prefix on rank 0), for the job's owner name (the
         launcher's, or one rank 0 makes); refused on every rank alike (JobConfigError) when any
         rank finds another live owner (checkpoint/lease.py)."""
-        owner = [self.options.owner or f"job {uuid.uuid4().hex[:8]} on {socket.gethostname()} "
-                 f"(rank 0 pid {os.getpid()})"]
+        owner = [self.options.owner or rank_owner_name()]
         dist.broadcast_object_list(owner, src=0, group=self.group)
         roots = [self.dirs.root(self.rank)] if self.dirs.is_leader(self.rank) else []
         refused, lease = None, Lease([], owner[0])

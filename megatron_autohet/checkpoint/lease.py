@@ -36,6 +36,7 @@ import os
 import socket
 import threading
 import time
+import uuid
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -155,6 +156,12 @@ class LeaseLost(Exception):
         super().__init__(f"the checkpoint lease of {where} was taken over: it now names {who}")
 
 
+def rank_owner_name() -> str:
+    """A job's owner name drawn by its rank 0 where no launcher named the run (autohet train's
+    launcher and an elastic job's run id do): unique to this run, and saying where it ran."""
+    return f"job {uuid.uuid4().hex[:8]} on {socket.gethostname()} (rank 0 pid {os.getpid()})"
+
+
 class LeaseSlot(ABC):
     """Where one lease record lives. ``read`` returns (holder or None, a token for ``replace``);
     ``create``/``replace`` return False when another writer got there first."""
@@ -191,11 +198,8 @@ class DirectorySlot(LeaseSlot):
         self.flag = flag
 
     def read(self) -> tuple[Holder | None, object]:
-        try:
-            raw = self.path.read_bytes()
-        except FileNotFoundError:
-            return None, None
-        return Holder.from_json(raw), raw
+        raw = self._current()
+        return (None, None) if raw is None else (Holder.from_json(raw), raw)
 
     def _staged(self, holder: Holder) -> Path:
         self.directory.mkdir(parents=True, exist_ok=True)
