@@ -21,6 +21,8 @@ File form (``plan.yaml``)::
       - {rank: 0, node: a100, local_rank: 0, gpu: A100-80GB}
     pipelines:
       - num_microbatches: 40
+        virtual_stages: 1          # optional (default 1): model chunks per stage (interleaved
+                                   # 1F1B when > 1; see "Interleaved pipelines" below)
         stages:
           - ranks: [0, 1]          # TP group, in TP-rank order
             layers: [0, 12]        # global layer indices, half-open [start, end)
@@ -37,6 +39,21 @@ File form (``plan.yaml``)::
 
 The first stage of each pipeline also holds the embedding, the last one the output layer and loss.
 Loading validates everything; a bad plan is a :class:`ConfigError` naming the field.
+
+Interleaved pipelines (megatron-core's interleaved 1F1B, Megatron-LM's
+``--num-layers-per-virtual-pipeline-stage``): a pipeline with ``virtual_stages: v > 1`` cuts the
+model into ``v * n`` model chunks over its ``n`` stages, and each stage lists the layer range of
+each of its ``v`` chunks, ``layers: [[0, 2], [4, 6]]``. Chunk ``c`` of stage ``s`` is virtual
+stage ``c * n + s``, and the virtual stages cover the layers in that order (stage 0's first chunk
+from layer 0, the last stage's last chunk to the end): megatron's own layout order, which also
+sets each chunk's layer offset. Chunks may differ in size (megatron's
+``--pipeline-model-parallel-layout`` allows it), each holds at least one layer. What megatron's
+interleaved schedule needs besides (``forward_backward_pipelining_with_interleaving``, its micro-
+batch groups of the default size ``n``): at least 2 stages and ``num_microbatches`` a multiple of
+``n``. Its warm-up depth is computed from the stage's true position, ``2 (n - s - 1) + (v - 1) n``,
+which also decides which chunk runs which micro-batch, so an interleaved pipeline takes no
+``warmup_microbatches``. Pipelines of one plan may differ in ``v`` (each runs its own schedule;
+their gradients meet only in the layer-wise sync after it).
 """
 
 from __future__ import annotations
@@ -73,18 +90,25 @@ class RankInfo:
 @dataclass
 class Stage:
     ranks: list[int]
-    layers: tuple[int, int]                  # [start, end)
+    layers: tuple[int, int]                  # [start, end); in an interleaved pipeline chunk 0's
     warmup_microbatches: int | None = None
     predicted_time_s: float | None = None
     predicted_memory_gib: float | None = None
+    # The [start, end) of model chunks 1..v-1 in an interleaved pipeline (module doc); () else.
+    virtual_layers: tuple[tuple[int, int], ...] = ()
 
     @property
     def tp(self) -> int:
         return len(self.ranks)
 
     @property
+    def chunks(self) -> tuple[tuple[int, int], ...]:
+        """The layer range of each of the stage's model chunks, in chunk order."""
+        return (tuple(self.layers),) + tuple(tuple(c) for c in self.virtual_layers)
+
+    @property
     def num_layers(self) -> int:
-        return self.layers[1] - self.layers[0]
+        return sum(end - start for start, end in self.chunks)
 
 
 def standard_warmup_depths(num_stages: int, num_microbatches: int) -> list[int]:
@@ -96,10 +120,20 @@ def standard_warmup_depths(num_stages: int, num_microbatches: int) -> list[int]:
 class Pipeline:
     stages: list[Stage]
     num_microbatches: int
+    virtual_stages: int = 1          # model chunks per stage: > 1 runs interleaved 1F1B
 
     @property
     def ranks(self) -> list[int]:
         return [r for s in self.stages for r in s.ranks]
+
+    @property
+    def interleaved(self) -> bool:
+        return self.virtual_stages > 1
+
+    def virtual_stage_layers(self) -> list[tuple[int, int]]:
+        """The layer range of every model chunk in model order: virtual stage c * n + s is chunk
+        c of stage s (megatron's layout order)."""
+        return [stage.chunks[c] for c in range(self.virtual_stages) for stage in self.stages]
 
     def standard_warmup_depths(self) -> list[int]:
         return standard_warmup_depths(len(self.stages), self.num_microbatches)
@@ -151,7 +185,9 @@ class Plan:
     # ---- files -------------------------------------------------------------------------------
     def to_dict(self) -> dict:
         def stage_dict(s: Stage) -> dict:
-            d = {"ranks": list(s.ranks), "layers": [s.layers[0], s.layers[1]]}
+            layers = ([[a, b] for a, b in s.chunks] if s.virtual_layers
+                      else [s.layers[0], s.layers[1]])
+            d = {"ranks": list(s.ranks), "layers": layers}
             for key in ("warmup_microbatches", "predicted_time_s", "predicted_memory_gib"):
                 if getattr(s, key) is not None:
                     d[key] = getattr(s, key)
@@ -169,7 +205,9 @@ class Plan:
             **({"use_distributed_optimizer": True} if self.use_distributed_optimizer else {}),
             **({"overlap_grad_reduce": True} if self.overlap_grad_reduce else {}),
             "ranks": [asdict(r) for r in self.ranks],
+            # virtual_stages written only when > 1: a plain pipeline keeps its old file form
             "pipelines": [{"num_microbatches": p.num_microbatches,
+                           **({"virtual_stages": p.virtual_stages} if p.interleaved else {}),
                            "stages": [stage_dict(s) for s in p.stages]} for p in self.pipelines],
             "predicted": dict(self.predicted),
             **({"profile": self.profile} if self.profile is not None else {}),
@@ -226,7 +264,9 @@ def plan_from_dict(data: dict, file: str | Path = "<plan>") -> Plan:
         where = f"pipelines[{p}]"
         if not isinstance(raw, dict):
             raise ConfigError(file, where, f"expected a mapping, got {raw!r}")
-        check_keys(raw, {"num_microbatches", "stages"}, file, where)
+        check_keys(raw, {"num_microbatches", "virtual_stages", "stages"}, file, where)
+        virtual_stages = get_field(raw, "virtual_stages", int, file, where, default=1,
+                                   positive=True)
         stages = []
         for s, sraw in enumerate(get_field(raw, "stages", list, file, where)):
             swhere = f"{where}.stages[{s}]"
@@ -238,13 +278,10 @@ def plan_from_dict(data: dict, file: str | Path = "<plan>") -> Plan:
                                           for r in stage_ranks):
                 raise ConfigError(file, f"{swhere}.ranks", f"got {stage_ranks!r}",
                                   "a non-empty list of global ranks")
-            layers = get_field(sraw, "layers", list, file, swhere)
-            if len(layers) != 2 or not all(isinstance(x, int) and not isinstance(x, bool)
-                                           for x in layers):
-                raise ConfigError(file, f"{swhere}.layers", f"got {layers!r}",
-                                  "[start, end): two integers, end exclusive")
+            chunks = _stage_chunks(get_field(sraw, "layers", list, file, swhere),
+                                   virtual_stages, file, f"{swhere}.layers")
             stages.append(Stage(
-                ranks=list(stage_ranks), layers=(layers[0], layers[1]),
+                ranks=list(stage_ranks), layers=chunks[0], virtual_layers=tuple(chunks[1:]),
                 warmup_microbatches=get_field(sraw, "warmup_microbatches", int, file, swhere,
                                               default=None, min_value=0),
                 predicted_time_s=get_field(sraw, "predicted_time_s", float, file, swhere,
@@ -252,7 +289,8 @@ def plan_from_dict(data: dict, file: str | Path = "<plan>") -> Plan:
                 predicted_memory_gib=get_field(sraw, "predicted_memory_gib", float, file, swhere,
                                                default=None)))
         pipelines.append(Pipeline(stages=stages, num_microbatches=get_field(
-            raw, "num_microbatches", int, file, where, positive=True)))
+            raw, "num_microbatches", int, file, where, positive=True),
+            virtual_stages=virtual_stages))
     plan = Plan(
         cluster=get_field(data, "cluster", str, file),
         model=model,
@@ -278,6 +316,47 @@ def plan_from_dict(data: dict, file: str | Path = "<plan>") -> Plan:
                               "a fraction of GPU memory in [0, 1)")
         plan.predicted["memory_headroom"] = headroom
     return plan.validate(file)
+
+
+def _is_range(x) -> bool:
+    return (isinstance(x, list) and len(x) == 2
+            and all(isinstance(i, int) and not isinstance(i, bool) for i in x))
+
+
+def _stage_chunks(layers: list, virtual_stages: int, file: str | Path, where: str
+                  ) -> list[tuple[int, int]]:
+    """A stage's ``layers`` field as one [start, end) per model chunk: ``[s, e]`` in a plain
+    pipeline, a list of ``virtual_stages`` such pairs in an interleaved one (module doc)."""
+    if virtual_stages == 1:
+        if not _is_range(layers):
+            raise ConfigError(file, where, f"got {layers!r}",
+                              "[start, end): two integers, end exclusive")
+        return [(layers[0], layers[1])]
+    if len(layers) != virtual_stages or not all(_is_range(c) for c in layers):
+        raise ConfigError(file, where, f"got {layers!r} in a pipeline of virtual_stages "
+                          f"{virtual_stages}", f"{virtual_stages} [start, end) pairs, one per "
+                          "model chunk: [[s0, e0], [s1, e1], ...]")
+    return [(c[0], c[1]) for c in layers]
+
+
+def _validate_interleaving(pipe: Pipeline, where: str, file: str | Path) -> None:
+    """What megatron-core's interleaved 1F1B needs of a pipeline with virtual stages (module
+    doc): >= 2 stages, micro-batches in whole groups of n, its own warm-up depths."""
+    n, v, m = len(pipe.stages), pipe.virtual_stages, pipe.num_microbatches
+    if n < 2:
+        raise ConfigError(file, f"{where}.virtual_stages", f"{v} on a pipeline of 1 stage",
+                          "1: megatron's interleaved schedule needs at least 2 stages")
+    if m % n:
+        raise ConfigError(file, f"{where}.num_microbatches",
+                          f"{m} with virtual_stages {v} over {n} stages",
+                          f"a multiple of {n}: megatron's interleaved schedule runs micro-batches "
+                          f"in groups of the pipeline's {n} stages")
+    for s, stage in enumerate(pipe.stages):
+        if stage.warmup_microbatches is not None:
+            raise ConfigError(file, f"{where}.stages[{s}].warmup_microbatches",
+                              f"{stage.warmup_microbatches} in a pipeline of virtual_stages {v}",
+                              "none: megatron's interleaved schedule derives its warm-up from "
+                              "the stage's position, which also orders its chunks")
 
 
 def _validate_warmup(pipe: Pipeline, where: str, file: str | Path) -> None:
@@ -336,6 +415,14 @@ def validate_plan(plan: Plan, file: str | Path = "<plan>") -> None:
         where = f"pipelines[{p}]"
         if not pipe.stages:
             raise ConfigError(file, f"{where}.stages", "empty", "at least one stage")
+        if pipe.virtual_stages < 1:
+            raise ConfigError(file, f"{where}.virtual_stages", f"got {pipe.virtual_stages}",
+                              "an integer >= 1")
+        if pipe.interleaved and plan.overlap_grad_reduce:
+            raise ConfigError(file, "overlap_grad_reduce", f"true with {where}.virtual_stages "
+                              f"{pipe.virtual_stages}", "false: megatron's interleaved schedule "
+                              "enables the sync before each chunk's last backward, while the "
+                              "runtime's one no-sync switch covers all of a stage's chunks")
         expected_start = 0
         for s, stage in enumerate(pipe.stages):
             swhere = f"{where}.stages[{s}]"
@@ -356,22 +443,32 @@ def validate_plan(plan: Plan, file: str | Path = "<plan>") -> None:
                 raise ConfigError(file, f"{swhere}.ranks", f"TP group mixes GPU types "
                                   f"{sorted(gpus)}", "ranks of one GPU type")
             model.check_tp_degree(stage.tp, file, f"{swhere}.ranks")
-            start, end = stage.layers
-            if start != expected_start or end <= start:
-                raise ConfigError(file, f"{swhere}.layers", f"got [{start}, {end}) after "
-                                  f"layer {expected_start}",
-                                  f"[{expected_start}, e) with e > {expected_start}: stages cover "
-                                  f"the model's layers in order")
+            if len(stage.chunks) != pipe.virtual_stages:
+                raise ConfigError(file, f"{swhere}.layers", f"{len(stage.chunks)} model chunks "
+                                  f"in a pipeline of virtual_stages {pipe.virtual_stages}",
+                                  f"{pipe.virtual_stages}, one layer range per chunk")
             if (stage.warmup_microbatches is not None
                     and stage.warmup_microbatches > pipe.num_microbatches):
                 raise ConfigError(file, f"{swhere}.warmup_microbatches",
                                   f"{stage.warmup_microbatches} > the pipeline's "
                                   f"{pipe.num_microbatches} micro-batches",
                                   f"0..{pipe.num_microbatches}")
+        n = len(pipe.stages)
+        for k, (start, end) in enumerate(pipe.virtual_stage_layers()):
+            chunk = f"[{k // n}]" if pipe.interleaved else ""
+            if start != expected_start or end <= start:
+                raise ConfigError(file, f"{where}.stages[{k % n}].layers{chunk}",
+                                  f"got [{start}, {end}) after layer {expected_start}",
+                                  f"[{expected_start}, e) with e > {expected_start}: "
+                                  + ("virtual stages (chunk c of stage s is c * stages + s) "
+                                     if pipe.interleaved else "stages ")
+                                  + "cover the model's layers in order")
             expected_start = end
         if expected_start != model.num_layers:
             raise ConfigError(file, f"{where}.stages", f"layers end at {expected_start}",
                               f"the last stage ends at num_layers = {model.num_layers}")
+        if pipe.interleaved:
+            _validate_interleaving(pipe, where, file)
         _validate_warmup(pipe, where, file)
     unused = [r for r in range(world) if r not in owner]
     if unused:
