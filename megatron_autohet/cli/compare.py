@@ -17,7 +17,9 @@ def register(subparsers) -> None:
         description="Plan the cluster as `autohet plan` does, build the baselines (Megatron-LM: "
                     "the best single TP x PP x DP grid with uniform layers and batches; "
                     "Whale-style: the same grids with batch shares proportional to replica "
-                    "speed; the fastest GPU type alone) and print, for each, the predicted "
+                    "speed; the fastest GPU type alone; on a fleet across zones the "
+                    "zone-oblivious plan, planned with the zones ignored and priced with them, "
+                    "and the best single-zone plan) and print, for each, the predicted "
                     "iteration time, tokens/s and the speedup of our plan over it. All plans are "
                     "judged by the same cost model and profile, with their USD per million "
                     "tokens when the nodes have spot prices and, with --train-tokens, the time "
@@ -46,8 +48,8 @@ def run(args) -> int:
         raise floor_error(args, exc) from None
     if args.output:
         result.plan.save(args.output)
-    plans = [("autohet (ours)", result.cost, None)] + [(b.name, b.cost, b) for b in
-                                                        result.baselines]
+    plans = [("autohet (ours)", result.cost, None)] + [
+        (b.name, b.cost, b) for b in result.baselines + result.zone_plans]
 
     def training(cost) -> dict:
         """Time and USD to train --train-tokens, and whether the floor is met."""
@@ -67,7 +69,8 @@ def run(args) -> int:
                 "seq_length": result.plan.seq_length, "train_tokens": args.train_tokens,
                 "min_tokens_per_s": floor, **result.to_dict()}
         data["autohet"].update(training(result.cost))
-        for entry, (_, cost, _) in zip(data["baselines"], plans[1:]):
+        for entry, (_, cost, _) in zip(data["baselines"] + data.get("zone_plans", []),
+                                       plans[1:]):
             entry.update(training(cost) if cost is not None else {})
         print(json.dumps(data, indent=1))
         return 0
@@ -117,7 +120,8 @@ def run(args) -> int:
     # every grid (or bound it out), never cut
     print_cut_warning(result, args.time_limit)
     print(f"> searches: autohet (ours) {search_end(result)}; baselines complete (every grid "
-          f"judged)")
+          f"judged)" + "".join(f"; {z.name} {search_end(z)}" for z in result.zone_plans
+                               if z.plan is not None))
     if args.output:
         print(f"> wrote {args.output}")
     return 0

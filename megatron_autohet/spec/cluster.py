@@ -193,6 +193,16 @@ class Cluster:
             return self.links.inter_zone
         return self.links.inter_region
 
+    def zone_nodes(self, zone: str) -> list[str]:
+        """The names of the nodes in ``zone``, in the cluster's order."""
+        return [n.name for n in self.nodes if n.zone == zone]
+
+    def without_zones(self) -> "Cluster":
+        """The same nodes as one zone: every link priced as the NICs, no egress (what a planner
+        that cannot see zones plans on)."""
+        return replace(self, nodes=tuple(replace(n, zone=None) for n in self.nodes),
+                       regions={}, links=DEFAULT_LINKS)
+
     def counts_by_type(self) -> dict[str, int]:
         counts: dict[str, int] = {}
         for n in self.nodes:
