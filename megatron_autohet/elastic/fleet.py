@@ -5,6 +5,8 @@ says who it is: a :class:`Member` (its node's name, the node's GPU type, its GPU
 node). :func:`fleet_cluster` turns the members into a :class:`Cluster`, taking link bandwidths
 and prices from the job's cluster file: the entry of the same node name if there is one (a
 known machine), else the first entry with the same GPU type (a new spot node of a known kind).
+On a cluster file across zones the fleet keeps them: each node the zone of the entry it is
+priced from, the file's zones and links, so a re-plan prices the links between the zones left.
 :func:`plan_ranks` maps each worker to the plan rank on its (node, GPU), or None for a GPU the
 plan leaves idle.
 """
@@ -45,11 +47,12 @@ def fleet_cluster(members: list[Member], template: Cluster, *, name: str | None 
     for node, gpu in gpus.items():
         like = _template_node(template, node, gpu)
         nodes.append(Node(node, gpu, counts[node], like.intra_node_bandwidth_gbs,
-                          like.inter_node_bandwidth_gbs, like.spot_price))
+                          like.inter_node_bandwidth_gbs, like.spot_price, like.zone))
     types = {}
     for node in nodes:
         types[node.gpu] = template.gpu_types[node.gpu]
-    return Cluster(name or template.name, tuple(nodes), types)
+    return Cluster(name or template.name, tuple(nodes), types, regions=template.regions,
+                   links=template.links)
 
 
 def _template_node(template: Cluster, node: str, gpu: str) -> Node:
