@@ -18,7 +18,7 @@ from megatron_autohet.errors import ConfigError
 from megatron_autohet.known_warnings import ignore_known_warnings
 
 COMMANDS = ("checkpoint", "compare", "node", "plan", "profile", "rendezvous", "replan", "show",
-            "train", "watch")
+            "torchrun", "train", "watch")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,6 +39,10 @@ def main(argv: list[str] | None = None) -> int:
     ignore_known_warnings()
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
+    if getattr(args, "passes_arguments_on", False):
+        # another program's arguments (torchrun's, then its script's): all of them, as typed
+        words = sys.argv[1:] if argv is None else argv
+        args.arguments, unknown = words[words.index(args.command) + 1:], []
     if unknown and not getattr(args, "refuse_unknown", None):
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if not getattr(args, "func", None):
@@ -52,21 +56,22 @@ def main(argv: list[str] | None = None) -> int:
         status = int(args.func(args) or 0)
     except ConfigError as exc:
         print(f"autohet {args.command}: error: {exc}", file=sys.stderr)
-        return 2
+        status = 2
     if argv is None and args.command in UNFINALIZED:
         end_process(status)
     return status
 
 
 # Processes that ran a training job, its torchrun agent or the rendezvous store end without
-# Python's finalization:
+# Python's finalization (and so do their refusals, which may have imported megatron-core to
+# decide):
 # with torch and megatron-core imported it costs about 1.2 CPU-s (freeing every module's
 # objects), 7-15 s of wall time on a loaded machine, and at an elastic job's end each node waits
 # for it twice in a row (its workers, then its agent) - 22 s from the job's `finished` to the
 # agents' exit on 4 emulated nodes at load average 20. Nothing is left to finalize by then: the
 # last checkpoint is written and uploaded, the process groups are destroyed, every log line
 # and JSON line is flushed as it is written (the rendezvous store: nothing but the store).
-UNFINALIZED = ("node", "rendezvous", "train")
+UNFINALIZED = ("node", "rendezvous", "torchrun", "train")
 
 
 def end_process(status: int) -> None:

@@ -267,17 +267,19 @@ def run(args: argparse.Namespace) -> int:
         return run_elastic(plan, model, options)
     env = DistEnv.from_environ()
     if env is None:
-        gpus = _gpu_count()
+        gpus = gpu_count()
         check_runs_here(plan, args.plan, gpus)
         return launch_local(plan, args.plan, args.model, options, gpus_available=gpus)
     return run_worker(plan, args.plan, model, options, env)
 
 
-def check_runs_here(plan, plan_file: str, gpus: int) -> None:
+def check_runs_here(plan, plan_file: str, gpus: int,
+                    command: str = "-m megatron_autohet.cli.main train ..., or an elastic job: "
+                                   "`autohet node` on each node") -> None:
     """The plan's ranks can run on this one machine (launch.launch_local): one node's plan on a
     GPU each, or at most :data:`MAX_CPU_RANKS` ranks on the CPU (a plan of emulated nodes, as
     the local-N clusters'); else one ConfigError naming the plan's nodes and how to start it on
-    them."""
+    them (torchrun's options, then ``command``)."""
     nodes: dict[str, int] = {}
     for rank in plan.ranks:
         nodes[rank.node] = nodes.get(rank.node, 0) + 1
@@ -291,9 +293,7 @@ def check_runs_here(plan, plan_file: str, gpus: int) -> None:
                       f"{len(nodes)} nodes: {listed}; {here}",
                       "the same command on each of the plan's nodes, in its node order: "
                       f"torchrun --nnodes {len(nodes)} --node-rank K --nproc-per-node (that "
-                      "node's GPUs) --master-addr HOST --master-port PORT -m "
-                      "megatron_autohet.cli.main train ..., or an elastic job: `autohet node` "
-                      "on each node")
+                      f"node's GPUs) --master-addr HOST --master-port PORT {command}")
 
 
 def checked_job(args: argparse.Namespace):
@@ -518,20 +518,21 @@ def checkpoint_options(args: argparse.Namespace) -> CheckpointOptions:
                              **tier_fields(args))
 
 
-def check_resume(checkpoint: CheckpointOptions, plan, optimizer: OptimizerSettings,
+def check_resume(checkpoint: CheckpointOptions, plan, optimizer: OptimizerSettings | None,
                  iters: int, model_file: str = "--model") -> None:
     """Before any process starts, the step ``--load`` resumes (the newest on this machine whose
     manifest reads, or ``--ckpt-step``): a model of the same shape (``model_file`` against the
     model the step records: a layer, head or vocabulary count that differs would otherwise fail
     every rank's load), the same global batch, and the same learning-rate schedule unless the
     flags say which one wins (megatron-core's scheduler asserts otherwise, on every rank) or the
-    schedule is not loaded (--finetune, --no-load-optim). A ``--ckpt-step`` not committed here
-    is refused unless the S3 tier may hold it (the ranks check that again); so is a --load whose
-    every step has an unreadable manifest (one with a readable older step resumes that one, and
-    recovery says so). A --load directory that does not exist is refused unless the job saves
-    there (its first run); with --exit-on-missing-checkpoint, a --load without a committed step
-    here (nor where the job saves: recovery reads there too) is refused now, unless the S3 tier
-    may hold one (the ranks decide then)."""
+    schedule is not loaded (--finetune, --no-load-optim); ``optimizer`` None: the schedule is
+    Megatron-LM's scheduler's, which its ranks check (``autohet torchrun``). A ``--ckpt-step``
+    not committed here is refused unless the S3 tier may hold it (the ranks check that again);
+    so is a --load whose every step has an unreadable manifest (one with a readable older step
+    resumes that one, and recovery says so). A --load directory that does not exist is refused
+    unless the job saves there (its first run); with --exit-on-missing-checkpoint, a --load
+    without a committed step here (nor where the job saves: recovery reads there too) is refused
+    now, unless the S3 tier may hold one (the ranks decide then)."""
     if not checkpoint.load:
         return
     roots = existing_dirs(checkpoint.load)
@@ -587,7 +588,8 @@ def check_resume(checkpoint: CheckpointOptions, plan, optimizer: OptimizerSettin
                           f"but {step} was trained with {saved_batch}",
                           "a plan with the checkpoint's global batch (a resume continues the "
                           "same sequence of global batches)")
-    if not checkpoint.load_optim or optimizer.override_opt_param_scheduler \
+    if optimizer is None or not checkpoint.load_optim \
+            or optimizer.override_opt_param_scheduler \
             or optimizer.use_checkpoint_opt_param_scheduler:
         return
     mismatch = schedule_mismatch(schedule_fields(optimizer, iters, plan.global_batch_size),
@@ -599,7 +601,7 @@ def check_resume(checkpoint: CheckpointOptions, plan, optimizer: OptimizerSettin
                           f"{step} was trained with {saved}", SCHEDULE_CHOICE)
 
 
-def _gpu_count() -> int:
+def gpu_count() -> int:
     """The CUDA GPUs this process sees, as torch counts them: ``CUDA_VISIBLE_DEVICES`` honoured,
     and a machine without nvidia-smi still counts its GPUs. Called at launch, which imports
     torch's elastic agent next anyway; bad flags are refused before torch is imported."""

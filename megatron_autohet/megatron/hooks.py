@@ -55,6 +55,8 @@ second lists), and ranks other than the first ignore all Python warnings.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import logging
 import os
 import subprocess
@@ -102,6 +104,60 @@ def prepare_process(argv: list[str] | None = None) -> None:
     init_backend(on_cpu)
     if on_cpu:
         _adapt_megatron_lm_initialization_to_cpu()
+
+
+def check_before_launch(argv: list[str], world_size: int) -> tuple[Plan, TrainOptions]:
+    """What the ranks of ``pretrain_gpt.py --autohet-plan`` would refuse before training, decided
+    by the launcher (``autohet torchrun``) before any of them starts: the same checks, in one
+    process, on the same parse. ``argv``: the script's arguments; ``world_size``: the job's
+    processes. Needs Megatron-LM's ``megatron`` package importable (the script's tree on
+    ``sys.path``). In the ranks' order: the allow-list (:func:`check_flags`), Megatron-LM's
+    own parse and ``validate_args`` (its asserts, one line each here instead of a traceback per
+    rank), its tokenizer, :func:`check_megatron_args` against the plan, the job's options
+    (:func:`train_options`) and the data prefixes. Returns the plan and the options (the
+    launcher checks ``--load`` with them)."""
+    # Megatron-LM's training package: in a Megatron-LM tree only
+    from megatron.training.arguments import validate_args
+    from megatron.training.tokenizer import build_tokenizer
+
+    ignore_megatron_lm_warnings()      # as in the ranks: the tokenizer's legacy-system line
+    check_flags(argv)
+    parser = megatron_parser()
+    parser.error = _refuse_in_one_line
+    args = parser.parse_args(argv)
+    plan_path = args.autohet_plan
+    plan = load_plan(plan_path)
+    args.rank, args.world_size = 0, world_size
+    # What Megatron-LM prints and warns while it validates is said again by the ranks.
+    with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            validate_args(args, PRETRAIN_GPT_ARGS_DEFAULTS)
+        except AssertionError as err:
+            raise ConfigError(plan_path, "Megatron-LM's validate_args", str(err) or "refused",
+                              "arguments Megatron-LM's own checks accept") from None
+        try:
+            vocab_size = build_tokenizer(args).vocab_size
+        except (AssertionError, OSError, ValueError) as err:
+            raise ConfigError(plan_path, "--tokenizer-type", f"Megatron-LM's "
+                              f"{args.tokenizer_type} cannot be built: {err}",
+                              "a tokenizer with its files (--vocab-file, --merge-file, "
+                              "--tokenizer-model), or NullTokenizer") from None
+    check_megatron_args(args, plan, plan_path, tokenizer_vocab_size=vocab_size)
+    options = train_options(args, plan_path)
+    check_datasets(options, plan.model.vocab_size)
+    return plan, options
+
+
+# pretrain_gpt.py's initialize_megatron(args_defaults=...): its tokenizer where none is given.
+PRETRAIN_GPT_ARGS_DEFAULTS = {"tokenizer_type": "GPT2BPETokenizer"}
+
+
+def _refuse_in_one_line(message: str) -> NoReturn:
+    """Megatron-LM's parser's own error (an unknown flag, a bad value): one line, not argparse's
+    usage block."""
+    raise ConfigError("<command line>", "pretrain_gpt.py's arguments", message,
+                      "pretrain_gpt.py --help lists them")
 
 
 def _quiet_other_ranks() -> None:
