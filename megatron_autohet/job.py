@@ -355,13 +355,16 @@ class _AdaptSink:
         end, switching = report.last_iteration, False
         if self.search.pending is not None:
             first, last = self.search.pending
+            window = (report.first_iteration, end)
             try:
-                found = self.search.result()
+                # the gain must hold on this window's measurements too (planner/adapt.py)
+                decision = self.adapter.decide(
+                    self.search.result(), self.options.iters - end, decided_at=end,
+                    confirm=lambda plan: self.search.confirm(report.stages, window, plan))
             except ConfigError as err:
                 print(f" adapt: iterations {first}-{last} (decided after iteration {end}): no "
                       f"re-plan: {err}", flush=True)
             else:
-                decision = self.adapter.decide(found, self.options.iters - end, decided_at=end)
                 print(f" {decision.line()}", flush=True)
                 if self.on_adapt is not None:
                     self.on_adapt(decision)
@@ -385,8 +388,10 @@ def adapt_sink(plan: Plan, plan_label: str, options: TrainOptions, trainer, prec
     search runs in a child process (planner/adapt_process.py) while the job trains the next
     window, and its decision is taken at that next window's end - waiting there for the search
     if it is not done, so the iteration a job switches after depends on its inputs only, never
-    on the machine's load: the line is printed, the decision handed to ``on_adapt`` (an elastic
-    job's ``adapt`` event; replan's switch, plan_switch.py); then ``then(report)``. A window
+    on the machine's load - where a qualifying gain must hold on that next window's
+    measurements (the re-plan priced there, waited for: no search): the line is printed, the
+    decision handed to ``on_adapt`` (an elastic job's ``adapt`` event; replan's switch,
+    plan_switch.py); then ``then(report)``. A window
     whose decision would come at or after the job's last iteration is not searched (no
     iteration would be left to switch for), nor the window a job switches plans at. None
     without windows or adapting."""

@@ -28,17 +28,25 @@ the switch:
 The decision switches when the amortised gain is at least ``threshold`` (DEFAULT_THRESHOLD,
 5%), with hysteresis: no switch within ``hold_windows`` windows of the last one (DEFAULT_HOLD;
 those windows measure the new plan), and the gain must hold for two consecutive windows (one
-noisy window does not move a job). A steady fleet sees one correction: after the switch the
-windows measure the new plan, the re-plan on them finds it again (or one within the re-plan's
-tolerance that moves nothing), and the gain is nil. Each decision is an :class:`AdaptDecision`
-(its console line and its elastic ``adapt`` event). A job in ``--autohet-adapt log`` mode counts
-a switch it would have made as made (:meth:`Adapter.consider`'s ``switched``), so its log shows
-the decisions the job would take, one correction and its hold, not the same advice every window.
+noisy window does not move a job): the re-plan found on one window's measurements is priced
+again, against the plan the job runs, on the next window's (:func:`confirm_window`, no search),
+and its amortised gain there must pass the threshold too. A job takes a window's decision at
+the next window's end (its search runs meanwhile, planner/adapt_process.py), so that next
+window's measurements are there to confirm it on: a gain seen in windows 1 and 2 switches after
+window 2, not after window 3 as a second search would. A steady fleet sees one correction:
+after the switch the windows measure the new plan, the re-plan on them finds it again (or one
+within the re-plan's tolerance that moves nothing), and the gain is nil. Each decision is an
+:class:`AdaptDecision` (its console line and its elastic ``adapt`` event). A job in
+``--autohet-adapt log`` mode counts a switch it would have made as made (:meth:`Adapter.judge`
+starts the hold), so its log shows the decisions the job would take, one correction and its
+hold, not the same advice every window.
 
 The expensive part, the search, is :func:`replan_window` (a :class:`Replan`: the re-plan and
 both plans priced; planner/adapt_process.py runs it in a process of its own, off the training's
 critical path); :meth:`Adapter.decide` adds the switch's fixed cost, the amortisation and the
-hysteresis, on the rank that decides, cheaply. :meth:`Adapter.consider` is the two in one call.
+hysteresis, on the rank that decides, cheaply, and asks for the confirmation (two plans priced by
+the cost model, no search) only where the gain qualifies. :meth:`Adapter.consider` is the search
+and the decision in one call.
 
 ``plan_fleet(plan, catalog, template=None)``: the fleet a plan runs on, as a cluster (its nodes
 and GPUs; links from ``template``, the job's cluster file where it has one, else the catalog's
@@ -49,12 +57,15 @@ intra-node figure and DEFAULT_NIC_GBS).
 (``--autohet-adapt log`` and ``replan``, job.py): the stragglers and the measured profile of the
 window (profiling/from_run.py), merged over the plan's recorded profile, the plan's fleet with
 the measured speeds, re-planned and priced.
+``confirm_window(plan, candidate, stages, window, priors, ...)``: the same window's figures for a
+re-plan already found, priced without a search.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 
 from megatron_autohet.cost_model import (PlanCost, evaluate_plan, plan_charge,
                                          plan_memory_headroom, plan_profile)
@@ -166,9 +177,13 @@ class AdaptDecision:
 def plan_fleet(plan: Plan, catalog: dict[str, GPUType], template: Cluster | None = None,
                speeds: dict[tuple[str, int], float] | None = None) -> Cluster:
     """The fleet ``plan`` runs on as a cluster: its nodes, each with the GPUs the plan lists on
-    it (its idle GPUs are not known to a plan), links from the ``template`` node of the same
-    name (else of the same GPU type; an elastic job's cluster file) or the catalog's intra-node
-    link and DEFAULT_NIC_GBS, with ``speeds`` (spec/cluster.py)."""
+    it (its idle GPUs are not known to a plan), links, price and zone from the ``template``
+    node of the same name (else of the same GPU type; an elastic job's cluster file) or the
+    catalog's intra-node link and DEFAULT_NIC_GBS, with ``speeds`` (spec/cluster.py). The
+    template's zones (their regions and the links between them) stay where every node found
+    its zone there, so a re-plan prices the links between zones and their egress as the plan
+    was priced; a node the template does not know leaves the fleet one zone (spec/cluster.py:
+    zones are every node's or none's)."""
     counts: dict[str, int] = {}
     gpus: dict[str, str] = {}
     for info in plan.ranks:
@@ -188,11 +203,17 @@ def plan_fleet(plan: Plan, catalog: dict[str, GPUType], template: Cluster | None
                 (n for n in template.nodes if n.gpu == gpu), None)
         if like is not None:
             nodes.append(Node(name, gpu, counts[name], like.intra_node_bandwidth_gbs,
-                              like.inter_node_bandwidth_gbs, like.spot_price))
+                              like.inter_node_bandwidth_gbs, like.spot_price, like.zone))
         else:
             nodes.append(Node(name, gpu, counts[name], types[gpu].intra_node_bandwidth_gbs,
                               DEFAULT_NIC_GBS))
-    return Cluster(plan.cluster, tuple(nodes), types).with_speeds(speeds or {})
+    zoned = template is not None and template.regions and all(n.zone for n in nodes)
+    if not zoned:
+        nodes = [replace(n, zone=None) for n in nodes]
+    fleet = Cluster(plan.cluster, tuple(nodes), types)
+    if zoned:
+        fleet = replace(fleet, regions=dict(template.regions), links=template.links)
+    return fleet.with_speeds(speeds or {})
 
 
 def switch_cost(previous: Plan, new: Plan, cluster: Cluster,
@@ -228,15 +249,14 @@ def amortised_gain(now: float, new: float, switch: float, remaining: int) -> flo
 
 @dataclass
 class Adapter:
-    """The decision's state across windows (module doc): when it last switched, whether the
-    previous window's gain qualified, and the last switch's measured fixed part. Its fields are
-    plain values: plan_switch.py hands them to the next generation's deciding rank."""
+    """The decision's state across windows (module doc): when it last switched and the last
+    switch's measured fixed part. Its fields are plain values: plan_switch.py hands them to the
+    next generation's deciding rank."""
 
     threshold: float = DEFAULT_THRESHOLD
     hold_windows: int = DEFAULT_HOLD
     overhead_s: float = DEFAULT_SWITCH_OVERHEAD_S   # the fixed part before any switch measured
     windows_since_switch: int | None = None     # None: never switched
-    pending: bool = False                       # the previous window's gain qualified
     measured_overhead_s: float | None = None    # the last switch's fixed part, measured
     measured_at: int | None = None              # the iteration that switch came after
 
@@ -253,57 +273,87 @@ class Adapter:
         self.measured_at = iteration
 
     def judge(self, window: tuple[int, int], current: float, new: float, switch_s: float,
-              switch_unit: float, moved: int, remaining: int, **extra) -> AdaptDecision:
-        """The decision from the figures (pure; :meth:`decide` prices them): ``current`` and
-        ``new`` per iteration and ``switch_unit`` in the objective's unit, ``switch_s`` the
-        switch in seconds. Advances the hysteresis state."""
+              switch_unit: float, moved: int, remaining: int,
+              held: Callable[[], tuple[tuple[int, int], float]] | None = None,
+              **extra) -> AdaptDecision:
+        """The decision from the figures (pure but for ``held``; :meth:`decide` prices them):
+        ``current`` and ``new`` per iteration and ``switch_unit`` in the objective's unit,
+        ``switch_s`` the switch in seconds; ``held()``: the next window's iterations and the
+        same re-plan's amortised gain on them, asked only where this window's qualifies (None:
+        no next window measured, nothing switches). Advances the hysteresis state."""
         if self.windows_since_switch is not None:
             self.windows_since_switch += 1
         gain = (current - new) / current if current > 0 else 0.0
         amortised = amortised_gain(current, new, switch_unit, remaining)
         switch = False
         if remaining <= 0:
-            why, self.pending = "no iterations left", False
+            why = "no iterations left"
         elif gain <= 0:
-            why, self.pending = "no faster plan", False
+            why = "no faster plan"
         elif amortised < self.threshold:
             why = (f"{'declined' if gain >= self.threshold else 'below threshold'}: "
                    f"{gain:.1%} faster, {amortised:+.1%} after the switch's cost over the "
                    f"{remaining} iterations left, under {self.threshold:.0%}")
-            self.pending = False
         elif self.windows_since_switch is not None and \
                 self.windows_since_switch <= self.hold_windows:
             why = (f"hold: {self.windows_since_switch} of the {self.hold_windows} windows "
                    "after the last switch")
-            self.pending = True
-        elif not self.pending:
-            why, self.pending = "gain seen once: it must hold for a second window", True
+        elif held is None:
+            why = "gain seen in one window: it must hold for a second"
         else:
-            why, switch = f"{amortised:+.1%} amortised gain held two windows", True
-            self.pending, self.windows_since_switch = False, 0
+            (first, last), again = held()
+            if again < self.threshold:
+                why = (f"gain did not hold: {amortised:+.1%} amortised, {again:+.1%} on "
+                       f"iterations {first}-{last}, under {self.threshold:.0%}")
+            else:
+                why, switch = (f"{amortised:+.1%} amortised gain held two windows, "
+                               f"{again:+.1%} on iterations {first}-{last}"), True
+                self.windows_since_switch = 0
         return AdaptDecision(window, switch, why, current, new, gain, switch_s, moved,
                              remaining, amortised, **extra)
 
-    def decide(self, found: Replan, remaining: int, decided_at: int | None = None
-               ) -> AdaptDecision:
-        """The decision on a window's re-plan, switching after iteration ``decided_at`` (None:
-        the window's last) with ``remaining`` iterations after it: the switch priced at its
-        state moves plus :attr:`fixed_switch_s` (nothing where the re-plan is the plan it
-        runs), then :meth:`judge`."""
+    def _switch_price(self, found: Replan) -> tuple[float, float]:
+        """(seconds, objective's unit) of switching to ``found``'s re-plan: its state moves plus
+        :attr:`fixed_switch_s`, nothing where it is the plan the job runs."""
         seconds = 0.0 if found.same_layout else self.fixed_switch_s + found.move_s
         unit = seconds * found.usd_per_second if found.usd_per_second is not None else seconds
+        return seconds, unit
+
+    def decide(self, found: Replan, remaining: int, decided_at: int | None = None,
+               confirm: Callable[[Plan], Replan] | None = None) -> AdaptDecision:
+        """The decision on a window's re-plan, switching after iteration ``decided_at`` (None:
+        the window's last) with ``remaining`` iterations after it: the switch priced
+        (:meth:`_switch_price`), then :meth:`judge`; ``confirm(plan)``: the re-plan ``plan``
+        priced on the next window's measurements (:func:`confirm_window`), which the gain must
+        hold on (None: no next window, nothing switches)."""
+        seconds, unit = self._switch_price(found)
+
+        def held() -> tuple[tuple[int, int], float]:
+            again = confirm(found.plan)
+            return again.window, amortised_gain(again.current, again.new,
+                                                self._switch_price(again)[1], remaining)
         return self.judge(found.window, found.current, found.new, seconds, unit,
-                          found.moved_bytes, remaining, decided_at=decided_at,
-                          overhead_s=self.fixed_switch_s, overhead_measured_at=self.measured_at,
-                          search_s=found.search_s, stragglers=found.stragglers,
-                          plan=found.plan)
+                          found.moved_bytes, remaining, held=held if confirm else None,
+                          decided_at=decided_at, overhead_s=self.fixed_switch_s,
+                          overhead_measured_at=self.measured_at, search_s=found.search_s,
+                          stragglers=found.stragglers, plan=found.plan)
 
     def consider(self, plan: Plan, cluster: Cluster, profile: Profile, remaining: int,
                  window: tuple[int, int], stragglers: tuple[Straggler, ...] = (), *,
-                 precision: str | None = None) -> AdaptDecision:
-        """:func:`price_replan` and :meth:`decide` in one call, decided at the window's end."""
+                 precision: str | None = None,
+                 confirm_on: tuple[Cluster, Profile, tuple[int, int]] | None = None
+                 ) -> AdaptDecision:
+        """:func:`price_replan` and :meth:`decide` in one call, decided at the window's end;
+        ``confirm_on``: the next window's fleet, profile and iterations, to confirm the gain on
+        (:func:`price_candidate`; None: nothing switches)."""
+        confirm = None
+        if confirm_on is not None:
+            fleet, measured, iterations = confirm_on
+
+            def confirm(candidate: Plan) -> Replan:
+                return price_candidate(plan, candidate, fleet, measured, iterations)
         return self.decide(price_replan(plan, cluster, profile, window, stragglers,
-                                        precision=precision), remaining)
+                                        precision=precision), remaining, confirm=confirm)
 
 
 def price_replan(plan: Plan, cluster: Cluster, profile: Profile, window: tuple[int, int],
@@ -315,17 +365,38 @@ def price_replan(plan: Plan, cluster: Cluster, profile: Profile, window: tuple[i
     started = time.perf_counter()
     found = replan(plan, cluster, plan.model, profile, precision=precision,
                    cluster_file="<fleet>", search_unchanged=True)
+    return _priced(plan, found.plan, found.cost, cluster, profile, window, stragglers, started)
+
+
+def price_candidate(plan: Plan, candidate: Plan, cluster: Cluster, profile: Profile,
+                    window: tuple[int, int], stragglers: tuple[Straggler, ...] = ()) -> Replan:
+    """:func:`price_replan`'s figures for ``candidate``, a re-plan already found, priced by the
+    cost model on ``profile`` without a search."""
+    started = time.perf_counter()
+    resolved = resolve_profile(cluster, candidate.model, profile, candidate.micro_batch_size,
+                               candidate.seq_length)
+    cost = evaluate_plan(candidate, cluster, resolved, with_timeline=False,
+                         memory_headroom=plan_memory_headroom(candidate),
+                         charge=plan_charge(candidate))
+    return _priced(plan, candidate, cost, cluster, profile, window, stragglers, started)
+
+
+def _priced(plan: Plan, candidate: Plan, cost: PlanCost, cluster: Cluster, profile: Profile,
+            window: tuple[int, int], stragglers: tuple[Straggler, ...],
+            started: float) -> Replan:
+    """The :class:`Replan` of ``candidate`` (priced at ``cost``) against ``plan``, priced here
+    on ``profile``; ``started``: the perf_counter the work began at."""
     resolved = resolve_profile(cluster, plan.model, profile, plan.micro_batch_size,
                                plan.seq_length)
     now = evaluate_plan(plan, cluster, resolved, with_timeline=False,
                         memory_headroom=plan_memory_headroom(plan), charge=plan_charge(plan))
     search_s = time.perf_counter() - started
-    move_s, moved = switch_cost(plan, found.plan, cluster, overhead_s=0.0)
+    move_s, moved = switch_cost(plan, candidate, cluster, overhead_s=0.0)
     objective = objective_of(plan)
-    if objective.priced and (now.usd_per_hour is None or found.cost.usd_per_hour is None):
+    if objective.priced and (now.usd_per_hour is None or cost.usd_per_hour is None):
         objective = THROUGHPUT
-    return Replan(window, found.plan, _same_layout(plan, found.plan),
-                  _per_iteration(objective, now), _per_iteration(objective, found.cost),
+    return Replan(window, candidate, _same_layout(plan, candidate),
+                  _per_iteration(objective, now), _per_iteration(objective, cost),
                   move_s, moved, now.usd_per_hour / 3600 if objective.priced else None,
                   search_s, tuple(stragglers))
 
@@ -337,12 +408,11 @@ def _per_iteration(objective, cost: PlanCost) -> float:
     return cost.iteration_time_s
 
 
-def replan_window(plan: Plan, stages, window: tuple[int, int], priors, *,
-                  catalog: dict[str, GPUType], precision, attention: str,
-                  fusions: dict[str, bool] | None, template: Cluster | None = None) -> Replan:
-    """The search of a window (module doc): ``stages`` the window's StageMeasures, ``priors``
-    the entries the plan was priced on (from_run.priced_entries), ``precision`` the job's
-    (spec/precision.py), ``attention`` and ``fusions`` what its layers ran."""
+def _window_inputs(plan: Plan, stages, priors, *, catalog: dict[str, GPUType], precision,
+                   attention: str, fusions: dict[str, bool] | None,
+                   template: Cluster | None) -> tuple[Cluster, Profile, tuple[Straggler, ...]]:
+    """What a window's re-plan is priced on: the plan's fleet with the measured speeds, the
+    measured profile (over the plan's recorded one) and the stragglers."""
     speeds = measured_speeds(plan, stages, priors)
     stragglers = tuple(find_stragglers(plan, stages, priors))
     measured = profile_from_window(plan, stages, priors, precision=precision,
@@ -355,5 +425,27 @@ def replan_window(plan: Plan, stages, window: tuple[int, int], priors, *,
             profile = merge_profiles([measured, recorded], ["<measured>", "<plan>"])
         except ConfigError:
             profile = measured          # another precision or attention: the run's alone
-    fleet = plan_fleet(plan, catalog, template, speeds)
+    return plan_fleet(plan, catalog, template, speeds), profile, stragglers
+
+
+def replan_window(plan: Plan, stages, window: tuple[int, int], priors, *,
+                  catalog: dict[str, GPUType], precision, attention: str,
+                  fusions: dict[str, bool] | None, template: Cluster | None = None) -> Replan:
+    """The search of a window (module doc): ``stages`` the window's StageMeasures, ``priors``
+    the entries the plan was priced on (from_run.priced_entries), ``precision`` the job's
+    (spec/precision.py), ``attention`` and ``fusions`` what its layers ran."""
+    fleet, profile, stragglers = _window_inputs(
+        plan, stages, priors, catalog=catalog, precision=precision, attention=attention,
+        fusions=fusions, template=template)
     return price_replan(plan, fleet, profile, window, stragglers, precision=precision.name)
+
+
+def confirm_window(plan: Plan, candidate: Plan, stages, window: tuple[int, int], priors, *,
+                   catalog: dict[str, GPUType], precision, attention: str,
+                   fusions: dict[str, bool] | None, template: Cluster | None = None) -> Replan:
+    """:func:`replan_window`'s figures for ``candidate`` (a re-plan an earlier window's search
+    found) on this window's measurements, without a search: whether its gain holds."""
+    fleet, profile, stragglers = _window_inputs(
+        plan, stages, priors, catalog=catalog, precision=precision, attention=attention,
+        fusions=fusions, template=template)
+    return price_candidate(plan, candidate, fleet, profile, window, stragglers)

@@ -20,7 +20,10 @@ to flush): at the job's end and at a plan switch.
 
 :class:`ReplanProcess`: ``submit(stages, window)``, ``pending`` (the window submitted, None
 when none), ``result()`` (the :class:`~megatron_autohet.planner.adapt.Replan`, waiting for it;
-ConfigError where no plan fits), ``close()``.
+ConfigError where no plan fits), ``confirm(stages, window, candidate)`` (a re-plan found before,
+priced on this window without a search: planner/adapt.py ``confirm_window``; the rank waits for
+it, which it asks only where a switch is in view: the cost model on two plans, not a search),
+``close()``.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from multiprocessing.connection import Connection
 
 from megatron_autohet.errors import ConfigError
 from megatron_autohet.known_warnings import ignore_known_warnings
-from megatron_autohet.planner.adapt import replan_window
+from megatron_autohet.planner.adapt import confirm_window, replan_window
 from megatron_autohet.system.parent_death import die_with_parent
 
 _MODULE = "megatron_autohet.planner.adapt_process"
@@ -64,18 +67,29 @@ class ReplanProcess:
         """Search ``window`` (its StageMeasures ``stages``); the answer waits for
         :meth:`result`."""
         assert self.pending is None, "one search at a time: result() first"
-        self._conn.send((stages, window))
+        self._conn.send((stages, window, None))
         self.pending = window
 
     def result(self):
         """The pending window's Replan, waiting for the search to end."""
         try:
+            return self._answer()
+        finally:
+            self.pending = None
+
+    def confirm(self, stages, window: tuple[int, int], candidate):
+        """The Replan of ``candidate`` on ``window`` (its StageMeasures ``stages``), priced
+        without a search, waited for (module doc)."""
+        assert self.pending is None, "one request at a time: result() first"
+        self._conn.send((stages, window, candidate))
+        return self._answer()
+
+    def _answer(self):
+        try:
             kind, value = self._conn.recv()
         except (EOFError, OSError):
             raise RuntimeError(f"the re-plan search process (pid {self._child.pid}) ended "
                                f"without an answer (exit status {self._child.poll()})") from None
-        finally:
-            self.pending = None
         if kind == "config":
             raise ConfigError(*value)
         if kind == "error":
@@ -99,9 +113,11 @@ def _serve(parent_pid: int, fd: int) -> None:
     try:
         plan, priors, fixed = conn.recv()
         while True:
-            stages, window = conn.recv()
+            stages, window, candidate = conn.recv()
             try:
-                reply = ("ok", replan_window(plan, stages, window, priors, **fixed))
+                reply = ("ok", replan_window(plan, stages, window, priors, **fixed)
+                         if candidate is None else
+                         confirm_window(plan, candidate, stages, window, priors, **fixed))
             except ConfigError as err:
                 reply = ("config", (err.file, err.field, err.problem, err.allowed))
             except Exception:  # noqa: BLE001 - the rank raises it, with this traceback

@@ -12,9 +12,11 @@ from dataclasses import asdict, replace
 import pytest
 
 from helpers.windows import synthetic_window
+from megatron_autohet.cost_model import evaluate_plan
 from megatron_autohet.planner.adapt import (DEFAULT_SWITCH_OVERHEAD_S, Adapter, Replan,
                                             amortised_gain, plan_fleet, switch_cost)
 from megatron_autohet.planner.search import make_plan
+from megatron_autohet.planner.space import resolve_profile
 from megatron_autohet.profiling.from_run import (find_stragglers, measured_speeds,
                                                  priced_entries, profile_from_window)
 from megatron_autohet.spec.cluster import cluster_from_dict
@@ -31,8 +33,18 @@ FLEET = cluster_from_dict({"name": "four", "inter_node_bandwidth_gbs": 25, "node
 SLOW = ("a-1", 0)
 
 
-def _judge(adapter, window, current=1.0, new=0.8, switch=10.0, remaining=1000):
-    return adapter.judge((window, window), current, new, switch, switch, 1, remaining)
+def _judge(adapter, window, current=1.0, new=0.8, switch=10.0, remaining=1000, held=0.8):
+    """One window's figures, the same re-plan priced at ``held`` on the next window (None:
+    none measured); records whether the decision asked for the confirmation."""
+    asked = []
+
+    def confirm():
+        asked.append(window)
+        return (window + 1, window + 1), (current - held) / current - switch / (
+            remaining * current)
+    decision = adapter.judge((window, window), current, new, switch, switch, 1, remaining,
+                             held=None if held is None else confirm)
+    return decision, bool(asked)
 
 
 def test_a_gain_that_does_not_pay_back_in_the_iterations_left_is_declined():
@@ -42,30 +54,37 @@ def test_a_gain_that_does_not_pay_back_in_the_iterations_left_is_declined():
     assert amortised_gain(1.0, 0.8, 100.0, 0) == 0.0
     short, long = Adapter(), Adapter()
     for w in (1, 2, 3):
-        declined = short.judge((w, w), 1.0, 0.8, 100.0, 100.0, 1, 400)
-        assert not declined.switch and declined.why.startswith("declined")
+        declined, asked = _judge(short, w, switch=100.0, remaining=400)
+        assert not declined.switch and declined.why.startswith("declined") and not asked
         assert declined.predicted_gain == pytest.approx(0.2)
         assert declined.amortised_gain == pytest.approx(-0.05)
-    assert [long.judge((w, w), 1.0, 0.8, 100.0, 100.0, 1, 1000).switch
-            for w in (1, 2)] == [False, True]
+    assert _judge(long, 1, switch=100.0)[0].switch
 
 
 def test_a_gain_must_hold_two_windows_and_no_switch_within_k_windows_of_the_last():
     adapter = Adapter(hold_windows=3)
-    first = _judge(adapter, 1)
-    assert not first.switch and "second window" in first.why
-    # a window without the gain resets the confirmation
-    assert not _judge(adapter, 2, new=1.0).switch
-    assert not _judge(adapter, 3).switch
-    assert _judge(adapter, 4).switch
-    # windows 5-7 are held, whatever the gain; window 8 switches (the gain held in 7 and 8)
+    # the gain of window 1 that the next window does not confirm (its re-plan priced there is
+    # no faster): kept, and the next window's own search starts afresh
+    first, asked = _judge(adapter, 1, held=1.0)
+    assert not first.switch and asked and first.why.startswith("gain did not hold: +19.0% "
+                                                               "amortised, -1.0% on iterations 2-2")
+    # no next window measured: nothing switches on one window's gain
+    alone, asked = _judge(adapter, 2, held=None)
+    assert not alone.switch and "must hold for a second" in alone.why
+    # a window without the gain asks for no confirmation
+    assert _judge(adapter, 3, new=1.0) == (_judge(Adapter(), 3, new=1.0)[0], False)
+    switched, asked = _judge(adapter, 4)
+    assert switched.switch and asked and switched.why == (
+        "+19.0% amortised gain held two windows, +19.0% on iterations 5-5")
+    # windows 5-7 are held, whatever the gain, and price no confirmation; window 8 switches
     held = [_judge(adapter, w) for w in (5, 6, 7)]
-    assert [d.switch for d in held] == [False] * 3
-    assert all(d.why.startswith("hold") for d in held)
-    assert _judge(adapter, 8).switch
+    assert [(d.switch, asked) for d, asked in held] == [(False, False)] * 3
+    assert all(d.why.startswith("hold") for d, _ in held)
+    assert _judge(adapter, 8)[0].switch
     # below the threshold is never a switch
     small = Adapter(threshold=0.05)
-    assert not any(_judge(small, w, new=0.97, switch=0.0).switch for w in range(1, 5))
+    assert not any(_judge(small, w, new=0.97, switch=0.0, held=0.97)[0].switch
+                   for w in range(1, 5))
 
 
 def _measure(plan, first):
@@ -97,8 +116,10 @@ def test_a_straggler_has_work_moved_off_it_and_a_steady_fleet_switches_once():
     current, decisions = plan, []
     for w in range(8):
         fleet, profile, stragglers = _measure(current, 1 + 20 * w)
+        # the next window measures the same plan on the same fleet: it confirms the gain
+        confirm_on = _measure(current, 21 + 20 * w)[:2] + ((21 + 20 * w, 40 + 20 * w),)
         decision = adapter.consider(current, fleet, profile, 1000, (1 + 20 * w, 20 + 20 * w),
-                                    stragglers)
+                                    stragglers, confirm_on=confirm_on)
         decisions.append(decision)
         if w == 0:
             assert [(s.node, s.local_rank) for s in stragglers] == [SLOW]
@@ -106,15 +127,16 @@ def test_a_straggler_has_work_moved_off_it_and_a_steady_fleet_switches_once():
             assert decision.predicted_gain > 0.2
         if decision.switch:
             current = decision.plan
-    assert [d.switch for d in decisions] == [False, True] + [False] * 6
-    assert decisions[1].switch_cost_s > 0 and decisions[1].moved_bytes > 0
+    assert [d.switch for d in decisions] == [True] + [False] * 7
+    assert decisions[0].why.endswith("on iterations 21-40")
+    assert decisions[0].switch_cost_s > 0 and decisions[0].moved_bytes > 0
     # the switch moved work off the slowed GPU
     assert _work_on(current, *SLOW) < 0.6 * _work_on(plan, *SLOW)
     # and then the same windows again and again: the re-plan finds the plan it runs
-    for d in decisions[2:]:
+    for d in decisions[1:]:
         assert d.why == "no faster plan" and d.predicted_gain == pytest.approx(0, abs=1e-9)
-    assert "SWITCH" in decisions[1].line() and "re-plan search" in decisions[1].line()
-    message, fields = decisions[1].event()
+    assert "SWITCH" in decisions[0].line() and "re-plan search" in decisions[0].line()
+    message, fields = decisions[0].event()
     assert fields["switch"] and fields["stragglers"][0]["node"] == "a-1"
     assert switch_cost(current, current, FLEET) == (0.0, 0)
     # the GPU recovers: the next window prices it back at its type's speed, and the re-plan
@@ -125,8 +147,9 @@ def test_a_straggler_has_work_moved_off_it_and_a_steady_fleet_switches_once():
     assert speeds[SLOW] == 1.0 and plan_fleet(current, CATALOG, FLEET, speeds).speeds == {}
     profile = profile_from_window(current, healthy.stages, priors, precision=PRECISIONS["bf16"],
                                   attention="flash", fusions=None, speeds=speeds)
-    back = [adapter.consider(current, plan_fleet(current, CATALOG, FLEET, speeds), profile, 1000,
-                             (w, w)) for w in (9, 10)]
+    healed = plan_fleet(current, CATALOG, FLEET, speeds)
+    back = [adapter.consider(current, healed, profile, 1000, (161, 180), confirm_on=confirm)
+            for confirm in (None, (healed, profile, (181, 200)))]
     assert [d.switch for d in back] == [False, True]
     assert _work_on(back[1].plan, *SLOW) > _work_on(current, *SLOW)
 
@@ -153,7 +176,7 @@ def test_a_measured_switch_prices_the_later_ones():
     assert measured.switch_cost_s == pytest.approx(3.5 + 2.0)
     # (100 * 0.2 - 5.5) / 100: the measured switch pays back where the guess did not
     assert measured.amortised_gain == pytest.approx(0.145)
-    assert "gain seen once" in measured.why
+    assert "must hold for a second" in measured.why
     assert "the switch after iteration 6 measured 3.5 s" in measured.line()
     fields = measured.event()[1]
     assert (fields["switch_overhead_s"], fields["switch_overhead_measured_at"],
@@ -163,3 +186,35 @@ def test_a_measured_switch_prices_the_later_ones():
     adapter.switch_measured(10, seconds=1.0, move_s=4.0)
     assert adapter.fixed_switch_s == 0.0
     assert adapter.decide(replace(found, same_layout=True), 100).switch_cost_s == 0.0
+
+
+def test_the_fleet_of_a_re_plan_keeps_the_cluster_files_zones():
+    """An elastic job's cluster file with zones: the fleet a re-plan prices is in the same
+    zones, with the same links and regions, so a plan across zones costs what it was planned
+    at (its egress and the slower link between zones); a node the file does not know leaves
+    the fleet one zone."""
+    zoned = cluster_from_dict({
+        "name": "two-zones", "inter_node_bandwidth_gbs": 25,
+        "zones": {"us-east-1a": "us-east-1", "us-east-1b": "us-east-1"},
+        "links": {"inter_zone": {"egress_usd_per_gb": 0.02}},
+        "nodes": [{"name": "a", "gpu": "A100-80GB", "gpus": 1, "count": 2, "spot_price": 1.6,
+                   "zone": "us-east-1a"},
+                  {"name": "b", "gpu": "A100-80GB", "gpus": 1, "count": 2, "spot_price": 1.6,
+                   "zone": "us-east-1b"}]})
+    # planned as if one zone, so the plan crosses between the two
+    plan = make_plan(zoned.without_zones(), MODEL, None, 64, 1, 2048, progress=False)
+    assert len({zoned.node(r.node).zone for r in plan.ranks}) == 2
+    fleet = plan_fleet(plan, CATALOG, zoned)
+    assert [(n.name, n.zone) for n in fleet.nodes] == [(n.name, n.zone) for n in zoned.nodes]
+    assert (fleet.regions, fleet.links) == (zoned.regions, zoned.links)
+    profile = resolve_profile(zoned, MODEL, None, plan.micro_batch_size, plan.seq_length)
+    there = evaluate_plan(plan, zoned, profile, with_timeline=False)
+    here = evaluate_plan(plan, fleet, profile, with_timeline=False)
+    assert here.egress_usd_per_iteration == there.egress_usd_per_iteration > 0
+    assert here.iteration_time_s == there.iteration_time_s
+    # the template lacks a node of the plan (another name, another type): no zones at all
+    other = cluster_from_dict({"name": "one", "inter_node_bandwidth_gbs": 25, "zones": {
+        "us-east-1a": "us-east-1"}, "nodes": [{"name": "h", "gpu": "H800", "gpus": 1,
+                                               "zone": "us-east-1a"}]})
+    lone = plan_fleet(plan, CATALOG, other)
+    assert lone.regions == {} and all(n.zone is None for n in lone.nodes)

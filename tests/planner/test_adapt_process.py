@@ -17,7 +17,7 @@ import pytest
 
 from helpers.windows import synthetic_window
 from megatron_autohet.plan import load_plan
-from megatron_autohet.planner.adapt import plan_fleet, replan_window
+from megatron_autohet.planner.adapt import confirm_window, plan_fleet, replan_window
 from megatron_autohet.planner.adapt_process import ReplanProcess
 from megatron_autohet.profiling.from_run import priced_entries
 from megatron_autohet.spec.gpus import load_gpu_catalog
@@ -70,6 +70,16 @@ def test_the_process_answers_what_the_search_answers_in_process():
             assert replace(there, search_s=0.0) == replace(here, search_s=0.0)
             assert there.plan.to_dict() == here.plan.to_dict()
             assert not there.same_layout
+            # the re-plan found priced on the next window, no search: what confirm_window
+            # answers in-process, and what the search priced it at on the same figures
+            later = synthetic_window(PLAN, fleet, first + 2, first + 3, scale=1e8)
+            again = search.confirm(later.stages, (first + 2, first + 3), there.plan)
+            assert search.pending is None
+            same = confirm_window(PLAN, there.plan, later.stages, (first + 2, first + 3), priors,
+                                  **FIXED)
+            assert replace(again, search_s=0.0) == replace(same, search_s=0.0)
+            assert again.plan.to_dict() == there.plan.to_dict()
+            assert (again.current, again.new) == pytest.approx((there.current, there.new))
     finally:
         search.close()
 

@@ -111,7 +111,7 @@ def test_switches_and_decisions_are_read_from_the_products_own_lines():
              "priced at 11.50 s plus the state they move across nodes")
     decision = AdaptDecision((31, 40), True, "+9.0% amortised gain held two windows", 1.2, 0.9,
                              0.25, 30.0, 10, 80, 0.09).line()
-    keep = AdaptDecision((21, 30), False, "gain seen once: it must hold for a second window",
+    keep = AdaptDecision((21, 30), False, "gain seen in one window: it must hold for a second",
                          1.2, 0.9, 0.25, 30.0, 10, 90, 0.09).line()
     console = f"noise\n [t] {keep}\n [t] {decision}\n [t] {switched}\n [t] {switched}\n"
     found = bench.switches(console)
@@ -120,7 +120,7 @@ def test_switches_and_decisions_are_read_from_the_products_own_lines():
     assert bench.switches(timed) == found
     assert bench.decisions(console) == [
         {"window": [21, 30], "switch": False,
-         "why": "gain seen once: it must hold for a second window"},
+         "why": "gain seen in one window: it must hold for a second"},
         {"window": [31, 40], "switch": True, "why": "+9.0% amortised gain held two windows"}]
 
 
