@@ -46,7 +46,7 @@ from megatron_autohet.profiling.from_run import (priced_entries, profile_from_wi
 from megatron_autohet.runtime.dashboard import DashboardOptions, open_dashboard
 from megatron_autohet.runtime.optimizer import OptimizerSettings, make_lr_scheduler
 from megatron_autohet.runtime.stage_drift import DEFAULT_WINDOW
-from megatron_autohet.spec.cluster import load_cluster
+from megatron_autohet.spec.cluster import Cluster, load_cluster
 from megatron_autohet.spec.gpus import load_gpu_catalog
 from megatron_autohet.spec.model import ModelSpec
 from megatron_autohet.spec.precision import PRECISIONS, TRAINED_PRECISIONS, default_precision
@@ -438,7 +438,8 @@ def job_dashboard(options: TrainOptions, recorded_args: dict | None = None,
 def train_job(plan: Plan, plan_label: str, model: ModelSpec, options: TrainOptions, *, rank: int,
               local_rank: int, make_stop_check=None, make_scheduler=None,
               schedule_flags: dict | None = None, recorded_args: dict | None = None,
-              on_window=None, on_adapt=None, adapter=None, dashboard=None) -> int:
+              on_window=None, on_adapt=None, adapter=None, dashboard=None,
+              cluster: Cluster | None = None) -> int:
     """Train on an initialised default process group whose ranks are the plan's; returns the last
     iteration trained. ``make_stop_check(checkpointer)`` (the checkpointer or None) returns the
     ``stop_check`` of runtime/trainer.train_iterations; it is called on every rank right after
@@ -459,7 +460,10 @@ def train_job(plan: Plan, plan_label: str, model: ModelSpec, options: TrainOptio
     elastic job's ``adapt`` event, replan's switch).
     ``dashboard`` (runtime/dashboard.py, rank 0's): gets every iteration and the checkpoints'
     lines; its owner closes it. None with ``options.dashboard``: this call opens and closes one
-    on rank 0 (an elastic worker passes its own, which its events go to too)."""
+    on rank 0 (an elastic worker passes its own, which its events go to too).
+    ``cluster``: the plan's nodes with their zones, on a fleet across zones (an elastic job's):
+    the checkpointer's recovery then asks the peers of a rank's own zone first and counts what
+    crosses zones (checkpoint/recovery.py); None: no zones."""
     # torch and megatron-core: a rank's code (see the module's docstring)
     from megatron_autohet.runtime.fusions import priced_on_other_fusions
     from megatron_autohet.runtime.stage_model import LAYER_SPECS
@@ -537,7 +541,7 @@ def train_job(plan: Plan, plan_label: str, model: ModelSpec, options: TrainOptio
                                     schedule_flags=schedule_flags,
                                     keep_lease=(options.elastic is not None
                                                 or options.adapt == "replan"),
-                                    on_line=dashboard and dashboard.event)
+                                    on_line=dashboard and dashboard.event, cluster=cluster)
     stop_check = make_stop_check(checkpointer) if make_stop_check else None
     adapting = (adapt_sink(plan, plan_label, options, trainer, precision, then=on_window,
                            on_adapt=on_adapt, adapter=adapter) if rank == 0 else None)

@@ -64,6 +64,7 @@ from megatron_autohet.checkpoint.manifest import (LATEST_FILE, committed_steps, 
                                                   step_dir_name, write_atomic)
 from megatron_autohet.checkpoint.options import CheckpointOptions, object_store
 from megatron_autohet.checkpoint.recovery import recover
+from megatron_autohet.checkpoint.sources import RankPlaces
 from megatron_autohet.checkpoint.state import (RNG_KEY, ScheduleMismatch, SnapshotBuffers,
                                                TrainingProgress, common_state,
                                                rank_sharded_state_dict, rng_sharded_object,
@@ -74,6 +75,7 @@ from megatron_autohet.errors import ConfigError, JobConfigError
 from megatron_autohet.runtime.cpu_mode import cpu_mode_thread
 from megatron_autohet.runtime.device import enter_device, thread_device
 from megatron_autohet.runtime.optimizer import SCHEDULE_CHOICE, SCHEDULE_FLAGS
+from megatron_autohet.spec.cluster import Cluster
 
 # Collectives of a save wait at most this long for a peer (a dead peer fails the save instead of
 # hanging the background writer forever).
@@ -123,7 +125,7 @@ def _log(message: str, *, file=None) -> None:
 class Checkpointer:
     def __init__(self, options: CheckpointOptions, trainer, scheduler, *, seed: int,
                  train_args: dict, schedule_flags: dict | None = None, keep_lease: bool = False,
-                 on_line=None):
+                 on_line=None, cluster: Cluster | None = None):
         self.options = options
         self.on_line = on_line
         self.trainer = trainer
@@ -134,6 +136,10 @@ class Checkpointer:
         self.plan = trainer.plan
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
+        # On a fleet across zones (``cluster``: the plan's nodes with their zones), recovery
+        # asks the peers of a rank's own zone first and counts what crosses zones.
+        self.places = (RankPlaces(cluster, tuple(r.node for r in self.plan.ranks))
+                       if cluster is not None and cluster.regions else None)
         self.dirs = self._save_dirs()
         self.device = thread_device()       # the writer thread's CUDA device (None: CPU)
         self.snapshot_buffers = SnapshotBuffers()    # pinned host memory, reused every save
@@ -265,7 +271,7 @@ class Checkpointer:
         try:
             result = recover(self.trainer, self.scheduler, roots=self._readable_roots(),
                              s3=self.s3, group=self.group, log=self._log0,
-                             options=self.options)
+                             options=self.options, places=self.places)
         except ScheduleMismatch as err:
             flags = self.schedule_flags or SCHEDULE_FLAGS
             raise JobConfigError("<command line>", flags[err.field], str(err),

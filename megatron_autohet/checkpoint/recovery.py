@@ -44,7 +44,11 @@ message, so no S3 error is handled here.
 6. The loaded values go into the live model, optimizer and scheduler.
 
 The report (:class:`RecoveryReport`) says how many bytes and seconds each tier took; the
-resume logs it.
+resume logs it. On a fleet across zones (``places``, checkpoint/sources.py ``RankPlaces``) the
+peers are asked in order of distance (the same zone's, then the region's, then the others'), a
+chunk only S3 holds is downloaded once per zone, and the report splits the peers' bytes into
+those inside a zone and those across zones, with the egress USD of the latter
+(recovery_plan.zone_traffic).
 """
 
 from __future__ import annotations
@@ -70,9 +74,10 @@ from megatron_autohet.checkpoint.options import CheckpointOptions
 from megatron_autohet.checkpoint.manifest import (MANIFEST_FILE, MODEL_FIELDS, ItemRecord,
                                                   Manifest, committed_steps, model_mismatch,
                                                   read_manifest, step_dir_name)
-from megatron_autohet.checkpoint.recovery_plan import (ChunkUnavailable, assign_sources,
-                                                       copies_of, needed_items, uncovered)
-from megatron_autohet.checkpoint.sources import OWN, PEER, S3, StoreReader
+from megatron_autohet.checkpoint.recovery_plan import (ChunkUnavailable, ZoneTraffic,
+                                                       assign_sources, copies_of, needed_items,
+                                                       uncovered, zone_traffic)
+from megatron_autohet.checkpoint.sources import OWN, PEER, S3, RankPlaces, StoreReader
 from megatron_autohet.checkpoint.state import (RNG_KEY, apply_loaded, rank_sharded_state_dict,
                                                rng_sharded_object, saved_master_weights)
 from megatron_autohet.checkpoint.upload import byte_progress
@@ -96,18 +101,36 @@ class RecoveryReport:
     end of that tier's work on this rank; the tiers run at the same time) and per phase
     (``agree``: finding the step, waiting for every rank included; ``stage``: the step's small
     files; ``fetch``: all tiers, wall time; ``load``: DCP's load, which runs during the fetch;
-    ``apply``: into the live model, optimizer and scheduler)."""
+    ``apply``: into the live model, optimizer and scheduler). ``zones``: on a fleet across
+    zones, the job's peer bytes inside and across zones and the egress USD of the latter (module
+    docstring); None on a fleet without zones."""
     iteration: int
     bytes: dict[str, int] = field(default_factory=lambda: {OWN: 0, PEER: 0, S3: 0})
     sent_bytes: int = 0
     job_bytes: dict[str, int] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
+    zones: ZoneTraffic | None = None
 
     def line(self) -> str:
         mib = {k: v / 2**20 for k, v in self.job_bytes.items()}
         secs = ", ".join(f"{k} {v:.2f} s" for k, v in self.seconds.items())
+        peers = f"peers {mib[PEER]:.1f} MiB"
+        if self.zones is not None:
+            peers = (f"peers in the zone {self.zones.same_zone_bytes / 2**20:.1f} MiB, peers in "
+                     f"other zones {self.zones.other_zone_bytes / 2**20:.1f} MiB "
+                     f"(${self.zones.egress_usd:.4g} egress)")
         return (f"recovered iteration {self.iteration}, all ranks: local disks {mib[OWN]:.1f} "
-                f"MiB, peers {mib[PEER]:.1f} MiB, S3 {mib[S3]:.1f} MiB (rank 0: {secs})")
+                f"MiB, {peers}, S3 {mib[S3]:.1f} MiB (rank 0: {secs})")
+
+    def event_fields(self) -> dict:
+        """The recovery event's figures: bytes per tier and seconds, and on a fleet across
+        zones the peers' bytes inside and across zones and their egress USD."""
+        out = {"bytes": self.job_bytes, "seconds": self.seconds}
+        if self.zones is not None:
+            out.update(same_zone_peer_bytes=self.zones.same_zone_bytes,
+                       other_zone_peer_bytes=self.zones.other_zone_bytes,
+                       egress_usd=self.zones.egress_usd)
+        return out
 
 
 @dataclass
@@ -158,7 +181,8 @@ def _missing_on_disks(manifest: Manifest, present: dict[int, set[str]]) -> list[
 
 
 def recover(trainer, scheduler, *, roots: list[Path], s3=None, group=None,
-            log=print, options: CheckpointOptions = CheckpointOptions()):
+            log=print, options: CheckpointOptions = CheckpointOptions(),
+            places: RankPlaces | None = None):
     """Load the newest complete step into this rank's model (module docstring); None when no
     step is committed anywhere. A step that cannot be recovered (unreadable manifest, files
     missing or corrupt everywhere) falls back to the next older one, said once (``log``: rank
@@ -169,7 +193,8 @@ def recover(trainer, scheduler, *, roots: list[Path], s3=None, group=None,
     ``ckpt_step`` that
     step instead of the newest (a JobConfigError naming --ckpt-step when it is committed
     nowhere), without the Adam state and schedule (``load_optim``: none of their chunks is
-    fetched), without RNG states (``load_rng``), ``finetune``."""
+    fetched), without RNG states (``load_rng``), ``finetune``. ``places``: where each rank of
+    ``group`` is on a fleet across zones (module docstring; None: no zones)."""
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     start = time.perf_counter()
     store = StoreReader(s3) if s3 is not None else None
@@ -252,7 +277,7 @@ def recover(trainer, scheduler, *, roots: list[Path], s3=None, group=None,
         # a step that does not hold all of this rank's state is corrupt (failed together below)
         missing_regions = uncovered(manifest.items, wanted)
         local_paths = mine[iteration].paths if iteration in mine else {}
-        report = RecoveryReport(iteration)
+        report = RecoveryReport(iteration, zones=ZoneTraffic() if places else None)
         report.seconds["agree"] = time.perf_counter() - start
         t = time.perf_counter()
         staging = Path(tempfile.mkdtemp(prefix=f"autohet-recovery-{rank}-",
@@ -269,7 +294,7 @@ def recover(trainer, scheduler, *, roots: list[Path], s3=None, group=None,
             report.seconds["stage"] = time.perf_counter() - t
             loaded = _fetch_and_load(state_dict, staging, manifest, iteration, needs,
                                      local_paths, store, iteration in s3_steps, group, report,
-                                     problem)
+                                     problem, places)
             break
         except _Unrecoverable as err:
             give_up(str(err))
@@ -314,7 +339,8 @@ class _Unrecoverable(RuntimeError):
 
 def _fetch_and_load(state_dict: dict, staging: Path, manifest: Manifest, iteration: int,
                     needs: list[int], local_paths: dict[str, Path], s3: StoreReader | None,
-                    s3_available: bool, group, report, problem: str | None) -> dict:
+                    s3_available: bool, group, report, problem: str | None,
+                    places: RankPlaces | None) -> dict:
     """Fetch every chunk this rank needs of one step (module docstring, step 4) while a thread
     loads them (step 5) as they are verified; the loaded state dict. The load starts once the
     first round's sources are known (own-disk chunks first, then what the exchange brings in
@@ -341,7 +367,7 @@ def _fetch_and_load(state_dict: dict, staging: Path, manifest: Manifest, iterati
     with ThreadPoolExecutor(1) as pool:
         try:
             _fetch_step(manifest, iteration, needs, local_paths, s3, s3_available, group, report,
-                        board, start_load, problem)
+                        board, start_load, problem, places)
         except BaseException as err:
             board.fail(err)
             for future in started:
@@ -353,7 +379,8 @@ def _fetch_and_load(state_dict: dict, staging: Path, manifest: Manifest, iterati
 
 def _fetch_step(manifest: Manifest, iteration: int, needs: list[int],
                 local_paths: dict[str, Path], s3: StoreReader | None, s3_available: bool,
-                group, report, board: ChunkBoard, start_load, problem: str | None) -> None:
+                group, report, board: ChunkBoard, start_load, problem: str | None,
+                places: RankPlaces | None = None) -> None:
     """Fetch and verify every chunk this rank needs of one step, all tiers at once (module
     docstring, step 4), putting each on ``board`` as it is verified; ``start_load`` is called
     with the order the chunks are expected in once the first round is planned. A copy that
@@ -379,9 +406,11 @@ def _fetch_step(manifest: Manifest, iteration: int, needs: list[int],
                    for r, p in enumerate(all_paths)}
         try:
             fetches = assign_sources(manifest.items, manifest.replicas, pending, present,
-                                     s3_available=s3_available)
+                                     s3_available=s3_available, places=places)
         except ChunkUnavailable as err:
             raise _Unrecoverable("; ".join([*problems, str(err)])) from None
+        if places is not None:       # the same fetches on every rank: the job's traffic
+            report.zones += zone_traffic(fetches, places)
         if start_load is not None:
             start_load(_arrival_order(fetches, rank))
             start_load = None

@@ -8,18 +8,19 @@ exactly the bytes that must be verified (and, when this rank's disk lacks them, 
 
 :func:`assign_sources` then says who serves each needed chunk to each rank, asking the tiers of
 checkpoint/sources.py in order (own disk, peers, object store); :func:`copies_of`: the records
-holding each main chunk's bytes (main file, replicas).
+holding each main chunk's bytes (main file, replicas). On a fleet across zones
+:func:`zone_traffic` says what a round's fetches send inside zones and across them, and what
+crossing them costs.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from megatron_autohet.checkpoint.manifest import ItemRecord
 from megatron_autohet.checkpoint.sources import (ChunkSource, Fetch, Holders, ObjectStoreSource,
-                                                 OwnDiskSource, PeerPreference, PeerSource,
-                                                 no_preference)
+                                                 OwnDiskSource, PeerSource, RankPlaces)
 
 
 @dataclass(frozen=True)
@@ -92,25 +93,27 @@ def copies_of(items: list[ItemRecord], replicas: list[ItemRecord]) -> list[list[
 
 def assign_sources(items: list[ItemRecord], replicas: list[ItemRecord],
                    needed: dict[int, list[int]], present: dict[int, set[str]],
-                   s3_available: bool,
-                   peer_preference: PeerPreference = no_preference) -> list[Fetch]:
+                   s3_available: bool, places: RankPlaces | None = None) -> list[Fetch]:
     """Every rank's fetches, computed identically on every rank.
 
     ``needed``: rank -> indices of the main chunks it needs; ``present``: rank -> the files of
     the step its own disk holds (verified sizes); ``s3_available``: the step is committed in the
     object store. Each chunk comes from the first tier that has it (checkpoint/sources.py),
-    cheapest first: a copy on the rank's own disk; else a peer holding a copy
-    (``peer_preference``'s first, then the one with the fewest bytes assigned so far, spreading
-    the sends); else S3, downloaded ONCE per chunk by the lowest rank needing it, which then
-    serves the others like a peer - so S3 serves exactly the chunks no surviving disk holds.
+    cheapest first: a copy on the rank's own disk; else a peer holding a copy (on a fleet
+    across zones, ``places``: one in the same zone first, then in the same region; then the one
+    with the fewest bytes assigned so far, spreading the sends); else S3, downloaded ONCE per
+    chunk (per zone, with ``places``) by the lowest rank needing it, which then serves the
+    others like a peer - so S3 serves exactly the chunks no surviving disk holds.
     """
     copies = copies_of(items, replicas)
     holders: Holders = {}
     for index in sorted({i for wanted in needed.values() for i in wanted}):
         holders[index] = [(rank, copy) for rank in sorted(present)
                           for copy in copies[index] if copy.file in present[rank]]
-    tiers: list[ChunkSource] = [OwnDiskSource(holders), PeerSource(holders, peer_preference),
-                                ObjectStoreSource(items, committed=s3_available)]
+    peers = PeerSource(holders, places.distance) if places else PeerSource(holders)
+    store = ObjectStoreSource(items, s3_available, places.zone) if places else ObjectStoreSource(
+        items, s3_available)
+    tiers: list[ChunkSource] = [OwnDiskSource(holders), peers, store]
     fetches = []
     for rank in sorted(needed):
         for index in needed[rank]:
@@ -125,3 +128,36 @@ def assign_sources(items: list[ItemRecord], replicas: list[ItemRecord],
                     "disk, and no S3 copy of the step is configured")
             fetches.append(fetch)
     return fetches
+
+
+@dataclass(frozen=True)
+class ZoneTraffic:
+    """The peer-to-peer bytes of a recovery on a fleet across zones, job-wide: sent inside a
+    zone, sent across zones, and the egress USD of the latter (own-disk reads cross nothing, and
+    the object store's downloads are not billed: checkpoint/sources.py, "Zones")."""
+
+    same_zone_bytes: int = 0
+    other_zone_bytes: int = 0
+    egress_usd: float = 0.0
+
+    def __add__(self, other: ZoneTraffic) -> ZoneTraffic:
+        return replace(self, same_zone_bytes=self.same_zone_bytes + other.same_zone_bytes,
+                       other_zone_bytes=self.other_zone_bytes + other.other_zone_bytes,
+                       egress_usd=self.egress_usd + other.egress_usd)
+
+
+def zone_traffic(fetches: list[Fetch], places: RankPlaces) -> ZoneTraffic:
+    """What ``fetches`` send from rank to rank (a peer's copy, or a chunk a peer downloaded and
+    forwards), inside zones and across them, at each crossed link's egress price per GB (1e9
+    bytes, as the cost model counts them)."""
+    same = other = 0
+    usd = 0.0
+    for f in fetches:
+        if f.peer is None:
+            continue
+        if places.zone(f.rank) == places.zone(f.peer):
+            same += f.copy.length
+        else:
+            other += f.copy.length
+            usd += f.copy.length / 1e9 * places.egress_usd_per_gb(f.rank, f.peer)
+    return ZoneTraffic(same, other, usd)

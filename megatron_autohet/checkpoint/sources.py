@@ -9,11 +9,13 @@ does. The three, cheapest first:
 
 ``OwnDiskSource``      a copy (main file or replica) on the rank's own disk
 ``PeerSource``         a surviving rank whose disk holds a copy: the one :data:`PeerPreference`
-                       ranks first, then the one with the fewest bytes assigned so far (spreading
-                       the sends), then the lowest rank
-``ObjectStoreSource``  the step committed in the object store: each chunk downloaded ONCE, by
-                       the lowest rank needing it, which forwards it to the others like a peer;
-                       so the store serves exactly the chunks no surviving disk holds
+                       ranks first (on a fleet across zones, :class:`RankPlaces`: the same
+                       zone's peers, then the region's, then the others'), then the one with the
+                       fewest bytes assigned so far (spreading the sends), then the lowest rank
+``ObjectStoreSource``  the step committed in the object store: each chunk downloaded ONCE (per
+                       zone, on a fleet across zones), by the lowest rank needing it, which
+                       forwards it to the others like a peer; so the store serves exactly the
+                       chunks no surviving disk holds
 
 They only plan (pure, and computed identically on every rank). The reading is recovery's
 (checkpoint/recovery.py): it reads its own disk, runs the exchange with the peers and reads the
@@ -32,10 +34,18 @@ A new object store is one module: a class moving bytes as
 ``upload_file``, ``delete_step``, ``location.uri``) and raising a :class:`StoreError` subclass,
 registered by the branch of options.py's ``object_store`` that builds it; upload
 (checkpoint/upload.py), recovery (through :class:`StoreReader`) and ``autohet checkpoint`` use it
-unchanged. A new order among the peers (the same zone's first) is a :data:`PeerPreference`
-given to ``assign_sources``. A new kind of source, read in a way recovery does not know yet,
+unchanged. A new order among the peers is a :data:`PeerPreference` given to
+:class:`PeerSource` (the zones' is :meth:`RankPlaces.distance`, which ``assign_sources`` gives
+it on a fleet across zones). A new kind of source, read in a way recovery does not know yet,
 implements :class:`ChunkSource` here, takes its place in ``assign_sources``' list of tiers, and
 needs its reading in recovery's ``_fetch_round``.
+
+Zones: a byte received from a peer in another zone crossed the zone link and is billed at its
+egress price (spec/cluster.py ``links``); recovery counts those bytes and dollars
+(:meth:`RankPlaces.egress_usd_per_gb`). A chunk only the object store holds is downloaded once
+per zone and forwarded inside it, not across: downloads from a bucket in the fleet's region are
+not billed by the providers (AWS, Google Cloud), transfers between zones are. The bucket's own
+region is not known here, so its downloads are counted at no egress.
 """
 
 from __future__ import annotations
@@ -48,6 +58,7 @@ from typing import ClassVar, Protocol
 
 from megatron_autohet.checkpoint.inspect import committed_s3, item_problem
 from megatron_autohet.checkpoint.manifest import MANIFEST_FILE, ItemRecord, Manifest, step_dir_name
+from megatron_autohet.spec.cluster import Cluster
 
 # The tiers' names: keys of RecoveryReport.bytes and values of Fetch.source.
 OWN, PEER, S3 = "own", "peer", "s3"
@@ -93,13 +104,45 @@ class OwnDiskSource:
         return Fetch(rank, index, OWN, own[0]) if own else None
 
 
-# How much receiver ``rank`` prefers peer ``peer`` (smaller first), before the bytes assigned:
-# where zones would plug in (the same zone's peers first). Today every peer is alike.
+# How much receiver ``rank`` prefers peer ``peer`` (smaller first), before the bytes assigned
+# (RankPlaces.distance on a fleet across zones; else every peer is alike).
 PeerPreference = Callable[[int, int], object]
 
 
 def no_preference(rank: int, peer: int) -> int:
     return 0
+
+
+def one_place(rank: int) -> None:
+    """Every rank in one place: the object store's chunks downloaded once for the job."""
+    return None
+
+
+SAME_ZONE, SAME_REGION, OTHER_REGION = 0, 1, 2     # RankPlaces.distance
+
+
+@dataclass(frozen=True)
+class RankPlaces:
+    """Where the ranks of a recovery are on a fleet across zones: ``nodes[rank]`` the node of
+    each rank, a node of ``cluster`` (whose zones and links price what crosses them)."""
+
+    cluster: Cluster
+    nodes: tuple[str, ...]
+
+    def zone(self, rank: int) -> str | None:
+        return self.cluster.node(self.nodes[rank]).zone
+
+    def distance(self, rank: int, peer: int) -> int:
+        """The :data:`PeerPreference` of the zones: SAME_ZONE, SAME_REGION or OTHER_REGION."""
+        a, b = self.zone(rank), self.zone(peer)
+        if a == b:
+            return SAME_ZONE
+        regions = self.cluster.regions
+        return SAME_REGION if regions[a] == regions[b] else OTHER_REGION
+
+    def egress_usd_per_gb(self, rank: int, peer: int) -> float:
+        """What a GB from ``peer`` to ``rank`` is billed (0 inside a zone)."""
+        return self.cluster.link(self.nodes[peer], self.nodes[rank]).egress_usd_per_gb
 
 
 @dataclass
@@ -125,18 +168,21 @@ class PeerSource:
 @dataclass
 class ObjectStoreSource:
     """The main record from the object store, when the step is committed there (``committed``):
-    downloaded by the first (lowest) rank asking for the chunk, which forwards it to the
-    others."""
+    downloaded by the first (lowest) rank asking for the chunk in its place (``place_of``: its
+    zone on a fleet across zones, where a transfer between zones is billed and a download is
+    not; module doc), which forwards it to the others there."""
 
     items: list[ItemRecord]
     committed: bool
+    place_of: Callable[[int], object] = one_place
     name: ClassVar[str] = S3
-    downloader: dict[int, int] = field(default_factory=dict)   # chunk index -> rank
+    # (chunk index, place) -> the rank downloading it
+    downloader: dict[tuple[int, object], int] = field(default_factory=dict)
 
     def serve(self, rank: int, index: int) -> Fetch | None:
         if not self.committed:
             return None
-        first = self.downloader.setdefault(index, rank)
+        first = self.downloader.setdefault((index, self.place_of(rank)), rank)
         return Fetch(rank, index, S3, self.items[index], None if first == rank else first)
 
 

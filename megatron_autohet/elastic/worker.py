@@ -260,6 +260,14 @@ class ElasticWorker:
             world_size=plan.world_size, pipelines=len(plan.pipelines), idle=list(idle),
             restart=int(self.round), **({"warm": True} if warm else {}))
 
+    def _zoned_fleet(self, plan: Plan) -> Cluster | None:
+        """The plan's nodes with their zones, on a cluster file across zones (recovery asks
+        the same zone's peers first); None without zones."""
+        if not self.template.regions:
+            return None
+        return fleet_cluster([Member(r.node, r.gpu, r.local_rank) for r in plan.ranks],
+                             self.template)
+
     def _emit_fleet(self, cluster: Cluster, gone: list[str], joined: list[str]) -> None:
         self.events.emit("fleet", ", ".join(f"{n.name} ({n.num_gpus} x {n.gpu})"
                                             for n in cluster.nodes)
@@ -443,7 +451,7 @@ class ElasticWorker:
                          local_rank=self.local_rank,
                          make_stop_check=switch.make_stop_check if switch else make_stop_check,
                          on_window=self._drift_event, on_adapt=on_adapt, adapter=adapter,
-                         dashboard=self.dashboard)
+                         dashboard=self.dashboard, cluster=self._zoned_fleet(plan))
         decision = stop.requests.decision if stop is not None else None
         if decision is None and switch is not None and switch.next is not None:
             group, stopped_at = stop.requests.group, switch.stopped_at
@@ -704,7 +712,7 @@ class _StopCheck:
             report = self.checkpointer.last_report if self.checkpointer else None
             if report is not None:
                 events.emit("recovery", report.line(), iteration=report.iteration,
-                            bytes=report.job_bytes, seconds=report.seconds)
+                            **report.event_fields())
             seconds = time.monotonic() - self.worker.started
             events.emit("first_iteration", f"iteration {iteration} done {seconds:.2f} s after "
                         "this (re)start began", iteration=iteration, seconds=round(seconds, 3))

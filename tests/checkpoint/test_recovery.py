@@ -565,8 +565,9 @@ def test_a_region_no_chunk_holds_is_found_before_anything_is_fetched():
 @pytest.mark.unit
 def test_each_chunk_comes_from_the_first_tier_that_has_it():
     """recovery_plan.assign_sources asks the tiers in order (checkpoint/sources.py): own disk,
-    then a peer (the fewest bytes assigned, then the lowest rank; a PeerPreference first), then
-    the object store, whose chunk is downloaded once, by the lowest rank, and forwarded."""
+    then a peer (the fewest bytes assigned, then the lowest rank; on a fleet across zones the
+    zone's first: test_recovery_zones.py), then the object store, whose chunk is downloaded
+    once, by the lowest rank, and forwarded."""
     from megatron_autohet.checkpoint.manifest import ItemRecord
     from megatron_autohet.checkpoint.recovery_plan import ChunkUnavailable, assign_sources
     from megatron_autohet.checkpoint.sources import OWN, PEER, S3
@@ -579,17 +580,15 @@ def test_each_chunk_comes_from_the_first_tier_that_has_it():
     present = {0: {"a.distcp"}, 1: {"b.distcp"}, 2: {"a-replica.distcp"}, 3: set()}
     needed = {0: [0, 1, 2], 1: [0], 3: [0, 2]}
 
-    def plan(**kwargs):
+    def plan():
         return [(f.rank, f.index, f.source, f.copy.file, f.peer)
-                for f in assign_sources(items, [replica], needed, present, True, **kwargs)]
+                for f in assign_sources(items, [replica], needed, present, True)]
 
     assert plan() == [(0, 0, OWN, "a.distcp", None), (0, 1, PEER, "b.distcp", 1),
                       (0, 2, S3, "c.distcp", None),
                       (1, 0, PEER, "a.distcp", 0),               # rank 0: 0 bytes so far
                       (3, 0, PEER, "a-replica.distcp", 2),       # rank 0 has 10 by now
                       (3, 2, S3, "c.distcp", 0)]                 # rank 0 downloads, forwards
-    # a preference (a zone's, say) goes before the bytes assigned
-    assert plan(peer_preference=lambda rank, peer: peer != 2)[3][3:] == ("a-replica.distcp", 2)
     with pytest.raises(ChunkUnavailable, match="c.distcp"):
         assign_sources(items, [replica], needed, present, False)
 
