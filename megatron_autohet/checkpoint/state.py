@@ -101,7 +101,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from megatron_autohet.layout.owners import is_main_replica
-from megatron_autohet.layout.params import ParamLayout, global_param_name
+from megatron_autohet.layout.params import ParamLayout, stage_global_name
 from megatron_autohet.runtime.mixed_precision import MASTER_DTYPE, MASTER_KEY
 from megatron_autohet.runtime.optimizer import (ADAM_STATE_KEYS, SCHEDULE_FLAGS, adam_step,
                                                 schedule_mismatch)
@@ -132,7 +132,7 @@ def _layout_of(trainer, local_name: str) -> ParamLayout:
     if local_name in trainer.layouts:
         return trainer.layouts[local_name]
     role = trainer.state.role
-    name = global_param_name(local_name, role.stage.layers[0], trainer.plan.model.tie_embeddings)
+    name = stage_global_name(local_name, role.stage.chunks, trainer.plan.model.tie_embeddings)
     return ParamLayout(name, (), None, role.tp_rank, role.stage.tp_size)
 
 

@@ -62,6 +62,17 @@ def global_param_name(local_name: str, first_layer: int, tied: bool) -> str:
     return local_name
 
 
+def stage_global_name(local_name: str, chunks: tuple[tuple[int, int], ...], tied: bool) -> str:
+    """The global name of an entry (a parameter, a sharded state dict key) of a stage model whose
+    model chunks hold the layer ranges ``chunks``: a stage of several chunks (an interleaved
+    pipeline's) names an entry by its chunk's index and its name in the chunk
+    (``1.decoder.layers.0.mlp.linear_fc1.weight``; runtime/stage_model.py ``ModelChunks``)."""
+    if len(chunks) == 1:
+        return global_param_name(local_name, chunks[0][0], tied)
+    index, name = local_name.split(".", 1)
+    return global_param_name(name, chunks[int(index)][0], tied)
+
+
 def _cat(tensors: list[torch.Tensor], dim: int) -> torch.Tensor:
     import torch        # torch only when shards are merged: the cost model imports layout/
 

@@ -7,7 +7,8 @@ the plan, so groups are created in the same order everywhere (a requirement of
 
 Data-parallel gradient sync is layer-wise: pipelines cut the model at different layers, so there
 is no single DP group. A :class:`SyncGroupSpec` covers a run of parameters whose holders are the
-same TP groups in every pipeline:
+same TP groups in every pipeline (a layer's holder in a pipeline is the stage one of whose model
+chunks holds it: an interleaved stage holds several runs of layers):
 
 * symmetric (every holder has the same TP degree t): t groups, group k = the k-th TP rank of each
   holder; each rank all-reduces its own shard, exactly as Megatron's DP all-reduce does;
@@ -41,8 +42,22 @@ class StageRole:
     layers: tuple[int, int]                 # [start, end) global layer indices
     num_microbatches: int                   # of this pipeline, per iteration
     warmup_microbatches: int                # 1F1B warm-up depth (plan's, or num_stages-stage-1)
-    prev_ranks: tuple[int, ...] | None      # TP group of the previous stage
-    next_ranks: tuple[int, ...] | None      # TP group of the next stage
+    # TP group of the previous / next stage. An interleaved pipeline is a ring (the last stage's
+    # chunk c feeds the first stage's chunk c + 1): there the first stage's previous stage is
+    # the last one and the last stage's next stage the first one.
+    prev_ranks: tuple[int, ...] | None
+    next_ranks: tuple[int, ...] | None
+    # [start, end) of each model chunk, in chunk order (``layers`` is chunk 0's): one range
+    # unless the pipeline is interleaved (plan.py, "Interleaved pipelines").
+    chunks: tuple[tuple[int, int], ...] = ()
+
+    def __post_init__(self):
+        if not self.chunks:
+            object.__setattr__(self, "chunks", (tuple(self.layers),))
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self.chunks)
 
     @property
     def tp_size(self) -> int:
@@ -88,13 +103,16 @@ def stage_roles(plan: Plan) -> list[StageRole]:
     roles = []
     for p, pipe in enumerate(plan.pipelines):
         n = len(pipe.stages)
+        ring = pipe.interleaved
         warmups = pipe.warmup_depths()
         for s, stage in enumerate(pipe.stages):
             roles.append(StageRole(
                 pipeline=p, stage=s, num_stages=n, ranks=tuple(stage.ranks), layers=stage.layers,
                 num_microbatches=pipe.num_microbatches, warmup_microbatches=warmups[s],
-                prev_ranks=tuple(pipe.stages[s - 1].ranks) if s > 0 else None,
-                next_ranks=tuple(pipe.stages[s + 1].ranks) if s < n - 1 else None))
+                prev_ranks=(tuple(pipe.stages[s - 1].ranks) if s > 0 or ring else None),
+                next_ranks=(tuple(pipe.stages[(s + 1) % n].ranks) if s < n - 1 or ring
+                            else None),
+                chunks=stage.chunks))
     return roles
 
 
@@ -122,7 +140,8 @@ def sync_group_specs(plan: Plan) -> list[SyncGroupSpec]:
     for pipe in plan.pipelines:
         owner = [None] * plan.model.num_layers
         for s in pipe.stages:
-            owner[s.layers[0]:s.layers[1]] = [tuple(s.ranks)] * (s.layers[1] - s.layers[0])
+            for start, end in s.chunks:
+                owner[start:end] = [tuple(s.ranks)] * (end - start)
         owners.append(owner)
     holder_of_layer = list(zip(*owners))
     start = 0

@@ -39,7 +39,12 @@ build order. The order is deadlock-free by construction: a bucket's key (its par
 names) and its build position (its group's first spec in plan order, its place in the group) are
 computed alike by every member of its group, so every rank's launches are a subsequence of one
 order of all the job's collectives, and the earliest collective not yet done has been launched
-by all its members.
+by all its members. Interleaved pipelines change none of it: a stage of several model chunks
+holds several layer runs, but a parameter's sync group, bucket and key still come from its
+global name and the plan alone (layout/topology.py ``sync_group_specs`` walks every chunk), not
+from which chunk, stage or pipeline shape holds it, so a layer's copies in pipelines of different
+v and cut sync in the same bucket at the same place in the one order; the chunks' parameters
+are only grouped under their chunk index locally (runtime/stage_model.py ``ModelChunks``).
 
 Overlapped sync (Megatron-LM's ``--overlap-grad-reduce``, ``overlap_grad_reduce``): a bucket's
 collective starts during the backward, as soon as the last micro-batch's backward has produced

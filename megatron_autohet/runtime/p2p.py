@@ -19,8 +19,11 @@ Public API
     ``forward_backward_pipelining_without_interleaving``: ``recv_forward``, ``send_forward``,
     ``recv_backward``, ``send_backward``, ``send_forward_recv_backward``,
     ``send_backward_recv_forward`` with megatron's signatures and list/single-tensor conventions,
-    plus ``config``, ``pp_group`` and :meth:`~HeteroP2PCommunicator.finish_sends`. One
-    communicator serves one schedule run (``forward_only`` as passed to megatron's schedule).
+    plus ``config``, ``pp_group`` and :meth:`~HeteroP2PCommunicator.finish_sends`; and in
+    ``forward_backward_pipelining_with_interleaving`` (see "Interleaved pipelines"):
+    ``send_forward_recv_forward``, ``send_backward_recv_backward``,
+    ``send_forward_backward_recv_forward_backward`` and ``virtual_pipeline_model_parallel_size``.
+    One communicator serves one schedule run (``forward_only`` as passed to megatron's schedule).
 
 Which rank sends what (no duplicate copies)
 -------------------------------------------
@@ -93,6 +96,26 @@ defines on its ``pp_group`` in exactly that way. :class:`HeteroP2PCommunicator` 
 warmup + 1``, and the four properties answer from it. With the default depth that is exactly the
 pipeline's real rank and size; with a plan's depth megatron runs that depth, unpatched, on both
 versions (tests/runtime/test_schedule.py checks the calls megatron makes in warm-up on either).
+
+Interleaved pipelines (plan.py ``virtual_stages``): megatron-core's interleaved 1F1B runs the
+stage's v model chunks, and the model's order runs round the pipeline v times, so the pipeline
+is a ring: the last stage's chunk c sends its activations to the first stage's chunk c + 1 and
+gets their gradients back. The ring's closing boundary is one more boundary of the pipeline
+(``StageRole.prev_ranks`` of the first stage and ``next_ranks`` of the last are each other's,
+layout/topology.py), with its own two groups, TP degrees on its two sides as they come (TP1 ->
+TP2 re-slices as any boundary). Which chunk a message is for is implied by the order: megatron
+sends and receives the virtual micro-batches of each direction in one order on both sides (its
+own P2PCommunicator relies on that), so each direction's queue counts them through all chunks:
+``m * v`` per direction, ``m * (v - 1)`` where the ring closes (the first stage's chunk 0 gets no
+activations, the last stage's last chunk no gradients). Megatron passes None for what is not
+sent there and ``recv_prev`` / ``recv_next`` False for what is not received. Deadlock freedom is
+megatron's own: its interleaved schedule is deadlock-free with its blocking batches, and this
+communicator only removes waits (sends never block; a pre-posted receive blocks only when megatron
+asks for it, at the same program point). What megatron's interleaved schedule does not take: a
+warm-up depth of the plan's (it derives ``2 (n - s - 1) + (v - 1) n`` from the stage's position,
+which also decides the chunk of each virtual micro-batch; so ``pp_group`` answers the true
+position there, and plan validation refuses ``warmup_microbatches`` on interleaved pipelines) and
+``overlap_p2p_comm`` (refused; the pre-posted receives already overlap the transfers).
 
 One group per direction. Peers are global ranks; the group is the boundary's group of the
 direction (``links``): activations to the next stage and from the previous one on that
@@ -222,6 +245,12 @@ class SchedulePosition:
         return self.stage + self.warmup_microbatches + 1
 
 
+def _refuse_overlap_p2p(overlap_p2p_comm: bool) -> None:
+    if overlap_p2p_comm:
+        raise ValueError("config.overlap_p2p_comm is not supported: the communicator already "
+                         "posts every send and the next receive ahead (runtime/p2p.py)")
+
+
 def _is_single_shape(x) -> bool:
     """Megatron's convention (p2p_communication.is_single_shape): one shape vs. a list of them."""
     if isinstance(x, torch.Size):
@@ -277,6 +306,9 @@ class HeteroP2PCommunicator:
             raise ValueError(f"stage {stage.stage} of {stage.num_stages}: warm-up depth {warmup} "
                              "(the last stage needs 0, the others >= 1)")
         self.pp_group = SchedulePosition(stage.stage, warmup)
+        # megatron's interleaved schedule reads it here (as P2PCommunicator copies it from the
+        # config) for its warm-up depth: the chunks per stage, None when not interleaved.
+        self.virtual_pipeline_model_parallel_size = config.virtual_pipeline_model_parallel_size
         self._device = p2p_device()
         to_prev = from_prev = to_next = from_next = None
         if stage.prev_ranks is not None:
@@ -296,11 +328,15 @@ class HeteroP2PCommunicator:
         self._to_prev, self._to_next = to_prev, to_next
         # Each posted batch of sends: its handles and the tensors they read (module doc).
         self._pending_sends: list[tuple[list, list[torch.Tensor]]] = []
-        m = stage.num_microbatches
-        # Activations come from the previous stage, gradients from the next one, each in
-        # micro-batch order; a forward-only run receives no gradients.
-        self._activations = _ReceiveQueue(from_prev, m) if from_prev else None
-        self._gradients = _ReceiveQueue(from_next, m) if from_next and not forward_only else None
+        # Activations come from the previous stage, gradients from the next one, each in the
+        # order megatron's schedule runs them; a forward-only run receives no gradients. Every
+        # chunk of a stage takes each micro-batch once, except where the ring of an interleaved
+        # pipeline closes: the first stage's chunk 0 and the last stage's last chunk (module doc).
+        m, v = stage.num_microbatches, stage.num_chunks
+        self._activations = (_ReceiveQueue(from_prev, m * (v - 1 if stage.is_first else v))
+                             if from_prev else None)
+        self._gradients = (_ReceiveQueue(from_next, m * (v - 1 if stage.is_last else v))
+                           if from_next and not forward_only else None)
 
     # ---- where megatron's 1F1B reads this stage's position ------------------------------------
     # megatron-core 0.16 reads ``pp_group.rank()``/``size()``; 0.17 and later read these
@@ -348,6 +384,33 @@ class HeteroP2PCommunicator:
             return self._communicate(tensor_shapes, None)
         return self._communicate(tensor_shapes, self._activations, sends=input_tensor_grads,
                                  send_to=self._to_prev)
+
+    # ---- and those megatron's interleaved schedule calls besides -----------------------------
+    # ``output_tensor`` / ``input_tensor_grad`` None: nothing to send (megatron passes None at the
+    # ends of the model); ``recv_prev`` / ``recv_next``: whether a tensor is expected.
+    def send_forward_recv_forward(self, output_tensor, recv_prev: bool, tensor_shape,
+                                  overlap_p2p_comm: bool = False):
+        _refuse_overlap_p2p(overlap_p2p_comm)
+        return self._communicate(tensor_shape, self._activations if recv_prev else None,
+                                 sends=output_tensor, send_to=self._to_next)
+
+    def send_backward_recv_backward(self, input_tensor_grad, recv_next: bool, tensor_shape,
+                                    overlap_p2p_comm: bool = False):
+        _refuse_overlap_p2p(overlap_p2p_comm)
+        return self._communicate(tensor_shape, self._gradients if recv_next else None,
+                                 sends=input_tensor_grad, send_to=self._to_prev)
+
+    def send_forward_backward_recv_forward_backward(self, output_tensor, input_tensor_grad,
+                                                    recv_prev: bool, recv_next: bool,
+                                                    tensor_shape):
+        # Both sends are posted before either receive is waited for, as in megatron's one batch.
+        self._communicate(None, None, sends=output_tensor, send_to=self._to_next)
+        self._communicate(None, None, sends=input_tensor_grad, send_to=self._to_prev)
+        input_tensor = self._communicate(tensor_shape,
+                                         self._activations if recv_prev else None)
+        output_tensor_grad = self._communicate(tensor_shape,
+                                               self._gradients if recv_next else None)
+        return input_tensor, output_tensor_grad
 
     def finish_sends(self) -> None:
         """End of the schedule: wait for every send still in flight (call before the sent tensors

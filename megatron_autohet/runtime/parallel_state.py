@@ -318,6 +318,11 @@ def _megatron_globals(state: HeteroParallelState, dp_ranks: list[int]) -> dict[s
         "_PIPELINE_GLOBAL_RANKS": list(state.pp_group.ranks),
         "_MPU_PIPELINE_MODEL_PARALLEL_WORLD_SIZE": role.stage.num_stages,
         "_MPU_PIPELINE_MODEL_PARALLEL_RANK": role.stage.stage,
+        # Model chunks per stage of an interleaved pipeline (None: not interleaved, as
+        # initialize_model_parallel leaves it): the layer layout's get_layer_offset and
+        # get_num_layers_to_build read it and take chunk 0's layers for every chunk without it.
+        "_VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE": (role.stage.num_chunks
+                                                        if role.stage.num_chunks > 1 else None),
         # Model parallel = this pipeline: get_model_parallel_group() (megatron's optimizer
         # wrappers and Megatron-LM's reductions of the gradient norm over a model replica).
         "_MODEL_PARALLEL_GROUP": state.pipeline_group,

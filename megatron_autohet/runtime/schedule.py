@@ -5,7 +5,10 @@ Public API
 ``run_schedule(forward_step_func, data_iterator, model, state, *, sequence_parallel=False,
 forward_only=False, clock=None) -> list``
     Runs megatron-core's own ``forward_backward_pipelining_without_interleaving`` (a pipeline of
-    several stages) or ``forward_backward_no_pipelining`` (a one-stage pipeline) over this
+    several stages), ``forward_backward_pipelining_with_interleaving`` (a stage of several model
+    chunks, runtime/stage_model.py ``ModelChunks``: an interleaved pipeline; each chunk gets an
+    iterator over the same micro-batches, which it reads in megatron's order) or
+    ``forward_backward_no_pipelining`` (a one-stage pipeline) over this
     pipeline's own ``num_microbatches`` of ``state.plan.micro_batch_size`` x
     ``state.plan.seq_length`` with ``state.pg_collection`` and, between stages, a
     :class:`~megatron_autohet.runtime.p2p.HeteroP2PCommunicator`. ``model`` is this rank's stage
@@ -49,10 +52,12 @@ What megatron's schedule does with our objects (megatron-core 0.16.1 to 0.19.x)
 from __future__ import annotations
 
 from megatron.core.pipeline_parallel.schedules import (
-    forward_backward_no_pipelining, forward_backward_pipelining_without_interleaving)
+    forward_backward_no_pipelining, forward_backward_pipelining_with_interleaving,
+    forward_backward_pipelining_without_interleaving)
 from megatron.core.utils import get_model_config
 
 from megatron_autohet.runtime.p2p import HeteroP2PCommunicator
+from megatron_autohet.runtime.stage_model import stage_chunks
 
 
 def run_schedule(forward_step_func, data_iterator, model, state, *,
@@ -66,11 +71,18 @@ def run_schedule(forward_step_func, data_iterator, model, state, *,
                   pg_collection=state.pg_collection)
     if stage.num_stages == 1:
         return forward_backward_no_pipelining(**common)
-    communicator = HeteroP2PCommunicator(state.role, get_model_config(model),
+    chunks = stage_chunks(model)
+    communicator = HeteroP2PCommunicator(state.role, get_model_config(chunks[0]),
                                          links=state.p2p_links,
                                          sequence_parallel=sequence_parallel,
                                          forward_only=forward_only, clock=clock)
-    losses = forward_backward_pipelining_without_interleaving(p2p_communicator=communicator,
-                                                              **common)
+    if len(chunks) > 1:
+        # Every chunk reads each micro-batch once, in megatron's order: one iterator each.
+        local = list(data_iterator)
+        common.update(model=chunks, data_iterator=[iter(local) for _ in chunks])
+        schedule = forward_backward_pipelining_with_interleaving
+    else:
+        schedule = forward_backward_pipelining_without_interleaving
+    losses = schedule(p2p_communicator=communicator, **common)
     communicator.finish_sends()
     return losses

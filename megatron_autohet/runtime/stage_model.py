@@ -11,7 +11,9 @@ Public API
     ``pipeline_layers``: the [start, end) layer ranges of every stage of this rank's pipeline (None:
     the whole model in one stage).
 ``build_stage_model(model_spec, state, *, seed, sequence_parallel=False, padded_vocab=None,
-                    precision=FP32, initialize=True, **config_overrides) -> GPTModel``
+                    precision=FP32, initialize=True, **config_overrides) -> GPTModel | ModelChunks``
+    A stage of an interleaved pipeline (plan.py ``virtual_stages``) is a :class:`ModelChunks`
+    of one GPTModel per chunk, each built with its ``vp_stage`` (below); any other a GPTModel.
     ``state``: runtime.parallel_state.HeteroParallelState. Layout-independent initial weights
     (runtime/init.py), or with ``initialize`` False none at all (the values are whatever the
     allocation held: for a job that loads a checkpoint over them, below); also seeds megatron's
@@ -26,6 +28,7 @@ Public API
 ``param_layouts(model, state) -> dict[str, ParamLayout]``
     For every local parameter name (``model.named_parameters()``): its global name and where the
     local tensor sits in the full one (layout/params.py).
+``stage_chunks(model) -> list``: the stage's model chunks (``[model]`` for a GPTModel).
 ``stage_layer_spec(config)``, ``TorchNorm``: the layer spec the stage uses and its norm.
 ``layer_spec_name() -> str``: which spec that is here, ``"te"`` or ``"sdpa"`` (``LAYER_SPECS``:
     name -> what the log says).
@@ -40,6 +43,12 @@ Design (why)
   stages; megatron's ``get_transformer_layer_offset`` / ``get_num_layers_to_build`` read the
   stage index from ``pg_collection.pp.rank()`` and the parallel_state globals (both installed by
   ``build_parallel_state``), so ``TransformerLayer.layer_number`` is the 1-based GLOBAL number.
+  An interleaved pipeline's layout lists its ``n * v`` virtual stages in megatron's order (chunk
+  c of stage s at c * n + s, the plan's order too); each chunk is a GPTModel built with
+  ``vp_stage=c``, the first stage's chunk 0 holding the embedding and the last stage's last chunk
+  the output layer, and the layer offsets come from the same layout (megatron reads v from the
+  virtual-pipeline size global, runtime/parallel_state.py). The build checks every layer's
+  number against the plan.
   The config is per rank anyway: pipelines differ in depth and stages in TP degree.
 * TE spec on a GPU where Transformer Engine imports; elsewhere megatron-core's local layer with
   torch's scaled_dot_product_attention as core attention (runtime/attention.py: flash /
@@ -90,7 +99,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_autohet.errors import JobConfigError
-from megatron_autohet.layout.params import ParamLayout, global_param_name
+from megatron_autohet.layout.params import ParamLayout, stage_global_name
 from megatron_autohet.plan import Plan
 from megatron_autohet.runtime.cpu_mode import cpu_mode_enabled
 from megatron_autohet.runtime.init import INIT_METHOD_STD, initialize_parameters
@@ -105,13 +114,15 @@ def plan_padded_vocab_size(plan: Plan) -> int:
 
 def transformer_config(model_spec: ModelSpec, tp_size: int, *, sequence_parallel: bool = False,
                        pipeline_layers: list[tuple[int, int]] | None = None,
-                       precision: Precision = FP32, **overrides):
+                       virtual_stages: int = 1, precision: Precision = FP32, **overrides):
     # megatron-core: on first use, not with this module
     from megatron.core.transformer import TransformerConfig
 
-    num_stages = len(pipeline_layers) if pipeline_layers else 1
+    # An interleaved pipeline's layout lists its virtual stages (chunk c of stage s at c * n + s,
+    # megatron's order); megatron reads v as len(layout) / n.
+    num_stages = len(pipeline_layers) // virtual_stages if pipeline_layers else 1
     layout = None
-    if num_stages > 1:
+    if pipeline_layers and len(pipeline_layers) > 1:
         layout = [["decoder"] * (end - start) for start, end in pipeline_layers]
         layout[0].insert(0, "embedding")
         layout[-1].append("loss")
@@ -274,32 +285,38 @@ def build_stage_model(model_spec: ModelSpec, state, *, seed: int, sequence_paral
     pipeline = state.plan.pipelines[role.stage.pipeline]
     config = transformer_config(model_spec, role.stage.tp_size,
                                 sequence_parallel=sequence_parallel,
-                                pipeline_layers=[s.layers for s in pipeline.stages],
+                                pipeline_layers=pipeline.virtual_stage_layers(),
+                                virtual_stages=pipeline.virtual_stages,
                                 precision=precision, **{
                                     "init_method": _no_init, "output_layer_init_method": _no_init,
                                     "embedding_init_method": _no_init, **config_overrides})
     layer_spec, final_norm = stage_layer_spec(config)
-    block_spec = TransformerBlockSubmodules(
-        layer_specs=[layer_spec] * (role.stage.layers[1] - role.stage.layers[0]),
-        layer_norm=final_norm)
-    model = GPTModel(
-        config, block_spec,
-        vocab_size=padded_vocab or plan_padded_vocab_size(state.plan),
-        max_sequence_length=model_spec.seq_length,
-        pre_process=role.stage.is_first,
-        post_process=role.stage.is_last,
-        parallel_output=True,
-        share_embeddings_and_output_weights=model_spec.tie_embeddings,
-        position_embedding_type=model_spec.position_embedding_type,
-        pg_collection=state.pg_collection)
-    # What megatron-LM's Float16Module does to a 16-bit model: some modules (the learned position
-    # embedding, a torch.nn.Embedding) are built in fp32 whatever params_dtype says.
-    model.to(model_device(), config.params_dtype)
-    for local_index, layer in enumerate(model.decoder.layers):
-        expected = role.stage.layers[0] + local_index + 1
-        if layer.layer_number != expected:              # megatron's offset logic disagrees
-            raise RuntimeError(f"stage layer {local_index} got megatron layer_number "
-                               f"{layer.layer_number}, expected global {expected}")
+    chunks = []
+    last_chunk = role.stage.num_chunks - 1
+    for c, (start, end) in enumerate(role.stage.chunks):
+        chunk = GPTModel(
+            config,
+            TransformerBlockSubmodules(layer_specs=[layer_spec] * (end - start),
+                                       layer_norm=final_norm),
+            vocab_size=padded_vocab or plan_padded_vocab_size(state.plan),
+            max_sequence_length=model_spec.seq_length,
+            pre_process=role.stage.is_first and c == 0,
+            post_process=role.stage.is_last and c == last_chunk,
+            parallel_output=True,
+            share_embeddings_and_output_weights=model_spec.tie_embeddings,
+            position_embedding_type=model_spec.position_embedding_type,
+            pg_collection=state.pg_collection,
+            vp_stage=c if last_chunk else None)
+        # What megatron-LM's Float16Module does to a 16-bit model: some modules (the learned
+        # position embedding, a torch.nn.Embedding) are built in fp32 whatever params_dtype says.
+        chunk.to(model_device(), config.params_dtype)
+        for local_index, layer in enumerate(chunk.decoder.layers):
+            expected = start + local_index + 1
+            if layer.layer_number != expected:              # megatron's offset logic disagrees
+                raise RuntimeError(f"chunk {c} layer {local_index} got megatron layer_number "
+                                   f"{layer.layer_number}, expected global {expected}")
+        chunks.append(chunk)
+    model = chunks[0] if len(chunks) == 1 else ModelChunks(chunks)
     if initialize:
         layouts = param_layouts(model, state)
         initialize_parameters(((p, layouts[n]) for n, p in model.named_parameters()), model_spec,
@@ -326,8 +343,30 @@ def param_layouts(model, state) -> dict[str, ParamLayout]:
         full_shape = list(param.shape)
         if partition_dim is not None:
             full_shape[partition_dim] *= tp_size
-        global_name = global_param_name(name, role.stage.layers[0], tied)
+        global_name = stage_global_name(name, role.stage.chunks, tied)
         num_chunks = 2 if gated and re.search(r"mlp\.linear_fc1\.(weight|bias)$", name) else 1
         layouts[name] = ParamLayout(global_name, tuple(full_shape), partition_dim, tp_rank,
                                     tp_size, num_chunks)
     return layouts
+
+
+class ModelChunks(torch.nn.ModuleList):
+    """The model chunks of a stage of an interleaved pipeline, in chunk order: what megatron's
+    interleaved schedule takes (``list(chunks)``), and one module for everything that walks a
+    stage's parameters. A parameter's local name is its chunk's index and its name in the chunk
+    (``1.decoder.layers.0.mlp.linear_fc1.weight``); ``sharded_state_dict`` keys entries the same
+    way, while the checkpoint keys megatron gives each entry stay per global layer."""
+
+    @property
+    def config(self):
+        return self[0].config
+
+    def sharded_state_dict(self, prefix: str = "", **kwargs) -> dict:
+        return {f"{prefix}{c}.{key}": entry for c, chunk in enumerate(self)
+                for key, entry in chunk.sharded_state_dict(**kwargs).items()}
+
+
+def stage_chunks(model) -> list:
+    """The stage's model chunks: megatron's schedule and layer walks take this list."""
+    return list(model) if isinstance(model, ModelChunks) else [model]
+

@@ -80,6 +80,7 @@ import torch.distributed as dist
 from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 
 from megatron_autohet.data.batches import microbatches
+from megatron_autohet.errors import ConfigError
 from megatron_autohet.plan import Plan
 from megatron_autohet.runtime.attention import attention_kind
 from megatron_autohet.runtime.distributed_optimizer import DistributedOptimizer
@@ -95,7 +96,8 @@ from megatron_autohet.runtime.schedule import run_schedule
 from megatron_autohet.runtime.stage_drift import DEFAULT_WINDOW, WindowMeter
 from megatron_autohet.runtime.stage_model import (agree_layer_spec, build_stage_model,
                                                   model_device, param_layouts,
-                                                  plan_padded_vocab_size, recompute_config)
+                                                  plan_padded_vocab_size, recompute_config,
+                                                  stage_chunks)
 from megatron_autohet.runtime.train_log import (IterationLogger, IterationRecord,
                                                 num_floating_point_operations)
 from megatron_autohet.spec.model import ModelSpec
@@ -154,6 +156,15 @@ class HeteroTrainer:
                  jit_fusions: dict[str, bool] | None = None, initialize: bool = True,
                  fused_optimizer: bool | None = None, overlap_grad_reduce: bool = False):
         optimizer.validate(source=plan_file)
+        interleaved = next((p for p, pipe in enumerate(plan.pipelines) if pipe.interleaved), None)
+        if overlap_grad_reduce and interleaved is not None:
+            # the plan's own field is refused the same way by plan validation
+            raise ConfigError(plan_file, "overlap_grad_reduce",
+                              f"--overlap-grad-reduce with pipelines[{interleaved}].virtual_stages "
+                              f"{plan.pipelines[interleaved].virtual_stages}",
+                              "no overlap: megatron's interleaved schedule enables the sync "
+                              "before each chunk's last backward, while the runtime's one "
+                              "no-sync switch covers all of a stage's chunks")
         self.plan = plan
         self.seed = seed
         self.precision = precision
@@ -206,7 +217,8 @@ class HeteroTrainer:
     def attention(self) -> str:
         """How its layers compute attention (profiling/profile.py ``ATTENTIONS``), as a profile
         records it: what a profile of this job's measurements says its layers ran."""
-        return attention_kind(self.model.decoder.layers[0].self_attention.core_attention)
+        first_layer = stage_chunks(self.model)[0].decoder.layers[0]
+        return attention_kind(first_layer.self_attention.core_attention)
 
     @torch.no_grad()
     def initialize_weights(self) -> None:

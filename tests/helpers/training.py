@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+import yaml
 
 from megatron_autohet.plan import load_plan, plan_from_dict
 from megatron_autohet.runtime.optimizer import OptimizerSettings
@@ -60,6 +61,22 @@ NORM_REL = 2 * BF16_UNIT_ROUNDOFF
 
 def plan(name: str):
     return load_plan(PLANS / f"{name}.yaml")
+
+
+def interleaved_plan(plan_file: str, chunks_by_pipeline: dict, num_microbatches: dict):
+    """``plan_file`` with the pipelines named in ``chunks_by_pipeline`` made interleaved: each
+    stage's chunk layer ranges as given, and its micro-batch counts changed as given."""
+    raw = yaml.safe_load((PLANS / plan_file).read_text())
+    for p, stage_chunks in chunks_by_pipeline.items():
+        pipe = raw["pipelines"][p]
+        pipe["virtual_stages"] = len(stage_chunks[0])
+        for stage, chunks in zip(pipe["stages"], stage_chunks):
+            stage["layers"] = [list(c) for c in chunks]
+    for p, m in num_microbatches.items():
+        raw["pipelines"][p]["num_microbatches"] = m
+    raw["global_batch_size"] = raw["micro_batch_size"] * sum(
+        p["num_microbatches"] for p in raw["pipelines"])
+    return plan_from_dict(raw, plan_file)
 
 
 def two_ranks():

@@ -28,7 +28,8 @@ import torch
 from megatron_autohet.layout.topology import rank_role
 from megatron_autohet.plan import load_plan, plan_from_dict
 from helpers.dist_utils import run_on_ranks
-from helpers.training import CLIP, OPTIMIZER, PLANS, SEED, global_batches, rel, scheduled_steps
+from helpers.training import (CLIP, OPTIMIZER, PLANS, SEED, global_batches, interleaved_plan, rel,
+                              scheduled_steps)
 
 pytestmark = pytest.mark.integration
 
@@ -170,6 +171,42 @@ def check_plan_trains_like_one_process(plan, sequence_parallel, record_property,
     return reference, reference_rates
 
 
+# ---- interleaved pipelines (virtual_stages) -----------------------------------------------
+
+INTERLEAVED_PLANS = {   # label: (plan file, interleaved pipelines' chunks, micro-batch counts)
+    # both pipelines of TP1 x PP2 interleaved with v = 2, the chunks cut alike and differently:
+    # a layer's copies sit in chunk 0 of one pipeline and chunk 1 of the other
+    "homogeneous v2 + v2 cut differently": (
+        "tiny-homogeneous.yaml", {0: [[(0, 2), (3, 5)], [(2, 3), (5, 6)]],
+                                  1: [[(0, 1), (2, 4)], [(1, 2), (4, 6)]]}, {0: 2, 1: 4}),
+    # [TP2 | TP1] with v = 2 (the ring closes TP1 -> TP2) next to a plain [TP1]: asymmetric sync
+    "[TP2 | TP1] v2 next to plain [TP1]": (
+        "tiny-two-pipelines.yaml", {0: [[(0, 2), (3, 5)], [(2, 3), (5, 6)]]}, {0: 4}),
+}
+
+
+@pytest.mark.parametrize("label", ["homogeneous v2 + v2 cut differently",
+                                   "[TP2 | TP1] v2 next to plain [TP1]"])
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_interleaved_pipeline_trains_like_one_process(label, sequence_parallel,
+                                                      record_property):
+    """megatron-core's interleaved 1F1B on pipelines of v = 2 chunks per stage, through the
+    hetero P2P (the ring's last-to-first boundary included) and the layer-wise sync."""
+    plan_file, chunks, counts = INTERLEAVED_PLANS[label]
+    if sequence_parallel and "TP2" not in label:
+        pytest.skip("no TP > 1 stage")
+    plan = interleaved_plan(plan_file, chunks, counts)
+    check_plan_trains_like_one_process(plan, sequence_parallel, record_property, label)
+
+
+def test_interleaved_pipeline_with_distributed_optimizer_trains_like_one_process(
+        record_property):
+    plan = interleaved_plan(*INTERLEAVED_PLANS["[TP2 | TP1] v2 next to plain [TP1]"])
+    check_plan_trains_like_one_process(plan, False, record_property,
+                                       "[TP2 | TP1] v2 next to plain [TP1], distributed optimizer",
+                                       distributed_optimizer=True)
+
+
 # ---- stock megatron-core on the homogeneous plan ---------------------------------------------
 
 def _stock_megatron(rank, world, plan, batches, fused_optimizer=None):
@@ -288,6 +325,7 @@ def _hetero_with_eval(rank, world, plan, batches, evals):
     """train_step per batch, trainer.evaluate where asked; counts the forward calls of this
     rank's transformer layers during training (full recompute runs each twice)."""
     from megatron_autohet.runtime.optimizer import make_lr_scheduler
+    from megatron_autohet.runtime.stage_model import stage_chunks
     from megatron_autohet.runtime.trainer import HeteroTrainer
 
     trainer = HeteroTrainer(plan, plan.model, rank=rank, seed=SEED, optimizer=OPTIMIZER)
@@ -298,7 +336,8 @@ def _hetero_with_eval(rank, world, plan, batches, evals):
         if counting[0]:
             calls["train"] += 1
 
-    for layer in trainer.model.decoder.layers:
+    layers = [layer for chunk in stage_chunks(trainer.model) for layer in chunk.decoder.layers]
+    for layer in layers:
         layer.register_forward_hook(count)
     scheduler = make_lr_scheduler(trainer.optimizer, OPTIMIZER, len(batches),
                                   plan.global_batch_size)
@@ -310,17 +349,20 @@ def _hetero_with_eval(rank, world, plan, batches, evals):
         eval_loss = trainer.evaluate(evals[iteration]) if iteration in evals else None
         counting[0] = True
         steps.append((metrics.loss, metrics.grad_norm, eval_loss))
-    layers = len(trainer.model.decoder.layers)
-    layer_forwards = layers * trainer.state.role.stage.num_microbatches * len(batches)
+    layer_forwards = len(layers) * trainer.state.role.stage.num_microbatches * len(batches)
     return steps, calls["train"] / layer_forwards
 
 
-def test_recompute_and_evaluation_match_one_process():
+@pytest.mark.parametrize("interleaved", [False, True], ids=["plain", "interleaved"])
+def test_recompute_and_evaluation_match_one_process(interleaved):
     """The plan's activation_recompute (megatron-core's full recompute, every layer's forward
     runs again in backward) trains like the reference (fp32, 1e-5), and the forward-only
     evaluation over the plan's pipelines equals the reference's forward loss on the same
-    validation batches with the same weights."""
-    plan = replace(load_plan(PLANS / "tiny-two-pipelines.yaml"), activation_recompute=True)
+    validation batches with the same weights; also with the first pipeline interleaved
+    (megatron's interleaved schedule forward-only)."""
+    plan = (interleaved_plan(*INTERLEAVED_PLANS["[TP2 | TP1] v2 next to plain [TP1]"])
+            if interleaved else load_plan(PLANS / "tiny-two-pipelines.yaml"))
+    plan = replace(plan, activation_recompute=True)
     batches, evals = global_batches(plan, 4), _eval_batches(plan)
     reference = run_on_ranks(1, _reference_with_eval, plan, batches, evals)[0]
     results = run_on_ranks(plan.world_size, _hetero_with_eval, plan, batches, evals, timeout=180)
