@@ -73,7 +73,10 @@ script exits with 128 + the signal (143, 130).
 Nothing a fleet does ends the benchmark: an agent that exits while its node is in the fleet is
 recorded and started again (as scripts/launch_node.sh does), a job that does not train again
 within EVENT_TIMEOUT is recorded and the rest of the trace skipped, and the analysis reports
-what the job's files show (a missing event is a "-", never an exception).
+what the job's files show (a missing event is a "-", never an exception). A step that only gives
+notice to nodes the plan in force leaves idle (its newest ``plan`` event's ``idle``) stops no
+training: the replay does not wait for the job to train again (no first iteration follows), the
+training clock runs on through it, and it costs no downtime.
 
 Per step, from the events (``WORKDIR/<run>/events.jsonl``, ``time_unix``) and the iteration log
 (``metrics.jsonl``, ``elapsed_ms`` per iteration), with ``t`` the time the benchmark delivered it:
@@ -409,6 +412,29 @@ def joined_at(events: list[dict], t: float, joiners: list[str]) -> float | None:
                  and e["time_unix"] > fleet["time_unix"]), None)
 
 
+def idle_nodes(events: list[dict]) -> set[str]:
+    """The nodes the plan in force (the newest ``plan`` event) leaves idle: every GPU of them
+    (the newest ``fleet`` event's count, 1 where it says none) in the plan's ``idle`` list."""
+    plan = next((e for e in reversed(events) if e["event"] == "plan"), None)
+    fleet = next((e for e in reversed(events) if e["event"] == "fleet"), None)
+    if plan is None:
+        return set()
+    idle: dict[str, int] = {}
+    for entry in plan.get("idle", []):
+        node = entry.rsplit(":", 1)[0]
+        idle[node] = idle.get(node, 0) + 1
+    gpus = {name: node.get("gpus", 1) for name, node in (fleet or {}).get("nodes", {}).items()}
+    return {node for node, count in idle.items() if count >= gpus.get(node, 1)}
+
+
+def stops_training(kinds: list[str], events, idle: set[str]) -> bool:
+    """Whether a step stops the job's training: not when it only gives notice to nodes the plan
+    leaves idle (nothing of theirs to save, no rank to re-plan: the job trains on, and no new
+    first iteration follows). A kill of an idle node does stop it (the others confirm the loss
+    and start a new round)."""
+    return not all(k == "notice" and e.node in idle for e, k in zip(events, kinds))
+
+
 def clock_restart(record: dict, events: list[dict]) -> float | None:
     """When the training clock runs again after the step ``record``: the joiners' first
     iteration for a step with joins (the clock was paused until they were in the job), else
@@ -513,8 +539,11 @@ def replay(mode: str, workdir: Path, trace_steps, initial: list[str], args,
                     continue
                 stuck = None
                 if delivered and finished() is None:   # not while still down for the last one
-                    if not agents.wait(lambda: training_since(delivered[-1]["t"]),
-                                       EVENT_TIMEOUT):
+                    if not delivered[-1]["stops_training"]:
+                        if args.clock == "training":     # the clock ran on through that step
+                            base, base_ms = delivered[-1]["t"], delivered[-1]["ms"]
+                    elif not agents.wait(lambda: training_since(delivered[-1]["t"]),
+                                         EVENT_TIMEOUT):
                         stuck = f"not training again {EVENT_TIMEOUT:.0f} s after the previous step"
                     elif args.clock == "training":
                         base = clock_restart(delivered[-1], fleet.events()) or time.time()
@@ -535,7 +564,9 @@ def replay(mode: str, workdir: Path, trace_steps, initial: list[str], args,
                           "iteration_before": before, "kind": "+".join(sorted(set(kinds))),
                           "events": [{"action": e.action, "node": e.node, "kind": k}
                                      for e, k in zip(events, kinds)],
-                          "removes": sum(e.action == "remove" for e in events)}
+                          "removes": sum(e.action == "remove" for e in events),
+                          "stops_training": mode == "baseline" or stops_training(
+                              kinds, events, idle_nodes(fleet.events()))}
                 if mode == "autohet":
                     leaving = [e.node for e, k in zip(events, kinds) if k == "notice"]
                     for node in leaving:          # every notice first: they come together
@@ -603,8 +634,9 @@ def _step_row(d: dict, events: list[dict], records: list[dict], median_s: float)
     later_plans = [e for e in events if e["event"] == "plan" and e["time_unix"] > t]
     admitted = (all(any(node in p["nodes"] for p in later_plans) for node in joins)
                 if joins else None)
-    if not any(e["event"] in ("stop", "plan", "first_iteration") and e["time_unix"] > t
-               for e in events) and any(e["event"] == "finished" for e in events):
+    if d.get("stops_training") is False or (
+            not any(e["event"] in ("stop", "plan", "first_iteration") and e["time_unix"] > t
+                    for e in events) and any(e["event"] == "finished" for e in events)):
         return {"trace_s": d["ms"] / 1000.0, "kind": d["kind"], "events": d["events"],
                 "removes": sum(e["action"] == "remove" for e in d["events"]),
                 "late_s": d["late_s"], "resumed": True, "interrupted": False,

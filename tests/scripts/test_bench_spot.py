@@ -265,6 +265,7 @@ class _FakeJob:
         self.made = dict(nnodes=nnodes, loss_timeout=loss_timeout, job_id=job_id)
         self.nodes, self.log, self.iter, self.next_at = {}, [], 0, None
         self.arrivals, self.restart_at, self.closed = {}, None, False
+        self.idle: list[str] = []          # the nodes the first plan leaves idle
         self.node = lambda: mock.Mock(process=mock.Mock(poll=lambda: 0 if self.done() else None))
 
     def __enter__(self):
@@ -289,6 +290,8 @@ class _FakeJob:
         now = self.clock.now
         if self.next_at is None and len(self.nodes) >= 2:
             self.next_at = now + 5.0                       # start-up
+            self.emit("plan", now + 1.0, nodes=sorted(self.nodes), seconds=0.5,
+                      decision="kept", idle=[f"{n}:0" for n in self.idle])
         for node, at in list(self.arrivals.items()):
             if now >= at:
                 del self.arrivals[node]
@@ -383,6 +386,42 @@ def test_the_trace_clock_and_the_job_pause_until_a_joiner_is_in_the_job(
     row = bench._step_row(join, job.events(), [], 1.0)
     assert row["held_s"] == pytest.approx(stop["time_unix"] - join["held_from"]) and \
         row["held_s"] > 20
+
+
+def test_a_notice_to_a_node_the_plan_leaves_idle_does_not_wait_for_a_restart(
+        bench, tmp_path, monkeypatch):
+    """node2 is idle in the plan; its notice stops nothing (the fake job, as the real one, trains
+    on with no new first iteration): the replay does not wait for one (it did, EVENT_TIMEOUT,
+    then skipped the rest of the trace), the training clock runs on through the step, and the
+    analysis prices it at no downtime."""
+    import argparse
+
+    from megatron_autohet.testing.trace import steps
+
+    clock = _FakeTime()
+    monkeypatch.setattr(bench, "time", clock)
+    made = []
+
+    def make_fleet(workdir, **kwargs):
+        made.append(_FakeJob(clock, workdir, **kwargs))
+        made[-1].idle = ["node2"]
+        return made[-1]
+
+    trace = [TraceEvent(0, "add", "node0"), TraceEvent(0, "add", "node1"),
+             TraceEvent(0, "add", "node2"), TraceEvent(10_000, "remove", "node2", notice=True),
+             TraceEvent(20_000, "remove", "node0", notice=False)]
+    args = argparse.Namespace(iters=60, save_interval=10, nnodes="2:3", loss_timeout=5.0,
+                              clock="training", time_scale=1.0, no_notice=False)
+    run = bench.replay("autohet", tmp_path / "autohet", steps(trace),
+                       ["node0", "node1", "node2"], args, ("http://s3", "b"),
+                       make_fleet=make_fleet)
+    assert not run["problems"] and not run["skipped"]
+    notice, kill = run["delivered"]
+    assert notice["stops_training"] is False and kill["stops_training"] is True
+    assert kill["due"] == pytest.approx(notice["t"] + 10.0)
+    (job,) = made
+    row = bench._step_row(notice, job.events(), [], 1.0)
+    assert row["downtime_s"] == 0.0 and row["iterations_lost"] == 0 and not row["interrupted"]
 
 
 def test_a_row_is_written_after_each_run(bench, tmp_path, capsys):
