@@ -22,6 +22,14 @@ below are bf16's.
   the slowest stage's period, its communication not overlapped. This charges transfers as
   blocking (stock megatron waits for its sends); the per-stage warm-up depths of a plan are not
   in it (see "Warm-up depth" below).
+* **Interleaved pipelines** (a pipeline's ``virtual_stages`` v > 1, megatron-core's interleaved
+  1F1B): each stage runs its layers as v chunks, so a micro-batch passes the stages v times, each
+  pass ``t_s / v`` of compute and a transfer ``c_s`` (the last stage's goes round to the first
+  stage: the ring closes over that link): ``T_pipe = sum_s (t_s / v + c_s) + (m v - 1) * max_s
+  (t_s / v + c_s)``, the fill and drain v times shorter, the transfers v times as many. A stage
+  holds the activations of ``ceil((2 (S - s - 1) + (v - 1) S + 1) / v)`` micro-batches' worth of
+  layers (megatron's interleaved warm-up, each of 1/v of the stage). No event-level timeline is
+  simulated for them.
 * **Gradient sync** is layer-wise (layout/topology.sync_group_specs): a symmetric group of D
   holders is a ring all-reduce of one TP shard's fp32 gradients among D GPUs,
   ``2 (D-1)/D * bytes / bw_min`` with ``bw_min`` the slowest link among the group's GPUs; an
@@ -300,9 +308,11 @@ def optimizer_step_s(param_count: float, memory_bandwidth_gbs: float,
             / (memory_bandwidth_gbs * 1e9 * MEMORY_EFFICIENCY))
 
 
-def pipeline_time_s(stage_periods: list[float], num_microbatches: int) -> float:
-    """1F1B time from per-stage periods ``t_s + c_s``: sum + (m - 1) * max (blocking transfers)."""
-    return sum(stage_periods) + (num_microbatches - 1) * max(stage_periods)
+def pipeline_time_s(stage_periods: list[float], num_microbatches: int,
+                    virtual_stages: int = 1) -> float:
+    """1F1B time from per-stage periods ``t_s / v + c_s`` (one chunk's compute and transfer):
+    sum + (m v - 1) * max (blocking transfers; module doc, "Interleaved pipelines")."""
+    return sum(stage_periods) + (num_microbatches * virtual_stages - 1) * max(stage_periods)
 
 
 def grad_allreduce_s(param_count: float, holders: int, bandwidth_gbs: float) -> float:
@@ -608,7 +618,7 @@ def evaluate_plan(plan: Plan, cluster: Cluster, profile: Profile, with_timeline:
     simulated: dict[tuple, tuple[float, list[list[TimelineEvent]]]] = {}
     standards: dict[tuple[int, int], list[int]] = {}
     for p, pipe in enumerate(plan.pipelines):
-        S, m = len(pipe.stages), pipe.num_microbatches
+        S, m, v = len(pipe.stages), pipe.num_microbatches, pipe.virtual_stages
         if (S, m) not in standards:
             standards[S, m] = standard_warmup_depths(S, m)
         # the plan's depths where it sets them, else the standard ones (read, never changed)
@@ -620,8 +630,8 @@ def evaluate_plan(plan: Plan, cluster: Cluster, profile: Profile, with_timeline:
             gpu, tp = plan.ranks[stage.ranks[0]].gpu, len(stage.ranks)
             first, last = s == 0, s == S - 1
             bw, latency = None, 0.0
-            if not last:
-                after = pipe.stages[s + 1]
+            if not last or pipe.interleaved:          # an interleaved pipeline is a ring
+                after = pipe.stages[(s + 1) % S]
                 pair = (node_of[stage.ranks[0]], node_of[after.ranks[0]])
                 link = links.get(pair)
                 if link is None:
@@ -629,15 +639,17 @@ def evaluate_plan(plan: Plan, cluster: Cluster, profile: Profile, with_timeline:
                 bw, latency = link.bandwidth_gbs, link.latency_s
                 # forward, a copy for each receiving TP rank; backward, one for each sending
                 # TP rank (runtime/p2p.py)
-                egress_usd += (m * (len(after.ranks) + len(stage.ranks)) * activation_bytes
-                               / 1e9 * link.egress_usd_per_gb)
-            in_flight = min(depths[s] + 1, m)
+                # each micro-batch crosses v times, v - 1 where the ring closes
+                crossings = m * (v - 1 if last else v)
+                egress_usd += (crossings * (len(after.ranks) + len(stage.ranks))
+                               * activation_bytes / 1e9 * link.egress_usd_per_gb)
+            in_flight = (min(depths[s] + 1, m) if not pipe.interleaved
+                         else min(-(-(2 * (S - s - 1) + (v - 1) * S + 1) // v), m))
             away = unsharded.get(stage.ranks[0], 0.0)
             # a TP group computes in lock step: at its slowest GPU's speed
             speed = min(cluster.speed(plan.ranks[r].node, plan.ranks[r].local_rank)
                         for r in stage.ranks) if cluster.speeds else 1.0
-            key = (gpu, tp, stage.layers[1] - stage.layers[0], first, last, bw, latency,
-                   in_flight, away, speed)
+            key = (gpu, tp, stage.num_layers, first, last, bw, latency, in_flight, away, speed)
             shape = shapes.get(key)
             if shape is None:
                 shape = shapes[key] = _stage_shape(plan, cluster, profile, memory_headroom,
@@ -648,9 +660,9 @@ def evaluate_plan(plan: Plan, cluster: Cluster, profile: Profile, with_timeline:
             stages.append(cost)
             for r in stage.ranks:
                 stage_of_rank[r] = cost
-        time = pipeline_time_s([c.time_s + c.p2p_s for c in stages], m)
+        time = pipeline_time_s([c.time_s / v + c.p2p_s for c in stages], m, v)
         standard = depths == standard_depths
-        if not standard or with_timeline:
+        if not pipe.interleaved and (not standard or with_timeline):
             # Pipelines of equal stage times, micro-batches and depths have one schedule:
             # simulated once, its timeline copied (a plan may hold hundreds of them).
             key = (tuple((c.forward_s, c.backward_s, c.p2p_s) for c in stages), m,
