@@ -59,7 +59,8 @@ FLAGS = {"iters": "--iters", "metrics_jsonl": "--metrics-jsonl",
          "distributed_timeout_minutes": "--distributed-timeout-minutes",
          "precision": "--bf16", "measure_window": "--autohet-measure-window",
          "measured_jsonl": "--autohet-measured-jsonl",
-         "measured_profile": "--autohet-measured-profile", "adapt": "--autohet-adapt"}
+         "measured_profile": "--autohet-measured-profile", "adapt": "--autohet-adapt",
+         "gpu_catalog": "--gpu-catalog"}
 # --autohet-adapt's modes (planner/adapt.py MODES, which this module does not import at start-up:
 # the planner loads SCIP) and its default: log the decisions (module doc of planner/adapt.py).
 ADAPT_MODES = ("off", "log", "replan")
@@ -118,6 +119,9 @@ class TrainOptions:
     # At every window's end, whether to re-plan on what was measured (planner/adapt.py): off,
     # log (the decision logged, nothing switched) or replan (the switch made: train_adapting).
     adapt: str = DEFAULT_ADAPT
+    # The GPU catalog the adaptation and the measured profile price the plan's types in, as
+    # `autohet plan --gpu-catalog` planned them (None: the bundled configs/gpus.yaml).
+    gpu_catalog: str | None = None
     elastic: ElasticOptions | None = None   # None: a job whose ranks are the plan's
     # TensorBoard and W&B (runtime/dashboard.py), written by the rank that logs
     dashboard: DashboardOptions = DashboardOptions()
@@ -178,6 +182,7 @@ class TrainOptions:
                               ", ".join(ADAPT_MODES))
         if self.adapt == "replan":
             self._check_replan(source, flags, no_replan)
+        self._check_catalog(source, flags)
         self.optimizer.validate(train_iters=self.iters, source=source)
         self._check_data(source)
         self.checkpoint.validate(source)
@@ -215,6 +220,29 @@ class TrainOptions:
         if self.eval_interval is not None and not self.valid_data_path:
             raise ConfigError(source, "--eval-interval", "given with --train-data-path and no "
                               "--valid-data-path", "--valid-data-path: the blend to evaluate on")
+
+    @property
+    def prices_types(self) -> bool:
+        """Whether the job prices its GPU types while it trains: its windows adapt the plan or
+        write a measured profile (what ``gpu_catalog`` is for)."""
+        return bool(self.measure_window) and (self.adapt != "off"
+                                              or self.measured_profile is not None)
+
+    def _check_catalog(self, source: str, flags: dict) -> None:
+        """``--gpu-catalog``: a catalog file that loads, for a job that prices its types."""
+        if self.gpu_catalog is None:
+            return
+        if not self.prices_types:
+            raise ConfigError(source, flags["gpu_catalog"], "prices nothing: the job neither "
+                              f"adapts ({flags['adapt']} off or {flags['measure_window']} 0) "
+                              f"nor writes {flags['measured_profile']}",
+                              f"{flags['adapt']} log or replan with measurement windows, or "
+                              f"{flags['measured_profile']}")
+        try:
+            load_gpu_catalog(self.gpu_catalog)
+        except ConfigError as err:
+            raise ConfigError(source, flags["gpu_catalog"], f"{err.file}: {err.field}: "
+                              f"{err.problem}", err.allowed) from None
 
     def _check_replan(self, source: str, flags: dict, no_replan: str | None) -> None:
         """Where ``--autohet-adapt replan`` is refused, in one line (validate's doc)."""
@@ -314,18 +342,24 @@ def measure_flags(prefix: str = "") -> list[tuple[tuple[str, ...], dict]]:
                           "or --autohet-local-ckpt-dir, which an elastic job has: the job "
                           "switches to the re-plan in its processes, through a checkpoint of "
                           "the iteration)")),
+        (("--gpu-catalog",), dict(
+            default=None, metavar="G.yaml",
+            help=prefix + "the GPU catalog the adaptation and --autohet-measured-profile price "
+                          "the plan's GPU types in, as `autohet plan --gpu-catalog` planned "
+                          "them (default: the bundled configs/gpus.yaml; a job on types it "
+                          "lacks does not adapt)")),
     ]
 
 
 def measured_profile_priors(plan: Plan, plan_label: str, options: TrainOptions):
     """With ``options.measured_profile``: the entries the plan was priced on, which the windows
-    scale (profiling/from_run.py ``priced_entries``, the bundled GPU catalog); computed on every
-    rank before any collective, so a plan it cannot serve stops the job with one line
+    scale (profiling/from_run.py ``priced_entries``, in ``options.gpu_catalog``); computed on
+    every rank before any collective, so a plan it cannot serve stops the job with one line
     (JobConfigError naming the flag). None without the flag."""
     if options.measured_profile is None:
         return None
     try:
-        return priced_entries(plan, load_gpu_catalog(), plan_label)
+        return priced_entries(plan, load_gpu_catalog(options.gpu_catalog), plan_label)
     except ConfigError as err:
         raise JobConfigError(err.file, err.field, err.problem, err.allowed) from None
 
@@ -401,13 +435,14 @@ def adapt_sink(plan: Plan, plan_label: str, options: TrainOptions, trainer, prec
     from megatron_autohet.planner.adapt import Adapter
     from megatron_autohet.planner.adapt_process import ReplanProcess
 
-    catalog = load_gpu_catalog()
+    catalog = load_gpu_catalog(options.gpu_catalog)
     try:
         priors = priced_entries(plan, catalog, plan_label)
     except ConfigError as err:        # a GPU type neither priced nor in the catalog
         print(f"WARNING: {FLAGS['adapt']} {options.adapt}: not adapting: {err}", flush=True)
         return None
-    template = load_cluster(options.elastic.cluster) if options.elastic is not None else None
+    template = (load_cluster(options.elastic.cluster, catalog) if options.elastic is not None
+                else None)
     search = ReplanProcess(plan, priors, catalog=catalog, precision=precision,
                            attention=trainer.attention,
                            fusions=trainer.fusions.config_fields(), template=template)
@@ -419,7 +454,8 @@ def measure_fields(args) -> dict:
     """The :class:`TrainOptions` fields of the :func:`measure_flags` in a parsed namespace."""
     return dict(measure_window=args.autohet_measure_window,
                 measured_jsonl=args.autohet_measured_jsonl,
-                measured_profile=args.autohet_measured_profile, adapt=args.autohet_adapt)
+                measured_profile=args.autohet_measured_profile, adapt=args.autohet_adapt,
+                gpu_catalog=args.gpu_catalog)
 
 
 def job_dashboard(options: TrainOptions, recorded_args: dict | None = None,

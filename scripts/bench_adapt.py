@@ -48,9 +48,12 @@ is logged (importing torch and building the model at 0.15 of a core takes a minu
 type's share. The machine is shared: the load average (1 minute) before and after each run is
 in its row, and a quota is a ceiling, not a guarantee (emulate_cluster.py).
 
-Hook: each rank runs ``autohet train`` through this script's ``--rank-worker``, which makes the
-emulated GPU catalog the bundled one (the job prices its re-plans on the bundled catalog, which
-does not hold the emulated types: a job with them logs "not adapting").
+The adapting runs price their re-plans in the emulated catalog (``--gpu-catalog``). While a
+run trains, the bench moves each rank's re-plan search process (planner/adapt_process.py, a
+child of the rank) out of the rank's cgroup into the cgroup root as soon as it sees it (it
+looks every 0.2 s): the search is the work of the host CPU beside a GPU, not of the GPU, so it
+must not take the emulated GPU's quota (at 0.3-0.6 of a core, a search and that process's
+start-up would slow the GPU it decides for).
 
     sudo python scripts/bench_adapt.py [--scenarios a,b,c] [--iters 300] [--window 20]
         [--quick] [--json bench-out/bench_adapt.json]
@@ -295,7 +298,7 @@ class Fleet:
         work = self.tmp / name
         work.mkdir()
         metrics = work / "metrics.jsonl"
-        cmd = [sys.executable, __file__, "--rank-worker"] + train_args(
+        cmd = [sys.executable, "-m", "megatron_autohet.cli.main"] + train_args(
             plan_path, self.args.model, iters, self.args.window, adapt, work,
             self.tmp / "data", stop_after)
         self.port += 1
@@ -314,7 +317,7 @@ class Fleet:
             procs.append(self.cluster.spawn(p, cmd, env, work / f"rank{p.rank}.log"))
             # a whole core while starting up (module doc); the shares from iteration 1 on
             emu.set_share(p.cgroup, 1.0)
-        changes, status = [], None
+        changes, status, moved = [], None, 0
         deadline = started + self.args.timeout
         while status is None:
             last = _last_iteration(metrics)
@@ -324,6 +327,7 @@ class Fleet:
                     emu.set_share(by_gpu[gpu].cgroup, value)
                 changes.append({"after_iteration": last, "what": what,
                                 "shares": {f"{g[0]}:{g[1]}": v for g, v in shares.items()}})
+            moved += search_to_host([p.cgroup for p in placements])
             codes = [proc.poll() for proc in procs]
             if any(c not in (None, 0) for c in codes):
                 status = next(c for c in codes if c not in (None, 0))
@@ -349,8 +353,31 @@ class Fleet:
             raise SystemExit(f"bench_adapt: {name} ended with status {status}:\n{tail}")
         progress(f"{name}: {len(records)} iterations in {wall:.0f} s, "
                  f"{len(run.switches)} switch(es), load {load_before:.1f} -> "
-                 f"{run.load[1]:.1f}")
+                 f"{run.load[1]:.1f}, {moved} search process(es) moved to the host")
         return run
+
+
+SEARCH_MODULE = "megatron_autohet.planner.adapt_process"
+
+
+def search_to_host(cgroups: list[Path], root: Path = emu.CGROUP_CPU_ROOT) -> int:
+    """Move the re-plan search processes in ``cgroups`` (the ranks') to the cgroup ``root``
+    (the module doc's host CPU); returns how many moved."""
+    moved = 0
+    for cgroup in cgroups:
+        try:
+            pids = (cgroup / "cgroup.procs").read_text().split()
+        except OSError:
+            continue
+        for pid in pids:
+            try:
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+                if SEARCH_MODULE.encode() in cmdline:
+                    (root / "cgroup.procs").write_text(pid)
+                    moved += 1
+            except OSError:         # it ended meanwhile
+                continue
+    return moved
 
 
 def train_args(plan: Path, model: str, iters: int, window: int, adapt: str, work: Path,
@@ -363,6 +390,8 @@ def train_args(plan: Path, model: str, iters: int, window: int, adapt: str, work
             "--seed", str(SEED), "--metrics-jsonl", str(work / "metrics.jsonl"),
             "--data-dir", str(data_dir), "--autohet-measure-window", str(window),
             "--autohet-adapt", adapt, "--save", str(work / "ckpt"), "--save-interval", str(iters)]
+    if adapt != "off":
+        args += ["--gpu-catalog", str(emu.DEFAULT_CATALOG)]
     if stop_after is not None and stop_after < iters:
         args += ["--exit-interval", str(stop_after)]
     return args
@@ -588,7 +617,7 @@ def _pct(value: float | None) -> str:
 
 # --iters is scenarios a and c's; b runs --straggler-iters (a switch back after the recovery
 # needs the hold's windows and iterations enough to pay the switch back).
-QUICK = {"iters": 60, "window": 5, "microbatches": 8, "straggler_iters": 110, "slow_at": 15,
+QUICK = {"iters": 60, "window": 5, "microbatches": 8, "straggler_iters": 160, "slow_at": 15,
          "restore_at": 50, "fresh_iters": 15, "overhead_iters": 20, "pairs": 2,
          "profile_iters": 6}
 FULL = {"iters": 300, "window": 20, "microbatches": 8, "straggler_iters": 400, "slow_at": 60,
@@ -648,20 +677,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def rank_worker(argv: list[str]) -> int:
-    """One emulated rank: ``autohet train`` with the emulated catalog as the bundled one (the
-    module doc's hook)."""
-    import megatron_autohet.spec.gpus as gpus
-    from megatron_autohet.cli.main import main as autohet
-
-    gpus.DEFAULT_CATALOG = emu.DEFAULT_CATALOG
-    return autohet(argv)
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["--rank-worker"]:
-        return rank_worker(argv[1:])
     args = parse_args(argv)
     silence_known_megatron_warnings()
     emu.require_root()

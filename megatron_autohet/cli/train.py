@@ -311,7 +311,7 @@ def checked_job(args: argparse.Namespace):
     if not args.elastic:
         check_resume(options.checkpoint, plan, options.optimizer, options.iters, args.model)
     if job_precision(options)[0].name == "bf16":
-        check_bf16_support(plan, load_gpu_catalog(), args.plan)
+        check_bf16_support(plan, load_gpu_catalog(options.gpu_catalog), args.plan)
     return options, plan, model
 
 

@@ -63,6 +63,11 @@ class ReplanProcess:
         self._conn.send((plan, priors, fixed))
         self.pending: tuple[int, int] | None = None
 
+    @property
+    def pid(self) -> int:
+        """The child's process id."""
+        return self._child.pid
+
     def submit(self, stages, window: tuple[int, int]) -> None:
         """Search ``window`` (its StageMeasures ``stages``); the answer waits for
         :meth:`result`."""

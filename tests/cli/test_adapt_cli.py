@@ -68,6 +68,58 @@ def test_the_modes_are_the_planners_and_replan_is_refused_where_it_cannot_switch
 
 
 @pytest.mark.integration
+def test_gpu_catalog_prices_types_the_bundled_catalog_lacks_on_every_front_end(tmp_path, capsys):
+    """--gpu-catalog (autohet plan's flag) on autohet train, autohet node's train flags and
+    pretrain_gpt.py: a job on GPU types outside the bundled catalog adapts (the re-plan search
+    starts) with it and says it does not without it; given where nothing is priced, or naming
+    no catalog, one line naming the flag."""
+    from types import SimpleNamespace
+
+    from megatron_autohet.cli.main import build_parser
+    from megatron_autohet.job import adapt_sink
+    from megatron_autohet.megatron.args import add_autohet_args
+    from megatron_autohet.planner.search import make_plan
+    from megatron_autohet.spec.cluster import load_cluster
+    from megatron_autohet.spec.gpus import load_gpu_catalog
+    from megatron_autohet.spec.model import load_model
+
+    catalog = ROOT / "configs/emulated/gpus.yaml"
+    fleet = load_cluster(ROOT / "configs/emulated/three-speeds.yaml", load_gpu_catalog(catalog))
+    plan = make_plan(fleet, load_model(ROOT / "configs/emulated/emu-gpt.yaml"), None, 8, 1,
+                     progress=False, time_limit_s=20)
+    options = TrainOptions(iters=40, seed=1, optimizer=OptimizerSettings(lr=1e-3),
+                           measure_window=10, adapt="log")
+    trainer = SimpleNamespace(attention="flash", fusions=SimpleNamespace(
+        config_fields=lambda: None))
+    assert adapt_sink(plan, "emu.yaml", options, trainer, PRECISIONS["fp32"]) is None
+    assert "not adapting" in capsys.readouterr().out
+    sink = adapt_sink(plan, "emu.yaml", replace(options, gpu_catalog=str(catalog)).validate(),
+                      trainer, PRECISIONS["fp32"])
+    try:
+        assert sink is not None and "not adapting" not in capsys.readouterr().out
+    finally:
+        sink.close()
+    # the flag on each front end's parser (autohet node passes train's flags to its workers)
+    train = build_parser().parse_args(["train", "--plan", str(PLAN), "--model", str(MODEL),
+                                       "--gpu-catalog", str(catalog)])
+    assert train.gpu_catalog == str(catalog)
+    import argparse
+    megatron = add_autohet_args(argparse.ArgumentParser()).parse_args(["--gpu-catalog", "g.yaml"])
+    assert megatron.gpu_catalog == "g.yaml"
+    for bad, problem in (
+            (replace(options, adapt="off", gpu_catalog=str(catalog)), "prices nothing"),
+            (replace(options, measure_window=0, gpu_catalog=str(catalog)), "prices nothing"),
+            (replace(options, gpu_catalog=str(tmp_path / "none.yaml")), "file not found")):
+        with pytest.raises(ConfigError) as err:
+            bad.validate("<command line>")
+        assert err.value.field == "--gpu-catalog" and problem in err.value.problem, err.value
+    result = _autohet("train", "--plan", PLAN, "--model", MODEL, "--autohet-adapt", "off",
+                      "--gpu-catalog", catalog)
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1
+    assert "--gpu-catalog" in result.stderr
+
+
+@pytest.mark.integration
 def test_replan_without_checkpoints_and_an_unknown_mode_are_one_line_before_any_process(
         tmp_path):
     result = _autohet("train", "--plan", PLAN, "--model", MODEL, "--autohet-adapt", "replan",

@@ -201,3 +201,26 @@ def test_a_shorter_reference_keeps_the_runs_learning_rate_schedule(tmp_path):
     assert short[short.index("--exit-interval") + 1] == "55" and "--exit-interval" not in full
     assert short[short.index("--autohet-adapt") + 1] == "off"
     assert "--save" in full and "--autohet-measure-window" in full
+    # the adapting run prices its re-plans in the emulated catalog; off prices nothing
+    assert full[full.index("--gpu-catalog") + 1] == str(emu.DEFAULT_CATALOG)
+    assert "--gpu-catalog" not in short
+
+
+@pytest.mark.unit
+def test_the_search_processes_leave_the_ranks_cgroups_for_the_host(tmp_path):
+    """search_to_host moves the processes running planner/adapt_process.py, and only them,
+    from a rank's cgroup (here a directory holding its cgroup.procs) to the root's."""
+    rank, root = tmp_path / "rank0", tmp_path / "root"
+    rank.mkdir()
+    root.mkdir()
+    sleep = [sys.executable, "-c", "import time; time.sleep(600)"]
+    search = subprocess.Popen(sleep + [bench.SEARCH_MODULE])
+    other = subprocess.Popen(sleep + ["megatron_autohet.cli.main"])
+    try:
+        (rank / "cgroup.procs").write_text(f"{other.pid}\n{search.pid}\n999999999\n")
+        assert bench.search_to_host([rank, tmp_path / "gone"], root) == 1
+        assert (root / "cgroup.procs").read_text() == str(search.pid)
+    finally:
+        for proc in (search, other):
+            proc.kill()
+            proc.wait()
