@@ -288,16 +288,26 @@ def layer_range(layers) -> str:
     return str(start) if end - start == 1 else f"{start}-{end - 1}"
 
 
-def format_plan_table(plan, cost=None) -> str:
+def chunk_ranges(stage) -> str:
+    """A stage's layers as :func:`layer_range` writes them, one range per model chunk of an
+    interleaved pipeline: '0-1,3-4'."""
+    return ",".join(layer_range(chunk) for chunk in stage.chunks)
+
+
+def format_plan_table(plan, cost=None, cluster=None) -> str:
     """Pipelines x stages. Time and memory come from ``cost`` (a PlanCost) when given, else from
     the predictions stored in the plan file. A "warm-up" column (the 1F1B warm-up depth each
-    stage runs) appears when some stage's depth is not the standard one."""
+    stage runs) appears when some stage's depth is not the standard one, a "zone" column (each
+    stage's node's) when ``cluster`` is across zones."""
     header = ["pipe", "stage", "ranks", "node", "GPU", "TP", "layers", "micro-batches",
               "time/mb ms", "memory GiB"]
     with_warmup = any(pipe.warmup_depths() != pipe.standard_warmup_depths()
                       for pipe in plan.pipelines)
     if with_warmup:
         header.insert(8, "warm-up")
+    with_zones = cluster is not None and bool(cluster.regions)
+    if with_zones:
+        header.insert(4, "zone")
     rows = []
     for p, pipe in enumerate(plan.pipelines):
         for s, stage in enumerate(pipe.stages):
@@ -313,10 +323,12 @@ def format_plan_table(plan, cost=None) -> str:
                 memory = ("-" if stage.predicted_memory_gib is None
                           else f"{stage.predicted_memory_gib:.1f}")
             row = [p if s == 0 else "", s, rank_list(stage.ranks), info.node, info.gpu,
-                   stage.tp, layer_range(stage.layers), pipe.num_microbatches if s == 0 else "",
+                   stage.tp, chunk_ranges(stage), pipe.num_microbatches if s == 0 else "",
                    "-" if time_s is None else f"{time_s * 1e3:.3g}", memory]
             if with_warmup:
                 row.insert(8, pipe.warmup_depths()[s])
+            if with_zones:
+                row.insert(4, cluster.node(info.node).zone)
             rows.append(row)
     return format_table(header, rows)
 

@@ -64,7 +64,7 @@ def run(args) -> int:
     cost = best.cost
     annotate_plan(best.plan, cost)
     best.plan.save(args.output)
-    print(format_plan_table(best.plan, cost))
+    print(format_plan_table(best.plan, cost, cluster))
     print(format_prediction(best.plan, cost, args.train_tokens))
     tp = ", ".join(f"{g} TP{t}" for g, t in best.tp_of_gpu.items())
     print_cut_warning(best, args.time_limit)

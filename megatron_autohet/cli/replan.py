@@ -103,7 +103,7 @@ def run(args) -> int:
                     cluster_file=args.cluster)
     elapsed = time.perf_counter() - started
     result.plan.save(args.output)
-    print(format_plan_table(result.plan, result.cost))
+    print(format_plan_table(result.plan, result.cost, cluster))
     print(format_prediction(result.plan, result.cost))
     old_nodes = {r.node for r in previous.ranks}
     kept = len(old_nodes & {n.name for n in cluster.nodes})

@@ -2,12 +2,15 @@
 
 The table's times and memory are recomputed by the cost model when the cluster is known (given
 with --cluster, or the bundled cluster the plan names), so a hand-edited plan shows its real
-prediction; otherwise they are the predictions stored in the plan file.
+prediction; otherwise they are the predictions stored in the plan file. On a cluster across zones
+the table has each stage's zone.
 
 The figure has two panels: the plan (one row per pipeline, one box per stage spanning its layers,
-coloured by GPU type, labelled with TP degree and ranks) and the event-level 1F1B timeline of
-every stage (``cost_model.simulate_1f1b``: forward and backward of each micro-batch, the link
-transfers as gaps), with the gradient sync and the optimizer step after the pipelines drain.
+coloured by GPU type, labelled with TP degree and ranks; on a fleet across zones hatched by
+zone, labelled with it, and a red line where a pipeline crosses zones) and the event-level 1F1B
+timeline of every stage (``cost_model.simulate_1f1b``: forward and backward of each
+micro-batch, the link transfers as gaps), with the gradient sync and the optimizer step after
+the pipelines drain.
 Pipelines with identical timelines share one set of rows (labelled p4-11), so large fleets stay
 readable.
 
@@ -28,9 +31,9 @@ import json
 from pathlib import Path
 
 from megatron_autohet.cli._common import (PROFILE_ARGUMENT, bundled_cluster_path,
-                                          check_output_path, check_plan_on_cluster, counted,
-                                          format_plan_table, format_prediction, layer_range,
-                                          load_profiles, rank_list)
+                                          check_output_path, check_plan_on_cluster, chunk_ranges,
+                                          counted, format_plan_table, format_prediction,
+                                          layer_range, load_profiles, rank_list)
 from megatron_autohet.cli._table import format_table
 from megatron_autohet.cost_model import evaluate_plan, plan_charge, plan_memory_headroom
 from megatron_autohet.errors import ConfigError
@@ -47,6 +50,10 @@ FORWARD_ALPHA = 0.55
 # colour and from each other at a glance, in both the timeline and the measured panel.
 SYNC_STYLE = {"facecolor": "#d9d9d9", "hatch": "////", "edgecolor": "#666666"}
 OPTIMIZER_STYLE = {"facecolor": "#111111", "hatch": None, "edgecolor": "#111111"}
+# On a fleet across zones, a stage's box is hatched by its zone (the first zone plain: a fleet
+# mostly in one zone reads as before) and a pipeline boundary between zones is a red line.
+ZONE_HATCHES = [None, "..", "xx", "\\\\", "++", "oo"]
+ZONE_CROSSING_STYLE = {"color": "#e41a1c", "linewidth": 2.5}
 
 
 def register(subparsers) -> None:
@@ -85,16 +92,18 @@ def run(args) -> int:
                           "--measured M.jsonl --window ITER")
     measured = (measured_window(plan, args.measured, args.window) if args.measured is not None
                 else None)
-    cost = predict(plan, args)
+    cluster = plan_cluster(plan, args)
+    cost = predict(plan, args, cluster)
     print(f"plan {args.plan}: {plan.model.name} on {plan.cluster}, "
           f"{counted(plan.world_size, 'GPU')}, {counted(len(plan.pipelines), 'pipeline')}")
-    print(format_plan_table(plan, cost))
+    print(format_plan_table(plan, cost, cluster))
     print(format_prediction(plan, cost))
     if measured is not None:
         window, skipped = measured
         print(format_measured(plan, cost, window, args.measured, skipped))
     if args.figure:
-        draw_plan(plan, cost, args.figure, measured[0] if measured else None)
+        draw_plan(plan, cost, args.figure, measured[0] if measured else None,
+                  node_zones(cluster))
         print(f"> wrote {args.figure}")
         if cost is None:
             print(f"> no timeline in the figure: no bundled cluster is named {plan.cluster!r}; "
@@ -265,11 +274,9 @@ def check_figure_path(path: str) -> None:
                           "a name ending in " + ", ".join(f".{f}" for f in sorted(formats)))
 
 
-def predict(plan, args):
-    """PlanCost with timelines, or None when no cluster is known."""
-    # pyscipopt: not at `autohet` start-up
-    from megatron_autohet.planner.space import resolve_profile
-
+def plan_cluster(plan, args):
+    """The plan's cluster (--cluster, else the bundled one of the plan's ``cluster:`` name),
+    checked against the plan; None when none is known."""
     cluster_file = args.cluster or bundled_cluster_path(plan.cluster)
     if cluster_file is None:
         if args.profile:
@@ -278,6 +285,18 @@ def predict(plan, args):
         return None
     cluster = load_cluster(cluster_file, load_gpu_catalog(args.gpu_catalog))
     check_plan_on_cluster(plan, cluster, cluster_file)
+    return cluster
+
+
+def predict(plan, args, cluster=None):
+    """PlanCost with timelines on ``cluster`` (default: :func:`plan_cluster`), or None when no
+    cluster is known."""
+    # pyscipopt: not at `autohet` start-up
+    from megatron_autohet.planner.space import resolve_profile
+
+    cluster = cluster or plan_cluster(plan, args)
+    if cluster is None:
+        return None
     profile = load_profiles(args.profile, plan.model.name)
     profile = resolve_profile(cluster, plan.model, profile, plan.micro_batch_size, plan.seq_length)
     return evaluate_plan(plan, cluster, profile, with_timeline=True,
@@ -316,7 +335,15 @@ def _time_axis(ax, seconds: float) -> tuple[float, str]:
     return factor, unit
 
 
-def draw_plan(plan, cost, path, measured: dict | None = None) -> None:
+def node_zones(cluster) -> dict[str, str]:
+    """Each node's zone on a cluster across zones; empty without zones (or without a cluster)."""
+    if cluster is None or not cluster.regions:
+        return {}
+    return {n.name: n.zone for n in cluster.nodes}
+
+
+def draw_plan(plan, cost, path, measured: dict | None = None,
+              zones: dict[str, str] | None = None) -> None:
     """Write :func:`plan_figure` to ``path``."""
     # matplotlib: not at `autohet` start-up
     import matplotlib
@@ -325,14 +352,17 @@ def draw_plan(plan, cost, path, measured: dict | None = None) -> None:
     # after matplotlib.use: pyplot takes the file-only backend (no display needed)
     import matplotlib.pyplot as plt
 
-    fig = plan_figure(plan, cost, measured)
+    fig = plan_figure(plan, cost, measured, zones)
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
-def plan_figure(plan, cost, measured: dict | None = None):
+def plan_figure(plan, cost, measured: dict | None = None, zones: dict[str, str] | None = None):
     """The figure described in the module docstring (without ``cost``: the plan panel; with a
-    ``measured`` window, the panel of predicted and measured phases per stage)."""
+    ``measured`` window, the panel of predicted and measured phases per stage). ``zones``
+    (node -> zone, :func:`node_zones`; empty or None: a fleet without zones) marks the zones:
+    each stage's box hatched by its zone and labelled with it, a legend of the zones' hatches,
+    a red line where a pipeline's boundary crosses zones, the zone in each timeline row's name."""
     # matplotlib: not at `autohet` start-up
     import matplotlib
 
@@ -344,6 +374,12 @@ def plan_figure(plan, cost, measured: dict | None = None):
 
     gpus = list(dict.fromkeys(r.gpu for r in plan.ranks))
     colour = {g: PALETTE[i % len(PALETTE)] for i, g in enumerate(gpus)}
+    zones = zones or {}
+    used_zones = list(dict.fromkeys(zones[r.node] for r in plan.ranks)) if zones else []
+    hatch = {z: ZONE_HATCHES[i % len(ZONE_HATCHES)] for i, z in enumerate(used_zones)}
+
+    def zone_of(stage) -> str | None:
+        return zones.get(plan.ranks[stage.ranks[0]].node)
     groups = identical_pipelines(cost) if cost is not None else []
     timeline_rows = sum(len(cost.pipelines[g[0]].stages) for g in groups)
     plan_height = 0.7 * len(plan.pipelines) + 1.0
@@ -364,14 +400,22 @@ def plan_figure(plan, cost, measured: dict | None = None):
         y = len(plan.pipelines) - 1 - p
         for s, stage in enumerate(pipe.stages):
             gpu = plan.ranks[stage.ranks[0]].gpu
-            start, end = stage.layers
-            ax_plan.barh(y, end - start, left=start, height=0.8, color=colour[gpu],
-                         edgecolor="black", linewidth=0.8)
-            label = f"L{layer_range(stage.layers)}\nTP{stage.tp} r{rank_list(stage.ranks)}"
-            ax_plan.text((start + end) / 2, y, label, ha="center", va="center", fontsize=7,
-                         color="white", clip_on=True)
+            zone = zone_of(stage)
+            label = f"L{chunk_ranges(stage)}\nTP{stage.tp} r{rank_list(stage.ranks)}"
+            label += f"\n{zone}" if zone else ""
+            for chunk_start, chunk_end in stage.chunks:     # a box per model chunk
+                ax_plan.barh(y, chunk_end - chunk_start, left=chunk_start, height=0.8,
+                             color=colour[gpu], edgecolor="black", linewidth=0.8,
+                             hatch=hatch.get(zone))
+                ax_plan.text((chunk_start + chunk_end) / 2, y, label, ha="center",
+                             va="center", fontsize=7, color="white", clip_on=True)
+            start = stage.layers[0]
+            if s > 0 and zone != zone_of(pipe.stages[s - 1]):
+                # this boundary's activations and gradients cross the zone link
+                ax_plan.plot([start, start], [y - 0.45, y + 0.45], **ZONE_CROSSING_STYLE)
     ax_plan.set_yticks(range(len(plan.pipelines)))
     ax_plan.set_yticklabels([f"pipeline {p}\n{pipe.num_microbatches} mb"
+                             + (f", v={pipe.virtual_stages}" if pipe.interleaved else "")
                              for p, pipe in reversed(list(enumerate(plan.pipelines)))], fontsize=8)
     ax_plan.set_xlim(0, num_layers)
     ax_plan.set_xlabel("transformer layer")
@@ -379,8 +423,16 @@ def plan_figure(plan, cost, measured: dict | None = None):
                       f"{counted(len(plan.pipelines), 'pipeline')}, global batch "
                       f"{plan.global_batch_size} (micro-batch {plan.micro_batch_size})",
                       fontsize=10)
-    ax_plan.legend(handles=[Patch(color=colour[g], label=g) for g in gpus], loc="upper left",
-                   bbox_to_anchor=(1.0, 1.0), fontsize=8, title="GPU type", title_fontsize=8)
+    gpu_legend = ax_plan.legend(handles=[Patch(color=colour[g], label=g) for g in gpus],
+                                loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8,
+                                title="GPU type", title_fontsize=8)
+    if used_zones:
+        ax_plan.add_artist(gpu_legend)
+        ax_plan.legend(handles=[Patch(facecolor="white", edgecolor="black", hatch=hatch[z],
+                                      label=z) for z in used_zones]
+                       + [Line2D([], [], **ZONE_CROSSING_STYLE, label="crosses zones")],
+                       loc="lower left", bbox_to_anchor=(1.0, 0.0), fontsize=8, title="zone",
+                       title_fontsize=8)
 
     # -- the predicted 1F1B timeline of every stage ---------------------------------------------
     if ax_time is not None:
@@ -404,7 +456,9 @@ def plan_figure(plan, cost, measured: dict | None = None):
                 ax_time.broken_barh([(cost.pipeline_time_s + cost.grad_sync_s,
                                       scost.optimizer_s)], (y - 0.4, 0.8),
                                     facecolors=OPTIMIZER_STYLE["facecolor"])
-                labels.append((y, f"{name} s{s} {scost.gpu} TP{scost.tp}"))
+                zone = zone_of(plan.pipelines[members[0]].stages[s])
+                labels.append((y, f"{name} s{s} {scost.gpu} TP{scost.tp}"
+                               + (f" {zone}" if zone else "")))
                 y -= 1
         ax_time.axvline(cost.pipeline_time_s, color="black", linestyle="--", linewidth=0.8)
         ax_time.axvline(cost.iteration_time_s, color="red", linestyle="-", linewidth=0.8)

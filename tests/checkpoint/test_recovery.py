@@ -18,33 +18,12 @@ from megatron_autohet.checkpoint.manifest import (MANIFEST_FILE, Manifest, commi
 from megatron_autohet.checkpoint.options import CheckpointOptions
 from megatron_autohet.checkpoint.recovery_plan import copies_of
 from megatron_autohet.checkpoint.state import RNG_KEY
-from megatron_autohet.plan import plan_from_dict
 from helpers.dist_utils import RankFailed, run_on_ranks
-from helpers.checkpointing import HALF, REL, TOTAL, train_job
+from helpers.checkpointing import HALF, REL, TOTAL, TWO_PIPELINES as A, survivors_plan, train_job
 from helpers.cli import table
 from helpers.training import global_batches, plan, rel
 
-A = "tiny-two-pipelines"
 PIECE_BYTES = 4096      # the peer exchange's message size here: most tiny chunks cross in pieces
-
-
-def survivors_plan(nodes: list[str], cuts: list[int] | None = None):
-    """A one-pipeline plan over the surviving nodes of A, one stage per node in the order
-    given, split at ``cuts``; the a100 node keeps its TP2 stage."""
-    data = plan(A).to_dict()
-    ranks = [r for r in data["ranks"] if r["node"] in nodes]
-    for new, r in enumerate(ranks):
-        r["rank"] = new
-    groups = {}
-    for r in ranks:
-        groups.setdefault(r["node"], []).append(r["rank"])
-    stage_ranks = [groups[n] for n in nodes]
-    cuts = cuts or ([0, 4, 6] if len(stage_ranks) == 2 else [0, 6])
-    data["ranks"] = ranks
-    data["pipelines"] = [{"num_microbatches": 4, "stages": [
-        {"ranks": ranks_, "layers": [cuts[i], cuts[i + 1]]}
-        for i, ranks_ in enumerate(stage_ranks)]}]
-    return plan_from_dict(data, f"<survivors {nodes}>")
 
 
 def _train_with_report(rank, world, the_plan, batches, options, exit_interval=None):

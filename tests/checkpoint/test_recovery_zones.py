@@ -138,10 +138,9 @@ def test_a_recovery_across_zones_counts_the_bytes_crossing_them(tmp_path, s3_end
     the step too, and serves nothing)."""
     from megatron_autohet.checkpoint.options import CheckpointOptions
 
-    from helpers.checkpointing import HALF, train_job
+    from helpers.checkpointing import HALF, TWO_PIPELINES as A, survivors_plan, train_job
     from helpers.dist_utils import run_on_ranks
     from helpers.training import global_batches, plan
-    from test_recovery import A, survivors_plan
 
     batches = global_batches(plan(A), HALF * 2)
     local = str(tmp_path / "local" / "{node}")

@@ -1,5 +1,5 @@
 """What the checkpoint tests share: one training job with a Checkpointer (the loop `autohet
-train` runs), the plan after a node is lost, and the run lengths of the resume proofs."""
+train` runs), the plans after a node is lost, and the run lengths of the resume proofs."""
 
 from __future__ import annotations
 
@@ -14,6 +14,28 @@ from helpers.training import OPTIMIZER, SEED, plan
 
 TOTAL, HALF = 8, 4         # iterations of a run; where the resume proofs stop and resume
 REL = 1e-6                 # another layout sums in another order
+
+
+TWO_PIPELINES = "tiny-two-pipelines"     # nodes a100 (a TP2 stage), h800, h20
+
+
+def survivors_plan(nodes: list[str], cuts: list[int] | None = None):
+    """A one-pipeline plan over the surviving nodes of TWO_PIPELINES, one stage per node in the
+    order given, split at ``cuts``; the a100 node keeps its TP2 stage."""
+    data = plan(TWO_PIPELINES).to_dict()
+    ranks = [r for r in data["ranks"] if r["node"] in nodes]
+    for new, r in enumerate(ranks):
+        r["rank"] = new
+    groups = {}
+    for r in ranks:
+        groups.setdefault(r["node"], []).append(r["rank"])
+    stage_ranks = [groups[n] for n in nodes]
+    cuts = cuts or ([0, 4, 6] if len(stage_ranks) == 2 else [0, 6])
+    data["ranks"] = ranks
+    data["pipelines"] = [{"num_microbatches": 4, "stages": [
+        {"ranks": ranks_, "layers": [cuts[i], cuts[i + 1]]}
+        for i, ranks_ in enumerate(stage_ranks)]}]
+    return plan_from_dict(data, f"<survivors {nodes}>")
 
 
 def one_node_lost():
