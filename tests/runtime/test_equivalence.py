@@ -199,6 +199,19 @@ def test_interleaved_pipeline_trains_like_one_process(label, sequence_parallel,
     check_plan_trains_like_one_process(plan, sequence_parallel, record_property, label)
 
 
+def test_three_stage_interleaved_pipeline_trains_like_one_process(record_property):
+    """[TP1 | TP1 | TP1] with v = 2, one layer per chunk: the ring closes between stages that
+    are not neighbours otherwise (with two stages both boundaries join the same pair)."""
+    data = load_plan(PLANS / "tiny-two-pipelines.yaml").to_dict()
+    layers = [[[0, 1], [3, 4]], [[1, 2], [4, 5]], [[2, 3], [5, 6]]]
+    data["pipelines"] = [
+        {"num_microbatches": 3, "virtual_stages": 2,
+         "stages": [{"ranks": [r], "layers": chunks} for r, chunks in enumerate(layers)]},
+        {"num_microbatches": 1, "stages": [{"ranks": [3], "layers": [0, 6]}]}]
+    check_plan_trains_like_one_process(plan_from_dict(data, "<three stages>"), False,
+                                       record_property, "[TP1 | TP1 | TP1] v2 next to [TP1]")
+
+
 def test_interleaved_pipeline_with_distributed_optimizer_trains_like_one_process(
         record_property):
     plan = interleaved_plan(*INTERLEAVED_PLANS["[TP2 | TP1] v2 next to plain [TP1]"])
