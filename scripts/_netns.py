@@ -40,6 +40,28 @@ def tbf_cmd(dev: str, rate_mbit: float, queue_ms: float, burst_bytes: int | None
             "burst", str(burst), "latency", f"{queue_ms}ms"]
 
 
+def netem_cmd(dev: str, rate_mbit: float, delay_ms: float) -> list[str]:
+    """Delay every packet ``dev`` sends by ``delay_ms`` and send at most ``rate_mbit``: a link
+    between zones, one way. The queue holds twice what the link carries in its delay (and at
+    least netem's default 1000 packets), so it drops nothing a sender in flight can send."""
+    in_flight = rate_mbit * 1e6 / 8 * delay_ms / 1e3 / 1500
+    limit = max(1000, int(2 * in_flight))
+    return ["tc", "qdisc", "add", "dev", dev, "root", "netem", "delay", f"{delay_ms}ms", "rate",
+            f"{rate_mbit}mbit", "limit", str(limit)]
+
+
+def has_netem(probe_ns: str) -> bool:
+    """Whether this kernel has netem (sch_netem; some, a Firecracker VM's among them, are built
+    without it): tried on the loopback of a scratch namespace ``probe_ns``, removed after."""
+    subprocess.run(["ip", "netns", "add", probe_ns], capture_output=True)
+    try:
+        return subprocess.run(in_netns(["tc", "qdisc", "add", "dev", "lo", "root", "netem",
+                                        "delay", "1ms"], probe_ns),
+                              capture_output=True).returncode == 0
+    finally:
+        subprocess.run(["ip", "netns", "delete", probe_ns], capture_output=True)
+
+
 def veth_cmd(a: str, ns_a: str, b: str, ns_b: str) -> list[str]:
     """A veth pair with end ``a`` in ``ns_a`` and end ``b`` in ``ns_b``."""
     return ["ip", "link", "add", a, "netns", ns_a, "type", "veth", "peer", "name", b, "netns", ns_b]

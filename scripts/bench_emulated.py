@@ -5,14 +5,16 @@ heterogeneous cluster, predicted iteration times set against measured ones.
 Setup (needs root, iproute2 and cgroup v1's cpu controller; never part of the test suite; the
 arithmetic below is unit-tested): scripts/emulate_cluster.py turns each fleet of
 ``configs/emulated/`` into processes at different CPU shares (the GPU types) in network namespaces
-joined by tbf-shaped veths (the NICs). For each fleet, in one run:
+joined by tbf-shaped veths (the NICs), a zone's nodes on a bridge of their own and the link
+between two zones delayed and rate-limited (netem). For each fleet, in one run:
 
 1. **Profile** every emulated GPU with ``autohet profile --as-gpu TYPE`` inside its quota, all
    at once as they will train and each for about the same time (a faster type runs more
    iterations), so the profile holds the emulated speeds beside busy neighbours; a type's
    figures are the mean over its GPUs.
 2. **Plan** with that profile: ``planner.compare.compare`` gives our plan and the baselines of
-   ``autohet compare`` (the Megatron-LM grid, Whale-style, the fastest type alone); each is
+   ``autohet compare`` (the Megatron-LM grid, Whale-style, the fastest type alone; on a fleet
+   across zones, ``two-zones.yaml``, the zone-oblivious and the best single-zone plan); each is
    written as a plan YAML and priced by the cost model (the predicted iteration time and its
    terms: pipeline, gradient sync, optimizer).
 3. **Train** every plan on the emulated cluster: one long-lived process per emulated GPU, which
@@ -66,7 +68,8 @@ from _bench import silence_known_megatron_warnings, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_FLEETS = [str(emu.EMULATED_DIR / "three-speeds.yaml"),
-                  str(emu.EMULATED_DIR / "three-speeds-slow-link.yaml")]
+                  str(emu.EMULATED_DIR / "three-speeds-slow-link.yaml"),
+                  str(emu.EMULATED_DIR / "two-zones.yaml")]
 DEFAULT_MODEL = str(emu.EMULATED_DIR / "emu-gpt.yaml")
 PORT = 29611
 SEED = 1234
@@ -404,7 +407,9 @@ def run_fleet(fleet_path: str, args, tmp: Path) -> dict:
         result = compare(fleet.cluster, model, profile, gbs, args.micro_batch_size,
                          activation_recompute=False, time_limit_s=args.time_limit,
                          progress=False)
-        plans = [(OURS, result.plan)] + [(b.name, b.plan) for b in result.baselines if b.plan]
+        # on a fleet across zones the zone-oblivious and the best single-zone plan too
+        others = result.baselines + result.zone_plans
+        plans = [(OURS, result.plan)] + [(b.name, b.plan) for b in others if b.plan]
         costs = {}
         for i, (name, plan) in enumerate(plans):
             costs[name] = evaluate_plan(plan, fleet.cluster, profile)
@@ -426,6 +431,10 @@ def run_fleet(fleet_path: str, args, tmp: Path) -> dict:
             logs = "\n".join(f"---- rank {p.rank}\n" + (work / f"rank{p.rank}.log").read_text(
                 errors="replace")[-2500:] for p in placements)
             raise SystemExit(f"{fleet.cluster.name}: training failed:\n{logs}")
+        between = emu.zone_link(fleet, args.prefix)
+        zone_link = None if between is None else {
+            "mbit": between.rate_mbit, "latency_ms": between.delay_ms,
+            "latency_emulated": cluster.zone_delay}
     load_after = os.getloadavg()[0]
     per_device = [json.loads((work / f"rank{p.rank}.json").read_text()) for p in placements]
     summaries = []
@@ -443,7 +452,7 @@ def run_fleet(fleet_path: str, args, tmp: Path) -> dict:
         marks = [list(col) for col in zip(*(r["marks"] for r in ranks))]
         summary = plan_summary(name, predicted_figures(cost), [r["wall_s"] for r in ranks],
                                marks, stage_compute, [p.num_microbatches for p in plan.pipelines])
-        summary["layout"] = (next(b.note for b in result.baselines if b.name == name)
+        summary["layout"] = (next(b.note for b in others if b.name == name)
                              if name != OURS else f"{len(plan.pipelines)} pipelines")
         summary["plan"] = plan.to_dict()
         summary["ranks"] = ranks            # raw: per plan rank, its timings per iteration
@@ -451,6 +460,7 @@ def run_fleet(fleet_path: str, args, tmp: Path) -> dict:
     return {"fleet": fleet.cluster.name, "file": fleet_path,
             "cpu_share": fleet.cpu_share, "link_mbit": {n.name: fleet.link_mbit(n.name)
                                                         for n in fleet.cluster.nodes},
+            "zone_link": zone_link,
             "plans": summaries, "speedups": speedup_rows(summaries),
             "effective_share": effective_shares(summaries),
             "load_average_1min": {"before": load_before, "after": load_after}}

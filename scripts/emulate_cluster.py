@@ -34,6 +34,15 @@ never part of the test suite, the pure logic below is unit-tested):
   its veth, so a node sends and receives at most that rate, and a pair of nodes talks at the
   slower NIC's rate, as the cost model assumes. GPUs of one node talk over the namespace's
   loopback, unshaped (the emulated NVLink/PCIe).
+* **Zones -> a bridge each, one shaped link between them.** On a cluster across two zones
+  (``zones:``, ``links:``) each zone's nodes are on a bridge of their own, and the two bridges
+  are joined by one veth pair whose ends each delay what they send by the zone link's latency
+  and send at most its bandwidth (``tc netem delay ... rate ...``): a transfer between zones runs
+  at the smaller of the NICs and the zone link, waits the link's latency one way, and every
+  transfer crossing at once shares the link, as the cost model prices it. More than two zones
+  (a link per zone pair) would make a loop of bridges; they are refused. A kernel built without
+  netem (``CONFIG_NET_SCH_NETEM``) cannot delay: the link is then rate-limited with tbf alone
+  and a WARNING says that its latency is not emulated.
 * **Rank -> (namespace, cgroup).** Global rank r is the cluster's device r (spec/cluster.py: node
   by node in file order), or with a plan the plan's rank r, placed on the node and local GPU the
   plan names. Each process gets the torchrun environment (``RANK``, ``WORLD_SIZE``,
@@ -110,6 +119,13 @@ class EmulatedFleet:
         """The rate of the node's shaped veth: its NIC bandwidth (GB/s per direction) in Mbit/s."""
         return self.cluster.node(node).inter_node_bandwidth_gbs * 8000.0
 
+    @property
+    def zones(self) -> list[str]:
+        """The zones the nodes are in, in order of first appearance; empty without zones."""
+        if not self.cluster.regions:
+            return []
+        return list(dict.fromkeys(n.zone for n in self.cluster.nodes))
+
 
 def load_cpu_shares(path: str | Path = DEFAULT_SHARES) -> dict[str, float]:
     """``cpu_share: {TYPE: fraction of one core}``, each in (0, 1]."""
@@ -138,6 +154,10 @@ def load_fleet(cluster_path: str | Path, catalog_path: str | Path = DEFAULT_CATA
             raise ConfigError(cluster_path, f"nodes[{i}].gpu", f"GPU type {node.gpu!r} has no "
                               f"CPU share in {shares_path}", ", ".join(sorted(shares)))
     fleet = EmulatedFleet(cluster, {g: shares[g] for g in cluster.gpu_types})
+    if len(fleet.zones) > 2:
+        raise ConfigError(cluster_path, "nodes", f"nodes in {len(fleet.zones)} zones "
+                          f"({', '.join(fleet.zones)})", "nodes in at most two zones (the "
+                          "emulation shapes one link between two zones)")
     cores = cores if cores is not None else float(os.cpu_count() or 1)
     if fleet.total_share >= cores:
         raise ConfigError(cluster_path, "nodes", f"the GPUs' CPU shares sum to "
@@ -162,15 +182,47 @@ class NodeNet:
     bridge_port: str      # the switch's end
     address: str
     rate_mbit: float
+    bridge: str           # the switch the node is on (its zone's)
 
 
 def node_networks(fleet: EmulatedFleet, prefix: str = DEFAULT_PREFIX) -> list[NodeNet]:
     nodes = fleet.cluster.nodes
     if len(nodes) > 250:
         raise ValueError("at most 250 emulated nodes (one /24)")
+    bridges = zone_bridges(fleet, prefix)
     # Interface names have at most 15 characters.
     return [NodeNet(n.name, f"{prefix}-n{i}", f"{prefix[:8]}n{i}", f"{prefix[:8]}b{i}",
-                    f"{SUBNET}.{i + 1}", fleet.link_mbit(n.name)) for i, n in enumerate(nodes)]
+                    f"{SUBNET}.{i + 1}", fleet.link_mbit(n.name), bridges[n.zone])
+            for i, n in enumerate(nodes)]
+
+
+def zone_bridges(fleet: EmulatedFleet, prefix: str = DEFAULT_PREFIX) -> dict[str | None, str]:
+    """Each zone's bridge (zone None: the one bridge of a fleet in one zone or without zones)."""
+    zones = fleet.zones
+    if len(zones) < 2:
+        return {zone: bridge_name(prefix) for zone in zones or [None]}
+    return {zone: f"{bridge_name(prefix)}{i}" for i, zone in enumerate(zones)}
+
+
+@dataclass(frozen=True)
+class ZoneLinkNet:
+    """The veth pair joining two zones' bridges, each end shaped for what it sends."""
+    ends: tuple[str, str]       # in the first zone's bridge, in the second's
+    bridges: tuple[str, str]
+    rate_mbit: float            # the zone link's bandwidth (GB/s per direction) in Mbit/s
+    delay_ms: float             # its latency, one way
+
+
+def zone_link(fleet: EmulatedFleet, prefix: str = DEFAULT_PREFIX) -> ZoneLinkNet | None:
+    """The link between the fleet's two zones; None in one zone or without zones."""
+    zones = fleet.zones
+    if len(zones) < 2:
+        return None
+    link = fleet.cluster.zone_link(*zones)
+    bridges = zone_bridges(fleet, prefix)
+    return ZoneLinkNet((f"{prefix[:8]}za", f"{prefix[:8]}zb"),
+                       (bridges[zones[0]], bridges[zones[1]]), link.bandwidth_gbs * 8000.0,
+                       link.latency_ms)
 
 
 def fabric_namespace(prefix: str = DEFAULT_PREFIX) -> str:
@@ -182,18 +234,31 @@ def bridge_name(prefix: str = DEFAULT_PREFIX) -> str:
 
 
 def network_commands(fleet: EmulatedFleet, prefix: str = DEFAULT_PREFIX,
-                     queue_ms: float = DEFAULT_QUEUE_MS) -> list[list[str]]:
-    """Every ip/tc command that builds the fleet's network, in order."""
-    fabric, bridge = fabric_namespace(prefix), bridge_name(prefix)
+                     queue_ms: float = DEFAULT_QUEUE_MS, delay: bool = True) -> list[list[str]]:
+    """Every ip/tc command that builds the fleet's network, in order (``delay`` False: the link
+    between zones rate-limited without its latency, on a kernel without netem)."""
+    fabric = fabric_namespace(prefix)
     nets = node_networks(fleet, prefix)
     cmds = []
     for ns in [fabric] + [n.namespace for n in nets]:
         cmds += [["ip", "netns", "add", ns], _netns.in_netns(["ip", "link", "set", "lo", "up"], ns)]
-    cmds += [_netns.in_netns(["ip", "link", "add", bridge, "type", "bridge"], fabric),
-             _netns.in_netns(["ip", "link", "set", bridge, "up"], fabric)]
+    for bridge in zone_bridges(fleet, prefix).values():
+        cmds += [_netns.in_netns(["ip", "link", "add", bridge, "type", "bridge"], fabric),
+                 _netns.in_netns(["ip", "link", "set", bridge, "up"], fabric)]
+    between = zone_link(fleet, prefix)
+    if between is not None:
+        cmds.append(_netns.veth_cmd(between.ends[0], fabric, between.ends[1], fabric))
+        for end, bridge in zip(between.ends, between.bridges):
+            cmds += [_netns.in_netns(["ip", "link", "set", end, "master", bridge], fabric),
+                     _netns.in_netns(["ip", "link", "set", end, "up"], fabric),
+                     # what crosses into the other zone: the link's latency and bandwidth
+                     _netns.in_netns(_netns.netem_cmd(end, between.rate_mbit, between.delay_ms)
+                                     if delay else
+                                     _netns.tbf_cmd(end, between.rate_mbit, queue_ms), fabric)]
     for n in nets:
         cmds += [_netns.veth_cmd(n.device, n.namespace, n.bridge_port, fabric),
-                 _netns.in_netns(["ip", "link", "set", n.bridge_port, "master", bridge], fabric),
+                 _netns.in_netns(["ip", "link", "set", n.bridge_port, "master", n.bridge],
+                                 fabric),
                  _netns.in_netns(["ip", "link", "set", n.bridge_port, "up"], fabric),
                  _netns.in_netns(["ip", "addr", "add", f"{n.address}/24", "dev", n.device],
                                  n.namespace),
@@ -359,11 +424,21 @@ class EmulatedCluster:
         self.ledger = Ledger()
         self.procs: list[subprocess.Popen] = []
         self.networks = {n.node: n for n in node_networks(fleet, prefix)}
+        self.zone_delay = True      # whether the zone link's latency is emulated (netem)
 
     def __enter__(self) -> "EmulatedCluster":
         self.remove_stale()
+        delay = True
+        if zone_link(self.fleet, self.prefix) is not None:
+            delay = _netns.has_netem(f"{self.prefix}-probe")
+            if not delay:
+                print(f"WARNING: this kernel has no netem (CONFIG_NET_SCH_NETEM): the link "
+                      f"between the zones is limited to its bandwidth, its "
+                      f"{zone_link(self.fleet, self.prefix).delay_ms:g} ms of latency are not "
+                      "emulated", file=sys.stderr, flush=True)
+        self.zone_delay = delay
         try:
-            for cmd in network_commands(self.fleet, self.prefix, self.queue_ms):
+            for cmd in network_commands(self.fleet, self.prefix, self.queue_ms, delay):
                 if cmd[:3] == ["ip", "netns", "add"]:
                     self.ledger.add("netns", cmd[3])    # recorded first: a half-made one goes too
                 _netns.run(cmd)

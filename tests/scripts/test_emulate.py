@@ -92,6 +92,55 @@ def test_network_commands_shape_every_node_both_ways_and_leave_loopback_alone():
         i for i, f in enumerate(flat) if "master tbr" in f)
 
 
+TWO_ZONES = emu.EMULATED_DIR / "two-zones.yaml"
+
+
+@pytest.mark.unit
+def test_two_zones_are_two_bridges_joined_by_one_delayed_rate_limited_link(tmp_path):
+    fleet = emu.load_fleet(TWO_ZONES, cores=2)
+    cmds = emu.network_commands(fleet, prefix="t", queue_ms=7)
+    flat = [" ".join(c) for c in cmds]
+    nets = {n.node: n for n in emu.node_networks(fleet, prefix="t")}
+    # a bridge per zone, each node's port on its zone's
+    assert emu.zone_bridges(fleet, "t") == {"zone-a": "tbr0", "zone-b": "tbr1"}
+    for bridge in ("tbr0", "tbr1"):
+        assert f"ip netns exec t-fabric ip link add {bridge} type bridge" in flat
+    for node, bridge in [("fast", "tbr0"), ("mid", "tbr0"), ("slow", "tbr1")]:
+        port = nets[node].bridge_port
+        assert f"ip netns exec t-fabric ip link set {port} master {bridge}" in flat
+    # one veth pair between the bridges, each end delaying and rate-limiting what it sends:
+    # the links section's 0.01 GB/s (80 Mbit/s) and 5 ms
+    link = emu.zone_link(fleet, "t")
+    assert link.bridges == ("tbr0", "tbr1")
+    assert flat.count(" ".join(emu._netns.veth_cmd(link.ends[0], "t-fabric", link.ends[1],
+                                                   "t-fabric"))) == 1
+    netem = {c[c.index("dev") + 1]: (c[c.index("delay") + 1], c[c.index("rate") + 1])
+             for c in cmds if "netem" in c}
+    assert netem == {end: ("5.0ms", "80.0mbit") for end in link.ends}
+    for end, bridge in zip(link.ends, link.bridges):
+        assert f"ip netns exec t-fabric ip link set {end} master {bridge}" in flat
+    # the NICs are shaped as without zones
+    assert sum("tbf" in c for c in cmds) == 2 * len(nets)
+    # a kernel without netem: the link's rate alone, with tbf
+    rate_only = emu.network_commands(fleet, prefix="t", queue_ms=7, delay=False)
+    assert not any("netem" in c for c in rate_only)
+    assert {c[c.index("dev") + 1]: c[c.index("rate") + 1] for c in rate_only
+            if "tbf" in c and c[c.index("dev") + 1] in link.ends} == dict.fromkeys(link.ends,
+                                                                                 "80.0mbit")
+    # three zones would need a link per pair, a loop of bridges: refused in one line
+    three = tmp_path / "three.yaml"
+    three.write_text(TWO_ZONES.read_text().replace("zone-b: region", "zone-b: region\n  zone-c: "
+                                                   "region").replace("gpus: 2, zone: zone-b",
+                                                                     "gpus: 2, zone: zone-c")
+                     .replace("gpus: 2, zone: zone-a", "gpus: 2, zone: zone-b"))
+    with pytest.raises(ConfigError, match="nodes in 3 zones"):
+        emu.load_fleet(three, cores=2)
+    # a fleet without zones keeps its one bridge and nothing delayed
+    plain = emu.load_fleet(SLOW_LINK, cores=2)
+    assert emu.zone_bridges(plain, "t") == {None: "tbr"} and emu.zone_link(plain, "t") is None
+    assert not any("netem" in c for c in emu.network_commands(plain, prefix="t"))
+
+
 @pytest.mark.unit
 def test_ranks_map_to_their_nodes_namespace_and_a_cgroup_each(tmp_path):
     fleet = emu.load_fleet(FLEET, cores=2)
