@@ -487,7 +487,7 @@ def replay(mode: str, workdir: Path, trace_steps, initial: list[str], args,
 
     endpoint, bucket = s3
     train_args = ["--plan", str(workdir.parent / "plan.yaml"), "--model", str(MODEL),
-                  "--cluster", str(CLUSTER), "--iters", str(args.iters),
+                  "--cluster", str(args.cluster), "--iters", str(args.iters),
                   "--save-interval", str(args.save_interval),
                   "--autohet-s3-uri", f"s3://{bucket}/{mode}",
                   "--autohet-s3-endpoint-url", endpoint]
@@ -502,7 +502,7 @@ def replay(mode: str, workdir: Path, trace_steps, initial: list[str], args,
     def finished() -> dict | None:
         return next((e for e in fleet.events("finished")), None)
 
-    agents = Agents(fleet, GpuTypes(CLUSTER), finished)
+    agents = Agents(fleet, GpuTypes(args.cluster), finished)
     delivered, skipped, problems = [], [], []
     rounds = 0
 
@@ -928,6 +928,11 @@ def main() -> None:
     parser.add_argument("--trace", default=None,
                         help=f"the trace (default {CHURN_TRACE.relative_to(ROOT)}; --quick "
                              f"{QUICK_TRACE.relative_to(ROOT)})")
+    parser.add_argument("--cluster", type=Path, default=CLUSTER, metavar="C.yaml",
+                        help=f"the cluster file of the job's nodes (default "
+                             f"{CLUSTER.relative_to(ROOT)}; for the whole-zone trace "
+                             "configs/traces/zone-loss-4node.csv, "
+                             "configs/clusters/spot-4-zones.yaml)")
     parser.add_argument("--time-scale", type=float, default=None,
                         help="seconds per trace second (default 0.02: the churn trace's 4.7 "
                              "hours in about 6 minutes of training; --quick 0.5)")
@@ -1021,7 +1026,7 @@ def main() -> None:
         "trace": [{"ms": e.ms, "action": e.action, "node": e.node, "notice": e.notice}
                   for e in trace],
         "setting": {"model": str(MODEL.relative_to(ROOT)),
-                    "cluster": str(CLUSTER.relative_to(ROOT)),
+                    "cluster": str(args.cluster),
                     "global_batch_size": GLOBAL_BATCH, "micro_batch_size": MICRO_BATCH,
                     "workers": "CPU (gloo), one per emulated node, OMP_NUM_THREADS=1",
                     "nnodes": args.nnodes, "loss_timeout_s": args.loss_timeout,
@@ -1056,7 +1061,7 @@ def main() -> None:
                 "load_average_1min_after": os.getloadavg()[0], **row, "replay": run}
 
     with signals_raise():         # until run_all's own handlers: the set-up is torn down too
-        autohet("plan", "--cluster", CLUSTER, "--model", MODEL, "--global-batch-size",
+        autohet("plan", "--cluster", args.cluster, "--model", MODEL, "--global-batch-size",
                 GLOBAL_BATCH, "--micro-batch-size", MICRO_BATCH, "-o", workdir / "plan.yaml")
         warm_data_cache(args.iters)
     os.environ["PYTHONPATH"] = os.pathsep.join(

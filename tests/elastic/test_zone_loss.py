@@ -69,3 +69,27 @@ def test_a_lost_zone_is_replanned_onto_the_zones_left_priced_with_their_link(los
     blind = replan(previous, fleet.without_zones(), TINY)
     blind_priced = evaluate_plan(blind.plan, on_left, profile, with_timeline=False)
     assert found.cost.iteration_time_s <= blind_priced.iteration_time_s
+
+
+def test_the_zone_trace_takes_a_whole_zone_at_each_removal():
+    """configs/traces/zone-loss-4node.csv on spot-4-zones.yaml: every removal step takes every
+    node of one zone of the fleet up (the zones as the elastic job sees them, fleet_cluster's),
+    once with notice and once without; the fleet left keeps a zone."""
+    from megatron_autohet.testing.trace import fleet_over_time, load_trace, steps
+
+    template = load_cluster(ROOT / "configs/clusters/spot-4-zones.yaml")
+    events = load_trace(ROOT / "configs/traces/zone-loss-4node.csv")
+    gpus = {"node4": "A100-80GB", "node5": "H20"}          # the replacements' GPU types
+    up: list[str] = []
+    notices = []
+    for step in steps(events):
+        gone = [e.node for e in step.events if e.action == "remove"]
+        if gone:
+            fleet = fleet_cluster([Member(n, gpus.get(n) or template.node(n).gpu, 0)
+                                   for n in up], template)
+            zone = {fleet.node(n).zone for n in gone}
+            assert len(zone) == 1 and set(gone) == set(fleet.zone_nodes(zone.pop()))
+            notices.append({e.notice for e in step.events})
+        up = [n for n in up if n not in gone] + [e.node for e in step.events if e.action == "add"]
+    assert notices == [{True}, {False}]
+    assert fleet_over_time(events)[-1][1] == ("node0", "node2", "node4")

@@ -368,7 +368,8 @@ def test_the_trace_clock_and_the_job_pause_until_a_joiner_is_in_the_job(
              TraceEvent(10_000, "add", "node2"), TraceEvent(20_000, "remove", "node0",
                                                              notice=False)]
     args = argparse.Namespace(iters=60, save_interval=10, nnodes="2:3", loss_timeout=5.0,
-                              clock="training", time_scale=1.0, no_notice=False)
+                              clock="training", time_scale=1.0, no_notice=False,
+                              cluster=bench.CLUSTER)
     run = bench.replay("autohet", tmp_path / "autohet", steps(trace), ["node0", "node1"],
                        args, ("http://s3", "b"), make_fleet=make_fleet)
     (job,) = made
@@ -411,7 +412,8 @@ def test_a_notice_to_a_node_the_plan_leaves_idle_does_not_wait_for_a_restart(
              TraceEvent(0, "add", "node2"), TraceEvent(10_000, "remove", "node2", notice=True),
              TraceEvent(20_000, "remove", "node0", notice=False)]
     args = argparse.Namespace(iters=60, save_interval=10, nnodes="2:3", loss_timeout=5.0,
-                              clock="training", time_scale=1.0, no_notice=False)
+                              clock="training", time_scale=1.0, no_notice=False,
+                              cluster=bench.CLUSTER)
     run = bench.replay("autohet", tmp_path / "autohet", steps(trace),
                        ["node0", "node1", "node2"], args, ("http://s3", "b"),
                        make_fleet=make_fleet)
