@@ -28,6 +28,7 @@ from pathlib import Path
 from megatron_autohet.cli.train import check_resume, check_runs_here, gpu_count
 from megatron_autohet.errors import ConfigError
 from megatron_autohet.megatron.hooks import check_before_launch
+from megatron_autohet.plan import load_plan
 
 PROG = "autohet torchrun"
 AGENT_FAILURE_LINES = ("failed (exitcode", "Sending process")
@@ -104,12 +105,13 @@ def check_launch(launch: argparse.Namespace) -> None:
                           "pretrain_gpt.py of a Megatron-LM checkout set up by "
                           "scripts/setup_megatron_lm.sh") from None
     nodes, world_size = _processes(launch)
-    plan, options = check_before_launch(launch.training_script_args, world_size)
-    if world_size is not None and world_size != plan.world_size:
+    planned = load_plan(options_plan(launch)).world_size
+    if world_size is not None and world_size != planned:
         flag = "--nproc-per-node" if nodes == 1 else "--nnodes x --nproc-per-node"
         raise ConfigError("<command line>", flag, f"torchrun would start {world_size} "
-                          f"processes, the plan {options_plan(launch)} has {plan.world_size} "
-                          "ranks", f"{plan.world_size} processes in all (one per planned GPU)")
+                          f"processes, the plan {options_plan(launch)} has {planned} ranks",
+                          f"{planned} processes in all (one per planned GPU)")
+    plan, options = check_before_launch(launch.training_script_args, planned)
     check_resume(options.checkpoint, plan, None, options.iters, model_file=options_plan(launch))
     if nodes == 1:
         check_runs_here(plan, options_plan(launch), gpu_count(),

@@ -161,6 +161,17 @@ def _torchrun(tree: Path, plan: Path, args: list[str], tiny_args=TINY_ARGS, **en
                           env=_venv_env(**env))
 
 
+def _autohet_torchrun(tree: Path, plan: Path, args: list[str], *torchrun_options: str,
+                      tiny_args=TINY_ARGS):
+    """The documented command: `autohet torchrun` in place of torchrun."""
+    cmd = [sys.executable, "-m", "megatron_autohet.cli.main", "torchrun", "--nproc-per-node",
+           "4", "--master-port", str(free_port()), *torchrun_options, "pretrain_gpt.py",
+           "--autohet-plan", str(plan), *tiny_args, *map(str, args)]
+    env = _venv_env()
+    env.pop("OMP_NUM_THREADS")          # as a user types it: autohet torchrun sets it
+    return subprocess.run(cmd, cwd=tree, capture_output=True, text=True, timeout=600, env=env)
+
+
 def _autohet_train(plan: Path, metrics: Path, data_dir: Path, *flags: str) -> str:
     """`autohet train` of ``plan`` with the tiny model, TRAIN_ITERS and SCHEDULE_ARGS: the
     comparison run of the pretrain_gpt.py tests. Returns its stdout."""
@@ -178,8 +189,8 @@ def uninterrupted_job(tree, data_dir, tmp_path_factory) -> tuple[list[tuple], st
     """TRAIN_ITERS iterations of PLAN, no checkpoint: its metrics (what every other run is
     compared with) and its output."""
     metrics = tmp_path_factory.mktemp("uninterrupted") / "metrics.jsonl"
-    result = _torchrun(tree, PLAN, ["--autohet-metrics-jsonl", metrics,
-                                    "--autohet-data-dir", data_dir])
+    result = _autohet_torchrun(tree, PLAN, ["--autohet-metrics-jsonl", metrics,
+                                            "--autohet-data-dir", data_dir])
     assert result.returncode == 0, output_tail(result)
     return logged_metrics(metrics), result.stdout + result.stderr
 
@@ -389,6 +400,15 @@ def test_pretrain_gpt_changed_schedule_is_refused_or_overridden(tree, data_dir, 
     codes = re.findall(r"exitcode\s*:\s*(-?\d+)", refused.stderr)
     assert codes and set(codes) <= {"2", "-15"} and "2" in codes, output_tail(refused)
 
+    # the same refusal by `autohet torchrun`: only the ranks can decide it (Megatron-LM's
+    # scheduler), so they print it, and the job ends in one more line with their status
+    ended = _autohet_torchrun(tree, HOMOGENEOUS, common)
+    assert ended.returncode == 2, output_tail(ended)
+    assert "Traceback" not in ended.stdout + ended.stderr, output_tail(ended)
+    assert ended.stderr.count(line) == 1, output_tail(ended)
+    assert re.fullmatch(r"autohet torchrun: rank \d exited with status 2; its lines are above",
+                        ended.stderr.splitlines()[-1]), output_tail(ended)
+
     overridden = _torchrun(tree, HOMOGENEOUS, [*common, "--override-opt-param-scheduler",
                                                "--autohet-metrics-jsonl", rest])
     assert overridden.returncode == 0, output_tail(overridden)
@@ -435,6 +455,50 @@ def test_pretrain_gpt_stops_with_one_error_line(case, tree, data_dir, tmp_path):
     # torchrun exits 1 when a worker fails; its summary names each worker's status.
     codes = re.findall(r"exitcode\s*:\s*(-?\d+)", result.stderr)
     assert codes and set(codes) <= {"2", "-15"} and "2" in codes, output_tail(result)
+
+
+# The Megatron-LM path's mistaken command lines: (case, pretrain_gpt.py arguments after the tiny
+# model's, torchrun options, the line after "autohet torchrun: error: "), {ckpt} an empty
+# directory, {plan} the plan file.
+MISTAKES = [
+    ("refused flag", ["--ckpt-format", "torch"], [],
+     "{plan}: field '--ckpt-format': 'torch' is not supported with --autohet-plan (allowed: "
+     "torch_dist, the format megatron-autohet writes)"),
+    ("flag Megatron-LM does not know", ["--no-such-flag"], [],
+     "<command line>: field 'pretrain_gpt.py's arguments': unrecognized arguments: "
+     "--no-such-flag (allowed: pretrain_gpt.py --help lists them)"),
+    ("model flag against the plan", ["--num-layers", "4"], [],
+     "{plan}: field '--num-layers': Megatron-LM was given 4 but the plan has 6 (allowed: 6 (the "
+     "plan's value))"),
+    ("vocabulary", ["--vocab-size", "1000"], [],
+     "{plan}: field '--vocab-size': Megatron-LM's NullTokenizer has 1001 tokens but the plan's "
+     "model has vocab_size 512 (allowed: a tokenizer of 512 tokens (NullTokenizer: --vocab-size "
+     "511, the EOD token is added))"),
+    ("processes against the plan's ranks", [], ["--nproc-per-node", "2"],
+     "<command line>: field '--nproc-per-node': torchrun would start 2 processes, the plan "
+     "{plan} has 4 ranks (allowed: 4 processes in all (one per planned GPU))"),
+    ("missing data prefix", ["--data-path", "{ckpt}/text"], [],
+     "<command line>: field '--data-path': {ckpt}/text.bin not found"),
+    ("missing checkpoint", ["--load", "{ckpt}", "--exit-on-missing-checkpoint"], [],
+     "<command line>: field '--load': no complete checkpoint in {ckpt} (allowed: a directory "
+     "holding one, as --exit-on-missing-checkpoint is set)"),
+]
+
+
+@pytest.mark.parametrize("case,args,options,line", MISTAKES, ids=[m[0] for m in MISTAKES])
+def test_autohet_torchrun_refuses_a_mistake_in_one_line_before_any_process(
+        case, args, options, line, tree, data_dir, tmp_path):
+    """Each of the ranks' checks that needs no rank, made by `autohet torchrun` first: one line,
+    status 2, no traceback, no rank started (a rank would print Megatron-LM's arguments)."""
+    names = {"ckpt": tmp_path, "plan": PLAN}
+    args = [a.format(**names) for a in args]
+    result = _autohet_torchrun(tree, PLAN, [*args, "--autohet-data-dir", data_dir], *options)
+    output = (result.stdout + result.stderr).strip().splitlines()
+    assert result.returncode == 2, output_tail(result)
+    assert "Traceback" not in result.stdout + result.stderr, output_tail(result)
+    assert len(output) <= 2, output
+    assert result.stderr.startswith("autohet torchrun: error: " + line.format(**names)), \
+        output_tail(result)
 
 
 # A plan `autohet train` runs that Megatron-LM's own batch arithmetic would refuse: global
