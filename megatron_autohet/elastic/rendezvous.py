@@ -214,8 +214,7 @@ class PersistentRendezvous(RendezvousHandler):
         return self.inner.set_closed()
 
     def num_nodes_waiting(self) -> int:
-        """Nodes waiting to join whose keep-alive changed within the loss timeout
-        (:meth:`KeepAlives.fresh`; torchrun's agent restarts its
+        """Nodes waiting to join whose keep-alive is fresh (torchrun's agent restarts its
         workers when > 0; it asks every monitor interval while they run), else the lost members
         of this agent's round, whose workers this ends first (``stop_workers``)."""
         self._announce_departure()
