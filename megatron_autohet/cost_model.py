@@ -775,58 +775,95 @@ def simulate_1f1b(stages: list[StageCost], num_microbatches: int,
     """
     S, m = len(stages), num_microbatches
     depths = warmups if warmups is not None else standard_warmup_depths(S, m)
-    # Per stage its ops in order: (forward?, micro-batch).
-    orders: list[list[tuple[bool, int]]] = []
+    # Per stage its ops in order: forward? and micro-batch.
+    kinds: list[list[bool]] = []
+    batches: list[list[int]] = []
     for s in range(S):
         w = min(depths[s], m)
-        order = [(True, i) for i in range(w)]
+        kind, batch = [True] * w, list(range(w))
         for i in range(m - w):
-            order += [(True, w + i), (False, i)]
-        order += [(False, i) for i in range(m - w, m)]
-        orders.append(order)
+            kind += (True, False)
+            batch += (w + i, i)
+        kind += [False] * w
+        batch += range(m - w, m)
+        kinds.append(kind)
+        batches.append(batch)
     # When the input of (stage, micro-batch) is there, per direction (None: not yet); the first
     # stage's forward inputs are there from the start.
     arrive_fwd: list[list[float | None]] = [[None] * m for _ in range(S)]
     arrive_fwd[0] = [0.0] * m
     arrive_bwd: list[list[float | None]] = [[None] * m for _ in range(S)]
-    # When each boundary's link is free, per direction.
+    # When each boundary's link is free, per direction: stage s alone sends forward on link s
+    # and backward on link s - 1, in its own op order, so every time below depends only on
+    # the ops it waits for, never on the order the stages are advanced in.
     link_fwd, link_bwd = [0.0] * S, [0.0] * S
     half_p2p = [st.p2p_s / 2 for st in stages]
     free = [0.0] * S
     nxt = [0] * S
     events: list[list[tuple[float, float, bool, int]]] = [[] for _ in range(S)]
-    remaining = S * 2 * m
+    remaining, ops = S * 2 * m, 2 * m
+    # Activations flow to higher stages, gradients to lower ones: sweeps alternate between
+    # the two directions, so each advances either as far as it can.
+    sweeps = (range(S), range(S - 1, -1, -1))
+    sweep = stalled = 0
     while remaining:
         progressed = False
-        for s in range(S):
-            order, forward_s, backward_s = orders[s], stages[s].forward_s, stages[s].backward_s
-            done = events[s]
-            while nxt[s] < 2 * m:
-                fwd, i = order[nxt[s]]
-                dep = arrive_fwd[s][i] if fwd else arrive_bwd[s][i]
-                if dep is None:
-                    break
-                start = max(free[s], dep)
-                end = start + (forward_s if fwd else backward_s)
-                free[s] = end
-                done.append((start, end, fwd, i))
-                # Post the send (activation forward, gradient backward) or hand over locally.
-                if fwd and s == S - 1:
-                    arrive_bwd[s][i] = end
-                elif fwd:
-                    leave = max(end, link_fwd[s]) + half_p2p[s]
-                    link_fwd[s] = leave
-                    arrive_fwd[s + 1][i] = leave
-                elif s > 0:
-                    leave = max(end, link_bwd[s - 1]) + half_p2p[s - 1]
-                    link_bwd[s - 1] = leave
-                    arrive_bwd[s - 1][i] = leave
-                nxt[s] += 1
-                remaining -= 1
+        for s in sweeps[sweep]:
+            pos = nxt[s]
+            if pos == ops:
+                continue
+            kind, batch, done = kinds[s], batches[s], events[s]
+            forward_s, backward_s = stages[s].forward_s, stages[s].backward_s
+            mine_fwd, mine_bwd = arrive_fwd[s], arrive_bwd[s]
+            last, t = s == S - 1, free[s]
+            next_fwd = None if last else arrive_fwd[s + 1]
+            prev_bwd = arrive_bwd[s - 1] if s > 0 else None
+            half_fwd = half_p2p[s]
+            half_bwd = half_p2p[s - 1] if s > 0 else 0.0
+            link_f = link_fwd[s]
+            link_b = link_bwd[s - 1] if s > 0 else 0.0
+            start_pos = pos
+            while pos < ops:
+                i = batch[pos]
+                if kind[pos]:
+                    dep = mine_fwd[i]
+                    if dep is None:
+                        break
+                    start = t if t >= dep else dep
+                    end = start + forward_s
+                    # Post the send (activation forward) or hand over locally.
+                    if last:
+                        mine_bwd[i] = end
+                    else:
+                        link_f = (end if end >= link_f else link_f) + half_fwd
+                        next_fwd[i] = link_f
+                    if record:
+                        done.append((start, end, True, i))
+                else:
+                    dep = mine_bwd[i]
+                    if dep is None:
+                        break
+                    start = t if t >= dep else dep
+                    end = start + backward_s
+                    if prev_bwd is not None:    # the gradient back to the stage before
+                        link_b = (end if end >= link_b else link_b) + half_bwd
+                        prev_bwd[i] = link_b
+                    if record:
+                        done.append((start, end, False, i))
+                t = end
+                pos += 1
+            if pos != start_pos:
+                free[s], nxt[s] = t, pos
+                link_fwd[s] = link_f
+                if s > 0:
+                    link_bwd[s - 1] = link_b
+                remaining -= pos - start_pos
                 progressed = True
-        if not progressed:  # cannot happen for a valid warm-up; guard against a silent hang
+        stalled = 0 if progressed else stalled + 1
+        if stalled == 2:    # cannot happen for a valid warm-up; guard against a silent hang
             raise ConfigError("<plan>", "warmup_microbatches", "the 1F1B order deadlocks",
                               "warm-up depths that let every stage make progress")
+        sweep ^= 1
     if record:
         for st, done in zip(stages, events):
             st.timeline = [TimelineEvent(a, b, "fwd" if fwd else "bwd", i)

@@ -76,9 +76,11 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import itertools
 import math
 from collections.abc import Callable, Iterator, Sequence
+from typing import NamedTuple
 
 from megatron_autohet.cost_model import (DEFAULT_MEMORY_HEADROOM, GIB, PlanCost, annotate_plan,
                                          evaluate_plan, simulate_1f1b, stage_memory_bytes)
@@ -123,25 +125,73 @@ def _max_depths(plan: Plan, pipeline: int, cost: PlanCost, profile: Profile) -> 
     return out
 
 
+def makespan_floor(stages, num_microbatches: int) -> float:
+    """No 1F1B order of these stages, at any warm-up depths, finishes sooner: stage s cannot
+    start before micro-batch 0 has run through the stages before it, is then busy for its m
+    forwards and backwards, and its last backward's gradient must still go back through them
+    (each op at its stage's time, each message at half its boundary's ``p2p_s``, as
+    simulate_1f1b prices them). Less a margin of 1e-9, so that float rounding in its sums
+    (which the simulation adds in another order) never puts it above a simulated makespan."""
+    ahead = behind = 0.0
+    floor = 0.0
+    for st in stages:
+        floor = max(floor, ahead + num_microbatches * (st.forward_s + st.backward_s) + behind)
+        ahead += st.forward_s + st.p2p_s / 2
+        behind += st.backward_s + st.p2p_s / 2
+    return floor * (1 - 1e-9)
+
+
 def best_warmups(stages, num_microbatches: int, max_depths: list[int]) -> tuple[list[int], float]:
     """Greedy depths for one pipeline (module doc) and their simulated makespan."""
-    m, S = num_microbatches, len(stages)
+    depths, makespan = _best_warmups(_times_of(stages), num_microbatches, tuple(max_depths))
+    return list(depths), makespan
+
+
+class _Times(NamedTuple):
+    """What simulate_1f1b reads of a stage when it records no timeline."""
+    forward_s: float
+    backward_s: float
+    p2p_s: float
+
+
+def _times_of(stages) -> tuple[_Times, ...]:
+    return tuple(_Times(st.forward_s, st.backward_s, st.p2p_s) for st in stages)
+
+
+# The pass's simulations and greedy results are pure functions of the stage times, the
+# micro-batches and the depths (or caps), and a search warms up many plans that share
+# pipelines (its best few, their neighbours, the sub-fleets' plans): each is computed once per
+# process.
+@functools.lru_cache(maxsize=1 << 16)
+def _makespan(times: tuple[_Times, ...], m: int, depths: tuple[int, ...]) -> float:
+    return simulate_1f1b(list(times), m, list(depths), record=False)
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def _best_warmups(times: tuple[_Times, ...], m: int, max_depths: tuple[int, ...]
+                  ) -> tuple[tuple[int, ...], float]:
+    S = len(times)
     depths = standard_warmup_depths(S, m)
     # makespans only: the timelines are the cost model's, for the depths chosen
-    best = simulate_1f1b(stages, m, depths, record=False)
+    best = _makespan(times, m, tuple(depths))
     extras = sorted({1 << k for k in range(m.bit_length())} | {m})
+    # No step can gain MIN_GAIN once the makespan is that close to the floor: the last round,
+    # which simulates every step to find none, is skipped then.
+    floor = makespan_floor(times, m)
     while True:
+        if floor >= best * (1 - MIN_GAIN):
+            return tuple(depths), best
         steps = []                                   # (makespan, depths) that gain > MIN_GAIN
         for b in range(S - 1):
             for extra in extras:
                 trial = [min(w + extra, m) if s <= b else w for s, w in enumerate(depths)]
                 if trial == depths or any(w > cap for w, cap in zip(trial, max_depths)):
                     continue
-                makespan = simulate_1f1b(stages, m, trial, record=False)
+                makespan = _makespan(times, m, tuple(trial))
                 if makespan < best * (1 - MIN_GAIN):
                     steps.append((makespan, trial))
         if not steps:
-            return depths, best
+            return tuple(depths), best
         fastest = min(makespan for makespan, _ in steps)
         best, depths = min((step for step in steps if step[0] <= fastest * (1 + MIN_GAIN)),
                            key=lambda step: (sum(step[1]), step[0]))
@@ -312,20 +362,30 @@ def _warmed(plan: Plan, cost: PlanCost, cluster: Cluster, profile: Profile,
     plan and cost themselves when they do not."""
     chosen: dict[int, tuple[list[int], float]] = {}       # pipeline -> depths, priced time
     cache: dict[tuple, tuple[list[int], float] | None] = {}   # depths, simulated saving
+    # a pipeline's depth caps depend only on its stages' shapes (what _max_depths reads)
+    caps_of_shape: dict[tuple, list[int]] = {}
     for p, (pipe, pcost) in enumerate(zip(plan.pipelines, cost.pipelines)):
         if len(pipe.stages) < 2 or pcost.time_s < cost.pipeline_time_s * (1 - MIN_GAIN):
             continue                       # no boundary, or not setting the iteration time
-        caps = _max_depths(plan, p, cost, profile)
+        shape = (pipe.num_microbatches, tuple(
+            (sc.gpu, sc.tp, st.num_layers, sc.memory_gib, sc.in_flight_microbatches,
+             sc.memory_limit_gib) for st, sc in zip(pipe.stages, pcost.stages)))
+        caps = caps_of_shape.get(shape)
+        if caps is None:
+            caps = caps_of_shape[shape] = _max_depths(plan, p, cost, profile)
         key = (tuple((s.forward_s, s.backward_s, s.p2p_s) for s in pcost.stages),
                pipe.num_microbatches, tuple(caps))
         if key not in cache:
-            standard = simulate_1f1b(pcost.stages, pipe.num_microbatches, record=False)
+            standard = _makespan(_times_of(pcost.stages), pipe.num_microbatches,
+                                 tuple(standard_warmup_depths(len(pipe.stages),
+                                                              pipe.num_microbatches)))
             depths, makespan = best_warmups(pcost.stages, pipe.num_microbatches, caps)
             cache[key] = ((depths, standard - makespan) if makespan < standard * (1 - MIN_GAIN)
                           else None)
-        if cache[key] is not None:
-            depths, saving = cache[key]
-            chosen[p] = (depths, pcost.time_s - saving)
+        if cache[key] is None:
+            return plan, cost              # a pipeline setting the time keeps it: no gain
+        depths, saving = cache[key]
+        chosen[p] = (depths, pcost.time_s - saving)
     if not chosen:
         return plan, cost
     slowest_other = max((pc.time_s for p, pc in enumerate(cost.pipelines) if p not in chosen),
