@@ -928,9 +928,10 @@ def main() -> None:
     parser.add_argument("--trace", default=None,
                         help=f"the trace (default {CHURN_TRACE.relative_to(ROOT)}; --quick "
                              f"{QUICK_TRACE.relative_to(ROOT)})")
-    parser.add_argument("--cluster", type=Path, default=CLUSTER, metavar="C.yaml",
+    parser.add_argument("--cluster", default=str(CLUSTER), metavar="C.yaml",
                         help=f"the cluster file of the job's nodes (default "
-                             f"{CLUSTER.relative_to(ROOT)}; for the whole-zone trace "
+                             f"{CLUSTER.relative_to(ROOT)}; for "
+                             "the whole-zone trace "
                              "configs/traces/zone-loss-4node.csv, "
                              "configs/clusters/spot-4-zones.yaml)")
     parser.add_argument("--time-scale", type=float, default=None,
@@ -1026,7 +1027,7 @@ def main() -> None:
         "trace": [{"ms": e.ms, "action": e.action, "node": e.node, "notice": e.notice}
                   for e in trace],
         "setting": {"model": str(MODEL.relative_to(ROOT)),
-                    "cluster": str(args.cluster),
+                    "cluster": os.path.relpath(Path(args.cluster).resolve(), ROOT),
                     "global_batch_size": GLOBAL_BATCH, "micro_batch_size": MICRO_BATCH,
                     "workers": "CPU (gloo), one per emulated node, OMP_NUM_THREADS=1",
                     "nnodes": args.nnodes, "loss_timeout_s": args.loss_timeout,

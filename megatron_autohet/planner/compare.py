@@ -52,8 +52,10 @@ class BaselineResult:
                                              else None),
                 "speedup": self.speedup,
                 "idle_gpus": dict(self.cost.idle_gpus) if self.cost else None,
+                # a baseline's grids are judged without SCIP: no work to report
                 "search": {"complete": self.stopped_by == STOP_COMPLETE,
-                           "stopped_by": self.stopped_by, "work": self.work}}
+                           "stopped_by": self.stopped_by,
+                           **({"work": self.work} if self.work else {})}}
 
 
 @dataclass

@@ -23,6 +23,7 @@ pytestmark = pytest.mark.unit
 ROOT = Path(__file__).resolve().parents[2]
 TINY = load_model(ROOT / "configs/models/tiny.yaml")
 BATCH, MICRO = 16, 2
+NET_S = 3600.0      # the work budget decides each search, not the safety net (a loaded machine)
 # zone a and b: two H800 nodes each; zone c: two A100 nodes; a slow, billed link between zones
 TEMPLATE = cluster_from_dict({
     "name": "three-zones", "inter_node_bandwidth_gbs": 25,
@@ -52,12 +53,12 @@ def test_the_fleet_keeps_the_zones_of_the_cluster_file():
 
 @pytest.mark.parametrize("lost", ["a", "c"])
 def test_a_lost_zone_is_replanned_onto_the_zones_left_priced_with_their_link(lost):
-    previous = make_plan(TEMPLATE, TINY, None, BATCH, MICRO, progress=False)
+    previous = make_plan(TEMPLATE, TINY, None, BATCH, MICRO, progress=False, time_limit_s=NET_S)
     left = {"a", "b", "c"} - {lost}
     # one reclaim takes every node of the zone: the members left are the other zones'
     fleet = fleet_cluster(_members(TEMPLATE, left), TEMPLATE)
     assert {n.zone for n in fleet.nodes} == left
-    found = replan(previous, fleet, TINY)
+    found = replan(previous, fleet, TINY, time_limit_s=NET_S)
     assert {fleet.node(r.node).zone for r in found.plan.ranks} <= left
     # priced on the links between the zones left, as the cost model prices it on them
     on_left = TEMPLATE.subset([n.name for n in TEMPLATE.nodes if n.zone in left])
@@ -66,7 +67,7 @@ def test_a_lost_zone_is_replanned_onto_the_zones_left_priced_with_their_link(los
     assert found.cost.iteration_time_s == priced.iteration_time_s
     assert found.cost.egress_usd_per_iteration == priced.egress_usd_per_iteration
     # and no slower than the plan a fleet without zones would have chosen, priced with them
-    blind = replan(previous, fleet.without_zones(), TINY)
+    blind = replan(previous, fleet.without_zones(), TINY, time_limit_s=NET_S)
     blind_priced = evaluate_plan(blind.plan, on_left, profile, with_timeline=False)
     assert found.cost.iteration_time_s <= blind_priced.iteration_time_s
 

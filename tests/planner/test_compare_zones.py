@@ -29,6 +29,9 @@ BATCH, MICRO = 16, 2
 NODES = [{"name": "h800", "gpu": "H800", "gpus": 2, "count": 2, "spot_price": 2.9, "zone": "a"},
          {"name": "a100", "gpu": "A100-80GB", "gpus": 2, "count": 2, "spot_price": 1.0,
           "zone": "b"}]
+# the work budget decides every search, not the wall-clock safety net (a loaded machine would
+# cut one search and not its twin)
+NET_S = 3600.0
 LINKS = {"inter_zone": {"bandwidth_gbs": 0.05, "latency_ms": 5, "egress_usd_per_gb": 0.02}}
 
 
@@ -47,7 +50,8 @@ def _cluster(zones: bool = True, nodes=NODES):
 
 
 def _search(cluster, objective):
-    return search(cluster, TINY, None, BATCH, MICRO, progress=False, objective=objective)
+    return search(cluster, TINY, None, BATCH, MICRO, progress=False, objective=objective,
+                  time_limit_s=NET_S)
 
 
 def _price(plan, cluster):
@@ -58,7 +62,8 @@ def _price(plan, cluster):
 @pytest.mark.parametrize("objective", ["throughput", "cost"])
 def test_the_zone_plans_are_the_searches_they_name_priced_with_the_zones(objective):
     cluster = _cluster()
-    result = compare(cluster, TINY, None, BATCH, MICRO, progress=False, objective=objective)
+    result = compare(cluster, TINY, None, BATCH, MICRO, progress=False, objective=objective,
+                     time_limit_s=NET_S)
     oblivious, single = result.zone_plans
     assert oblivious.name == "zone-oblivious"
 
@@ -94,7 +99,7 @@ def test_the_zone_oblivious_plan_crossing_the_zones_pays_for_it():
     A100s; the zones make that plan slower and billed, and ours (which judges every plan with
     the zones) faster."""
     cluster = _cluster(nodes=TWINS)
-    result = compare(cluster, TINY, None, BATCH, MICRO, progress=False)
+    result = compare(cluster, TINY, None, BATCH, MICRO, progress=False, time_limit_s=NET_S)
     oblivious = result.zone_plans[0]
     zones_used = {cluster.node(r.node).zone for r in oblivious.plan.ranks}
     assert zones_used == {"a", "b"}
@@ -105,7 +110,8 @@ def test_the_zone_oblivious_plan_crossing_the_zones_pays_for_it():
 
 
 def test_a_fleet_without_zones_has_no_zone_plans():
-    result = compare(_cluster(zones=False), TINY, None, BATCH, MICRO, progress=False)
+    result = compare(_cluster(zones=False), TINY, None, BATCH, MICRO, progress=False,
+                     time_limit_s=NET_S)
     assert result.zone_plans == []
     assert "zone_plans" not in result.to_dict()
 
@@ -113,7 +119,7 @@ def test_a_fleet_without_zones_has_no_zone_plans():
 def test_the_cli_prints_the_zone_rows(capsys):
     args = ["compare", "--cluster", str(CONFIGS / "clusters" / "two-zones.yaml"), "--model",
             str(CONFIGS / "models" / "tiny.yaml"), "--global-batch-size", "16",
-            "--micro-batch-size", "2"]
+            "--micro-batch-size", "2", "--time-limit", "3600"]
     assert main(args) == 0
     out = capsys.readouterr().out.splitlines()
     rows = {line.split("  ")[0]: line for line in out}
