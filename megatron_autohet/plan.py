@@ -418,11 +418,6 @@ def validate_plan(plan: Plan, file: str | Path = "<plan>") -> None:
         if pipe.virtual_stages < 1:
             raise ConfigError(file, f"{where}.virtual_stages", f"got {pipe.virtual_stages}",
                               "an integer >= 1")
-        if pipe.interleaved and plan.overlap_grad_reduce:
-            raise ConfigError(file, "overlap_grad_reduce", f"true with {where}.virtual_stages "
-                              f"{pipe.virtual_stages}", "false: megatron's interleaved schedule "
-                              "enables the sync before each chunk's last backward, while the "
-                              "runtime's one no-sync switch covers all of a stage's chunks")
         expected_start = 0
         for s, stage in enumerate(pipe.stages):
             swhere = f"{where}.stages[{s}]"
@@ -470,6 +465,8 @@ def validate_plan(plan: Plan, file: str | Path = "<plan>") -> None:
         if pipe.interleaved:
             _validate_interleaving(pipe, where, file)
         _validate_warmup(pipe, where, file)
+    if plan.overlap_grad_reduce:
+        check_overlap_grad_reduce(plan, file)
     unused = [r for r in range(world) if r not in owner]
     if unused:
         raise ConfigError(file, "pipelines", f"ranks {unused} have no stage",
@@ -479,6 +476,23 @@ def validate_plan(plan: Plan, file: str | Path = "<plan>") -> None:
         raise ConfigError(file, "global_batch_size",
                           f"{plan.global_batch_size} != micro_batch_size {plan.micro_batch_size} "
                           f"x {plan.num_microbatches_total} micro-batches", f"{total}")
+
+
+def check_overlap_grad_reduce(plan: Plan, file: str | Path = "<plan>") -> None:
+    """A plan trained with its gradient sync overlapped (its ``overlap_grad_reduce``, or a job's
+    ``--overlap-grad-reduce``) has no interleaved pipeline: megatron's interleaved schedule
+    re-enables the sync before each chunk's last backward, while the runtime has one no-sync
+    switch for all of a stage's chunks (runtime/grad_sync.py), which would count the gradients
+    of chunks still in their backward as final."""
+    for p, pipe in enumerate(plan.pipelines):
+        if pipe.interleaved:
+            raise ConfigError(file, "overlap_grad_reduce",
+                              f"overlapped gradient sync (the plan's field or "
+                              f"--overlap-grad-reduce) with pipelines[{p}].virtual_stages "
+                              f"{pipe.virtual_stages}",
+                              "no overlap on a plan with interleaved pipelines: megatron's "
+                              "interleaved schedule re-enables the sync before each chunk's last "
+                              "backward, the runtime has one no-sync switch per stage")
 
 
 def check_bf16_support(plan: Plan, catalog: dict[str, GPUType], file: str | Path = "<plan>"

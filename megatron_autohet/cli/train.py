@@ -29,7 +29,7 @@ from megatron_autohet.job import (ElasticOptions, TrainOptions, job_precision, m
                                   measure_flags)
 from megatron_autohet.launch import (DistEnv, launch_local, load_job, report_to_launcher,
                                      run_worker)
-from megatron_autohet.plan import check_bf16_support
+from megatron_autohet.plan import check_bf16_support, check_overlap_grad_reduce
 from megatron_autohet.runtime.dashboard import dashboard_flags, dashboard_options
 from megatron_autohet.spec.cluster import load_cluster
 from megatron_autohet.spec.gpus import load_gpu_catalog
@@ -312,6 +312,8 @@ def checked_job(args: argparse.Namespace):
         check_resume(options.checkpoint, plan, options.optimizer, options.iters, args.model)
     if job_precision(options)[0].name == "bf16":
         check_bf16_support(plan, load_gpu_catalog(options.gpu_catalog), args.plan)
+    if options.overlap_grad_reduce:
+        check_overlap_grad_reduce(plan, args.plan)
     return options, plan, model
 
 

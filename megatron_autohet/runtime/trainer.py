@@ -80,8 +80,7 @@ import torch.distributed as dist
 from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 
 from megatron_autohet.data.batches import microbatches
-from megatron_autohet.errors import ConfigError
-from megatron_autohet.plan import Plan
+from megatron_autohet.plan import Plan, check_overlap_grad_reduce
 from megatron_autohet.runtime.attention import attention_kind
 from megatron_autohet.runtime.distributed_optimizer import DistributedOptimizer
 from megatron_autohet.runtime.fusions import agree_jit_fusions
@@ -156,15 +155,8 @@ class HeteroTrainer:
                  jit_fusions: dict[str, bool] | None = None, initialize: bool = True,
                  fused_optimizer: bool | None = None, overlap_grad_reduce: bool = False):
         optimizer.validate(source=plan_file)
-        interleaved = next((p for p, pipe in enumerate(plan.pipelines) if pipe.interleaved), None)
-        if overlap_grad_reduce and interleaved is not None:
-            # the plan's own field is refused the same way by plan validation
-            raise ConfigError(plan_file, "overlap_grad_reduce",
-                              f"--overlap-grad-reduce with pipelines[{interleaved}].virtual_stages "
-                              f"{plan.pipelines[interleaved].virtual_stages}",
-                              "no overlap: megatron's interleaved schedule enables the sync "
-                              "before each chunk's last backward, while the runtime's one "
-                              "no-sync switch covers all of a stage's chunks")
+        if overlap_grad_reduce:
+            check_overlap_grad_reduce(plan, plan_file)
         self.plan = plan
         self.seed = seed
         self.precision = precision

@@ -113,10 +113,11 @@ def test_own_warmup_refused(raw):
 
 def test_overlap_grad_reduce_refused(raw):
     raw["overlap_grad_reduce"] = True
-    expect_error(raw, "field 'overlap_grad_reduce': true with pipelines[0].virtual_stages 2 "
-                 "(allowed: false: megatron's interleaved schedule enables the sync before each "
-                 "chunk's last backward, while the runtime's one no-sync switch covers all of a "
-                 "stage's chunks)")
+    expect_error(raw, "field 'overlap_grad_reduce': overlapped gradient sync (the plan's field "
+                 "or --overlap-grad-reduce) with pipelines[0].virtual_stages 2 (allowed: no "
+                 "overlap on a plan with interleaved pipelines: megatron's interleaved schedule "
+                 "re-enables the sync before each chunk's last backward, the runtime has one "
+                 "no-sync switch per stage)")
 
 
 @pytest.mark.parametrize("value, got", [(0, "got 0 (allowed: a number > 0)"),
