@@ -40,7 +40,8 @@ ranks. It cannot see GPU types and its ranks are not stable, so on every (re)sta
    switch agreement, wrapping the stop check above), stops after that iteration and saves it;
    the checkpoint files of nodes the new plan leaves idle go to nodes that train in it, on the
    old process group; the new plan's ranks make its process group in the same processes and
-   recover that iteration, the decisions' hysteresis going on from the switch. The members do
+   recover that iteration, the decisions' hysteresis going on from the switch; the new plan's
+   rank 0 times the switch and prices later ones at it, as ``autohet train``. The members do
    not change: a GPU the new plan leaves idle keeps its worker as a standby (below). A fleet
    change at the same iteration (a notice, a signal) wins over the switch: the decision priced
    the fleet that is changing, and the fleet's re-plan plans the fleet that stays.
@@ -61,7 +62,7 @@ import signal
 import socket
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
 
@@ -87,7 +88,7 @@ from megatron_autohet.errors import ConfigError, JobConfigError
 from megatron_autohet.job import init_backend, job_dashboard, job_precision, train_job
 from megatron_autohet.plan import Plan, plan_from_dict
 # _PlanSwitch: autohet train's switch agreement, one decision protocol for both front ends
-from megatron_autohet.plan_switch import (_PlanSwitch, host_generation_store,
+from megatron_autohet.plan_switch import (_PlanSwitch, _Switched, host_generation_store,
                                           join_generation_store)
 from megatron_autohet.planner.adapt import Adapter
 from megatron_autohet.planner.replan import replan
@@ -167,10 +168,12 @@ def _s3_step(options) -> dict | None:
 @dataclass(frozen=True)
 class _Adapted:
     """An adapt switch agreed and its iteration saved: the next generation's plan on the same
-    members, the store its process group meets on (None: idle in it) and the hysteresis."""
+    members, the store its process group meets on (None: idle in it), the hysteresis and the
+    switch's times so far (the new plan's rank 0 times it, as autohet train's)."""
     plan: Plan
     store: object
     adapter_state: dict
+    switched: _Switched
 
 
 @dataclass(frozen=True)
@@ -351,7 +354,7 @@ class ElasticWorker:
         # The store the generation's process group meets on (an adapt switch's own, hosted by a
         # rank of the new plan: the members' store stays the one the standbys wait on), and the
         # adaptation's hysteresis an adapt switch carries over.
-        group_store, adapter_state, adapted = store, None, False
+        group_store, adapter_state, adapted, switched = store, None, False, None
         while True:
             ranks = plan_ranks(plan, members)
             plan_rank = ranks[members.index(self.me)]
@@ -376,8 +379,10 @@ class ElasticWorker:
                                     world_size=plan.world_size, timeout=self.options.timeout,
                                     store=dist.PrefixStore(f"{_PREFIX}train/{generation}/",
                                                            group_store))
+            if switched is not None:        # an adapt switch's new process group is made
+                switched = replace(switched, grouped_at=time.monotonic())
             try:
-                ended = self._generation(plan, plan_rank, members, adapter_state)
+                ended = self._generation(plan, plan_rank, members, adapter_state, switched)
             except JobConfigError as err:
                 # Every rank raised it from the same plan, flags and steps (no step the fleet
                 # present can serve: a node lost without notice held the only copy of its
@@ -390,6 +395,7 @@ class ElasticWorker:
             finally:
                 dist.destroy_process_group()
             adapted = ended.adapted is not None
+            switched = ended.adapted.switched if adapted else None
             if adapted:
                 plan, group_store = ended.adapted.plan, ended.adapted.store
                 adapter_state = ended.adapted.adapter_state
@@ -422,14 +428,17 @@ class ElasticWorker:
         self.events.emit("adapt", message, **fields)
 
     def _generation(self, plan: Plan, plan_rank: int, members: list[Member],
-                    adapter_state: dict | None = None) -> _Ended:
+                    adapter_state: dict | None = None,
+                    previous: _Switched | None = None) -> _Ended:
         """Train ``plan`` on the initialised default group until the job ends or stops; after a
         notice, evacuate and re-plan on that group; after an adapt switch, hand the idle nodes'
         files over on it (:meth:`_adapt_switch`). What it returns holds nothing of the
         generation's model: its trainer, optimizer and buffers are freed before the files move
         and the re-plan, so the next generation in this process starts from the memory the
         first one had (survivors that take more layers need it). ``adapter_state``: the
-        adaptation's hysteresis so far (``--autohet-adapt replan``; None: a new one)."""
+        adaptation's hysteresis so far (``--autohet-adapt replan``; None: a new one);
+        ``previous``: the adapt switch this generation follows, which its rank 0 times after its
+        first iteration (plan_switch.py ``SwitchTiming``: later switches priced at it)."""
         stop = None
 
         def make_stop_check(checkpointer):
@@ -440,7 +449,8 @@ class ElasticWorker:
         if self.options.adapt == "replan" and self.options.measure_window:
             # the plan's rank 0 decides (job.adapt_sink), every rank learns it (_PlanSwitch)
             adapter = Adapter(**(adapter_state or {})) if plan_rank == 0 else None
-            switch = _PlanSwitch(plan, plan_rank, self.options, make_stop_check, adapter, None)
+            switch = _PlanSwitch(plan, plan_rank, self.options, make_stop_check, adapter,
+                                 previous)
 
             def on_adapt(decision):
                 self._adapt_event(decision)
@@ -508,10 +518,12 @@ class ElasticWorker:
                             warm=True, detail=f" after iteration {last}, predicted iteration "
                             f"{decision.new_s:.3g} s against {decision.current_s:.3g} s")
         self.started = time.monotonic()
+        # the state is saved and where the new plan reads it: the new process group is next
+        switched = _Switched(plan, new, last, switch.move_s, stopped_at, self.started, 0.0)
         store = switch.store
         if store is None and ranks[members.index(self.me)] is not None:
             store = join_generation_store(*switch.address, _STORE_TIMEOUT)
-        return _Ended(last, None, None, _Adapted(new, store, switch.adapter_state))
+        return _Ended(last, None, None, _Adapted(new, store, switch.adapter_state, switched))
 
     def _replan_in_process(self, plan: Plan, plan_rank: int, members: list[Member],
                            leaving: list[str], iteration: int):

@@ -52,7 +52,7 @@ pytestmark = pytest.mark.e2e
 
 ROOT = Path(__file__).resolve().parents[2]
 CLUSTER = ROOT / "configs/clusters/local-4.yaml"
-ITERS, WINDOW = 8, 2
+ITERS, WINDOW = 12, 2
 SLOW = {("a100", 1): 0.5}                  # one A100 at half speed
 SCALE = 1e8
 
@@ -169,6 +169,16 @@ def test_an_adapt_switch_keeps_every_member_and_loses_nothing(tmp_path, monkeypa
           f"recovery {recovery['seconds']}, iteration {at + 1} done {first[1]['seconds']} s "
           "after the handover")
     assert [e["iteration"] for e in events if e["event"] == "finished"] == [ITERS]
+    # the switch is timed on the new plan's rank 0, and the decisions after it (held: the
+    # windows after a switch) price a switch's fixed part at what it took, not the 30 s guess
+    decided = [e for e in events if e["event"] == "adapt"]
+    assert [e["switch_overhead_measured_at"] for e in decided] == [None] + [at] * (
+        len(decided) - 1) and len(decided) >= 2, decided
+    timed = [line for line in capfd.readouterr().out.splitlines()
+             if f"adapt: switched plans after iteration {at}:" in line]
+    assert len(timed) == 1, timed
+    priced = float(timed[0].rsplit("later switches priced at ", 1)[1].split()[0])
+    assert decided[1]["switch_overhead_s"] == pytest.approx(priced, abs=0.01)
     # the switch's step saved under the old plan (a100's disk too), the end under the new one
     assert committed_steps(tmp_path / "ckpt-a100") == [at]
     assert committed_steps(tmp_path / "ckpt-h800") == [at, ITERS]
