@@ -114,7 +114,7 @@ def check_launch(launch: argparse.Namespace) -> None:
     plan, options = check_before_launch(launch.training_script_args, planned)
     check_resume(options.checkpoint, plan, None, options.iters, model_file=options_plan(launch))
     if nodes == 1:
-        check_runs_here(plan, options_plan(launch), gpu_count(),
+        check_runs_here(plan, options_plan(launch), gpu_count,
                         command=f"{launch.training_script} ... (`{PROG}` on each node)")
 
 

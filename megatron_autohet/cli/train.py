@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -262,33 +263,38 @@ def run(args: argparse.Namespace) -> int:
     if args.elastic and "TORCHELASTIC_RUN_ID" not in os.environ:
         raise ConfigError("<command line>", "--elastic", "not started by torchrun",
                           "start elastic jobs with `autohet node` on each node")
-    options, plan, model = checked_job(args)
+    env = DistEnv.from_environ()
+    options, plan, model = checked_job(args, launches_here=env is None and not args.elastic)
     if args.elastic:
         return run_elastic(plan, model, options)
-    env = DistEnv.from_environ()
     if env is None:
-        gpus = gpu_count()
-        check_runs_here(plan, args.plan, gpus)
-        return launch_local(plan, args.plan, args.model, options, gpus_available=gpus)
+        return launch_local(plan, args.plan, args.model, options, gpus_available=gpu_count())
     return run_worker(plan, args.plan, model, options, env)
 
 
-def check_runs_here(plan, plan_file: str, gpus: int,
+def check_runs_here(plan, plan_file: str, count_gpus: Callable[[], int],
                     command: str = "-m megatron_autohet.cli.main train ..., or an elastic job: "
                                    "`autohet node` on each node") -> None:
     """The plan's ranks can run on this one machine (launch.launch_local): one node's plan on a
     GPU each, or at most :data:`MAX_CPU_RANKS` ranks on the CPU (a plan of emulated nodes, as
     the local-N clusters'); else one ConfigError naming the plan's nodes and how to start it on
-    them (torchrun's options, then ``command``)."""
+    them (torchrun's options, then ``command``). This machine's GPUs are counted (``count_gpus``:
+    a torch import) only where they decide: a plan of several nodes and more than
+    :data:`MAX_CPU_RANKS` ranks runs here on neither, and is refused without them."""
     nodes: dict[str, int] = {}
     for rank in plan.ranks:
         nodes[rank.node] = nodes.get(rank.node, 0) + 1
-    on_gpus = gpus >= plan.world_size
-    if (on_gpus and len(nodes) == 1) or (not on_gpus and plan.world_size <= MAX_CPU_RANKS):
-        return
+    if len(nodes) > 1 and plan.world_size > MAX_CPU_RANKS:
+        here = f"this machine is one node and runs at most {MAX_CPU_RANKS} ranks on its CPU"
+    else:
+        gpus = count_gpus()
+        on_gpus = gpus >= plan.world_size
+        if (on_gpus and len(nodes) == 1) or (not on_gpus and plan.world_size <= MAX_CPU_RANKS):
+            return
+        here = (f"this machine has {gpus} GPUs and is one node" if on_gpus else
+                f"this machine has {gpus} GPUs and runs at most {MAX_CPU_RANKS} ranks on its "
+                "CPU")
     listed = ", ".join(f"{node} ({count} GPUs)" for node, count in nodes.items())
-    here = (f"this machine has {gpus} GPUs and is one node" if on_gpus else
-            f"this machine has {gpus} GPUs and runs at most {MAX_CPU_RANKS} ranks on its CPU")
     raise ConfigError(plan_file, "ranks", f"the plan's {plan.world_size} ranks are on "
                       f"{len(nodes)} nodes: {listed}; {here}",
                       "the same command on each of the plan's nodes, in its node order: "
@@ -296,20 +302,25 @@ def check_runs_here(plan, plan_file: str, gpus: int,
                       f"node's GPUs) --master-addr HOST --master-port PORT {command}")
 
 
-def checked_job(args: argparse.Namespace):
+def checked_job(args: argparse.Namespace, launches_here: bool = False):
     """(options, plan, model) of the flags, every value checked: the one validation of a job's
     flags, before any process starts (the launcher's ranks and `autohet node`'s workers read the
-    options it returns from a job file)."""
+    options it returns from a job file); ``launches_here``: also that this machine can run the
+    plan's ranks (:func:`check_runs_here`). The checks that import torch or megatron-core come
+    last, so the others are decided in a second or two."""
     options = train_options(args).validate(flags={"iters": iters_flag(args)})
     check_elastic(args, options.checkpoint)
     plan, model = load_job(args.plan, args.model)
     check_activation_fusion_flag(args, model)
     check_batch_flags(args, plan, args.plan)
+    if not args.elastic:
+        check_resume(options.checkpoint, plan, options.optimizer, options.iters, args.model)
+    if launches_here:
+        check_runs_here(plan, args.plan, gpu_count)
+    # megatron-core's tokenizer and index reader, where the flags name them
     check_vocabulary(tokenizer_flags(args), model, args.model,
                      {s.tp for p in plan.pipelines for s in p.stages})
     check_datasets(options, model.vocab_size)
-    if not args.elastic:
-        check_resume(options.checkpoint, plan, options.optimizer, options.iters, args.model)
     if job_precision(options)[0].name == "bf16":
         check_bf16_support(plan, load_gpu_catalog(options.gpu_catalog), args.plan)
     if options.overlap_grad_reduce:
