@@ -56,17 +56,14 @@ def fleet_cluster(members: list[Member], template: Cluster, *, name: str | None 
 
 
 def _template_node(template: Cluster, node: str, gpu: str) -> Node:
-    for entry in template.nodes:
-        if entry.name == node:
-            if entry.gpu != gpu:
-                raise ConfigError(template.name, f"nodes.{node}.gpu", f"{entry.gpu}, but the "
-                                  f"node reports {gpu}", "the GPU type the node has")
-            return entry
-    for entry in template.nodes:
-        if entry.gpu == gpu:
-            return entry
-    raise ConfigError(template.name, "nodes", f"no node with GPU type {gpu} (node {node} joined "
-                      f"with one)", "an entry for every GPU type the job may run on")
+    like = template.node_like(node, gpu)
+    if like is None:
+        raise ConfigError(template.name, "nodes", f"no node with GPU type {gpu} (node {node} "
+                          "joined with one)", "an entry for every GPU type the job may run on")
+    if like.name == node and like.gpu != gpu:
+        raise ConfigError(template.name, f"nodes.{node}.gpu", f"{like.gpu}, but the node "
+                          f"reports {gpu}", "the GPU type the node has")
+    return like
 
 
 def plan_ranks(plan: Plan, members: list[Member]) -> list[int | None]:

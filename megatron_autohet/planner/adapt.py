@@ -197,10 +197,7 @@ def plan_fleet(plan: Plan, catalog: dict[str, GPUType], template: Cluster | None
                           "GPU types of the catalog, to re-plan on")
     nodes = []
     for name, gpu in gpus.items():
-        like = None
-        if template is not None:
-            like = next((n for n in template.nodes if n.name == name), None) or next(
-                (n for n in template.nodes if n.gpu == gpu), None)
+        like = template.node_like(name, gpu) if template is not None else None
         if like is not None:
             nodes.append(Node(name, gpu, counts[name], like.intra_node_bandwidth_gbs,
                               like.inter_node_bandwidth_gbs, like.spot_price, like.zone))

@@ -197,6 +197,12 @@ class Cluster:
         """The names of the nodes in ``zone``, in the cluster's order."""
         return [n.name for n in self.nodes if n.zone == zone]
 
+    def node_like(self, name: str, gpu: str) -> Node | None:
+        """The entry a node ``name`` with GPUs of type ``gpu`` is priced from (links, price,
+        zone): its own entry, else the first of its GPU type, else None."""
+        own = next((n for n in self.nodes if n.name == name), None)
+        return own or next((n for n in self.nodes if n.gpu == gpu), None)
+
     def without_zones(self) -> "Cluster":
         """The same nodes as one zone: every link priced as the NICs, no egress (what a planner
         that cannot see zones plans on)."""
