@@ -60,7 +60,7 @@ FLAGS = {"iters": "--iters", "metrics_jsonl": "--metrics-jsonl",
          "precision": "--bf16", "measure_window": "--autohet-measure-window",
          "measured_jsonl": "--autohet-measured-jsonl",
          "measured_profile": "--autohet-measured-profile", "adapt": "--autohet-adapt",
-         "gpu_catalog": "--gpu-catalog"}
+         "gpu_catalog": "--gpu-catalog", "cluster": "--cluster"}
 # --autohet-adapt's modes (planner/adapt.py MODES, which this module does not import at start-up:
 # the planner loads SCIP) and its default: log the decisions (module doc of planner/adapt.py).
 ADAPT_MODES = ("off", "log", "replan")
@@ -123,6 +123,10 @@ class TrainOptions:
     # `autohet plan --gpu-catalog` planned them (None: the bundled configs/gpus.yaml).
     gpu_catalog: str | None = None
     elastic: ElasticOptions | None = None   # None: a job whose ranks are the plan's
+    # With adapt replan (not elastic): the cluster file the plan was made for; each of its GPUs
+    # the plan leaves idle gets a process waiting as a member, which a re-plan may give work
+    # (plan_switch.py ``Members``). None: processes for the plan's GPUs only.
+    cluster: str | None = None
     # TensorBoard and W&B (runtime/dashboard.py), written by the rank that logs
     dashboard: DashboardOptions = DashboardOptions()
 
@@ -182,6 +186,12 @@ class TrainOptions:
                               ", ".join(ADAPT_MODES))
         if self.adapt == "replan":
             self._check_replan(source, flags, no_replan)
+        if self.cluster is not None and (self.adapt != "replan" or not self.measure_window):
+            raise ConfigError(source, flags["cluster"], "given to a job that does not re-plan "
+                              f"({flags['adapt']} {self.adapt}, {flags['measure_window']} "
+                              f"{self.measure_window}): its idle GPUs would only wait",
+                              f"{flags['adapt']} replan with measurement windows, or no "
+                              f"{flags['cluster']}")
         self._check_catalog(source, flags)
         self.optimizer.validate(train_iters=self.iters, source=source)
         self._check_data(source)
@@ -441,11 +451,14 @@ def adapt_sink(plan: Plan, plan_label: str, options: TrainOptions, trainer, prec
     except ConfigError as err:        # a GPU type neither priced nor in the catalog
         print(f"WARNING: {FLAGS['adapt']} {options.adapt}: not adapting: {err}", flush=True)
         return None
-    template = (load_cluster(options.elastic.cluster, catalog) if options.elastic is not None
-                else None)
+    # an elastic job's cluster file prices its nodes; autohet train's (--cluster) also holds
+    # the GPUs the plan leaves idle, each with a process a re-plan may give work
+    cluster_file = options.elastic.cluster if options.elastic is not None else options.cluster
+    template = load_cluster(cluster_file, catalog) if cluster_file is not None else None
     search = ReplanProcess(plan, priors, catalog=catalog, precision=precision,
                            attention=trainer.attention,
-                           fusions=trainer.fusions.config_fields(), template=template)
+                           fusions=trainer.fusions.config_fields(), template=template,
+                           with_idle=options.cluster is not None)
     return _AdaptSink(options, search, adapter if adapter is not None else Adapter(), then,
                       on_adapt)
 

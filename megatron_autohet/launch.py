@@ -45,7 +45,8 @@ from megatron_autohet.checkpoint.lease import take_job_lease
 from megatron_autohet.errors import ConfigError, JobConfigError
 from megatron_autohet.job import TrainOptions, init_backend, report_job_config_error
 from megatron_autohet.plan import Plan, load_plan
-from megatron_autohet.plan_switch import train_adapting
+from megatron_autohet.plan_switch import Members, job_members, train_adapting
+from megatron_autohet.spec.cluster import load_cluster
 from megatron_autohet.spec.model import ModelSpec, load_model
 from megatron_autohet.system.parent_death import exported_parent_pid
 
@@ -84,19 +85,35 @@ def load_job(plan_path: str | Path, model_path: str | Path) -> tuple[Plan, Model
     return plan, model
 
 
-def check_env(plan: Plan, plan_path: str | Path, env: DistEnv, *, uses_gpus: bool) -> None:
-    """The launched processes must be the plan's ranks (checked before any process group)."""
-    if env.world_size != plan.world_size:
-        raise ConfigError(plan_path, "ranks", f"the plan has {plan.world_size} ranks but the job "
-                          f"has WORLD_SIZE={env.world_size} processes",
-                          f"launch exactly {plan.world_size} processes (one per planned GPU)")
-    if not 0 <= env.rank < plan.world_size:
+def job_gpus(plan: Plan, plan_path: str | Path,
+             options: TrainOptions) -> tuple[tuple[str, int], ...]:
+    """The GPUs the job starts a process on, as (node, local rank) by launched rank: the plan's
+    ranks, and with ``--cluster`` (adapt replan) every GPU of the cluster file, the plan's
+    first (plan_switch.py ``job_members``)."""
+    if options.cluster is None:
+        return tuple((r.node, r.local_rank) for r in plan.ranks)
+    return job_members(plan, load_cluster(options.cluster), str(plan_path), options.cluster)
+
+
+def check_env(plan: Plan, plan_path: str | Path, env: DistEnv, gpus: tuple[tuple[str, int], ...],
+              *, uses_gpus: bool) -> None:
+    """The launched processes must be the job's (:func:`job_gpus`: the plan's ranks, with
+    ``--cluster`` the cluster's GPUs), checked before any process group."""
+    if env.world_size != len(gpus):
+        members = len(gpus) > plan.world_size
+        raise ConfigError(plan_path, "ranks", f"the plan has {plan.world_size} ranks"
+                          + (f" and --cluster {len(gpus) - plan.world_size} GPUs it leaves idle"
+                             if members else "")
+                          + f" but the job has WORLD_SIZE={env.world_size} processes",
+                          f"launch exactly {len(gpus)} processes (one per "
+                          + ("GPU of --cluster)" if members else "planned GPU)"))
+    if not 0 <= env.rank < len(gpus):
         raise ConfigError(plan_path, "ranks", f"RANK={env.rank} has no entry",
-                          f"0..{plan.world_size - 1}")
-    planned_local = plan.ranks[env.rank].local_rank
+                          f"0..{len(gpus) - 1}")
+    node, planned_local = gpus[env.rank]
     if uses_gpus and env.local_rank != planned_local:
         raise ConfigError(plan_path, f"ranks[{env.rank}].local_rank",
-                          f"planned GPU {planned_local} of node {plan.ranks[env.rank].node}, but "
+                          f"planned GPU {planned_local} of node {node}, but "
                           f"torchrun gave this rank LOCAL_RANK={env.local_rank}",
                           "start torchrun so global ranks follow the plan's rank order "
                           "(--node-rank in the plan's node order)")
@@ -117,7 +134,7 @@ def launch_local(plan: Plan, plan_path: str | Path, model_path: str | Path,
     holds its checkpoints' writer lease from before its ranks start to after they end
     (checkpoint/lease.py); another job's live lease there is a ConfigError naming the flag.
     """
-    world = plan.world_size
+    world = len(job_gpus(plan, plan_path, options))
     run_id = f"autohet-{uuid.uuid4().hex[:8]}"
     lease = None
     if options.checkpoint.saving:
@@ -195,15 +212,25 @@ def run_worker(plan: Plan, plan_path: str | Path, model: ModelSpec, options: Tra
     from megatron_autohet.runtime.device import select_device
 
     on_cpu = cpu_mode_required()
-    check_env(plan, plan_path, env, uses_gpus=not on_cpu)
+    gpus = job_gpus(plan, plan_path, options)
+    check_env(plan, plan_path, env, gpus, uses_gpus=not on_cpu)
     init_backend(on_cpu)
     if not on_cpu:
         select_device(env.local_rank)
-    dist.init_process_group("gloo" if on_cpu else "nccl", rank=env.rank,
-                            world_size=env.world_size, timeout=options.timeout)
+    backend = "gloo" if on_cpu else "nccl"
+    members, rank = None, env.rank
+    if options.cluster is None:
+        dist.init_process_group(backend, rank=env.rank, world_size=env.world_size,
+                                timeout=options.timeout)
+    else:
+        # every GPU of the cluster has a process; the plan's ranks make its group
+        store, _, _ = next(dist.rendezvous("env://", timeout=options.timeout))
+        members = Members(store, env.rank, gpus, backend)
+        rank = members.join_first(plan, options.timeout)
     try:
-        train_adapting(plan, str(plan_path), model, options, rank=env.rank,
-                       local_rank=env.local_rank, make_stop_check=signal_stop_check(options))
+        train_adapting(plan, str(plan_path), model, options, rank=rank,
+                       local_rank=env.local_rank, make_stop_check=signal_stop_check(options),
+                       members=members)
     except JobConfigError as err:
         # after a switch (--autohet-adapt replan) the ranks are the new plan's
         return report_job_config_error(err, dist.get_rank())

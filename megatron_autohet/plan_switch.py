@@ -14,14 +14,17 @@ start-up, long before (and in the launcher, without) any training.
 from __future__ import annotations
 
 import os
+import pickle
 import socket
 import time
 from dataclasses import asdict, dataclass, replace
 from datetime import timedelta
 
 from megatron_autohet.checkpoint.lease import rank_owner_name
+from megatron_autohet.errors import ConfigError
 from megatron_autohet.job import TrainOptions, job_dashboard, train_job
 from megatron_autohet.plan import Plan, RankInfo, plan_from_dict
+from megatron_autohet.spec.cluster import Cluster
 from megatron_autohet.spec.model import ModelSpec
 
 # A switch's new process group meets on a store one of its ranks hosts (as an elastic job's
@@ -48,16 +51,95 @@ def join_generation_store(addr: str, port: int, timeout: timedelta = GENERATION_
     return dist.TCPStore(addr, port, is_master=False, timeout=timeout)
 
 
-def _rank_in(plan: Plan, gpu: RankInfo) -> int | None:
+def _rank_in(plan: Plan, gpu: RankInfo | tuple[str, int]) -> int | None:
     """The rank of ``plan`` on the GPU (node, local rank) of ``gpu``; None: idle in it."""
-    return next((r.rank for r in plan.ranks
-                 if (r.node, r.local_rank) == (gpu.node, gpu.local_rank)), None)
+    where = gpu if isinstance(gpu, tuple) else (gpu.node, gpu.local_rank)
+    return next((r.rank for r in plan.ranks if (r.node, r.local_rank) == where), None)
 
 
 def _store_host(old: Plan, new: Plan) -> int:
     """The rank of ``old`` that hosts the new generation's store: the first that trains in
-    ``new`` (an idle one ends its process)."""
-    return next(r.rank for r in old.ranks if _rank_in(new, r) is not None)
+    ``new`` (without :class:`Members` an idle one ends its process); where none does (the new
+    plan runs on members idle until now, each of which lives to the job's end), rank 0."""
+    return next((r.rank for r in old.ranks if _rank_in(new, r) is not None), 0)
+
+
+def job_members(plan: Plan, cluster: Cluster, plan_label: str,
+                cluster_label: str) -> tuple[tuple[str, int], ...]:
+    """Every GPU of ``cluster`` as (node, local rank), member by member: the plan's ranks in
+    rank order (member r is plan rank r in the first generation), then the GPUs the plan
+    leaves idle, in the cluster file's order. ConfigError where a plan rank's GPU is not one
+    of the cluster's."""
+    gpus = {(d.node, d.local_rank): d.gpu for d in cluster.devices()}
+    for r in plan.ranks:
+        if gpus.get((r.node, r.local_rank)) != r.gpu:
+            raise ConfigError(plan_label, f"ranks[{r.rank}]", f"{r.gpu} GPU {r.local_rank} of "
+                              f"node {r.node} is not a GPU of {cluster_label}",
+                              "a plan made for the --cluster file (autohet plan --cluster)")
+    planned = [(r.node, r.local_rank) for r in plan.ranks]
+    return tuple(planned + [gpu for gpu in gpus if gpu not in set(planned)])
+
+
+@dataclass(frozen=True)
+class Members:
+    """``autohet train --autohet-adapt replan --cluster``: a process on every GPU of the
+    cluster, whether the plan trains on it or not (:func:`job_members`' order), so that a
+    re-plan (planned on all of them: planner/adapt.py ``plan_fleet(with_idle=True)``) may give
+    work to a GPU the plan leaves idle and a later one take it off. A member idle in a plan
+    waits on ``store`` for that plan's end (:func:`train_adapting`); no process ends before the
+    job does."""
+    store: object                           # every member's store (torchrun's rendezvous)
+    index: int                              # this process's member
+    gpus: tuple[tuple[str, int], ...]       # every member's GPU, (node, local rank)
+    backend: str                            # the process groups' ("gloo" on the CPU, "nccl")
+
+    @property
+    def gpu(self) -> tuple[str, int]:
+        return self.gpus[self.index]
+
+    def join_first(self, plan: Plan, timeout: timedelta) -> int | None:
+        """The first plan's process group, made by its ranks on the members' store: this
+        member's plan rank, None where the plan leaves its GPU idle (no group)."""
+        import torch.distributed as dist     # torch: a rank's code (module docstring)
+
+        rank = _rank_in(plan, self.gpu)
+        if rank is not None:
+            dist.init_process_group(self.backend, rank=rank, world_size=plan.world_size,
+                                    timeout=timeout,
+                                    store=dist.PrefixStore(f"{_MEMBERS}train/", self.store))
+        return rank
+
+    def announce(self, generation: int, message: dict) -> None:
+        """The end of ``generation``, by its plan's rank 0, for the members idle in it: the
+        next plan and where its group meets, or ``{"finished": last iteration}``."""
+        self.store.set(f"{_MEMBERS}end/{generation}", pickle.dumps(message))
+
+    def wait_end(self, generation: int) -> dict:
+        """What :meth:`announce` said of ``generation``, waited for as long as it trains (a
+        lost store, a job that failed, ends the wait: torchrun stops every process)."""
+        import torch.distributed as dist     # torch: a rank's code (module docstring)
+
+        key = f"{_MEMBERS}end/{generation}"
+        while True:
+            try:
+                self.store.wait([key], timedelta(minutes=1))
+                return pickle.loads(self.store.get(key))
+            except dist.DistStoreError as err:      # a timeout: it still trains
+                if "timeout" not in str(err).lower():
+                    raise
+
+    def finish(self, timeout: timedelta) -> None:
+        """At the job's end, on every member: counted done; member 0, whose process may host
+        the store, waits (bounded) until every member is, so none reads a store that has gone."""
+        self.store.add(f"{_MEMBERS}done", 1)
+        if self.index == 0:
+            deadline = time.monotonic() + timeout.total_seconds()
+            while (self.store.add(f"{_MEMBERS}done", 0) < len(self.gpus)
+                   and time.monotonic() < deadline):
+                time.sleep(0.05)
+
+
+_MEMBERS = "autohet/members/"
 
 
 def describe_plan(plan: Plan) -> str:
@@ -231,7 +313,8 @@ class _PlanSwitch:
 
 
 def train_adapting(plan: Plan, plan_label: str, model: ModelSpec, options: TrainOptions, *,
-                   rank: int, local_rank: int, make_stop_check=None) -> int:
+                   rank: int | None, local_rank: int, make_stop_check=None,
+                   members: Members | None = None) -> int:
     """``autohet train``'s job on an initialised default group whose ranks are the plan's:
     :func:`train_job`, and with ``--autohet-adapt replan`` one generation per plan in the same
     processes. When a window's decision (rank 0's, planner/adapt.py; taken at the next
@@ -243,9 +326,16 @@ def train_adapting(plan: Plan, plan_label: str, model: ModelSpec, options: Train
     the saved step (:func:`resume_options`: checkpoint/recovery.py loads any plan's step into
     any other); the decisions' hysteresis goes on from where the switch left it, and the new
     plan's rank 0 times the switch (:class:`SwitchTiming`, logged) and prices later switches'
-    fixed part at what it took (planner/adapt.py ``Adapter.switch_measured``). A GPU the new
-    plan leaves idle ends its process (status 0) once the step is saved; later re-plans plan
-    the new plan's GPUs. Returns the last iteration trained (on an idle GPU: the switch's)."""
+    fixed part at what it took (planner/adapt.py ``Adapter.switch_measured``).
+
+    Without ``members`` a GPU the new plan leaves idle ends its process (status 0) once the
+    step is saved, and later re-plans plan the new plan's GPUs. With ``members`` (every GPU of
+    the job's cluster file has a process; ``rank`` None: this one is idle in ``plan``, no
+    group) an idle member waits for its plan's end (:meth:`Members.wait_end`, which the plan's
+    rank 0 announces) and joins the next plan where that one gives it work; a member a switch
+    leaves idle waits likewise, and every member ends with the job. Returns the last
+    iteration trained (on a GPU idle at the end: the job's last, or without members the
+    switch's)."""
     if options.adapt != "replan" or not options.measure_window:
         return train_job(plan, plan_label, model, options, rank=rank, local_rank=local_rank,
                          make_stop_check=make_stop_check)
@@ -259,34 +349,87 @@ def train_adapting(plan: Plan, plan_label: str, model: ModelSpec, options: Train
         # Checkpointer would otherwise draw its own on its rank 0, and where that is another
         # process than the old rank 0 (ranks started one by one, without autohet train's
         # launcher or torchrun to name the run), the lease the old generation kept refuses it.
-        owner = [rank_owner_name() if rank == 0 else None]
-        dist.broadcast_object_list(owner, src=0)
+        if members is not None:
+            if members.index == 0:
+                members.store.set(f"{_MEMBERS}owner", rank_owner_name())
+            owner = [members.store.get(f"{_MEMBERS}owner").decode()]
+        else:
+            owner = [rank_owner_name() if rank == 0 else None]
+            dist.broadcast_object_list(owner, src=0)
         options = replace(options, checkpoint=replace(options.checkpoint, owner=owner[0]))
-    state, previous, generation = {}, None, 0
+    state, previous, generation, last = {}, None, 0, 0
     # one dashboard across the plans (runtime/dashboard.py): opened once, by the rank that logs
     dashboard = job_dashboard(options) if rank == 0 else None
     try:
         while True:
+            if rank is None:            # a member idle in this plan (members only)
+                end = members.wait_end(generation)
+                if "finished" in end:
+                    last = end["finished"]
+                    break
+                before, after = plan, plan_from_dict(end["plan"], "<re-plan>")
+                plan, last = after, end["iteration"]
+                options = resume_options(options, last)
+                generation += 1
+                rank = _rank_in(after, members.gpu)
+                if rank is None:
+                    continue
+                store = join_generation_store(*end["address"])
+                dist.init_process_group(members.backend, rank=rank,
+                                        world_size=after.world_size, timeout=options.timeout,
+                                        store=dist.PrefixStore(
+                                            f"autohet/adapt/{generation - 1}/", store))
+                # the announcing process's clock, on this one's: the same machine's monotonic
+                ago = time.time() - end["written_unix"]
+                previous = _Switched(before, after, last, end["move_s"],
+                                     time.monotonic() - ago - end["stopped_ago_s"],
+                                     time.monotonic() - ago - end["saved_ago_s"],
+                                     time.monotonic())
+                plan_label, state = f"<re-plan at iteration {last}>", end["adapter"]
+                if rank == 0:
+                    dashboard = job_dashboard(options, continues=end["dashboard"])
             adapter = None
             if rank == 0:
                 # the planner (pyscipopt): only on the rank that decides
                 from megatron_autohet.planner.adapt import Adapter
                 adapter = Adapter(**state)
+                if members is not None:
+                    idle = [f"{node}:{gpu}" for node, gpu in members.gpus
+                            if _rank_in(plan, (node, gpu)) is None]
+                    if idle:
+                        print(f" adapt: GPUs idle in this plan, each a process waiting for a "
+                              f"re-plan to use it: {', '.join(idle)}", flush=True)
             switch = _PlanSwitch(plan, rank, options, make_stop_check, adapter, previous)
             last = train_job(plan, plan_label, model, options, rank=rank,
                              local_rank=local_rank, make_stop_check=switch.make_stop_check,
                              on_adapt=switch.decided, adapter=adapter, dashboard=dashboard)
             if switch.next is None:
-                return last
+                if members is not None and rank == 0:
+                    members.announce(generation, {"finished": last})
+                break
             adapter = None
             free_memory()       # train_job's trainer, optimizer and buffers are unreferenced
             saved_at = time.monotonic()
             new_rank = _rank_in(switch.next, plan.ranks[rank])
-            dashboard = _pass_dashboard(dashboard, rank, new_rank, options, switch.group)
+            dashboard, handover = _pass_dashboard(dashboard, rank, new_rank, options,
+                                                  switch.group)
+            if members is not None and rank == 0:
+                now = time.monotonic()
+                members.announce(generation, {
+                    "plan": switch.next.to_dict(), "iteration": last,
+                    "address": switch.address, "adapter": switch.adapter_state,
+                    "move_s": switch.move_s, "dashboard": handover,
+                    "written_unix": time.time(), "stopped_ago_s": now - switch.stopped_at,
+                    "saved_ago_s": now - saved_at})
             backend = dist.get_backend()
             dist.destroy_process_group()
             if new_rank is None:
-                return last
+                if members is None:
+                    return last
+                plan, rank = switch.next, None
+                options = resume_options(options, last)
+                generation += 1
+                continue
             store = switch.store or join_generation_store(*switch.address)
             dist.init_process_group(backend, rank=new_rank, world_size=switch.next.world_size,
                                     timeout=options.timeout,
@@ -300,19 +443,25 @@ def train_adapting(plan: Plan, plan_label: str, model: ModelSpec, options: Train
     finally:
         if dashboard is not None:
             dashboard.close()
+    if members is not None:
+        members.finish(options.timeout)
+    return last
 
 
-def _pass_dashboard(dashboard, rank: int, new_rank: int | None, options: TrainOptions, group):
+def _pass_dashboard(dashboard, rank: int, new_rank: int | None, options: TrainOptions,
+                    group):
     """At a switch, on every rank of the old plan (one broadcast on the switch's group, which
     also orders the old writer's close before the next one's first write): the dashboard stays
     with its process where that process is the new plan's rank 0 too; else the old rank 0
     hands it over (runtime/dashboard.py ``Dashboard.handover``) and the process that is the
-    new rank 0 goes on with the same event file and W&B run. Returns this process's dashboard
-    for the new plan."""
+    new rank 0 goes on with the same event file and W&B run: an old rank through this
+    broadcast, a member idle in the old plan through the switch's announcement
+    (:meth:`Members.announce`). Returns this process's dashboard for the new plan and the
+    handover (the old rank 0's; None elsewhere)."""
     import torch.distributed as dist     # torch: a rank's code (see the module's docstring)
 
     message = [dashboard.handover() if rank == 0 and new_rank != 0 and dashboard else None]
     dist.broadcast_object_list(message, src=0, group=group)
     if new_rank != 0:
-        return None
-    return dashboard if rank == 0 else job_dashboard(options, continues=message[0])
+        return None, message[0] if rank == 0 else None
+    return (dashboard if rank == 0 else job_dashboard(options, continues=message[0])), None

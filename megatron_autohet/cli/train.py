@@ -28,8 +28,8 @@ from megatron_autohet.data.vocabulary import TokenizerFlags, check_vocabulary
 from megatron_autohet.errors import ConfigError
 from megatron_autohet.job import (ElasticOptions, TrainOptions, job_precision, measure_fields,
                                   measure_flags)
-from megatron_autohet.launch import (DistEnv, launch_local, load_job, report_to_launcher,
-                                     run_worker)
+from megatron_autohet.launch import (DistEnv, job_gpus, launch_local, load_job,
+                                     report_to_launcher, run_worker)
 from megatron_autohet.plan import check_bf16_support, check_overlap_grad_reduce
 from megatron_autohet.runtime.dashboard import dashboard_flags, dashboard_options
 from megatron_autohet.spec.cluster import load_cluster
@@ -238,7 +238,10 @@ def register(subparsers) -> None:
         (("--cluster",), dict(default=None,
                               help="with --elastic: the cluster file whose entries describe "
                                    "the nodes the job may get (matched by node name, else by "
-                                   "GPU type: bandwidths, prices)")),
+                                   "GPU type: bandwidths, prices); with --autohet-adapt "
+                                   "replan: the cluster file the plan was made for, whose "
+                                   "GPUs the plan leaves idle each get a process waiting for "
+                                   "a re-plan to use it")),
         (("--autohet-notice-file",), dict(
             default=None, help="with --elastic: the preemption-notice file `autohet watch` "
                                "writes on this node ('{node}' becomes the node name)")),
@@ -315,6 +318,9 @@ def checked_job(args: argparse.Namespace, launches_here: bool = False):
     check_batch_flags(args, plan, args.plan)
     if not args.elastic:
         check_resume(options.checkpoint, plan, options.optimizer, options.iters, args.model)
+    if options.cluster is not None:
+        # the plan's GPUs are the cluster's; the others get a process each (launch.py)
+        job_gpus(plan, args.plan, options)
     if launches_here:
         check_runs_here(plan, args.plan, gpu_count)
     # megatron-core's tokenizer and index reader, where the flags name them
@@ -468,7 +474,8 @@ def train_options(args: argparse.Namespace) -> TrainOptions:
                         precision=check_precision(args), hidden_dropout=args.hidden_dropout,
                         attention_dropout=args.attention_dropout,
                         **requested_fusions(args), **measure_fields(args),
-                        dashboard=dashboard_options(args), elastic=elastic)
+                        dashboard=dashboard_options(args), elastic=elastic,
+                        cluster=None if args.elastic else args.cluster)
 
 
 def check_precision(args: argparse.Namespace) -> str | None:
@@ -487,7 +494,8 @@ def check_elastic(args: argparse.Namespace, checkpoint: CheckpointOptions) -> No
     """--elastic needs a cluster file and a node-local checkpoint tier (and torchrun: checked
     where the worker starts); the elastic flags need --elastic."""
     if not args.elastic:
-        for flag in ("cluster", "autohet_notice_file", "autohet_events_jsonl"):
+        # (--cluster without --elastic: adapt replan's idle GPUs, TrainOptions.validate)
+        for flag in ("autohet_notice_file", "autohet_events_jsonl"):
             if getattr(args, flag) is not None:
                 raise ConfigError("<command line>", "--" + flag.replace("_", "-"),
                                   "given without --elastic", "only with --elastic")

@@ -175,9 +175,13 @@ class AdaptDecision:
 
 
 def plan_fleet(plan: Plan, catalog: dict[str, GPUType], template: Cluster | None = None,
-               speeds: dict[tuple[str, int], float] | None = None) -> Cluster:
+               speeds: dict[tuple[str, int], float] | None = None, *,
+               with_idle: bool = False) -> Cluster:
     """The fleet ``plan`` runs on as a cluster: its nodes, each with the GPUs the plan lists on
-    it (its idle GPUs are not known to a plan), links, price and zone from the ``template``
+    it (its idle GPUs are not known to a plan) - with ``with_idle``, every GPU of every
+    ``template`` node too (``autohet train --cluster``: the job holds a process waiting on each
+    GPU its plan leaves idle, which a re-plan may give work) - links, price and zone from the
+    ``template``
     node of the same name (else of the same GPU type; an elastic job's cluster file) or the
     catalog's intra-node link and DEFAULT_NIC_GBS, with ``speeds`` (spec/cluster.py). The
     template's zones (their regions and the links between them) stay where every node found
@@ -189,6 +193,10 @@ def plan_fleet(plan: Plan, catalog: dict[str, GPUType], template: Cluster | None
     for info in plan.ranks:
         gpus.setdefault(info.node, info.gpu)
         counts[info.node] = max(counts.get(info.node, 0), info.local_rank + 1)
+    if with_idle and template is not None:
+        for node in template.nodes:
+            gpus.setdefault(node.name, node.gpu)
+            counts[node.name] = max(counts.get(node.name, 0), node.num_gpus)
     types = {gpu: (template.gpu_types.get(gpu) if template else None) or catalog.get(gpu)
              for gpu in gpus.values()}
     missing = sorted(g for g, t in types.items() if t is None)
@@ -406,8 +414,8 @@ def _per_iteration(objective, cost: PlanCost) -> float:
 
 
 def _window_inputs(plan: Plan, stages, priors, *, catalog: dict[str, GPUType], precision,
-                   attention: str, fusions: dict[str, bool] | None,
-                   template: Cluster | None) -> tuple[Cluster, Profile, tuple[Straggler, ...]]:
+                   attention: str, fusions: dict[str, bool] | None, template: Cluster | None,
+                   with_idle: bool) -> tuple[Cluster, Profile, tuple[Straggler, ...]]:
     """What a window's re-plan is priced on: the plan's fleet with the measured speeds, the
     measured profile (over the plan's recorded one) and the stragglers."""
     speeds = measured_speeds(plan, stages, priors)
@@ -422,27 +430,31 @@ def _window_inputs(plan: Plan, stages, priors, *, catalog: dict[str, GPUType], p
             profile = merge_profiles([measured, recorded], ["<measured>", "<plan>"])
         except ConfigError:
             profile = measured          # another precision or attention: the run's alone
-    return plan_fleet(plan, catalog, template, speeds), profile, stragglers
+    return (plan_fleet(plan, catalog, template, speeds, with_idle=with_idle), profile,
+            stragglers)
 
 
 def replan_window(plan: Plan, stages, window: tuple[int, int], priors, *,
                   catalog: dict[str, GPUType], precision, attention: str,
-                  fusions: dict[str, bool] | None, template: Cluster | None = None) -> Replan:
+                  fusions: dict[str, bool] | None, template: Cluster | None = None,
+                  with_idle: bool = False) -> Replan:
     """The search of a window (module doc): ``stages`` the window's StageMeasures, ``priors``
     the entries the plan was priced on (from_run.priced_entries), ``precision`` the job's
-    (spec/precision.py), ``attention`` and ``fusions`` what its layers ran."""
+    (spec/precision.py), ``attention`` and ``fusions`` what its layers ran; ``template`` and
+    ``with_idle``: :func:`plan_fleet`'s."""
     fleet, profile, stragglers = _window_inputs(
         plan, stages, priors, catalog=catalog, precision=precision, attention=attention,
-        fusions=fusions, template=template)
+        fusions=fusions, template=template, with_idle=with_idle)
     return price_replan(plan, fleet, profile, window, stragglers, precision=precision.name)
 
 
 def confirm_window(plan: Plan, candidate: Plan, stages, window: tuple[int, int], priors, *,
                    catalog: dict[str, GPUType], precision, attention: str,
-                   fusions: dict[str, bool] | None, template: Cluster | None = None) -> Replan:
+                   fusions: dict[str, bool] | None, template: Cluster | None = None,
+                   with_idle: bool = False) -> Replan:
     """:func:`replan_window`'s figures for ``candidate`` (a re-plan an earlier window's search
     found) on this window's measurements, without a search: whether its gain holds."""
     fleet, profile, stragglers = _window_inputs(
         plan, stages, priors, catalog=catalog, precision=precision, attention=attention,
-        fusions=fusions, template=template)
+        fusions=fusions, template=template, with_idle=with_idle)
     return price_candidate(plan, candidate, fleet, profile, window, stragglers)

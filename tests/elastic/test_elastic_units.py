@@ -81,7 +81,7 @@ def test_transfers_move_only_what_no_receiver_holds_and_balance_receivers():
 
 @pytest.mark.unit
 @pytest.mark.parametrize("flags,field,message", [
-    (["--cluster", str(SPOT)], "--cluster", "given without --elastic"),
+    (["--cluster", str(SPOT)], "--cluster", "given to a job that does not re-plan"),
     (["--autohet-notice-file", "n.json"], "--autohet-notice-file", "given without --elastic"),
     (["--elastic"], "--elastic", "not started by torchrun"),
     (["--distributed-timeout-minutes", "0"], "--distributed-timeout-minutes", "got 0.0"),
