@@ -107,13 +107,13 @@ _PREFIX = "autohet/"
 _STORE_TIMEOUT = timedelta(minutes=5)   # waiting for every worker to say who it is
 
 
-def node_identity(local_rank: int) -> tuple[str, str]:
+def node_identity(local_rank: int, gpu_catalog: str | None = None) -> tuple[str, str]:
     """(node name, GPU type): ``AUTOHET_NODE`` / ``AUTOHET_GPU`` where set (launch_node.sh sets
     them; emulated nodes must), else the hostname and the CUDA device name matched to the
-    catalog."""
+    catalog: the job's ``--gpu-catalog`` (``gpu_catalog``), else the bundled one."""
     node = os.environ.get("AUTOHET_NODE") or socket.gethostname()
     gpu = os.environ.get("AUTOHET_GPU")
-    catalog = sorted(load_gpu_catalog())
+    catalog = sorted(load_gpu_catalog(gpu_catalog))
     if gpu is None:
         if not torch.cuda.is_available():
             raise ConfigError("<environment>", "AUTOHET_GPU", "not set and this process has no "
@@ -207,7 +207,7 @@ class ElasticWorker:
         self.world_size = int(os.environ["WORLD_SIZE"])
         self.local_rank = int(os.environ["LOCAL_RANK"])
         self.round = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        node, gpu = node_identity(self.local_rank)
+        node, gpu = node_identity(self.local_rank, options.gpu_catalog)
         self.me = Member(node, gpu, self.local_rank)
         self.events_jsonl = events_jsonl
         # TensorBoard / W&B of this process: its events and, on the plan's rank 0, iterations

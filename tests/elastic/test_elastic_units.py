@@ -129,3 +129,15 @@ def test_elastic_jobs_wait_ten_minutes_for_a_peer_by_default(flags, minutes, mon
                  str(SPOT), "--autohet-local-ckpt-dir", str(tmp_path / "{node}"),
                  "--save-interval", "4", *flags]) == 0
     assert [o.distributed_timeout_minutes for o in given] == [minutes]
+
+
+@pytest.mark.unit
+def test_node_identity_checks_the_gpu_type_against_the_jobs_catalog(monkeypatch):
+    from megatron_autohet.elastic.worker import node_identity
+
+    emulated = str(Path(__file__).resolve().parents[2] / "configs" / "emulated" / "gpus.yaml")
+    monkeypatch.setenv("AUTOHET_NODE", "emu-1")
+    monkeypatch.setenv("AUTOHET_GPU", "EMU-MID")
+    assert node_identity(0, emulated) == ("emu-1", "EMU-MID")
+    with pytest.raises(ConfigError, match="unknown GPU type 'EMU-MID'"):
+        node_identity(0)                # the bundled catalog has no emulated types
