@@ -26,7 +26,9 @@ below are bf16's.
   1F1B): each stage runs its layers as v chunks, so a micro-batch passes the stages v times, each
   pass ``t_s / v`` of compute and a transfer ``c_s`` (the last stage's goes round to the first
   stage: the ring closes over that link): ``T_pipe = sum_s (t_s / v + c_s) + (m v - 1) * max_s
-  (t_s / v + c_s)``, the fill and drain v times shorter, the transfers v times as many. A stage
+  (t_s / v + c_s)``, the fill and drain v times shorter, the transfers v times as many. Where a
+  stage's chunks differ in size every pass is priced at its largest chunk's share of ``t_s``
+  instead of ``t_s / v`` (the slowest pass sets the pace). A stage
   holds the activations of ``ceil((2 (S - s - 1) + (v - 1) S + 1) / v)`` micro-batches' worth of
   layers (megatron's interleaved warm-up, each of 1/v of the stage). No event-level timeline is
   simulated for them.
@@ -313,6 +315,14 @@ def pipeline_time_s(stage_periods: list[float], num_microbatches: int,
     """1F1B time from per-stage periods ``t_s / v + c_s`` (one chunk's compute and transfer):
     sum + (m v - 1) * max (blocking transfers; module doc, "Interleaved pipelines")."""
     return sum(stage_periods) + (num_microbatches * virtual_stages - 1) * max(stage_periods)
+
+
+def _largest_chunk_share(stage) -> float:
+    """The fraction of a stage's layers its largest model chunk holds (1 in a plain pipeline,
+    1 / v where its v chunks are equal)."""
+    if not stage.virtual_layers:
+        return 1.0
+    return max(end - start for start, end in stage.chunks) / stage.num_layers
 
 
 def grad_allreduce_s(param_count: float, holders: int, bandwidth_gbs: float) -> float:
@@ -660,7 +670,9 @@ def evaluate_plan(plan: Plan, cluster: Cluster, profile: Profile, with_timeline:
             stages.append(cost)
             for r in stage.ranks:
                 stage_of_rank[r] = cost
-        time = pipeline_time_s([c.time_s / v + c.p2p_s for c in stages], m, v)
+        # a pass of a stage runs one chunk: priced at its largest (chunks may differ in size)
+        time = pipeline_time_s([c.time_s * _largest_chunk_share(st) + c.p2p_s
+                                for c, st in zip(stages, pipe.stages)], m, v)
         standard = depths == standard_depths
         if not pipe.interleaved and (not standard or with_timeline):
             # Pipelines of equal stage times, micro-batches and depths have one schedule:

@@ -112,6 +112,11 @@ def add_planning_arguments(parser) -> None:
                         help="fraction of every GPU's memory a plan leaves free for the "
                              "allocator's fragmentation (default: "
                              f"{DEFAULT_MEMORY_HEADROOM})")
+    parser.add_argument("--no-virtual-stages", action="store_true",
+                        help="keep one model chunk per stage: by default the pipelines that set "
+                             "the iteration time get 2 or 4 (megatron-core's interleaved 1F1B, "
+                             "Megatron-LM's --num-layers-per-virtual-pipeline-stage) where the "
+                             "cost model prices a gain")
 
 
 # --profile of plan, compare, show and replan: given several times, the files are merged.
@@ -244,7 +249,8 @@ def planning_options(args) -> dict:
             "time_limit_s": args.time_limit, "objective": args.objective,
             "memory_headroom": check_memory_headroom(args.memory_headroom),
             "min_tokens_per_s": throughput_floor(args),
-            "charge": args.charge or DEFAULT_CHARGE}
+            "charge": args.charge or DEFAULT_CHARGE,
+            "virtual_stages": not args.no_virtual_stages}
 
 
 # ---- plans against clusters ----------------------------------------------------------------------

@@ -10,6 +10,7 @@
 ``space``              the plan space's building blocks: pools, option pricing, placement
 ``candidate``          what every search returns (plan, cost, how its search ended)
 ``warmup``             the HAPT warm-up post-pass on the best plan
+``interleave``         the virtual-stage post-pass: v model chunks per stage where they pay
 ``baselines``          Megatron-LM, Whale-style and homogeneous plans, the search's first incumbents
 ``compare``            our plan against those baselines, judged by the same cost model
 ``replan``             the plan after a fleet change, moving little training state

@@ -101,14 +101,16 @@ def compare(cluster: Cluster, model: ModelSpec, profile: Profile | None, global_
             time_limit_s: float = 60.0, progress: bool = True,
             memory_headroom: float = DEFAULT_MEMORY_HEADROOM,
             objective: str = DEFAULT_OBJECTIVE, cluster_file: str = "<cluster>",
-            min_tokens_per_s: float | None = None, charge: str = DEFAULT_CHARGE) -> Comparison:
+            min_tokens_per_s: float | None = None, charge: str = DEFAULT_CHARGE,
+            virtual_stages: bool = True) -> Comparison:
     """Plan with make_plan's search and evaluate the baselines (planner/baselines.py) on the
     same cluster, model, profile and batch; speedup = baseline time / our time. Every plan
     carries its USD per million tokens when the nodes have prices, charged by ``charge``
     (``min_tokens_per_s``: the cost objective's floor, cost_search.py). All of them run on the GPUs
     that can train in the profile's precision (space.py ``trainable_for``, which the search
     applies too: a bf16 job of any kind has no use for V100s and T4s), the others counted
-    idle. The comparison says how our search ended (``stopped_by``, ``work``)."""
+    idle. The comparison says how our search ended (``stopped_by``, ``work``);
+    ``virtual_stages``: search()'s (the baselines keep one model chunk per stage)."""
     seq_length = seq_length or model.seq_length
 
     def plan_on(fleet: Cluster, show_progress: bool) -> Candidate:
@@ -117,7 +119,7 @@ def compare(cluster: Cluster, model: ModelSpec, profile: Profile | None, global_
                       activation_recompute=activation_recompute, time_limit_s=time_limit_s,
                       progress=show_progress, memory_headroom=memory_headroom,
                       objective=objective, min_tokens_per_s=min_tokens_per_s, charge=charge,
-                      cluster_file=cluster_file)
+                      cluster_file=cluster_file, virtual_stages=virtual_stages)
 
     best = plan_on(cluster, progress)
     zoned = cluster

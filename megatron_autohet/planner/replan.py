@@ -79,6 +79,7 @@ from megatron_autohet.planner.objective import THROUGHPUT, ObjectiveNotKept, obj
 from megatron_autohet.planner.search import search, with_left_out
 from megatron_autohet.planner.space import Problem, evaluate, priced_precision, resolve_profile
 from megatron_autohet.planner.state_moves import StateMap
+from megatron_autohet.planner.interleave import interleaved
 from megatron_autohet.planner.warmup import choose_warmups
 from megatron_autohet.profiling.profile import Profile
 from megatron_autohet.spec.cluster import Cluster, trainable_fleet
@@ -274,6 +275,10 @@ def _plan_on_devices(previous: Plan, problem: Problem, pipelines: list) -> Candi
     new_rank = {d.rank: i for i, d in enumerate(used)}
     total = problem.num_microbatches
     same = len(pipelines) == len(previous.pipelines)
+    # An interleaved pipeline's stages as one chunk each, of the same layer counts (its
+    # micro-batches change; the search's plan gets its chunks chosen again, planner/search.py)
+    plain = {id(stage): flat for pipe in previous.pipelines if pipe.interleaved
+             for stage, flat in zip(pipe.stages, interleaved(pipe, 1).stages)}
     # Any valid split will do to cost the stages (their times do not depend on it); the real
     # split follows from those times.
     share = ([pipe.num_microbatches for pipe in previous.pipelines] if same
@@ -283,7 +288,7 @@ def _plan_on_devices(previous: Plan, problem: Problem, pipelines: list) -> Candi
                 global_batch_size=previous.global_batch_size, seq_length=previous.seq_length,
                 ranks=[RankInfo(i, d.node, d.local_rank, d.gpu) for i, d in enumerate(used)],
                 pipelines=[Pipeline([dataclasses.replace(
-                    stage, ranks=[new_rank[d.rank] for d in devs],
+                    plain.get(id(stage), stage), ranks=[new_rank[d.rank] for d in devs],
                     warmup_microbatches=stage.warmup_microbatches if same else None)
                     for stage, devs in pipe], m) for pipe, m in zip(pipelines, share)],
                 activation_recompute=previous.activation_recompute,

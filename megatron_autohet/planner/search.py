@@ -16,13 +16,15 @@ import math
 from collections.abc import Callable, Sequence
 
 from megatron_autohet.cost_model import (DEFAULT_CHARGE, DEFAULT_MEMORY_HEADROOM, PlanCost,
-                                         annotate_plan, check_charge, record_profile)
+                                         annotate_plan, check_charge, check_memory_headroom,
+                                         record_profile)
 from megatron_autohet.errors import ConfigError
 from megatron_autohet.plan import DEFAULT_OBJECTIVE, Plan
 from megatron_autohet.planner import candidate
 from megatron_autohet.planner.candidate import Candidate
+from megatron_autohet.planner.interleave import choose_virtual_stages
 from megatron_autohet.planner.objective import objective_named
-from megatron_autohet.planner.space import trainable_for
+from megatron_autohet.planner.space import resolve_profile, trainable_for
 from megatron_autohet.planner.throughput_search import WORK_BUDGET
 from megatron_autohet.profiling.profile import Profile
 from megatron_autohet.spec.cluster import Cluster
@@ -48,7 +50,8 @@ def make_plan(cluster: Cluster, model: ModelSpec, profile: Profile | None,
               tp_degrees: list[int] | None = None, max_stages: int | None = None,
               distributed_optimizer: bool = False,
               memory_headroom: float = DEFAULT_MEMORY_HEADROOM,
-              work_budget: int = WORK_BUDGET, objective: str = DEFAULT_OBJECTIVE) -> Plan:
+              work_budget: int = WORK_BUDGET, objective: str = DEFAULT_OBJECTIVE,
+              virtual_stages: bool = True) -> Plan:
     """The plan the search finds (see module doc), annotated with its predictions.
 
     ``profile`` None plans on analytic estimates; a given profile (measured or estimated) wins
@@ -61,7 +64,8 @@ def make_plan(cluster: Cluster, model: ModelSpec, profile: Profile | None,
     ``work_budget`` bounds the search deterministically (throughput_search.py,
     "Deterministic budget"); ``time_limit_s`` is the
     wall-clock safety net. ``objective`` "cost" minimises USD per million tokens instead of
-    the iteration time (every node needs a spot price).
+    the iteration time (every node needs a spot price). ``virtual_stages`` False keeps one
+    model chunk per stage (planner/interleave.py).
     Raises ConfigError when the batch cannot be split or no plan fits in memory.
     """
     return search(cluster, model, profile, global_batch_size, micro_batch_size, seq_length,
@@ -70,7 +74,7 @@ def make_plan(cluster: Cluster, model: ModelSpec, profile: Profile | None,
                   progress=progress, tp_degrees=tp_degrees, max_stages=max_stages,
                   distributed_optimizer=distributed_optimizer,
                   memory_headroom=memory_headroom, work_budget=work_budget,
-                  objective=objective).plan
+                  objective=objective, virtual_stages=virtual_stages).plan
 
 
 def search(cluster: Cluster, model: ModelSpec, profile: Profile | None, global_batch_size: int,
@@ -85,7 +89,8 @@ def search(cluster: Cluster, model: ModelSpec, profile: Profile | None, global_b
            memory_headroom: float = DEFAULT_MEMORY_HEADROOM,
            sub_fleets: bool = True, min_tokens_per_s: float | None = None,
            charge: str = DEFAULT_CHARGE, max_searches: int | None = None,
-           cluster_file: str = "<cluster>", precision: str | None = None) -> Candidate:
+           cluster_file: str = "<cluster>", precision: str | None = None,
+           virtual_stages: bool = True) -> Candidate:
     """make_plan, returning the plan with its cost and the TP/recompute choice.
 
     The plan uses only the GPUs that train in ``precision`` (None: the one it is priced in;
@@ -107,6 +112,10 @@ def search(cluster: Cluster, model: ModelSpec, profile: Profile | None, global_b
     anyway, and is on the recovery path), and ``on_candidate`` sees every plan the search
     judges that fits in memory (the warm-up post-pass then still changes the best one's plan
     in place).
+
+    ``virtual_stages`` (default True): the plan found then gets interleaved pipelines where the
+    cost model prices a gain (planner/interleave.py: after the search, on its chosen plan, so
+    the search's own work is unchanged); False keeps one model chunk per stage.
     """
     kind = objective_named(objective)
     if not 0 < time_limit_s < math.inf:
@@ -123,6 +132,14 @@ def search(cluster: Cluster, model: ModelSpec, profile: Profile | None, global_b
                        baselines=baselines, work_budget=work_budget, on_candidate=on_candidate,
                        distributed_optimizer=distributed_optimizer,
                        memory_headroom=memory_headroom, sub_fleets=sub_fleets, charge=charge)
+    if virtual_stages:
+        seq = seq_length or model.seq_length
+        plan, cost = choose_virtual_stages(
+            best.plan, best.cost, cluster,
+            resolve_profile(cluster, model, profile, micro_batch_size, seq),
+            check_memory_headroom(memory_headroom), goal.rank, goal.meets)
+        if plan is not best.plan:
+            best = dataclasses.replace(best, plan=plan, cost=cost)
     if left_out:
         best = dataclasses.replace(best, cost=with_left_out(best.cost, left_out))
         annotate_plan(best.plan, best.cost)

@@ -69,3 +69,15 @@ def test_interleaved_stages_hold_megatrons_warmup_of_activations():
         math.ceil(5 / 2), math.ceil(3 / 2)]
     assert all(s.memory_gib > p.memory_gib for s, p in zip(interleaved.pipelines[0].stages,
                                                            plain.pipelines[0].stages))
+
+
+def test_a_pass_of_unequal_chunks_is_priced_at_the_stages_largest():
+    """Chunks of 3 and 1 layers on each stage: every pass is priced at 3/4 of the stage's
+    compute, not at half of it."""
+    plan = _plan(True)
+    plan.pipelines[0].stages[0] = Stage([0], (0, 3), virtual_layers=((4, 5),))
+    plan.pipelines[0].stages[1] = Stage([1], (3, 4), virtual_layers=((5, 8),))
+    cost = evaluate_plan(plan.validate(), CLUSTER, _profile())
+    t, c = 4 * 3.0, p2p_s(MODEL, 1, 32, LINK, _profile().precision)
+    assert cost.pipelines[0].time_s == pytest.approx(
+        2 * (t * 3 / 4 + c) + (2 * M - 1) * (t * 3 / 4 + c))
