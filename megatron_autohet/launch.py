@@ -47,6 +47,7 @@ from megatron_autohet.job import TrainOptions, init_backend, report_job_config_e
 from megatron_autohet.plan import Plan, load_plan
 from megatron_autohet.plan_switch import Members, job_members, train_adapting
 from megatron_autohet.spec.cluster import load_cluster
+from megatron_autohet.spec.gpus import load_gpu_catalog
 from megatron_autohet.spec.model import ModelSpec, load_model
 from megatron_autohet.system.parent_death import exported_parent_pid
 
@@ -92,7 +93,8 @@ def job_gpus(plan: Plan, plan_path: str | Path,
     first (plan_switch.py ``job_members``)."""
     if options.cluster is None:
         return tuple((r.node, r.local_rank) for r in plan.ranks)
-    return job_members(plan, load_cluster(options.cluster), str(plan_path), options.cluster)
+    cluster = load_cluster(options.cluster, load_gpu_catalog(options.gpu_catalog))
+    return job_members(plan, cluster, str(plan_path), options.cluster)
 
 
 def check_env(plan: Plan, plan_path: str | Path, env: DistEnv, gpus: tuple[tuple[str, int], ...],

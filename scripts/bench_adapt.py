@@ -14,8 +14,7 @@ switched plans after iteration N: ...``). Scenarios, a row each, printed and wri
 JSON as soon as it ends:
 
 * **a, wrong profile**: the plan made from the true profile with two types' entries swapped
-  (EMU-MID's figures as EMU-SLOW's and back: each type off by 2x; the plan still trains on
-  every GPU, as a re-plan must: it re-plans the GPUs its plan runs on), trained with ``replan``;
+  (EMU-MID's figures as EMU-SLOW's and back: each type off by 2x), trained with ``replan``;
   beside it the true plan trained with ``off`` (the throughput to reach, and the losses'
   reference). Reports the switch (iteration, seconds from the job's first iteration to the
   first iteration after it), the measured throughput before and after it and of the true plan,
@@ -48,7 +47,9 @@ is logged (importing torch and building the model at 0.15 of a core takes a minu
 type's share. The machine is shared: the load average (1 minute) before and after each run is
 in its row, and a quota is a ceiling, not a guarantee (emulate_cluster.py).
 
-The adapting runs price their re-plans in the emulated catalog (``--gpu-catalog``). While a
+The adapting runs price their re-plans in the emulated catalog (``--gpu-catalog``), and the
+``replan`` runs hold a process on every emulated GPU (``--cluster``: those the plan leaves idle
+wait for a re-plan to use them, in their GPU's quota). While a
 run trains, the bench moves each rank's re-plan search process (planner/adapt_process.py, a
 child of the rank) out of the rank's cgroup into the cgroup root as soon as it sees it (it
 looks every 0.2 s): the search is the work of the host CPU beside a GPU, not of the GPU, so it
@@ -77,6 +78,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import emulate_cluster as emu  # puts the repository on sys.path
 from _bench import silence_known_megatron_warnings, write_json
+
+from megatron_autohet.plan_switch import job_members
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CLUSTER = str(emu.EMULATED_DIR / "three-speeds.yaml")
@@ -292,15 +295,19 @@ class Fleet:
         from megatron_autohet.plan import load_plan
 
         plan = load_plan(plan_path)
-        placements = emu.place_ranks(self.fleet, [(r.node, r.local_rank) for r in plan.ranks],
-                                     self.args.prefix)
+        gpus = [(r.node, r.local_rank) for r in plan.ranks]
+        if adapt == "replan":
+            # a process on every GPU of the fleet, those the plan leaves idle waiting for a
+            # re-plan to use them (autohet train --cluster)
+            gpus = list(job_members(plan, self.fleet.cluster, str(plan_path), self.args.cluster))
+        placements = emu.place_ranks(self.fleet, gpus, self.args.prefix)
         by_gpu = {(p.node, p.local_rank): p for p in placements}
         work = self.tmp / name
         work.mkdir()
         metrics = work / "metrics.jsonl"
         cmd = [sys.executable, "-m", "megatron_autohet.cli.main"] + train_args(
             plan_path, self.args.model, iters, self.args.window, adapt, work,
-            self.tmp / "data", stop_after)
+            self.tmp / "data", stop_after, cluster=self.args.cluster)
         self.port += 1
         share = {gpu: self.fleet.cpu_share[p.gpu] for gpu, p in by_gpu.items()}
         if slow_from_start is not None:
@@ -381,17 +388,21 @@ def search_to_host(cgroups: list[Path], root: Path = emu.CGROUP_CPU_ROOT) -> int
 
 
 def train_args(plan: Path, model: str, iters: int, window: int, adapt: str, work: Path,
-               data_dir: Path, stop_after: int | None = None) -> list[str]:
+               data_dir: Path, stop_after: int | None = None,
+               cluster: str | None = None) -> list[str]:
     """``autohet train``'s arguments of one run. Every run of a scenario has the same
     ``--iters`` (the learning-rate schedule's length, so their losses compare); a shorter
     reference stops at ``stop_after`` (``--exit-interval``). It saves only at its end (or a
-    switch: the state moves through the job's checkpoints)."""
+    switch: the state moves through the job's checkpoints). A ``replan`` run gets the fleet's
+    ``cluster`` file, whose GPUs its plan leaves idle it holds a process on."""
     args = ["train", "--plan", str(plan), "--model", model, "--iters", str(iters),
             "--seed", str(SEED), "--metrics-jsonl", str(work / "metrics.jsonl"),
             "--data-dir", str(data_dir), "--autohet-measure-window", str(window),
             "--autohet-adapt", adapt, "--save", str(work / "ckpt"), "--save-interval", str(iters)]
     if adapt != "off":
         args += ["--gpu-catalog", str(emu.DEFAULT_CATALOG)]
+    if adapt == "replan" and cluster is not None:
+        args += ["--cluster", cluster]
     if stop_after is not None and stop_after < iters:
         args += ["--exit-interval", str(stop_after)]
     return args
