@@ -5,7 +5,9 @@
 window's end to the plan its decision chose (planner/adapt.py): every rank saves the iteration,
 the new plan's ranks make its process group (:func:`host_generation_store`, which an elastic
 job's in-process re-plan shares) and recover that step, and train on; the new plan's rank 0
-times the switch, whose seconds price the next one.
+times the switch, whose seconds price the next one. With ``--cluster`` every GPU of the cluster
+file has a process (:class:`Members`, :func:`job_members`): those a plan leaves idle wait on the
+members' store for that plan's end, so a re-plan of the whole cluster may give them work.
 
 torch is imported inside the functions that use it: ``autohet train`` imports this module at
 start-up, long before (and in the launcher, without) any training.
