@@ -110,6 +110,10 @@ class Stage:
     def num_layers(self) -> int:
         return sum(end - start for start, end in self.chunks)
 
+    def layers_label(self, end_inclusive: bool = False) -> str:
+        """Its layers as text, ``start-end`` per model chunk joined by ``+`` (``0-2+4-6``)."""
+        return "+".join(f"{start}-{end - end_inclusive}" for start, end in self.chunks)
+
 
 def standard_warmup_depths(num_stages: int, num_microbatches: int) -> list[int]:
     """Megatron's 1F1B warm-up depth per stage: num_stages - s - 1, at most the micro-batches."""

@@ -148,7 +148,7 @@ def describe_plan(plan: Plan) -> str:
     """A plan in one phrase: its pipelines, each stage's GPUs and layers, micro-batches."""
     pipes = ", ".join("[" + " | ".join(
         f"{plan.ranks[s.ranks[0]].gpu}{f' x{s.tp}' if s.tp > 1 else ''} layers "
-        f"{s.layers[0]}-{s.layers[1]}" for s in pipe.stages) + f"] x{pipe.num_microbatches}"
+        f"{s.layers_label()}" for s in pipe.stages) + f"] x{pipe.num_microbatches}"
         for pipe in plan.pipelines)
     return (f"{len(plan.pipelines)} pipeline{'s' if len(plan.pipelines) > 1 else ''} on "
             f"{plan.world_size} GPUs {pipes}")

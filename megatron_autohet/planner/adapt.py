@@ -238,7 +238,7 @@ def _same_layout(a: Plan, b: Plan) -> bool:
     """The same ranks, stages, layers and micro-batches (predictions aside)."""
     def shape(p: Plan):
         return ([(r.node, r.local_rank) for r in p.ranks],
-                [(pipe.num_microbatches, [(s.ranks, tuple(s.layers), s.warmup_microbatches)
+                [(pipe.num_microbatches, [(s.ranks, s.chunks, s.warmup_microbatches)
                                           for s in pipe.stages]) for pipe in p.pipelines])
     return shape(a) == shape(b)
 

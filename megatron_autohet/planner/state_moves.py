@@ -49,7 +49,8 @@ def _stage_pieces(plan: Plan, pipeline: int, stage: int) -> list[Piece]:
     """What a stage holds (layout/topology.py's holders): its layers, and the non-layer kinds."""
     stages = plan.pipelines[pipeline].stages
     first, last = stage == 0, stage == len(stages) - 1
-    pieces: list[Piece] = list(range(*stages[stage].layers))
+    pieces: list[Piece] = [layer for start, end in stages[stage].chunks   # every model chunk
+                           for layer in range(start, end)]
     if first or (last and plan.model.tie_embeddings):
         pieces.append("word_embeddings")
     if first and plan.model.position_embedding_type == "learned_absolute":

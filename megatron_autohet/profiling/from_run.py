@@ -103,7 +103,7 @@ def _scaled(entry: ProfileEntry, k: float) -> ProfileEntry:
 
 def _priced_s(plan: Plan, key, stage, first: bool, last: bool, priors) -> float:
     """The stage's forward + backward per micro-batch on the entry it was priced on."""
-    return sum(priors[key].stage_compute_s(stage.layers[1] - stage.layers[0], first, last,
+    return sum(priors[key].stage_compute_s(stage.num_layers, first, last,
                                            plan.activation_recompute))
 
 

@@ -61,6 +61,13 @@ class StageMeasure:
     # each of its ranks' own compute median per iteration, in ``ranks`` order (the stage's is
     # the slowest; profiling/from_run.py ``find_stragglers`` compares GPUs by them)
     rank_compute_s: tuple[float, ...] = ()
+    # the layer range of each of its model chunks (an interleaved pipeline's stage has several;
+    # ``layers`` is the first's)
+    chunks: tuple[tuple[int, int], ...] = ()
+
+    def layers_label(self) -> str:
+        """Its layers, first and last of each chunk (``0-1+4-5``)."""
+        return "+".join(f"{start}-{end - 1}" for start, end in self.chunks or (self.layers,))
 
     @property
     def per_microbatch_s(self) -> float:
@@ -90,7 +97,7 @@ class WindowReport:
         """One line per drifted stage (none when every stage is within ``threshold``)."""
         head = f"iterations {self.first_iteration}-{self.last_iteration}"
         return [f"{head}: pipeline {s.pipeline} stage {s.stage} ({s.gpu} x{len(s.ranks)}, "
-                f"layers {s.layers[0]}-{s.layers[1] - 1}): forward+backward "
+                f"layers {s.layers_label()}): forward+backward "
                 f"{s.per_microbatch_s:.4g} s per micro-batch measured, {s.predicted_s:.4g} s "
                 f"predicted ({s.ratio:.2f}x)" for s in self.drifted(threshold)]
 
@@ -101,6 +108,8 @@ class WindowReport:
                 "predicted_iteration_s": self.predicted_iteration_s,
                 "stages": [{"pipeline": s.pipeline, "stage": s.stage, "gpu": s.gpu,
                             "ranks": list(s.ranks), "layers": list(s.layers),
+                            **({"chunks": [list(c) for c in s.chunks]}
+                               if len(s.chunks) > 1 else {}),
                             "num_microbatches": s.num_microbatches,
                             **{f"{phase}_s": round(getattr(s, f"{phase}_s"), 6)
                                for phase in PHASES},
@@ -149,7 +158,8 @@ def window_report(plan: Plan, first: int, last: int, medians: list[list[float]]
                 ranks=tuple(stage.ranks), layers=tuple(stage.layers),
                 num_microbatches=pipe.num_microbatches, compute_s=phase[0], p2p_wait_s=phase[1],
                 grad_sync_s=phase[2], optimizer_s=phase[3], predicted_s=stage.predicted_time_s,
-                rank_compute_s=tuple(medians[r][0] for r in stage.ranks)))
+                rank_compute_s=tuple(medians[r][0] for r in stage.ranks),
+                chunks=stage.chunks))
     return WindowReport(first_iteration=first, last_iteration=last,
                         iteration_s=max(sum(m) for m in medians),
                         predicted_iteration_s=plan.predicted.get("iteration_time_s"),
