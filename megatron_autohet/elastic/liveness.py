@@ -32,9 +32,14 @@ training (every agent SIGKILLs its workers), so a loss is confirmed first:
   sets both. Give every node of a job the same ``--loss-timeout``: torch's expiry of the node
   with the shortest one applies to all.
 * A node waiting to join (torch's wait list) makes the agents restart their workers to admit it;
-  it counts only while its keep-alive was seen changing within :data:`WAITING_FRESH_S`, so a
-  standby that dies while it waits triggers one restart, not one per round until torch's expiry
-  removes it.
+  it counts while its keep-alive was seen changing within the loss timeout, the same standard as
+  a member's: a waiting agent gets the CPU no more often than a member's (on a loaded host its
+  keep-alive lands every 5-15 s: torch's join loop writes it between one-second sleeps and
+  compare-and-set retries; with a 5 s window, three nodes of a 4-node job at load 24 on 2 cores
+  waited 18 minutes while the first trained alone). The next round's last call then waits for
+  the waiting nodes that are fresh by the same rule (elastic/rendezvous.py), so a joiner seen
+  alive is in the round that admits it; a standby that died while it waits holds one round's
+  last call until it is no longer fresh, at most the loss timeout.
 
 The cost, both ways (docs/spot.md has the measurements): a node really lost is confirmed about
 ``--loss-timeout`` seconds after its last keep-alive (then its peers' workers are killed; the
@@ -61,8 +66,6 @@ CONFIRM_S = 2.0
 CONFIRM_POLLS = 3
 # Below this, overdue would begin after less than two keep-alive intervals of silence.
 MIN_LOSS_TIMEOUT_S = CONFIRM_S + 2 * KEEP_ALIVE_INTERVAL_S
-# A node waiting to join counts while its keep-alive changed within this many seconds.
-WAITING_FRESH_S = 5.0
 FLAG = "--loss-timeout"
 
 
@@ -100,7 +103,7 @@ class KeepAlives:
     """What one agent saw of the rendezvous state's keep-alives, poll by poll (module doc):
     :meth:`observe` at every poll with the state's ``last_heartbeats`` and this agent's
     monotonic time; :meth:`lost` the members confirmed lost; :meth:`fresh` whether a node's
-    keep-alive changed lately."""
+    keep-alive changed within the loss timeout."""
 
     def __init__(self, loss_timeout_s: float, *, confirm_s: float = CONFIRM_S,
                  confirm_polls: int = CONFIRM_POLLS):
@@ -140,8 +143,9 @@ class KeepAlives:
                 found.add(member)
         return found
 
-    def fresh(self, node: Hashable, within_s: float = WAITING_FRESH_S) -> bool:
-        """Whether ``node``'s keep-alive changed (or first appeared) within ``within_s`` of the
-        last poll."""
+    def fresh(self, node: Hashable) -> bool:
+        """Whether ``node``'s keep-alive changed (or first appeared) within the loss timeout of
+        the last poll (a node waiting to join that still lives: module doc)."""
         seen = self._seen.get(node)
-        return seen is not None and self._now is not None and self._now - seen.since <= within_s
+        return (seen is not None and self._now is not None
+                and self._now - seen.since <= self.loss_timeout_s)

@@ -60,8 +60,20 @@ has removed the lost member from the state. A node that got a preemption notice 
 in the store that it is leaving (``notice_file``) before its workers stop: the others re-plan
 in-process and train on, and its agent's later end is no loss. A node waiting to join comes
 first: the workers then stop at an iteration boundary and save (SIGTERM), as torchrun does; a
-waiting node counts while its keep-alive is seen changing (a standby that died waiting does not
-restart every round until torch drops it).
+waiting node counts while its keep-alive is seen changing within the loss timeout (a standby
+that died waiting does not restart every round until torch drops it).
+
+The round that admits waiting nodes: torch's round completes at the end of its last call
+(``last_call_timeout``, 1 s here) after its first member joined, whoever joined by then. The
+agents that wait to join see the round open only at their next read of the state, which on a
+loaded host comes 5-15 s apart: such a round completes without them, they still wait, the
+agents restart to admit them, and the next round completes without them again - a livelock in
+which no worker trains (4 emulated nodes at load 39-44 on 2 cores: 7 restarts in 7 minutes).
+Here the last call holds while a node of the wait list is fresh (its keep-alive seen changing
+within the loss timeout: elastic/liveness.py) - such a node adds itself at its next read, and
+the round completes at once when it has ``--nnodes``' maximum - and at most the loss timeout
+past torch's last call (the state's deadline, one clock for every agent), so a standby that
+died waiting holds one round for at most the loss timeout (20 s by default), never longer.
 """
 
 from __future__ import annotations
@@ -69,10 +81,13 @@ from __future__ import annotations
 import os
 import sys
 import time
-from datetime import timedelta
+from datetime import datetime, timedelta, timezone
 from typing import Callable
 
 from torch.distributed import DistStoreError, TCPStore
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (_Action, _RendezvousContext,
+                                                                      _RendezvousJoinOp,
+                                                                      _should_keep_alive)
 from torch.distributed.elastic.rendezvous import (RendezvousClosedError,
                                                   RendezvousGracefulExitError,
                                                   RendezvousHandler, RendezvousParameters,
@@ -167,10 +182,13 @@ class PersistentRendezvous(RendezvousHandler):
                  loss_timeout_s: float = DEFAULT_LOSS_TIMEOUT_S):
         self.inner = inner
         self.keep_alives = KeepAlives(loss_timeout_s)
+        _hold_last_call_for_fresh_joiners(inner, self.keep_alives, self._held_last_call)
         self.notice_file = notice_file
         self.stop_workers = stop_workers
         self.failed_rounds = 0
         self.lost_rounds = 0
+        self.held_last_calls = 0        # rounds whose last call this agent held for joiners
+        self._holding: int | None = None
         self._round: tuple[int, frozenset] | None = None    # (round, members) this agent runs
         self._departed: set = set()                         # members that announced it
         self._announced = False
@@ -240,6 +258,16 @@ class PersistentRendezvous(RendezvousHandler):
             self.stop_workers()
         return len(lost)
 
+    def _held_last_call(self, number: int, awaited: set) -> None:
+        if self._holding != number:
+            self.held_last_calls += 1
+            self._holding = number
+        print(f"autohet node: rendezvous round {number}'s last call waits for {len(awaited)} "
+              f"node(s) waiting to join, alive by their keep-alive "
+              f"({', '.join(sorted(map(repr, awaited)))}; at most "
+              f"{self.keep_alives.loss_timeout_s:g} s, the loss timeout)",
+              file=sys.stderr, flush=True)
+
     def lost_members(self) -> set:
         """The other members of this agent's round that left it, or whose keep-alive lapsed for
         the loss timeout as this agent saw it (:class:`KeepAlives`), and that had not announced
@@ -281,6 +309,50 @@ class PersistentRendezvous(RendezvousHandler):
         # keep-alive stops (a private method of torch's c10d handler, in 2.11-2.13 alike).
         self.inner._stop_heartbeats()
         return True
+
+
+def _hold_last_call_for_fresh_joiners(inner: RendezvousHandler, keep_alives: KeepAlives,
+                                      on_hold: Callable[[int, set], None]) -> None:
+    """Make ``inner`` (torch's c10d handler) join its rounds with :class:`LastCallForFreshJoiners`
+    instead of torch's join operation (the handler builds one per ``next_rendezvous`` and runs it
+    through its operation executor: a private attribute of torch 2.13's handler)."""
+    executor = inner._op_executor
+    torch_run = executor.run
+
+    def run(state_handler, deadline, update_deadline=None):
+        if isinstance(state_handler, _RendezvousJoinOp):
+            state_handler = LastCallForFreshJoiners(state_handler, keep_alives, on_hold)
+        return torch_run(state_handler, deadline, update_deadline)
+    executor.run = run
+
+
+class LastCallForFreshJoiners:
+    """torch's join operation ``torch_join``, except that a round's last call holds while a node
+    of the wait list is fresh by ``keep_alives`` (read at every step of the join: each follows a
+    read of the state), for at most the loss timeout past torch's deadline (module doc);
+    ``on_hold(round, nodes)`` when it starts holding for nodes it had not held for."""
+
+    def __init__(self, torch_join: _RendezvousJoinOp, keep_alives: KeepAlives,
+                 on_hold: Callable[[int, set], None]):
+        self.torch_join = torch_join
+        self.keep_alives = keep_alives
+        self.on_hold = on_hold
+        self.held_for: set = set()
+
+    def __call__(self, ctx: _RendezvousContext, deadline: float) -> _Action:
+        state = ctx.state
+        self.keep_alives.observe(state.last_heartbeats, time.monotonic())
+        action = self.torch_join(ctx, deadline)
+        if action is not _Action.MARK_RENDEZVOUS_COMPLETE:
+            return action
+        bound = state.deadline + timedelta(seconds=self.keep_alives.loss_timeout_s)
+        awaited = {node for node in state.wait_list if self.keep_alives.fresh(node)}
+        if not awaited or datetime.now(timezone.utc) >= bound:
+            return action
+        if awaited - self.held_for:
+            self.on_hold(state.round, awaited)
+            self.held_for |= awaited
+        return _Action.KEEP_ALIVE if _should_keep_alive(ctx) else _Action.SYNC
 
 
 def _stopped_key(run_id: str) -> str:

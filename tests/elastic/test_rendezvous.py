@@ -24,18 +24,19 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture
 def make_handler(monkeypatch):
-    """``make_handler(addr, loss_timeout="4")``: an autohet-c10d handler of a 2-node job
-    (join timeout 1 s; loss timeout 4 s, the shortest allowed)."""
+    """``make_handler(addr, loss_timeout="4", min_nodes=2, join_timeout="1")``: an autohet-c10d
+    handler of a job of ``min_nodes``-2 nodes (last call 1 s, as `autohet node`'s; loss timeout
+    4 s, the shortest allowed; a join timeout of 1 s: torch's comes before its last call)."""
     monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")       # as `autohet node`
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, multi_tenant=True,
                            wait_for_workers=False)
     backend = register()
     made = []
 
-    def make(addr: str, loss_timeout: str = "4"):
+    def make(addr: str, loss_timeout: str = "4", min_nodes: int = 2, join_timeout: str = "1"):
         made.append(rendezvous_handler_registry.create_handler(RendezvousParameters(
-            backend, f"127.0.0.1:{server.port}", "job1", 2, 2, addr, is_host="false",
-            join_timeout="1", last_call_timeout="1", loss_timeout=loss_timeout)))
+            backend, f"127.0.0.1:{server.port}", "job1", min_nodes, 2, addr, is_host="false",
+            join_timeout=join_timeout, last_call_timeout="1", loss_timeout=loss_timeout)))
         return made[-1]
     yield make
     for handler in made:        # their keep-alive threads end before the store does
@@ -179,3 +180,80 @@ def test_a_member_that_announced_its_departure_is_not_lost(tmp_path, make_handle
     assert set(until_gone(first, gone)) == {0}
     assert not ended and first.lost_rounds == 0
     first.shutdown()
+
+
+def paused_once_waiting(handler, resume: threading.Event) -> None:
+    """``handler``'s agent gets no CPU once it is in the wait list: its reads of the state (and
+    with them its keep-alives, which it writes at a read) wait for ``resume`` - what an agent
+    of a loaded host does for 5-15 s at a time, made deterministic."""
+    holder = handler.inner._state_holder
+    torch_sync = holder.sync
+
+    def sync():
+        if not holder._dirty and handler.inner._this_node in holder.state.wait_list:
+            resume.wait()
+        return torch_sync()
+    holder.sync = sync
+
+
+def a_round_with_a_late_joiner(make_handler, loss_timeout: str):
+    """``first`` trains alone (``--nnodes 1:2``); ``second`` arrives, adds itself to the wait
+    list and then gets no CPU (:func:`paused_once_waiting`); ``first``'s agent sees it waiting
+    (num_nodes_waiting > 0, as torchrun's agent polls it) and starts the next round. Returns the
+    handlers, ``resume``, the joins' results and their threads."""
+    first, second = (make_handler(addr, loss_timeout=loss_timeout, min_nodes=1,
+                                  join_timeout="600") for addr in ("127.0.0.1", "127.0.0.2"))
+    got = {}
+    join(got, "alone", first)
+    assert got["alone"].world_size == 1, got
+    resume = threading.Event()
+    paused_once_waiting(second, resume)
+    threads = [threading.Thread(target=join, args=(got, "second", second), daemon=True)]
+    threads[0].start()
+    clock = LoadClock()                             # a safety net, not a measurement
+    while not first.num_nodes_waiting():
+        assert clock.seconds() < 120, "the second node never waited"
+        time.sleep(0.1)
+    threads.append(threading.Thread(target=join, args=(got, "first", first), daemon=True))
+    threads[1].start()
+    return first, second, resume, got, threads
+
+
+def test_the_last_call_waits_for_a_waiting_node_whose_keep_alive_is_late(make_handler):
+    """torch's round completes 1 s after its first member (the last call), whoever joined by
+    then: a waiting agent that reads the state only every 5-15 s (a loaded host) misses the
+    round that was opened to admit it, the agents restart for it again, and so on - no worker
+    trains. The last call holds while a waiting node's keep-alive was seen changing within the
+    loss timeout: the round completes with both once the late node reads the state."""
+    first, second, resume, got, threads = a_round_with_a_late_joiner(make_handler, "60")
+    clock = LoadClock()                             # a safety net, not a measurement
+    while "first" not in got and not first.held_last_calls:
+        assert clock.seconds() < 120, "the round neither completed nor held its last call"
+        time.sleep(0.05)
+    # decided before the paused node reads the state again: alone here is the livelock's round
+    assert "first" not in got, got["first"].world_size
+    resume.set()                                    # the late node gets the CPU again
+    for thread in threads:
+        thread.join(timeout=120)
+    assert sorted((got[n].rank, got[n].world_size) for n in ("first", "second")) == [
+        (0, 2), (1, 2)], got
+    assert first.held_last_calls == 1
+    for handler in (first, second):
+        handler.shutdown()
+
+
+def test_a_waiting_node_that_died_holds_the_last_call_for_the_loss_timeout_at_most(
+        make_handler):
+    """A standby that dies while it waits stays fresh until its keep-alive is the loss timeout
+    old: the last call holds for it that long at most, then the round completes without it."""
+    first, second, resume, got, threads = a_round_with_a_late_joiner(make_handler, "15")
+    threads[1].join(timeout=120)                    # a safety net: the bound ends the hold
+    assert got["first"].world_size == 1, got
+    assert first.held_last_calls == 1
+    assert second.inner._this_node in first.inner._state_holder.state.wait_list
+    first.shutdown()
+    resume.set()
+    close()                                         # the job is over: the paused node ends
+    threads[0].join(timeout=120)
+    assert isinstance(got["second"], Exception), got
+    second.shutdown()
