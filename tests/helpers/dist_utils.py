@@ -78,6 +78,12 @@ def _child(rank, world_size, port, results, fn, args, kwargs):
             enable_cpu_mode()
         torch.distributed.init_process_group(
             "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+        # torch adds no barrier to the init (TORCH_DIST_INIT_BARRIER=0): a rank whose side of
+        # gloo's mesh is up may return while a peer still reads its handshake, and an ``fn``
+        # that destroys the group at once (tests that make their own groups) closes that
+        # socket under it ("connectFullMesh failed ... Connection closed by peer", 13 of 60
+        # 4-rank runs at load 7). Every rank starts ``fn`` with the mesh complete everywhere.
+        torch.distributed.barrier()
         try:
             value = fn(rank, world_size, *args, **kwargs)
         finally:
