@@ -116,7 +116,8 @@ EXHAUSTIVE_CASES = {
 def test_within_two_percent_of_brute_force(case):
     path, nodes, model, gbs, mbs, tps = EXHAUSTIVE_CASES[case]
     cluster = load_cluster(path) if path else _cluster(nodes)
-    ours = search(cluster, model, None, gbs, mbs, progress=False, tp_degrees=tps, max_stages=4)
+    ours = search(cluster, model, None, gbs, mbs, progress=False, tp_degrees=tps, max_stages=4,
+                  virtual_stages=False)
     best = exhaustive_search(cluster, model, None, gbs, mbs, tp_degrees=tps, max_stages=4)
     _check(ours.plan, cluster)
     assert ours.cost.iteration_time_s <= 1.02 * best.cost.iteration_time_s
@@ -145,7 +146,7 @@ def test_exhaustive_is_a_true_brute_force():
     """The exhaustive optimum is never worse than any plan it could have enumerated, including
     the planner's own (a sanity check that its space contains the planner's)."""
     cluster = _cluster([("A100-80GB", 2), ("T4", 2)])
-    ours = search(cluster, TINY, None, 8, 2, progress=False, max_stages=4)
+    ours = search(cluster, TINY, None, 8, 2, progress=False, max_stages=4, virtual_stages=False)
     best = exhaustive_search(cluster, TINY, None, 8, 2, max_stages=4)
     assert best.cost.iteration_time_s <= ours.cost.iteration_time_s * (1 + 1e-9)
 
@@ -252,7 +253,8 @@ def test_measured_activation_bytes_decide_the_split():
     layer = dataclasses.replace(entry.layer, activation_bytes=13 * 1024 ** 3, source="measured")
     measured = Profile(TINY.name)
     measured.add(dataclasses.replace(entry, layer=layer))
-    ours = search(cluster, TINY, measured, 8, 2, progress=False, tp_degrees=[1])
+    ours = search(cluster, TINY, measured, 8, 2, progress=False, tp_degrees=[1],
+                  virtual_stages=False)
     (pipe,) = ours.plan.pipelines
     assert len(pipe.stages) == 2 and pipe.stages[0].num_layers <= 2
     assert all(s.memory_gib <= s.memory_limit_gib for s in ours.cost.stages)

@@ -12,6 +12,9 @@ the gap distribution.
   layer, how many layers a stage holds, how many micro-batches a pipeline may run). There the
   exhaustive search is also checked against the planner: a planner plan faster than the brute
   force's optimum is a memory plan the brute force wrongly refused.
+
+The brute force holds one model chunk per stage, so the planner searches that space here
+(``virtual_stages=False``); tests/planner/test_virtual_stages.py covers its chunks.
 """
 
 from __future__ import annotations
@@ -54,9 +57,9 @@ def _both(case):
     except ConfigError as err:
         assert "fits in memory" in str(err)
         with pytest.raises(ConfigError, match="fits in memory"):
-            search(*args, progress=False, **case.space())
+            search(*args, progress=False, virtual_stages=False, **case.space())
         return None, None, None
-    ours = search(*args, progress=False, **case.space())
+    ours = search(*args, progress=False, virtual_stages=False, **case.space())
     assert ours.cost.fits_memory
     return closed, best, ours
 
@@ -135,7 +138,7 @@ def test_the_warmup_pass_tries_an_idle_gpu_as_one_stage_more():
     closed = evaluate_plan(optimum, case.cluster, profile, with_timeline=False)
     _, best = choose_warmups(optimum, closed, case.cluster, profile, max_stages=4)
     ours = search(case.cluster, case.model, None, case.global_batch_size, 1, progress=False,
-                  **case.space())
+                  virtual_stages=False, **case.space())
     assert case.closed_form_s(ours.plan) >= closed.iteration_time_s * (1 - 1e-9)
     assert best.iteration_time_s < closed.iteration_time_s * (1 - 0.04)
     gap = ours.cost.iteration_time_s / best.iteration_time_s - 1
@@ -159,7 +162,7 @@ def test_a_pipeline_over_one_gpu_nodes_of_two_types_in_any_order():
     space = {"tp_degrees": [1], "max_stages": 4, "activation_recompute": False}
     best = exhaustive_search(cluster, model, None, 4, 1, **space)
     assert [len(p.stages) for p in best.plan.pipelines] == [4]
-    ours = search(cluster, model, None, 4, 1, progress=False, **space)
+    ours = search(cluster, model, None, 4, 1, progress=False, virtual_stages=False, **space)
     assert ours.cost.iteration_time_s <= best.cost.iteration_time_s * (1 + MAX_GAP)
 
 
@@ -182,5 +185,5 @@ def test_a_pipeline_over_five_one_gpu_nodes_in_any_order():
     space = {"tp_degrees": [1], "max_stages": 5, "activation_recompute": False}
     best = exhaustive_search(cluster, model, None, 6, 1, **space)
     assert [len(p.stages) for p in best.plan.pipelines] == [5]
-    ours = search(cluster, model, None, 6, 1, progress=False, **space)
+    ours = search(cluster, model, None, 6, 1, progress=False, virtual_stages=False, **space)
     assert ours.cost.iteration_time_s <= best.cost.iteration_time_s * (1 + MAX_GAP)
