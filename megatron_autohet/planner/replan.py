@@ -353,7 +353,7 @@ def replan(previous: Plan, cluster: Cluster, model: ModelSpec, profile: Profile 
            allow_asymmetric_tp: bool = False, activation_recompute: bool | None = None,
            tp_degrees: list[int] | None = None, max_stages: int | None = None,
            precision: str | None = None, cluster_file: str = "<cluster>",
-           search_unchanged: bool = False) -> Replan:
+           search_unchanged: bool = False, virtual_stages: bool = True) -> Replan:
     """The plan to restart with on ``cluster`` after ``previous`` (module doc).
 
     ``model`` must be ``previous.model``; ``profile`` None prices on the profile ``previous``
@@ -367,7 +367,9 @@ def replan(previous: Plan, cluster: Cluster, model: ModelSpec, profile: Profile 
     (spec/cluster.py ``trainable_fleet``, ``cluster_file`` names the cluster in its error) and
     counts the others idle; ``search_unchanged`` searches an unchanged fleet too (step 1
     skipped: planner/adapt.py re-plans the same fleet on what the job measured, and the
-    previous plan is then the derived seed, its micro-batches re-split); the other options are
+    previous plan is then the derived seed, its micro-batches re-split); ``virtual_stages``
+    (search()'s) False, or a ``previous`` plan that overlaps its gradient reduce (the runtime
+    refuses interleaving with it), keeps one model chunk per stage; the other options are
     :func:`~megatron_autohet.planner.search.search`'s. Raises ConfigError on a model
     mismatch, a negative tolerance, no GPU that trains in ``precision``, or when no plan fits
     in memory.
@@ -402,7 +404,8 @@ def replan(previous: Plan, cluster: Cluster, model: ModelSpec, profile: Profile 
                    work_budget=work_budget, progress=progress, tp_degrees=tp_degrees,
                    max_stages=max_stages, seeds=seeds, baselines=not seeds,
                    distributed_optimizer=previous.use_distributed_optimizer,
-                   memory_headroom=headroom, on_candidate=judged.append, charge=charge)
+                   memory_headroom=headroom, on_candidate=judged.append, charge=charge,
+                   virtual_stages=virtual_stages and not previous.overlap_grad_reduce)
 
     def search_for(**objective_arguments) -> Candidate:
         return search(cluster, model, profile, previous.global_batch_size, mbs, seq,

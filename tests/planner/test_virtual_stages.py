@@ -115,3 +115,12 @@ def test_autohet_plan_no_virtual_stages(tmp_path, capsys):
     on, off = load_plan(tmp_path / "on.yaml"), load_plan(tmp_path / "off.yaml")
     assert on.pipelines[0].virtual_stages > 1 and off.pipelines[0].virtual_stages == 1
     assert on.predicted["iteration_time_s"] < off.predicted["iteration_time_s"]
+
+
+def test_a_replan_keeps_one_chunk_when_asked_or_when_the_plan_overlaps_its_gradient_reduce():
+    plain = _search(BUBBLE, GPT_6_7B, 4, virtual_stages=False)
+    overlapped = dataclasses.replace(copy.deepcopy(plain.plan), overlap_grad_reduce=True)
+    for previous, options in [(plain.plan, {"virtual_stages": False}), (overlapped, {})]:
+        found = replan(previous, BUBBLE, GPT_6_7B, time_limit_s=SAFETY_NET_S,
+                       search_unchanged=True, **options)
+        assert all(p.virtual_stages == 1 for p in found.plan.pipelines)
