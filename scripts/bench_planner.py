@@ -23,8 +23,9 @@ Seven tables, all predictions from the same cost model (megatron_autohet/cost_mo
    fleets;
 4. gap to the exhaustive optimum on small clusters (<= 16 GPUs, 8-layer GPT-3 1.3B);
 5. the gap's distribution over seeded random small fleets (testing/random_fleets.py; more seeds than
-   tests/planner/test_planner_optimality.py runs), general, memory-bound and odd-count ones (2-4
-   types of 1 or 3 GPUs, 7-13 layers), with each search's CPU seconds;
+   tests/planner/test_planner_optimality.py runs), general, memory-bound, odd-count ones (2-4
+   types of 1 or 3 GPUs, 7-13 layers) and general ones over two or three zones, with each
+   search's CPU seconds;
 6. `autohet compare` (search + baselines) time on 2048 GPUs, and how its search ended;
 7. the cost objective: USD per million tokens of the fastest and of the cheapest plan on priced
    fleets (spot prices in PRICES), the GPUs the cheapest leaves idle, and how its search ended;
@@ -58,7 +59,8 @@ from megatron_autohet.errors import ConfigError
 from megatron_autohet.planner import compare, search
 from megatron_autohet.planner.cost_search import FloorNotMet
 from megatron_autohet.testing.exhaustive import exhaustive_optimum, exhaustive_search
-from megatron_autohet.testing.random_fleets import memory_bound_case, odd_case, random_case
+from megatron_autohet.testing.random_fleets import (memory_bound_case, odd_case, random_case,
+                                                     zoned_case)
 from megatron_autohet.planner.space import resolve_profile
 from megatron_autohet.planner.replan import REPLAN_WORK_BUDGET, replan
 from megatron_autohet.spec import load_cluster, load_model
@@ -140,7 +142,7 @@ def gap_distribution(make_case, seeds) -> dict:
         seconds[1] += time.process_time() - start
         start = time.process_time()
         try:
-            ours = search(*args, progress=False, **case.space())
+            ours = search(*args, progress=False, virtual_stages=False, **case.space())
         except ConfigError:
             ours = None
         seconds[0] += time.process_time() - start
@@ -183,7 +185,8 @@ def random_gap_table(result: dict, args) -> None:
     for label, make_case, seeds in (
             ("random", random_case, range(40 if args.quick else 300)),
             ("memory-bound", memory_bound_case, range(40 if args.quick else 200)),
-            ("odd counts", odd_case, range(40 if args.quick else 300))):
+            ("odd counts", odd_case, range(40 if args.quick else 300)),
+            ("across zones", zoned_case, range(40 if args.quick else 300))):
         if args.optimality_only is not None:
             seeds = range(args.optimality_only)
         row = {"fleets": label, "seeds": [seeds.start, seeds.stop],
@@ -481,7 +484,8 @@ def main() -> None:
     ]
     for label, cluster, model, gbs, mbs, tps in ex_cases[:2] if args.quick else ex_cases:
         start = time.perf_counter()
-        ours = search(cluster, model, None, gbs, mbs, progress=False, tp_degrees=tps, max_stages=4)
+        ours = search(cluster, model, None, gbs, mbs, progress=False, tp_degrees=tps, max_stages=4,
+                      virtual_stages=False)
         t_ours = time.perf_counter() - start
         start = time.perf_counter()
         best = exhaustive_search(cluster, model, None, gbs, mbs, tp_degrees=tps, max_stages=4)

@@ -19,6 +19,11 @@
   pool go best-fit into nodes, and a pipeline that starts and ends on the same pool has its first
   and last run placed together (so its tied-embedding sync stays inside a node), which is what
   the option's link estimates assume. :func:`build_plan` turns that into a :class:`Plan`.
+* On a fleet across zones a pool holds the nodes of one zone, and a stage's link to the next
+  stage of another zone is priced at the zone link where it is slower than the NICs, with its
+  latency: placement cannot move a pipeline across zones, and its P2P is priced where it runs.
+  The gradient sync between pipelines is priced at the NICs (a lower bound: the cost model,
+  which judges every plan, prices the zone links it crosses).
 """
 
 from __future__ import annotations
@@ -57,6 +62,7 @@ class Pool:
     # The groups' speed relative to their type (spec/cluster.py ``speeds``: the slowest GPU of
     # each group); a node's slowed groups form pools of their own (make_pools)
     speed: float = 1.0
+    zone: str | None = None  # its nodes' zone (None: a cluster without zones)
 
 
 @dataclass(frozen=True, eq=False)
@@ -143,8 +149,8 @@ def make_pools(cluster: Cluster, tp_of_gpu: dict[str, int]) -> list[Pool]:
         if tp is not None and node.num_gpus >= tp:
             for kind, groups in _node_kinds(cluster, node, tp).items():
                 kinds[kind] = kinds.get(kind, 0) + len(groups)
-    return [Pool(gpu, tp, count, per_node, nic, intra, size, speed)
-            for (gpu, tp, size, intra, nic, speed, per_node), count in kinds.items()]
+    return [Pool(gpu, tp, count, per_node, nic, intra, size, speed, zone)
+            for (gpu, tp, size, intra, nic, speed, per_node, zone), count in kinds.items()]
 
 
 def _group_speeds(cluster: Cluster, node, tp: int) -> list[float]:
@@ -160,7 +166,7 @@ def _node_kinds(cluster: Cluster, node, tp: int) -> dict[tuple, list[int]]:
     for g, speed in enumerate(_group_speeds(cluster, node, tp)):
         by_speed.setdefault(speed, []).append(g)
     return {(node.gpu, tp, node.num_gpus, node.intra_node_bandwidth_gbs,
-             node.inter_node_bandwidth_gbs, speed, len(groups)): groups
+             node.inter_node_bandwidth_gbs, speed, len(groups), node.zone): groups
             for speed, groups in by_speed.items()}
 
 
@@ -317,21 +323,31 @@ def sequence_terms(problem: Problem, pools: list[Pool], sequences: np.ndarray, r
     flight, or the pipeline's most micro-batches when fewer (``max_microbatches``, at most the
     batch's). A stage's terms depend on its pool, its position, the micro-batches it keeps, its
     link to the next stage (inside its node while a run of its pool fills the node, else the
-    slower NIC) and its tied-embedding link (inside the node when placement puts both ends on
-    one node, else the slower NIC of the two ends): each distinct stage is priced once
+    slower NIC, and between zones the zone link where slower, with its latency) and its
+    tied-embedding link (inside the node when placement puts both ends on one node, else the
+    slower NIC of the two ends, or the zone link): each distinct stage is priced once
     (:func:`_stage_coefficients`), where the search builds tens of thousands of sequences."""
     n, S = sequences.shape
     groups = np.array([p.groups_per_node for p in pools])
     intra = np.array([p.intra_gbs for p in pools], dtype=float)
     nic = np.array([p.nic_gbs for p in pools], dtype=float)
+    # Between two nodes: the slower NIC, and between zones the zone link where it is slower,
+    # with its latency as the imaginary part (the link's sharing by other transfers is left to
+    # the cost model: a lower bound).
+    between = np.minimum(nic[:, None], nic[None, :]).astype(complex)
+    for a, b in itertools.product(range(len(pools)), repeat=2):
+        crossed = problem.cluster.zone_link(pools[a].zone, pools[b].zone)
+        if crossed is not None:
+            between[a, b] = complex(min(between[a, b].real, crossed.bandwidth_gbs),
+                                    crossed.latency_ms / 1e3)
     # Position of each stage in its run of one pool, and its outgoing link (-1: none).
     run_pos = np.zeros((n, S), dtype=np.int64)
-    link = np.full((n, S), -1.0)
+    link = np.full((n, S), -1.0 + 0j)
     for s in range(S - 1):
         k, nxt = sequences[:, s], sequences[:, s + 1]
         run_pos[:, s + 1] = np.where(nxt == k, run_pos[:, s] + 1, 0)
         inside = (nxt == k) & ((run_pos[:, s] + 1) % groups[k] != 0)
-        link[:, s] = np.where(inside, intra[k], np.minimum(nic[k], nic[nxt]))
+        link[:, s] = np.where(inside, intra[k], between[k, nxt])
     # Both ends on one node (placement puts a pipeline's first and last runs of one pool
     # together when they fit a node).
     first, last = sequences[:, 0], sequences[:, -1]
@@ -340,8 +356,7 @@ def sequence_terms(problem: Problem, pools: list[Pool], sequences: np.ndarray, r
     together = (S >= 2) & (first == last) & (
         np.where(differs.any(axis=1), head + tail, S) <= groups[first])
     other_end = np.where(np.arange(S) == 0, last[:, None], first[:, None])
-    tied = np.where(together[:, None], intra[sequences],
-                    np.minimum(nic[sequences], nic[other_end]))
+    tied = np.where(together[:, None], intra[sequences], between[sequences, other_end])
     # One integer per distinct stage: pool, position (first, last), in flight, both links.
     position = np.array([(s == 0) + 2 * (s == S - 1) for s in range(S)])
     in_flight = np.minimum(S - np.arange(S), max_microbatches or problem.num_microbatches)
@@ -357,9 +372,9 @@ def sequence_terms(problem: Problem, pools: list[Pool], sequences: np.ndarray, r
         c, link_i = divmod(c, len(links))
         c, flight = divmod(c, S + 1)
         k, pos = divmod(c, 4)
-        bw = float(links[link_i])
+        bw, latency_s = float(links[link_i].real), float(links[link_i].imag)
         terms = _stage_terms(problem, pools[k], bool(pos & 1), bool(pos & 2), recompute, flight,
-                             None if bw < 0 else bw, float(tieds[tied_i]))
+                             None if bw < 0 else bw, latency_s, float(tieds[tied_i].real))
         if terms is not None:
             holds[u] = True
             table[u] = terms
@@ -369,22 +384,23 @@ def sequence_terms(problem: Problem, pools: list[Pool], sequences: np.ndarray, r
 
 @functools.lru_cache(maxsize=65536)
 def _stage_terms(problem: Problem, pool: Pool, first: bool, last: bool, recompute: bool,
-                 in_flight: int, link_gbs: float | None, tied_bw: float
+                 in_flight: int, link_gbs: float | None, link_latency_s: float, tied_bw: float
                  ) -> tuple[float, ...] | None:
     """One stage's TERMS (memoised: every build of a config asks for the same few hundred)."""
     coeff = _stage_coefficients(problem, pool, first, last, recompute, in_flight, link_gbs,
-                                tied_bw)
+                                link_latency_s, tied_bw)
     return None if coeff is None else tuple(getattr(coeff, t) for t in TERMS)
 
 
 @functools.lru_cache(maxsize=65536)
 def _stage_coefficients(problem: Problem, pool: Pool, first: bool, last: bool, recompute: bool,
-                        in_flight: int, link_gbs: float | None,
+                        in_flight: int, link_gbs: float | None, link_latency_s: float,
                         tied_bw: float) -> StageCoefficients | None:
     """One stage's coefficients (memoised: sequences share most of their stages)."""
     model, mbs, seq = problem.model, problem.micro_batch_size, problem.seq_length
     entry, precision = problem.entry(pool), problem.profile.precision
-    comm = 0.0 if link_gbs is None else p2p_s(model, mbs, seq, link_gbs, precision)
+    comm = 0.0 if link_gbs is None else p2p_s(model, mbs, seq, link_gbs, precision,
+                                              link_latency_s)
     f1, b1 = stage_compute_s(entry, 1, first, last, recompute)
     f2, b2 = stage_compute_s(entry, 2, first, last, recompute)
     per_layer = (f2 + b2) - (f1 + b1)
@@ -621,7 +637,7 @@ def place_pipelines(cluster: Cluster, pools: list[Pool],
     and last runs as one block. Longest blocks first, each best-fit into a node of its pool."""
     free: dict[int, list[list[list]]] = {k: [] for k in range(len(pools))}
     pool_of_kind = {(p.gpu, p.tp, p.node_gpus, p.intra_gbs, p.nic_gbs, p.speed,
-                     p.groups_per_node): k for k, p in enumerate(pools)}
+                     p.groups_per_node, p.zone): k for k, p in enumerate(pools)}
     tp_of_gpu = {p.gpu: p.tp for p in pools}
     devices_of: dict[str, list] = {}
     for d in cluster.devices():

@@ -1,8 +1,9 @@
 """Seeded random small planning problems: the planner's optimality is checked on them against the
 exhaustive search (tests/planner/test_planner_optimality.py, scripts/bench_planner.py): general ones
 (:func:`random_case`), ones where memory decides (:func:`memory_bound_case`), ones where the
-order of GPU types along a pipeline and the layer split decide (:func:`odd_case`) and 6-GPU
-fleets of two catalog types whose layer copies can share a node (:func:`shared_node_case`).
+order of GPU types along a pipeline and the layer split decide (:func:`odd_case`), 6-GPU
+fleets of two catalog types whose layer copies can share a node (:func:`shared_node_case`) and
+general ones spread over zones (:func:`zoned_case`).
 
 A case is a fleet of 2-4 GPU types drawn over realistic datasheet ranges (a catalog of its own,
 so types the bundled catalog lacks are covered too), at most 16 GPUs in nodes of 1-8 GPUs, every
@@ -226,3 +227,30 @@ def shared_node_case(seed: int) -> Case:
                                  "nodes": [{"name": f"n{i}", "gpu": g, "gpus": n}
                                            for i, (g, n) in enumerate(nodes)]})
     return Case(seed, cluster, model, rng.randint(2, 12), 1, [1], 4)
+
+
+def zoned_case(seed: int) -> Case:
+    """:func:`random_case`'s fleet of this seed with its nodes spread over two or three zones
+    (every zone holding a node; in one region, or the third zone in another), the links between
+    them slower than most NICs (0.1 to 5 GB/s, 1 to 30 ms, $0.01-0.02 per GB): where pipelines
+    and gradient-sync groups cross zones decides the plan."""
+    case = random_case(seed)
+    rng = random.Random(10_000 + seed)
+    nodes = list(case.cluster.nodes)
+    zones = ["za", "zb", "zc"][:min(len(nodes), rng.choice((2, 2, 3)))]
+    placed = zones + [rng.choice(zones) for _ in nodes[len(zones):]]
+    rng.shuffle(placed)
+    link = {"bandwidth_gbs": _log_uniform(rng, 0.1, 5.0), "latency_ms": _log_uniform(rng, 1, 30),
+            "egress_usd_per_gb": rng.choice((0.01, 0.02))}
+    cluster = dataclasses.replace(
+        case.cluster, nodes=tuple(dataclasses.replace(n, zone=z) for n, z in zip(nodes, placed)))
+    data = {"name": cluster.name, "inter_node_bandwidth_gbs": 25,
+            "zones": {z: ("r2" if z == "zc" and rng.random() < 0.5 else "r1") for z in zones},
+            "links": {"inter_zone": link, "inter_region": dict(link, bandwidth_gbs=link[
+                "bandwidth_gbs"] / 2, latency_ms=link["latency_ms"] * 3)},
+            "nodes": [{"name": n.name, "gpu": n.gpu, "gpus": n.num_gpus, "zone": n.zone,
+                       "intra_node_bandwidth_gbs": n.intra_node_bandwidth_gbs,
+                       "inter_node_bandwidth_gbs": n.inter_node_bandwidth_gbs}
+                      for n in cluster.nodes]}
+    return dataclasses.replace(case, cluster=cluster_from_dict(data, catalog=dict(
+        case.cluster.gpu_types)))
