@@ -19,7 +19,8 @@
   pool go best-fit into nodes, and a pipeline that starts and ends on the same pool has its first
   and last run placed together (so its tied-embedding sync stays inside a node), which is what
   the option's link estimates assume. :func:`build_plan` turns that into a :class:`Plan`.
-* On a fleet across zones a pool holds the nodes of one zone, and a stage's link to the next
+* On a fleet across zones a pool holds the nodes of one zone (where a kind of node in several
+  zones would add more than a few pools, its pool spans them), and a stage's link to the next
   stage of another zone is priced at the zone link where it is slower than the NICs, with its
   latency: placement cannot move a pipeline across zones, and its P2P is priced where it runs.
   The gradient sync between pipelines is priced at the NICs (a lower bound: the cost model,
@@ -62,7 +63,7 @@ class Pool:
     # The groups' speed relative to their type (spec/cluster.py ``speeds``: the slowest GPU of
     # each group); a node's slowed groups form pools of their own (make_pools)
     speed: float = 1.0
-    zone: str | None = None  # its nodes' zone (None: a cluster without zones)
+    zone: str | None = None  # its nodes' zone (None: no zones, or its kind's zones: make_pools)
 
 
 @dataclass(frozen=True, eq=False)
@@ -137,6 +138,10 @@ def check_batch(problem: Problem) -> None:
                           "a multiple of the micro-batch size")
 
 
+# How many pools more than one per kind of node the zones may give (make_pools).
+MAX_ZONE_SPLIT_POOLS = 2
+
+
 def make_pools(cluster: Cluster, tp_of_gpu: dict[str, int]) -> list[Pool]:
     """One pool per kind of node that holds a TP group of its type's degree: nodes of one GPU
     type, size and links (intra-node and NIC) form a pool, so every link an option's stages use
@@ -149,6 +154,20 @@ def make_pools(cluster: Cluster, tp_of_gpu: dict[str, int]) -> list[Pool]:
         if tp is not None and node.num_gpus >= tp:
             for kind, groups in _node_kinds(cluster, node, tp).items():
                 kinds[kind] = kinds.get(kind, 0) + len(groups)
+    # A kind of node in several zones forms a pool per zone, where that adds at most
+    # MAX_ZONE_SPLIT_POOLS pools: the search's work grows steeply with its pools (1024 GPUs of 3
+    # types in 4 zones, 12 pools, did not finish in 9 CPU-minutes; with a pool per type across
+    # the zones, 67 s). Above it such a kind's pool spans its zones, its boundaries priced at
+    # the NICs (a lower bound), and the cost model prices the zone links the plan crosses.
+    zones_of: dict[tuple, set] = {}
+    for kind in kinds:
+        zones_of.setdefault(kind[:-1], set()).add(kind[-1])
+    if len(kinds) - len(zones_of) > MAX_ZONE_SPLIT_POOLS:
+        merged: dict[tuple, int] = {}
+        for kind, count in kinds.items():
+            key = kind if len(zones_of[kind[:-1]]) == 1 else kind[:-1] + (None,)
+            merged[key] = merged.get(key, 0) + count
+        kinds = merged
     return [Pool(gpu, tp, count, per_node, nic, intra, size, speed, zone)
             for (gpu, tp, size, intra, nic, speed, per_node, zone), count in kinds.items()]
 
@@ -648,7 +667,8 @@ def place_pipelines(cluster: Cluster, pools: list[Pool],
             continue
         mine = devices_of[node.name]
         for kind, groups in _node_kinds(cluster, node, tp).items():
-            k = pool_of_kind.get(kind)
+            # its zone's pool, or the pool of its kind across zones (make_pools)
+            k = pool_of_kind.get(kind, pool_of_kind.get(kind[:-1] + (None,)))
             if k is not None:
                 free[k].append([mine[g * tp:(g + 1) * tp] for g in groups])
     blocks = []   # (stage indices, pipeline, pool)

@@ -186,8 +186,9 @@ class Cluster:
                     between.egress_usd_per_gb, tuple(sorted((a.zone, b.zone))))
 
     def zone_link(self, zone_a: str | None, zone_b: str | None) -> ZoneLink | None:
-        """The link between two zones; None inside one zone (or a cluster without zones)."""
-        if zone_a == zone_b:
+        """The link between two zones; None inside one zone, or where a zone is not known
+        (None: a cluster without zones, or the planner's pool of nodes across zones)."""
+        if zone_a == zone_b or zone_a is None or zone_b is None:
             return None
         if self.regions[zone_a] == self.regions[zone_b]:
             return self.links.inter_zone

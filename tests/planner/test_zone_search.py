@@ -13,9 +13,10 @@ import pytest
 from megatron_autohet.cost_model import p2p_s
 from megatron_autohet.errors import ConfigError
 from megatron_autohet.planner import search
-from megatron_autohet.planner.space import (TERMS, Problem, make_pools, resolve_profile,
+from megatron_autohet.planner.space import (MAX_ZONE_SPLIT_POOLS, TERMS, Problem, make_pools,
+                                            place_pipelines, resolve_profile,
                                             sequence_terms)
-from megatron_autohet.spec.cluster import load_cluster
+from megatron_autohet.spec.cluster import cluster_from_dict, load_cluster
 from megatron_autohet.spec.model import load_model
 from megatron_autohet.testing.exhaustive import exhaustive_optimum
 from megatron_autohet.testing.random_fleets import zoned_case
@@ -101,3 +102,29 @@ def test_within_one_percent_of_the_exhaustive_optimum_across_zones(seed):
                   **case.space())
     gap = ours.cost.iteration_time_s / best.cost.iteration_time_s - 1
     assert gap <= MAX_GAP, f"{100 * gap:.2f}% off the optimum on {case.describe()}"
+
+
+def _spread_fleet(types):
+    """Two 2-GPU nodes of each type, one in each of two zones of one region."""
+    nodes = [{"name": f"{t.lower()}-{z}", "gpu": t, "gpus": 2, "zone": z}
+             for t in types for z in ("za", "zb")]
+    return cluster_from_dict({"name": "spread", "inter_node_bandwidth_gbs": 25, "nodes": nodes,
+                              "zones": {"za": "r1", "zb": "r1"}})
+
+
+@pytest.mark.unit
+def test_kinds_across_zones_share_a_pool_where_a_pool_per_zone_would_add_too_many():
+    """A pool per zone where that adds at most MAX_ZONE_SPLIT_POOLS pools; above it a kind's
+    pool spans its zones (the search's work grows steeply with its pools), and placement puts
+    every node of such a kind in it."""
+    two = make_pools(_spread_fleet(["A100-80GB", "H800"]), TP1)
+    assert sorted((p.gpu, p.zone) for p in two) == [
+        ("A100-80GB", "za"), ("A100-80GB", "zb"), ("H800", "za"), ("H800", "zb")]
+    assert len(two) - 2 <= MAX_ZONE_SPLIT_POOLS
+    spread = _spread_fleet(["A100-80GB", "H800", "H20"])
+    three = make_pools(spread, TP1)
+    assert sorted((p.gpu, p.zone, p.count) for p in three) == [
+        ("A100-80GB", None, 4), ("H20", None, 4), ("H800", None, 4)]
+    a100 = next(k for k, p in enumerate(three) if p.gpu == "A100-80GB")
+    (stages,) = place_pipelines(spread, three, [(a100,) * 4])
+    assert sorted({group[0].node for group in stages}) == ["a100-80gb-za", "a100-80gb-zb"]
