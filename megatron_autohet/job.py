@@ -391,9 +391,12 @@ class _AdaptSink:
     """:func:`adapt_sink`'s window sink: one window's search in flight in a child process
     (planner/adapt_process.py), taken at the next window's end."""
 
-    def __init__(self, options: TrainOptions, search, adapter, then, on_adapt):
+    def __init__(self, options: TrainOptions, search, adapter, then, on_adapt,
+                 idle_measured=None):
         self.options, self.search, self.adapter = options, search, adapter
         self.then, self.on_adapt = then, on_adapt
+        # what the GPUs the plan leaves idle have measured of themselves so far (or None)
+        self.idle_measured = idle_measured or (lambda: None)
 
     def __call__(self, report) -> None:
         end, switching = report.last_iteration, False
@@ -404,7 +407,8 @@ class _AdaptSink:
                 # the gain must hold on this window's measurements too (planner/adapt.py)
                 decision = self.adapter.decide(
                     self.search.result(), self.options.iters - end, decided_at=end,
-                    confirm=lambda plan: self.search.confirm(report.stages, window, plan))
+                    confirm=lambda plan: self.search.confirm(report.stages, window, plan,
+                                                             self.idle_measured()))
             except ConfigError as err:
                 print(f" adapt: iterations {first}-{last} (decided after iteration {end}): no "
                       f"re-plan: {err}", flush=True)
@@ -416,7 +420,8 @@ class _AdaptSink:
         # a window is searched where its decision leaves iterations to switch for (it is taken
         # at the next window's end), and not when the job switches plans here
         if not switching and end + self.options.measure_window < self.options.iters:
-            self.search.submit(report.stages, (report.first_iteration, end))
+            self.search.submit(report.stages, (report.first_iteration, end),
+                               self.idle_measured())
         if self.then is not None:
             self.then(report)
 
@@ -425,7 +430,7 @@ class _AdaptSink:
 
 
 def adapt_sink(plan: Plan, plan_label: str, options: TrainOptions, trainer, precision,
-               then=None, on_adapt=None, adapter=None):
+               then=None, on_adapt=None, adapter=None, idle_measured=None):
     """With ``options.adapt`` log or replan and windows: the window sink deciding whether to
     re-plan (planner/adapt.py, on ``adapter``: the hysteresis so far; default a new one), on
     the rank that logs; its owner calls its ``close()`` at the generation's end. Each window's
@@ -460,7 +465,7 @@ def adapt_sink(plan: Plan, plan_label: str, options: TrainOptions, trainer, prec
                            fusions=trainer.fusions.config_fields(), template=template,
                            with_idle=options.cluster is not None)
     return _AdaptSink(options, search, adapter if adapter is not None else Adapter(), then,
-                      on_adapt)
+                      on_adapt, idle_measured)
 
 
 def measure_fields(args) -> dict:
@@ -488,7 +493,7 @@ def train_job(plan: Plan, plan_label: str, model: ModelSpec, options: TrainOptio
               local_rank: int, make_stop_check=None, make_scheduler=None,
               schedule_flags: dict | None = None, recorded_args: dict | None = None,
               on_window=None, on_adapt=None, adapter=None, dashboard=None,
-              cluster: Cluster | None = None) -> int:
+              cluster: Cluster | None = None, idle_measured=None) -> int:
     """Train on an initialised default process group whose ranks are the plan's; returns the last
     iteration trained. ``make_stop_check(checkpointer)`` (the checkpointer or None) returns the
     ``stop_check`` of runtime/trainer.train_iterations; it is called on every rank right after
@@ -506,7 +511,9 @@ def train_job(plan: Plan, plan_label: str, model: ModelSpec, options: TrainOptio
     and the adaptation done (``options.adapt``, :func:`adapt_sink`, on ``adapter``:
     planner/adapt.py's ``Adapter``, a new one by default: the previous window's decision taken,
     this window's search started), whose decisions go to ``on_adapt(decision)`` there (an
-    elastic job's ``adapt`` event, replan's switch).
+    elastic job's ``adapt`` event, replan's switch). ``idle_measured()``: the profile the GPUs
+    the plan leaves idle have measured of themselves so far, or None (plan_switch.py
+    ``Members.idle_measured``), which each window's re-plan prices their types on.
     ``dashboard`` (runtime/dashboard.py, rank 0's): gets every iteration and the checkpoints'
     lines; its owner closes it. None with ``options.dashboard``: this call opens and closes one
     on rank 0 (an elastic worker passes its own, which its events go to too).
@@ -593,7 +600,8 @@ def train_job(plan: Plan, plan_label: str, model: ModelSpec, options: TrainOptio
                                     on_line=dashboard and dashboard.event, cluster=cluster)
     stop_check = make_stop_check(checkpointer) if make_stop_check else None
     adapting = (adapt_sink(plan, plan_label, options, trainer, precision, then=on_window,
-                           on_adapt=on_adapt, adapter=adapter) if rank == 0 else None)
+                           on_adapt=on_adapt, adapter=adapter, idle_measured=idle_measured)
+                 if rank == 0 else None)
     on_window = adapting or on_window
     if priors is not None and rank == 0:
         on_window = measured_profile_sink(plan, options.measured_profile, priors, trainer,

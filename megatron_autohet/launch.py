@@ -227,7 +227,9 @@ def run_worker(plan: Plan, plan_path: str | Path, model: ModelSpec, options: Tra
     else:
         # every GPU of the cluster has a process; the plan's ranks make its group
         store, _, _ = next(dist.rendezvous("env://", timeout=options.timeout))
-        members = Members(store, env.rank, gpus, backend)
+        cluster = load_cluster(options.cluster, load_gpu_catalog(options.gpu_catalog))
+        types = {(d.node, d.local_rank): d.gpu for d in cluster.devices()}
+        members = Members(store, env.rank, gpus, backend, tuple(types[g] for g in gpus))
         rank = members.join_first(plan, options.timeout)
     try:
         train_adapting(plan, str(plan_path), model, options, rank=rank,

@@ -6,8 +6,10 @@ window's end to the plan its decision chose (planner/adapt.py): every rank saves
 the new plan's ranks make its process group (:func:`host_generation_store`, which an elastic
 job's in-process re-plan shares) and recover that step, and train on; the new plan's rank 0
 times the switch, whose seconds price the next one. With ``--cluster`` every GPU of the cluster
-file has a process (:class:`Members`, :func:`job_members`): those a plan leaves idle wait on the
-members' store for that plan's end, so a re-plan of the whole cluster may give them work.
+file has a process (:class:`Members`, :func:`job_members`): those a plan leaves idle measure
+their GPU once (:func:`measure_idle_gpu`: the window measures only the GPUs that train) and wait
+on the members' store for that plan's end, so a re-plan of the whole cluster, priced on what
+they measured, may give them work.
 
 torch is imported inside the functions that use it: ``autohet train`` imports this module at
 start-up, long before (and in the launcher, without) any training.
@@ -15,6 +17,7 @@ start-up, long before (and in the launcher, without) any training.
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import socket
@@ -26,6 +29,8 @@ from megatron_autohet.checkpoint.lease import rank_owner_name
 from megatron_autohet.errors import ConfigError
 from megatron_autohet.job import TrainOptions, job_dashboard, train_job
 from megatron_autohet.plan import Plan, RankInfo, plan_from_dict
+from megatron_autohet.profiling.measure import measure_profile
+from megatron_autohet.profiling.profile import Profile, merge_profiles
 from megatron_autohet.spec.cluster import Cluster
 from megatron_autohet.spec.model import ModelSpec
 
@@ -94,6 +99,7 @@ class Members:
     index: int                              # this process's member
     gpus: tuple[tuple[str, int], ...]       # every member's GPU, (node, local rank)
     backend: str                            # the process groups' ("gloo" on the CPU, "nccl")
+    gpu_types: tuple[str, ...] = ()         # every member's GPU type (the cluster file's)
 
     @property
     def gpu(self) -> tuple[str, int]:
@@ -129,6 +135,25 @@ class Members:
             except dist.DistStoreError as err:      # a timeout: it still trains
                 if "timeout" not in str(err).lower():
                     raise
+
+    def post_measured(self, profile: Profile) -> None:
+        """This member's measurement of its GPU (:func:`measure_idle_gpu`), for the re-plans."""
+        self.store.set(f"{_MEMBERS}measured/{self.index}", json.dumps(profile.to_dict()))
+
+    def idle_measured(self, plan: Plan) -> Profile | None:
+        """What the members idle in ``plan`` have measured of their GPUs so far
+        (:meth:`post_measured`), one profile; None where none has yet. A member that trained
+        in an earlier plan and is idle now counts too: its measurement stays on the store."""
+        keys = [f"{_MEMBERS}measured/{i}" for i, gpu in enumerate(self.gpus)
+                if _rank_in(plan, gpu) is None]
+        found = [Profile.from_dict(json.loads(self.store.get(k)), "<idle GPU>")
+                 for k in keys if self.store.check([k])]
+        if not found:
+            return None
+        try:
+            return merge_profiles(found, ["<idle GPU>"] * len(found))
+        except ConfigError:
+            return found[0]
 
     def finish(self, timeout: timedelta) -> None:
         """At the job's end, on every member: counted done; member 0, whose process may host
@@ -314,6 +339,31 @@ class _PlanSwitch:
         return True
 
 
+def measure_idle_gpu(members: Members, model: ModelSpec, plan: Plan,
+                     jit_fusions: dict[str, bool]) -> None:
+    """On a member idle in ``plan``, once: its GPU's layer, embedding and output layer at TP 1
+    and the plan's micro-batch and sequence (profiling/measure.py, megatron-core's modules as
+    trained, with the job's ``jit_fusions``), posted for the re-plans
+    (:meth:`Members.post_measured`). Without it a re-plan prices an idle GPU's type on the
+    plan's recorded profile, however wrong (a window measures only the GPUs that train), and
+    never gives that GPU work it would do well. A measurement that fails is one WARNING line:
+    the job trains on, and prices that type as before."""
+    node, gpu = members.gpu
+    gpu_type = members.gpu_types[members.index]
+    try:
+        profile = measure_profile(model, [1], [plan.micro_batch_size], [plan.seq_length],
+                                  gpu_type, progress=False, jit_fusions=jit_fusions)
+    except Exception as err:  # noqa: BLE001 - any failure: the job trains on without it
+        print(f"WARNING: adapt: GPU {node}:{gpu} ({gpu_type}), idle in this plan, could not "
+              f"measure itself: {err}", flush=True)
+        return
+    members.post_measured(profile)
+    (entry,) = profile.entries.values()
+    print(f" adapt: GPU {node}:{gpu} ({gpu_type}), idle in this plan, measured itself: a layer "
+          f"{1e3 * (entry.layer.forward_s + entry.layer.backward_s):.2f} ms forward + backward "
+          f"per micro-batch", flush=True)
+
+
 def train_adapting(plan: Plan, plan_label: str, model: ModelSpec, options: TrainOptions, *,
                    rank: int | None, local_rank: int, make_stop_check=None,
                    members: Members | None = None) -> int:
@@ -360,11 +410,15 @@ def train_adapting(plan: Plan, plan_label: str, model: ModelSpec, options: Train
             dist.broadcast_object_list(owner, src=0)
         options = replace(options, checkpoint=replace(options.checkpoint, owner=owner[0]))
     state, previous, generation, last = {}, None, 0, 0
+    measured = members is None or not members.gpu_types     # an idle member measures once
     # one dashboard across the plans (runtime/dashboard.py): opened once, by the rank that logs
     dashboard = job_dashboard(options) if rank == 0 else None
     try:
         while True:
             if rank is None:            # a member idle in this plan (members only)
+                if not measured:
+                    measure_idle_gpu(members, model, plan, options.jit_fusions())
+                    measured = True
                 end = members.wait_end(generation)
                 if "finished" in end:
                     last = end["finished"]
@@ -404,7 +458,9 @@ def train_adapting(plan: Plan, plan_label: str, model: ModelSpec, options: Train
             switch = _PlanSwitch(plan, rank, options, make_stop_check, adapter, previous)
             last = train_job(plan, plan_label, model, options, rank=rank,
                              local_rank=local_rank, make_stop_check=switch.make_stop_check,
-                             on_adapt=switch.decided, adapter=adapter, dashboard=dashboard)
+                             on_adapt=switch.decided, adapter=adapter, dashboard=dashboard,
+                             idle_measured=(None if members is None else
+                                            lambda p=plan: members.idle_measured(p)))
             if switch.next is None:
                 if members is not None and rank == 0:
                     members.announce(generation, {"finished": last})

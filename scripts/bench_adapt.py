@@ -42,9 +42,10 @@ runs must be bit-identical (log changes nothing the job computes).
 
 **Measuring.** A rate is the global batch over a span's median iteration time (samples/s),
 ``elapsed_ms`` of the metrics lines; the iteration after a switch (the new plan's warm-up) is
-left out of the spans. At a run's start every emulated GPU gets a whole core until iteration 1
-is logged (importing torch and building the model at 0.15 of a core takes a minute), then its
-type's share. The machine is shared: the load average (1 minute) before and after each run is
+left out of the spans. At a run's start every emulated GPU the plan trains on gets a whole core
+until iteration 1 is logged (importing torch and building the model at 0.15 of a core takes a
+minute), then its type's share; a GPU the plan leaves idle has its share from the start, since
+it measures itself at once (its re-plans price its type on that). The machine is shared: the load average (1 minute) before and after each run is
 in its row, and a quota is a ceiling, not a guarantee (emulate_cluster.py).
 
 The adapting runs price their re-plans in the emulated catalog (``--gpu-catalog``), and the
@@ -319,11 +320,15 @@ class Fleet:
         load_before = os.getloadavg()[0]
         started = time.monotonic()
         procs = []
+        trains = {(r.node, r.local_rank) for r in plan.ranks}
         for p in placements:
             env = {**emu.rank_env(p, placements[0], self.port), "PYTHONPATH": str(ROOT)}
             procs.append(self.cluster.spawn(p, cmd, env, work / f"rank{p.rank}.log"))
-            # a whole core while starting up (module doc); the shares from iteration 1 on
-            emu.set_share(p.cgroup, 1.0)
+            # a whole core while starting up (module doc), the shares from iteration 1 on; a
+            # GPU the plan leaves idle measures itself at once (plan_switch.measure_idle_gpu):
+            # at its share from the start
+            gpu = (p.node, p.local_rank)
+            emu.set_share(p.cgroup, 1.0 if gpu in trains else share[gpu])
         changes, status, moved = [], None, 0
         deadline = started + self.args.timeout
         while status is None:

@@ -415,21 +415,25 @@ def _per_iteration(objective, cost: PlanCost) -> float:
 
 def _window_inputs(plan: Plan, stages, priors, *, catalog: dict[str, GPUType], precision,
                    attention: str, fusions: dict[str, bool] | None, template: Cluster | None,
-                   with_idle: bool) -> tuple[Cluster, Profile, tuple[Straggler, ...]]:
+                   with_idle: bool, idle_measured: Profile | None = None
+                   ) -> tuple[Cluster, Profile, tuple[Straggler, ...]]:
     """What a window's re-plan is priced on: the plan's fleet with the measured speeds, the
-    measured profile (over the plan's recorded one) and the stragglers."""
+    measured profile (over what the GPUs the plan leaves idle measured of themselves,
+    ``idle_measured``, over the plan's recorded profile) and the stragglers."""
     speeds = measured_speeds(plan, stages, priors)
     stragglers = tuple(find_stragglers(plan, stages, priors))
     measured = profile_from_window(plan, stages, priors, precision=precision,
                                    attention=attention, fusions=fusions, speeds=speeds)
-    recorded = plan_profile(plan)
     profile = measured
-    if recorded is not None:
-        try:
-            # the plan's other entries (TP degrees it did not run) beside the measured ones
-            profile = merge_profiles([measured, recorded], ["<measured>", "<plan>"])
-        except ConfigError:
-            profile = measured          # another precision or attention: the run's alone
+    # the idle GPUs' types as they measured (their entries beat the plan's recorded ones, the
+    # window's beat both), and the plan's other entries (TP degrees it did not run); one of
+    # another precision, attention or fusions is left out
+    for other, label in ((idle_measured, "<idle GPUs>"), (plan_profile(plan), "<plan>")):
+        if other is not None:
+            try:
+                profile = merge_profiles([profile, other], ["<measured>", label])
+            except ConfigError:
+                pass
     return (plan_fleet(plan, catalog, template, speeds, with_idle=with_idle), profile,
             stragglers)
 
@@ -437,24 +441,25 @@ def _window_inputs(plan: Plan, stages, priors, *, catalog: dict[str, GPUType], p
 def replan_window(plan: Plan, stages, window: tuple[int, int], priors, *,
                   catalog: dict[str, GPUType], precision, attention: str,
                   fusions: dict[str, bool] | None, template: Cluster | None = None,
-                  with_idle: bool = False) -> Replan:
+                  with_idle: bool = False, idle_measured: Profile | None = None) -> Replan:
     """The search of a window (module doc): ``stages`` the window's StageMeasures, ``priors``
     the entries the plan was priced on (from_run.priced_entries), ``precision`` the job's
     (spec/precision.py), ``attention`` and ``fusions`` what its layers ran; ``template`` and
-    ``with_idle``: :func:`plan_fleet`'s."""
+    ``with_idle``: :func:`plan_fleet`'s; ``idle_measured``: the profile the GPUs the plan
+    leaves idle measured of themselves (plan_switch.py ``Members.idle_measured``)."""
     fleet, profile, stragglers = _window_inputs(
         plan, stages, priors, catalog=catalog, precision=precision, attention=attention,
-        fusions=fusions, template=template, with_idle=with_idle)
+        fusions=fusions, template=template, with_idle=with_idle, idle_measured=idle_measured)
     return price_replan(plan, fleet, profile, window, stragglers, precision=precision.name)
 
 
 def confirm_window(plan: Plan, candidate: Plan, stages, window: tuple[int, int], priors, *,
                    catalog: dict[str, GPUType], precision, attention: str,
                    fusions: dict[str, bool] | None, template: Cluster | None = None,
-                   with_idle: bool = False) -> Replan:
+                   with_idle: bool = False, idle_measured: Profile | None = None) -> Replan:
     """:func:`replan_window`'s figures for ``candidate`` (a re-plan an earlier window's search
     found) on this window's measurements, without a search: whether its gain holds."""
     fleet, profile, stragglers = _window_inputs(
         plan, stages, priors, catalog=catalog, precision=precision, attention=attention,
-        fusions=fusions, template=template, with_idle=with_idle)
+        fusions=fusions, template=template, with_idle=with_idle, idle_measured=idle_measured)
     return price_candidate(plan, candidate, fleet, profile, window, stragglers)

@@ -68,11 +68,11 @@ class ReplanProcess:
         """The child's process id."""
         return self._child.pid
 
-    def submit(self, stages, window: tuple[int, int]) -> None:
-        """Search ``window`` (its StageMeasures ``stages``); the answer waits for
-        :meth:`result`."""
+    def submit(self, stages, window: tuple[int, int], idle_measured=None) -> None:
+        """Search ``window`` (its StageMeasures ``stages``; ``idle_measured``: replan_window's,
+        what the idle GPUs have measured so far); the answer waits for :meth:`result`."""
         assert self.pending is None, "one search at a time: result() first"
-        self._conn.send((stages, window, None))
+        self._conn.send((stages, window, None, idle_measured))
         self.pending = window
 
     def result(self):
@@ -82,11 +82,11 @@ class ReplanProcess:
         finally:
             self.pending = None
 
-    def confirm(self, stages, window: tuple[int, int], candidate):
+    def confirm(self, stages, window: tuple[int, int], candidate, idle_measured=None):
         """The Replan of ``candidate`` on ``window`` (its StageMeasures ``stages``), priced
         without a search, waited for (module doc)."""
         assert self.pending is None, "one request at a time: result() first"
-        self._conn.send((stages, window, candidate))
+        self._conn.send((stages, window, candidate, idle_measured))
         return self._answer()
 
     def _answer(self):
@@ -118,11 +118,12 @@ def _serve(parent_pid: int, fd: int) -> None:
     try:
         plan, priors, fixed = conn.recv()
         while True:
-            stages, window, candidate = conn.recv()
+            stages, window, candidate, idle_measured = conn.recv()
+            inputs = dict(fixed, idle_measured=idle_measured)
             try:
-                reply = ("ok", replan_window(plan, stages, window, priors, **fixed)
+                reply = ("ok", replan_window(plan, stages, window, priors, **inputs)
                          if candidate is None else
-                         confirm_window(plan, candidate, stages, window, priors, **fixed))
+                         confirm_window(plan, candidate, stages, window, priors, **inputs))
             except ConfigError as err:
                 reply = ("config", (err.file, err.field, err.problem, err.allowed))
             except Exception:  # noqa: BLE001 - the rank raises it, with this traceback

@@ -14,11 +14,13 @@ import pytest
 from helpers.windows import synthetic_window
 from megatron_autohet.cost_model import evaluate_plan
 from megatron_autohet.planner.adapt import (DEFAULT_SWITCH_OVERHEAD_S, Adapter, Replan,
-                                            amortised_gain, plan_fleet, switch_cost)
+                                            amortised_gain, plan_fleet, replan_window,
+                                            switch_cost)
 from megatron_autohet.planner.search import make_plan
 from megatron_autohet.planner.space import resolve_profile
 from megatron_autohet.profiling.from_run import (find_stragglers, measured_speeds,
                                                  priced_entries, profile_from_window)
+from megatron_autohet.profiling.profile import Profile
 from megatron_autohet.spec.cluster import cluster_from_dict
 from megatron_autohet.spec.gpus import load_gpu_catalog
 from megatron_autohet.spec.model import load_model
@@ -218,3 +220,32 @@ def test_the_fleet_of_a_re_plan_keeps_the_cluster_files_zones():
                                                "zone": "us-east-1a"}]})
     lone = plan_fleet(plan, CATALOG, other)
     assert lone.regions == {} and all(n.zone is None for n in lone.nodes)
+
+
+def test_what_an_idle_gpu_measured_of_itself_prices_its_type_in_the_re_plan():
+    """A plan on two A100s of a cluster that also holds an H20 (``--cluster``): a window
+    measures only the GPUs that train, so without the H20's own measurement the re-plan prices
+    it on the estimate, however wrong. Measured 4x faster than that (plan_switch.py
+    ``measure_idle_gpu``, injected here as its profile), the re-plan gives it more work."""
+    a100s = cluster_from_dict({"name": "two", "inter_node_bandwidth_gbs": 25, "nodes": [
+        {"name": "a", "gpu": "A100-80GB", "gpus": 1, "count": 2}]})
+    cluster = cluster_from_dict({"name": "three", "inter_node_bandwidth_gbs": 25, "nodes": [
+        {"name": "a", "gpu": "A100-80GB", "gpus": 1, "count": 2},
+        {"name": "h", "gpu": "H20", "gpus": 1}]})
+    plan = make_plan(a100s, MODEL, None, 64, 1, 2048, progress=False)
+    window = synthetic_window(plan, a100s, 1, 20)
+    priors = priced_entries(plan, CATALOG)
+    estimate = resolve_profile(cluster, MODEL, None, 1, 2048).get("H20", 1, 1, 2048)
+    idle = Profile(MODEL.name, precision=PRECISIONS["bf16"], attention="flash")
+    idle.add(estimate.scaled(0.25, source="measured"))
+    inputs = dict(catalog=CATALOG, precision=PRECISIONS["bf16"], attention="flash",
+                  fusions=None, template=cluster, with_idle=True)
+    blind = replan_window(plan, window.stages, (1, 20), priors, **inputs)
+    seen = replan_window(plan, window.stages, (1, 20), priors, **inputs, idle_measured=idle)
+    assert _work_on(seen.plan, "h", 0) > _work_on(blind.plan, "h", 0)
+    assert seen.new < blind.new
+    # another precision's measurement is left out, not merged into the window's
+    fp32 = Profile(MODEL.name, precision=PRECISIONS["fp32"], attention="flash",
+                   entries=dict(idle.entries))
+    assert replan_window(plan, window.stages, (1, 20), priors, **inputs,
+                         idle_measured=fp32).plan.to_dict() == blind.plan.to_dict()
