@@ -340,23 +340,32 @@ class _PlanSwitch:
 
 
 def measure_idle_gpu(members: Members, model: ModelSpec, plan: Plan,
-                     jit_fusions: dict[str, bool]) -> None:
+                     options: TrainOptions) -> None:
     """On a member idle in ``plan``, once: its GPU's layer, embedding and output layer at TP 1
     and the plan's micro-batch and sequence (profiling/measure.py, megatron-core's modules as
-    trained, with the job's ``jit_fusions``), posted for the re-plans
+    trained, with the job's fusions), posted for the re-plans
     (:meth:`Members.post_measured`). Without it a re-plan prices an idle GPU's type on the
     plan's recorded profile, however wrong (a window measures only the GPUs that train), and
     never gives that GPU work it would do well. A measurement that fails is one WARNING line:
     the job trains on, and prices that type as before."""
     node, gpu = members.gpu
     gpu_type = members.gpu_types[members.index]
+    # the measuring process sees this member's GPU alone (its device 0), not another rank's
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    devices = visible.split(",") if visible else [str(i) for i in range(gpu + 1)]
+    os.environ["CUDA_VISIBLE_DEVICES"] = devices[gpu] if gpu < len(devices) else str(gpu)
     try:
         profile = measure_profile(model, [1], [plan.micro_batch_size], [plan.seq_length],
-                                  gpu_type, progress=False, jit_fusions=jit_fusions)
+                                  gpu_type, progress=False, jit_fusions=options.jit_fusions)
     except Exception as err:  # noqa: BLE001 - any failure: the job trains on without it
         print(f"WARNING: adapt: GPU {node}:{gpu} ({gpu_type}), idle in this plan, could not "
               f"measure itself: {err}", flush=True)
         return
+    finally:
+        if visible is None:
+            del os.environ["CUDA_VISIBLE_DEVICES"]
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = visible
     members.post_measured(profile)
     (entry,) = profile.entries.values()
     print(f" adapt: GPU {node}:{gpu} ({gpu_type}), idle in this plan, measured itself: a layer "
@@ -417,7 +426,7 @@ def train_adapting(plan: Plan, plan_label: str, model: ModelSpec, options: Train
         while True:
             if rank is None:            # a member idle in this plan (members only)
                 if not measured:
-                    measure_idle_gpu(members, model, plan, options.jit_fusions())
+                    measure_idle_gpu(members, model, plan, options)
                     measured = True
                 end = members.wait_end(generation)
                 if "finished" in end:

@@ -45,8 +45,9 @@ runs must be bit-identical (log changes nothing the job computes).
 left out of the spans. At a run's start every emulated GPU the plan trains on gets a whole core
 until iteration 1 is logged (importing torch and building the model at 0.15 of a core takes a
 minute), then its type's share; a GPU the plan leaves idle has its share from the start, since
-it measures itself at once (its re-plans price its type on that). The machine is shared: the load average (1 minute) before and after each run is
-in its row, and a quota is a ceiling, not a guarantee (emulate_cluster.py).
+it measures itself at once (its re-plans price its type on that). The machine is shared: the
+load average (1 minute) before and after each run is in its row, and a quota is a ceiling, not
+a guarantee (emulate_cluster.py).
 
 The adapting runs price their re-plans in the emulated catalog (``--gpu-catalog``), and the
 ``replan`` runs hold a process on every emulated GPU (``--cluster``: those the plan leaves idle

@@ -11,14 +11,16 @@ import torch.distributed as dist
 
 from helpers.training import PLANS
 from helpers.training import plan as load_test_plan
+from megatron_autohet.job import TrainOptions
 from megatron_autohet.plan import plan_from_dict
 from megatron_autohet.plan_switch import Members, job_members, measure_idle_gpu
+from megatron_autohet.runtime.optimizer import OptimizerSettings
 from megatron_autohet.spec.cluster import load_cluster
 
 pytestmark = pytest.mark.integration
 
 CLUSTER = load_cluster(PLANS.parent / "clusters" / "local-4.yaml")
-FUSIONS = {"bias_activation_fusion": True, "bias_dropout_fusion": True}
+OPTIONS = TrainOptions(iters=1, seed=1, optimizer=OptimizerSettings(lr=1e-3))
 
 
 def _plan_on_h800():
@@ -38,7 +40,7 @@ def test_an_idle_member_measures_its_gpu_for_the_re_plans(capfd):
                for i in range(len(gpus))]
     h20 = next(m for m in members if m.gpu == ("h20", 0))
     assert members[0].idle_measured(plan) is None           # none has measured yet
-    measure_idle_gpu(h20, plan.model, plan, FUSIONS)
+    measure_idle_gpu(h20, plan.model, plan, OPTIONS)
     profile = members[0].idle_measured(plan)
     (entry,) = profile.entries.values()
     assert entry.key == ("H20", 1, plan.micro_batch_size, plan.seq_length)
@@ -47,5 +49,5 @@ def test_an_idle_member_measures_its_gpu_for_the_re_plans(capfd):
     assert " adapt: GPU h20:0 (H20), idle in this plan, measured itself: a layer " \
         in capfd.readouterr().out
     # the H800 trains in the plan: what it posted would not be an idle GPU's
-    measure_idle_gpu(members[0], plan.model, plan, FUSIONS)
+    measure_idle_gpu(members[0], plan.model, plan, OPTIONS)
     assert set(members[0].idle_measured(plan).entries) == {entry.key}
