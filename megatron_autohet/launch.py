@@ -46,7 +46,7 @@ from megatron_autohet.errors import ConfigError, JobConfigError
 from megatron_autohet.job import TrainOptions, init_backend, report_job_config_error
 from megatron_autohet.plan import Plan, load_plan
 from megatron_autohet.plan_switch import Members, job_members, train_adapting
-from megatron_autohet.spec.cluster import load_cluster
+from megatron_autohet.spec.cluster import Cluster, load_cluster
 from megatron_autohet.spec.gpus import load_gpu_catalog
 from megatron_autohet.spec.model import ModelSpec, load_model
 from megatron_autohet.system.parent_death import exported_parent_pid
@@ -86,15 +86,22 @@ def load_job(plan_path: str | Path, model_path: str | Path) -> tuple[Plan, Model
     return plan, model
 
 
-def job_gpus(plan: Plan, plan_path: str | Path,
-             options: TrainOptions) -> tuple[tuple[str, int], ...]:
+def job_cluster(options: TrainOptions) -> Cluster | None:
+    """The ``--cluster`` file, loaded in the job's GPU catalog; None without one."""
+    if options.cluster is None:
+        return None
+    return load_cluster(options.cluster, load_gpu_catalog(options.gpu_catalog))
+
+
+def job_gpus(plan: Plan, plan_path: str | Path, options: TrainOptions,
+             cluster: Cluster | None = None) -> tuple[tuple[str, int], ...]:
     """The GPUs the job starts a process on, as (node, local rank) by launched rank: the plan's
     ranks, and with ``--cluster`` (adapt replan) every GPU of the cluster file, the plan's
-    first (plan_switch.py ``job_members``)."""
+    first (plan_switch.py ``job_members``). ``cluster``: :func:`job_cluster`'s, where the
+    caller has loaded it."""
     if options.cluster is None:
         return tuple((r.node, r.local_rank) for r in plan.ranks)
-    cluster = load_cluster(options.cluster, load_gpu_catalog(options.gpu_catalog))
-    return job_members(plan, cluster, str(plan_path), options.cluster)
+    return job_members(plan, cluster or job_cluster(options), str(plan_path), options.cluster)
 
 
 def check_env(plan: Plan, plan_path: str | Path, env: DistEnv, gpus: tuple[tuple[str, int], ...],
@@ -214,7 +221,8 @@ def run_worker(plan: Plan, plan_path: str | Path, model: ModelSpec, options: Tra
     from megatron_autohet.runtime.device import select_device
 
     on_cpu = cpu_mode_required()
-    gpus = job_gpus(plan, plan_path, options)
+    cluster = job_cluster(options)
+    gpus = job_gpus(plan, plan_path, options, cluster)
     check_env(plan, plan_path, env, gpus, uses_gpus=not on_cpu)
     init_backend(on_cpu)
     if not on_cpu:
@@ -227,7 +235,6 @@ def run_worker(plan: Plan, plan_path: str | Path, model: ModelSpec, options: Tra
     else:
         # every GPU of the cluster has a process; the plan's ranks make its group
         store, _, _ = next(dist.rendezvous("env://", timeout=options.timeout))
-        cluster = load_cluster(options.cluster, load_gpu_catalog(options.gpu_catalog))
         types = {(d.node, d.local_rank): d.gpu for d in cluster.devices()}
         members = Members(store, env.rank, gpus, backend, tuple(types[g] for g in gpus))
         rank = members.join_first(plan, options.timeout)

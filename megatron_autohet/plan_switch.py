@@ -352,7 +352,7 @@ def measure_idle_gpu(members: Members, model: ModelSpec, plan: Plan,
     gpu_type = members.gpu_types[members.index]
     # the measuring process sees this member's GPU alone (its device 0), not another rank's
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    devices = visible.split(",") if visible else [str(i) for i in range(gpu + 1)]
+    devices = visible.split(",") if visible else []
     os.environ["CUDA_VISIBLE_DEVICES"] = devices[gpu] if gpu < len(devices) else str(gpu)
     try:
         profile = measure_profile(model, [1], [plan.micro_batch_size], [plan.seq_length],

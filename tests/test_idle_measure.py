@@ -31,7 +31,10 @@ def _plan_on_h800():
     return plan_from_dict(data, "<h800>")
 
 
-def test_an_idle_member_measures_its_gpu_for_the_re_plans(capfd):
+def test_an_idle_member_measures_its_gpu_for_the_re_plans(capfd, monkeypatch):
+    # a member is a torchrun worker: its measuring processes must not meet on the agent's store
+    # (with it they waited there for ever: every measurement's rank 0 under one key)
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
     plan = _plan_on_h800()
     gpus = job_members(plan, CLUSTER, "<h800>", "<local-4>")
     types = {(d.node, d.local_rank): d.gpu for d in CLUSTER.devices()}

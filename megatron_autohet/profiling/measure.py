@@ -188,6 +188,10 @@ def _worker(rank: int, request: MeasureRequest, done) -> None:
     # compute the way it will in training (read when CUDA initialises, so set first).
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(request.master_port),
                       CUDA_DEVICE_MAX_CONNECTIONS="1")
+    # The measuring processes are a group of their own: spawned from a torchrun worker (an idle
+    # member of a job, plan_switch.measure_idle_gpu) they would otherwise meet on the torchrun
+    # agent's store, every measurement's rank 0 under one key, and wait there for ever.
+    os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
     # A spawned process: megatron-core's known-benign warnings are filtered here again, before
     # it is imported (rank 0 prints which layer spec was measured instead).
     ignore_known_warnings()
