@@ -7,9 +7,10 @@ the new plan's ranks make its process group (:func:`host_generation_store`, whic
 job's in-process re-plan shares) and recover that step, and train on; the new plan's rank 0
 times the switch, whose seconds price the next one. With ``--cluster`` every GPU of the cluster
 file has a process (:class:`Members`, :func:`job_members`): those a plan leaves idle measure
-their GPU once (:func:`measure_idle_gpu`: the window measures only the GPUs that train) and wait
-on the members' store for that plan's end, so a re-plan of the whole cluster, priced on what
-they measured, may give them work.
+their GPU once (:func:`measure_idle_gpu`: the window measures only the GPUs that train; the
+first re-plan waits for it, so it is priced on the same inputs at any load) and wait on the
+members' store for that plan's end, so a re-plan of the whole cluster, priced on what they
+measured, may give them work.
 
 torch is imported inside the functions that use it: ``autohet train`` imports this module at
 start-up, long before (and in the launcher, without) any training.
@@ -29,7 +30,7 @@ from megatron_autohet.checkpoint.lease import rank_owner_name
 from megatron_autohet.errors import ConfigError
 from megatron_autohet.job import TrainOptions, job_dashboard, train_job
 from megatron_autohet.plan import Plan, RankInfo, plan_from_dict
-from megatron_autohet.profiling.measure import measure_profile
+from megatron_autohet.profiling.measure import measure_in_process
 from megatron_autohet.profiling.profile import Profile, merge_profiles
 from megatron_autohet.spec.cluster import Cluster
 from megatron_autohet.spec.model import ModelSpec
@@ -136,18 +137,41 @@ class Members:
                 if "timeout" not in str(err).lower():
                     raise
 
-    def post_measured(self, profile: Profile) -> None:
-        """This member's measurement of its GPU (:func:`measure_idle_gpu`), for the re-plans."""
-        self.store.set(f"{_MEMBERS}measured/{self.index}", json.dumps(profile.to_dict()))
+    def post_measured(self, profile: Profile | None) -> None:
+        """This member's measurement of its GPU (:func:`measure_idle_gpu`), for the re-plans;
+        None: it could not measure (the re-plans price its type as before)."""
+        self.store.set(f"{_MEMBERS}measured/{self.index}",
+                       json.dumps(None if profile is None else profile.to_dict()))
 
-    def idle_measured(self, plan: Plan) -> Profile | None:
-        """What the members idle in ``plan`` have measured of their GPUs so far
-        (:meth:`post_measured`), one profile; None where none has yet. A member that trained
-        in an earlier plan and is idle now counts too: its measurement stays on the store."""
-        keys = [f"{_MEMBERS}measured/{i}" for i, gpu in enumerate(self.gpus)
-                if _rank_in(plan, gpu) is None]
-        found = [Profile.from_dict(json.loads(self.store.get(k)), "<idle GPU>")
-                 for k in keys if self.store.check([k])]
+    def idle_measured(self, plan: Plan, timeout: timedelta) -> Profile | None:
+        """What the members idle in ``plan`` measured of their GPUs (:meth:`post_measured`),
+        one profile; None where none could. Waits until every one of them has posted (each
+        measures once, when a plan first leaves it idle), so what a window's re-plan is priced
+        on is the same at any load: it depends on the plan, not on how far an idle GPU got.
+        ``timeout`` is a safety net: past it, one WARNING line and what has been posted. A
+        member that trained in an earlier plan and is idle now counts too; what it posted
+        stays on the store. Without the members' GPU types (no measurement) None at once."""
+        import torch.distributed as dist     # torch: a rank's code (module docstring)
+
+        if not self.gpu_types:
+            return None
+        idle = [(i, gpu) for i, gpu in enumerate(self.gpus) if _rank_in(plan, gpu) is None]
+        keys = {i: f"{_MEMBERS}measured/{i}" for i, _ in idle}
+        waiting = [f"{node}:{gpu}" for i, (node, gpu) in idle
+                   if not self.store.check([keys[i]])]
+        if waiting:
+            print(f" adapt: waiting for the GPUs idle in this plan to measure themselves: "
+                  f"{', '.join(waiting)}", flush=True)
+            try:
+                self.store.wait(list(keys.values()), timeout)
+            except dist.DistStoreError as err:
+                if "timeout" not in str(err).lower():
+                    raise
+                print(f"WARNING: adapt: GPUs idle in this plan had not measured themselves "
+                      f"after {timeout.total_seconds():.0f} s; the re-plan prices their types "
+                      f"on the plan's profile", flush=True)
+        posted = [json.loads(self.store.get(k)) for k in keys.values() if self.store.check([k])]
+        found = [Profile.from_dict(data, "<idle GPU>") for data in posted if data is not None]
         if not found:
             return None
         try:
@@ -342,30 +366,23 @@ class _PlanSwitch:
 def measure_idle_gpu(members: Members, model: ModelSpec, plan: Plan,
                      options: TrainOptions) -> None:
     """On a member idle in ``plan``, once: its GPU's layer, embedding and output layer at TP 1
-    and the plan's micro-batch and sequence (profiling/measure.py, megatron-core's modules as
-    trained, with the job's fusions), posted for the re-plans
-    (:meth:`Members.post_measured`). Without it a re-plan prices an idle GPU's type on the
-    plan's recorded profile, however wrong (a window measures only the GPUs that train), and
-    never gives that GPU work it would do well. A measurement that fails is one WARNING line:
-    the job trains on, and prices that type as before."""
+    and the plan's micro-batch and sequence (profiling/measure.py ``measure_in_process``:
+    megatron-core's modules as trained, with the job's fusions, in this process, which has
+    torch and megatron-core imported and its device set already), posted for the re-plans
+    (:meth:`Members.post_measured`), whose first waits for it. Without it a re-plan prices an
+    idle GPU's type on the plan's recorded profile, however wrong (a window measures only the
+    GPUs that train), and never gives that GPU work it would do well. A measurement that fails
+    is one WARNING line, posted as such: the job trains on, and prices that type as before."""
     node, gpu = members.gpu
     gpu_type = members.gpu_types[members.index]
-    # the measuring process sees this member's GPU alone (its device 0), not another rank's
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    devices = visible.split(",") if visible else []
-    os.environ["CUDA_VISIBLE_DEVICES"] = devices[gpu] if gpu < len(devices) else str(gpu)
     try:
-        profile = measure_profile(model, [1], [plan.micro_batch_size], [plan.seq_length],
-                                  gpu_type, progress=False, jit_fusions=options.jit_fusions)
+        profile = measure_in_process(model, plan.micro_batch_size, plan.seq_length, gpu_type,
+                                     jit_fusions=options.jit_fusions)
     except Exception as err:  # noqa: BLE001 - any failure: the job trains on without it
         print(f"WARNING: adapt: GPU {node}:{gpu} ({gpu_type}), idle in this plan, could not "
               f"measure itself: {err}", flush=True)
+        members.post_measured(None)
         return
-    finally:
-        if visible is None:
-            del os.environ["CUDA_VISIBLE_DEVICES"]
-        else:
-            os.environ["CUDA_VISIBLE_DEVICES"] = visible
     members.post_measured(profile)
     (entry,) = profile.entries.values()
     print(f" adapt: GPU {node}:{gpu} ({gpu_type}), idle in this plan, measured itself: a layer "
@@ -469,7 +486,8 @@ def train_adapting(plan: Plan, plan_label: str, model: ModelSpec, options: Train
                              local_rank=local_rank, make_stop_check=switch.make_stop_check,
                              on_adapt=switch.decided, adapter=adapter, dashboard=dashboard,
                              idle_measured=(None if members is None else
-                                            lambda p=plan: members.idle_measured(p)))
+                                            lambda p=plan: members.idle_measured(
+                                                p, options.timeout / 2)))
             if switch.next is None:
                 if members is not None and rank == 0:
                     members.announce(generation, {"finished": last})

@@ -31,8 +31,12 @@ activation recompute keeps only what the checkpoint saves: the input).
 
 Tensor parallelism is real: a TP degree t is measured by t processes (torch.multiprocessing,
 NCCL on t local GPUs, gloo on a CPU), each holding its shard and running the TP collectives, and
-the slowest rank's time is kept. Every measurement runs in child processes, even t = 1, so the
-caller's process never gets megatron's global state, the CPU mode's patches or a process group.
+the slowest rank's time is kept. :func:`measure_profile` measures in child processes, even t = 1,
+so the caller's process never gets megatron's global state, the CPU mode's patches or a process
+group. :func:`measure_in_process` measures t = 1 in the calling process instead, for a process
+that is a job's rank already (torch, megatron-core and the CPU mode in place, no process group:
+a GPU a job's plan leaves idle): a child would import them all again, which at a small share of
+a CPU takes minutes.
 On a 2-core CPU, t > 1 processes share the cores, so CPU times for t > 1 are upper bounds; what
 such a profile is for is exercising the planner and the runtime on a laptop, not predicting GPUs.
 
@@ -171,10 +175,51 @@ def measure_profile(model: ModelSpec, tp_degrees: list[int], micro_batch_sizes: 
                                     f"seq={entry['seq_length']}")
                 bar.update(1)
             workers.join()
+    return _profile(model, entries, layers, on_gpu=accelerator is not None)
+
+
+def measure_in_process(model: ModelSpec, micro_batch_size: int, seq_length: int, gpu: str, *,
+                       warmup: int = 2, iters: int = 5,
+                       jit_fusions: dict[str, bool] | None = None) -> Profile:
+    """:func:`measure_profile` at TP 1 and one batch shape, in this process on its current
+    device (module docstring). The process must have no default process group: one of a
+    single rank is made for the measurement and destroyed after it, with megatron-core's
+    globals; the random state is restored, so what this process trains later draws as before."""
+    # torch and megatron-core: a rank's code, imported there already
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from megatron_autohet.runtime.cpu_mode import cpu_mode_enabled, enable_cpu_mode
+
+    if dist.is_initialized():
+        raise RuntimeError("measure_in_process needs a process without a process group")
+    on_gpu = torch.cuda.is_available() and not cpu_mode_enabled()
+    if not on_gpu:
+        enable_cpu_mode()
+    request = MeasureRequest(model, 1, (micro_batch_size,), (seq_length,), gpu, warmup, iters,
+                             0, jit_fusions)
+    entries, layers = [], set()
+
+    def report(attention, fusions, entry):
+        entries.append(entry_from_dict(entry, "<measurement>"))
+        layers.add((attention, tuple(sorted(fusions.items()))))
+
+    # megatron-core's globals a plan this process trained in left (initialize_model_parallel
+    # refuses to make groups over them; the next plan installs its own)
+    parallel_state.destroy_model_parallel()
+    dist.init_process_group("nccl" if on_gpu else "gloo", rank=0, world_size=1,
+                            store=dist.HashStore())
+    with torch.random.fork_rng(devices=[torch.cuda.current_device()] if on_gpu else []):
+        _measure_group(request, on_gpu, 0, report)
+    return _profile(model, entries, layers, on_gpu)
+
+
+def _profile(model: ModelSpec, entries: list, layers: set, on_gpu: bool) -> Profile:
     # one layer spec (runtime/stage_model.py) and one torch.compile per machine
     ((attention, fusions),) = layers
-    # in the precision the runtime trains in on this device, as the workers measure
-    profile = Profile(model.name, precision=default_precision(on_gpu=accelerator is not None),
+    # in the precision the runtime trains in on this device, as the measurement ran
+    profile = Profile(model.name, precision=default_precision(on_gpu=on_gpu),
                       attention=attention, fusions=dict(fusions))
     for entry in entries:
         profile.add(entry)
@@ -188,9 +233,9 @@ def _worker(rank: int, request: MeasureRequest, done) -> None:
     # compute the way it will in training (read when CUDA initialises, so set first).
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(request.master_port),
                       CUDA_DEVICE_MAX_CONNECTIONS="1")
-    # The measuring processes are a group of their own: spawned from a torchrun worker (an idle
-    # member of a job, plan_switch.measure_idle_gpu) they would otherwise meet on the torchrun
-    # agent's store, every measurement's rank 0 under one key, and wait there for ever.
+    # The measuring processes are a group of their own: spawned from a torchrun worker
+    # (`autohet profile` under torchrun) they would otherwise meet on the torchrun agent's
+    # store, every measurement's rank 0 under one key, and wait there for ever.
     os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
     # A spawned process: megatron-core's known-benign warnings are filtered here again, before
     # it is imported (rank 0 prints which layer spec was measured instead).
@@ -207,7 +252,15 @@ def _worker(rank: int, request: MeasureRequest, done) -> None:
         from megatron_autohet.runtime.cpu_mode import enable_cpu_mode
         enable_cpu_mode()
     dist.init_process_group("nccl" if on_gpu else "gloo", rank=rank, world_size=request.tp)
-    # megatron-core: in the measuring processes only
+    _measure_group(request, on_gpu, rank, lambda *reported: done.put(reported))
+
+
+def _measure_group(request: MeasureRequest, on_gpu: bool, rank: int, report) -> None:
+    """On each rank of a default process group of ``request.tp`` ranks: every entry measured,
+    each handed to ``report(attention, fusions, entry)`` on rank 0; the group and megatron's
+    globals destroyed after, also when a measurement raised."""
+    # torch, megatron-core: in the measuring processes only
+    import torch.distributed as dist
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
@@ -222,7 +275,7 @@ def _worker(rank: int, request: MeasureRequest, done) -> None:
             for seq in request.seq_lengths:
                 entry = bench.measure_entry(mbs, seq)
                 if rank == 0:
-                    done.put((bench.attention, bench.fusions.config_fields(), entry))
+                    report(bench.attention, bench.fusions.config_fields(), entry)
     finally:
         # Megatron's groups first (they live in the default group), also when a measurement raised.
         parallel_state.destroy_model_parallel()
