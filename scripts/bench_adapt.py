@@ -45,9 +45,10 @@ runs must be bit-identical (log changes nothing the job computes).
 left out of the spans. At a run's start every emulated GPU the plan trains on gets a whole core
 until iteration 1 is logged (importing torch and building the model at 0.15 of a core takes a
 minute), then its type's share; a GPU the plan leaves idle has its share from the start, since
-it measures itself at once (its re-plans price its type on that). The machine is shared: the
-load average (1 minute) before and after each run is in its row, and a quota is a ceiling, not
-a guarantee (emulate_cluster.py).
+it measures itself once the plan trains (its re-plans price its type on that). The machine is
+shared: the load average (1 minute) before and after each run is in its row, and a quota is a
+ceiling, not a guarantee (emulate_cluster.py). ``--keep DIR`` keeps every run's files there
+(each rank's console, the plans, each adapting run's measured profile).
 
 The adapting runs price their re-plans in the emulated catalog (``--gpu-catalog``), and the
 ``replan`` runs hold a process on every emulated GPU (``--cluster``: those the plan leaves idle
@@ -310,6 +311,8 @@ class Fleet:
         cmd = [sys.executable, "-m", "megatron_autohet.cli.main"] + train_args(
             plan_path, self.args.model, iters, self.args.window, adapt, work,
             self.tmp / "data", stop_after, cluster=self.args.cluster)
+        if self.args.keep and adapt != "off":
+            cmd += ["--autohet-measured-profile", str(work / "measured-profile.yaml")]
         self.port += 1
         share = {gpu: self.fleet.cpu_share[p.gpu] for gpu, p in by_gpu.items()}
         if slow_from_start is not None:
@@ -326,8 +329,8 @@ class Fleet:
             env = {**emu.rank_env(p, placements[0], self.port), "PYTHONPATH": str(ROOT)}
             procs.append(self.cluster.spawn(p, cmd, env, work / f"rank{p.rank}.log"))
             # a whole core while starting up (module doc), the shares from iteration 1 on; a
-            # GPU the plan leaves idle measures itself at once (plan_switch.measure_idle_gpu):
-            # at its share from the start
+            # GPU the plan leaves idle measures itself once the plan trains
+            # (plan_switch.measure_idle_gpu): at its share from the start
             gpu = (p.node, p.local_rank)
             emu.set_share(p.cgroup, 1.0 if gpu in trains else share[gpu])
         changes, status, moved = [], None, 0
@@ -666,6 +669,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "(default: profile every emulated GPU in its quota)")
     parser.add_argument("--time-limit", type=float, default=20.0, help="planner search budget")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per job")
+    parser.add_argument("--keep", metavar="DIR", default=None,
+                        help="a new directory the runs' files are kept in (each rank's console, "
+                             "the metrics, the plans, the profiles; each adapting run's measured "
+                             "profile, --autohet-measured-profile); default a temporary one, "
+                             "removed at the end")
     parser.add_argument("--prefix", default="ahadapt")
     parser.add_argument("--json", default=str(ROOT / "bench-out" / "bench_adapt.json"))
     args = parser.parse_args(argv)
@@ -703,7 +711,11 @@ def main(argv: list[str] | None = None) -> int:
     result = {"command": " ".join(["scripts/bench_adapt.py"] + argv),
               "config": {k: v for k, v in vars(args).items() if k != "json"},
               "rows": [], "interrupted": False}
-    tmp = Path(tempfile.mkdtemp(prefix="bench-adapt-"))
+    if args.keep:
+        tmp = Path(args.keep)
+        tmp.mkdir(parents=True, exist_ok=False)
+    else:
+        tmp = Path(tempfile.mkdtemp(prefix="bench-adapt-"))
     status = 0
     try:
         from megatron_autohet.data.batches import DataOptions, resolve_data_path
@@ -743,7 +755,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench_adapt: interrupted ({stop or 'SIGINT'}); the fleet is torn down, "
               f"{len(result['rows'])} row(s) kept", file=sys.stderr)
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if args.keep:
+            print(f"bench_adapt: the runs' files are in {tmp}", file=sys.stderr)
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
         write_json(result, args.json)
     return status
 

@@ -113,3 +113,13 @@ def test_a_failed_measurement_is_posted_and_a_missing_one_ends_at_the_safety_net
     assert capfd.readouterr().out == ""
     # without the members' GPU types no member measures: nothing to wait for
     assert Members(store, 0, GPUS, "gloo").idle_measured(PLAN, timedelta(hours=1)) is None
+
+
+@pytest.mark.unit
+def test_an_idle_member_measures_once_its_plan_trains_and_not_after_it_ended():
+    store = dist.HashStore()
+    deciding, idle = _members(store)[:2]
+    deciding.announce_training(0)             # plan 0's rank 0, after its first iteration
+    assert idle.wait_training(0) is True
+    deciding.announce(1, {"finished": 7})     # plan 1 ended before training an iteration
+    assert idle.wait_training(1) is False
