@@ -123,3 +123,38 @@ def test_an_idle_member_measures_once_its_plan_trains_and_not_after_it_ended():
     assert idle.wait_training(0) is True
     deciding.announce(1, {"finished": 7})     # plan 1 ended before training an iteration
     assert idle.wait_training(1) is False
+
+
+def _rounds_in_a_child(results) -> None:
+    """measure_in_process with the measurement replaced by made-up rounds: each part's figures
+    from another round (forked: the CPU mode and the groups stay out of the test process)."""
+    import megatron_autohet.profiling.measure as measure
+
+    layer_s, output_s = iter([0.09, 0.06, 0.08]), iter([0.02, 0.03, 0.04])
+
+    def made_up(request, on_gpu, rank, report):
+        cost = {"activation_bytes": 1.0, "activation_bytes_recompute": 1.0, "param_count": 1,
+                "source": "measured"}
+        report("flash", {}, {"gpu": request.gpu, "tp": 1, "micro_batch_size": 4,
+                             "seq_length": 128,
+                             "layer": {**cost, "forward_s": next(layer_s), "backward_s": 0.0},
+                             "embedding": {**cost, "forward_s": 0.001, "backward_s": 0.0},
+                             "output": {**cost, "forward_s": next(output_s), "backward_s": 0.0}})
+        dist.destroy_process_group()
+
+    measure._measure_group = made_up
+    profile = measure.measure_in_process(PLAN.model, 4, 128, "H20")
+    (entry,) = profile.entries.values()
+    results.put((entry.layer.forward_s, entry.output.forward_s, dist.is_initialized()))
+
+
+@pytest.mark.integration
+def test_each_part_keeps_its_fastest_round():
+    ctx = mp.get_context("fork")
+    results = ctx.Queue()
+    proc = ctx.Process(target=_rounds_in_a_child, args=(results,))
+    proc.start()
+    try:
+        assert results.get(timeout=60) == (0.06, 0.02, False)
+    finally:
+        proc.join(timeout=60)

@@ -54,13 +54,13 @@ import re
 import statistics
 import time
 import weakref
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from tqdm import tqdm
 
 from megatron_autohet.errors import ConfigError
 from megatron_autohet.known_warnings import ignore_known_warnings
-from megatron_autohet.profiling.profile import OpCost, Profile, entry_from_dict
+from megatron_autohet.profiling.profile import PARTS, OpCost, Profile, entry_from_dict
 from megatron_autohet.system.ports import free_port
 from megatron_autohet.spec.gpus import GPUType
 from megatron_autohet.spec.model import ModelSpec
@@ -179,11 +179,14 @@ def measure_profile(model: ModelSpec, tp_degrees: list[int], micro_batch_sizes: 
 
 
 def measure_in_process(model: ModelSpec, micro_batch_size: int, seq_length: int, gpu: str, *,
-                       warmup: int = 2, iters: int = 5,
+                       warmup: int = 2, iters: int = 5, rounds: int = 3,
                        jit_fusions: dict[str, bool] | None = None) -> Profile:
     """:func:`measure_profile` at TP 1 and one batch shape, in this process on its current
-    device (module docstring). The process must have no default process group: one of a
-    single rank is made for the measurement and destroyed after it, with megatron-core's
+    device (module docstring), ``rounds`` times: each part's figures are those of its fastest
+    round, the least disturbed (what runs beside a measurement, a neighbour's burst of work or
+    a throttled period, only ever slows it; on the emulated cluster the rounds of one GPU beside
+    its training neighbours spread by 15%). The process must have no default process group:
+    one of a single rank is made for each round and destroyed after it, with megatron-core's
     globals; the random state is restored, so what this process trains later draws as before."""
     # torch and megatron-core: a rank's code, imported there already
     import torch
@@ -194,25 +197,32 @@ def measure_in_process(model: ModelSpec, micro_batch_size: int, seq_length: int,
 
     if dist.is_initialized():
         raise RuntimeError("measure_in_process needs a process without a process group")
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
     on_gpu = torch.cuda.is_available() and not cpu_mode_enabled()
     if not on_gpu:
         enable_cpu_mode()
     request = MeasureRequest(model, 1, (micro_batch_size,), (seq_length,), gpu, warmup, iters,
                              0, jit_fusions)
-    entries, layers = [], set()
+    measured, layers = [], set()
 
     def report(attention, fusions, entry):
-        entries.append(entry_from_dict(entry, "<measurement>"))
+        measured.append(entry_from_dict(entry, "<measurement>"))
         layers.add((attention, tuple(sorted(fusions.items()))))
 
-    # megatron-core's globals a plan this process trained in left (initialize_model_parallel
-    # refuses to make groups over them; the next plan installs its own)
-    parallel_state.destroy_model_parallel()
-    dist.init_process_group("nccl" if on_gpu else "gloo", rank=0, world_size=1,
-                            store=dist.HashStore())
     with torch.random.fork_rng(devices=[torch.cuda.current_device()] if on_gpu else []):
-        _measure_group(request, on_gpu, 0, report)
-    return _profile(model, entries, layers, on_gpu)
+        for _ in range(rounds):
+            # megatron-core's globals a plan this process trained in left
+            # (initialize_model_parallel refuses to make groups over them; the next plan
+            # installs its own)
+            parallel_state.destroy_model_parallel()
+            dist.init_process_group("nccl" if on_gpu else "gloo", rank=0, world_size=1,
+                                    store=dist.HashStore())
+            _measure_group(request, on_gpu, 0, report)
+    fastest = replace(measured[0], **{
+        part: min((getattr(entry, part) for entry in measured),
+                  key=lambda cost: cost.forward_s + cost.backward_s) for part in PARTS})
+    return _profile(model, [fastest], layers, on_gpu)
 
 
 def _profile(model: ModelSpec, entries: list, layers: set, on_gpu: bool) -> Profile:
