@@ -65,7 +65,7 @@ FLAGS = {"iters": "--iters", "metrics_jsonl": "--metrics-jsonl",
 # the planner loads SCIP) and its default: log the decisions (module doc of planner/adapt.py).
 ADAPT_MODES = ("off", "log", "replan")
 DEFAULT_ADAPT = "log"
-# What --autohet-adapt accepts where replan is refused (an elastic job, pretrain_gpt.py).
+# What --autohet-adapt accepts where replan is refused (pretrain_gpt.py --autohet-plan).
 _NO_REPLAN = "off, or log: each window's decision logged, nothing switched"
 
 
