@@ -516,17 +516,22 @@ class EmulatedCluster:
 
 
 def _stop_session(proc: subprocess.Popen, grace_s: float = 3.0) -> None:
-    """SIGTERM the process's session (it and its children), SIGKILL what is left after grace."""
-    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, None)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
+    """SIGTERM the process's session (it and its children), SIGKILL what is left after grace:
+    the process if it has not ended, and the session's other processes either way (a child
+    that outlives its parent, or ignores SIGTERM, would otherwise run on unseen)."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        return
+    proc.wait()
 
 
 def _empty_cgroup(path: Path) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -351,3 +352,31 @@ def test_an_idle_gpu_keeps_computing_until_the_plans_ranks_arrive():
     bench.store_barrier(store, "done", 2)     # the plan's rank: no busy work, leaves at once
     idle.join(60)
     assert not idle.is_alive() and len(calls) >= 3
+
+
+@pytest.mark.integration
+def test_stopping_a_session_kills_a_child_that_outlives_its_parent(tmp_path):
+    # the session's leader ends on SIGTERM; its child ignores SIGTERM (as a rank's busy child)
+    pid_file = tmp_path / "child.pid"
+    leader = subprocess.Popen(
+        [sys.executable, "-c", "import subprocess, sys, time; "
+         "c = subprocess.Popen([sys.executable, '-c', 'import signal, sys, time; "
+         "signal.signal(signal.SIGTERM, signal.SIG_IGN); open(sys.argv[1], \"w\").write(\"x\"); "
+         "time.sleep(600)', sys.argv[1]]); "
+         f"open({str(pid_file)!r} + '.c', 'w').write(str(c.pid)); time.sleep(600)",
+         str(pid_file)], start_new_session=True)
+    for _ in range(200):
+        if pid_file.exists() and Path(f"{pid_file}.c").exists():
+            break
+        time.sleep(0.05)
+    assert pid_file.exists(), "the child did not start"     # it ignores SIGTERM from here
+    child = int(Path(f"{pid_file}.c").read_text())
+    emu._stop_session(leader, grace_s=2.0)
+    assert leader.poll() is not None
+    for _ in range(100):            # a killed process is gone once its parent (init) reaps it
+        if not Path(f"/proc/{child}").exists() or \
+                Path(f"/proc/{child}/stat").read_text().split()[2] == "Z":
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError(f"the child {child} outlived the session's stop")
