@@ -9,9 +9,8 @@ times the switch, whose seconds price the next one. With ``--cluster`` every GPU
 file has a process (:class:`Members`, :func:`job_members`): those a plan leaves idle measure
 their GPU once, when that plan has trained an iteration (:func:`measure_idle_gpu`: the window
 measures only the GPUs that train; the first re-plan waits for it, so it is priced on the same
-inputs at any load) and wait on the
-members' store for that plan's end, so a re-plan of the whole cluster, priced on what they
-measured, may give them work.
+inputs at any load) and wait on the members' store for that plan's end, so a re-plan of the
+whole cluster, priced on what they measured, may give them work.
 
 torch is imported inside the functions that use it: ``autohet train`` imports this module at
 start-up, long before (and in the launcher, without) any training.

@@ -216,9 +216,7 @@ def measure_in_process(model: ModelSpec, micro_batch_size: int, seq_length: int,
             # (initialize_model_parallel refuses to make groups over them; the next plan
             # installs its own)
             parallel_state.destroy_model_parallel()
-            dist.init_process_group("nccl" if on_gpu else "gloo", rank=0, world_size=1,
-                                    store=dist.HashStore())
-            _measure_group(request, on_gpu, 0, report)
+            _measure_group(request, on_gpu, 0, report, store=dist.HashStore())
     fastest = replace(measured[0], **{
         part: min((getattr(entry, part) for entry in measured),
                   key=lambda cost: cost.forward_s + cost.backward_s) for part in PARTS})
@@ -252,7 +250,6 @@ def _worker(rank: int, request: MeasureRequest, done) -> None:
     ignore_known_warnings()
     # torch: in the measuring processes only
     import torch
-    import torch.distributed as dist
 
     on_gpu = torch.cuda.is_available()
     if on_gpu:
@@ -261,19 +258,22 @@ def _worker(rank: int, request: MeasureRequest, done) -> None:
         # torch: in the measuring processes only
         from megatron_autohet.runtime.cpu_mode import enable_cpu_mode
         enable_cpu_mode()
-    dist.init_process_group("nccl" if on_gpu else "gloo", rank=rank, world_size=request.tp)
     _measure_group(request, on_gpu, rank, lambda *reported: done.put(reported))
 
 
-def _measure_group(request: MeasureRequest, on_gpu: bool, rank: int, report) -> None:
-    """On each rank of a default process group of ``request.tp`` ranks: every entry measured,
-    each handed to ``report(attention, fusions, entry)`` on rank 0; the group and megatron's
-    globals destroyed after, also when a measurement raised."""
+def _measure_group(request: MeasureRequest, on_gpu: bool, rank: int, report,
+                   store=None) -> None:
+    """On each rank of a default process group of ``request.tp`` ranks, made here (on
+    ``store``; None: the environment's MASTER_ADDR and MASTER_PORT): every entry measured, each
+    handed to ``report(attention, fusions, entry)`` on rank 0; the group and megatron's globals
+    destroyed after, also when a measurement raised."""
     # torch, megatron-core: in the measuring processes only
     import torch.distributed as dist
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
+    dist.init_process_group("nccl" if on_gpu else "gloo", rank=rank, world_size=request.tp,
+                            store=store)
     try:
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=request.tp)
         model_parallel_cuda_manual_seed(1234)
