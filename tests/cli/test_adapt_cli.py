@@ -137,6 +137,7 @@ def test_replan_without_checkpoints_and_an_unknown_mode_are_one_line_before_any_
     assert "'--autohet-adapt': got 'often' (allowed: off, log, replan)" in result.stderr
 
 
+NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 LINE = re.compile(r"^ adapt: iterations (\d+)-(\d+) \(decided after iteration (\d+)\): "
                   r"(SWITCH|keep) \((.*?)\): re-plan predicted (\S+) s per iteration against "
                   r"(\S+) s now .* amortised over (\d+) iterations .*; re-plan search (\S+) s")
@@ -182,7 +183,11 @@ def test_log_mode_logs_each_windows_decision_from_its_measurements(tmp_path):
                                   (following.first_iteration, decided_at), priors, **fixed)
         again = adapter.decide(replan_window(plan, report.stages, window, priors, **fixed),
                                8 - decided_at, decided_at=decided_at, confirm=confirm)
-        assert (m[4] == "SWITCH", m[5]) == (again.switch, again.why)
+        # The JSONL rounds its times, so the reason's figures may differ in the last digit.
+        assert m[4] == ("SWITCH" if again.switch else "keep")
+        assert NUMBER.sub("#", m[5]) == NUMBER.sub("#", again.why)
+        assert [float(x) for x in NUMBER.findall(m[5])] == pytest.approx(
+            [float(x) for x in NUMBER.findall(again.why)], rel=2e-3, abs=0.15)
         assert float(m[6]) == pytest.approx(again.new_s, rel=2e-3)
         assert float(m[7]) == pytest.approx(again.current_s, rel=2e-3)
 
