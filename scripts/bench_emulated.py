@@ -39,17 +39,29 @@ between two zones delayed and rate-limited (netem). For each fleet, in one run:
 
    and the error split into these parts (:func:`error_contributions`), the largest named.
 
+5. **Variants** (``--variants``): twins of the plans above trained in the same rounds, so each
+   pair shares the machine's noise: every plan that syncs gradients (a predicted sync) and runs
+   one chunk per stage again with its gradient reduce overlapped with the backward
+   (``overlap_grad_reduce``), and our plan with the other choice of virtual stages (v = 2 on
+   the pipelines that can take it where the planner chose one chunk per stage; the planner's
+   own one-chunk plan, ``virtual_stages=False``, where it chose more). Their table
+   (:func:`variant_rows`): an overlap twin against the target "iteration time at most the
+   plain plan's minus 70% of the plain plan's measured gradient sync", an interleaving twin
+   against "the interleaved plan measured faster than the one-chunk plan, predicted within
+   10%".
+
 The load average (1 minute) before and after each fleet's run is recorded: the machine's other
 jobs take CPU a quota does not guarantee, so figures measured under load are not the product's
 accuracy.
 
     sudo python scripts/bench_emulated.py [--fleets configs/emulated/three-speeds.yaml ...]
-        [--rounds 3] [--iters 4] [--warmup 1] [--json bench-out/bench_emulated.json]
+        [--rounds 3] [--iters 4] [--warmup 1] [--variants] [--json bench-out/bench_emulated.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import gc
 import json
 import os
@@ -75,6 +87,13 @@ PORT = 29611
 SEED = 1234
 OURS = "autohet (ours)"
 PHASES = ("schedule", "sync", "norm", "optimizer")     # train_step's parts, in order
+OVERLAP = " + overlapped sync"     # a plan's twin with its gradient reduce overlapped
+FLAT_OURS = OURS + ", v=1"          # our plan searched with one chunk per stage
+INTERLEAVED_OURS = OURS + ", v=2"   # our one-chunk plan cut into 2 chunks per stage
+# --variants' targets: overlap hides at least this much of the plain plan's measured sync; an
+# interleaved plan's prediction within this of its measurement
+OVERLAP_HIDDEN = 0.70
+INTERLEAVE_ERROR = 0.10
 
 
 # ---- the report's arithmetic (pure) --------------------------------------------------------------
@@ -127,6 +146,41 @@ def speedup_rows(plans: list[dict]) -> list[dict]:
                      "measured_speedup": measured,
                      "speedup_error": relative_error(predicted, measured),
                      "ours_measured_faster": measured > 1.0})
+    return rows
+
+
+def variant_rows(plans: list[dict]) -> list[dict]:
+    """The ``--variants`` pairs among the plans' summaries (module doc, step 5): per overlap
+    twin, the plain plan's and the twin's measured time, the plain plan's measured sync, the
+    seconds hidden and the target met; per interleaving pair (ours, v > 1 against v = 1), both
+    measured, the interleaved one's prediction error and the target met."""
+    by_name = {p["name"]: p for p in plans}
+    rows = []
+    for p in plans:
+        if p["name"].endswith(OVERLAP) and p["name"][:-len(OVERLAP)] in by_name:
+            plain = by_name[p["name"][:-len(OVERLAP)]]
+            sync = plain["terms"]["sync"]["measured_s"]
+            rows.append({"kind": "overlap", "plan": plain["name"],
+                         "plain_s": plain["measured_s"], "overlapped_s": p["measured_s"],
+                         "plain_sync_s": sync,
+                         "hidden_s": plain["measured_s"] - p["measured_s"],
+                         "predicted_plain_s": plain["predicted_s"],
+                         "predicted_overlapped_s": p["predicted_s"],
+                         "target_met": p["measured_s"]
+                         <= plain["measured_s"] - OVERLAP_HIDDEN * sync})
+    pair = ((by_name.get(OURS), by_name.get(FLAT_OURS)) if FLAT_OURS in by_name else
+            (by_name.get(INTERLEAVED_OURS), by_name.get(OURS)))
+    interleaved, flat = pair
+    if interleaved is not None and flat is not None:
+        rows.append({"kind": "interleave", "interleaved": interleaved["name"],
+                     "flat": flat["name"], "interleaved_s": interleaved["measured_s"],
+                     "flat_s": flat["measured_s"],
+                     "predicted_interleaved_s": interleaved["predicted_s"],
+                     "predicted_flat_s": flat["predicted_s"],
+                     "interleaved_error": interleaved["error"],
+                     "planner_chose_interleaving": interleaved["name"] == OURS,
+                     "target_met": (interleaved["measured_s"] < flat["measured_s"]
+                                    and abs(interleaved["error"]) <= INTERLEAVE_ERROR)})
     return rows
 
 
@@ -300,7 +354,8 @@ def worker(args) -> None:
                 results[name]["plan_rank"] = mine
                 dist.init_process_group("gloo", store=dist.PrefixStore(f"{r}/{name}", store),
                                         rank=mine, world_size=len(ranks))
-                trainer = HeteroTrainer(plan, rank=mine, seed=SEED, optimizer=settings)
+                trainer = HeteroTrainer(plan, rank=mine, seed=SEED, optimizer=settings,
+                                        overlap_grad_reduce=plan.overlap_grad_reduce)
                 grad_sync = trainer.grad_sync
                 grad_sync.sync = stamped(grad_sync.sync, "sync")
                 trainer._global_loss_and_grad_norm = stamped(trainer._global_loss_and_grad_norm,
@@ -387,6 +442,36 @@ def profile_fleet(cluster: emu.EmulatedCluster, placements, model_path: str, tmp
     return mean_profile([Profile.load(out) for out in outputs])
 
 
+def variant_plans(plans: list[tuple], costs: dict, fleet, model, profile, gbs: int,
+                  args) -> list[tuple]:
+    """``--variants``' twins (module doc, step 5) of ``plans`` ((name, plan), ``costs`` by
+    name): an overlap twin of each one-chunk plan with a predicted sync, then our plan's other
+    choice of virtual stages."""
+    from megatron_autohet.planner.interleave import interleavable, interleaved
+    from megatron_autohet.planner.search import search
+
+    out = []
+    for name, plan in plans:
+        if costs[name].grad_sync_s > 0 and not any(p.interleaved for p in plan.pipelines):
+            twin = copy.deepcopy(plan)
+            twin.overlap_grad_reduce, twin.predicted = True, {}
+            out.append((name + OVERLAP, twin))
+    ours = dict(plans)[OURS]
+    if any(p.interleaved for p in ours.pipelines):
+        flat = search(fleet.cluster, model, profile, gbs, args.micro_batch_size,
+                      activation_recompute=False, time_limit_s=args.time_limit,
+                      progress=False, virtual_stages=False).plan
+        out.append((FLAT_OURS, flat))
+    elif any(interleavable(p, 2) for p in ours.pipelines):
+        twin = copy.deepcopy(ours)
+        twin.pipelines = [interleaved(p, 2) if interleavable(p, 2) else p
+                          for p in twin.pipelines]
+        twin.predicted = {}
+        twin.validate()
+        out.append((INTERLEAVED_OURS, twin))
+    return out
+
+
 def run_fleet(fleet_path: str, args, tmp: Path) -> dict:
     from megatron_autohet.cost_model import annotate_plan, evaluate_plan
     from megatron_autohet.planner.compare import compare
@@ -411,8 +496,14 @@ def run_fleet(fleet_path: str, args, tmp: Path) -> dict:
         others = result.baselines + result.zone_plans
         plans = [(OURS, result.plan)] + [(b.name, b.plan) for b in others if b.plan]
         costs = {}
-        for i, (name, plan) in enumerate(plans):
+        for name, plan in plans:
             costs[name] = evaluate_plan(plan, fleet.cluster, profile)
+        if args.variants:
+            twins = variant_plans(plans, costs, fleet, model, profile, gbs, args)
+            for name, plan in twins:
+                costs[name] = evaluate_plan(plan, fleet.cluster, profile)
+            plans += twins
+        for i, (name, plan) in enumerate(plans):
             annotate_plan(plan, costs[name]).save(work / f"{i}.yaml")
         (work / "plans.json").write_text(json.dumps([n for n, _ in plans]))
         progress(f"{fleet.cluster.name}: training {len(plans)} plans, {args.rounds} rounds of "
@@ -452,8 +543,10 @@ def run_fleet(fleet_path: str, args, tmp: Path) -> dict:
         marks = [list(col) for col in zip(*(r["marks"] for r in ranks))]
         summary = plan_summary(name, predicted_figures(cost), [r["wall_s"] for r in ranks],
                                marks, stage_compute, [p.num_microbatches for p in plan.pipelines])
-        summary["layout"] = (next(b.note for b in others if b.name == name)
-                             if name != OURS else f"{len(plan.pipelines)} pipelines")
+        summary["layout"] = next((b.note for b in others if b.name == name),
+                                 f"{len(plan.pipelines)} pipelines"
+                                 + (f", v={max(p.virtual_stages for p in plan.pipelines)}"
+                                    if any(p.interleaved for p in plan.pipelines) else ""))
         summary["plan"] = plan.to_dict()
         summary["ranks"] = ranks            # raw: per plan rank, its timings per iteration
         summaries.append(summary)
@@ -462,6 +555,7 @@ def run_fleet(fleet_path: str, args, tmp: Path) -> dict:
                                                         for n in fleet.cluster.nodes},
             "zone_link": zone_link,
             "plans": summaries, "speedups": speedup_rows(summaries),
+            "variants": variant_rows(summaries),
             "effective_share": effective_shares(summaries),
             "load_average_1min": {"before": load_before, "after": load_after}}
 
@@ -507,6 +601,21 @@ def print_fleet(r: dict) -> None:
     for s in r["speedups"]:
         print(f"{s['baseline']:<26} {s['predicted_speedup']:>9.2f}x {s['measured_speedup']:>9.2f}x "
               f"{s['speedup_error']:>+8.1%}")
+    for v in r.get("variants", ()):
+        met = "met" if v["target_met"] else "NOT met"
+        if v["kind"] == "overlap":
+            print(f"overlap, {v['plan']}: measured {v['plain_s']:.3f} -> {v['overlapped_s']:.3f} "
+                  f"s (predicted {v['predicted_plain_s']:.3f} -> "
+                  f"{v['predicted_overlapped_s']:.3f}), {v['hidden_s']:.3f} s hidden of "
+                  f"{v['plain_sync_s']:.3f} s measured sync (target >= {OVERLAP_HIDDEN:.0%}: "
+                  f"{met})")
+        else:
+            chose = ("the planner chose it" if v["planner_chose_interleaving"]
+                     else "forced: the planner chose v=1")
+            print(f"interleaving ({chose}): {v['interleaved']} {v['interleaved_s']:.3f} s "
+                  f"measured against {v['flat']} {v['flat_s']:.3f} s, predicted "
+                  f"{v['predicted_interleaved_s']:.3f} ({v['interleaved_error']:+.1%}; target "
+                  f"faster and within {INTERLEAVE_ERROR:.0%}: {met})")
 
 
 def main() -> None:
@@ -529,6 +638,10 @@ def main() -> None:
                              "faster runs k times as many)")
     parser.add_argument("--time-limit", type=float, default=20.0, help="planner search budget")
     parser.add_argument("--timeout", type=float, default=1500.0)
+    parser.add_argument("--variants", action="store_true",
+                        help="also train each syncing plan with its gradient reduce overlapped "
+                             "and our plan with the other choice of virtual stages, paired in "
+                             "the same rounds (the module doc's step 5)")
     parser.add_argument("--prefix", default="ahbench")
     parser.add_argument("--json", default=str(ROOT / "bench-out" / "bench_emulated.json"))
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

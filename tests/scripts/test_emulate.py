@@ -8,6 +8,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -254,6 +255,64 @@ def test_speedups_compare_ours_with_each_baseline():
     assert rows["megatron-lm"]["speedup_error"] == pytest.approx(0.25)
     assert rows["megatron-lm"]["ours_measured_faster"]
     assert not rows["whale"]["ours_measured_faster"]
+
+
+def _measured(name, predicted, measured, sync=0.0):
+    return {"name": name, "predicted_s": predicted, "measured_s": measured,
+            "error": bench.relative_error(predicted, measured),
+            "terms": {"sync": {"predicted_s": sync, "measured_s": sync}}}
+
+
+@pytest.mark.unit
+def test_variant_rows_pair_each_twin_with_its_plan_against_the_targets():
+    plans = [_measured(bench.OURS, 1.0, 1.05), _measured("whale", 2.0, 2.0, sync=0.5),
+             _measured("whale" + bench.OVERLAP, 1.7, 1.6), _measured("grid", 3.0, 3.0, sync=1.0),
+             _measured("grid" + bench.OVERLAP, 2.9, 2.5),
+             _measured(bench.INTERLEAVED_OURS, 0.9, 1.0)]
+    rows = bench.variant_rows(plans)
+    overlap = {r["plan"]: r for r in rows if r["kind"] == "overlap"}
+    # whale hid 0.4 s of its 0.5 s sync (80%): met; grid 0.5 s of 1.0 s (50%): not
+    assert overlap["whale"]["hidden_s"] == pytest.approx(0.4)
+    assert overlap["whale"]["target_met"] and not overlap["grid"]["target_met"]
+    (interleave,) = [r for r in rows if r["kind"] == "interleave"]
+    # the forced v=2 twin: faster than ours, predicted 10% low: within the target's 10%
+    assert (interleave["interleaved"], interleave["flat"]) == (bench.INTERLEAVED_OURS, bench.OURS)
+    assert not interleave["planner_chose_interleaving"] and interleave["target_met"]
+    # where the planner chose interleaving, ours is the interleaved side of the pair
+    chose = bench.variant_rows([_measured(bench.OURS, 1.0, 1.2),
+                                _measured(bench.FLAT_OURS, 1.1, 1.1)])
+    assert chose[0]["interleaved"] == bench.OURS and chose[0]["planner_chose_interleaving"]
+    assert not chose[0]["target_met"]          # slower than the one-chunk plan, 17% off
+
+
+@pytest.mark.unit
+def test_variant_plans_twin_the_syncing_plans_and_cut_ours_into_two_chunks():
+    """--variants' plans: an overlapped twin of each plan with a predicted sync, our plan in 2
+    chunks per stage where the planner chose one; both valid, the overlap twin's prediction at
+    most the plan's."""
+    fleet = emu.load_fleet(FLEET, cores=2)
+    c4 = replace(fleet.cluster, nodes=tuple(replace(n, num_gpus=1) if n.name == "slow" else n
+                                            for n in fleet.cluster.nodes))
+    model = load_model(emu.EMULATED_DIR / "emu-gpt.yaml")
+    profile = resolve_profile(c4, model, None, 2, model.seq_length)
+    problem = Problem(c4, model, profile, 16, 2, model.seq_length)
+    plans = [(bench.OURS, grid_plan(problem, 1, 4, 1, [8], False)),
+             ("dp", grid_plan(problem, 1, 2, 2, [4, 4], False))]
+    costs = {n: evaluate_plan(p, c4, profile) for n, p in plans}
+    settings = type("Args", (), {"micro_batch_size": 2, "time_limit": 20.0})
+    twins = dict(bench.variant_plans(plans, costs, type("Fleet", (), {"cluster": c4}), model,
+                                     profile, 16, settings))
+    assert set(twins) == {bench.OURS + bench.OVERLAP, "dp" + bench.OVERLAP,
+                          bench.INTERLEAVED_OURS}
+    for name, plan in plans:
+        twin = twins[name + bench.OVERLAP]
+        assert twin.overlap_grad_reduce and not plan.overlap_grad_reduce
+        assert evaluate_plan(twin, c4, profile).iteration_time_s <= costs[name].iteration_time_s
+    v2 = twins[bench.INTERLEAVED_OURS]
+    v2.validate()
+    assert [p.virtual_stages for p in v2.pipelines] == [2]
+    assert [s.num_layers for s in v2.pipelines[0].stages] == [
+        s.num_layers for s in plans[0][1].pipelines[0].stages]
 
 
 @pytest.mark.unit
