@@ -79,14 +79,21 @@ class IterationRecord:
     mem_max_allocated_gigabytes: float | None   # the largest rank's CUDA peak; None on a CPU
     mem_max_allocated_gigabytes_per_rank: list[float] | None     # by rank; None on a CPU
     timestamp: str
+    # after an iteration that ends a measurement window (runtime/stage_drift.py): the seconds
+    # the logging rank spent on it - the gather of every rank's medians, the drift lines and
+    # the window's sinks (measured profile, adapt decision) - which the next iteration's
+    # elapsed time holds (every rank waits for this one); None after the other iterations
+    window_ms: float | None = None
 
     @classmethod
     def make(cls, *, iteration: int, train_iters: int, global_batch_size: int, seq_length: int,
              elapsed_s: float, learning_rate: float, lm_loss: float, grad_norm: float,
              flops_per_iteration: float, world_size: int,
-             max_allocated_bytes: list[int] | None) -> "IterationRecord":
+             max_allocated_bytes: list[int] | None,
+             window_s: float | None = None) -> "IterationRecord":
         """``max_allocated_bytes``: every rank's CUDA peak (runtime/trainer.py StepMetrics), by
-        rank; None on a CPU."""
+        rank; None on a CPU. ``window_s``: the measurement window's seconds after it (the
+        field ``window_ms``), None where it ends none."""
         per_rank = (None if max_allocated_bytes is None
                     else [b / 2**30 for b in max_allocated_bytes])
         return cls(iteration=iteration, train_iters=train_iters,
@@ -98,7 +105,8 @@ class IterationRecord:
                    tokens_per_second=global_batch_size * seq_length / elapsed_s,
                    mem_max_allocated_gigabytes=None if per_rank is None else max(per_rank),
                    mem_max_allocated_gigabytes_per_rank=per_rank,
-                   timestamp=time.strftime("%Y-%m-%d %H:%M:%S"))
+                   timestamp=time.strftime("%Y-%m-%d %H:%M:%S"),
+                   window_ms=None if window_s is None else window_s * 1000.0)
 
 
 def megatron_line(rec: IterationRecord) -> str:

@@ -394,11 +394,14 @@ def train_iterations(trainer: HeteroTrainer, batches, scheduler, *, train_iters:
             iteration += 1
             if dashboard is not None and log:   # this iteration's events (its window's) on its step
                 dashboard.at(iteration)
+            window_start = time.perf_counter()
             report = meter.add(iteration, trainer.clock.lap()) if meter else None
             if report and logger:
                 logger.log_measured(report)
                 if on_window:
                     on_window(report)
+            # what measuring costs the job, measured: the window's gather and sinks
+            window_s = time.perf_counter() - window_start if report else None
             if logger:
                 logger.log(IterationRecord.make(
                     iteration=iteration, train_iters=train_iters,
@@ -406,7 +409,7 @@ def train_iterations(trainer: HeteroTrainer, batches, scheduler, *, train_iters:
                     elapsed_s=elapsed, learning_rate=trainer.optimizer.param_groups[0]["lr"],
                     lm_loss=metrics.loss, grad_norm=metrics.grad_norm,
                     flops_per_iteration=flops_per_iteration, world_size=plan.world_size,
-                    max_allocated_bytes=metrics.max_allocated_bytes),
+                    max_allocated_bytes=metrics.max_allocated_bytes, window_s=window_s),
                     console=iteration % log_interval == 0)
             if evaluation and iteration % evaluation.interval == 0:
                 loss = trainer.evaluate(evaluation.batches_after(iteration))

@@ -5,7 +5,9 @@ plan's prediction. The drift is triggered by predictions set in the plan, never 
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -16,6 +18,7 @@ from megatron_autohet.runtime.iteration_clock import IterationClock, IterationTi
 from megatron_autohet.runtime.stage_drift import window_report
 
 PLAN = PLANS / "tiny-two-pipelines.yaml"    # [TP2 | TP1] x 3 micro-batches, [TP1] x 1
+SINK_S = 0.2
 
 
 def _with_predictions(plan, seconds: dict[tuple[int, int], float | None]):
@@ -121,10 +124,15 @@ def _train_measured(rank, world, plan, batches, jsonl, window):
         return times
     trainer.clock.lap = lap
     windows = []
+
+    def sink(report):
+        windows.append(report.to_dict())
+        time.sleep(SINK_S)      # a sink's work: the window's cost the job logs must hold it
     train_iterations(trainer, Batches(), scheduler, train_iters=len(batches),
                      scheduler_increment=plan.global_batch_size, log=rank == 0,
                      measure_window=window, measured_jsonl=jsonl,
-                     on_window=lambda report: windows.append(report.to_dict()))
+                     metrics_jsonl=str(Path(jsonl).with_name("metrics.jsonl")),
+                     on_window=sink)
     return waits, windows
 
 
@@ -151,5 +159,11 @@ def test_a_job_reports_every_window_and_the_stages_off_their_predictions(tmp_pat
     out = capfd.readouterr().out
     assert out.count(" measured iterations ") == 2
     assert " measured iterations 1-2: pipeline 0 stage 0 (A100-80GB x2, layers 0-3)" in out
+    # what each window cost after its iteration is logged there (the sink's sleep in it), and
+    # the next iteration's elapsed time holds it; no other iteration has the field
+    metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in metrics if r["window_ms"] is not None] == [2, 4]
+    assert all(r["window_ms"] >= 1e3 * SINK_S for r in metrics if r["window_ms"] is not None)
+    assert metrics[2]["elapsed_ms"] >= metrics[1]["window_ms"]
     # rank 3's pipeline has one stage: no communicator, nothing to wait for
     assert all(w > 0 for r in (0, 1, 2) for w in waits[r]) and waits[3] == [0.0] * 5
