@@ -147,6 +147,10 @@ def test_rates_are_the_batch_over_the_median_and_windows_count_from_the_event():
     assert bench.won_back(10.0, 14.0, 9.0) is None
     assert bench.overhead(records([50, 50, 100, 100]), records([50, 50, 101, 101])) == \
         pytest.approx(0.01)
+    # the windows' own time after warm-up: 3 ms of 400 (a record without the field: none)
+    windowed = records([50, 50, 100, 100, 100, 100])
+    windowed[3]["window_ms"], windowed[5]["window_ms"], windowed[1]["window_ms"] = 1.0, 2.0, 40
+    assert bench.window_cost(windowed) == pytest.approx(3.0 / 400)
 
 
 @pytest.mark.unit
